@@ -1,12 +1,119 @@
-"""Layout of the symmetric window the GPU kernels use (one per rank, same offsets on every rank).
+"""Layout of the symmetric window the GPU kernels use, and the SM-count model.
 
-Owned by the GPU backend; the public API only asks it for sizes. Filled in by the GPU issue.
+Every rank's window has the same layout (offsets are identical on all ranks, so a kernel can address
+a peer's region through the peer's base pointer):
+
+==========  ==========================================  ==============================================
+region      size                                        content
+==========  ==========================================  ==============================================
+control     64 KiB                                      u32 signal counters (one per peer), epoch,
+                                                        round, done-counter, error record
+                                                        (``include/deep_ep/common.cuh``)
+counts      ``R * (R + MAX_EXPERTS) * 4``, 64 KiB-aligned  the count matrix of the layout stage: row
+                                                        ``s`` = tokens per destination rank and pairs
+                                                        per expert sent by rank ``s``
+receive     ``2 * R * M * row_stride``                  two halves (consecutive rounds alternate, so
+                                                        a round never overwrites rows a peer may still
+                                                        read from the previous one); each half holds
+                                                        ``R * M`` token rows
+==========  ==========================================  ==============================================
+
+``M`` is ``num_max_tokens_per_rank``. A row must hold either a dispatched token (data, scale factors,
+a metadata trailer of ``4 + 12 K`` bytes) or a staged combine row (``H`` fp32 values in the expanded
+layout, ``H`` bf16 otherwise, plus ``K`` fp32 weights), so
+``row_stride = max(align16(data + sf) + align16(4 + 12 K), align16(4 H) + align16(4 K))``.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # window sizes are rounded up to 2 MiB (NCCL's allocation granularity)
+CTRL_BYTES = 64 * 1024
+MAX_EXPERTS = 1024                  # experts a window's count matrix has room for
+MAX_TOPK = 16                       # top-k assumed when the buffer was created without num_topk
+
+# Bandwidth model constants for get_theoretical_num_sms (H200, measured: see docs/performance.md).
+SM_COPY_BANDWIDTH_GBPS = 60.0       # what one SM moves (read + write) with 512 threads of 16-byte copies
+NVLINK_BANDWIDTH_GBPS = 450.0       # H200 NVLink 4, per direction per GPU (datasheet)
+HBM_BANDWIDTH_GBPS = 3670.0         # device copy bandwidth measured on the H200 (read + write)
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Byte offsets of one window; see the module docstring."""
+    num_ranks: int
+    num_max_tokens_per_rank: int
+    row_stride: int
+    counts_offset: int
+    recv_offset: int
+    half_bytes: int
+    num_bytes: int
+
+    @property
+    def rows_per_half(self) -> int:
+        return self.half_bytes // self.row_stride if self.row_stride else 0
+
+
+def row_stride(hidden: int, num_topk: int, use_fp8_dispatch: bool) -> int:
+    """Bytes of one window row (see the module docstring). ``num_topk=0`` assumes `MAX_TOPK`."""
+    k = num_topk or MAX_TOPK
+    data = hidden * (1 if use_fp8_dispatch else 2)
+    sf = (hidden // 128) * 4 if use_fp8_dispatch else 0
+    dispatch_row = _align(data + sf, 16) + _align(4 + 12 * k, 16)
+    combine_row = _align(4 * hidden, 16) + _align(4 * k, 16)
+    return max(dispatch_row, combine_row)
+
+
+def make_layout(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                use_fp8_dispatch: bool = False, num_bytes: int = 0) -> WindowLayout:
+    """The layout for a buffer; with ``num_bytes`` given, a window of that size (raises `ValueError`
+    if it cannot hold ``num_max_tokens_per_rank`` tokens from every rank)."""
+    stride = row_stride(hidden, num_topk, use_fp8_dispatch)
+    counts_offset = CTRL_BYTES
+    recv_offset = counts_offset + _align(num_ranks * (num_ranks + MAX_EXPERTS) * 4, 64 * 1024)
+    half = num_ranks * num_max_tokens_per_rank * stride
+    need = _align(recv_offset + 2 * half, BUFFER_ALIGNMENT)
+    if num_bytes:
+        if num_bytes < need:
+            raise ValueError(
+                f"num_bytes={num_bytes} is too small for {num_max_tokens_per_rank} tokens per rank from "
+                f"{num_ranks} ranks at hidden={hidden}: at least {need} bytes are needed "
+                f"(ElasticBuffer.get_buffer_size_hint gives it)")
+        half = (num_bytes - recv_offset) // 2
+        half -= half % 16
+    else:
+        num_bytes = need
+    return WindowLayout(num_ranks, num_max_tokens_per_rank, stride, counts_offset, recv_offset, half, num_bytes)
 
 
 def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
                      use_fp8_dispatch: bool = False) -> int:
-    """Bytes of symmetric window one rank needs; a multiple of 2 MiB. See the GPU backend."""
-    raise NotImplementedError
+    """Bytes of symmetric window one rank needs (a multiple of 2 MiB); see the module docstring.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+    if num_ranks <= 0 or num_max_tokens_per_rank <= 0 or hidden <= 0:
+        raise ValueError(f"need num_ranks, num_max_tokens_per_rank and hidden > 0, got "
+                         f"{num_ranks}, {num_max_tokens_per_rank}, {hidden}")
+    return make_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).num_bytes
+
+
+def theoretical_num_sms(num_experts: int, num_topk: int, num_ranks: int, num_device_sms: int = 132) -> int:
+    """SMs a dispatch or combine needs to reach its bandwidth roof (an even number, at least 2).
+
+    Model: a rank moves, per token, one row to each destination rank it selects. With ``R`` ranks in
+    the NVLink domain, a fraction ``(R - 1) / R`` of those rows crosses NVLink and the rest is a local
+    HBM copy. The roof is NVLink's per-direction bandwidth when ``R > 1`` and the device copy bandwidth
+    when ``R == 1``; one SM copies about `SM_COPY_BANDWIDTH_GBPS`. The SM count is the roof over the
+    per-SM rate, rounded up to an even number and capped by the device's SM count.
+    """
+    del num_experts, num_topk  # the roof does not depend on them: every selected row moves once
+    roof = HBM_BANDWIDTH_GBPS if num_ranks <= 1 else NVLINK_BANDWIDTH_GBPS
+    sms = int(-(-roof // SM_COPY_BANDWIDTH_GBPS))
+    sms += sms % 2
+    return max(2, min(num_device_sms, sms))

@@ -1,0 +1,419 @@
+"""GPU backend: dispatch and combine with the kernels of ``deep_ep/include/deep_ep``.
+
+Every kernel runs on the backend's communication stream (`ElasticBuffer` orders it after the
+compute stream or ``previous_event``); outputs are allocated on the caller's current stream.
+Flow of one non-cached dispatch:
+
+1. ``deep_ep_notify``  (R [+E] blocks) numbers this rank's tokens per destination rank / expert and
+   writes its count row into every peer's window; its last block signals the peers.
+2. ``deep_ep_layout``  (1 block) waits for every peer's counts and writes the handle's layout words.
+3. With ``do_cpu_sync`` the host reads the received row count and allocates exact outputs; without
+   it the outputs are sized for the worst case and nothing waits on the host.
+4. ``deep_ep_dispatch_send`` (num_sms blocks) moves every token row once per destination rank
+   (peers: into their window; this rank: straight into the outputs) and signals.
+5. ``deep_ep_dispatch_recv`` (num_sms blocks) waits, then copies peers' rows into the outputs.
+
+A cached dispatch runs steps 4-5 only; combine runs ``deep_ep_combine_send`` / ``_recv``. Rounds
+alternate between the two halves of the receive region (see `window_layout`).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, fields as dc_fields
+from typing import Optional
+
+import torch
+
+from .. import jit
+from ..handle import EPHandle
+from . import window_layout as wl
+from .base import Backend, BufferConfig
+
+__all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines"]
+
+THREADS = 512           # threads of the data kernels (EP_THREADS)
+LAYOUT_THREADS = 512    # threads of the layout kernels (launch bounds of entry.cuh)
+
+
+class _DispatchArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::DispatchArgs`` (include/deep_ep/dispatch.cuh); same field order."""
+    _fields_ = [("x", ctypes.c_void_p), ("sf", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p),
+                ("topk_weights", ctypes.c_void_p), ("num_tokens", ctypes.c_int),
+                ("pos_tok", ctypes.c_void_p), ("pos_pair", ctypes.c_void_p),
+                ("out_x", ctypes.c_void_p), ("out_sf", ctypes.c_void_p), ("sf_ld", ctypes.c_int),
+                ("out_topk_idx", ctypes.c_void_p), ("out_weights", ctypes.c_void_p),
+                ("out_src_rank", ctypes.c_void_p), ("out_src_token", ctypes.c_void_p),
+                ("row_map", ctypes.c_void_p), ("out_capacity", ctypes.c_int), ("layout", ctypes.c_void_p),
+                ("peers", ctypes.c_void_p), ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
+                ("num_experts", ctypes.c_int), ("alignment", ctypes.c_int),
+                ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64)]
+
+
+class _CombineArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::CombineArgs`` (include/deep_ep/combine.cuh); same field order."""
+    _fields_ = [("y", ctypes.c_void_p), ("weights_in", ctypes.c_void_p), ("recv_weights", ctypes.c_void_p),
+                ("row_map", ctypes.c_void_p), ("layout", ctypes.c_void_p), ("pos_tok", ctypes.c_void_p),
+                ("pos_pair", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("num_tokens", ctypes.c_int),
+                ("bias0", ctypes.c_void_p), ("bias1", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("out_weights", ctypes.c_void_p), ("peers", ctypes.c_void_p), ("rank", ctypes.c_int),
+                ("num_ranks", ctypes.c_int), ("num_experts", ctypes.c_int),
+                ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64)]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel sources (also used by tests/test_kernels_compile.py to build every instantiation on CPU)
+
+def kernel_source() -> str:
+    """The CUDA source every module is built from; the structure comes in as defines."""
+    return "#include <deep_ep/entry.cuh>\n"
+
+
+def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool) -> dict:
+    """Defines of the dispatch module (layout + dispatch kernels) for one structural configuration."""
+    return {"EP_DISPATCH": 1, "EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk,
+            "EP_EXPAND": int(expand), "EP_THREADS": THREADS}
+
+
+def combine_defines(hidden: int, num_topk: int, expand: bool) -> dict:
+    """Defines of the combine module for one structural configuration."""
+    return {"EP_COMBINE": 1, "EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
+            "EP_THREADS": THREADS}
+
+
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def _module(kind: str, defines: dict):
+    key = (kind, tuple(sorted(defines.items())))
+    mod = _modules.get(key)
+    if mod is None:
+        with _modules_lock:
+            mod = _modules.get(key)
+            if mod is None:
+                name = f"deep_ep_{kind}_" + "_".join(f"{v}" for _, v in sorted(defines.items()))
+                mod = jit.build(name, kernel_source(), defines=defines)
+                _modules[key] = mod
+    return mod
+
+
+def num_modules_built() -> int:
+    """Distinct kernel modules this process has built or loaded (the bench reports it)."""
+    return len(_modules)
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class GPUHandleState:
+    """What the kernels need beyond `EPHandle`'s public fields (device tensors).
+
+    layout:   int32 words of ``deep_ep::LayoutIndex`` (this rank as destination and as source)
+    pos_tok:  [T, R] int32 token row of each token at each destination (-1: not sent)
+    pos_pair: [T, K] int32 output row of each (token, expert) pair at its owner (expanded only)
+    row_map:  [tok rows, K] int32 output rows of each received token row (expanded only)
+    """
+    layout: torch.Tensor
+    pos_tok: torch.Tensor
+    pos_pair: Optional[torch.Tensor]
+    row_map: Optional[torch.Tensor]
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: Optional[torch.Tensor]
+    num_tok_rows_capacity: int
+
+    def clone(self) -> "GPUHandleState":
+        return GPUHandleState(**{f.name: (getattr(self, f.name).clone()
+                                          if isinstance(getattr(self, f.name), torch.Tensor)
+                                          else getattr(self, f.name)) for f in dc_fields(self)})
+
+
+class GPUBackend(Backend):
+    """Dispatch/combine on CUDA tensors; transports: NCCL (LSA) or emulated ranks on one GPU."""
+
+    def __init__(self, group, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        if not torch.cuda.is_available():
+            raise RuntimeError("the GPU backend needs a CUDA device; use a gloo group with CPU tensors "
+                               "to run deep_ep without a GPU")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an ElasticBuffer cannot be created while a CUDA graph is being captured: "
+                               "create it before capture (it allocates and registers memory with NCCL), "
+                               "then capture dispatch/combine calls")
+        from ..emulated import EmulatedRankGroup
+        num_bytes = config.num_bytes
+        if num_bytes <= 0:
+            raise ValueError("the GPU backend needs a window size: pass num_bytes, or "
+                             "num_max_tokens_per_rank and hidden to ElasticBuffer")
+        if isinstance(group, EmulatedRankGroup):
+            self.transport = group.make_transport(num_bytes)
+            self._device = self.transport.device
+            self.emulated = True
+        else:
+            from ..comm.nccl import NcclTransport
+            self._device = torch.device("cuda", torch.cuda.current_device())
+            self.transport = NcclTransport(group, num_bytes, self._device)
+            self.emulated = False
+        self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
+        props = torch.cuda.get_device_properties(self._device)
+        self.num_device_sms = props.multi_processor_count
+        self.comm_stream = torch.cuda.Stream(self._device)
+        self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
+        self._ctrl_host = torch.empty(8, dtype=torch.int32, pin_memory=True)
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def get_comm_stream(self):
+        return self.comm_stream
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        return wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms)
+
+    def barrier(self) -> None:
+        self.comm_stream.synchronize()
+        self.check_errors()
+        self.transport.host_barrier()
+
+    def destroy(self) -> None:
+        if not self._destroyed:
+            self._destroyed = True
+            self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
+            self.transport.destroy()
+
+    # ------------------------------------------------------------------ helpers
+    def _layout(self, hidden: int) -> wl.WindowLayout:
+        stride = wl.row_stride(hidden, self.config.num_topk, False)
+        layout = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk, False, self.transport.num_bytes)
+        return wl.WindowLayout(layout.num_ranks, layout.num_max_tokens_per_rank, stride, layout.counts_offset,
+                               layout.recv_offset, layout.half_bytes, layout.num_bytes)
+
+    def _num_sms(self, num_sms: int) -> int:
+        n = num_sms or wl.theoretical_num_sms(0, 0, self.num_ranks, self.num_device_sms)
+        if n < 1:
+            raise ValueError(f"num_sms must be >= 1, got {n}")
+        limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
+        if n > limit:
+            if self.emulated:
+                raise ValueError(
+                    f"{self.num_ranks} emulated ranks x {n} SMs > {self.num_device_sms} SMs of the device: "
+                    f"every rank's blocks must be resident at once (ranks wait on each other); "
+                    f"use num_sms <= {limit}")
+            n = limit
+        return n
+
+    def read_error(self) -> Optional[tuple]:
+        """(code, rank, peer, phase) recorded by a kernel, or None."""
+        ctrl = self.transport.window_tensor()[wl_ctrl_error_offset():wl_ctrl_error_offset() + 16]
+        self._ctrl_host.narrow(0, 0, 4).copy_(ctrl.view(torch.int32))
+        v = self._ctrl_host[:4].tolist()
+        return tuple(v) if v[0] != 0 else None
+
+    def check_errors(self) -> None:
+        """Raise `TimeoutError` if a kernel of this rank recorded a timeout."""
+        err = self.read_error()
+        if err is not None:
+            _, rank, peer, phase = err
+            phases = {1: "dispatch notify (waiting for peers' counts)", 2: "dispatch (waiting for peers' tokens)",
+                      3: "combine (waiting for peers' expert outputs)"}
+            raise TimeoutError(
+                f"deep_ep GPU timeout on rank {rank}: peer rank {peer} did not arrive within "
+                f"{self.config.num_gpu_timeout_secs} s in phase {phases.get(phase, phase)}. A rank skipped a "
+                f"call or failed; this buffer is no longer usable (destroy it and create a new one)")
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
+                 expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
+                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+        dev = self._device
+        R, rank = self.num_ranks, self.rank
+        cached = handle is not None
+        if cached:
+            state: GPUHandleState = handle.backend_state
+            topk_idx = handle.topk_idx
+            do_expand = handle.do_expand
+            expert_alignment = handle.expert_alignment
+            num_experts = handle.num_experts
+        E, A = num_experts, expert_alignment
+        if E > wl.MAX_EXPERTS:
+            raise ValueError(f"num_experts={E} exceeds the {wl.MAX_EXPERTS} experts a window has room for")
+        L = E // R
+        T, H = int(data.shape[0]), int(data.shape[1])
+        K = int(topk_idx.shape[1])
+        data_bytes = H * data.element_size()
+        num_sf = 0 if sf is None else int(sf.shape[1])
+        if data_bytes % 16:
+            raise ValueError(f"a token row must be a multiple of 16 bytes on the GPU; got hidden={H} "
+                             f"({data.dtype}): use a hidden size that is a multiple of 8 (bf16) / 16 (fp8)")
+        layout = self._layout(H)
+        cap_tok_rows = layout.rows_per_half
+        m = num_max_tokens_per_rank or (cap_tok_rows // R)
+        if R * m > cap_tok_rows:
+            raise ValueError(f"the window holds {cap_tok_rows} token rows per round, fewer than "
+                             f"{R} ranks x num_max_tokens_per_rank={m}: create the buffer with a larger "
+                             f"num_bytes (see ElasticBuffer.get_buffer_size_hint)")
+        if T > m:
+            raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
+                             f"(num_max_tokens_per_rank)")
+        n_sms = self._num_sms(num_sms)
+        mod = _module("dispatch", dispatch_defines(data_bytes, num_sf, K, do_expand))
+        ix_size = 2 + 3 * R + 3 * L + E
+        peers = self.transport.peers.data_ptr()
+
+        if not cached:
+            lay = torch.empty(ix_size, dtype=torch.int32, device=dev)
+            pos_tok = torch.empty((T, R), dtype=torch.int32, device=dev)
+            pos_pair = torch.empty((T, K), dtype=torch.int32, device=dev) if do_expand else None
+            stream = self.comm_stream
+            mod.function("deep_ep_notify").launch(
+                R + (E if do_expand else 0), LAYOUT_THREADS,
+                (topk_idx, T, E, R, rank, jit.ptr(peers), jit.i64(layout.counts_offset), pos_tok, pos_pair),
+                smem=4 * L, stream=stream)
+            mod.function("deep_ep_layout").launch(
+                1, LAYOUT_THREADS,
+                (jit.ptr(peers), rank, R, E, A, jit.i64(layout.counts_offset), lay,
+                 cumulative_local_expert_recv_stats, jit.u64(self.timeout_ns)), stream=stream)
+            if do_cpu_sync:
+                with torch.cuda.stream(stream):
+                    head = lay.cpu().tolist()  # waits for the layout kernel (and so for every peer's counts)
+                self.check_errors()
+                num_out_rows, num_tok_rows = head[0], head[1]
+                out_rows = num_out_rows
+                tok_capacity = num_tok_rows
+            else:
+                out_rows = _worst_case_rows(R, m, K, L, A, do_expand)
+                tok_capacity = R * m
+                num_out_rows = None
+        else:
+            lay, pos_tok, pos_pair = state.layout, state.pos_tok, state.pos_pair
+            out_rows = handle.num_recv_rows
+            tok_capacity = state.num_tok_rows_capacity
+            num_out_rows = handle.num_recv_tokens
+
+        # outputs
+        out_x = torch.empty((out_rows, H), dtype=data.dtype, device=dev)
+        out_sf, sf_ld = None, 0
+        if sf is not None:
+            if use_tma_aligned_col_major_sf:
+                sf_ld = (out_rows + 3) // 4 * 4
+                out_sf = torch.empty((num_sf, sf_ld), dtype=sf.dtype, device=dev).t()[:out_rows]
+            else:
+                out_sf = torch.empty((out_rows, num_sf), dtype=sf.dtype, device=dev)
+        if not cached:
+            if do_expand:
+                out_idx = torch.empty(out_rows, dtype=torch.int64, device=dev)
+                out_w = torch.empty(out_rows, dtype=torch.float32, device=dev)
+                row_map = torch.empty((tok_capacity, K), dtype=torch.int32, device=dev)
+            else:
+                out_idx = torch.empty((out_rows, K), dtype=torch.int64, device=dev)
+                out_w = torch.empty((out_rows, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
+                row_map = None
+            src_rank = torch.empty(out_rows, dtype=torch.int32, device=dev)
+            src_token = torch.empty(out_rows, dtype=torch.int32, device=dev)
+        else:
+            out_idx, out_w, row_map = state.recv_topk_idx, state.recv_topk_weights, state.row_map
+            src_rank, src_token = handle.recv_src_rank, handle.recv_src_token
+
+        args = _DispatchArgs(
+            x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
+            pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x),
+            out_sf=(out_sf.data_ptr() if out_sf is not None and out_sf.numel() else None), sf_ld=sf_ld,
+            out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), out_src_rank=_ptr(src_rank),
+            out_src_token=_ptr(src_token), row_map=_ptr(row_map), out_capacity=out_rows, layout=lay.data_ptr(),
+            peers=peers, rank=rank, num_ranks=R, num_experts=E, alignment=A,
+            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+            timeout_ns=self.timeout_ns)
+        suffix = "_cached" if cached else ""
+        stream = self.comm_stream
+        mod.function("deep_ep_dispatch_send" + suffix).launch(n_sms, THREADS, (args,), stream=stream)
+        mod.function("deep_ep_dispatch_recv" + suffix).launch(n_sms, THREADS, (args, int(do_zero_padding)),
+                                                               stream=stream)
+
+        recv_x = out_x if sf is None else (out_x, out_sf)
+        if cached:
+            # A cached dispatch carries no weights: expanded rows report 1.0 (0 on padding), as documented.
+            if do_expand:
+                with torch.cuda.stream(stream):
+                    out_w = (out_idx >= 0).to(torch.float32)
+                out_w.record_stream(torch.cuda.current_stream(dev))
+            else:
+                out_w = None
+            return recv_x, out_idx, out_w, handle
+
+        Lx = _LayoutIndex(R, L, E)
+        plist = None
+        if do_cpu_sync:
+            plist = head[Lx.padded: Lx.padded + L]
+        new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, row_map=row_map,
+                                   recv_topk_idx=out_idx, recv_topk_weights=out_w,
+                                   num_tok_rows_capacity=tok_capacity)
+        new_handle = EPHandle(
+            buffer_id=self.config.buffer_id, num_ranks=R, rank=rank, num_experts=E, num_topk=K, hidden=H,
+            do_expand=do_expand, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank, num_tokens=T,
+            num_recv_tokens=num_out_rows, num_recv_tokens_gpu=lay[0:1],
+            rank_prefix_sum=lay[Lx.rps: Lx.rps + R], num_recv_tokens_per_expert=lay[Lx.padded: Lx.padded + L],
+            num_recv_tokens_per_expert_list=plist, recv_src_rank=src_rank, recv_src_token=src_token,
+            send_pos=pos_pair if do_expand else pos_tok, topk_idx=topk_idx,
+            recv_topk_weights=out_w if do_expand else None)
+        new_handle.backend_state = new_state
+        return recv_x, out_idx, out_w, new_handle
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, handle, topk_weights, bias, *, num_sms):
+        dev = self._device
+        state: GPUHandleState = handle.backend_state
+        R, rank = self.num_ranks, self.rank
+        T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
+        layout = self._layout(H)
+        n_sms = self._num_sms(num_sms)
+        mod = _module("combine", combine_defines(H, K, handle.do_expand))
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        out_w = torch.empty((T, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
+        bias0 = bias[0] if len(bias) > 0 else None
+        bias1 = bias[1] if len(bias) > 1 else None
+        args = _CombineArgs(
+            y=_ptr(x), weights_in=_ptr(topk_weights), recv_weights=_ptr(handle.recv_topk_weights),
+            row_map=_ptr(state.row_map), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
+            pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
+            bias0=_ptr(bias0), bias1=_ptr(bias1), out=_ptr(out), out_weights=_ptr(out_w),
+            peers=self.transport.peers.data_ptr(), rank=rank, num_ranks=R, num_experts=E,
+            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+            timeout_ns=self.timeout_ns)
+        stream = self.comm_stream
+        mod.function("deep_ep_combine_send").launch(n_sms, THREADS, (args,), stream=stream)
+        mod.function("deep_ep_combine_recv").launch(n_sms, THREADS, (args,), stream=stream)
+        return out, out_w
+
+
+class _LayoutIndex:
+    """Python mirror of ``deep_ep::LayoutIndex`` (include/deep_ep/layout.cuh)."""
+
+    def __init__(self, R: int, L: int, E: int) -> None:
+        self.tok_prefix = 2
+        self.rps = 2 + R
+        self.raw = 2 + 2 * R
+        self.padded = 2 + 2 * R + L
+        self.start = 2 + 2 * R + 2 * L
+        self.send_base = 2 + 2 * R + 3 * L
+        self.out_base = 2 + 3 * R + 3 * L
+        self.size = 2 + 3 * R + 3 * L + E
+
+
+def wl_ctrl_error_offset() -> int:
+    """Byte offset of the error record in the control region (``kCtrlError`` words)."""
+    return (1024 + 4) * 4
+
+
+def _worst_case_rows(R: int, m: int, K: int, L: int, A: int, expand: bool) -> int:
+    if not expand:
+        return R * m
+    rows = R * m * min(K, L) + L * (A - 1)
+    return (rows + A - 1) // A * A

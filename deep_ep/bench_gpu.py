@@ -1,0 +1,213 @@
+"""GPU runner of ``python -m deep_ep bench`` (see `deep_ep.bench` for the options and the table).
+
+Ranks:
+* started by ``torchrun`` (``WORLD_SIZE`` set): one rank per process/GPU, the real NCCL path;
+* ``--virtual-ranks N``: N emulated ranks on one GPU (`deep_ep.emulated`), one thread per rank;
+* otherwise: EP=1 through a one-rank NCCL group (torch's communicator, symmetric window).
+
+Side by side in one run, per rank: dispatch and combine time (CUDA events on the compute stream,
+median), a cached dispatch (handle reused: no host sync), the floor (a device-to-device copy of the
+same bytes, measured in the same run: each logical byte read once and written once), and, at EP=1,
+plain torch's permute (sort by expert + ``index_select``) and weighted un-permute (``index_add_`` in
+fp32), the code users write without this library. Every output is checked against
+`deep_ep.reference` (computed on the GPU with the same torch code) before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+from typing import Any, Dict, List
+
+import torch
+
+from . import bench as B
+from . import reference as ref
+
+
+def _time_events(fn, iters: int, warmup: int, stream=None) -> List[float]:
+    """Seconds per call of ``fn`` with CUDA events on ``stream`` (default: current)."""
+    stream = stream or torch.cuda.current_stream()
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        fn()
+        b.record(stream)
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
+    """Median time of a device-to-device copy moving ``num_bytes`` (read once, written once), in us.
+
+    Rotates over enough sources that the L2 cache (60 MB on the H200) cannot serve repeats."""
+    n = max(16, int(num_bytes) // 2 * 2)
+    copies = max(2, min(8, (256 << 20) // n + 1))
+    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    state = {"i": 0}
+
+    def step():
+        dst.copy_(srcs[state["i"] % copies])
+        state["i"] += 1
+    return statistics.median(_time_events(step, iters, 3)) * 1e6
+
+
+def torch_baselines_us(cfg: B.BenchConfig, inputs: Dict[str, Any], device, iters: int = 10) -> Dict[str, float]:
+    """EP=1 plain-torch permute / weighted un-permute of this rank's tokens, in us (median)."""
+    x = inputs["x"] if not cfg.fp8 else inputs["x"][0]
+    idx = inputs["topk_idx"]
+    w = inputs["topk_weights"]
+    T, K = idx.shape
+    flat = idx.flatten()
+    valid = flat >= 0
+
+    def permute():
+        order = torch.argsort(torch.where(valid, flat, torch.full_like(flat, cfg.num_experts)), stable=True)
+        return x.index_select(0, torch.div(order, K, rounding_mode="floor"))
+    y = permute()
+    order = torch.argsort(torch.where(valid, flat, torch.full_like(flat, cfg.num_experts)), stable=True)
+    tok = torch.div(order, K, rounding_mode="floor")
+    wf = (w.flatten() if w is not None else torch.ones_like(flat, dtype=torch.float32))[order]
+
+    def unpermute():
+        out = torch.zeros((T, cfg.hidden), dtype=torch.float32, device=device)
+        out.index_add_(0, tok, y.float() * wf.unsqueeze(1))
+        return out.to(torch.bfloat16)
+    return {"torch_permute_us": statistics.median(_time_events(permute, iters, 2)) * 1e6,
+            "torch_unpermute_us": statistics.median(_time_events(unpermute, iters, 2)) * 1e6}
+
+
+def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, check: bool,
+              results: list, emulated: bool) -> None:
+    from .buffer import ElasticBuffer
+    mine = B.make_rank_inputs(cfg, rank, device)
+    buf = ElasticBuffer(group, num_max_tokens_per_rank=cfg.max_tokens, hidden=cfg.hidden, num_topk=cfg.top_k,
+                        use_fp8_dispatch=cfg.fp8, explicitly_destroy=True)
+    try:
+        num_sms = getattr(cfg, "num_sms", 0) or 0
+        if emulated and num_sms == 0:
+            num_sms = max(2, (torch.cuda.get_device_properties(device).multi_processor_count // cfg.num_ranks) // 2 * 2)
+
+        def dispatch():
+            return buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"],
+                                num_experts=cfg.num_experts, num_max_tokens_per_rank=cfg.max_tokens,
+                                expert_alignment=cfg.alignment, do_expand=cfg.expand,
+                                do_zero_padding=cfg.expand, num_sms=num_sms)
+
+        recv_x, recv_idx, recv_w, handle, _ = dispatch()
+        y = B.expert_output(cfg, recv_x).contiguous()
+        combined, _, _ = buf.combine(y, handle, num_sms=num_sms)
+        torch.cuda.current_stream().synchronize()
+        failures: List[str] = []
+        if check:
+            try:
+                ref.check_dispatch((recv_x, recv_idx, recv_w, handle), expected["dispatch"][rank],
+                                   do_zero_padding=cfg.expand, rank=rank)
+            except AssertionError as exc:
+                failures.append(f"dispatch: {exc}")
+            msg = B.bf16_mismatch("combined_x", combined, expected["combine"][rank][0])
+            if msg:
+                failures.append(f"combine: rank {rank} {msg}")
+
+        def timed(fn):
+            barrier()
+            return _time_events(fn, 1, 0)[0]
+
+        d_times, c_times, cd_times = [], [], []
+        for i in range(cfg.warmup + cfg.iters):
+            dt = timed(dispatch)
+            ct = timed(lambda: buf.combine(y, handle, num_sms=num_sms))
+            cdt = timed(lambda: buf.dispatch(mine["x"], handle=handle, num_sms=num_sms, do_zero_padding=cfg.expand))
+            if i >= cfg.warmup:
+                d_times.append(dt)
+                c_times.append(ct)
+                cd_times.append(cdt)
+        sent = sum(B.token_copies(mine["topk_idx"], cfg.num_experts, cfg.num_ranks, cfg.expand))
+        received = int(handle.rank_prefix_sum[-1])
+        results[rank] = dict(rank=rank, sent=sent, received=received, received_rows=B._num_rows(recv_x),
+                             d_times=d_times, c_times=c_times, cd_times=cd_times, failures=failures,
+                             num_sms=num_sms or buf.get_theoretical_num_sms(cfg.num_experts, cfg.top_k))
+        barrier()
+    finally:
+        buf.destroy()
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run the GPU bench; returns the result dict of `deep_ep.bench.build_result` plus GPU extras."""
+    import torch.distributed as dist
+    from . import jit
+    from .backends import gpu as gpu_backend
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        raise SystemExit("error: multi-process GPU runs (torchrun) are not wired into the bench yet; "
+                         "use --virtual-ranks N on one GPU")
+    emulated = args.virtual_ranks is not None and args.virtual_ranks >= 1
+    num_ranks = args.virtual_ranks if emulated else 1
+    cfg = B.make_config(args, num_ranks, gpu=True)
+    jit.reset_stats()
+
+    # Reference of every rank, computed once on the GPU (same torch code as on the CPU).
+    inputs = [B.make_rank_inputs(cfg, s, device) for s in range(num_ranks)]
+    expected = None
+    if cfg.check:
+        exp = ref.reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                                     [i["topk_weights"] for i in inputs], cfg.num_experts, do_expand=cfg.expand,
+                                     expert_alignment=cfg.alignment, do_zero_padding=cfg.expand,
+                                     num_max_tokens_per_rank=cfg.max_tokens)
+        ys = [B.expert_output(cfg, e.recv_x) for e in exp]
+        expected = {"dispatch": exp, "combine": ref.reference_combine(ys, [e.handle for e in exp])}
+
+    # Floors and baselines, in the same run.
+    sent0 = sum(B.token_copies(inputs[0]["topk_idx"], cfg.num_experts, num_ranks, cfg.expand))
+    total_sent = sum(sum(B.token_copies(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)) for i in inputs)
+    # Emulated ranks share one GPU: the floor of a step is a copy of every rank's bytes.
+    floor_d = copy_floor_us((total_sent if emulated else sent0) * cfg.dispatch_bytes_per_token, device)
+    floor_c = copy_floor_us((total_sent if emulated else sent0) * cfg.combine_bytes_per_token, device)
+    baselines = torch_baselines_us(cfg, inputs[0], device) if num_ranks == 1 else {}
+    del inputs
+
+    results: list = [None] * num_ranks
+    if emulated:
+        from .emulated import EmulatedGroup
+        group = EmulatedGroup(num_ranks, device=device)
+        group.run(lambda g: _run_rank(cfg, g.rank(), g, device, g.barrier, expected, cfg.check, results, True))
+        runner = f"gpu/emulated x{num_ranks}"
+    else:
+        if not dist.is_initialized():
+            store = dist.FileStore(tempfile.mktemp(prefix="deep_ep_bench_"), 1)
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+        _run_rank(cfg, 0, dist.group.WORLD, device, lambda: None, expected, cfg.check, results, False)
+        runner = "gpu/nccl x1"
+
+    rows, failures = [], []
+    for res in results:
+        row = B.make_row(cfg, res["rank"], sent=res["sent"], received=res["received"],
+                         received_rows=res["received_rows"], dispatch_times=res["d_times"],
+                         combine_times=res["c_times"], check=(not res["failures"]) if cfg.check else None,
+                         floor_us=floor_d,
+                         extra={"cached_dispatch_us": statistics.median(res["cd_times"]) * 1e6,
+                                "combine_floor_us": floor_c, "num_sms": res["num_sms"]})
+        row["combine_ratio"] = row["combine_us"] / floor_c if floor_c else None
+        rows.append(row)
+        failures += res["failures"]
+    props = torch.cuda.get_device_properties(device)
+    result = B.build_result(cfg, rows, failures, runner=runner,
+                            device=f"{props.name}, {props.multi_processor_count} SMs")
+    st = jit.stats()
+    result["gpu"] = {"floor_dispatch_us": floor_d, "floor_combine_us": floor_c, **baselines,
+                     "kernel_modules": gpu_backend.num_modules_built(), "jit": st}
+    print(f"floor (same-bytes D2D copy): dispatch {floor_d:.1f} us, combine {floor_c:.1f} us; "
+          f"kernel modules built/loaded: {gpu_backend.num_modules_built()} "
+          f"(compiled {st.get('builds', 0)}, disk hits {st.get('disk_hits', 0)})")
+    if baselines:
+        print("plain torch at EP=1: permute {torch_permute_us:.1f} us, weighted un-permute "
+              "{torch_unpermute_us:.1f} us".format(**baselines))
+    return result

@@ -1,0 +1,141 @@
+"""Emulated ranks: N expert-parallel ranks inside one process, on one GPU.
+
+The GPU kernels, the window layout and the signals are exactly those of a real multi-GPU run; only
+the transport differs: the N windows are slices of one allocation instead of NCCL symmetric memory
+reached over NVLink. This is how deep_ep tests every multi-rank path on a single GPU, and it is a
+tool for users too: test an MoE layer's EP code on a workstation before taking it to a cluster.
+
+Each rank has its own `deep_ep.ElasticBuffer`, its own streams and its own host thread (a host-side
+wait in one rank must not block another)::
+
+    import deep_ep
+    from deep_ep.emulated import EmulatedGroup
+
+    group = EmulatedGroup(num_ranks=8)
+
+    def body(rank_group):                   # runs in rank_group.rank()'s thread
+        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=512, hidden=7168, num_topk=8)
+        recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, topk_idx, topk_weights, num_experts=256)
+        ...
+        return result
+
+    results = group.run(body)               # one result per rank; re-raises the first failure
+
+Constraints: ranks wait for each other inside kernels, so every rank's blocks must be resident at
+once: ``num_ranks * num_sms <= SMs of the device`` (checked, with a clear error).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from .comm.transport import EmulatedTransport, EmulatedWindowSet
+
+__all__ = ["EmulatedGroup", "EmulatedRankGroup"]
+
+
+class EmulatedGroup:
+    """A group of ``num_ranks`` emulated ranks on one CUDA device.
+
+    Args:
+        num_ranks: number of ranks, >= 1.
+        device: CUDA device (default: the current one).
+        timeout_secs: host-side wait limit of collective steps (buffer creation, `barrier`), seconds.
+
+    Raises:
+        ValueError: ``num_ranks < 1``.
+        RuntimeError: no CUDA device.
+    """
+
+    def __init__(self, num_ranks: int, device: Optional[torch.device] = None, timeout_secs: float = 300.0) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("emulated ranks run on a CUDA device; none is available")
+        self.num_ranks = num_ranks
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.timeout_secs = timeout_secs
+        self._barrier = threading.Barrier(num_ranks, timeout=timeout_secs)
+        self._lock = threading.Lock()
+        self._windows: dict = {}          # creation index -> EmulatedWindowSet
+        self._creations = [0] * num_ranks  # buffers created so far by each rank
+        self.ranks = [EmulatedRankGroup(self, r) for r in range(num_ranks)]
+
+    def rank_group(self, rank: int) -> "EmulatedRankGroup":
+        """The group object rank ``rank`` passes to `ElasticBuffer`."""
+        return self.ranks[rank]
+
+    def barrier(self) -> None:
+        """Host barrier across the ranks' threads; raises `threading.BrokenBarrierError` on timeout."""
+        self._barrier.wait()
+
+    def run(self, fn: Callable, *args, **kwargs) -> list:
+        """Run ``fn(rank_group, *args, **kwargs)`` in one thread per rank; return the results by rank.
+
+        If a rank raises, the barrier is broken (so no other rank waits forever on the host) and the
+        first exception is re-raised after every thread ended.
+        """
+        results: list = [None] * self.num_ranks
+        errors: list = [None] * self.num_ranks
+
+        def worker(r: int) -> None:
+            torch.cuda.set_device(self.device)
+            try:
+                results[r] = fn(self.ranks[r], *args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors[r] = exc
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=worker, args=(r,), name=f"deep_ep-rank{r}") for r in range(self.num_ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._barrier.reset()
+        for r, e in enumerate(errors):
+            if e is not None and not isinstance(e, threading.BrokenBarrierError):
+                raise e
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+    # called by the ranks' transports
+    def _windows_for(self, rank: int, num_bytes: int) -> EmulatedWindowSet:
+        with self._lock:
+            idx = self._creations[rank]
+            self._creations[rank] += 1
+            ws = self._windows.get(idx)
+            if ws is None:
+                ws = EmulatedWindowSet(self.num_ranks, num_bytes, self.device)
+                self._windows[idx] = ws
+            elif ws.num_bytes != num_bytes:
+                raise ValueError(f"rank {rank} creates a buffer of {num_bytes} bytes, but another rank created "
+                                 f"buffer #{idx} with {ws.num_bytes}: every rank must pass the same size")
+            return ws
+
+
+class EmulatedRankGroup:
+    """One rank of an `EmulatedGroup`: what that rank passes to `deep_ep.ElasticBuffer` as ``group``."""
+
+    def __init__(self, parent: EmulatedGroup, rank: int) -> None:
+        self.parent = parent
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.parent.num_ranks
+
+    def barrier(self) -> None:
+        self.parent.barrier()
+
+    def make_transport(self, num_bytes: int) -> EmulatedTransport:
+        """Collective over the ranks: the window set shared by this group's next buffer."""
+        ws = self.parent._windows_for(self._rank, num_bytes)
+        transport = EmulatedTransport(ws, self._rank, self.parent.barrier)
+        self.parent.barrier()  # every rank holds its transport before any kernel can signal
+        return transport

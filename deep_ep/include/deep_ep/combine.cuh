@@ -1,0 +1,212 @@
+// Combine: the reverse of dispatch, pulling expert outputs back to the token's source rank.
+//
+// combine_send (num_sms blocks) on destination d: rows that came from peers are staged in d's own
+// window at the row index they arrived at (non-expanded: the bf16 row; expanded: the fp32 sum of the
+// token's rows for d's experts, weighted by the dispatch weights), with the top-k weights to reduce
+// in a trailer. Rows from d itself stay in the caller's tensor. The last block signals every peer.
+// combine_recv (num_sms blocks) on source s: one warp per token sums, in fp32, the staged rows of
+// every peer (read over NVLink / LSA) and its own rows, adds the biases and writes bf16.
+//
+// Window row: [values: kHidden bf16 (non-expanded) or kHidden fp32 (expanded)][float weight[K] at kWeightOffset]
+#pragma once
+
+#include "common.cuh"
+#include "layout.cuh"
+
+namespace deep_ep {
+
+template <int kHidden, int K, bool kExpand>
+struct CombineRow {
+    static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
+    static constexpr int kVecs = kHidden / 8;                      // 8 elements per 16-byte bf16 vector
+    static constexpr int kValueBytes = kExpand ? kHidden * 4 : kHidden * 2;
+    static constexpr int kWeightOffset = (kValueBytes + 15) / 16 * 16;
+};
+
+struct CombineArgs {
+    const __nv_bfloat16* y;           // [rows, H] expert outputs on this rank (as a destination)
+    const float* weights_in;          // non-expanded [rows, K]; expanded [rows]; or null
+    const float* recv_weights;        // expanded: [rows] dispatch weights of the handle
+    const int* row_map;               // expanded: [tok rows, K]
+    const int* layout;                // this rank's layout words (as a destination)
+    // this rank as the source
+    const int* pos_tok;               // [T, R] absolute token rows at each destination
+    const int* pos_pair;              // [T, K] absolute output rows (expanded)
+    const int64_t* topk_idx;          // [T, K]
+    int num_tokens;
+    const __nv_bfloat16* bias0;       // [T, H] or null
+    const __nv_bfloat16* bias1;       // [T, H] or null
+    __nv_bfloat16* out;               // [T, H]
+    float* out_weights;               // [T, K] or null
+    uint8_t* const* peers;
+    int rank, num_ranks, num_experts;
+    int64_t recv_offset, half_bytes;
+    int row_stride;
+    uint64_t timeout_ns;
+};
+
+__device__ __forceinline__ uint8_t* combine_row_ptr(uint8_t* window, const CombineArgs& a, int half, int row) {
+    return window + a.recv_offset + half * a.half_bytes + static_cast<int64_t>(row) * a.row_stride;
+}
+
+template <int kHidden, int K, bool kExpand>
+__device__ __forceinline__ void combine_send_impl(const CombineArgs& a) {
+    using Row = CombineRow<kHidden, K, kExpand>;
+    const int lane = threadIdx.x & 31;
+    const int warps_per_block = blockDim.x >> 5;
+    const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+    const int num_warps = gridDim.x * warps_per_block;
+    const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
+    const LayoutIndex ix{R, L, a.num_experts};
+    uint8_t* my_window = a.peers[rank];
+    const int half = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
+    const int num_tok_rows = a.layout[ix.num_tok_rows()];
+    const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
+    const int self_end = a.layout[ix.tok_prefix() + rank];
+
+    for (int j = global_warp; j < num_tok_rows; j += num_warps) {
+        if (j >= self_begin && j < self_end) continue;
+        uint8_t* dst = combine_row_ptr(my_window, a, half, j);
+        float* dst_w = reinterpret_cast<float*>(dst + Row::kWeightOffset);
+        if (!kExpand) {
+            const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(j) * kHidden);
+            int4* d4 = reinterpret_cast<int4*>(dst);
+#pragma unroll 4
+            for (int i = lane; i < Row::kVecs; i += 32) st_cg(d4 + i, ld_nc(src + i));
+            if (lane < K) dst_w[lane] = a.weights_in != nullptr ? a.weights_in[static_cast<int64_t>(j) * K + lane] : 0.0f;
+        } else {
+            const int my_out = lane < K ? a.row_map[static_cast<int64_t>(j) * K + lane] : -1;
+            const float my_w = my_out >= 0 ? a.recv_weights[my_out] : 0.0f;
+            float4* d4 = reinterpret_cast<float4*>(dst);
+            // All lanes iterate together (the shuffles need the whole warp); lanes past the row idle.
+            for (int base = 0; base < Row::kVecs; base += 32) {
+                const int i = base + lane;
+                const bool active = i < Row::kVecs;
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    const int out = __shfl_sync(0xffffffffu, my_out, k);
+                    const float w = __shfl_sync(0xffffffffu, my_w, k);
+                    if (out < 0 || !active) continue;
+                    float f[8];
+                    bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden) + i), f);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(w, f[q], acc[q]);
+                }
+                if (!active) continue;
+                __stcg(d4 + 2 * i, make_float4(acc[0], acc[1], acc[2], acc[3]));
+                __stcg(d4 + 2 * i + 1, make_float4(acc[4], acc[5], acc[6], acc[7]));
+            }
+            if (lane < K) dst_w[lane] = (a.weights_in != nullptr && my_out >= 0) ? a.weights_in[my_out] : 0.0f;
+        }
+    }
+    if (last_block(my_window)) signal_all_peers(a.peers, rank, R);
+}
+
+template <int kHidden, int K, bool kExpand>
+__device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
+    using Row = CombineRow<kHidden, K, kExpand>;
+    uint8_t* my_window = a.peers[a.rank];
+    const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseCombine, a.timeout_ns);
+    const int lane = threadIdx.x & 31;
+    const int warps_per_block = blockDim.x >> 5;
+    const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+    const int num_warps = gridDim.x * warps_per_block;
+    const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
+    const int half = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
+
+    for (int t = ok ? global_warp : a.num_tokens; t < a.num_tokens; t += num_warps) {
+        int my_row = -1;
+        for (int d = lane; d < R; d += 32)
+            if (d == lane) my_row = a.pos_tok[static_cast<int64_t>(t) * R + d];
+        int my_expert = -1;  // int32: 64-bit division would be a call
+        int my_pair = -1;
+        float my_pair_w = 0.0f;
+        if (lane < K) {
+            my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(a.topk_idx[static_cast<int64_t>(t) * K + lane], static_cast<int64_t>(a.num_experts))));
+            if (my_expert >= a.num_experts) my_expert = -1;
+            if (kExpand && my_expert >= 0 && my_expert / L == rank) {
+                my_pair = a.pos_pair[static_cast<int64_t>(t) * K + lane];
+                if (my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
+            }
+        }
+        for (int base = 0; base < Row::kVecs; base += 32) {
+            const int i = base + lane;
+            const bool active = i < Row::kVecs;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int d = 0; d < R; ++d) {
+                const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
+                if (row < 0) continue;
+                float f[8];
+                if (d == rank) {
+                    if (!kExpand) {
+                        if (!active) continue;
+                        bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(row) * kHidden) + i), f);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) acc[q] += f[q];
+                    } else {
+                        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+                        for (int k = 0; k < K; ++k) {
+                            const int out = __shfl_sync(0xffffffffu, my_pair, k);
+                            const float w = __shfl_sync(0xffffffffu, my_pair_w, k);
+                            if (out < 0 || !active) continue;
+                            bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden) + i), f);
+#pragma unroll
+                            for (int q = 0; q < 8; ++q) part[q] = fmaf(w, f[q], part[q]);
+                        }
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) acc[q] += part[q];
+                    }
+                } else if (active) {
+                    const uint8_t* src = combine_row_ptr(a.peers[d], a, half, row);
+                    if (!kExpand) {
+                        bf16x8_to_f32(ld_cg(reinterpret_cast<const int4*>(src) + i), f);
+                    } else {
+                        const float4 lo = __ldcg(reinterpret_cast<const float4*>(src) + 2 * i);
+                        const float4 hi = __ldcg(reinterpret_cast<const float4*>(src) + 2 * i + 1);
+                        f[0] = lo.x; f[1] = lo.y; f[2] = lo.z; f[3] = lo.w;
+                        f[4] = hi.x; f[5] = hi.y; f[6] = hi.z; f[7] = hi.w;
+                    }
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[q] += f[q];
+                }
+            }
+            if (!active) continue;
+            if (a.bias0 != nullptr) {
+                float f[8];
+                bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * kHidden) + i), f);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[q] += f[q];
+            }
+            if (a.bias1 != nullptr) {
+                float f[8];
+                bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * kHidden) + i), f);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[q] += f[q];
+            }
+            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden)[i] = f32_to_bf16x8(acc);
+        }
+        if (a.out_weights != nullptr) {
+            float w = 0.0f;
+            for (int d = 0; d < R; ++d) {
+                const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
+                if (row < 0 || lane >= K) continue;
+                if (kExpand) {
+                    const bool mine = my_expert >= 0 && my_expert / L == d;
+                    if (!mine) continue;
+                    if (d == rank) w += my_pair >= 0 ? a.weights_in[my_pair] : 0.0f;
+                    else w += __ldcg(reinterpret_cast<const float*>(combine_row_ptr(a.peers[d], a, half, row) + Row::kWeightOffset) + lane);
+                } else if (d == rank) {
+                    w += a.weights_in[static_cast<int64_t>(row) * K + lane];
+                } else {
+                    w += __ldcg(reinterpret_cast<const float*>(combine_row_ptr(a.peers[d], a, half, row) + Row::kWeightOffset) + lane);
+                }
+            }
+            if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = w;
+        }
+    }
+    finish_wait(my_window, true);
+}
+
+}  // namespace deep_ep

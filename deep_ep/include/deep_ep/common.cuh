@@ -1,0 +1,158 @@
+// Common device helpers for deep_ep kernels: vector copies, system-scope signals and timed waits.
+//
+// Every kernel reaches its peers through a table of base pointers, one per rank of the scale-up
+// (NVLink / LSA) domain: `peers[r]` is rank r's symmetric window as seen from this GPU. With NCCL the
+// table is filled from ncclGetLsaPointer; with emulated ranks on one GPU it points into one
+// allocation. The kernels never know which.
+#pragma once
+
+#include <cuda_bf16.h>
+#ifdef __CUDACC_RTC__
+// NVRTC has no libc headers: the fixed-width types come from libcu++ (CCCL).
+#include <cuda/std/cstdint>
+using cuda::std::int32_t;
+using cuda::std::int64_t;
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+using cuda::std::uint8_t;
+#else
+#include <stdint.h>
+#endif
+
+namespace deep_ep {
+
+// ---- window layout (byte offsets inside every rank's window; same on all ranks) -----------------
+// Control region: u32 words.
+constexpr int kMaxRanks = 1024;
+constexpr int kCtrlArrive = 0;               // [kMaxRanks] signals received from each peer
+constexpr int kCtrlEpoch = kMaxRanks;        // barriers this rank has completed
+constexpr int kCtrlRound = kMaxRanks + 1;    // data rounds completed (selects the receive half)
+constexpr int kCtrlDone = kMaxRanks + 2;     // blocks of the current kernel that have finished
+constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (first error wins)
+constexpr int64_t kCtrlBytes = 64 * 1024;
+
+// Error codes written to kCtrlError[0].
+constexpr int kErrTimeout = 1;
+
+// Phases, reported with a timeout.
+constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
+constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
+constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
+
+__device__ __forceinline__ uint32_t* ctrl_of(uint8_t* window) { return reinterpret_cast<uint32_t*>(window); }
+
+// ---- memory-model primitives ------------------------------------------------------------------
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
+    asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// 16-byte loads that bypass L1 (window memory is written by other GPUs / other ranks' kernels).
+__device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
+__device__ __forceinline__ void st_cg(int4* p, const int4& v) { __stcg(p, v); }
+// Read-only data of this kernel's caller (x, y): the non-coherent path is fine.
+__device__ __forceinline__ int4 ld_nc(const int4* p) { return __ldg(p); }
+
+// ---- signals between ranks --------------------------------------------------------------------
+// Called by the last block of a producer kernel (see `last_block`): tell every peer that this
+// rank's writes into their windows are complete. Release semantics at system scope make every
+// write this GPU issued before visible to a peer that observes the increment with acquire.
+__device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank, int num_ranks) {
+    __threadfence_system();
+    for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
+        red_release_sys_add(ctrl_of(peers[p]) + kCtrlArrive + rank, 1u);
+}
+
+// Returns true in every thread of exactly one block: the last block to finish this kernel. Resets
+// the done-counter for the next kernel. Each block must have finished its own writes.
+__device__ __forceinline__ bool last_block(uint8_t* my_window) {
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        uint32_t* done = ctrl_of(my_window) + kCtrlDone;
+        uint32_t prev = atomicAdd(done, 1u);
+        is_last = (prev == gridDim.x - 1);
+        if (is_last) atomicExch(done, 0u);
+    }
+    __syncthreads();
+    return is_last;
+}
+
+// Wait (every block that calls it) until each peer has signalled `epoch + 1` times, where `epoch`
+// is this rank's count of completed barriers. Gives up after `timeout_ns`: records the rank, the
+// first missing peer and the phase in the control region and returns false.
+__device__ __forceinline__ bool wait_all_peers(uint8_t* my_window, int rank, int num_ranks, int phase,
+                                               uint64_t timeout_ns) {
+    uint32_t* ctrl = ctrl_of(my_window);
+    __shared__ int ok_flag;
+    if (threadIdx.x == 0) ok_flag = 1;
+    __syncthreads();
+    const uint32_t target = *reinterpret_cast<volatile uint32_t*>(ctrl + kCtrlEpoch) + 1u;
+    for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+        const uint64_t start = global_timer_ns();
+        while (static_cast<int32_t>(ld_acquire_sys(ctrl + kCtrlArrive + p) - target) < 0) {
+            if (global_timer_ns() - start > timeout_ns) {
+                if (atomicCAS(ctrl + kCtrlError, 0u, static_cast<uint32_t>(kErrTimeout)) == 0u) {
+                    ctrl[kCtrlError + 1] = rank;
+                    ctrl[kCtrlError + 2] = p;
+                    ctrl[kCtrlError + 3] = phase;
+                }
+                ok_flag = 0;
+                break;
+            }
+            if (*reinterpret_cast<volatile uint32_t*>(ctrl + kCtrlError) != 0u) { ok_flag = 0; break; }
+        }
+    }
+    __syncthreads();
+    return ok_flag != 0;
+}
+
+// After every block of a consumer kernel has waited: the last block advances the epoch.
+__device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_round) {
+    if (last_block(my_window) && threadIdx.x == 0) {
+        uint32_t* ctrl = ctrl_of(my_window);
+        ctrl[kCtrlEpoch] += 1u;
+        if (advance_round) ctrl[kCtrlRound] += 1u;
+        __threadfence();
+    }
+}
+
+__device__ __forceinline__ bool has_error(uint8_t* my_window) {
+    return *reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlError) != 0u;
+}
+
+// ---- small math -------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ void bf16x8_to_f32(const int4& v, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 t = __bfloat1622float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+__device__ __forceinline__ int4 f32_to_bf16x8(const float* f) {
+    int4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,59 @@
+// Kernel entry points. The host runtime (deep_ep/backends/gpu.py) compiles this file once per
+// structural configuration, passing it as -D defines:
+//   dispatch module: EP_DISPATCH, EP_DATA_BYTES (bytes of one token row), EP_NUM_SF (4-byte scale
+//                    factors per row, 0 for BF16), EP_TOPK, EP_EXPAND (0/1)
+//   combine module:  EP_COMBINE, EP_HIDDEN, EP_TOPK, EP_EXPAND
+// Token counts, rank counts and buffer sizes are run-time arguments: a new batch size never compiles.
+#pragma once
+
+#include "combine.cuh"
+#include "dispatch.cuh"
+#include "layout.cuh"
+
+#ifndef EP_THREADS
+#define EP_THREADS 512
+#endif
+
+#ifdef EP_DISPATCH
+extern "C" __global__ void __launch_bounds__(512) deep_ep_notify(const int64_t* topk_idx, int num_tokens,
+                                                                   int num_experts, int num_ranks, int rank,
+                                                                   uint8_t* const* peers, int64_t counts_offset,
+                                                                   int* pos_tok, int* pos_pair) {
+    deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(topk_idx, num_tokens, num_experts, num_ranks, rank, peers,
+                                                  counts_offset, pos_tok, pos_pair);
+}
+
+extern "C" __global__ void __launch_bounds__(512) deep_ep_layout(uint8_t* const* peers, int rank, int num_ranks,
+                                                                   int num_experts, int alignment,
+                                                                   int64_t counts_offset, int* layout,
+                                                                   int* cumulative_stats, uint64_t timeout_ns) {
+    deep_ep::layout_impl(peers, rank, num_ranks, num_experts, alignment, counts_offset, EP_EXPAND != 0, layout,
+                         cumulative_stats, timeout_ns);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_send(deep_ep::DispatchArgs a) {
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_send_cached(deep_ep::DispatchArgs a) {
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_recv(deep_ep::DispatchArgs a, int zero_padding) {
+    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_recv_cached(deep_ep::DispatchArgs a, int zero_padding) {
+    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0);
+}
+#endif
+
+#ifdef EP_COMBINE
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine_send(deep_ep::CombineArgs a) {
+    deep_ep::combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine_recv(deep_ep::CombineArgs a) {
+    deep_ep::combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a);
+}
+#endif

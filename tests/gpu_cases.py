@@ -1,0 +1,80 @@
+"""The GPU test matrix, shared by the device suite (tests/gpu/) and the CPU compile test
+(tests/test_kernels_compile.py, which builds every kernel instantiation listed here under NVRTC)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dispatch + combine configuration, run on every rank."""
+    name: str
+    num_ranks: int = 2
+    hidden: int = 256
+    num_experts: int = 16
+    num_topk: int = 4
+    tokens: tuple = (64, 37)          # per rank (cycled when shorter than num_ranks); 0 = empty rank
+    fp8: str = ""                     # "", "fp32" (per-128 scales) or "ue8m0" (packed int32)
+    expand: bool = False
+    alignment: int = 1
+    zero_padding: bool = True
+    weights: bool = True
+    num_bias: int = 0
+    mask_prob: float = 0.1
+    do_cpu_sync: bool = True
+    cached: bool = True               # also run a cached dispatch with the handle, fresh x
+    col_major_sf: bool = False
+    num_sms: int = 8
+
+    def tokens_of(self, rank: int) -> int:
+        return self.tokens[rank % len(self.tokens)]
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens_of(r) for r in range(self.num_ranks))
+
+    def dispatch_structure(self) -> tuple:
+        """(data_bytes, num_sf, topk, expand) of the dispatch module this case builds."""
+        if self.fp8 == "fp32":
+            return self.hidden, self.hidden // 128, self.num_topk, self.expand
+        if self.fp8 == "ue8m0":
+            return self.hidden, (self.hidden + 511) // 512, self.num_topk, self.expand
+        return self.hidden * 2, 0, self.num_topk, self.expand
+
+    def combine_structure(self) -> tuple:
+        return self.hidden, self.num_topk, self.expand
+
+
+_BASE = [
+    Case("bf16"),
+    Case("bf16-expand", expand=True),
+    Case("bf16-expand-align128", expand=True, alignment=128, num_bias=1),
+    Case("bf16-expand-align128-nozero", expand=True, alignment=128, zero_padding=False),
+    Case("bf16-noweights-bias2", weights=False, num_bias=2),
+    Case("bf16-nosync", do_cpu_sync=False, num_bias=1),
+    Case("bf16-expand-nosync", expand=True, alignment=8, do_cpu_sync=False),
+    Case("bf16-empty-rank", tokens=(0, 50, 17)),
+    Case("bf16-all-masked", mask_prob=1.0),
+    Case("fp8-fp32", fp8="fp32", hidden=512),
+    Case("fp8-ue8m0-colmajor", fp8="ue8m0", hidden=1024, col_major_sf=True),
+    Case("fp8-fp32-expand-colmajor", fp8="fp32", hidden=512, expand=True, alignment=4, col_major_sf=True),
+    Case("hidden2880-top4", hidden=2880, num_topk=4, num_experts=32, tokens=(33, 70)),
+    Case("top8-expand", num_topk=8, num_experts=32, expand=True, alignment=16),
+]
+
+
+def cases_for(num_ranks: int) -> list:
+    """The matrix at a given rank count (expert counts scaled so every rank owns experts)."""
+    out = []
+    for c in _BASE:
+        experts = max(c.num_experts, num_ranks * 2)
+        experts = (experts + num_ranks - 1) // num_ranks * num_ranks
+        out.append(replace(c, num_ranks=num_ranks, num_experts=experts, name=f"ep{num_ranks}-{c.name}"))
+    return out
+
+
+RANK_COUNTS = (1, 2, 4, 8)
+
+
+def all_cases() -> list:
+    return [c for r in RANK_COUNTS for c in cases_for(r)]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
+# Usage (device tool): bash tools/device_suite.sh [steps...]   steps: env jit gpu bench (default: all)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$PWD/.jitcache}
+OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
+steps=${*:-env jit gpu bench}
+for step in $steps; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case $step in
+    env)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/env.txt"
+      python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" 2>&1 | tee -a "$OUT/env.txt"
+      git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/env.txt" ;;
+    jit)
+      timeout 300 python3 -m pytest -q -x tests/gpu/test_jit_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/jit_gpu.log" | tail -15 ;;
+    gpu)
+      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_backend.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    bench)
+      timeout 200 python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
+      timeout 300 python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
