@@ -1,0 +1,171 @@
+"""GPU tests of deep_ep.jit: build, load and launch (skipped without a CUDA device).
+
+Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/gpu/test_jit_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from deep_ep import jit  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+KERNELS = ROOT / "tests" / "jit_kernels"
+
+SOURCE = r"""
+#include <cuda/std/cstdint>
+
+struct Params {          // must match the ctypes.Structure below
+  int32_t a;
+  float b;
+  int64_t c;
+  int32_t v[4];
+};
+
+extern "C" __global__ void mix(const int32_t* __restrict__ x, int64_t* __restrict__ out, int n,
+                               float scale, int flag, int64_t big, uint32_t u, const float* maybe_null,
+                               Params p) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    out[i] = (int64_t)x[i] * (int64_t)scale + flag + big + u + p.a + (int64_t)p.b + p.c + p.v[i % 4]
+             + (maybe_null == nullptr ? 1000 : 0);
+  }
+}
+
+extern "C" __global__ void big_smem(int64_t* out, int n) {
+  extern __shared__ int32_t buf[];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = i;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t s = 0;
+    for (int i = 0; i < n; ++i) s += buf[i];
+    out[blockIdx.x] = s;
+  }
+}
+
+extern "C" __global__ void block_ids(int* out) {
+  if (threadIdx.x == 0) out[blockIdx.x] = blockIdx.x;
+}
+"""
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_float), ("c", ctypes.c_int64), ("v", ctypes.c_int32 * 4)]
+
+
+@pytest.fixture(scope="module")
+def mod(tmp_path_factory):
+    import os
+    os.environ.setdefault("EP_JIT_CACHE_DIR", str(tmp_path_factory.mktemp("jit-cache")))
+    return jit.build("gpu_test", SOURCE)
+
+
+def _expected(x, n, scale, flag, big, u, p, null):
+    out = []
+    for i in range(n):
+        out.append(int(x[i]) * int(scale) + flag + big + u + p.a + int(p.b) + p.c + p.v[i % 4] + (1000 if null else 0))
+    return out
+
+
+def test_arch_is_device_arch(mod):
+    major, minor = torch.cuda.get_device_capability()
+    assert mod.arch == f"sm_{major}{minor}"
+
+
+def test_launch_tensor_scalar_struct_args(mod):
+    n = 1000
+    x = torch.arange(n, dtype=torch.int32, device="cuda")
+    out = torch.full((n,), -1, dtype=torch.int64, device="cuda")
+    p = Params(7, 3.0, 2**40, (1, 2, 3, 4))
+    big = 2**35
+    f = mod.function("mix")
+    f.launch((n + 127) // 128, 128, (x, out, n, 2.0, True, jit.i64(big), jit.u32(2**31 + 5), None, p))
+    torch.cuda.current_stream().synchronize()
+    assert out.cpu().tolist() == _expected(x.cpu().tolist(), n, 2.0, 1, big, 2**31 + 5, p, True)
+
+    # Same kernel, non-null pointer, bytes for the struct, on a side stream given as torch.cuda.Stream.
+    s = torch.cuda.Stream()
+    dummy = torch.zeros(1, device="cuda")
+    with torch.cuda.stream(s):
+        f.launch((n + 127) // 128, (128, 1, 1), (x, out, n, 3.0, False, jit.i64(0), jit.u32(0), dummy, bytes(p)),
+                 stream=s)
+    s.synchronize()
+    assert out.cpu().tolist() == _expected(x.cpu().tolist(), n, 3.0, 0, 0, 0, p, False)
+
+    # Raw stream handle, empty tensor (its pointer may be null), zero-size work.
+    empty = torch.empty(0, dtype=torch.int32, device="cuda")
+    f.launch(1, 32, (empty, out, 0, 1.0, 0, jit.i64(0), jit.u32(0), None, p), stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+
+
+def test_dynamic_shared_memory_above_48k(mod):
+    n = 40 * 1024  # 160 KB of int32
+    out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    mod.function("big_smem").launch(2, 256, (out, n), smem=n * 4)
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == [sum(range(n))] * 2
+
+
+def test_cooperative_and_cluster_launch(mod):
+    out = torch.full((8,), -1, dtype=torch.int32, device="cuda")
+    f = mod.function("block_ids")
+    f.launch(8, 32, (out,), cooperative=True)
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == list(range(8))
+    if torch.cuda.get_device_capability()[0] >= 9:
+        out.fill_(-1)
+        f.launch(8, 32, (out,), cluster=(2, 1, 1))
+        torch.cuda.synchronize()
+        assert out.cpu().tolist() == list(range(8))
+
+
+def test_launch_failure_names_kernel(mod):
+    with pytest.raises(jit.LaunchError, match="block_ids") as info:
+        mod.function("block_ids").launch(1, 4096, (None,))
+    assert "block=(4096, 1, 1)" in str(info.value)
+
+
+def test_launch_overhead(mod):
+    x = torch.zeros(1, dtype=torch.int32, device="cuda")
+    f = mod.function("block_ids")
+    f.launch(1, 32, (x,))
+    torch.cuda.synchronize()
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f.launch(1, 32, (x,))
+    dt = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    from deep_ep.jit import runtime
+    h, stream = f.handle(0), torch.cuda.current_stream().cuda_stream
+    plan = next(iter(f._plans.values()))
+    _buf, params = runtime.pack_args(plan, (x,))
+    d = runtime._drv()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        d.cuLaunchKernel(h, 1, 1, 1, 32, 1, 1, 0, stream, params, 0)
+    raw = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    print(f"\nhost time per launch: Function.launch {dt * 1e6:.1f} us, bare cuLaunchKernel binding {raw * 1e6:.1f} us")
+
+
+def test_nccl_kernel_loads():
+    """The NCCL device-API kernel's cubin loads on the device (headers match torch's libnccl)."""
+    src = (KERNELS / "nccl_device_api.cu").read_text()
+    loaded = jit.loaded_nccl_version()
+    mod = jit.build("nccl_device_api", src, use_nccl=True)
+    if loaded is not None:
+        from deep_ep.jit import locate
+        assert jit.nccl_header_version(locate.nccl_include_dir()) == loaded
+    mod.function("nccl_device_api_probe").handle()

@@ -1,0 +1,518 @@
+"""Tests of deep_ep.jit that run without a GPU (NVRTC compiles; nothing is launched).
+
+Run: ``python3 -m pytest -q tests/test_jit.py``. The newest-NCCL tests download the
+nvidia-nccl-cu13 2.32.3 wheel once (~305 MB) into ``~/.cache/deep_ep/test-nccl`` (or
+``EP_TEST_NCCL_CACHE``) and skip if the download fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deep_ep import jit  # noqa: E402
+from deep_ep.jit import locate, nccl_headers  # noqa: E402
+
+KERNELS = Path(__file__).resolve().parent / "jit_kernels"
+NEWEST_NCCL = "2.32.3"
+
+SIMPLE = r"""
+#include <cuda/std/cstdint>
+extern "C" __global__ void axpy(float* y, const float* x, float a, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] += a * x[i] * SCALE;
+}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    """One JIT cache per test session (so the first NCCL build is cold), fresh in-memory caches."""
+    root = tmp_path_factory.getbasetemp() / "jit-cache"
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(root))
+    for var in ("EP_JIT_USE_NVCC", "EP_JIT_CHECK_SPILLS", "EP_JIT_DUMP_DIR", "EP_JIT_LINEINFO"):
+        monkeypatch.delenv(var, raising=False)
+    jit.clear_memory_cache()
+    jit.reset_stats()
+    yield root
+
+
+@pytest.fixture(scope="session")
+def newest_nccl_include():
+    """Include dir of the newest NCCL release's headers (only ``*/include/*`` of the wheel is unpacked)."""
+    base = Path(os.environ.get("EP_TEST_NCCL_CACHE", Path.home() / ".cache" / "deep_ep" / "test-nccl"))
+    inc = base / NEWEST_NCCL / "nvidia" / "nccl" / "include"
+    if (inc / "nccl_device.h").exists():
+        return inc
+    base.mkdir(parents=True, exist_ok=True)
+    wheels = list(base.glob(f"nvidia_nccl_cu13-{NEWEST_NCCL}-*.whl"))
+    if not wheels:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(base),
+                               f"nvidia-nccl-cu13=={NEWEST_NCCL}"], capture_output=True, text=True)
+        wheels = list(base.glob(f"nvidia_nccl_cu13-{NEWEST_NCCL}-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            pytest.skip(f"could not download nvidia-nccl-cu13=={NEWEST_NCCL}: {proc.stderr.strip()[-400:]}")
+    tmp = base / f"{NEWEST_NCCL}.tmp-{os.getpid()}"
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extractall(tmp, [n for n in z.namelist() if "/include/" in n])
+    try:
+        os.replace(tmp, base / NEWEST_NCCL)
+    except OSError:  # another session unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert (inc / "nccl_device.h").exists()
+    return inc
+
+
+def _nccl_cases(newest):
+    return {"2.28.9": locate.nccl_include_dir(), NEWEST_NCCL: newest}
+
+
+# ---------------------------------------------------------------------------------------------
+# Basics
+
+
+def test_simple_kernel_compiles_and_reports(capsys):
+    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
+    assert mod.cubin[:4] == b"\x7fELF"
+    assert mod.kernel_names() == ["axpy"]
+    assert mod.registers["axpy"] > 0
+    assert mod.spills["axpy"] == (0, 0, 0)
+    assert (mod.cache_path / "kernel.cubin").read_bytes() == mod.cubin
+    assert mod.arch == "sm_90" and "-arch=sm_90" in mod.options and "-std=c++17" in mod.options
+    assert "--use_fast_math" not in mod.options
+    f = mod.function("axpy")
+    with pytest.raises(KeyError):
+        mod.function("nope")
+    s = jit.stats()
+    assert s["builds"] == 1 and s["compile_seconds"] > 0
+    jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
+    assert jit.stats()["memory_hits"] == 1
+    # Different defines or arch -> different key.
+    assert jit.build("axpy", SIMPLE, defines={"SCALE": "2.0f"}).key != mod.key
+    assert jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"}, arch="sm_90a").key != mod.key
+    if jit.cuda_device_count() == 0:
+        import torch
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            f.launch(1, 32, (torch.empty(0), None, 1.0, 0))
+
+
+def test_launch_without_gpu_is_clear_error():
+    if jit.cuda_device_count():
+        pytest.skip("a GPU is present")
+    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
+    with pytest.raises(jit.LaunchError, match="no CUDA device"):
+        mod.function("axpy").launch(1, 1, (None, None, 1.0, 0))
+
+
+def test_compile_error_carries_log_and_source(tmp_path):
+    bad = 'extern "C" __global__ void broken(int* p) { p[0] = undefined_identifier; }\n'
+    with pytest.raises(jit.CompileError) as info:
+        jit.build("broken", bad)
+    err = info.value
+    assert "undefined_identifier" in err.log
+    assert err.source_path and Path(err.source_path).exists()
+    assert "undefined_identifier" in Path(err.source_path).read_text()
+    assert err.source_path in str(err)
+
+
+def test_spill_check_fails_big_local_array():
+    src = r"""
+    extern "C" __global__ void local_array(int* out, int i) {
+      int a[512];
+      for (int j = 0; j < 512; ++j) a[j] = out[j] * j;
+      out[0] = a[i & 511];
+    }
+    """
+    mod = jit.build("local_array", src)  # fine without the check
+    assert mod.spills["local_array"][2] > 0
+    with pytest.raises(jit.SpillError, match="local memory"):
+        jit.build("local_array", src, check_spills=True)
+    # Environment switch too, and a clean kernel passes.
+    jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"}, check_spills=True)
+
+
+def test_arg_marshalling_layout():
+    """Packing of launch arguments, checked without a GPU through the internal packer."""
+    import ctypes
+    import struct
+
+    import torch
+    from deep_ep.jit.runtime import _Plan, pack_args
+
+    class Pair(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int64)]
+
+    t = torch.arange(4, dtype=torch.int32)
+    empty = torch.empty(0)
+    args = (t, empty, None, 7, -2.5, True, jit.u32(2**32 - 1), jit.i64(-5), jit.u64(2**64 - 1), jit.ptr(0x1000),
+            jit.f32(0.5), Pair(3, 4), b"\x01\x02\x03")
+    plan = _Plan(args)
+    buf, table = pack_args(plan, args)
+    base = ctypes.addressof(buf)
+    ptrs = struct.unpack_from(f"={len(args)}Q", buf, table - base)
+    raw = bytes(buf)
+
+    def at(i, fmt):
+        return struct.unpack_from("=" + fmt, raw, ptrs[i] - base)[0]
+
+    assert at(0, "Q") == t.data_ptr()
+    assert at(1, "Q") == empty.data_ptr()
+    assert at(2, "Q") == 0
+    assert at(3, "i") == 7
+    assert at(4, "f") == -2.5
+    assert at(5, "i") == 1
+    assert at(6, "I") == 2**32 - 1
+    assert at(7, "q") == -5
+    assert at(8, "Q") == 2**64 - 1
+    assert at(9, "Q") == 0x1000
+    assert at(10, "f") == 0.5
+    assert raw[ptrs[11] - base: ptrs[11] - base + 16] == bytes(Pair(3, 4))
+    assert (ptrs[11] - base) % 16 == 0
+    assert raw[ptrs[12] - base: ptrs[12] - base + 3] == b"\x01\x02\x03"
+    with pytest.raises(OverflowError):
+        pack_args(_Plan((2**31,)), (2**31,))
+    with pytest.raises(OverflowError):
+        jit.u32(-1)
+    with pytest.raises(TypeError):
+        _Plan(("string",))
+
+
+def test_launch_overhead_with_fake_driver(monkeypatch):
+    """CPU time of the launch path (argument packing + bookkeeping) with a fake cuLaunchKernel."""
+    import torch
+    from deep_ep.jit import runtime
+
+    calls = []
+
+    class FakeDriver:
+        @staticmethod
+        def cuLaunchKernel(*a):
+            calls.append(a)
+            return (0,)
+
+    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
+    f = mod.function("axpy")
+    f._handles[0] = object()
+    monkeypatch.setattr(runtime, "_driver", FakeDriver)
+    monkeypatch.setattr(runtime, "_ensure_context", lambda device: None)
+    monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
+    y, x = torch.zeros(1024), torch.ones(1024)
+    args = (y, x, 2.0, 1024)
+    f.launch(4, 256, args)
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f.launch(4, 256, args)
+    us = (time.perf_counter() - t0) / n * 1e6
+    print(f"\nlaunch path CPU time (fake driver): {us:.2f} us/launch")
+    assert len(calls) == n + 1
+    assert calls[-1][1:8] == (4, 1, 1, 256, 1, 1, 0)
+    assert us < 50
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL device API under NVRTC
+
+
+@pytest.mark.parametrize("version", ["2.28.9", NEWEST_NCCL])
+def test_nccl_device_api_kernel_compiles(version, newest_nccl_include, capsys):
+    inc = _nccl_cases(newest_nccl_include)[version]
+    assert jit.nccl_header_version(inc) == int(version.split(".")[0]) * 10000 + int(version.split(".")[1]) * 100 \
+        + int(version.split(".")[2])
+    src = (KERNELS / "nccl_device_api.cu").read_text()
+    t0 = time.perf_counter()
+    mod = jit.build("nccl_device_api", src, use_nccl=True, nccl_include_dir=inc)
+    cold = time.perf_counter() - t0
+    assert mod.kernel_names() == ["nccl_device_api_probe"]
+    assert jit.stats()["builds"] == 1
+    # Second build, disk path (in-memory cache cleared): a cache hit, fast.
+    jit.clear_memory_cache()
+    t0 = time.perf_counter()
+    again = jit.build("nccl_device_api", src, use_nccl=True, nccl_include_dir=inc)
+    hit = time.perf_counter() - t0
+    assert again.key == mod.key and again.cubin == mod.cubin
+    assert jit.stats()["disk_hits"] == 1 and jit.stats()["builds"] == 1
+    with capsys.disabled():
+        print(f"\nNCCL {version}: cold NVRTC build {cold * 1e3:.0f} ms, disk-cache hit {hit * 1e3:.1f} ms, "
+              f"info {mod.info}")
+    assert hit < 0.050
+
+
+def test_disk_cache_hit_in_fresh_process(tmp_path):
+    """A fresh interpreter finds the entry the first one wrote (reports the build() time of the hit)."""
+    env = dict(os.environ, EP_JIT_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    code = textwrap.dedent(f"""
+        import json, time, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from deep_ep import jit
+        src = open({str(KERNELS / 'nccl_device_api.cu')!r}).read()
+        t = time.perf_counter(); m = jit.build("nccl_device_api", src, use_nccl=True)
+        print(json.dumps(dict(jit.stats(), t=time.perf_counter() - t, key=m.key)))
+    """)
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["builds"] == 1 and runs[1]["builds"] == 0 and runs[1]["disk_hits"] == 1
+    assert runs[0]["key"] == runs[1]["key"]
+    print(f"\nfresh process: first build() {runs[0]['t'] * 1e3:.0f} ms, cache-hit build() {runs[1]['t'] * 1e3:.0f} ms "
+          "(includes first-call setup: torch/NVRTC imports)")
+
+
+def test_nccl_version_mismatch_is_clear_error(monkeypatch, newest_nccl_include):
+    from deep_ep.jit import builder
+    monkeypatch.setattr(builder, "loaded_nccl_version", lambda: 22809)
+    with pytest.raises(jit.NcclVersionMismatch) as info:
+        jit.build("nccl_device_api", (KERNELS / "nccl_device_api.cu").read_text(), use_nccl=True,
+                  nccl_include_dir=newest_nccl_include)
+    msg = str(info.value)
+    assert "2.32.3" in msg and "2.28.9" in msg and "nvidia-nccl-cu" in msg and "EP_NCCL_INCLUDE_DIR" in msg
+
+
+def test_loaded_nccl_version_none_without_libnccl():
+    v = jit.loaded_nccl_version()
+    maps = Path("/proc/self/maps").read_text()
+    if "libnccl" not in maps:
+        assert v is None
+    else:
+        assert isinstance(v, int) and v > 20000
+
+
+def test_patched_headers_live_in_cache_not_repo(_cache_dir):
+    inc = locate.nccl_include_dir()
+    patched, shims, digest, report = nccl_headers.prepare(inc, _cache_dir)
+    assert str(patched).startswith(str(_cache_dir)) and (shims / "stdint.h").exists()
+    for sub in ("deep_ep", "tests", "docs"):  # the package and the tracked trees hold no NCCL copy
+        assert not list((ROOT / sub).rglob("nccl_device.h"))
+    # Report of what was patched in 2.28.9 (see docs/jit.md).
+    joined = json.dumps(report)
+    assert "if constexpr" in joined and "trailing __attribute__" in joined and "__host__" in joined
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache key and robustness
+
+
+def test_header_content_changes_key(tmp_path):
+    inc = tmp_path / "inc"
+    (inc / "mylib").mkdir(parents=True)
+    hdr = inc / "mylib" / "value.h"
+    hdr.write_text("#define MYVALUE 1\n")
+    src = '#include <mylib/value.h>\nextern "C" __global__ void k(int* o) { o[0] = MYVALUE; }\n'
+    a = jit.build("hdr", src, include_dirs=(inc,))
+    hdr.write_text("#define MYVALUE 2\n")
+    jit.clear_memory_cache()
+    b = jit.build("hdr", src, include_dirs=(inc,))
+    assert a.key != b.key and a.cubin != b.cubin
+    # Same for the deep_ep include tree: a header added under it changes the key.
+    jit.clear_memory_cache()
+    deep_ep_inc = locate.deep_ep_include_dir() / "deep_ep"
+    probe = deep_ep_inc / f"_jit_test_probe_{os.getpid()}.cuh"
+    try:
+        probe.write_text("// probe\n")
+        c = jit.build("hdr", src, include_dirs=(inc,))
+    finally:
+        probe.unlink()
+    assert c.key != b.key
+
+
+def test_corrupt_entry_is_rebuilt():
+    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "3.0f"})
+    cubin = mod.cache_path / "kernel.cubin"
+    cubin.write_bytes(cubin.read_bytes()[:100])  # truncate
+    jit.clear_memory_cache()
+    jit.reset_stats()
+    again = jit.build("axpy", SIMPLE, defines={"SCALE": "3.0f"})
+    assert jit.stats()["builds"] == 1 and jit.stats()["disk_hits"] == 0
+    assert again.cubin == mod.cubin and cubin.read_bytes() == mod.cubin
+    # Corrupt metadata too.
+    (mod.cache_path / "meta.json").write_text("{not json")
+    jit.clear_memory_cache()
+    jit.build("axpy", SIMPLE, defines={"SCALE": "3.0f"})
+    assert jit.stats()["builds"] == 2
+    json.loads((mod.cache_path / "meta.json").read_text())
+
+
+def test_concurrent_processes_one_entry(tmp_path):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, EP_JIT_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    src = SIMPLE.replace("axpy", "axpy_concurrent")
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from deep_ep import jit
+        m = jit.build("concurrent", {src!r}, defines={{"SCALE": "1.0f"}})
+        print(json.dumps(dict(jit.stats(), key=m.key, n=len(m.cubin))))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    res = [json.loads(o[0].splitlines()[-1]) for o in outs]
+    assert len({r["key"] for r in res}) == 1
+    assert sum(r["builds"] for r in res) == 1 and sum(r["disk_hits"] for r in res) == 3
+    entries = [p for p in (cache / "kernels").rglob("meta.json")]
+    assert len(entries) == 1
+    leftovers = [p for p in (cache / "kernels").rglob("*") if ".tmp-" in p.name or ".bad-" in p.name]
+    assert not leftovers
+    from deep_ep.jit.cache import DiskCache
+    assert DiskCache(cache).load(res[0]["key"]) is not None
+
+
+def test_missing_nvrtc_override_names_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("EP_NCCL_INCLUDE_DIR", str(tmp_path))
+    locate.clear_cache()
+    try:
+        with pytest.raises(jit.JitEnvironmentError, match="EP_NCCL_INCLUDE_DIR"):
+            locate.nccl_include_dir()
+    finally:
+        monkeypatch.delenv("EP_NCCL_INCLUDE_DIR")
+        locate.clear_cache()
+    assert "nvidia-nccl-cu" in locate.package_hint("nccl")
+    assert "nvidia-cuda-nvrtc" in locate.package_hint("nvrtc")
+
+
+@pytest.mark.skipif(not locate.find_tool("nvcc"), reason="nvcc not installed")
+def test_nvcc_backend(monkeypatch):
+    monkeypatch.setenv("EP_JIT_USE_NVCC", "1")
+    mod = jit.build("axpy_nvcc", SIMPLE, defines={"SCALE": "1.0f"})
+    assert mod.kernel_names() == ["axpy"] and mod.cubin[:4] == b"\x7fELF"
+    assert mod.info["axpy"]["registers"] > 0
+
+
+def test_dump_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("EP_JIT_DUMP_DIR", str(tmp_path))
+    jit.build("axpy_dump", SIMPLE, defines={"SCALE": "4.0f"})
+    names = {p.suffix for p in tmp_path.iterdir()}
+    assert {".cu", ".ptx", ".cubin", ".log"} <= names
+
+
+# ---------------------------------------------------------------------------------------------
+# Struct layouts: NVRTC (patched headers) vs nvcc (original headers)
+
+_LAYOUT_FILES = ("nccl_device/impl/core__types.h", "nccl_device/impl/comm__types.h",
+                 "nccl_device/gin/proxy/gin_proxy_device_host_common.h",
+                 "nccl_device/gin/gdaki/gin_gdaki_device_host_common.h",
+                 "nccl_device/gin/gdaki/doca_gpunetio/common/doca_gpunetio_verbs_dev.h",
+                 "nccl_device/gin/gdaki/doca_gpunetio/common/doca_gpunetio_verbs_def.h",
+                 "nccl_device/gin/gin_device_host_common.h")
+# Structs whose every plain member's offset is checked (others: size and alignment).
+_OFFSET_STRUCTS = ("ncclDevComm", "ncclWindow_vidmem", "doca_gpu_dev_verbs_qp", "doca_gpu_dev_verbs_wqe",
+                   "doca_gpu_dev_verbs_cq", "ncclGinGdakiGPUContext", "ncclGinProxyGpuCtx_t")
+
+
+def _layout_items(inc: Path) -> list[str]:
+    """C++ constant expressions (sizeof/alignof/offsetof) over NCCL's GIN / device structs."""
+    items = []
+    for rel in _LAYOUT_FILES:
+        path = inc / rel
+        if not path.exists():
+            continue
+        text = nccl_headers._mask_comments_and_strings(path.read_text())
+        names = re.findall(r"^(?:typedef\s+)?struct\s+(?:__attribute__\s*\(\(.*?\)\)\s*)*(\w+)\s*\{", text, re.M)
+        names += re.findall(r"^\}\s*(?:__attribute__\s*\(\(.*?\)\)\s*)*(\w+_t)\s*;", text, re.M)
+        for name in names:
+            if re.search(rf"template\s*<[^>]*>\s*struct\s+{name}\b", text):
+                continue
+            t = name if name.endswith("_t") else f"struct {name}"
+            items += [f"sizeof({t})", f"alignof({t})"]
+            if name in _OFFSET_STRUCTS:
+                items += [f"offsetof({t}, {m})" for m in _plain_members(text, name)]
+    return list(dict.fromkeys(items))
+
+
+def _plain_members(text: str, name: str) -> list[str]:
+    m = re.search(rf"struct\s+(?:__attribute__\s*\(\(.*?\)\)\s*)*{name}\s*\{{", text) or \
+        re.search(rf"\{{([^{{}}]*)\}}\s*{name}\s*;", text)
+    if m is None:
+        return []
+    if m.re.pattern.startswith("struct"):
+        start, depth, i = m.end(), 1, m.end()
+        while depth and i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        body = text[start:i - 1]
+    else:
+        body = m.group(1)
+    out, depth = [], 0
+    for stmt in re.split(r";", body):
+        depth_before = depth
+        depth += stmt.count("{") - stmt.count("}")
+        if depth_before or "{" in stmt or "}" in stmt or "(" in stmt or re.search(r"[^:]:[^:]", stmt) \
+                or stmt.strip().startswith("#") or "#" in stmt:
+            continue
+        for decl in stmt.split(","):
+            mm = re.search(r"(\w+)\s*(\[[^\]]*\])?\s*$", decl.strip())
+            if mm and len(stmt.split()) >= 2:
+                out.append(mm.group(1))
+    return out
+
+
+def _nvcc_layout(inc: Path, items: list[str], tmp: Path) -> dict[str, int]:
+    """Values of ``items`` as nvcc's *device* compilation sees them (original headers).
+
+    Each value is read back from an error message: ``Show<(expr)>`` names an incomplete class
+    template, so nvcc reports ``incomplete type "Show<24ULL>"`` on the item's line. Nothing runs.
+    """
+    head = "#include <cstddef>\n#include <nccl_device.h>\ntemplate <unsigned long long V> struct Show;\n" \
+           "__device__ void layout_probe() {\n"
+    first = head.count("\n") + 1
+    src = head + "".join(f"  Show<(unsigned long long)({e})> v{i};\n" for i, e in enumerate(items)) + "}\n"
+    (tmp / "layout.cu").write_text(src)
+    nvcc = locate.find_tool("nvcc")
+    proc = subprocess.run([nvcc, "-cubin", "-std=c++17", "-arch=sm_90", "-Xcudafe", "--error_limit=100000",
+                           f"-I{inc}", "-o", os.devnull, str(tmp / "layout.cu")], capture_output=True, text=True)
+    found = {int(m.group(1)) - first: int(m.group(2))
+             for m in re.finditer(r"layout\.cu\((\d+)\): error: incomplete type \"Show<(\d+)ULL>\"", proc.stderr)}
+    missing = [items[i] for i in range(len(items)) if i not in found]
+    assert not missing, f"nvcc gave no value for {missing[:10]}:\n{proc.stderr[-3000:]}"
+    return {items[i]: found[i] for i in range(len(items))}
+
+
+def _nvrtc_layout(inc: Path, items: list[str], tmp: Path, monkeypatch) -> dict[str, int]:
+    """Values of ``items`` under NVRTC with the patched headers, read back from the PTX.
+
+    NVRTC has no ``__builtin_offsetof`` (CCCL's NVRTC ``offsetof`` is not a constant expression),
+    so instead of static_asserts the probe kernel stores each value to ``out[i]``; ptxas-free PTX
+    shows them as ``mov.u64 %rdN, VALUE`` + ``st.global.u64 [%rdM+8*i], %rdN``.
+    """
+    src = "#include <nccl_device.h>\nextern \"C\" __global__ void layout_probe(unsigned long long* out) {\n" + \
+        "".join(f"  out[{i}] = (unsigned long long)({e});\n" for i, e in enumerate(items)) + "}\n"
+    dump = tmp / "dump"
+    monkeypatch.setenv("EP_JIT_DUMP_DIR", str(dump))
+    jit.build("nccl_layout", src, use_nccl=True, nccl_include_dir=inc)
+    ptx = next(dump.glob("nccl_layout-*.ptx")).read_text()
+    regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"mov\.[ub]64\s+(%rd\d+),\s*(\d+);", ptx)}
+    vals = {}
+    for m in re.finditer(r"st\.global\.[ub]64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|\d+);", ptx):
+        off = int(m.group(1) or 0)
+        vals[off // 8] = regs[m.group(2)] if m.group(2).startswith("%") else int(m.group(2))
+    assert len(vals) == len(items), f"could not read {len(items) - len(vals)} values from the PTX"
+    return {items[i]: vals[i] for i in range(len(items))}
+
+
+@pytest.mark.skipif(not locate.find_tool("nvcc"), reason="nvcc not installed: no reference layout")
+@pytest.mark.parametrize("version", ["2.28.9", NEWEST_NCCL])
+def test_struct_layouts_match_nvcc(version, newest_nccl_include, tmp_path, monkeypatch):
+    inc = _nccl_cases(newest_nccl_include)[version]
+    items = _layout_items(inc)
+    assert any("ncclGinProxyGfd_t" in i for i in items) and any("doca_gpu_dev_verbs_qp" in i for i in items)
+    assert any(i.startswith("offsetof(struct ncclDevComm") for i in items)
+    expected = _nvcc_layout(inc, items, tmp_path)
+    got = _nvrtc_layout(inc, items, tmp_path, monkeypatch)
+    diff = {e: (got[e], v) for e, v in expected.items() if got[e] != v}
+    assert not diff, f"NCCL {version}: NVRTC vs nvcc layout differences (nvrtc, nvcc): {diff}"
+    print(f"\nNCCL {version}: {len(expected)} sizeof/alignof/offsetof values under NVRTC match nvcc, e.g. "
+          f"sizeof(ncclDevComm)={expected['sizeof(struct ncclDevComm)']}, "
+          f"sizeof(ncclGinProxyGfd_t)={expected['sizeof(ncclGinProxyGfd_t)']}")
