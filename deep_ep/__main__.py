@@ -1,0 +1,39 @@
+"""Command line of deep_ep: ``python -m deep_ep bench ...`` (installed as ``deep-ep``).
+
+Subcommands:
+  bench   run and check dispatch + combine for a model preset; see ``python -m deep_ep bench -h``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The top-level parser with its subcommands."""
+    from . import bench  # noqa: WPS433
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description="deep_ep: expert-parallel dispatch/combine for Mixture-of-Experts.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    bench.add_arguments(sub.add_parser(
+        "bench", help="benchmark and check dispatch + combine (CPU gloo ranks, or the GPU path)"))
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``deep-ep`` and ``python -m deep_ep``; returns the exit code."""
+    prog = "python -m deep_ep" if sys.argv and sys.argv[0].endswith("__main__.py") else None
+    args = build_parser(prog).parse_args(argv)
+    if args.command == "bench":
+        from . import bench  # noqa: WPS433
+
+        return bench.main(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
