@@ -154,6 +154,9 @@ def main(args: argparse.Namespace) -> int:
     """Run the bench for parsed ``args``; print the table; write JSON / plot. Returns an exit code."""
     if args.plot:
         _require_matplotlib()
+    if args.virtual_ranks is not None:
+        # Emulated ranks need eager kernel loading, set before CUDA initialises (deep_ep.emulated).
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if use_gpu_runner(args):
         try:
             from . import bench_gpu  # noqa: WPS433 (lazy: written separately, needs CUDA)

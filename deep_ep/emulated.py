@@ -21,11 +21,19 @@ wait in one rank must not block another)::
 
     results = group.run(body)               # one result per rank; re-raises the first failure
 
-Constraints: ranks wait for each other inside kernels, so every rank's blocks must be resident at
-once: ``num_ranks * num_sms <= SMs of the device`` (checked, with a clear error).
+Constraints:
+
+* Ranks wait for each other inside kernels, so every rank's blocks must be resident at once:
+  ``num_ranks * num_sms <= SMs of the device`` (checked, with a clear error).
+* CUDA's lazy kernel loading (the default since CUDA 12.2) loads a kernel at its first launch and
+  waits for the whole GPU to drain first. With ranks spinning on each other in one process, that wait
+  never ends. Emulated ranks therefore need ``CUDA_MODULE_LOADING=EAGER``: `EmulatedGroup` sets it
+  when CUDA is not initialised yet, and raises otherwise. deep_ep's own kernels are loaded at a point
+  where every rank has stopped (a host barrier), the first time each is needed.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Optional
 
@@ -33,7 +41,7 @@ import torch
 
 from .comm.transport import EmulatedTransport, EmulatedWindowSet
 
-__all__ = ["EmulatedGroup", "EmulatedRankGroup"]
+__all__ = ["EmulatedGroup", "EmulatedRankGroup", "ensure_eager_module_loading"]
 
 
 class EmulatedGroup:
@@ -52,6 +60,7 @@ class EmulatedGroup:
     def __init__(self, num_ranks: int, device: Optional[torch.device] = None, timeout_secs: float = 300.0) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        ensure_eager_module_loading()
         if not torch.cuda.is_available():
             raise RuntimeError("emulated ranks run on a CUDA device; none is available")
         self.num_ranks = num_ranks
@@ -61,6 +70,7 @@ class EmulatedGroup:
         self._lock = threading.Lock()
         self._windows: dict = {}          # creation index -> EmulatedWindowSet
         self._creations = [0] * num_ranks  # buffers created so far by each rank
+        self._loaded: set = set()          # kernel modules loaded for this group (see load_collectively)
         self.ranks = [EmulatedRankGroup(self, r) for r in range(num_ranks)]
 
     def rank_group(self, rank: int) -> "EmulatedRankGroup":
@@ -94,13 +104,19 @@ class EmulatedGroup:
         for t in threads:
             t.join()
         self._barrier.reset()
-        for r, e in enumerate(errors):
-            if e is not None and not isinstance(e, threading.BrokenBarrierError):
-                raise e
-        for e in errors:
-            if e is not None:
-                raise e
-        return results
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return results
+        # The root cause first: a rank's own error, not a peer's timeout or a broken host barrier.
+        failed.sort(key=lambda re: (isinstance(re[1], (TimeoutError, threading.BrokenBarrierError)), re[0]))
+        rank, primary = failed[0]
+        if len(failed) > 1:
+            others = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                               for r, e in failed[1:])
+            _note(primary, f"[deep_ep.emulated] raised on rank {rank}; other ranks: {others}")
+        else:
+            _note(primary, f"[deep_ep.emulated] raised on rank {rank}")
+        raise primary
 
     # called by the ranks' transports
     def _windows_for(self, rank: int, num_bytes: int) -> EmulatedWindowSet:
@@ -115,6 +131,31 @@ class EmulatedGroup:
                 raise ValueError(f"rank {rank} creates a buffer of {num_bytes} bytes, but another rank created "
                                  f"buffer #{idx} with {ws.num_bytes}: every rank must pass the same size")
             return ws
+
+
+def ensure_eager_module_loading() -> None:
+    """Make CUDA load kernels eagerly (see the module docstring), or raise if it is too late.
+
+    Raises:
+        RuntimeError: CUDA was initialised with lazy loading in this process.
+    """
+    if os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
+        return
+    if not torch.cuda.is_initialized():
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+        return
+    try:
+        from cuda.bindings import driver
+        err, mode = driver.cuModuleGetLoadingMode()
+        if int(err) == 0 and mode == driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING:
+            return
+    except Exception:  # noqa: BLE001 - no bindings: fall through to the error
+        pass
+    raise RuntimeError(
+        "emulated ranks need CUDA_MODULE_LOADING=EAGER: CUDA's lazy loading waits for the whole GPU to "
+        "drain before loading a kernel, which never happens while another rank's kernel spins waiting "
+        "for this one. Set CUDA_MODULE_LOADING=EAGER in the environment before the process first uses "
+        "CUDA (or create the EmulatedGroup before any CUDA work)")
 
 
 class EmulatedRankGroup:
@@ -133,9 +174,18 @@ class EmulatedRankGroup:
     def barrier(self) -> None:
         self.parent.barrier()
 
+    def load_collectively(self, key, load: Callable) -> None:
+        """See `EmulatedGroup.load_collectively`."""
+        self.parent.load_collectively(self._rank, key, load)
+
     def make_transport(self, num_bytes: int) -> EmulatedTransport:
         """Collective over the ranks: the window set shared by this group's next buffer."""
         ws = self.parent._windows_for(self._rank, num_bytes)
         transport = EmulatedTransport(ws, self._rank, self.parent.barrier)
         self.parent.barrier()  # every rank holds its transport before any kernel can signal
         return transport
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(text)

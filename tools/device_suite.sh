@@ -5,6 +5,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$PWD/.jitcache}
+export CUDA_MODULE_LOADING=EAGER   # emulated ranks spin on each other: no lazy kernel loading (deep_ep/emulated.py)
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
 steps=${*:-env jit gpu bench}
 for step in $steps; do
@@ -20,7 +21,7 @@ for step in $steps; do
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_backend.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     bench)
       timeout 200 python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
-      timeout 300 python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
+      timeout 200 python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
   esac
 done

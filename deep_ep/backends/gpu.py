@@ -91,7 +91,7 @@ _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
-def _module(kind: str, defines: dict):
+def _build_module(kind: str, defines: dict):
     key = (kind, tuple(sorted(defines.items())))
     mod = _modules.get(key)
     if mod is None:
@@ -101,7 +101,13 @@ def _module(kind: str, defines: dict):
                 name = f"deep_ep_{kind}_" + "_".join(f"{v}" for _, v in sorted(defines.items()))
                 mod = jit.build(name, kernel_source(), defines=defines)
                 _modules[key] = mod
-    return mod
+    return key, mod
+
+
+def _load_module(mod, device: torch.device) -> None:
+    """Load every kernel of ``mod`` on ``device`` now (not at its first launch)."""
+    for name in mod.kernel_names():
+        mod.function(name).handle(device.index)
 
 
 def num_modules_built() -> int:
@@ -165,6 +171,7 @@ class GPUBackend(Backend):
         self.comm_stream = torch.cuda.Stream(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._ctrl_host = torch.empty(8, dtype=torch.int32, pin_memory=True)
+        self._ready_modules: set = set()
         self._destroyed = False
 
     # ------------------------------------------------------------------ properties
@@ -195,6 +202,17 @@ class GPUBackend(Backend):
         layout = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk, False, self.transport.num_bytes)
         return wl.WindowLayout(layout.num_ranks, layout.num_max_tokens_per_rank, stride, layout.counts_offset,
                                layout.recv_offset, layout.half_bytes, layout.num_bytes)
+
+    def _module(self, kind: str, defines: dict):
+        """The built and loaded module; the first use loads it, collectively for emulated ranks."""
+        key, mod = _build_module(kind, defines)
+        if key not in self._ready_modules:
+            if self.emulated:
+                self.group.load_collectively(key, lambda: _load_module(mod, self._device))
+            else:
+                _load_module(mod, self._device)
+            self._ready_modules.add(key)
+        return mod
 
     def _num_sms(self, num_sms: int) -> int:
         n = num_sms or wl.theoretical_num_sms(0, 0, self.num_ranks, self.num_device_sms)
@@ -264,7 +282,7 @@ class GPUBackend(Backend):
             raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
                              f"(num_max_tokens_per_rank)")
         n_sms = self._num_sms(num_sms)
-        mod = _module("dispatch", dispatch_defines(data_bytes, num_sf, K, do_expand))
+        mod = self._module("dispatch", dispatch_defines(data_bytes, num_sf, K, do_expand))
         ix_size = 2 + 3 * R + 3 * L + E
         peers = self.transport.peers.data_ptr()
 
@@ -374,7 +392,7 @@ class GPUBackend(Backend):
         T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
         layout = self._layout(H)
         n_sms = self._num_sms(num_sms)
-        mod = _module("combine", combine_defines(H, K, handle.do_expand))
+        mod = self._module("combine", combine_defines(H, K, handle.do_expand))
         out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
         out_w = torch.empty((T, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
         bias0 = bias[0] if len(bias) > 0 else None

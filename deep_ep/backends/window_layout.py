@@ -33,7 +33,7 @@ MAX_EXPERTS = 1024                  # experts a window's count matrix has room f
 MAX_TOPK = 16                       # top-k assumed when the buffer was created without num_topk
 
 # Bandwidth model constants for get_theoretical_num_sms (H200, measured: see docs/performance.md).
-SM_COPY_BANDWIDTH_GBPS = 60.0       # what one SM moves (read + write) with 512 threads of 16-byte copies
+SM_COPY_BANDWIDTH_GBPS = 28.0       # one SM's share of the device copy rate (3670 GB/s / 132 SMs)
 NVLINK_BANDWIDTH_GBPS = 450.0       # H200 NVLink 4, per direction per GPU (datasheet)
 HBM_BANDWIDTH_GBPS = 3670.0         # device copy bandwidth measured on the H200 (read + write)
 

@@ -130,62 +130,102 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                 if (my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
             }
         }
-        for (int base = 0; base < Row::kVecs; base += 32) {
-            const int i = base + lane;
-            const bool active = i < Row::kVecs;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        // kUnroll vectors per lane per step: several independent 16-byte loads in flight per source.
+        constexpr int kUnroll = 4;
+        for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
             for (int d = 0; d < R; ++d) {
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
                 if (row < 0) continue;
-                float f[8];
-                if (d == rank) {
-                    if (!kExpand) {
-                        if (!active) continue;
-                        bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(row) * kHidden) + i), f);
+                if (d == rank && !kExpand) {
+                    const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(row) * kHidden);
+                    int4 v[kUnroll];
 #pragma unroll
-                        for (int q = 0; q < 8; ++q) acc[q] += f[q];
-                    } else {
-                        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int i = base + u * 32 + lane;
+                        if (i < Row::kVecs) v[u] = ld_nc(src + i);
+                    }
 #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            const int out = __shfl_sync(0xffffffffu, my_pair, k);
-                            const float w = __shfl_sync(0xffffffffu, my_pair_w, k);
-                            if (out < 0 || !active) continue;
-                            bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden) + i), f);
+                    for (int u = 0; u < kUnroll; ++u) {
+                        float f[8];
+                        bf16x8_to_f32(v[u], f);
 #pragma unroll
-                            for (int q = 0; q < 8; ++q) part[q] = fmaf(w, f[q], part[q]);
+                        for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
+                    }
+                } else if (d == rank) {
+                    // This rank's own pairs, weighted, straight into the sum (expanded results match
+                    // the reference within rounding: the order differs from its k = 0..K-1 sum).
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        const int out = __shfl_sync(0xffffffffu, my_pair, k);
+                        const float w = __shfl_sync(0xffffffffu, my_pair_w, k);
+                        if (out < 0) continue;
+                        const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden);
+                        int4 v[kUnroll];
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u) {
+                            const int i = base + u * 32 + lane;
+                            if (i < Row::kVecs) v[u] = ld_nc(src + i);
                         }
 #pragma unroll
-                        for (int q = 0; q < 8; ++q) acc[q] += part[q];
+                        for (int u = 0; u < kUnroll; ++u) {
+                            float f[8];
+                            bf16x8_to_f32(v[u], f);
+#pragma unroll
+                            for (int q = 0; q < 8; ++q) acc[u][q] = fmaf(w, f[q], acc[u][q]);
+                        }
                     }
-                } else if (active) {
-                    const uint8_t* src = combine_row_ptr(a.peers[d], a, half, row);
-                    if (!kExpand) {
-                        bf16x8_to_f32(ld_cg(reinterpret_cast<const int4*>(src) + i), f);
-                    } else {
-                        const float4 lo = __ldcg(reinterpret_cast<const float4*>(src) + 2 * i);
-                        const float4 hi = __ldcg(reinterpret_cast<const float4*>(src) + 2 * i + 1);
-                        f[0] = lo.x; f[1] = lo.y; f[2] = lo.z; f[3] = lo.w;
-                        f[4] = hi.x; f[5] = hi.y; f[6] = hi.z; f[7] = hi.w;
+                } else if (!kExpand) {
+                    const int4* src = reinterpret_cast<const int4*>(combine_row_ptr(a.peers[d], a, half, row));
+                    int4 v[kUnroll];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int i = base + u * 32 + lane;
+                        if (i < Row::kVecs) v[u] = ld_cg(src + i);
                     }
 #pragma unroll
-                    for (int q = 0; q < 8; ++q) acc[q] += f[q];
+                    for (int u = 0; u < kUnroll; ++u) {
+                        float f[8];
+                        bf16x8_to_f32(v[u], f);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
+                    }
+                } else {
+                    const float4* src = reinterpret_cast<const float4*>(combine_row_ptr(a.peers[d], a, half, row));
+                    float4 lo[kUnroll], hi[kUnroll];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int i = base + u * 32 + lane;
+                        if (i < Row::kVecs) { lo[u] = __ldcg(src + 2 * i); hi[u] = __ldcg(src + 2 * i + 1); }
+                    }
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        acc[u][0] += lo[u].x; acc[u][1] += lo[u].y; acc[u][2] += lo[u].z; acc[u][3] += lo[u].w;
+                        acc[u][4] += hi[u].x; acc[u][5] += hi[u].y; acc[u][6] += hi[u].z; acc[u][7] += hi[u].w;
+                    }
                 }
             }
-            if (!active) continue;
-            if (a.bias0 != nullptr) {
-                float f[8];
-                bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * kHidden) + i), f);
 #pragma unroll
-                for (int q = 0; q < 8; ++q) acc[q] += f[q];
-            }
-            if (a.bias1 != nullptr) {
+            for (int u = 0; u < kUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i >= Row::kVecs) continue;
                 float f[8];
-                bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * kHidden) + i), f);
+                if (a.bias0 != nullptr) {
+                    bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * kHidden) + i), f);
 #pragma unroll
-                for (int q = 0; q < 8; ++q) acc[q] += f[q];
+                    for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
+                }
+                if (a.bias1 != nullptr) {
+                    bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * kHidden) + i), f);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
+                }
+                reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden)[i] = f32_to_bf16x8(acc[u]);
             }
-            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden)[i] = f32_to_bf16x8(acc);
         }
         if (a.out_weights != nullptr) {
             float w = 0.0f;

@@ -78,9 +78,11 @@ __device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank
 // the done-counter for the next kernel. Each block must have finished its own writes.
 __device__ __forceinline__ bool last_block(uint8_t* my_window) {
     __shared__ bool is_last;
+    // Every thread fences its own writes (many go to peers' windows) before the block arrives: a
+    // fence in one thread does not order the stores other threads issued.
+    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
         uint32_t* done = ctrl_of(my_window) + kCtrlDone;
         uint32_t prev = atomicAdd(done, 1u);
         is_last = (prev == gridDim.x - 1);
@@ -116,6 +118,7 @@ __device__ __forceinline__ bool wait_all_peers(uint8_t* my_window, int rank, int
         }
     }
     __syncthreads();
+    __threadfence();  // reads after the wait see what the peers wrote before signalling
     return ok_flag != 0;
 }
 

@@ -71,7 +71,7 @@ __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, 
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = 4;
+    constexpr int kUnroll = 8;  // 4 KiB of loads in flight per warp
     const int lane = threadIdx.x & 31;
     const int warps_per_block = blockDim.x >> 5;
     const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
@@ -208,7 +208,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = 4;
+    constexpr int kUnroll = 8;
     uint8_t* my_window = a.peers[a.rank];
     const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseDispatch, a.timeout_ns);
     const int lane = threadIdx.x & 31;
