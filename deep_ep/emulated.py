@@ -118,6 +118,21 @@ class EmulatedGroup:
             _note(primary, f"[deep_ep.emulated] raised on rank {rank}")
         raise primary
 
+    def load_collectively(self, rank: int, key, load: Callable) -> None:
+        """Run ``load()`` once for ``key`` while every rank waits at a host barrier.
+
+        Loading a CUDA module waits for the GPU to drain; if another rank had a kernel in flight that
+        waits for this rank, the load would never finish. Every rank reaches its first use of a
+        module at the same call (ranks issue the same sequence of calls), so: barrier, load, barrier.
+        """
+        del rank
+        self.barrier()
+        with self._lock:
+            if key not in self._loaded:
+                load()
+                self._loaded.add(key)
+        self.barrier()
+
     # called by the ranks' transports
     def _windows_for(self, rank: int, num_bytes: int) -> EmulatedWindowSet:
         with self._lock:
