@@ -5,8 +5,8 @@ the transport differs: the N windows are slices of one allocation instead of NCC
 reached over NVLink. This is how deep_ep tests every multi-rank path on a single GPU, and it is a
 tool for users too: test an MoE layer's EP code on a workstation before taking it to a cluster.
 
-Each rank has its own `deep_ep.ElasticBuffer`, its own streams and its own host thread (a host-side
-wait in one rank must not block another)::
+Each rank has its own `deep_ep.ElasticBuffer`, its own compute and communication streams and its own
+host thread (a host-side wait in one rank must not block another)::
 
     import deep_ep
     from deep_ep.emulated import EmulatedGroup
@@ -72,6 +72,8 @@ class EmulatedGroup:
         self._creations = [0] * num_ranks  # buffers created so far by each rank
         self._loaded: set = set()          # kernel modules loaded for this group (see load_collectively)
         self.ranks = [EmulatedRankGroup(self, r) for r in range(num_ranks)]
+        #: each rank's compute stream: `run` makes it the current stream of the rank's thread
+        self.compute_streams = [torch.cuda.Stream(self.device) for _ in range(num_ranks)]
 
     def rank_group(self, rank: int) -> "EmulatedRankGroup":
         """The group object rank ``rank`` passes to `ElasticBuffer`."""
@@ -93,7 +95,11 @@ class EmulatedGroup:
         def worker(r: int) -> None:
             torch.cuda.set_device(self.device)
             try:
-                results[r] = fn(self.ranks[r], *args, **kwargs)
+                # Each rank computes on its own stream, as on its own GPU. On the shared default
+                # stream, the caching allocator would hand a block one rank just freed (say, an input
+                # its communication kernels still read) to another rank's kernels.
+                with torch.cuda.stream(self.compute_streams[r]):
+                    results[r] = fn(self.ranks[r], *args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors[r] = exc
                 self._barrier.abort()
