@@ -1,0 +1,28 @@
+"""deep_ep: expert-parallel dispatch/combine for Mixture-of-Experts models.
+
+The API follows DeepEP V2: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
+`topk_idx_t`. `deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and
+routing generators (imported on first use).
+"""
+from __future__ import annotations
+
+import importlib
+
+from .buffer import ElasticBuffer, topk_idx_t
+from .event import EventOverlap
+from .handle import EPHandle
+
+try:
+    from importlib.metadata import version as _version
+    __version__ = _version("deep_ep")
+except Exception:  # not installed (run from a source tree)
+    __version__ = "0.1.0"
+
+__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "topk_idx_t", "routing", "reference", "__version__"]
+
+
+def __getattr__(name: str):
+    # Submodules loaded lazily, so that importing deep_ep stays light.
+    if name in ("routing", "reference"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'deep_ep' has no attribute {name!r}")

@@ -1,0 +1,125 @@
+"""The interface every backend implements (CPU over gloo, GPU over NCCL, emulated ranks).
+
+`deep_ep.ElasticBuffer` validates and normalises all arguments, handles streams and events, and then
+calls a backend with:
+
+* ``x`` split into ``data`` (bf16 or float8_e4m3fn ``[T, H]``, contiguous) and ``sf`` (``None`` or
+  float32 / int32 ``[T, num_sf]``, row-major contiguous);
+* ``topk_idx`` int64 ``[T, K]`` (values in ``[-1, E)``) and optional float32 ``topk_weights``, or a
+  validated ``handle`` (an `EPHandle` made by this backend's buffer on this rank) for a cached dispatch;
+* ``bias`` as a tuple of 0, 1 or 2 bf16 ``[T, H]`` tensors;
+* every flag already resolved to a concrete value (no ``None`` defaults left).
+
+The backend launches its work on its communication stream (`get_comm_stream`, or none on CPU; the
+buffer has already made that stream wait for the compute stream or ``previous_event``, and records
+the completion event after the call; outputs are allocated on whatever stream is current) and returns the outputs described by docs/design.md. It must fail with an exception on every rank,
+never hang, when ranks disagree or when a rank would receive more than fits (conditions a single rank
+cannot see).
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..handle import EPHandle
+
+__all__ = ["BufferConfig", "Backend"]
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """What `ElasticBuffer.__init__` was given, validated. ``num_bytes`` is the resolved window size
+    in bytes (``0`` when it could not be estimated: the CPU backend needs no window)."""
+    buffer_id: int
+    rank: int
+    num_ranks: int
+    num_bytes: int
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    use_fp8_dispatch: bool
+    deterministic: bool
+    allow_hybrid_mode: bool
+    allow_multiple_reduction: bool
+    prefer_overlap_with_compute: bool
+    num_gpu_timeout_secs: float
+    num_cpu_timeout_secs: float
+    explicitly_destroy: bool
+
+
+class Backend(abc.ABC):
+    """Runs dispatch/combine for one `ElasticBuffer` on one rank. Created by `make_backend`."""
+
+    def __init__(self, group, config: BufferConfig) -> None:
+        self.group = group
+        self.config = config
+
+    # ------------------------------------------------------------------ properties
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Device every tensor given to / returned by this backend lives on."""
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The stream communication kernels run on; ``None`` when there are no streams (CPU)."""
+        return None
+
+    def get_logical_domain_size(self) -> tuple:
+        """``(scale-out ranks, scale-up ranks)`` as the algorithms see them. Default: one domain."""
+        return 1, self.config.num_ranks
+
+    def get_physical_domain_size(self) -> tuple:
+        """``(scale-out ranks, scale-up ranks)`` of the hardware. Default: one domain."""
+        return 1, self.config.num_ranks
+
+    def capture(self):
+        """Context manager around CUDA-graph capture of dispatch/combine (default: nothing)."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ collectives
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank of the group reached the barrier."""
+
+    @abc.abstractmethod
+    def dispatch(self, data: torch.Tensor, sf: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
+                 num_experts: int, num_max_tokens_per_rank: int, expert_alignment: int, num_sms: int,
+                 handle: Optional[EPHandle], do_handle_copy: bool, do_cpu_sync: bool,
+                 do_expand: bool, do_zero_padding: bool, use_tma_aligned_col_major_sf: bool,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor]) -> tuple:
+        """Dispatch (docs/design.md "Semantics of dispatch and combine").
+
+        With ``handle`` given (cached dispatch) ``topk_idx``/``topk_weights`` are None and the layout
+        flags (``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``do_expand``, and
+        ``do_cpu_sync`` = ``handle.do_cpu_sync``, which here only says how the handle's outputs were
+        sized) equal the handle's; a cached dispatch never waits for the host. ``num_max_tokens_per_rank`` is 0 when unknown (only allowed with
+        ``do_cpu_sync=True``).
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``; ``recv_x`` is a tensor for bf16
+            input, the tuple ``(recv_data, recv_sf)`` for FP8 input; for a cached dispatch ``handle``
+            is the handle given (or its copy).
+        """
+
+    @abc.abstractmethod
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
+                bias: tuple, *, num_sms: int) -> tuple:
+        """Combine (docs/design.md "Combine").
+
+        Args:
+            x: bf16 ``[handle.num_recv_rows, handle.hidden]``.
+            handle: made by this backend's dispatch on this rank.
+            topk_weights: None, float32 ``[rows, K]`` (non-expanded) or ``[rows]`` (expanded).
+            bias: tuple of 0-2 bf16 ``[handle.num_tokens, hidden]`` tensors.
+
+        Returns:
+            ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None)``.
+        """
+
+    def destroy(self) -> None:
+        """Release every resource (windows, communicators, streams). Called once."""

@@ -1,0 +1,420 @@
+"""CPU backend: dispatch and combine over a gloo group through ``torch.distributed`` collectives.
+
+This is the executable specification run distributed: its outputs are bit-identical to
+`deep_ep.reference` (same row order, same float32 summation order, see that module's docstring).
+
+Protocol of one dispatch on rank ``r`` (all collectives on ``group``):
+
+1. *Header* (``all_gather``, int64 ``[F + 2R]``): the call's configuration (op, E, H, K, x format, layout
+   flags, M), this rank's token count and how many tokens it sends to every rank. Every rank checks
+   that all ranks agree and that every receive fits; any violation raises the same `RuntimeError` on
+   every rank, before data moves (no hang, nothing written past an allocation).
+2. Expanded mode only: ``all_gather`` of int64 ``[E]`` pair counts per expert, from which every source
+   computes where its pairs land (``send_pos``) without asking the destination.
+3. *Rows* (two ``all_to_all_single``): each token travels once to every rank holding one of its
+   experts, ordered by (destination, token): first the packed uint8 metadata
+   ``scale factors | topk_idx | topk_weights | source token``, then the data rows alone (viewed as
+   int64 words, received in place for non-expanded outputs). The destination lays rows out
+   (expanding them in expanded mode) exactly as the reference does.
+
+Combine sends every valid received row back to its source (header first, with the row counts both
+sides expect; then the bf16 rows and, when needed, the weights) and reduces in the reference's order.
+
+Timeouts: collectives wait as long as the process group's own timeout (``init_process_group(timeout=)``);
+``num_cpu_timeout_secs`` is not applied by this backend.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..handle import EPHandle
+from ..reference import alloc_recv_sf, as_bits, worst_case_recv_rows
+from .base import Backend, BufferConfig
+
+__all__ = ["CPUBackend"]
+
+# Header fields (int64). The ones in _AGREE must be equal on every rank.
+_OP, _E, _H, _K, _XKIND, _NSF, _EXPAND, _ALIGN, _M, _SYNC, _HASW, _T = range(12)
+_F = 12
+_AGREE = {_OP: "operation", _E: "num_experts", _H: "hidden", _K: "num_topk",
+          _XKIND: "x format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 sf)",
+          _NSF: "number of scale factors", _EXPAND: "do_expand", _ALIGN: "expert_alignment",
+          _SYNC: "do_cpu_sync", _HASW: "weights given"}
+_OP_DISPATCH, _OP_COMBINE = 1, 2
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, n]`` tensor viewed as ``[rows, n * itemsize]`` uint8 (no copy)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _typed(b: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """uint8 ``[rows, width * itemsize]`` columns → ``[rows, width]`` of ``dtype``."""
+    # A fresh copy: `contiguous()` may return a strided view for 0 or 1 rows, which `view` rejects.
+    return b.clone(memory_format=torch.contiguous_format).view(dtype).reshape(b.shape[0], width)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[rows, n]`` tensor viewed with the widest gloo-supported integer type dividing
+    a row (int64, int32, else uint8), so whole rows move as few wide elements."""
+    row_bytes = t.shape[1] * t.element_size()
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
+        if row_bytes % size == 0 and size >= t.element_size():
+            return t.view(dtype)
+    return t.view(torch.uint8)
+
+
+def _pack(parts: list, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of each uint8 ``[n, w]`` part, side by side: ``[len(rows), sum w]`` uint8."""
+    width = sum(w for _, w in parts)
+    buf = torch.empty((rows.numel(), width), dtype=torch.uint8)
+    col = 0
+    for b, w in parts:
+        buf[:, col:col + w] = b.index_select(0, rows)
+        col += w
+    return buf
+
+
+class CPUBackend(Backend):
+    """Dispatch/combine of CPU tensors over a gloo (or any CPU-capable) process group."""
+
+    def __init__(self, group, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        self.rank = config.rank
+        self.num_ranks = config.num_ranks
+        self._destroyed = False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ helpers
+    def _error(self, msg: str) -> RuntimeError:
+        return RuntimeError(f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): {msg}")
+
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(t) for _ in range(self.num_ranks)]
+        dist.all_gather(out, t, group=self.group)
+        return torch.stack(out)
+
+    def _exchange_header(self, fields: list, send_counts: torch.Tensor,
+                         expect_counts: Optional[torch.Tensor]) -> torch.Tensor:
+        R = self.num_ranks
+        header = torch.zeros(_F + 2 * R, dtype=torch.int64)
+        header[:_F] = torch.tensor(fields, dtype=torch.int64)
+        header[_F:_F + R] = send_counts
+        if expect_counts is not None:
+            header[_F + R:] = expect_counts
+        headers = self._all_gather(header)                       # [R, F + 2R], same on every rank
+        for i, name in _AGREE.items():
+            col = headers[:, i]
+            if (col != col[0]).any():
+                if i == _OP:
+                    ops = ["dispatch" if v == _OP_DISPATCH else "combine" for v in col.tolist()]
+                    raise self._error(f"ranks called different operations: {ops}")
+                raise self._error(f"ranks disagree on {name}: per-rank values {col.tolist()}")
+        return headers
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        self._destroyed = True
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
+                 expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
+                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+        R, r = self.num_ranks, self.rank
+        cached = handle is not None
+        if cached:
+            topk_idx = handle.topk_idx
+        E, A, M = num_experts, expert_alignment, num_max_tokens_per_rank
+        L = E // R
+        T, H = int(data.shape[0]), int(data.shape[1])
+        K = int(topk_idx.shape[1])
+        has_w = topk_weights is not None
+        xkind = 0 if sf is None else (1 if sf.dtype == torch.float32 else 2)
+        num_sf = 0 if sf is None else int(sf.shape[1])
+
+        # --- routing on the source side
+        owner = torch.where(topk_idx >= 0, torch.div(topk_idx, L, rounding_mode="floor"),
+                            torch.full_like(topk_idx, -1))
+        hit = torch.stack([(owner == d).any(1) for d in range(R)], 1) if T > 0 else \
+            torch.zeros((0, R), dtype=torch.bool)                 # [T, R]: token t goes to rank d
+        send_counts = hit.sum(0).to(torch.int64)
+
+        fields = [0] * _F
+        fields[_OP], fields[_E], fields[_H], fields[_K] = _OP_DISPATCH, E, H, K
+        fields[_XKIND], fields[_NSF], fields[_EXPAND], fields[_ALIGN] = xkind, num_sf, int(do_expand), A
+        fields[_M], fields[_SYNC], fields[_HASW], fields[_T] = M, int(do_cpu_sync), int(has_w), T
+        headers = self._exchange_header(fields, send_counts, None)
+        counts = headers[:, _F:_F + R]                            # counts[s, d]: tokens s -> d
+        if not do_cpu_sync:
+            ms = headers[:, _M]
+            if (ms != ms[0]).any():
+                raise self._error(f"ranks disagree on num_max_tokens_per_rank (needed to size "
+                                  f"do_cpu_sync=False outputs): per-rank values {ms.tolist()}")
+            over = (headers[:, _T] > M).nonzero().flatten().tolist()
+            if over:
+                raise self._error(f"rank(s) {over} dispatch {headers[over, _T].tolist()} tokens, more "
+                                  f"than num_max_tokens_per_rank={M}: outputs sized for the worst "
+                                  f"case could not hold them")
+        recv_counts = counts[:, r]                                # tokens s -> r
+
+        pair_counts = None
+        if do_expand:
+            valid = topk_idx[topk_idx >= 0]
+            my_pairs = torch.bincount(valid, minlength=E).to(torch.int64)
+            pair_counts = self._all_gather(my_pairs)              # [R sources, E]
+
+        # --- send_pos (where this rank's tokens land), computed locally from the exchanged counts
+        if not do_expand:
+            offsets = counts[:r].sum(0)                           # [R]: rows at d from sources < r
+            send_pos = torch.where(hit, offsets.unsqueeze(0) + torch.cumsum(hit.long(), 0) - 1,
+                                   torch.full((T, R), -1, dtype=torch.int64)).to(torch.int32)
+        else:
+            total = pair_counts.sum(0)                            # [E] pairs per expert at its owner
+            padded = (total + A - 1) // A * A
+            pv = padded.view(R, L)
+            starts = (torch.cumsum(pv, 1) - pv).flatten()         # group start in the owner's rows
+            before = pair_counts[:r].sum(0)                       # pairs of sources < r, per expert
+            sel = topk_idx.flatten() >= 0
+            flat = sel.nonzero().flatten()
+            ge = topk_idx.flatten()[flat]
+            order = torch.sort(ge, stable=True).indices
+            flat, ge = flat[order], ge[order]
+            mine = pair_counts[r]
+            ucum = torch.cumsum(mine, 0) - mine
+            rank_in = torch.arange(flat.numel()) - ucum[ge]
+            send_pos = torch.full((T * K,), -1, dtype=torch.int32)
+            send_pos[flat] = (starts[ge] + before[ge] + rank_in).to(torch.int32)
+            send_pos = send_pos.view(T, K)
+
+        # --- move rows: each token once per destination rank, in (d, t) order. The data rows travel
+        # alone (wide integer view, no packing copy); scale factors, routing and the source token
+        # index travel packed side by side in a second, small exchange.
+        parts = []
+        if sf is not None:
+            parts.append((_bytes(sf), num_sf * 4))
+        parts.append((_bytes(topk_idx), K * 8))
+        if has_w:
+            parts.append((_bytes(topk_weights.float()), K * 4))
+        parts.append((_bytes(torch.arange(T, dtype=torch.int32).view(T, 1)), 4))
+        _, tok_t = hit.t().nonzero(as_tuple=True)                 # sorted by (d, t)
+        n_in = int(recv_counts.sum())
+        in_splits, out_splits = recv_counts.tolist(), send_counts.tolist()
+        meta_out = _pack(parts, tok_t)
+        meta_in = torch.empty((n_in, meta_out.shape[1]), dtype=torch.uint8)
+        dist.all_to_all_single(meta_in, meta_out, in_splits, out_splits, group=self.group)
+        # Non-expanded outputs receive the data in place; expanded ones go through a staging tensor.
+        rows_needed = n_in if (do_cpu_sync or do_expand) else worst_case_recv_rows(R, M, K, L, A, False)
+        in_data_full = torch.empty((rows_needed, H), dtype=data.dtype)
+        in_data = in_data_full[:n_in]
+        dist.all_to_all_single(_wire(in_data), _wire(data).index_select(0, tok_t), in_splits, out_splits,
+                               group=self.group)
+
+        # --- unpack on the destination side (rows arrive ordered by (s, t))
+        col = 0
+        in_sf = None
+        if sf is not None:
+            in_sf = _typed(meta_in[:, col:col + num_sf * 4], sf.dtype, num_sf); col += num_sf * 4
+        in_idx = _typed(meta_in[:, col:col + K * 8], torch.int64, K); col += K * 8
+        in_w = None
+        if has_w:
+            in_w = _typed(meta_in[:, col:col + K * 4], torch.float32, K); col += K * 4
+        in_tok = _typed(meta_in[:, col:col + 4], torch.int32, 1).flatten()
+        in_src = torch.repeat_interleave(torch.arange(R, dtype=torch.int32), recv_counts)
+
+        local = (in_idx >= r * L) & (in_idx < (r + 1) * L)        # [n_in, K]
+        local_expert = in_idx - r * L
+        expert_counts = torch.bincount(local_expert[local], minlength=L).to(torch.int32)
+        padded_counts = (expert_counts + A - 1) // A * A
+
+        if not do_expand:
+            n_valid = n_in
+            rows = n_in if do_cpu_sync else worst_case_recv_rows(R, M, K, L, A, False)
+            row_of = torch.arange(n_in)
+            src_of = row_of                                        # received token feeding each row
+            tokens_per_src = recv_counts
+            recv_idx = torch.full((rows, K), -1, dtype=torch.int64)
+            recv_idx[:n_in] = torch.where(local, local_expert, torch.full_like(local_expert, -1))
+            recv_w = None
+            if has_w:
+                recv_w = torch.zeros((rows, K), dtype=torch.float32)
+                recv_w[:n_in] = torch.where(local, in_w, torch.zeros_like(in_w))
+            handle_w = None
+            pad_rows = None
+        else:
+            flat = local.flatten().nonzero().flatten()            # ascending (j, k) = (s, t, k)
+            e = local_expert.flatten()[flat]
+            order = torch.sort(e, stable=True).indices
+            flat, e = flat[order], e[order]
+            j, k = torch.div(flat, K, rounding_mode="floor"), flat % K
+            starts = torch.cumsum(padded_counts, 0) - padded_counts
+            ustarts = torch.cumsum(expert_counts, 0) - expert_counts
+            row_of = starts[e] + torch.arange(flat.numel()) - ustarts[e]
+            n_valid = int(padded_counts.sum())
+            rows = n_valid if do_cpu_sync else worst_case_recv_rows(R, M, K, L, A, True)
+            src_of = j
+            tokens_per_src = torch.bincount(in_src[j].long(), minlength=R)
+            recv_idx = torch.full((rows,), -1, dtype=torch.int64)
+            recv_idx[row_of] = e
+            recv_w = torch.zeros(rows, dtype=torch.float32)
+            recv_w[row_of] = in_w[j, k] if has_w else 1.0
+            handle_w = recv_w
+            pad_rows = torch.ones(n_valid, dtype=torch.bool)
+            pad_rows[row_of] = False
+        if n_valid > rows:  # cannot happen after the header checks; never write past the allocation
+            raise self._error(f"{n_valid} rows received, only {rows} allocated")
+
+        # recv_x: rows past the true count are unspecified; padding rows are zeroed on request
+        # (the expanded gather below covers every non-padding row).
+        if not do_expand:
+            recv_data = in_data_full                               # received in place
+        else:
+            recv_data = torch.empty((rows, H), dtype=data.dtype)
+            _wire(recv_data).index_copy_(0, row_of, _wire(in_data).index_select(0, src_of))
+            if do_zero_padding:
+                as_bits(recv_data)[:n_valid][pad_rows] = 0
+        if sf is not None:
+            recv_sf = alloc_recv_sf(rows, num_sf, sf.dtype, "cpu", use_tma_aligned_col_major_sf,
+                                    zero=False)
+            recv_sf[row_of] = in_sf[src_of]
+            if do_expand and do_zero_padding:
+                recv_sf[:n_valid][pad_rows] = 0
+            recv_x = (recv_data, recv_sf)
+        else:
+            recv_x = recv_data
+
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += expert_counts
+
+        if cached:
+            # The handle's routing: expanded layouts return the weights of the dispatch that made it.
+            return recv_x, recv_idx, (handle.recv_topk_weights if do_expand else None), handle
+
+        recv_src_rank = torch.full((rows,), -1, dtype=torch.int32)
+        recv_src_token = torch.full((rows,), -1, dtype=torch.int32)
+        recv_src_rank[row_of] = in_src[src_of]
+        recv_src_token[row_of] = in_tok[src_of]
+        new_handle = EPHandle(
+            buffer_id=self.config.buffer_id, num_ranks=R, rank=r, num_experts=E, num_topk=K,
+            hidden=H, do_expand=do_expand, expert_alignment=A, num_max_tokens_per_rank=M,
+            num_tokens=T, num_recv_tokens=n_valid if do_cpu_sync else None,
+            num_recv_tokens_gpu=torch.tensor([n_valid], dtype=torch.int32),
+            rank_prefix_sum=torch.cumsum(tokens_per_src, 0).to(torch.int32),
+            num_recv_tokens_per_expert=padded_counts,
+            num_recv_tokens_per_expert_list=padded_counts.tolist() if do_cpu_sync else None,
+            recv_src_rank=recv_src_rank, recv_src_token=recv_src_token, send_pos=send_pos,
+            topk_idx=topk_idx.clone(), recv_topk_weights=handle_w)
+        return recv_x, recv_idx, recv_w, new_handle
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, handle, topk_weights, bias, *, num_sms):
+        R, r = self.num_ranks, self.rank
+        h = handle
+        T, H, K, L = h.num_tokens, h.hidden, h.num_topk, h.num_local_experts
+        has_w = topk_weights is not None
+
+        # --- destination side: send every valid row back to its source, grouped by source rank
+        valid_rows = (h.recv_src_rank >= 0).nonzero().flatten()
+        src = h.recv_src_rank[valid_rows].long()
+        order = torch.sort(src, stable=True).indices             # by source, then by row
+        out_rows = valid_rows[order]
+        send_counts = torch.bincount(src, minlength=R).to(torch.int64)
+
+        # --- source side: how many rows each destination returns, and where they go
+        if not h.do_expand:
+            sent = h.send_pos >= 0                                 # [T, R]
+            expect = sent.sum(0).to(torch.int64)
+        else:
+            owner = torch.where(h.topk_idx >= 0, torch.div(h.topk_idx, L, rounding_mode="floor"),
+                                torch.full_like(h.topk_idx, -1))
+            sent = h.send_pos >= 0                                 # [T, K]
+            expect = torch.stack([(sent & (owner == d)).sum() for d in range(R)]).to(torch.int64) \
+                if R > 0 else torch.zeros(0, dtype=torch.int64)
+
+        fields = [0] * _F
+        fields[_OP], fields[_E], fields[_H], fields[_K] = _OP_COMBINE, h.num_experts, H, K
+        fields[_EXPAND], fields[_ALIGN], fields[_M] = int(h.do_expand), h.expert_alignment, \
+            h.num_max_tokens_per_rank
+        fields[_SYNC], fields[_HASW], fields[_T] = int(h.do_cpu_sync), int(has_w), T
+        headers = self._exchange_header(fields, send_counts, expect)
+        sends = headers[:, _F:_F + R]                              # sends[d, s]: rows d returns to s
+        expects = headers[:, _F + R:]                              # expects[s, d]
+        if (sends != expects.t()).any():
+            bad = (sends != expects.t()).nonzero().tolist()
+            d, s = bad[0]
+            raise self._error(
+                f"handles do not match across ranks: rank {d} would return {int(sends[d, s])} rows to "
+                f"rank {s}, which expects {int(expects[s, d])} (every rank must combine with the handle "
+                f"of the same dispatch)")
+
+        parts = []
+        if h.do_expand:
+            parts.append((_bytes(h.recv_topk_weights.view(-1, 1)), 4))
+        if has_w:
+            tw = topk_weights if not h.do_expand else topk_weights.view(-1, 1)
+            parts.append((_bytes(tw), 4 * tw.shape[1]))
+        n_back = int(expect.sum())
+        in_splits, out_splits = expect.tolist(), send_counts.tolist()
+        y = torch.empty((n_back, H), dtype=torch.bfloat16)
+        dist.all_to_all_single(_wire(y), _wire(x).index_select(0, out_rows), in_splits, out_splits,
+                               group=self.group)
+        y_w = y_tw = None
+        if parts:
+            meta_out = _pack(parts, out_rows)
+            meta_in = torch.empty((n_back, meta_out.shape[1]), dtype=torch.uint8)
+            dist.all_to_all_single(meta_in, meta_out, in_splits, out_splits, group=self.group)
+            col = 0
+            if h.do_expand:
+                y_w = _typed(meta_in[:, col:col + 4], torch.float32, 1); col += 4
+            if has_w:
+                width = 1 if h.do_expand else K
+                y_tw = _typed(meta_in[:, col:col + 4 * width], torch.float32, width)
+
+        # --- reduce in the reference order
+        # Same dense steps as deep_ep.reference.reference_combine (adding +0.0 where a token has no
+        # contribution leaves the float32 bits unchanged).
+        acc = torch.zeros((T, H), dtype=torch.float32)
+        cw = torch.zeros((T, K), dtype=torch.float32) if has_w else None
+        staging = torch.empty((T, H), dtype=torch.bfloat16)
+        seg = torch.cumsum(expect, 0) - expect                    # first returned row from each d
+        if not h.do_expand:
+            for d in range(R):
+                tok = sent[:, d].nonzero().flatten()             # ascending t == ascending row at d
+                if tok.numel() == 0:
+                    continue
+                first = int(seg[d])
+                staging.zero_()
+                _wire(staging).index_copy_(0, tok, _wire(y[first:first + tok.numel()]))
+                acc += staging.float()
+                if has_w:
+                    cw.index_add_(0, tok, y_tw[first:first + tok.numel()])
+        else:
+            pos_y = torch.full((T, K), -1, dtype=torch.int64)
+            for d in range(R):
+                pairs = (sent & (owner == d)).flatten().nonzero().flatten()
+                if pairs.numel() == 0:
+                    continue
+                by_row = torch.sort(h.send_pos.flatten()[pairs].long()).indices
+                pos_y.view(-1)[pairs[by_row]] = torch.arange(int(seg[d]), int(seg[d]) + pairs.numel())
+            for k in range(K):
+                tok = (pos_y[:, k] >= 0).nonzero().flatten()
+                if tok.numel() == 0:
+                    continue
+                p = pos_y[tok, k]
+                w = torch.zeros((T, 1), dtype=torch.float32)
+                w[tok] = y_w[p]
+                staging.zero_()
+                _wire(staging).index_copy_(0, tok, _wire(y).index_select(0, p))
+                acc += w * staging.float()
+                if has_w:
+                    cw[tok, k] = y_tw[p, 0]
+        for b in bias:
+            acc += b.float()
+        return acc.to(torch.bfloat16), cw

@@ -1,0 +1,138 @@
+"""ElasticBuffer on the CPU backend over gloo, 2 and 4 spawned ranks, every mode.
+
+Each rank builds every rank's inputs from a shared seed, so it computes deep_ep.reference for all
+ranks locally and compares its own outputs bit for bit (every specified element; rows the contract
+leaves unspecified are poisoned with NaN on the combine side, so reading them would show). Its own
+dispatch layout is also checked against the per-token loop of ep_cases.py.
+"""
+import datetime
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ep_cases import (Case, bits_equal, check_against_loop, loop_combine, make_combine_inputs,
+                      make_inputs)
+
+
+BUFFER_MAX_TOKENS = 12
+
+
+def _cases(R):
+    tok = {2: [[9, 0], [5, 11], [0, 0]], 4: [[6, 0, 11, 3], [2, 9, 0, 7], [0, 0, 0, 4]]}[R]
+    E = {2: 8, 4: 16}[R]
+    cases = []
+    seed = 100 * R
+    for x_format in ("bf16", "fp8", "fp8_ue8m0"):
+        for do_expand, alignment in ((False, 1), (True, 1), (True, 128)):
+            for sync in (True, False):
+                seed += 1
+                cases.append(Case(
+                    name=f"R{R}-{x_format}-{'exp' if do_expand else 'flat'}-A{alignment}-{'sync' if sync else 'nosync'}",
+                    num_ranks=R, num_tokens=tok[seed % 2], hidden=512 if x_format != "bf16" else 256,
+                    num_topk=4, num_experts=E, x_format=x_format, col_major_sf=bool(seed % 2),
+                    do_expand=do_expand, alignment=alignment, zero_padding=bool(seed % 3 != 1),
+                    weights=bool(seed % 3 != 2), mask_prob=0.25, do_cpu_sync=sync, max_tokens=12,
+                    num_bias=seed % 3, combine_weights=bool(seed % 2 == 0), seed=seed))
+    cases.append(Case(f"R{R}-all-empty", R, tok[2][:1] * 0 + [0] * R, do_expand=True, alignment=4,
+                      num_experts=E, num_bias=2, seed=seed + 1))
+    cases.append(Case(f"R{R}-one-rank-only", R, tok[2], num_experts=E, num_topk=2, seed=seed + 2))
+    cases.append(Case(f"R{R}-unmasked-k8", R, [7] * R, num_experts=E, num_topk=min(8, E), mask_prob=0.0,
+                      do_expand=True, alignment=3, num_bias=1, seed=seed + 3))
+    return cases
+
+
+def _run_case(buf, case, rank):
+    from deep_ep import EventOverlap
+    from deep_ep.reference import check_combine, check_dispatch, local_expert_counts, reference_combine, \
+        reference_dispatch
+
+    R, E = case.num_ranks, case.num_experts
+    L = E // R
+    M = case.max_tokens or BUFFER_MAX_TOKENS     # dispatch's None means the buffer's
+    xs, idxs, ws = make_inputs(case)
+    stats = torch.full((L,), 5, dtype=torch.int32) if case.stats else None
+    out = buf.dispatch(xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank] if ws else None,
+                       cumulative_local_expert_recv_stats=stats, num_experts=E,
+                       num_max_tokens_per_rank=case.max_tokens or None, expert_alignment=case.alignment,
+                       do_cpu_sync=case.do_cpu_sync, do_expand=case.do_expand,
+                       do_zero_padding=case.zero_padding,
+                       use_tma_aligned_col_major_sf=case.col_major_sf)
+    assert isinstance(out[4], EventOverlap)
+    ref = reference_dispatch(xs, idxs, ws, E, do_expand=case.do_expand, expert_alignment=case.alignment,
+                             do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=M,
+                             use_tma_aligned_col_major_sf=case.col_major_sf)
+    check_dispatch(out, ref[rank], do_zero_padding=case.zero_padding)
+    check_against_loop({rank: out}, xs, idxs, ws, E, case.do_expand, case.alignment,
+                       zero_padding=case.zero_padding)
+    handle = out[3]
+    assert handle.buffer_id == buf.buffer_id
+    if stats is not None:
+        assert torch.equal(stats, 5 + local_expert_counts(ref)[rank])
+
+    # combine (unspecified rows of the inputs are NaN)
+    valid = [r.handle.recv_src_rank >= 0 for r in ref]
+    ys, tws, biases = make_combine_inputs(case, [v.numel() for v in valid], valid)
+    got = buf.combine(ys[rank], handle, topk_weights=tws[rank] if tws else None, bias=biases[rank])
+    want = reference_combine(ys, [r.handle for r in ref], tws, biases)[rank]
+    check_combine(got, want, rank=rank)
+    loop = loop_combine(ys, [r.handle for r in ref], tws, biases, ranks=[rank])[rank]
+    assert bits_equal(got[0], loop[0]) and bits_equal(got[1], loop[1])
+    assert not torch.isnan(got[0].float()).any()
+
+    # cached dispatch: new data, same layout, no routing input
+    if case.cached:
+        case2 = Case(**{**case.__dict__, "seed": case.seed + 7777})
+        xs2, _, _ = make_inputs(case2)
+        out2 = buf.dispatch(xs2[rank], handle=handle, do_expand=case.do_expand,
+                            do_zero_padding=case.zero_padding,
+                            use_tma_aligned_col_major_sf=case.col_major_sf)
+        assert out2[3] is handle
+        ref2 = reference_dispatch(xs2, idxs, ws, E, do_expand=case.do_expand,
+                                  expert_alignment=case.alignment, do_cpu_sync=case.do_cpu_sync,
+                                  num_max_tokens_per_rank=M,
+                                  use_tma_aligned_col_major_sf=case.col_major_sf)[rank]
+        if not case.do_expand:
+            ref2.recv_topk_weights = None
+        check_dispatch(out2, ref2, do_zero_padding=case.zero_padding, check_handle=False)
+        # and the async path with a previous event, as a context manager
+        with buf.combine(ys[rank], handle, bias=biases[rank], previous_event=out2[4],
+                         async_with_compute_stream=True)[2] as ev:
+            assert isinstance(ev, EventOverlap)
+
+
+def _worker(rank, world_size, init_file, case_names):
+    from deep_ep import ElasticBuffer
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=BUFFER_MAX_TOKENS, hidden=512, num_topk=8)
+        assert buf.get_logical_domain_size() == (1, world_size)
+        assert buf.get_physical_domain_size() == (1, world_size)
+        assert buf.get_comm_stream() is None and buf.get_theoretical_num_sms(16, 4) == 0
+        with buf.capture():
+            pass
+        for case in _cases(world_size):
+            if case_names and case.name not in case_names:
+                continue
+            try:
+                _run_case(buf, case, rank)
+            except Exception as exc:
+                raise AssertionError(f"case {case.name}, rank {rank}: {exc}\n{traceback.format_exc()}") from None
+        buf.barrier()
+        buf.destroy()
+        with pytest.raises(RuntimeError, match="destroyed"):
+            buf.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cpu_backend_all_modes(world_size, tmp_path):
+    names = os.environ.get("DEEP_EP_TEST_CASES", "")
+    mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), names.split(",") if names else []),
+             nprocs=world_size, join=True)
