@@ -34,6 +34,9 @@ Send side (this rank as source)
     send_pos   non-expanded: [T_s, R] int32, the row of token t at rank d (-1 if not sent there);
                expanded: [T_s, K] int32, the row of pair (t, k) at the owner of its expert (-1)
     topk_idx   [T_s, K] int64, the routing that made the handle
+
+Backend state
+    backend_state  backend-private (GPU: `deep_ep.backends.gpu.GPUHandleState`), None elsewhere
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ class EPHandle:
     send_pos: torch.Tensor
     topk_idx: torch.Tensor
     recv_topk_weights: Optional[torch.Tensor] = None
+    #: backend-private state a cached dispatch or combine needs (GPU: layout words, per-token rows);
+    #: ``None`` for the CPU backend and the reference. Cloned with the handle when it has ``clone()``.
+    backend_state: Optional[object] = None
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -127,7 +133,10 @@ class EPHandle:
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            values[f.name] = v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)
+            if isinstance(v, torch.Tensor) or (f.name == "backend_state" and hasattr(v, "clone")):
+                values[f.name] = v.clone()
+            else:
+                values[f.name] = copy.copy(v)
         return EPHandle(**values)
 
     def __repr__(self) -> str:  # compact: tensors by shape only

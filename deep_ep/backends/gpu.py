@@ -255,7 +255,9 @@ class GPUBackend(Backend):
         R, rank = self.num_ranks, self.rank
         cached = handle is not None
         if cached:
-            state: GPUHandleState = handle.backend_state
+            state = handle.backend_state
+            if not isinstance(state, GPUHandleState):
+                raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
             topk_idx = handle.topk_idx
             do_expand = handle.do_expand
             expert_alignment = handle.expert_alignment
@@ -380,14 +382,15 @@ class GPUBackend(Backend):
             rank_prefix_sum=lay[Lx.rps: Lx.rps + R], num_recv_tokens_per_expert=lay[Lx.padded: Lx.padded + L],
             num_recv_tokens_per_expert_list=plist, recv_src_rank=src_rank, recv_src_token=src_token,
             send_pos=pos_pair if do_expand else pos_tok, topk_idx=topk_idx,
-            recv_topk_weights=out_w if do_expand else None)
-        new_handle.backend_state = new_state
+            recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
         return recv_x, out_idx, out_w, new_handle
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, *, num_sms):
         dev = self._device
-        state: GPUHandleState = handle.backend_state
+        state = handle.backend_state
+        if not isinstance(state, GPUHandleState):
+            raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
         R, rank = self.num_ranks, self.rank
         T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
         layout = self._layout(H)
