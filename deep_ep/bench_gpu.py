@@ -18,7 +18,7 @@ import argparse
 import os
 import statistics
 import tempfile
-import threading
+import time
 from typing import Any, Dict, List
 
 import torch
@@ -116,23 +116,43 @@ def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, c
             if msg:
                 failures.append(f"combine: rank {rank} {msg}")
 
-        def timed(fn):
+        def timed(fn, host_times):
             barrier()
-            return _time_events(fn, 1, 0)[0]
+            t0 = time.perf_counter()
+            out = _time_events(fn, 1, 0)[0]
+            host_times.append(time.perf_counter() - t0)
+            return out
 
-        d_times, c_times, cd_times = [], [], []
+        def combine():
+            return buf.combine(y, handle, num_sms=num_sms)
+
+        def cached_dispatch():
+            return buf.dispatch(mine["x"], handle=handle, num_sms=num_sms, do_zero_padding=cfg.expand)
+
+        d_times, c_times, cd_times, scratch = [], [], [], []
         for i in range(cfg.warmup + cfg.iters):
-            dt = timed(dispatch)
-            ct = timed(lambda: buf.combine(y, handle, num_sms=num_sms))
-            cdt = timed(lambda: buf.dispatch(mine["x"], handle=handle, num_sms=num_sms, do_zero_padding=cfg.expand))
+            dt, ct, cdt = timed(dispatch, scratch), timed(combine, scratch), timed(cached_dispatch, scratch)
             if i >= cfg.warmup:
                 d_times.append(dt)
                 c_times.append(ct)
                 cd_times.append(cdt)
+        # Host (CPU) time of one call: the Python API down to the last launch, the GPU not waited for.
+        host = {}
+        for name, fn in (("cached_dispatch", cached_dispatch), ("combine", combine)):
+            torch.cuda.current_stream().synchronize()
+            barrier()
+            samples = []
+            for _ in range(max(5, cfg.iters)):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+                torch.cuda.current_stream().synchronize()
+                barrier()
+            host[name + "_host_us"] = statistics.median(samples) * 1e6
         sent = sum(B.token_copies(mine["topk_idx"], cfg.num_experts, cfg.num_ranks, cfg.expand))
         received = int(handle.rank_prefix_sum[-1])
         results[rank] = dict(rank=rank, sent=sent, received=received, received_rows=B._num_rows(recv_x),
-                             d_times=d_times, c_times=c_times, cd_times=cd_times, failures=failures,
+                             d_times=d_times, c_times=c_times, cd_times=cd_times, failures=failures, host=host,
                              num_sms=num_sms or buf.get_theoretical_num_sms(cfg.num_experts, cfg.top_k))
         barrier()
     finally:
@@ -194,7 +214,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          combine_times=res["c_times"], check=(not res["failures"]) if cfg.check else None,
                          floor_us=floor_d,
                          extra={"cached_dispatch_us": statistics.median(res["cd_times"]) * 1e6,
-                                "combine_floor_us": floor_c, "num_sms": res["num_sms"]})
+                                "combine_floor_us": floor_c, "num_sms": res["num_sms"], **res["host"]})
         row["combine_ratio"] = row["combine_us"] / floor_c if floor_c else None
         rows.append(row)
         failures += res["failures"]
@@ -207,6 +227,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     print(f"floor (same-bytes D2D copy): dispatch {floor_d:.1f} us, combine {floor_c:.1f} us; "
           f"kernel modules built/loaded: {gpu_backend.num_modules_built()} "
           f"(compiled {st.get('builds', 0)}, disk hits {st.get('disk_hits', 0)})")
+    for row in rows[:1]:
+        print(f"rank 0: cached dispatch {row['cached_dispatch_us']:.1f} us; host time per call: cached dispatch "
+              f"{row['cached_dispatch_host_us']:.1f} us, combine {row['combine_host_us']:.1f} us")
     if baselines:
         print("plain torch at EP=1: permute {torch_permute_us:.1f} us, weighted un-permute "
               "{torch_unpermute_us:.1f} us".format(**baselines))

@@ -171,7 +171,8 @@ class GPUBackend(Backend):
         self.comm_stream = torch.cuda.Stream(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._ctrl_host = torch.empty(8, dtype=torch.int32, pin_memory=True)
-        self._ready_modules: set = set()
+        self._ready_modules: dict = {}   # (kind, structure) -> loaded module
+        self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
 
     # ------------------------------------------------------------------ properties
@@ -198,20 +199,29 @@ class GPUBackend(Backend):
 
     # ------------------------------------------------------------------ helpers
     def _layout(self, hidden: int) -> wl.WindowLayout:
+        layout = self._layouts.get(hidden)
+        if layout is None:
+            layout = self._layouts[hidden] = self._make_layout(hidden)
+        return layout
+
+    def _make_layout(self, hidden: int) -> wl.WindowLayout:
         stride = wl.row_stride(hidden, self.config.num_topk, False)
         layout = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk, False, self.transport.num_bytes)
         return wl.WindowLayout(layout.num_ranks, layout.num_max_tokens_per_rank, stride, layout.counts_offset,
                                layout.recv_offset, layout.half_bytes, layout.num_bytes)
 
-    def _module(self, kind: str, defines: dict):
-        """The built and loaded module; the first use loads it, collectively for emulated ranks."""
-        key, mod = _build_module(kind, defines)
-        if key not in self._ready_modules:
+    def _module(self, kind: str, structure: tuple):
+        """The built and loaded module for ``structure`` (the arguments of `dispatch_defines` /
+        `combine_defines`); the first use builds and loads it, collectively for emulated ranks."""
+        mod = self._ready_modules.get((kind, structure))
+        if mod is None:
+            defines = dispatch_defines(*structure) if kind == "dispatch" else combine_defines(*structure)
+            key, mod = _build_module(kind, defines)
             if self.emulated:
                 self.group.load_collectively(key, lambda: _load_module(mod, self._device))
             else:
                 _load_module(mod, self._device)
-            self._ready_modules.add(key)
+            self._ready_modules[(kind, structure)] = mod
         return mod
 
     def _num_sms(self, num_sms: int) -> int:
@@ -284,7 +294,7 @@ class GPUBackend(Backend):
             raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
                              f"(num_max_tokens_per_rank)")
         n_sms = self._num_sms(num_sms)
-        mod = self._module("dispatch", dispatch_defines(data_bytes, num_sf, K, do_expand))
+        mod = self._module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
         ix_size = 2 + 3 * R + 3 * L + E
         peers = self.transport.peers.data_ptr()
 
@@ -395,7 +405,7 @@ class GPUBackend(Backend):
         T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
         layout = self._layout(H)
         n_sms = self._num_sms(num_sms)
-        mod = self._module("combine", combine_defines(H, K, handle.do_expand))
+        mod = self._module("combine", (H, K, bool(handle.do_expand)))
         out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
         out_w = torch.empty((T, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
         bias0 = bias[0] if len(bias) > 0 else None

@@ -220,15 +220,28 @@ def test_ep1_real_nccl(case, nccl_group):
     run_case(case, lambda body: [body(nccl_group)], dev)
 
 
+def _case_log(line: str) -> None:
+    """Append to $DEEP_EP_CASE_LOG (if set) and flush: a trail that survives a crashed process."""
+    path = os.environ.get("DEEP_EP_CASE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_emulated(num_ranks):
+    """Every case at this rank count; stops at the first failure (a failed multi-rank case can leave
+    kernels or memory behind that would make the next cases fail for the wrong reason)."""
+    import traceback
+
     from deep_ep.emulated import EmulatedGroup
     dev = torch.device("cuda", 0)
     group = EmulatedGroup(num_ranks, device=dev)
-    failures = []
     for case in cases_for(num_ranks):
+        _case_log(f"{case.name}: start")
         try:
             run_case(case, group.run, dev)
-        except Exception as exc:  # collect all, report together
-            failures.append(f"{case.name}: {type(exc).__name__}: {exc}")
-    assert not failures, "\n".join(failures)
+        except Exception as exc:
+            _case_log(f"{case.name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            raise
+        _case_log(f"{case.name}: ok")
