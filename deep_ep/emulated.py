@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from .comm.transport import EmulatedTransport, EmulatedWindowSet
+from .streams import new_stream
 
 __all__ = ["EmulatedGroup", "EmulatedRankGroup", "ensure_eager_module_loading"]
 
@@ -73,7 +74,7 @@ class EmulatedGroup:
         self._loaded: set = set()          # kernel modules loaded for this group (see load_collectively)
         self.ranks = [EmulatedRankGroup(self, r) for r in range(num_ranks)]
         #: each rank's compute stream: `run` makes it the current stream of the rank's thread
-        self.compute_streams = [torch.cuda.Stream(self.device) for _ in range(num_ranks)]
+        self.compute_streams = [new_stream(self.device) for _ in range(num_ranks)]
 
     def rank_group(self, rank: int) -> "EmulatedRankGroup":
         """The group object rank ``rank`` passes to `ElasticBuffer`."""

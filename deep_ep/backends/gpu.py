@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from dataclasses import dataclass, fields as dc_fields
 from typing import Optional
 
@@ -27,6 +28,7 @@ import torch
 
 from .. import jit
 from ..handle import EPHandle
+from ..streams import destroy_stream, new_stream
 from . import window_layout as wl
 from .base import Backend, BufferConfig
 
@@ -168,9 +170,9 @@ class GPUBackend(Backend):
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         props = torch.cuda.get_device_properties(self._device)
         self.num_device_sms = props.multi_processor_count
-        self.comm_stream = torch.cuda.Stream(self._device)
+        self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
-        self._ctrl_host = torch.empty(8, dtype=torch.int32, pin_memory=True)
+        self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
@@ -196,6 +198,7 @@ class GPUBackend(Backend):
             self._destroyed = True
             self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
             self.transport.destroy()
+            destroy_stream(self.comm_stream)
 
     # ------------------------------------------------------------------ helpers
     def _layout(self, hidden: int) -> wl.WindowLayout:
@@ -238,11 +241,33 @@ class GPUBackend(Backend):
             n = limit
         return n
 
+    def _host_read(self, t: torch.Tensor, stream) -> list:
+        """``t`` (int32, on the device) as a list, once ``stream``'s work before now is done.
+
+        A pinned copy and an event, polled: a pageable copy (``.cpu()``) would wait inside the
+        driver for the kernel it depends on, which spins until every peer arrives, and while it
+        waits other threads' launches can block too (with emulated ranks: the peers' launches).
+        """
+        n = t.numel()
+        if self._host_buf.numel() < n:
+            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, pin_memory=True)
+        dst = self._host_buf[:n]
+        with torch.cuda.stream(stream):
+            dst.copy_(t, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        deadline = time.monotonic() + self.config.num_cpu_timeout_secs
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
+                                   f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
+            time.sleep(2e-5)
+        return dst.tolist()
+
     def read_error(self) -> Optional[tuple]:
         """(code, rank, peer, phase) recorded by a kernel, or None."""
         ctrl = self.transport.window_tensor()[wl_ctrl_error_offset():wl_ctrl_error_offset() + 16]
-        self._ctrl_host.narrow(0, 0, 4).copy_(ctrl.view(torch.int32))
-        v = self._ctrl_host[:4].tolist()
+        v = self._host_read(ctrl.view(torch.int32), self.comm_stream)
         return tuple(v) if v[0] != 0 else None
 
     def check_errors(self) -> None:
@@ -312,8 +337,7 @@ class GPUBackend(Backend):
                 (jit.ptr(peers), rank, R, E, A, jit.i64(layout.counts_offset), lay,
                  cumulative_local_expert_recv_stats, jit.u64(self.timeout_ns)), stream=stream)
             if do_cpu_sync:
-                with torch.cuda.stream(stream):
-                    head = lay.cpu().tolist()  # waits for the layout kernel (and so for every peer's counts)
+                head = self._host_read(lay, stream)  # waits for the layout kernel, i.e. every peer's counts
                 self.check_errors()
                 num_out_rows, num_tok_rows = head[0], head[1]
                 out_rows = num_out_rows

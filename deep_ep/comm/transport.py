@@ -57,7 +57,9 @@ class EmulatedWindowSet:
         self.num_bytes = num_bytes
         self.device = device
         self.storage = torch.zeros(num_ranks * num_bytes, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)  # zeroed before any rank's stream can signal into it
+        # Zeroed before any rank's stream can signal into it. A stream-level wait: a device-wide one
+        # could wait on another rank's kernels that wait on this rank.
+        torch.cuda.current_stream(device).synchronize()
         base = self.storage.data_ptr()
         self.peers = torch.tensor([base + r * num_bytes for r in range(num_ranks)], dtype=torch.int64,
                                   device=device)

@@ -60,7 +60,7 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a) {
     const LayoutIndex ix{R, L, a.num_experts};
     uint8_t* my_window = a.peers[rank];
     const int half = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
-    const int num_tok_rows = a.layout[ix.num_tok_rows()];
+    const int num_tok_rows = has_error(my_window) ? 0 : a.layout[ix.num_tok_rows()];
     const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
     const int self_end = a.layout[ix.tok_prefix() + rank];
 

@@ -80,8 +80,10 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     const LayoutIndex ix{R, L, a.num_experts};
     uint8_t* my_window = a.peers[rank];
     const int half = current_half(my_window);
+    // After a timeout the layout is void: move nothing, but still signal so epochs stay in step.
+    const int num_tokens = has_error(my_window) ? 0 : a.num_tokens;
 
-    for (int t = global_warp; t < a.num_tokens; t += num_warps) {
+    for (int t = global_warp; t < num_tokens; t += num_warps) {
         // Destination rows of this token (lanes < R hold rank lane's row; lanes < K the pair's row).
         int my_row = -1, my_pair_row = -1;
         int my_expert = -1;  // int32: 64-bit division would be a call

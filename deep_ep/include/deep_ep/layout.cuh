@@ -185,9 +185,10 @@ __device__ __forceinline__ void layout_impl(uint8_t* const* __restrict__ peers, 
                 }
             }
         }
-    } else if (threadIdx.x == 0) {
-        layout[ix.num_out_rows()] = 0;
-        layout[ix.num_tok_rows()] = 0;
+    } else {
+        // A peer never arrived: every word defined (no rows, zero offsets), so that kernels launched
+        // after this one (without a host check in between) index nothing out of bounds.
+        for (int i = threadIdx.x; i < ix.size(); i += blockDim.x) layout[i] = 0;
     }
     finish_wait(my_window, false);
 }
