@@ -168,6 +168,8 @@ def main(args: argparse.Namespace) -> int:
                 "run with --device cpu"
             ) from exc
         result = bench_gpu.run(args)
+        if result is None:  # a non-zero rank of a multi-process run: rank 0 reports
+            return 0
     else:
         result = run_cpu(args)
 

@@ -1,7 +1,9 @@
 """GPU runner of ``python -m deep_ep bench`` (see `deep_ep.bench` for the options and the table).
 
 Ranks:
-* started by ``torchrun`` (``WORLD_SIZE`` set): one rank per process/GPU, the real NCCL path;
+* started by ``torchrun`` (``WORLD_SIZE`` > 1): one rank per process/GPU, the real NCCL path; rank 0
+  prints the table, with the NVLink floor (a peer-to-peer copy) and ``all_to_all_single`` measured
+  in the same run;
 * ``--virtual-ranks N``: N emulated ranks on one GPU (`deep_ep.emulated`), one thread per rank;
 * otherwise: EP=1 through a one-rank NCCL group (torch's communicator, symmetric window).
 
@@ -82,6 +84,39 @@ def torch_baselines_us(cfg: B.BenchConfig, inputs: Dict[str, Any], device, iters
         return out.to(torch.bfloat16)
     return {"torch_permute_us": statistics.median(_time_events(permute, iters, 2)) * 1e6,
             "torch_unpermute_us": statistics.median(_time_events(unpermute, iters, 2)) * 1e6}
+
+
+def nvlink_floor_and_all_to_all_us(cfg: B.BenchConfig, inputs, rank: int, device) -> Dict[str, float]:
+    """Multi-GPU floors measured in the same run (one process per GPU, torchrun).
+
+    ``nvlink_copy_us``: a peer-to-peer copy of this rank's dispatch bytes to the next GPU (one
+    direction of NVLink); ``all_to_all_dispatch_us``: ``torch.distributed.all_to_all_single`` moving
+    the same rows (packed by destination rank), what a user writes without this library.
+    """
+    import torch.distributed as dist
+    num_ranks = cfg.num_ranks
+    out: Dict[str, float] = {}
+    copies = B.token_copies(inputs[rank]["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)
+    nbytes = sum(copies) * cfg.dispatch_bytes_per_token
+    peer = (device.index + 1) % torch.cuda.device_count()
+    if peer != device.index:
+        src = torch.randint(0, 255, (max(16, nbytes),), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src, device=torch.device("cuda", peer))
+        out["nvlink_copy_us"] = statistics.median(_time_events(lambda: dst.copy_(src), 10, 2)) * 1e6
+        del src, dst
+    row = cfg.dispatch_bytes_per_token
+    send = torch.randint(0, 255, (sum(copies), row), dtype=torch.uint8, device=device)
+    counts = torch.tensor(copies, dtype=torch.int64, device=device)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    recv = torch.empty((int(recv_counts.sum()), row), dtype=torch.uint8, device=device)
+    splits_out, splits_in = copies, recv_counts.tolist()
+
+    def a2a():
+        dist.all_to_all_single(recv, send, splits_in, splits_out)
+    dist.barrier()
+    out["all_to_all_dispatch_us"] = statistics.median(_time_events(a2a, 10, 2)) * 1e6
+    return out
 
 
 def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, check: bool,
@@ -165,12 +200,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     from . import jit
     from .backends import gpu as gpu_backend
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    multiprocess = world > 1
+    if multiprocess:
+        if args.virtual_ranks is not None:
+            raise SystemExit("error: --virtual-ranks emulates ranks in one process; drop it under torchrun")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
     device = torch.device("cuda", torch.cuda.current_device())
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        raise SystemExit("error: multi-process GPU runs (torchrun) are not wired into the bench yet; "
-                         "use --virtual-ranks N on one GPU")
+    if multiprocess and not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=device)
+    my_rank = dist.get_rank() if multiprocess else 0
     emulated = args.virtual_ranks is not None and args.virtual_ranks >= 1
-    num_ranks = args.virtual_ranks if emulated else 1
+    num_ranks = args.virtual_ranks if emulated else world
     cfg = B.make_config(args, num_ranks, gpu=True)
     jit.reset_stats()
 
@@ -186,12 +228,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         expected = {"dispatch": exp, "combine": ref.reference_combine(ys, [e.handle for e in exp])}
 
     # Floors and baselines, in the same run.
-    sent0 = sum(B.token_copies(inputs[0]["topk_idx"], cfg.num_experts, num_ranks, cfg.expand))
+    sent0 = sum(B.token_copies(inputs[my_rank]["topk_idx"], cfg.num_experts, num_ranks, cfg.expand))
     total_sent = sum(sum(B.token_copies(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)) for i in inputs)
     # Emulated ranks share one GPU: the floor of a step is a copy of every rank's bytes.
     floor_d = copy_floor_us((total_sent if emulated else sent0) * cfg.dispatch_bytes_per_token, device)
     floor_c = copy_floor_us((total_sent if emulated else sent0) * cfg.combine_bytes_per_token, device)
     baselines = torch_baselines_us(cfg, inputs[0], device) if num_ranks == 1 else {}
+    if multiprocess:
+        baselines.update(nvlink_floor_and_all_to_all_us(cfg, inputs, my_rank, device))
     del inputs
 
     results: list = [None] * num_ranks
@@ -204,8 +248,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if not dist.is_initialized():
             store = dist.FileStore(tempfile.mktemp(prefix="deep_ep_bench_"), 1)
             dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
-        _run_rank(cfg, 0, dist.group.WORLD, device, lambda: None, expected, cfg.check, results, False)
-        runner = "gpu/nccl x1"
+        barrier = (lambda: dist.barrier()) if multiprocess else (lambda: None)
+        _run_rank(cfg, my_rank, dist.group.WORLD, device, barrier, expected, cfg.check, results, False)
+        runner = f"gpu/nccl x{num_ranks}"
+        if multiprocess:  # every rank's row to rank 0
+            gathered = [None] * num_ranks if my_rank == 0 else None
+            dist.gather_object(results[my_rank], gathered, dst=0)
+            if my_rank != 0:
+                return None
+            results = gathered
 
     rows, failures = [], []
     for res in results:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
-# Usage (device tool): bash tools/device_suite.sh [steps...]   steps: env jit gpu bench (default: all)
+# Usage (device tool): bash tools/device_suite.sh [steps...]
+#   steps: env jit gpu bench (default: all); multi (several GPUs: the suite and the bench under torchrun)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,6 +24,10 @@ for step in $steps; do
     bench)
       timeout 200 python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
       timeout 200 python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
+    multi)
+      n=$(nvidia-smi -L | wc -l)
+      timeout 400 torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
+      timeout 180 torchrun --nproc-per-node "$n" -m deep_ep bench --iters 10 --json "$OUT/bench_ep$n.json" 2>&1 | tee "$OUT/bench_ep$n.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -101,7 +101,12 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, what: str) -
 
 # ------------------------------------------------------------------------------------- driver
 def run_case(case, group_for_rank, dev, seed: int = 1234):
-    """Run ``case`` on every rank (emulated threads or the single real rank) and check everything."""
+    """Run ``case`` and check everything.
+
+    ``group_for_rank(body)`` runs ``body(group)`` on the ranks this process drives and returns their
+    results: a list over all ranks (emulated ranks) or a dict ``{rank: result}`` (one rank per process
+    under torchrun). Every process computes every rank's inputs and the reference from one seed.
+    """
     R = case.num_ranks
     xs, idxs, ws, biases = make_inputs(case, seed)
     M = max(case.max_tokens, 1)
@@ -179,7 +184,9 @@ def run_case(case, group_for_rank, dev, seed: int = 1234):
             buf.destroy()
 
     results = group_for_rank(body)
-    for r, res in enumerate(results):
+    # A list (every rank's result: emulated) or a dict {rank: result} (this process's ranks: NCCL).
+    items = results.items() if isinstance(results, dict) else enumerate(results)
+    for r, res in items:
         ref.check_dispatch(res["dispatch"], exp[r], do_zero_padding=case.zero_padding, rank=r)
         # stats: unpadded received pairs per local expert
         counts = torch.bincount(exp[r].recv_topk_idx[exp[r].recv_topk_idx >= 0].flatten(),
@@ -217,7 +224,7 @@ def nccl_group():
 @pytest.mark.parametrize("case", cases_for(1), ids=lambda c: c.name)
 def test_ep1_real_nccl(case, nccl_group):
     dev = torch.device("cuda", 0)
-    run_case(case, lambda body: [body(nccl_group)], dev)
+    run_case(case, lambda body: {0: body(nccl_group)}, dev)
 
 
 def _case_log(line: str) -> None:
