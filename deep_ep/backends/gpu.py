@@ -393,14 +393,8 @@ class GPUBackend(Backend):
 
         recv_x = out_x if sf is None else (out_x, out_sf)
         if cached:
-            # A cached dispatch carries no weights: expanded rows report 1.0 (0 on padding), as documented.
-            if do_expand:
-                with torch.cuda.stream(stream):
-                    out_w = (out_idx >= 0).to(torch.float32)
-                out_w.record_stream(torch.cuda.current_stream(dev))
-            else:
-                out_w = None
-            return recv_x, out_idx, out_w, handle
+            # design.md: the handle's weights in the expanded layout, None otherwise.
+            return recv_x, out_idx, (handle.recv_topk_weights if do_expand else None), handle
 
         Lx = _LayoutIndex(R, L, E)
         plist = None
