@@ -15,7 +15,9 @@ Exceptions (all raised on the rank that received the bad argument, before any co
 
 Argument errors are local: the rank that got the bad argument raises and skips the call. In SPMD code
 every rank normally gets the same kind of argument and raises the same error; a rank whose peers
-raised while its own arguments were fine waits in the collective until the process group's timeout.
+raised while its own arguments were fine waits in the collective until the buffer's timeout
+(``num_cpu_timeout_secs`` on CPU, ``num_gpu_timeout_secs`` on GPU), then raises `TimeoutError` naming
+the peer that did not arrive and the phase.
 
 Value checks on ``topk_idx`` (``-1 <= id < num_experts``) read the tensor: always done for CPU
 tensors; for GPU tensors only when the call synchronises with the host anyway (``do_cpu_sync``).
@@ -170,7 +172,8 @@ class ElasticBuffer:
         allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: GPU algorithm
             choices, passed to the backend (no effect on CPU).
         num_gpu_timeout_secs, num_cpu_timeout_secs: seconds before a GPU kernel / a host wait gives
-            up with an error (the CPU backend relies on the process group's own timeout).
+            up with a `TimeoutError` (on CPU each collective phase of a call waits at most
+            ``num_cpu_timeout_secs``, whatever the process group's own timeout).
         explicitly_destroy: resources are only released by `destroy()` (a warning is issued if the
             buffer is garbage-collected alive); otherwise they are released when it is collected.
 

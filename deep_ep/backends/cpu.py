@@ -20,11 +20,21 @@ Protocol of one dispatch on rank ``r`` (all collectives on ``group``):
 Combine sends every valid received row back to its source (header first, with the row counts both
 sides expect; then the bf16 rows and, when needed, the weights) and reduces in the reference's order.
 
-Timeouts: collectives wait as long as the process group's own timeout (``init_process_group(timeout=)``);
-``num_cpu_timeout_secs`` is not applied by this backend.
+Timeouts and failures: every collective (each *phase* of a call) is issued with the buffer's
+``num_cpu_timeout_secs`` as its own timeout (gloo honours a per-operation timeout), independent of
+the process group's. On entry to each call a rank also writes "I am in call #n of this buffer" into
+the group's store (one small ``set``, no wait). When a phase fails (timeout, or a peer that crashed),
+the rank reads those stamps to find which peer never reached the call and raises
+``TimeoutError("deep_ep CPU timeout on rank r: peer rank p did not arrive within T s in phase ...")``
+(or a `RuntimeError` naming the phase, when every peer arrived and the connection failed). Gloo
+closes its connections after a timeout, so the buffer is then unusable: every later call raises a
+`RuntimeError` saying so; destroy the buffer and the process group (both return promptly).
+The stamps assume SPMD buffer creation: ranks create the buffers of one group in the same order.
 """
 from __future__ import annotations
 
+import datetime
+import itertools
 from typing import Optional
 
 import torch
@@ -45,10 +55,19 @@ _AGREE = {_OP: "operation", _E: "num_experts", _H: "hidden", _K: "num_topk",
           _SYNC: "do_cpu_sync", _HASW: "weights given"}
 _OP_DISPATCH, _OP_COMBINE = 1, 2
 
+#: Buffers created so far per process group (by group name): the n-th buffer of a group has the same
+#: number on every rank, which names its arrival stamps in the group's store.
+_buffers_per_group: dict = {}
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A ``[rows, n]`` tensor viewed as ``[rows, n * itemsize]`` uint8 (no copy)."""
-    return t.contiguous().view(torch.uint8)
+    """A ``[rows, n]`` tensor viewed as ``[rows, n * itemsize]`` uint8 (no copy when it is dense)."""
+    t = t.contiguous()
+    if t.dim() and t.stride(-1) != 1:
+        # An empty tensor counts as contiguous whatever its strides (``torch.rand(0, 1) + 0.5`` has
+        # strides (1, 0)), but a dtype-changing view needs a unit last stride: make a dense copy.
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
 def _typed(b: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -86,6 +105,17 @@ class CPUBackend(Backend):
         self.rank = config.rank
         self.num_ranks = config.num_ranks
         self._destroyed = False
+        self._timeout = datetime.timedelta(seconds=config.num_cpu_timeout_secs)
+        self._calls = 0              # calls (dispatch / combine / barrier) entered on this rank
+        self._op = ""                # the current (or last) call
+        self._broken: Optional[str] = None   # the failure that made the group unusable
+        name = str(getattr(group, "group_name", "") or id(group))
+        counter = _buffers_per_group.setdefault(name, itertools.count())
+        self._stamp_prefix = f"deep_ep/cpu/group{name}/buffer{next(counter)}/rank"
+        try:
+            self._store = group.get_group_store()
+        except Exception:  # an older torch or a group without a store: no peer diagnosis
+            self._store = None
 
     @property
     def device(self) -> torch.device:
@@ -95,10 +125,90 @@ class CPUBackend(Backend):
     def _error(self, msg: str) -> RuntimeError:
         return RuntimeError(f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): {msg}")
 
-    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        out = [torch.empty_like(t) for _ in range(self.num_ranks)]
-        dist.all_gather(out, t, group=self.group)
-        return torch.stack(out)
+    # --- bounded collectives: every phase waits at most num_cpu_timeout_secs
+    def _begin(self, op: str) -> None:
+        """Start call ``op``: refuse if an earlier failure broke the group, stamp the arrival."""
+        if self._broken is not None:
+            raise self._error(f"this buffer can no longer communicate after an earlier failure "
+                              f"({self._broken}); destroy it and the process group, and start again")
+        self._calls += 1
+        self._op = op
+        if self._store is not None:
+            try:
+                self._store.set(self._stamp_prefix + str(self.rank), f"{self._calls} {op}")
+            except Exception:  # the store is only used to name a missing peer
+                self._store = None
+
+    def _peer_stamps(self) -> dict:
+        """``{peer: (calls entered, last op)}`` from the store; peers without a stamp map to (0, '')."""
+        out = {}
+        for p in range(self.num_ranks):
+            if p == self.rank or self._store is None:
+                continue
+            key = self._stamp_prefix + str(p)
+            try:
+                value = self._store.get(key).decode() if self._store.check([key]) else "0 "
+                n, op = value.split(" ", 1)
+                out[p] = (int(n), op)
+            except Exception:
+                return {}
+        return out
+
+    def _failed(self, phase: str, exc: Exception) -> Exception:
+        """The error to raise when collective ``phase`` of the current call failed with ``exc``."""
+        T = self.config.num_cpu_timeout_secs
+        where = f"{self._op} (call #{self._calls} of this buffer on this rank), phase {phase}"
+        stamps = self._peer_stamps()
+        missing = sorted(p for p, (n, _) in stamps.items() if n < self._calls)
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        if missing:
+            seen = ", ".join(f"rank {p} last entered call #{stamps[p][0]}" +
+                             (f" ({stamps[p][1]})" if stamps[p][1] else "") for p in missing)
+            msg = (f"deep_ep CPU timeout on rank {self.rank}: peer rank{'s' if len(missing) > 1 else ''} "
+                   f"{', '.join(map(str, missing))} did not arrive within {T} s in {where} ({seen}). "
+                   f"A rank skipped or failed a call: check its log; this buffer and its process group "
+                   f"cannot be used any more (destroy them)")
+            err: Exception = TimeoutError(msg)
+        elif timed_out:
+            who = ("every peer had entered the call, so one stopped or failed inside it" if stamps else
+                   "a peer did not arrive or stopped inside the call (no store to tell which)")
+            msg = (f"deep_ep CPU timeout on rank {self.rank}: {where} did not complete within {T} s; "
+                   f"{who}. This buffer "
+                   f"and its process group cannot be used any more (destroy them). gloo: {exc}")
+            err = TimeoutError(msg)
+        else:
+            msg = (f"communication failed in {where}: {exc}. A peer may have crashed: check the other "
+                   f"ranks' logs; this buffer and its process group cannot be used any more (destroy them)")
+            err = self._error(msg)
+        self._broken = f"{type(err).__name__} in {where}"
+        return err
+
+    def _wait(self, phase: str, work) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+
+    def _all_to_all(self, phase: str, out: torch.Tensor, inp: torch.Tensor, out_splits: list,
+                    in_splits: list) -> None:
+        """``all_to_all_single`` bounded by ``num_cpu_timeout_secs`` (``out_splits``: rows received
+        from each rank, ``in_splits``: rows sent to each rank)."""
+        opts = dist.AllToAllOptions()
+        opts.timeout = self._timeout
+        try:
+            work = self.group.alltoall_base(out, inp, out_splits, in_splits, opts)
+        except Exception as exc:
+            raise self._failed(phase, exc) from exc
+        self._wait(phase, work)
+
+    def _all_gather(self, t: torch.Tensor, phase: str) -> torch.Tensor:
+        """``[R, *t.shape]``: every rank's ``t`` (an all-to-all of ``R`` copies, so that it takes the
+        public per-operation timeout option)."""
+        R = self.num_ranks
+        flat = t.reshape(1, -1)
+        out = torch.empty((R, flat.shape[1]), dtype=t.dtype)
+        self._all_to_all(phase, out, flat.expand(R, -1).contiguous(), [1] * R, [1] * R)
+        return out.view(R, *t.shape)
 
     def _exchange_header(self, fields: list, send_counts: torch.Tensor,
                          expect_counts: Optional[torch.Tensor]) -> torch.Tensor:
@@ -108,7 +218,7 @@ class CPUBackend(Backend):
         header[_F:_F + R] = send_counts
         if expect_counts is not None:
             header[_F + R:] = expect_counts
-        headers = self._all_gather(header)                       # [R, F + 2R], same on every rank
+        headers = self._all_gather(header, "header exchange")   # [R, F + 2R], same on every rank
         for i, name in _AGREE.items():
             col = headers[:, i]
             if (col != col[0]).any():
@@ -119,7 +229,14 @@ class CPUBackend(Backend):
         return headers
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self._begin("barrier")
+        opts = dist.BarrierOptions()
+        opts.timeout = self._timeout
+        try:
+            work = self.group.barrier(opts)
+        except Exception as exc:
+            raise self._failed("barrier", exc) from exc
+        self._wait("barrier", work)
 
     def destroy(self) -> None:
         self._destroyed = True
@@ -128,6 +245,7 @@ class CPUBackend(Backend):
     def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
                  do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+        self._begin("dispatch")
         R, r = self.num_ranks, self.rank
         cached = handle is not None
         if cached:
@@ -169,7 +287,7 @@ class CPUBackend(Backend):
         if do_expand:
             valid = topk_idx[topk_idx >= 0]
             my_pairs = torch.bincount(valid, minlength=E).to(torch.int64)
-            pair_counts = self._all_gather(my_pairs)              # [R sources, E]
+            pair_counts = self._all_gather(my_pairs, "expert counts")   # [R sources, E]
 
         # --- send_pos (where this rank's tokens land), computed locally from the exchanged counts
         if not do_expand:
@@ -209,13 +327,13 @@ class CPUBackend(Backend):
         in_splits, out_splits = recv_counts.tolist(), send_counts.tolist()
         meta_out = _pack(parts, tok_t)
         meta_in = torch.empty((n_in, meta_out.shape[1]), dtype=torch.uint8)
-        dist.all_to_all_single(meta_in, meta_out, in_splits, out_splits, group=self.group)
+        self._all_to_all("routing rows", meta_in, meta_out, in_splits, out_splits)
         # Non-expanded outputs receive the data in place; expanded ones go through a staging tensor.
         rows_needed = n_in if (do_cpu_sync or do_expand) else worst_case_recv_rows(R, M, K, L, A, False)
         in_data_full = torch.empty((rows_needed, H), dtype=data.dtype)
         in_data = in_data_full[:n_in]
-        dist.all_to_all_single(_wire(in_data), _wire(data).index_select(0, tok_t), in_splits, out_splits,
-                               group=self.group)
+        self._all_to_all("data rows", _wire(in_data), _wire(data).index_select(0, tok_t), in_splits,
+                         out_splits)
 
         # --- unpack on the destination side (rows arrive ordered by (s, t))
         col = 0
@@ -315,6 +433,7 @@ class CPUBackend(Backend):
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, *, num_sms):
+        self._begin("combine")
         R, r = self.num_ranks, self.rank
         h = handle
         T, H, K, L = h.num_tokens, h.hidden, h.num_topk, h.num_local_experts
@@ -363,13 +482,12 @@ class CPUBackend(Backend):
         n_back = int(expect.sum())
         in_splits, out_splits = expect.tolist(), send_counts.tolist()
         y = torch.empty((n_back, H), dtype=torch.bfloat16)
-        dist.all_to_all_single(_wire(y), _wire(x).index_select(0, out_rows), in_splits, out_splits,
-                               group=self.group)
+        self._all_to_all("data rows", _wire(y), _wire(x).index_select(0, out_rows), in_splits, out_splits)
         y_w = y_tw = None
         if parts:
             meta_out = _pack(parts, out_rows)
             meta_in = torch.empty((n_back, meta_out.shape[1]), dtype=torch.uint8)
-            dist.all_to_all_single(meta_in, meta_out, in_splits, out_splits, group=self.group)
+            self._all_to_all("weights", meta_in, meta_out, in_splits, out_splits)
             col = 0
             if h.do_expand:
                 y_w = _typed(meta_in[:, col:col + 4], torch.float32, 1); col += 4

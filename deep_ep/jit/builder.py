@@ -10,8 +10,10 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from . import compiler, locate, nccl_headers
@@ -346,7 +348,7 @@ def build(name: str, source: str, *, defines: dict | None = None, use_nccl: bool
             nccl_dirs = (src_dir, None)
             includes["nccl"] = nccl_headers.tree_digest(src_dir)
         else:
-            patched, shims, digest, _report = nccl_headers.prepare(src_dir, cache_root())
+            patched, shims, digest, _report = _prepare_nccl(src_dir)
             nccl_dirs = (patched, shims)
             includes["nccl"] = digest
     if not compiler.use_nvcc():
@@ -384,6 +386,38 @@ def _module_from_entry(name, cubin, meta, key, path, options, arch) -> Module:
     return Module(name, cubin, key, path, meta.get("kernels", {}), meta.get("log", ""), options, arch)
 
 
+_warned_roots: set = set()
+_private_dir: Path | None = None
+
+
+def _cache_unwritable(root: Path, exc: OSError) -> None:
+    """Warn once per cache root that it cannot be written (kernels are then built in memory)."""
+    if str(root) not in _warned_roots:
+        _warned_roots.add(str(root))
+        warnings.warn(f"deep_ep.jit: the kernel cache {root} is not writable ({exc}); kernels are compiled "
+                      f"in memory and not cached. Set EP_JIT_CACHE_DIR to a writable directory.",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _private_root() -> Path:
+    """A process-private scratch directory (removed at exit), used when the cache is not writable."""
+    global _private_dir
+    if _private_dir is None:
+        import atexit
+        _private_dir = Path(tempfile.mkdtemp(prefix="deep_ep-jit-"))
+        atexit.register(shutil.rmtree, _private_dir, True)
+    return _private_dir
+
+
+def _prepare_nccl(src_dir: Path):
+    """``nccl_headers.prepare`` in the cache, or in a private directory when the cache is not writable."""
+    try:
+        return nccl_headers.prepare(src_dir, cache_root())
+    except OSError as exc:
+        _cache_unwritable(cache_root(), exc)
+        return nccl_headers.prepare(src_dir, _private_root())
+
+
 def _build_uncached(name: str, source: str, options: list[str], arch: str, key: str) -> Module:
     disk = DiskCache(cache_root())
     hit = disk.load(key)
@@ -391,32 +425,55 @@ def _build_uncached(name: str, source: str, options: list[str], arch: str, key: 
         _count("disk_hits")
         _debug("%s: disk cache hit %s", name, key[:16])
         return _module_from_entry(name, *hit, key, disk.entry_dir(key), options, arch)
-    with disk.lock(key):
+    try:
+        lock = disk.lock(key)
+        lock.acquire()
+    except OSError as exc:  # read-only or damaged cache (a file where a directory belongs, ...)
+        _cache_unwritable(disk.root, exc)
+        return _compile(name, source, options, arch, key, None)
+    try:
         hit = disk.load(key)
         if hit is not None:  # another process built it while we waited
             _count("disk_hits")
             _debug("%s: disk cache hit after wait %s", name, key[:16])
             return _module_from_entry(name, *hit, key, disk.entry_dir(key), options, arch)
+        return _compile(name, source, options, arch, key, disk)
+    finally:
+        lock.release()
+
+
+def _compile(name: str, source: str, options: list[str], arch: str, key: str, disk: DiskCache | None) -> Module:
+    """Compile and, when ``disk`` is given (its lock held), store the entry; else an in-memory module."""
+    try:
         source_path = _dump_source(name, key, source, options)
-        use_nvcc = compiler.use_nvcc()
-        if _flag("EP_JIT_PRINT_CMD"):
-            cmd = compiler.nvcc_command(options, source_path, f"{name}.cubin") if use_nvcc \
-                else ["nvrtc", *options, source_path]
-            print("[deep_ep.jit] " + " ".join(cmd), flush=True)
-        t0 = time.perf_counter()
-        result = (compiler.compile_nvcc if use_nvcc else compiler.compile_nvrtc)(name, source, options, source_path)
-        dt = time.perf_counter() - t0
-        _count("builds")
-        _count("compile_seconds", dt)
-        _debug("%s: compiled in %.2f s (%s, %s) key %s", name, dt, compiler.compiler_version(), arch, key[:16])
-        if _flag("EP_JIT_PTXAS_VERBOSE"):
-            print(f"[deep_ep.jit] {name} ptxas:\n{result.log}", flush=True)
-        _dump_artifacts(name, key, result)
-        meta = {"name": name, "arch": arch, "options": options, "kernels": result.kernels, "log": result.log,
-                "compiler": compiler.compiler_version(), "compile_seconds": dt, "created": time.time()}
-        path = disk.store(key, result.cubin, meta)
+    except OSError:  # the cache (or EP_JIT_DUMP_DIR) is not writable: keep the source privately
+        source_path = str(_private_root() / f"{name}-{key[:16]}.cu")
+        Path(source_path).write_text(f"// deep_ep.jit build of {name!r}\n// options: {' '.join(options)}\n{source}")
+    use_nvcc = compiler.use_nvcc()
+    if _flag("EP_JIT_PRINT_CMD"):
+        cmd = compiler.nvcc_command(options, source_path, f"{name}.cubin") if use_nvcc \
+            else ["nvrtc", *options, source_path]
+        print("[deep_ep.jit] " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    result = (compiler.compile_nvcc if use_nvcc else compiler.compile_nvrtc)(name, source, options, source_path)
+    dt = time.perf_counter() - t0
+    _count("builds")
+    _count("compile_seconds", dt)
+    _debug("%s: compiled in %.2f s (%s, %s) key %s", name, dt, compiler.compiler_version(), arch, key[:16])
+    if _flag("EP_JIT_PTXAS_VERBOSE"):
+        print(f"[deep_ep.jit] {name} ptxas:\n{result.log}", flush=True)
+    _dump_artifacts(name, key, result)
+    meta = {"name": name, "arch": arch, "options": options, "kernels": result.kernels, "log": result.log,
+            "compiler": compiler.compiler_version(), "compile_seconds": dt, "created": time.time()}
+    path = None
+    if disk is not None:
+        try:
+            path = disk.store(key, result.cubin, meta)
+        except OSError as exc:  # e.g. the cache became read-only or the disk is full
+            _cache_unwritable(disk.root, exc)
+    if path is not None:
         try:  # keep the source next to the entry (debugging); not part of validation
             shutil.copyfile(source_path, path / "source.cu")
         except OSError:
             pass
-        return Module(name, result.cubin, key, path, result.kernels, result.log, options, arch)
+    return Module(name, result.cubin, key, path, result.kernels, result.log, options, arch)

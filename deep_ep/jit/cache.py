@@ -66,6 +66,8 @@ class DiskCache:
             cubin = (d / self.CUBIN).read_bytes()
         except (OSError, ValueError):
             return None
+        if not isinstance(meta, dict):  # valid JSON of another shape (a foreign or damaged file)
+            return None
         if meta.get("key") != key or meta.get("cubin_size") != len(cubin) \
                 or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
             return None
