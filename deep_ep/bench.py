@@ -74,7 +74,7 @@ Benchmark and check expert-parallel dispatch + combine.
 
 With no GPU (or --device cpu) it spawns --ranks processes joined by a gloo group on this machine
 (default {CPU_DEFAULT_TOKENS} tokens per rank, so the DeepSeek-V3 default finishes in well under a
-minute on 2 cores). With a GPU it runs the GPU path: one rank per visible GPU, or --virtual-ranks N
+minute on 2 cores). With a GPU it runs the GPU path: EP=1, one rank per GPU under torchrun, or --virtual-ranks N
 emulated ranks on one GPU (default {GPU_DEFAULT_TOKENS} tokens per rank).
 
 Every output is checked against deep_ep.reference (dispatch exactly, combine to bf16 tolerance)
@@ -142,6 +142,9 @@ def use_gpu_runner(args: argparse.Namespace) -> bool:
     if args.virtual_ranks is not None:
         if args.device == "cpu":
             raise SystemExit("error: --virtual-ranks needs the GPU path; drop --device cpu")
+        if not gpu_available():
+            raise SystemExit("error: --virtual-ranks emulates ranks on one GPU, but no CUDA device is visible "
+                             "(or torch is a CPU build); without a GPU, use --ranks N (gloo processes)")
         return True
     if args.device == "cuda":
         if not gpu_available():

@@ -25,6 +25,7 @@ tensors; for GPU tensors only when the call synchronises with the host anyway (`
 from __future__ import annotations
 
 import contextlib
+import time
 import itertools
 import warnings
 from typing import Optional, Union
@@ -123,10 +124,30 @@ def _check_x(x, device: torch.device, name: str = "x") -> tuple:
     return x, None
 
 
+def _min_max(t: torch.Tensor) -> tuple:
+    """``(min, max)`` of an integer tensor as Python ints.
+
+    For CUDA tensors the two values go to pinned memory and the host polls an event: a plain
+    ``int(t.min())`` is a pageable copy, which waits inside the driver and can hold up other
+    threads' kernel launches meanwhile (emulated ranks in threads would then wait on each other).
+    """
+    if not t.is_cuda:
+        return int(t.min()), int(t.max())
+    pair = torch.stack([t.min(), t.max()])
+    host = torch.empty(2, dtype=pair.dtype, pin_memory=True)
+    host.copy_(pair, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    while not done.query():
+        time.sleep(2e-5)
+    lo, hi = host.tolist()
+    return int(lo), int(hi)
+
+
 def _check_topk_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     if topk_idx.numel() == 0:
         return
-    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    lo, hi = _min_max(topk_idx)
     if lo < -1 or hi >= num_experts:
         bad = lo if lo < -1 else hi
         where = (topk_idx == bad).nonzero()[0].tolist()
