@@ -210,17 +210,6 @@ def run_case(case, group_for_rank, dev, seed: int = 1234):
 
 
 # ------------------------------------------------------------------------------------- EP=1 on real NCCL
-@pytest.fixture(scope="module")
-def nccl_group():
-    import tempfile
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="deep_ep_store_"), 1)
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-
-
 @pytest.mark.parametrize("case", cases_for(1), ids=lambda c: c.name)
 def test_ep1_real_nccl(case, nccl_group):
     dev = torch.device("cuda", 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -23,16 +22,6 @@ from deep_ep import reference as ref  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 HIDDEN, EXPERTS, TOPK = 1024, 32, 8
-
-
-@pytest.fixture(scope="module")
-def nccl_group():
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="deep_ep_store_"), 1)
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
 
 
 def _routing(tokens: int, g: torch.Generator) -> torch.Tensor:
