@@ -24,10 +24,12 @@ tensors; for GPU tensors only when the call synchronises with the host anyway (`
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
-import time
 import itertools
+import time
 import warnings
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -43,6 +45,19 @@ topk_idx_t = torch.int64
 
 _BUFFER_ALIGNMENT = 2 * 1024 * 1024
 _buffer_ids = itertools.count()
+
+
+#: Buffers not destroyed yet. At interpreter exit their references to the process group (and its
+#: store) are dropped while the interpreter is still whole: a process group that lives on into
+#: interpreter teardown can abort the process ("terminate called without an active exception").
+_live_buffers: "weakref.WeakSet[ElasticBuffer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_live_buffers() -> None:
+    for buf in list(_live_buffers):
+        buf._backend = None
+        buf.group = None
 _FP8 = torch.float8_e4m3fn
 
 
@@ -249,6 +264,7 @@ class ElasticBuffer:
             num_gpu_timeout_secs=num_gpu_timeout_secs, num_cpu_timeout_secs=num_cpu_timeout_secs,
             explicitly_destroy=explicitly_destroy)
         self._backend = make_backend(group, self.config)
+        _live_buffers.add(self)
 
     # ------------------------------------------------------------------ lifecycle
     @property

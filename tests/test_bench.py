@@ -134,8 +134,11 @@ def test_gpu_hook_errors_cleanly(monkeypatch):
     monkeypatch.setattr(bench, "gpu_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         bench.use_gpu_runner(_args(device="cuda"))
-    assert bench.use_gpu_runner(_args(virtual_ranks=8))
+    with pytest.raises(SystemExit, match="no CUDA device is visible"):
+        bench.use_gpu_runner(_args(virtual_ranks=8))
     assert not bench.use_gpu_runner(_args())
+    monkeypatch.setattr(bench, "gpu_available", lambda: True)
+    assert bench.use_gpu_runner(_args(virtual_ranks=8))
 
 
 @pytest.mark.parametrize("expand,fp8", [(False, False), (True, True)])

@@ -112,10 +112,7 @@ class CPUBackend(Backend):
         name = str(getattr(group, "group_name", "") or id(group))
         counter = _buffers_per_group.setdefault(name, itertools.count())
         self._stamp_prefix = f"deep_ep/cpu/group{name}/buffer{next(counter)}/rank"
-        try:
-            self._store = group.get_group_store()
-        except Exception:  # an older torch or a group without a store: no peer diagnosis
-            self._store = None
+        self._use_store = True       # False once the store failed (it only serves diagnostics)
 
     @property
     def device(self) -> torch.device:
@@ -133,21 +130,35 @@ class CPUBackend(Backend):
                               f"({self._broken}); destroy it and the process group, and start again")
         self._calls += 1
         self._op = op
-        if self._store is not None:
+        store = self._store()
+        if store is not None:
             try:
-                self._store.set(self._stamp_prefix + str(self.rank), f"{self._calls} {op}")
+                store.set(self._stamp_prefix + str(self.rank), f"{self._calls} {op}")
             except Exception:  # the store is only used to name a missing peer
-                self._store = None
+                self._use_store = False
+
+    def _store(self):
+        """The group's key-value store, looked up on each use and never kept: a reference held past
+        the process group's destruction keeps the store client (and its threads) alive until
+        interpreter teardown, where it can abort the process."""
+        if not self._use_store:
+            return None
+        try:
+            return self.group.get_group_store()
+        except Exception:  # an older torch, a group without a store, or a destroyed group
+            self._use_store = False
+            return None
 
     def _peer_stamps(self) -> dict:
         """``{peer: (calls entered, last op)}`` from the store; peers without a stamp map to (0, '')."""
         out = {}
+        store = self._store()
         for p in range(self.num_ranks):
-            if p == self.rank or self._store is None:
+            if p == self.rank or store is None:
                 continue
             key = self._stamp_prefix + str(p)
             try:
-                value = self._store.get(key).decode() if self._store.check([key]) else "0 "
+                value = store.get(key).decode() if store.check([key]) else "0 "
                 n, op = value.split(" ", 1)
                 out[p] = (int(n), op)
             except Exception:
