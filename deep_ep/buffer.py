@@ -407,14 +407,15 @@ class ElasticBuffer:
             outputs = fn()
         event = torch.cuda.Event()
         event.record(comm)
-        out_tensors = _collect_tensors(outputs)
         if allocate_on_comm_stream:
-            for t in out_tensors:
+            for t in _collect_tensors(outputs):
                 t.record_stream(compute)
         if not async_with_compute_stream:
             compute.wait_event(event)
             return outputs, EventOverlap()
-        for t in _collect_tensors(inputs):
+        # Async: the communication stream may still read the inputs (and the handle) and write the
+        # outputs after the caller drops them.
+        for t in _collect_tensors(inputs) + ([] if allocate_on_comm_stream else _collect_tensors(outputs)):
             t.record_stream(comm)
         return outputs, EventOverlap(event, extra_tensors=(tuple(inputs), outputs))
 
@@ -483,7 +484,8 @@ class ElasticBuffer:
             async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync,
             do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
         data, sf = args.pop("data"), args.pop("sf")
-        inputs = [t for t in (data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats)
+        # Kept alive for the communication stream in async mode (with a handle: its tensors too).
+        inputs = [t for t in (data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)
                   if t is not None]
         outputs, event = self._run(
             lambda: self._backend.dispatch(data, sf, topk_idx, topk_weights, **args),
@@ -616,7 +618,7 @@ class ElasticBuffer:
         self._alive()
         bias_t = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
                                         async_with_compute_stream, allocate_on_comm_stream)
-        inputs = [t for t in (x, topk_weights) + bias_t if t is not None]
+        inputs = [t for t in (x, topk_weights, handle) + bias_t if t is not None]
         (combined_x, combined_w), event = self._run(
             lambda: self._backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms),
             previous_event, async_with_compute_stream, allocate_on_comm_stream, inputs)
@@ -649,6 +651,8 @@ def _collect_tensors(obj) -> list:
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for o in obj for t in _collect_tensors(o)]
-    if isinstance(obj, EPHandle):
-        return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+    if isinstance(obj, EPHandle):  # its fields and the backend's state (read by the kernels)
+        return [t for v in vars(obj).values() for t in _collect_tensors(v)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for v in vars(obj).values() for t in _collect_tensors(v)]
     return []

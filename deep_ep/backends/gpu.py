@@ -28,6 +28,7 @@ import torch
 
 from .. import jit
 from ..handle import EPHandle
+from ..reference import worst_case_recv_rows
 from ..streams import destroy_stream, new_stream
 from . import window_layout as wl
 from .base import Backend, BufferConfig
@@ -126,6 +127,8 @@ class GPUHandleState:
     pos_tok:  [T, R] int32 token row of each token at each destination (-1: not sent)
     pos_pair: [T, K] int32 output row of each (token, expert) pair at its owner (expanded only)
     row_map:  [tok rows, K] int32 output rows of each received token row (expanded only)
+    recv_topk_idx, recv_topk_weights: the dispatch's outputs, returned again by a cached dispatch
+    num_tok_rows_capacity: rows allocated in ``row_map`` (the true count, or ``R * M`` without CPU sync)
     """
     layout: torch.Tensor
     pos_tok: torch.Tensor
@@ -136,6 +139,7 @@ class GPUHandleState:
     num_tok_rows_capacity: int
 
     def clone(self) -> "GPUHandleState":
+        """A copy with every tensor cloned (for ``do_handle_copy`` and `EPHandle.clone`)."""
         return GPUHandleState(**{f.name: (getattr(self, f.name).clone()
                                           if isinstance(getattr(self, f.name), torch.Tensor)
                                           else getattr(self, f.name)) for f in dc_fields(self)})
@@ -173,6 +177,10 @@ class GPUBackend(Backend):
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
+        self._err_host = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # see _enqueue_error_copy
+        self._ctrl_error: Optional[torch.Tensor] = None
+        self._broken: Optional[str] = None
+        self._last_m = 0
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
@@ -180,20 +188,31 @@ class GPUBackend(Backend):
     # ------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
+        """The CUDA device of this rank's tensors and window."""
         return self._device
 
     def get_comm_stream(self):
+        """The dedicated stream every kernel of this buffer runs on (`deep_ep.streams`)."""
         return self.comm_stream
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
-        return wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms)
+        """SMs per dispatch/combine from the bandwidth model (`window_layout.theoretical_num_sms`),
+        capped for emulated ranks so that all of them fit on the device."""
+        limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
+        return min(wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms), max(1, limit))
 
     def barrier(self) -> None:
+        """Wait for this rank's communication, report a recorded GPU error, then a host barrier.
+
+        Raises:
+            TimeoutError / RuntimeError: see `check_errors`.
+        """
         self.comm_stream.synchronize()
         self.check_errors()
         self.transport.host_barrier()
 
     def destroy(self) -> None:
+        """Wait for this rank's kernels, release the window (collective for NCCL) and the stream."""
         if not self._destroyed:
             self._destroyed = True
             self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
@@ -208,10 +227,7 @@ class GPUBackend(Backend):
         return layout
 
     def _make_layout(self, hidden: int) -> wl.WindowLayout:
-        stride = wl.row_stride(hidden, self.config.num_topk, False)
-        layout = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk, False, self.transport.num_bytes)
-        return wl.WindowLayout(layout.num_ranks, layout.num_max_tokens_per_rank, stride, layout.counts_offset,
-                               layout.recv_offset, layout.half_bytes, layout.num_bytes)
+        return wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk, False, self.transport.num_bytes)
 
     def _module(self, kind: str, structure: tuple):
         """The built and loaded module for ``structure`` (the arguments of `dispatch_defines` /
@@ -228,10 +244,12 @@ class GPUBackend(Backend):
         return mod
 
     def _num_sms(self, num_sms: int) -> int:
-        n = num_sms or wl.theoretical_num_sms(0, 0, self.num_ranks, self.num_device_sms)
+        """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every
+        emulated rank's blocks fit on the device at once."""
+        limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
+        n = num_sms or min(wl.theoretical_num_sms(0, 0, self.num_ranks, self.num_device_sms), max(1, limit))
         if n < 1:
             raise ValueError(f"num_sms must be >= 1, got {n}")
-        limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
         if n > limit:
             if self.emulated:
                 raise ValueError(
@@ -265,22 +283,57 @@ class GPUBackend(Backend):
         return dst.tolist()
 
     def read_error(self) -> Optional[tuple]:
-        """(code, rank, peer, phase) recorded by a kernel, or None."""
-        ctrl = self.transport.window_tensor()[wl_ctrl_error_offset():wl_ctrl_error_offset() + 16]
-        v = self._host_read(ctrl.view(torch.int32), self.comm_stream)
+        """(code, rank, peer, phase) recorded by a kernel of this rank, or None (waits for the stream)."""
+        v = self._host_read(self._ctrl_error_view(), self.comm_stream)
         return tuple(v) if v[0] != 0 else None
 
     def check_errors(self) -> None:
-        """Raise `TimeoutError` if a kernel of this rank recorded a timeout."""
+        """Raise if a kernel of this rank recorded an error (waits for the communication stream).
+
+        Raises:
+            TimeoutError: a peer did not arrive within ``num_gpu_timeout_secs``.
+            RuntimeError: this rank would have received more rows than its outputs hold.
+        """
         err = self.read_error()
         if err is not None:
-            _, rank, peer, phase = err
-            phases = {1: "dispatch notify (waiting for peers' counts)", 2: "dispatch (waiting for peers' tokens)",
-                      3: "combine (waiting for peers' expert outputs)"}
-            raise TimeoutError(
-                f"deep_ep GPU timeout on rank {rank}: peer rank {peer} did not arrive within "
-                f"{self.config.num_gpu_timeout_secs} s in phase {phases.get(phase, phase)}. A rank skipped a "
-                f"call or failed; this buffer is no longer usable (destroy it and create a new one)")
+            self._raise_error(err)
+
+    def _raise_error(self, err: tuple) -> None:
+        code, rank, peer, phase = err
+        phases = {1: "dispatch notify (waiting for peers' counts)", 2: "dispatch (waiting for peers' tokens)",
+                  3: "combine (waiting for peers' expert outputs)"}
+        if code == 2:
+            self._broken = "capacity"
+            raise RuntimeError(
+                f"deep_ep: rank {rank} would receive more rows than its do_cpu_sync=False outputs hold "
+                f"(sized for num_max_tokens_per_rank={self._last_m} per rank): every rank must pass the same "
+                f"num_max_tokens_per_rank. Nothing was written; this buffer is no longer usable")
+        self._broken = "timeout"
+        raise TimeoutError(
+            f"deep_ep GPU timeout on rank {rank}: peer rank {peer} did not arrive within "
+            f"{self.config.num_gpu_timeout_secs} s in phase {phases.get(phase, phase)}. A rank skipped a "
+            f"call or failed; this buffer is no longer usable (destroy it and create a new one)")
+
+    def _enqueue_error_copy(self) -> None:
+        """Copy the error record to pinned memory after this call's kernels (no wait): the next call
+        sees an error of this one without a host synchronisation (also under CUDA-graph replay)."""
+        ctrl = self._ctrl_error_view()
+        with torch.cuda.stream(self.comm_stream):
+            self._err_host.copy_(ctrl, non_blocking=True)
+
+    def _ctrl_error_view(self) -> torch.Tensor:
+        if self._ctrl_error is None:
+            off = wl.CTRL_ERROR_OFFSET
+            self._ctrl_error = self.transport.window_tensor()[off:off + 16].view(torch.int32)
+        return self._ctrl_error
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"deep_ep: this buffer is no longer usable after an earlier GPU error "
+                               f"({self._broken}); destroy it and create a new one")
+        v = self._err_host.tolist()
+        if v[0] != 0:
+            self._raise_error(tuple(v))
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
@@ -303,6 +356,9 @@ class GPUBackend(Backend):
         L = E // R
         T, H = int(data.shape[0]), int(data.shape[1])
         K = int(topk_idx.shape[1])
+        if K > (self.config.num_topk or wl.MAX_TOPK):
+            raise ValueError(f"top-k {K} exceeds the {self.config.num_topk or wl.MAX_TOPK} the window rows were "
+                             f"sized for: create the buffer with num_topk={K}")
         data_bytes = H * data.element_size()
         num_sf = 0 if sf is None else int(sf.shape[1])
         if data_bytes % 16:
@@ -318,12 +374,19 @@ class GPUBackend(Backend):
         if T > m:
             raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
                              f"(num_max_tokens_per_rank)")
+        self._last_m = m
         n_sms = self._num_sms(num_sms)
         mod = self._module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
         ix_size = 2 + 3 * R + 3 * L + E
         peers = self.transport.peers.data_ptr()
 
+        self._raise_if_broken()
         if not cached:
+            # do_cpu_sync=False: outputs are sized now for the worst case; the layout kernel refuses
+            # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
+            big = 2 ** 31 - 1
+            out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
+            tok_cap = big if do_cpu_sync else R * m
             lay = torch.empty(ix_size, dtype=torch.int32, device=dev)
             pos_tok = torch.empty((T, R), dtype=torch.int32, device=dev)
             pos_pair = torch.empty((T, K), dtype=torch.int32, device=dev) if do_expand else None
@@ -335,7 +398,7 @@ class GPUBackend(Backend):
             mod.function("deep_ep_layout").launch(
                 1, LAYOUT_THREADS,
                 (jit.ptr(peers), rank, R, E, A, jit.i64(layout.counts_offset), lay,
-                 cumulative_local_expert_recv_stats, jit.u64(self.timeout_ns)), stream=stream)
+                 cumulative_local_expert_recv_stats, out_cap, tok_cap, jit.u64(self.timeout_ns)), stream=stream)
             if do_cpu_sync:
                 head = self._host_read(lay, stream)  # waits for the layout kernel, i.e. every peer's counts
                 self.check_errors()
@@ -343,14 +406,10 @@ class GPUBackend(Backend):
                 out_rows = num_out_rows
                 tok_capacity = num_tok_rows
             else:
-                out_rows = _worst_case_rows(R, m, K, L, A, do_expand)
-                tok_capacity = R * m
-                num_out_rows = None
+                out_rows, tok_capacity, num_out_rows = out_cap, tok_cap, None
         else:
             lay, pos_tok, pos_pair = state.layout, state.pos_tok, state.pos_pair
             out_rows = handle.num_recv_rows
-            tok_capacity = state.num_tok_rows_capacity
-            num_out_rows = handle.num_recv_tokens
 
         # outputs
         out_x = torch.empty((out_rows, H), dtype=data.dtype, device=dev)
@@ -390,6 +449,7 @@ class GPUBackend(Backend):
         mod.function("deep_ep_dispatch_send" + suffix).launch(n_sms, THREADS, (args,), stream=stream)
         mod.function("deep_ep_dispatch_recv" + suffix).launch(n_sms, THREADS, (args, int(do_zero_padding)),
                                                                stream=stream)
+        self._enqueue_error_copy()
 
         recv_x = out_x if sf is None else (out_x, out_sf)
         if cached:
@@ -419,6 +479,7 @@ class GPUBackend(Backend):
         state = handle.backend_state
         if not isinstance(state, GPUHandleState):
             raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+        self._raise_if_broken()
         R, rank = self.num_ranks, self.rank
         T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
         layout = self._layout(H)
@@ -439,6 +500,7 @@ class GPUBackend(Backend):
         stream = self.comm_stream
         mod.function("deep_ep_combine_send").launch(n_sms, THREADS, (args,), stream=stream)
         mod.function("deep_ep_combine_recv").launch(n_sms, THREADS, (args,), stream=stream)
+        self._enqueue_error_copy()
         return out, out_w
 
 
@@ -454,15 +516,3 @@ class _LayoutIndex:
         self.send_base = 2 + 2 * R + 3 * L
         self.out_base = 2 + 3 * R + 3 * L
         self.size = 2 + 3 * R + 3 * L + E
-
-
-def wl_ctrl_error_offset() -> int:
-    """Byte offset of the error record in the control region (``kCtrlError`` words)."""
-    return (1024 + 4) * 4
-
-
-def _worst_case_rows(R: int, m: int, K: int, L: int, A: int, expand: bool) -> int:
-    if not expand:
-        return R * m
-    rows = R * m * min(K, L) + L * (A - 1)
-    return (rows + A - 1) // A * A

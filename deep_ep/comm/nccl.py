@@ -190,7 +190,11 @@ class NcclTransport(Transport):
         dist.barrier(group=self.group)
 
     def destroy(self) -> None:
+        """Deregister and free the window. Collective: a barrier first, so that no peer is still
+        reading this rank's window (combine pulls from peers' windows)."""
         lib = libnccl()
+        if getattr(self, "win", None):
+            self.host_barrier()
         if getattr(self, "win", None):
             _check("ncclCommWindowDeregister",
                    lib.ncclCommWindowDeregister(ctypes.c_void_p(self.comm), ctypes.c_void_p(self.win)), self.comm)

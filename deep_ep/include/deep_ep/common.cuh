@@ -32,7 +32,8 @@ constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (fi
 constexpr int64_t kCtrlBytes = 64 * 1024;
 
 // Error codes written to kCtrlError[0].
-constexpr int kErrTimeout = 1;
+constexpr int kErrTimeout = 1;    // a peer did not arrive in time
+constexpr int kErrCapacity = 2;   // this rank would receive more rows than its outputs hold
 
 // Phases, reported with a timeout.
 constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
@@ -63,6 +64,16 @@ __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 __device__ __forceinline__ void st_cg(int4* p, const int4& v) { __stcg(p, v); }
 // Read-only data of this kernel's caller (x, y): the non-coherent path is fine.
 __device__ __forceinline__ int4 ld_nc(const int4* p) { return __ldg(p); }
+
+// Record an error (the first one wins) in this rank's control region.
+__device__ __forceinline__ void record_error(uint8_t* my_window, int code, int rank, int peer, int phase) {
+    uint32_t* ctrl = ctrl_of(my_window);
+    if (atomicCAS(ctrl + kCtrlError, 0u, static_cast<uint32_t>(code)) == 0u) {
+        ctrl[kCtrlError + 1] = rank;
+        ctrl[kCtrlError + 2] = peer;
+        ctrl[kCtrlError + 3] = phase;
+    }
+}
 
 // ---- signals between ranks --------------------------------------------------------------------
 // Called by the last block of a producer kernel (see `last_block`): tell every peer that this
@@ -106,11 +117,7 @@ __device__ __forceinline__ bool wait_all_peers(uint8_t* my_window, int rank, int
         const uint64_t start = global_timer_ns();
         while (static_cast<int32_t>(ld_acquire_sys(ctrl + kCtrlArrive + p) - target) < 0) {
             if (global_timer_ns() - start > timeout_ns) {
-                if (atomicCAS(ctrl + kCtrlError, 0u, static_cast<uint32_t>(kErrTimeout)) == 0u) {
-                    ctrl[kCtrlError + 1] = rank;
-                    ctrl[kCtrlError + 2] = p;
-                    ctrl[kCtrlError + 3] = phase;
-                }
+                record_error(my_window, kErrTimeout, rank, p, phase);
                 ok_flag = 0;
                 break;
             }

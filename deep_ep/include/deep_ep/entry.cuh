@@ -26,9 +26,10 @@ extern "C" __global__ void __launch_bounds__(512) deep_ep_notify(const int64_t* 
 extern "C" __global__ void __launch_bounds__(512) deep_ep_layout(uint8_t* const* peers, int rank, int num_ranks,
                                                                    int num_experts, int alignment,
                                                                    int64_t counts_offset, int* layout,
-                                                                   int* cumulative_stats, uint64_t timeout_ns) {
+                                                                   int* cumulative_stats, int out_capacity,
+                                                                   int tok_capacity, uint64_t timeout_ns) {
     deep_ep::layout_impl(peers, rank, num_ranks, num_experts, alignment, counts_offset, EP_EXPAND != 0, layout,
-                         cumulative_stats, timeout_ns);
+                         cumulative_stats, out_capacity, tok_capacity, timeout_ns);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_send(deep_ep::DispatchArgs a) {

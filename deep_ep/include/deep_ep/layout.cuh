@@ -76,34 +76,38 @@ __device__ __forceinline__ void notify_impl(const int64_t* __restrict__ topk_idx
     // Each thread owns a contiguous chunk of tokens, so numbering follows token order.
     const int chunk = (num_tokens + blockDim.x - 1) / blockDim.x;
     const int t0 = min(num_tokens, static_cast<int>(threadIdx.x) * chunk), t1 = min(num_tokens, t0 + chunk);
+    // A rank column numbers tokens (a token goes to a rank once); an expert column numbers pairs
+    // (a token that picks the same expert twice makes two pairs, in k order, as the reference does).
     int mine = 0;
     for (int t = t0; t < t1; ++t) {
-        bool hit = false;
+        int matches = 0;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
             if (e >= lo && e < hi) {
-                hit = true;
+                ++matches;
                 if (is_rank_column) atomicAdd(&pair_counts[e - lo], 1);
             }
         }
-        mine += hit;
+        mine += is_rank_column ? (matches > 0) : matches;
     }
     int total;
     int pos = block_exclusive_scan(mine, &total);
     for (int t = t0; t < t1; ++t) {
-        int found = -1;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
-            if (e >= lo && e < hi) found = k;
-        }
         if (is_rank_column) {
-            pos_tok[static_cast<int64_t>(t) * num_ranks + column] = found >= 0 ? pos : -1;
-        } else if (kExpand && found >= 0) {
-            pos_pair[static_cast<int64_t>(t) * K + found] = pos;  // experts of a token are distinct
+            bool hit = false;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
+                hit |= (e >= lo && e < hi);
+            }
+            pos_tok[static_cast<int64_t>(t) * num_ranks + column] = hit ? pos : -1;
+            pos += hit;
+        } else if (kExpand) {
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+                if (topk_idx[static_cast<int64_t>(t) * K + k] == lo) pos_pair[static_cast<int64_t>(t) * K + k] = pos++;
         }
-        pos += found >= 0;
     }
     if (kExpand && !is_rank_column) {
         // Masked (-1) and out-of-range slots get -1 once, from the first expert column.
@@ -131,7 +135,8 @@ __device__ __forceinline__ void notify_impl(const int64_t* __restrict__ topk_idx
 __device__ __forceinline__ void layout_impl(uint8_t* const* __restrict__ peers, int rank, int num_ranks,
                                             int num_experts, int alignment, int64_t counts_offset,
                                             bool expand, int* __restrict__ layout,
-                                            int* __restrict__ cumulative_stats, uint64_t timeout_ns) {
+                                            int* __restrict__ cumulative_stats, int out_capacity,
+                                            int tok_capacity, uint64_t timeout_ns) {
     uint8_t* my_window = peers[rank];
     const bool ok = wait_all_peers(my_window, rank, num_ranks, kPhaseNotify, timeout_ns);
     const int R = num_ranks, E = num_experts, L = E / R;
@@ -185,9 +190,16 @@ __device__ __forceinline__ void layout_impl(uint8_t* const* __restrict__ peers, 
                 }
             }
         }
-    } else {
-        // A peer never arrived: every word defined (no rows, zero offsets), so that kernels launched
-        // after this one (without a host check in between) index nothing out of bounds.
+    }
+    __syncthreads();
+    // More rows than the outputs allocated for the worst case hold (a peer used a larger
+    // num_max_tokens_per_rank): refuse rather than write past them.
+    const bool overflow = ok && (layout[ix.num_out_rows()] > out_capacity || layout[ix.num_tok_rows()] > tok_capacity);
+    if (overflow && threadIdx.x == 0) record_error(my_window, kErrCapacity, rank, -1, kPhaseNotify);
+    if (!ok || overflow) {
+        // Every word defined (no rows, zero offsets), so that kernels launched after this one
+        // (without a host check in between) index nothing out of bounds.
+        __syncthreads();
         for (int i = threadIdx.x; i < ix.size(); i += blockDim.x) layout[i] = 0;
     }
     finish_wait(my_window, false);
