@@ -205,8 +205,8 @@ class ElasticBuffer:
         use_fp8_dispatch: size the window for FP8 data (only affects the size estimate).
         deterministic: keep the reference row order even where a faster order exists (the CPU
             backend always does).
-        allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: GPU algorithm
-            choices, passed to the backend (no effect on CPU).
+        allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: DeepEP V2's
+            algorithm choices, accepted for compatibility; no backend uses them yet.
         num_gpu_timeout_secs, num_cpu_timeout_secs: seconds before a GPU kernel / a host wait gives
             up with a `TimeoutError` (on CPU each collective phase of a call waits at most
             ``num_cpu_timeout_secs``, whatever the process group's own timeout).

@@ -1,0 +1,114 @@
+"""GPU reliability: a rank that skips a call, and a stress loop on emulated ranks with a memory bound.
+
+Skipped without a CUDA device; run by tools/device_suite.sh on the H200. The stress length is
+``DEEP_EP_GPU_STRESS_ITERS`` (default 200 iterations; the issue's full run is 10,000).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_ep  # noqa: E402
+from deep_ep import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 512, 32, 4, 96
+
+
+def _inputs(num_ranks: int, g: torch.Generator):
+    xs, idxs, ws = [], [], []
+    for _ in range(num_ranks):
+        T = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=g))
+        idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(T)]) if T else \
+            torch.empty((0, TOPK), dtype=torch.int64)
+        idx = idx.to(torch.int64)
+        if T:
+            idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        xs.append(torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16))
+        idxs.append(idx)
+        ws.append(torch.rand((T, TOPK), generator=g))
+    return xs, idxs, ws
+
+
+def test_rank_skipping_a_call_times_out():
+    from deep_ep.emulated import EmulatedGroup
+    dev = torch.device("cuda", 0)
+    group = EmulatedGroup(2, device=dev)
+    x = torch.randn((8, HIDDEN), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(EXPERTS)[:TOPK] for _ in range(8)]).to(dev)
+
+    def body(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                    num_gpu_timeout_secs=3)
+        try:
+            if g.rank() == 1:
+                return None  # skips the dispatch
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"rank 0: peer rank 1 did not arrive .* notify"):
+                buf.dispatch(x, idx, num_experts=EXPERTS)
+            assert time.monotonic() - t0 < 3 + 10
+            with pytest.raises(RuntimeError, match="no longer usable"):
+                buf.dispatch(x, idx, num_experts=EXPERTS)
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
+
+
+def test_stress_emulated_ep8_memory_bounded():
+    from deep_ep.emulated import EmulatedGroup
+    iters = int(os.environ.get("DEEP_EP_GPU_STRESS_ITERS", "200"))
+    R = 8
+    dev = torch.device("cuda", 0)
+    group = EmulatedGroup(R, device=dev)
+    g = torch.Generator().manual_seed(11)
+    plans = []
+    for i in range(iters):
+        expand = bool(i % 3 == 1)
+        xs, idxs, ws = _inputs(R, g)
+        plans.append((expand, xs, idxs, ws))
+
+    def body(grp):
+        r = grp.rank()
+        buf = deep_ep.ElasticBuffer(grp, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                    num_gpu_timeout_secs=30)
+        failures, mem = [], []
+        try:
+            for i, (expand, xs, idxs, ws) in enumerate(plans):
+                out = buf.dispatch(xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev), num_experts=EXPERTS,
+                                   do_expand=expand, expert_alignment=4 if expand else 1, do_zero_padding=True)
+                recv_x, _, _, handle, _ = out
+                comb, _, _ = buf.combine(recv_x, handle)
+                torch.cuda.current_stream().synchronize()
+                if i % 10 == 0:  # every tenth iteration against the reference (all ranks' inputs)
+                    exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, do_expand=expand,
+                                                 expert_alignment=4 if expand else 1)
+                    try:
+                        ref.check_dispatch(tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in out[:3])
+                                           + (out[3],), exp[r], check_handle=False, rank=r)
+                        want = ref.reference_combine([e.recv_x for e in exp], [e.handle for e in exp])[r][0]
+                        got = comb.cpu().float()
+                        assert ((got - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-3).all()
+                    except AssertionError as exc:
+                        failures.append(f"iteration {i}: {exc}")
+                if i == 10 or i == len(plans) - 1:
+                    mem.append(torch.cuda.memory_allocated(dev))
+            buf.barrier()
+        finally:
+            buf.destroy()
+        return failures, mem
+
+    results = group.run(body)
+    failures = [f for res in results for f in res[0]]
+    assert not failures, failures[:5]
+    mem = results[0][1]
+    if len(mem) == 2:
+        assert mem[1] - mem[0] < 64 << 20, f"GPU memory grew by {(mem[1] - mem[0]) >> 20} MiB over the loop"
