@@ -249,3 +249,22 @@ def bits_equal(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
         return False
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def check_cached_dispatch(buf, case: Case, rank: int, handle, idxs, ws, num_experts: int, max_tokens: int,
+                          seed_offset: int):
+    """A cached dispatch of fresh data (``case.seed + seed_offset``) with ``handle`` on ``rank``,
+    checked element by element against `deep_ep.reference`; returns the dispatch's outputs."""
+    from deep_ep.reference import check_dispatch, reference_dispatch
+
+    xs2, _, _ = make_inputs(Case(**{**case.__dict__, "seed": case.seed + seed_offset}))
+    out2 = buf.dispatch(xs2[rank], handle=handle, do_expand=case.do_expand, do_zero_padding=case.zero_padding,
+                        use_tma_aligned_col_major_sf=case.col_major_sf)
+    ref2 = reference_dispatch(xs2, idxs, ws, num_experts, do_expand=case.do_expand,
+                              expert_alignment=case.alignment, do_cpu_sync=case.do_cpu_sync,
+                              num_max_tokens_per_rank=max_tokens,
+                              use_tma_aligned_col_major_sf=case.col_major_sf)[rank]
+    if not case.do_expand:
+        ref2.recv_topk_weights = None  # a cached non-expanded dispatch returns no weights
+    check_dispatch(out2, ref2, do_zero_padding=case.zero_padding, check_handle=False)
+    return out2

@@ -38,7 +38,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_cases import Case, bits_equal, make_combine_inputs, make_inputs
+from ep_cases import Case, bits_equal, check_cached_dispatch, make_combine_inputs, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_TIMEOUT = 60          # the process group's own timeout: the buffer's must act long before it
@@ -154,17 +154,7 @@ def _stress_worker(rank, world_size, iters, seed):
         check_combine(got, reference_combine(ys, [r.handle for r in ref], tws, biases)[rank], rank=rank)
         calls += 2
         if case.cached:     # cached dispatch with new data, then combine again
-            xs2, _, _ = make_inputs(Case(**{**case.__dict__, "seed": case.seed + 10**6}))
-            out2 = buf.dispatch(xs2[rank], handle=handle, do_expand=case.do_expand,
-                                do_zero_padding=case.zero_padding,
-                                use_tma_aligned_col_major_sf=case.col_major_sf)
-            ref2 = reference_dispatch(xs2, idxs, ws, E, do_expand=case.do_expand,
-                                      expert_alignment=case.alignment, do_cpu_sync=case.do_cpu_sync,
-                                      num_max_tokens_per_rank=M,
-                                      use_tma_aligned_col_major_sf=case.col_major_sf)[rank]
-            if not case.do_expand:
-                ref2.recv_topk_weights = None
-            check_dispatch(out2, ref2, do_zero_padding=case.zero_padding, check_handle=False)
+            check_cached_dispatch(buf, case, rank, handle, idxs, ws, E, M, seed_offset=10**6)
             got2 = buf.combine(ys[rank], handle, bias=biases[rank])
             check_combine(got2, reference_combine(ys, [r.handle for r in ref], None, biases)[rank], rank=rank)
             calls += 2
