@@ -49,13 +49,23 @@ __device__ __forceinline__ uint8_t* combine_row_ptr(uint8_t* window, const Combi
     return window + a.recv_offset + half * a.half_bytes + static_cast<int64_t>(row) * a.row_stride;
 }
 
+// acc[u][q] += the 8 bf16 values of v[u] (fp32, in this order: the reference's summation).
+template <int kUnroll>
+__device__ __forceinline__ void add_bf16_chunk(const int4 (&v)[kUnroll], float (&acc)[kUnroll][8]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
+    }
+}
+
 template <int kHidden, int K, bool kExpand>
 __device__ __forceinline__ void combine_send_impl(const CombineArgs& a) {
     using Row = CombineRow<kHidden, K, kExpand>;
-    const int lane = threadIdx.x & 31;
-    const int warps_per_block = blockDim.x >> 5;
-    const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const int num_warps = gridDim.x * warps_per_block;
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
     uint8_t* my_window = a.peers[rank];
@@ -108,10 +118,8 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
     using Row = CombineRow<kHidden, K, kExpand>;
     uint8_t* my_window = a.peers[a.rank];
     const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseCombine, a.timeout_ns);
-    const int lane = threadIdx.x & 31;
-    const int warps_per_block = blockDim.x >> 5;
-    const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const int num_warps = gridDim.x * warps_per_block;
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const int half = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
 
@@ -144,18 +152,8 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                 if (d == rank && !kExpand) {
                     const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(row) * kHidden);
                     int4 v[kUnroll];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < Row::kVecs) v[u] = ld_nc(src + i);
-                    }
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        float f[8];
-                        bf16x8_to_f32(v[u], f);
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
-                    }
+                    load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
+                    add_bf16_chunk(v, acc);
                 } else if (d == rank) {
                     // This rank's own pairs, weighted, straight into the sum (expanded results match
                     // the reference within rounding: the order differs from its k = 0..K-1 sum).
@@ -166,11 +164,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                         if (out < 0) continue;
                         const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden);
                         int4 v[kUnroll];
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int i = base + u * 32 + lane;
-                            if (i < Row::kVecs) v[u] = ld_nc(src + i);
-                        }
+                        load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
 #pragma unroll
                         for (int u = 0; u < kUnroll; ++u) {
                             float f[8];
@@ -182,18 +176,8 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                 } else if (!kExpand) {
                     const int4* src = reinterpret_cast<const int4*>(combine_row_ptr(a.peers[d], a, half, row));
                     int4 v[kUnroll];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < Row::kVecs) v[u] = ld_cg(src + i);
-                    }
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        float f[8];
-                        bf16x8_to_f32(v[u], f);
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
-                    }
+                    load_chunk<kUnroll, Row::kVecs, true>(src, base, lane, v);
+                    add_bf16_chunk(v, acc);
                 } else {
                     const float4* src = reinterpret_cast<const float4*>(combine_row_ptr(a.peers[d], a, half, row));
                     float4 lo[kUnroll], hi[kUnroll];

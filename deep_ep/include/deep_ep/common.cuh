@@ -143,6 +143,37 @@ __device__ __forceinline__ bool has_error(uint8_t* my_window) {
     return *reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlError) != 0u;
 }
 
+// ---- grid geometry ----------------------------------------------------------------------------
+// Lane, global warp index and warp count of a kernel whose warps stride over work items.
+struct WarpGrid {
+    int lane, warp, num_warps;
+    __device__ __forceinline__ WarpGrid()
+        : lane(static_cast<int>(threadIdx.x & 31)),
+          warp(static_cast<int>(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))),
+          num_warps(static_cast<int>(gridDim.x * (blockDim.x >> 5))) {}
+};
+
+// ---- warp-wide row chunks ------------------------------------------------------------------
+// A warp moves a row of kVecs 16-byte vectors in chunks of 32 * kUnroll vectors: lane l handles
+// vectors base + u * 32 + l (u < kUnroll) that exist. Loads of a chunk are all issued before use.
+template <int kUnroll, int kVecs, bool kCoherent>
+__device__ __forceinline__ void load_chunk(const int4* src, int base, int lane, int4 (&v)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < kVecs) v[u] = kCoherent ? __ldcg(src + i) : __ldg(src + i);
+    }
+}
+
+template <int kUnroll, int kVecs>
+__device__ __forceinline__ void store_chunk(int4* dst, int base, int lane, const int4 (&v)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < kVecs) dst[i] = v[u];
+    }
+}
+
 // ---- small math -------------------------------------------------------------------------------
 template <typename T>
 __device__ __forceinline__ T ceil_div(T a, T b) { return (a + b - 1) / b; }

@@ -72,10 +72,8 @@ template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
     constexpr int kUnroll = 8;  // 4 KiB of loads in flight per warp
-    const int lane = threadIdx.x & 31;
-    const int warps_per_block = blockDim.x >> 5;
-    const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const int num_warps = gridDim.x * warps_per_block;
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
     uint8_t* my_window = a.peers[rank];
@@ -111,29 +109,17 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
         const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < Row::kVecs) v[u] = ld_nc(src + i);
-            }
+            load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
             for (int d = 0; d < R; ++d) {
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d)
                                        : a.pos_tok[static_cast<int64_t>(t) * R + d];
                 if (row < 0) continue;
                 if (d != rank) {
                     int4* dst = reinterpret_cast<int4*>(recv_row_ptr(a.peers[d], a, half, row));
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < Row::kVecs) dst[i] = v[u];
-                    }
+                    store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else if (!kExpand) {
                     int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < Row::kVecs) dst[i] = v[u];
-                    }
+                    store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else {
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
@@ -141,11 +127,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                         const int out = __shfl_sync(0xffffffffu, my_pair_row, k);
                         if (e < 0 || e / L != rank || out < 0) continue;
                         int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int i = base + u * 32 + lane;
-                            if (i < Row::kVecs) dst[i] = v[u];
-                        }
+                        store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                     }
                 }
             }
@@ -213,10 +195,8 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
     constexpr int kUnroll = 8;
     uint8_t* my_window = a.peers[a.rank];
     const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseDispatch, a.timeout_ns);
-    const int lane = threadIdx.x & 31;
-    const int warps_per_block = blockDim.x >> 5;
-    const int global_warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const int num_warps = gridDim.x * warps_per_block;
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
     const int half = current_half(my_window);
@@ -236,29 +216,17 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             const int4* src = reinterpret_cast<const int4*>(row);
             for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
                 int4 v[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int i = base + u * 32 + lane;
-                    if (i < Row::kVecs) v[u] = ld_cg(src + i);
-                }
+                load_chunk<kUnroll, Row::kVecs, true>(src, base, lane, v);
                 if (!kExpand) {
                     int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(j) * kDataBytes);
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < Row::kVecs) dst[i] = v[u];
-                    }
+                    store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else {
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const int out = __shfl_sync(0xffffffffu, out_row, k);
                         if (out < 0) continue;
                         int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int i = base + u * 32 + lane;
-                            if (i < Row::kVecs) dst[i] = v[u];
-                        }
+                        store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                     }
                 }
             }
