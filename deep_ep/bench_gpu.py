@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         runner = f"gpu/emulated x{num_ranks}"
     else:
         if not dist.is_initialized():
-            store = dist.FileStore(tempfile.mktemp(prefix="deep_ep_bench_"), 1)
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="deep_ep_bench_"), "store"), 1)
             dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
         barrier = (lambda: dist.barrier()) if multiprocess else (lambda: None)
         _run_rank(cfg, my_rank, dist.group.WORLD, device, barrier, expected, cfg.check, results, False)

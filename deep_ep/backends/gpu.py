@@ -377,7 +377,7 @@ class GPUBackend(Backend):
         self._last_m = m
         n_sms = self._num_sms(num_sms)
         mod = self._module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
-        ix_size = 2 + 3 * R + 3 * L + E
+        ix_size = _LayoutIndex(R, L, E).size
         peers = self.transport.peers.data_ptr()
 
         self._raise_if_broken()
@@ -505,14 +505,10 @@ class GPUBackend(Backend):
 
 
 class _LayoutIndex:
-    """Python mirror of ``deep_ep::LayoutIndex`` (include/deep_ep/layout.cuh)."""
+    """Word offsets the host reads from a handle's layout tensor (``deep_ep::LayoutIndex`` in
+    include/deep_ep/layout.cuh is the full list)."""
 
     def __init__(self, R: int, L: int, E: int) -> None:
-        self.tok_prefix = 2
-        self.rps = 2 + R
-        self.raw = 2 + 2 * R
-        self.padded = 2 + 2 * R + L
-        self.start = 2 + 2 * R + 2 * L
-        self.send_base = 2 + 2 * R + 3 * L
-        self.out_base = 2 + 3 * R + 3 * L
-        self.size = 2 + 3 * R + 3 * L + E
+        self.rps = 2 + R                   # rank_prefix_sum [R]
+        self.padded = 2 + 2 * R + L        # padded counts per local expert [L]
+        self.size = 2 + 3 * R + 3 * L + E  # every word

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -94,23 +93,17 @@ def _count(key: str, value=1) -> None:
 def loaded_nccl_version() -> int | None:
     """``ncclGetVersion`` of the libnccl already loaded in this process (e.g. 22809), or None.
 
-    Looks for ``libnccl`` in ``/proc/self/maps`` and opens it with ``RTLD_NOLOAD`` (never loads a
-    new copy).
+    The library is the one `deep_ep.comm.nccl` finds in ``/proc/self/maps`` and opens with
+    ``RTLD_NOLOAD`` (never a new copy).
     """
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libnccl" in line and "/" in line}
-    except OSError:
+    from ..comm import nccl  # lazy: comm builds its kernels through this module
+
+    if nccl.loaded_libnccl_path() is None:
         return None
-    for path in sorted(p for p in paths if re.search(r"libnccl\.so", os.path.basename(p))):
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
-            v = ctypes.c_int(0)
-            if lib.ncclGetVersion(ctypes.byref(v)) == 0:
-                return int(v.value)
-        except OSError:
-            continue
-    return None
+    try:
+        return nccl.nccl_version()
+    except (OSError, RuntimeError):
+        return None
 
 
 def _version_str(code: int) -> str:

@@ -45,10 +45,6 @@ struct CombineArgs {
     uint64_t timeout_ns;
 };
 
-__device__ __forceinline__ uint8_t* combine_row_ptr(uint8_t* window, const CombineArgs& a, int half, int row) {
-    return window + a.recv_offset + half * a.half_bytes + static_cast<int64_t>(row) * a.row_stride;
-}
-
 // acc[u][q] += the 8 bf16 values of v[u] (fp32, in this order: the reference's summation).
 template <int kUnroll>
 __device__ __forceinline__ void add_bf16_chunk(const int4 (&v)[kUnroll], float (&acc)[kUnroll][8]) {
@@ -69,14 +65,14 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a) {
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
     uint8_t* my_window = a.peers[rank];
-    const int half = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
+    const int half = current_half(my_window);
     const int num_tok_rows = has_error(my_window) ? 0 : a.layout[ix.num_tok_rows()];
     const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
     const int self_end = a.layout[ix.tok_prefix() + rank];
 
     for (int j = global_warp; j < num_tok_rows; j += num_warps) {
         if (j >= self_begin && j < self_end) continue;
-        uint8_t* dst = combine_row_ptr(my_window, a, half, j);
+        uint8_t* dst = window_row(my_window, a, half, j);
         float* dst_w = reinterpret_cast<float*>(dst + Row::kWeightOffset);
         if (!kExpand) {
             const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(j) * kHidden);
@@ -121,7 +117,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
-    const int half = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
+    const int half = current_half(my_window);
 
     for (int t = ok ? global_warp : a.num_tokens; t < a.num_tokens; t += num_warps) {
         int my_row = -1;
@@ -174,12 +170,12 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                         }
                     }
                 } else if (!kExpand) {
-                    const int4* src = reinterpret_cast<const int4*>(combine_row_ptr(a.peers[d], a, half, row));
+                    const int4* src = reinterpret_cast<const int4*>(window_row(a.peers[d], a, half, row));
                     int4 v[kUnroll];
                     load_chunk<kUnroll, Row::kVecs, true>(src, base, lane, v);
                     add_bf16_chunk(v, acc);
                 } else {
-                    const float4* src = reinterpret_cast<const float4*>(combine_row_ptr(a.peers[d], a, half, row));
+                    const float4* src = reinterpret_cast<const float4*>(window_row(a.peers[d], a, half, row));
                     float4 lo[kUnroll], hi[kUnroll];
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
@@ -220,11 +216,11 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                     const bool mine = my_expert >= 0 && my_expert / L == d;
                     if (!mine) continue;
                     if (d == rank) w += my_pair >= 0 ? a.weights_in[my_pair] : 0.0f;
-                    else w += __ldcg(reinterpret_cast<const float*>(combine_row_ptr(a.peers[d], a, half, row) + Row::kWeightOffset) + lane);
+                    else w += __ldcg(reinterpret_cast<const float*>(window_row(a.peers[d], a, half, row) + Row::kWeightOffset) + lane);
                 } else if (d == rank) {
                     w += a.weights_in[static_cast<int64_t>(row) * K + lane];
                 } else {
-                    w += __ldcg(reinterpret_cast<const float*>(combine_row_ptr(a.peers[d], a, half, row) + Row::kWeightOffset) + lane);
+                    w += __ldcg(reinterpret_cast<const float*>(window_row(a.peers[d], a, half, row) + Row::kWeightOffset) + lane);
                 }
             }
             if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = w;

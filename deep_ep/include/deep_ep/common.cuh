@@ -143,6 +143,19 @@ __device__ __forceinline__ bool has_error(uint8_t* my_window) {
     return *reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlError) != 0u;
 }
 
+// The receive half this rank's current round uses (rounds alternate halves).
+__device__ __forceinline__ int current_half(uint8_t* my_window) {
+    return static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
+}
+
+// ---- window rows ------------------------------------------------------------------------------
+// Row ``row`` of receive half ``half`` in a window (layout: deep_ep/backends/window_layout.py).
+// ``Args`` is any kernel argument struct with recv_offset, half_bytes and row_stride.
+template <typename Args>
+__device__ __forceinline__ uint8_t* window_row(uint8_t* window, const Args& a, int half, int row) {
+    return window + a.recv_offset + half * a.half_bytes + static_cast<int64_t>(row) * a.row_stride;
+}
+
 // ---- grid geometry ----------------------------------------------------------------------------
 // Lane, global warp index and warp count of a kernel whose warps stride over work items.
 struct WarpGrid {

@@ -54,14 +54,6 @@ struct DispatchArgs {
     uint64_t timeout_ns;
 };
 
-__device__ __forceinline__ uint8_t* recv_row_ptr(uint8_t* window, const DispatchArgs& a, int half, int row) {
-    return window + a.recv_offset + half * a.half_bytes + static_cast<int64_t>(row) * a.row_stride;
-}
-
-__device__ __forceinline__ int current_half(uint8_t* my_window) {
-    return static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ctrl_of(my_window) + kCtrlRound) & 1u);
-}
-
 template <int kDataBytes, int kNumSF>
 __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, int v) {
     if (a.sf_ld == 0) a.out_sf[static_cast<int64_t>(row) * kNumSF + i] = v;
@@ -115,7 +107,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                                        : a.pos_tok[static_cast<int64_t>(t) * R + d];
                 if (row < 0) continue;
                 if (d != rank) {
-                    int4* dst = reinterpret_cast<int4*>(recv_row_ptr(a.peers[d], a, half, row));
+                    int4* dst = reinterpret_cast<int4*>(window_row(a.peers[d], a, half, row));
                     store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else if (!kExpand) {
                     int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
@@ -138,7 +130,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
             const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
             if (row < 0) continue;
             if (d != rank) {
-                uint8_t* dst = recv_row_ptr(a.peers[d], a, half, row);
+                uint8_t* dst = window_row(a.peers[d], a, half, row);
                 int* dst_sf = reinterpret_cast<int*>(dst + kDataBytes);
                 for (int i = lane; i < kNumSF; i += 32) dst_sf[i] = a.sf[static_cast<int64_t>(t) * kNumSF + i];
                 if (!kCached) {
@@ -209,7 +201,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             if (j >= self_begin && j < self_end) continue;  // written by dispatch_send
             int s = 0;
             while (s < R - 1 && j >= a.layout[ix.tok_prefix() + s]) ++s;
-            const uint8_t* row = recv_row_ptr(my_window, a, half, j);
+            const uint8_t* row = window_row(my_window, a, half, j);
             const int* meta = reinterpret_cast<const int*>(row + Row::kMetaOffset);
             int out_row = -1;
             if (kExpand && lane < K) out_row = kCached ? a.row_map[static_cast<int64_t>(j) * K + lane] : __ldcg(meta + 1 + lane);
