@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from .comm.transport import EmulatedTransport, EmulatedWindowSet
-from .streams import new_stream
+from .streams import new_stream, release_stream
 
 __all__ = ["EmulatedGroup", "EmulatedRankGroup", "ensure_eager_module_loading"]
 
@@ -75,6 +75,13 @@ class EmulatedGroup:
         self.ranks = [EmulatedRankGroup(self, r) for r in range(num_ranks)]
         #: each rank's compute stream: `run` makes it the current stream of the rank's thread
         self.compute_streams = [new_stream(self.device) for _ in range(num_ranks)]
+
+    def __del__(self) -> None:
+        for stream in getattr(self, "compute_streams", ()):
+            try:
+                release_stream(stream)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
     def rank_group(self, rank: int) -> "EmulatedRankGroup":
         """The group object rank ``rank`` passes to `ElasticBuffer`."""

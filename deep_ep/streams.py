@@ -4,34 +4,58 @@
 "new" streams can be the same CUDA stream. A communication stream must never be shared: a kernel
 that spins waiting for peers would block whatever else was queued on it (with emulated ranks, a
 peer's own compute work, which it needs to make progress: a deadlock). These streams are created
-with the CUDA runtime, non-blocking with respect to the legacy default stream, and wrapped for torch.
+with the CUDA driver, non-blocking with respect to the legacy default stream, and wrapped for torch.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-__all__ = ["new_stream", "destroy_stream"]
+__all__ = ["new_stream", "release_stream"]
+
+_lock = threading.Lock()
+_free: dict = {}   # device index -> streams released by their owner, ready for reuse
 
 
 def new_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A fresh non-blocking CUDA stream on ``device``, owned by the caller (see `destroy_stream`).
+    """A non-blocking CUDA stream on ``device`` that nobody else uses until the caller releases it
+    (`release_stream`): a recycled one, or a new one.
+
+    Created with the driver API in ``device``'s primary context (the context torch uses), made current
+    explicitly: the CUDA runtime inside ``cuda.bindings`` keeps its own notion of the current device,
+    which is not torch's.
 
     Raises:
-        RuntimeError: the CUDA runtime refused to create it.
+        RuntimeError: the driver refused to create it.
     """
-    from cuda.bindings import runtime as cudart
+    from cuda.bindings import driver
 
-    with torch.cuda.device(device):
-        torch.cuda.current_stream(device)  # make sure torch initialised this device's context
-        err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+    from .jit.runtime import ensure_context
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        free = _free.get(index)
+        if free:
+            return free.pop()
+    torch.cuda.current_stream(index)  # make sure torch initialised this device's primary context
+    ensure_context(index)
+    err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
     if int(err) != 0:
-        raise RuntimeError(f"cudaStreamCreateWithFlags on {device} failed: {err}")
-    return torch.cuda.ExternalStream(int(handle), device=device)
+        raise RuntimeError(f"cuStreamCreate on cuda:{index} failed: {err}")
+    return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
 
 
-def destroy_stream(stream: torch.cuda.ExternalStream) -> None:
-    """Wait for ``stream`` and destroy it (it must come from `new_stream`)."""
-    from cuda.bindings import runtime as cudart
+def release_stream(stream: torch.cuda.ExternalStream) -> None:
+    """Wait for ``stream`` (from `new_stream`) and keep it for the next `new_stream` on its device.
 
+    Streams are recycled, never destroyed: a tensor that was used on the stream (``record_stream``)
+    makes torch's caching allocator record an event on that stream when the tensor is freed, which
+    may be long after the buffer that owned the stream is gone. A destroyed stream there is a
+    use-after-free (the likely cause of segfaults and "invalid device context" errors seen on the H200
+    while streams were destroyed).
+    """
     stream.synchronize()
-    cudart.cudaStreamDestroy(stream.cuda_stream)
+    with _lock:
+        _free.setdefault(stream.device.index, []).append(stream)

@@ -25,12 +25,12 @@ for step in $steps; do
     extra)
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     bench)
-      timeout 200 python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
-      timeout 200 python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
+      timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
+      timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
     multi)
       n=$(nvidia-smi -L | wc -l)
-      timeout 400 torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
-      timeout 180 torchrun --nproc-per-node "$n" -m deep_ep bench --iters 10 --json "$OUT/bench_ep$n.json" 2>&1 | tee "$OUT/bench_ep$n.log" | tail -20 ;;
+      timeout ${MULTI_TIMEOUT:-400} torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
+      timeout ${MULTI_BENCH_TIMEOUT:-180} torchrun --nproc-per-node "$n" -m deep_ep bench --iters 10 --json "$OUT/bench_ep$n.json" 2>&1 | tee "$OUT/bench_ep$n.log" | tail -20 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -29,7 +29,7 @@ import torch
 from .. import jit
 from ..handle import EPHandle
 from ..reference import worst_case_recv_rows
-from ..streams import destroy_stream, new_stream
+from ..streams import new_stream, release_stream
 from . import window_layout as wl
 from .base import Backend, BufferConfig
 
@@ -217,7 +217,7 @@ class GPUBackend(Backend):
             self._destroyed = True
             self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
             self.transport.destroy()
-            destroy_stream(self.comm_stream)
+            release_stream(self.comm_stream)
 
     # ------------------------------------------------------------------ helpers
     def _layout(self, hidden: int) -> wl.WindowLayout:

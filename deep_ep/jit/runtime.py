@@ -242,7 +242,7 @@ def cuda_device_count() -> int:
         return 0
 
 
-def _ensure_context(device: int):
+def ensure_context(device: int):
     """Make ``device``'s primary context (the one torch uses) current on this thread; return it."""
     d = _drv()
     ctx = _primary_ctx.get(device)
@@ -354,7 +354,7 @@ class Function:
             with self._lock:
                 h = self._handles.get(device)
                 if h is None:
-                    _ensure_context(device)
+                    ensure_context(device)
                     mod = self.module._load(device)
                     err, h = _drv().cuModuleGetFunction(mod, self.name.encode())
                     if int(err) != 0:
@@ -401,7 +401,7 @@ class Function:
         if h is None:
             h = self.handle(device)
         else:
-            _ensure_context(device)
+            ensure_context(device)
         gx, gy, gz = (grid, 1, 1) if type(grid) is int else _dim3(grid, "grid")
         bx, by, bz = (block, 1, 1) if type(block) is int else _dim3(block, "block")
         if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
@@ -504,7 +504,7 @@ class Module:
             with self._lock:
                 m = self._modules.get(device)
                 if m is None:
-                    _ensure_context(device)
+                    ensure_context(device)
                     err, m = _drv().cuModuleLoadData(self.cubin)
                     if int(err) != 0:
                         raise LaunchError(f"cuModuleLoadData({self.name}, {self.arch}) on device {device}: "
