@@ -158,8 +158,10 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         _require_matplotlib()
     if args.virtual_ranks is not None:
-        # Emulated ranks need eager kernel loading, set before CUDA initialises (deep_ep.emulated).
+        # Emulated ranks need eager kernel loading and enough hardware queues, set before CUDA
+        # initialises (deep_ep.emulated).
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     if use_gpu_runner(args):
         try:
             from . import bench_gpu  # noqa: WPS433 (lazy: written separately, needs CUDA)

@@ -7,7 +7,8 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$PWD/.jitcache}
-export CUDA_MODULE_LOADING=EAGER   # emulated ranks spin on each other: no lazy kernel loading (deep_ep/emulated.py)
+# Emulated ranks spin on each other: no lazy kernel loading, and a hardware queue per stream (deep_ep/emulated.py)
+export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
 steps=${*:-env jit gpu bench}
 for step in $steps; do

@@ -70,12 +70,18 @@ def poison_allocator(dev, nbytes: int = 256 << 20) -> None:
 
 
 def to_cpu(x):
+    """A CPU copy with the same shape and strides (``.cpu()`` makes a tensor that is not dense, such as
+    TMA-aligned column-major scale factors, contiguous)."""
     if x is None:
         return None
     if isinstance(x, (tuple, list)):
         return tuple(to_cpu(t) for t in x)
     if isinstance(x, torch.Tensor):
-        return x.cpu()
+        if x.is_contiguous() or x.numel() == 0:
+            return x.cpu()
+        span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+        flat = x.as_strided((span,), (1,)).cpu()
+        return flat.as_strided(x.shape, x.stride())
     return x
 
 
@@ -139,7 +145,7 @@ def run_case(case, group_for_rank, dev, seed: int = 1234):
         r = group.rank()
         buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=case.hidden,
                                     num_topk=case.num_topk, use_fp8_dispatch=bool(case.fp8),
-                                    num_gpu_timeout_secs=20)
+                                    num_gpu_timeout_secs=float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20")))
         def sync():  # stream-level: a device-wide sync could wait on another rank's pending kernels
             buf.get_comm_stream().synchronize()
             torch.cuda.current_stream(dev).synchronize()
