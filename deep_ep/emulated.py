@@ -149,13 +149,18 @@ class EmulatedGroup:
         waits for this rank, the load would never finish. Every rank reaches its first use of a
         module at the same call (ranks issue the same sequence of calls), so: barrier, load, barrier.
         """
-        del rank
-        self.barrier()
-        with self._lock:
-            if key not in self._loaded:
-                load()
-                self._loaded.add(key)
-        self.barrier()
+        try:
+            self.barrier()
+            with self._lock:
+                if key not in self._loaded:
+                    load()
+                    self._loaded.add(key)
+            self.barrier()
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"emulated rank {rank}: the first use of a kernel module is collective (every rank loads it "
+                f"at the same call), and not every rank reached it within {self.timeout_secs} s or a rank "
+                f"failed: emulated ranks must make the same sequence of calls") from None
 
     # called by the ranks' transports
     def _windows_for(self, rank: int, num_bytes: int) -> EmulatedWindowSet:

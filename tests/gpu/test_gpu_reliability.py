@@ -48,8 +48,13 @@ def test_rank_skipping_a_call_times_out():
         buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
                                     num_gpu_timeout_secs=3)
         try:
+            # One call on every rank first: with emulated ranks, the first use of a kernel module is
+            # a collective load (deep_ep.emulated), which a skipping rank would block on the host.
+            _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
+            buf.combine(torch.randn((handle.num_recv_rows, HIDDEN), device=dev).to(torch.bfloat16), handle)
+            buf.barrier()
             if g.rank() == 1:
-                return None  # skips the dispatch
+                return None  # skips the next dispatch
             t0 = time.monotonic()
             with pytest.raises(TimeoutError, match=r"rank 0: peer rank 1 did not arrive .* notify"):
                 buf.dispatch(x, idx, num_experts=EXPERTS)
