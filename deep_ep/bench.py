@@ -125,6 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="plot per-rank tokens sent/received and bandwidth (needs matplotlib)")
+    parser.add_argument("--num-sms", type=int, default=0,
+                        help="GPU: SMs (blocks) per dispatch/combine kernel (default 0: the buffer's bandwidth model)")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the comparison with deep_ep.reference")
     return parser
@@ -217,6 +219,7 @@ class BenchConfig:
     warmup: int
     seed: int
     check: bool
+    num_sms: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -252,6 +255,7 @@ def make_config(args: argparse.Namespace, num_ranks: int, *, gpu: bool) -> Bench
         expand=bool(args.expand), alignment=args.alignment, routing=args.routing,
         hot_ratio=args.hot_ratio, zipf_alpha=args.zipf_alpha, mask_prob=args.mask_prob,
         iters=iters, warmup=args.warmup, seed=args.seed, check=bool(args.check),
+        num_sms=int(getattr(args, "num_sms", 0) or 0),
     )
     errors = []
     if num_ranks < 1:
@@ -262,6 +266,8 @@ def make_config(args: argparse.Namespace, num_ranks: int, *, gpu: bool) -> Bench
         errors.append(f"--tokens must be >= 0, got {cfg.tokens}")
     if cfg.alignment < 1:
         errors.append(f"--alignment must be >= 1, got {cfg.alignment}")
+    if cfg.num_sms < 0:
+        errors.append(f"--num-sms must be >= 0, got {cfg.num_sms}")
     if cfg.iters < 1 or cfg.warmup < 0:
         errors.append("--iters must be >= 1 and --warmup >= 0")
     if not 0.0 <= cfg.mask_prob <= 1.0:

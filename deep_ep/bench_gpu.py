@@ -21,7 +21,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Optional, Any, Dict, List
 
 import torch
 
@@ -43,6 +43,35 @@ def _time_events(fn, iters: int, warmup: int, stream=None) -> List[float]:
         b.synchronize()
         out.append(a.elapsed_time(b) / 1e3)
     return out
+
+
+def _graph_time_us(fn, iters: int, barrier) -> Optional[float]:
+    """Mean time of ``fn`` replayed from a CUDA graph, in us (None if capture fails)."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):  # warm-up outside capture
+        fn()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:  # reported, not fatal: the other numbers stand
+        print(f"warning: CUDA-graph capture failed, no graph timing: {exc}")
+        return None
+    torch.cuda.synchronize()
+    barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / iters
 
 
 def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
@@ -126,7 +155,7 @@ def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, c
     buf = ElasticBuffer(group, num_max_tokens_per_rank=cfg.max_tokens, hidden=cfg.hidden, num_topk=cfg.top_k,
                         use_fp8_dispatch=cfg.fp8, explicitly_destroy=True)
     try:
-        num_sms = 0  # the buffer's default (the bandwidth model, capped for emulated ranks)
+        num_sms = cfg.num_sms  # 0: the buffer's default (the bandwidth model, capped for emulated ranks)
 
         def dispatch():
             return buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"],
@@ -182,6 +211,11 @@ def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, c
                 torch.cuda.current_stream().synchronize()
                 barrier()
             host[name + "_host_us"] = statistics.median(samples) * 1e6
+        # Device time without host work: cached dispatch and combine replayed from CUDA graphs (the
+        # decode path). Not for emulated ranks: their threads would capture at the same time.
+        if not emulated:
+            for name, fn in (("cached_dispatch", cached_dispatch), ("combine", combine)):
+                host[name + "_graph_us"] = _graph_time_us(fn, max(10, cfg.iters), barrier)
         sent = sum(B.token_copies(mine["topk_idx"], cfg.num_experts, cfg.num_ranks, cfg.expand))
         received = int(handle.rank_prefix_sum[-1])
         results[rank] = dict(rank=rank, sent=sent, received=received, received_rows=B._num_rows(recv_x),
@@ -278,7 +312,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
           f"(compiled {st.get('builds', 0)}, disk hits {st.get('disk_hits', 0)})")
     for row in rows[:1]:
         print(f"rank 0: cached dispatch {row['cached_dispatch_us']:.1f} us; host time per call: cached dispatch "
-              f"{row['cached_dispatch_host_us']:.1f} us, combine {row['combine_host_us']:.1f} us")
+              f"{row['cached_dispatch_host_us']:.1f} us, combine {row['combine_host_us']:.1f} us; "
+              f"SMs per kernel: {row['num_sms']}")
+        gd, gc = row.get("cached_dispatch_graph_us"), row.get("combine_graph_us")
+        if gd is not None and gc is not None:
+            print(f"rank 0, replayed from CUDA graphs (device time, no host work): cached dispatch {gd:.1f} us "
+                  f"({gd / floor_d:.2f}x floor), combine {gc:.1f} us ({gc / floor_c:.2f}x floor)")
+    if "all_to_all_dispatch_us" in baselines:
+        print("rank 0 baselines: NVLink peer copy of its dispatch bytes {n} us; "
+              "all_to_all_single dispatch {all_to_all_dispatch_us:.1f} us".format(
+                  n=f"{baselines['nvlink_copy_us']:.1f}" if "nvlink_copy_us" in baselines else "n/a", **baselines))
     if "torch_permute_us" in baselines:
         print("plain torch at EP=1: permute {torch_permute_us:.1f} us, weighted un-permute "
               "{torch_unpermute_us:.1f} us".format(**baselines))

@@ -2,7 +2,10 @@
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench (default); extra (CUDA graphs, GPU reliability);
-#          multi (several GPUs: the suite and the bench under torchrun)
+#          multi (several GPUs: the suite and the bench under torchrun);
+#          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, emulated EP=8,
+#                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile)
+#          pack (every log and JSON under $OUT into one logs.tgz: the device tool returns 8 files)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -32,6 +35,29 @@ for step in $steps; do
       n=$(nvidia-smi -L | wc -l)
       timeout ${MULTI_TIMEOUT:-400} torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
       timeout ${MULTI_BENCH_TIMEOUT:-180} torchrun --nproc-per-node "$n" -m deep_ep bench --iters 10 --json "$OUT/bench_ep$n.json" 2>&1 | tee "$OUT/bench_ep$n.log" | tail -20 ;;
+    perf)
+      n=$(nvidia-smi -L | wc -l)
+      summary() { grep -E "^(floor|rank 0|plain torch|slowest|check|warning)" ; }
+      pb() {  # name, then the command
+        local name=$1; shift
+        echo "--- $name"
+        timeout ${BENCH_TIMEOUT:-200} "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        summary < "$OUT/$name.log"
+      }
+      pb bench_ep1 python3 -m deep_ep bench --iters 10
+      pb bench_ep1_expand python3 -m deep_ep bench --iters 10 --expand
+      pb bench_ep1_fp8 python3 -m deep_ep bench --iters 10 --fp8
+      pb bench_ep1_decode python3 -m deep_ep bench --iters 20 --tokens 128
+      pb bench_ep8_emulated python3 -m deep_ep bench --virtual-ranks 8 --iters 5
+      if [ "$n" -ge 2 ]; then pb bench_ep2 torchrun --nproc-per-node 2 -m deep_ep bench --iters 10; fi
+      if [ "$n" -ge 4 ]; then
+        for sms in 0 32 64; do pb bench_ep4_sms$sms torchrun --nproc-per-node 4 -m deep_ep bench --iters 10 --num-sms $sms; done
+        pb bench_ep4_decode torchrun --nproc-per-node 4 -m deep_ep bench --iters 20 --tokens 128
+      fi
+      timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
+      grep -E "=====.*(graph|device time)|^  deep_ep" "$OUT/profile.log" ;;
+    pack)
+      (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz . 2>/dev/null && find . -type f ! -name logs.tgz -delete) ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -24,6 +24,7 @@ namespace deep_ep {
 // ---- window layout (byte offsets inside every rank's window; same on all ranks) -----------------
 // Control region: u32 words.
 constexpr int kMaxRanks = 1024;
+constexpr int kMaxExperts = 1024;           // MAX_EXPERTS in deep_ep/backends/window_layout.py
 constexpr int kCtrlArrive = 0;               // [kMaxRanks] signals received from each peer
 constexpr int kCtrlEpoch = kMaxRanks;        // barriers this rank has completed
 constexpr int kCtrlRound = kMaxRanks + 1;    // data rounds completed (selects the receive half)

@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(512) deep_ep_notify(const int64_t* 
                                                   counts_offset, pos_tok, pos_pair);
 }
 
-extern "C" __global__ void __launch_bounds__(512) deep_ep_layout(uint8_t* const* peers, int rank, int num_ranks,
+extern "C" __global__ void __launch_bounds__(512, 1) deep_ep_layout(uint8_t* const* peers, int rank, int num_ranks,
                                                                    int num_experts, int alignment,
                                                                    int64_t counts_offset, int* layout,
                                                                    int* cumulative_stats, int out_capacity,

@@ -131,64 +131,107 @@ __device__ __forceinline__ void notify_impl(const int64_t* __restrict__ topk_idx
     if (last_block(peers[rank])) signal_all_peers(peers, rank, num_ranks);
 }
 
+// Prefix sums of vals[0, n) in shared memory, in place, any n (chunks of blockDim with a carry);
+// inclusive or exclusive. Returns the total. Every thread of the block must call it.
+__device__ __forceinline__ int block_scan_in_place(int* vals, int n, bool inclusive) {
+    int carry = 0;
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + static_cast<int>(threadIdx.x);
+        const int v = i < n ? vals[i] : 0;
+        int total;
+        const int ex = block_exclusive_scan(v, &total);
+        if (i < n) vals[i] = carry + ex + (inclusive ? v : 0);
+        carry += total;
+    }
+    __syncthreads();
+    return carry;
+}
+
 // One block. counts matrix C[s][R + E] (int32) sits at counts_offset of this rank's window.
+// Every sum over the matrix is spread over the block's threads (shared-memory atomics, then block
+// scans): a single thread walking the matrix costs one L2 round trip per entry (~90 us at E = 256).
 __device__ __forceinline__ void layout_impl(uint8_t* const* __restrict__ peers, int rank, int num_ranks,
                                             int num_experts, int alignment, int64_t counts_offset,
                                             bool expand, int* __restrict__ layout,
                                             int* __restrict__ cumulative_stats, int out_capacity,
                                             int tok_capacity, uint64_t timeout_ns) {
+    __shared__ int s_tok[kMaxRanks];       // tokens from each source -> inclusive prefix
+    __shared__ int s_pairs[kMaxRanks];     // pairs for this rank's experts from each source -> inclusive prefix
+    __shared__ int s_send[kMaxRanks];      // this rank's first token row at each destination
+    __shared__ int s_local[kMaxExperts];   // pairs per local expert -> padded -> exclusive prefix
+    __shared__ int s_global[kMaxExperts];  // expanded: pairs per global expert -> padded -> exclusive prefix
+    __shared__ int s_before[kMaxExperts];  // expanded: pairs per global expert from sources before this rank
     uint8_t* my_window = peers[rank];
     const bool ok = wait_all_peers(my_window, rank, num_ranks, kPhaseNotify, timeout_ns);
     const int R = num_ranks, E = num_experts, L = E / R;
     const LayoutIndex ix{R, L, E};
     const int row = R + E;
     const int* C = reinterpret_cast<const int*>(my_window + counts_offset);
+    const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
     if (ok) {
-        // Per-source quantities for this rank as destination (thread 0: R and L are small).
-        if (threadIdx.x == 0) {
-            int tok = 0, pairs = 0;
-            for (int s = 0; s < R; ++s) {
-                tok += __ldcg(C + s * row + rank);
-                layout[ix.tok_prefix() + s] = tok;
-                for (int e = 0; e < L; ++e) pairs += __ldcg(C + s * row + R + rank * L + e);
-                layout[ix.rank_prefix_sum() + s] = expand ? pairs : tok;
-            }
-            layout[ix.num_tok_rows()] = tok;
-            int start = 0;
-            for (int e = 0; e < L; ++e) {
-                int raw = 0;
-                for (int s = 0; s < R; ++s) raw += __ldcg(C + s * row + R + rank * L + e);
-                const int padded = (raw + alignment - 1) / alignment * alignment;
-                layout[ix.raw_counts() + e] = raw;
-                layout[ix.padded_counts() + e] = padded;
-                layout[ix.expert_start() + e] = start;
-                start += padded;
-                if (cumulative_stats != nullptr) cumulative_stats[e] += raw;
-            }
-            layout[ix.num_out_rows()] = expand ? start : tok;
+        for (int s = tid; s < R; s += nthreads) {
+            s_tok[s] = __ldcg(C + s * row + rank);
+            s_pairs[s] = 0;
+            s_send[s] = 0;
         }
-        // This rank as a source: first token row at each destination.
-        for (int d = threadIdx.x; d < R; d += blockDim.x) {
-            int base = 0;
-            for (int s = 0; s < rank; ++s) base += __ldcg(C + s * row + d);
-            layout[ix.send_base() + d] = base;
+        for (int e = tid; e < L; e += nthreads) s_local[e] = 0;
+        if (expand)
+            for (int g = tid; g < E; g += nthreads) s_global[g] = s_before[g] = 0;
+        __syncthreads();
+        for (int i = tid; i < R * L; i += nthreads) {
+            const int s = i / L, e = i - s * L;
+            const int c = __ldcg(C + s * row + R + rank * L + e);
+            if (c != 0) {
+                atomicAdd(&s_local[e], c);
+                atomicAdd(&s_pairs[s], c);
+            }
         }
-        // Expanded: first output row of this source's pairs for every global expert g (owner d).
+        for (int i = tid; i < rank * R; i += nthreads) {  // sources before this rank, every destination
+            const int s = i / R, d = i - s * R;
+            const int c = __ldcg(C + s * row + d);
+            if (c != 0) atomicAdd(&s_send[d], c);
+        }
         if (expand) {
-            for (int d = threadIdx.x; d < R; d += blockDim.x) {
-                int start = 0;
-                for (int e = 0; e < L; ++e) {
-                    const int g = d * L + e;
-                    int raw = 0, before = 0;
-                    for (int s = 0; s < R; ++s) {
-                        const int c = __ldcg(C + s * row + R + g);
-                        raw += c;
-                        if (s < rank) before += c;
-                    }
-                    layout[ix.out_base() + g] = start + before;
-                    start += (raw + alignment - 1) / alignment * alignment;
+            for (int i = tid; i < R * E; i += nthreads) {
+                const int s = i / E, g = i - s * E;
+                const int c = __ldcg(C + s * row + R + g);
+                if (c != 0) {
+                    atomicAdd(&s_global[g], c);
+                    if (s < rank) atomicAdd(&s_before[g], c);
                 }
             }
+        }
+        __syncthreads();
+        for (int e = tid; e < L; e += nthreads) {
+            const int raw = s_local[e];
+            const int padded = (raw + alignment - 1) / alignment * alignment;
+            layout[ix.raw_counts() + e] = raw;
+            layout[ix.padded_counts() + e] = padded;
+            if (cumulative_stats != nullptr) cumulative_stats[e] += raw;
+            s_local[e] = padded;
+        }
+        for (int d = tid; d < R; d += nthreads) layout[ix.send_base() + d] = s_send[d];
+        if (expand)
+            for (int g = tid; g < E; g += nthreads) s_global[g] = (s_global[g] + alignment - 1) / alignment * alignment;
+        __syncthreads();
+        const int num_tok_rows = block_scan_in_place(s_tok, R, true);
+        block_scan_in_place(s_pairs, R, true);
+        const int num_out_rows = block_scan_in_place(s_local, L, false);
+        if (expand) block_scan_in_place(s_global, E, false);
+        for (int s = tid; s < R; s += nthreads) {
+            layout[ix.tok_prefix() + s] = s_tok[s];
+            layout[ix.rank_prefix_sum() + s] = expand ? s_pairs[s] : s_tok[s];
+        }
+        for (int e = tid; e < L; e += nthreads) layout[ix.expert_start() + e] = s_local[e];
+        // Expanded: first output row of this source's pairs for every global expert g (owner d).
+        if (expand)
+            for (int g = tid; g < E; g += nthreads) {
+                const int d = g / L;
+                layout[ix.out_base() + g] = s_global[g] - s_global[d * L] + s_before[g];
+            }
+        if (tid == 0) {
+            layout[ix.num_tok_rows()] = num_tok_rows;
+            layout[ix.num_out_rows()] = expand ? num_out_rows : num_tok_rows;
         }
     }
     __syncthreads();
