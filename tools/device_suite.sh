@@ -57,7 +57,7 @@ for step in $steps; do
       timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
       grep -E "=====.*(graph|device time)|^  deep_ep" "$OUT/profile.log" ;;
     pack)
-      (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz . 2>/dev/null && find . -type f ! -name logs.tgz -delete) ;;
+      tar czf /tmp/deep_ep_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/deep_ep_logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $step" ;;
   esac
 done
