@@ -8,8 +8,10 @@ Ranks:
 * otherwise: EP=1 through a one-rank NCCL group (torch's communicator, symmetric window).
 
 Side by side in one run, per rank: dispatch and combine time (CUDA events on the compute stream,
-median), a cached dispatch (handle reused: no host sync), the floor (a device-to-device copy of the
-same bytes, measured in the same run: each logical byte read once and written once), and, at EP=1,
+median), a cached dispatch (handle reused: no host sync), cached dispatch and combine replayed from
+CUDA graphs (device time without host work), the host time of one call, the floor (a
+device-to-device copy with the same HBM traffic, measured in the same run: see ``floor_rows``
+below), and, at EP=1,
 plain torch's permute (sort by expert + ``index_select``) and weighted un-permute (``index_add_`` in
 fp32), the code users write without this library. Every output is checked against
 `deep_ep.reference` (computed on the GPU with the same torch code) before timing.
@@ -211,6 +213,14 @@ def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, c
                 torch.cuda.current_stream().synchronize()
                 barrier()
             host[name + "_host_us"] = statistics.median(samples) * 1e6
+            # Back to back (no wait between calls, as in a model's loop): the host's steady state.
+            n = max(20, cfg.iters)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            host[name + "_host_b2b_us"] = (time.perf_counter() - t0) / n * 1e6
+            torch.cuda.current_stream().synchronize()
+            barrier()
         # Device time without host work: cached dispatch and combine replayed from CUDA graphs (the
         # decode path). Not for emulated ranks: their threads would capture at the same time.
         if not emulated:
@@ -259,12 +269,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         ys = [B.expert_output(cfg, e.recv_x) for e in exp]
         expected = {"dispatch": exp, "combine": ref.reference_combine(ys, [e.handle for e in exp])}
 
-    # Floors and baselines, in the same run.
-    sent0 = sum(B.token_copies(inputs[my_rank]["topk_idx"], cfg.num_experts, num_ranks, cfg.expand))
-    total_sent = sum(sum(B.token_copies(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)) for i in inputs)
-    # Emulated ranks share one GPU: the floor of a step is a copy of every rank's bytes.
-    floor_d = copy_floor_us((total_sent if emulated else sent0) * cfg.dispatch_bytes_per_token, device)
-    floor_c = copy_floor_us((total_sent if emulated else sent0) * cfg.combine_bytes_per_token, device)
+    # Floors and baselines, in the same run. A rank's dispatch must read each selected token once
+    # and write one row per copy (per destination rank; per pair when expanded); combine reads the
+    # copies and writes each token once. The floor is a device copy with the same traffic: reading
+    # and writing (reads + writes) / 2 bytes. Emulated ranks share one GPU: every rank's traffic.
+    def rows(i):
+        copies = sum(B.token_copies(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand))
+        tokens = int((i["topk_idx"] >= 0).any(dim=1).sum()) if i["topk_idx"].numel() else 0
+        return (copies + tokens) / 2
+    floor_rows = sum(rows(i) for i in inputs) if emulated else rows(inputs[my_rank])
+    floor_d = copy_floor_us(int(floor_rows * cfg.dispatch_bytes_per_token), device)
+    floor_c = copy_floor_us(int(floor_rows * cfg.combine_bytes_per_token), device)
     baselines = torch_baselines_us(cfg, inputs[0], device) if num_ranks == 1 else {}
     if multiprocess:
         baselines.update(nvlink_floor_and_all_to_all_us(cfg, inputs, my_rank, device))
@@ -307,12 +322,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     st = jit.stats()
     result["gpu"] = {"floor_dispatch_us": floor_d, "floor_combine_us": floor_c, **baselines,
                      "kernel_modules": gpu_backend.num_modules_built(), "jit": st}
-    print(f"floor (same-bytes D2D copy): dispatch {floor_d:.1f} us, combine {floor_c:.1f} us; "
+    print(f"floor (D2D copy with the same HBM traffic): dispatch {floor_d:.1f} us, combine {floor_c:.1f} us; "
           f"kernel modules built/loaded: {gpu_backend.num_modules_built()} "
           f"(compiled {st.get('builds', 0)}, disk hits {st.get('disk_hits', 0)})")
     for row in rows[:1]:
         print(f"rank 0: cached dispatch {row['cached_dispatch_us']:.1f} us; host time per call: cached dispatch "
-              f"{row['cached_dispatch_host_us']:.1f} us, combine {row['combine_host_us']:.1f} us; "
+              f"{row['cached_dispatch_host_us']:.1f} us, combine {row['combine_host_us']:.1f} us (back to back: "
+              f"{row['cached_dispatch_host_b2b_us']:.1f} us, {row['combine_host_b2b_us']:.1f} us); "
               f"SMs per kernel: {row['num_sms']}")
         gd, gc = row.get("cached_dispatch_graph_us"), row.get("combine_graph_us")
         if gd is not None and gc is not None:
