@@ -49,7 +49,7 @@ import torch
 from .comm.transport import EmulatedTransport, EmulatedWindowSet
 from .streams import new_stream, release_stream
 
-__all__ = ["EmulatedGroup", "EmulatedRankGroup", "ensure_cuda_settings"]
+__all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "ensure_cuda_settings"]
 
 MAX_CONNECTIONS = 32  # the most CUDA_DEVICE_MAX_CONNECTIONS allows
 
@@ -157,7 +157,7 @@ class EmulatedGroup:
                     self._loaded.add(key)
             self.barrier()
         except threading.BrokenBarrierError:
-            raise RuntimeError(
+            raise CollectiveLoadError(
                 f"emulated rank {rank}: the first use of a kernel module is collective (every rank loads it "
                 f"at the same call), and not every rank reached it within {self.timeout_secs} s or a rank "
                 f"failed: emulated ranks must make the same sequence of calls") from None
@@ -184,9 +184,12 @@ def ensure_cuda_settings(num_ranks: int) -> None:
     Sets ``CUDA_MODULE_LOADING=EAGER`` and ``CUDA_DEVICE_MAX_CONNECTIONS=32`` when CUDA is not
     initialised yet (a larger value already set is kept).
 
+    With 16 ranks or more, even 32 queues (the most CUDA allows) are shared by some streams: such
+    groups are accepted, but a rank's work can wait behind another rank's kernel.
+
     Raises:
         RuntimeError: CUDA was initialised with lazy loading, or with fewer than
-            ``2 * num_ranks + 2`` connections (8 when the variable is unset).
+            ``min(2 * num_ranks + 2, 32)`` connections (8 when the variable is unset).
     """
     need = min(2 * num_ranks + 2, MAX_CONNECTIONS)
     if not torch.cuda.is_initialized():
@@ -224,6 +227,12 @@ def _eager_loading() -> bool:
         return int(err) == 0 and mode == driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING
     except Exception:  # noqa: BLE001 - no bindings: unknown, treated as lazy
         return False
+
+
+class CollectiveLoadError(threading.BrokenBarrierError):
+    """A rank gave up waiting at a collective kernel-module load (`EmulatedGroup.load_collectively`).
+
+    A `threading.BrokenBarrierError`: `EmulatedGroup.run` reports another rank's own error first."""
 
 
 class EmulatedRankGroup:

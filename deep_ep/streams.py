@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["new_stream", "release_stream"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a garbage-collected owner may release a stream inside new_stream
 _free: dict = {}   # device index -> streams released by their owner, ready for reuse
 
 
@@ -39,16 +39,19 @@ def new_stream(device: torch.device) -> torch.cuda.ExternalStream:
         free = _free.get(index)
         if free:
             return free.pop()
-    torch.cuda.current_stream(index)  # make sure torch initialised this device's primary context
-    ensure_context(index)
-    err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    with torch.cuda.device(index):  # restores the caller's current device (and context) afterwards
+        torch.cuda.current_stream(index)  # make sure torch initialised this device's primary context
+        ensure_context(index)
+        err, handle = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
     if int(err) != 0:
         raise RuntimeError(f"cuStreamCreate on cuda:{index} failed: {err}")
     return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
 
 
 def release_stream(stream: torch.cuda.ExternalStream) -> None:
-    """Wait for ``stream`` (from `new_stream`) and keep it for the next `new_stream` on its device.
+    """Keep ``stream`` (from `new_stream`) for the next `new_stream` on its device.
+
+    No wait: work still queued on it only delays the next owner's work, which is queued behind it.
 
     Streams are recycled, never destroyed: a tensor that was used on the stream (``record_stream``)
     makes torch's caching allocator record an event on that stream when the tensor is freed, which
@@ -56,6 +59,8 @@ def release_stream(stream: torch.cuda.ExternalStream) -> None:
     use-after-free (the likely cause of segfaults and "invalid device context" errors seen on the H200
     while streams were destroyed).
     """
-    stream.synchronize()
+    index = stream.device.index
     with _lock:
-        _free.setdefault(stream.device.index, []).append(stream)
+        if index not in _free:
+            _free[index] = []
+        _free[index].append(stream)

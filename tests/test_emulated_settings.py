@@ -8,8 +8,10 @@ from deep_ep import emulated
 
 @pytest.fixture
 def env(monkeypatch):
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    # setenv first, so that monkeypatch restores the variables (unset ones too) after the test
+    for name in ("CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
@@ -48,3 +50,11 @@ def test_too_few_connections(env, value, ranks, ok):
     else:
         with pytest.raises(RuntimeError, match=f"{ranks} emulated ranks need CUDA_DEVICE_MAX_CONNECTIONS"):
             emulated.ensure_cuda_settings(ranks)
+
+
+def test_environment_restored_after_the_tests():
+    import os
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") in (None, "", _ORIGINAL)
+
+
+_ORIGINAL = __import__("os").environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
