@@ -403,6 +403,18 @@ def token_copies(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expan
     return [int(c) for c in counts.tolist()]
 
 
+def floor_rows(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expand: bool) -> float:
+    """Rows a device copy must move to match one rank's dispatch (or combine) HBM traffic.
+
+    A dispatch reads each token with at least one valid expert once and writes one row per copy
+    (`token_copies`); combine reads the copies and writes each token once. A copy of ``n`` rows reads
+    and writes ``n`` rows, so the matching copy moves ``(tokens + copies) / 2`` rows.
+    """
+    copies = sum(token_copies(topk_idx, num_experts, num_ranks, expand))
+    tokens = int((topk_idx >= 0).any(dim=1).sum()) if topk_idx.numel() else 0
+    return (copies + tokens) / 2
+
+
 def logical_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expand: bool,
                   bytes_per_token: int) -> int:
     """Logical bytes a source rank moves: ``sum(token_copies(...)) * bytes_per_token``."""

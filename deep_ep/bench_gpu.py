@@ -274,9 +274,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # copies and writes each token once. The floor is a device copy with the same traffic: reading
     # and writing (reads + writes) / 2 bytes. Emulated ranks share one GPU: every rank's traffic.
     def rows(i):
-        copies = sum(B.token_copies(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand))
-        tokens = int((i["topk_idx"] >= 0).any(dim=1).sum()) if i["topk_idx"].numel() else 0
-        return (copies + tokens) / 2
+        return B.floor_rows(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)
     floor_rows = sum(rows(i) for i in inputs) if emulated else rows(inputs[my_rank])
     floor_d = copy_floor_us(int(floor_rows * cfg.dispatch_bytes_per_token), device)
     floor_c = copy_floor_us(int(floor_rows * cfg.combine_bytes_per_token), device)

@@ -167,3 +167,17 @@ def test_check_against_reference_detects_errors(expand, fp8):
     off[0, 0] += 1.0
     failures = bench.check_against_reference(cfg, 1, inputs, good, off)
     assert len(failures) == 1 and "combined_x" in failures[0]
+
+
+def test_floor_rows_counts_reads_and_writes():
+    """The floor copy matches a dispatch's HBM traffic: each selected token read once, one row
+    written per copy; a copy reads and writes each row, so (tokens + copies) / 2 rows."""
+    from deep_ep import bench as B
+    idx = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1], [-1, -1, -1, -1], [0, 7, 7, -1]])
+    # 8 experts on 2 ranks (4 each): non-expanded copies = tokens per destination rank
+    assert B.token_copies(idx, 8, 2, False) == [2, 2]          # rank 0: tokens 0, 3; rank 1: tokens 1, 3
+    assert B.floor_rows(idx, 8, 2, False) == (4 + 3) / 2       # 3 tokens with a selection
+    assert B.token_copies(idx, 8, 2, True) == [5, 4]           # valid pairs per rank
+    assert B.floor_rows(idx, 8, 2, True) == (9 + 3) / 2
+    assert B.floor_rows(idx, 8, 1, False) == 3                 # EP=1: one copy per token
+    assert B.floor_rows(idx[:0], 8, 2, False) == 0
