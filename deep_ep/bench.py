@@ -127,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="plot per-rank tokens sent/received and bandwidth (needs matplotlib)")
     parser.add_argument("--num-sms", type=int, default=0,
                         help="GPU: SMs (blocks) per dispatch/combine kernel (default 0: the buffer's bandwidth model)")
+    parser.add_argument("--sm-sweep", metavar="N,N,...", default=None,
+                        help="GPU: run the bench once per SM count and print (and with --plot, draw) "
+                             "bandwidth against SMs")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the comparison with deep_ep.reference")
     return parser
@@ -164,6 +167,10 @@ def main(args: argparse.Namespace) -> int:
         # initialises (deep_ep.emulated).
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    sweep = parse_sm_sweep(getattr(args, "sm_sweep", None))
+    if sweep and not use_gpu_runner(args):
+        raise SystemExit("error: --sm-sweep varies the SMs of the GPU kernels; it needs the GPU runner "
+                         "(a CUDA device, or --virtual-ranks N)")
     if use_gpu_runner(args):
         try:
             from . import bench_gpu  # noqa: WPS433 (lazy: written separately, needs CUDA)
@@ -174,6 +181,8 @@ def main(args: argparse.Namespace) -> int:
                 "error: the GPU bench runner (deep_ep.bench_gpu) is not available in this build; "
                 "run with --device cpu"
             ) from exc
+        if sweep:
+            return _run_sm_sweep(args, sweep, bench_gpu.run)
         result = bench_gpu.run(args)
         if result is None:  # a non-zero rank of a multi-process run: rank 0 reports
             return 0
@@ -190,6 +199,107 @@ def main(args: argparse.Namespace) -> int:
         plot(args.plot, result)
         print(f"wrote {args.plot}")
     return 0 if (not result["check"]["enabled"] or result["check"]["passed"]) else 1
+
+
+def parse_sm_sweep(text: Optional[str]) -> List[int]:
+    """``"16,32,64"`` -> ``[16, 32, 64]``; None or empty -> ``[]``.
+
+    Raises:
+        SystemExit: a value that is not a positive integer.
+    """
+    if not text:
+        return []
+    out = []
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise SystemExit(f"error: --sm-sweep takes positive SM counts separated by commas, got {text!r}")
+        out.append(n)
+    return out
+
+
+def sm_sweep_point(result: Dict[str, Any], num_sms: int) -> Dict[str, Any]:
+    """One point of an SM sweep from a GPU bench result (rank 0's graph times, the summary)."""
+    row0 = result["rows"][0]
+    summ = result["summary"]
+    return {"num_sms": num_sms, "dispatch_us_max": summ["dispatch_us_max"], "combine_us_max": summ["combine_us_max"],
+            "dispatch_gbps_mean": summ["dispatch_gbps_mean"], "combine_gbps_mean": summ["combine_gbps_mean"],
+            "cached_dispatch_graph_us": row0.get("cached_dispatch_graph_us"),
+            "combine_graph_us": row0.get("combine_graph_us"),
+            "check_passed": result["check"]["passed"] if result["check"]["enabled"] else None}
+
+
+def format_sm_sweep(points: Sequence[Dict[str, Any]]) -> str:
+    """The SM-sweep table: time and logical bandwidth per SM count."""
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+    lines = ["SMs  dispatch us  combine us  dispatch GB/s  combine GB/s  graph: cached dispatch us  graph: combine us  check",
+             "---  -----------  ----------  -------------  ------------  -------------------------  -----------------  -----"]
+    for p in points:
+        lines.append(f"{p['num_sms']:>3}  {f(p['dispatch_us_max'], '11.1f')}  {f(p['combine_us_max'], '10.1f')}  "
+                     f"{f(p['dispatch_gbps_mean'], '13.2f')}  {f(p['combine_gbps_mean'], '12.2f')}  "
+                     f"{f(p['cached_dispatch_graph_us'], '25.1f')}  {f(p['combine_graph_us'], '17.1f')}  "
+                     f"{'n/a' if p['check_passed'] is None else ('ok' if p['check_passed'] else 'FAIL')}")
+    return "\n".join(lines)
+
+
+def plot_sm_sweep(path: str, points: Sequence[Dict[str, Any]], title: str) -> None:
+    """Logical bandwidth (left) and device time from CUDA graphs (right) against SMs, to ``path``."""
+    _require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sms = [p["num_sms"] for p in points]
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_bw.plot(sms, [p["dispatch_gbps_mean"] for p in points], "o-", label="dispatch")
+    ax_bw.plot(sms, [p["combine_gbps_mean"] for p in points], "s-", label="combine")
+    ax_bw.set_xlabel("SMs per kernel")
+    ax_bw.set_ylabel("logical GB/s (mean over ranks, per call)")
+    for key, label, mark in (("cached_dispatch_graph_us", "cached dispatch", "o-"), ("combine_graph_us", "combine", "s-")):
+        ys = [p[key] for p in points]
+        if all(y is not None for y in ys):
+            ax_t.plot(sms, ys, mark, label=label)
+    ax_t.set_xlabel("SMs per kernel")
+    ax_t.set_ylabel("us, replayed from a CUDA graph (rank 0)")
+    for ax in (ax_bw, ax_t):
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _run_sm_sweep(args: argparse.Namespace, sweep: List[int], run_gpu) -> int:
+    """Run the GPU bench once per SM count (``run_gpu(args)``, each a full checked run); rank 0 prints
+    the table, writes the points to ``--json`` and draws them with ``--plot``."""
+    points, result = [], None
+    for n in sweep:
+        args.num_sms = n
+        result = run_gpu(args)
+        if result is not None:
+            points.append(sm_sweep_point(result, n))
+            print(f"--- {n} SMs: {format_summary(result)}", flush=True)
+    if result is None:  # a non-zero rank of a multi-process run
+        return 0
+    print(format_header(result))
+    print(format_sm_sweep(points))
+    if args.json:
+        write_json(args.json, {"config": result["config"], "runner": result["runner"], "device": result["device"],
+                               "sm_sweep": points})
+        print(f"wrote {args.json}")
+    if args.plot:
+        c = result["config"]
+        plot_sm_sweep(args.plot, points, f"deep_ep bench SM sweep: {c['model']}, {c['num_ranks']} ranks x "
+                                         f"{c['tokens']} tokens ({result['runner']})")
+        print(f"wrote {args.plot}")
+    return 0 if all(p["check_passed"] is not False for p in points) else 1
 
 
 # ---------------------------------------------------------------------------------------------

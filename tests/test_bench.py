@@ -181,3 +181,23 @@ def test_floor_rows_counts_reads_and_writes():
     assert B.floor_rows(idx, 8, 2, True) == (9 + 3) / 2
     assert B.floor_rows(idx, 8, 1, False) == 3                 # EP=1: one copy per token
     assert B.floor_rows(idx[:0], 8, 2, False) == 0
+
+
+def test_sm_sweep_parse_table_and_cpu_refusal(tmp_path):
+    from deep_ep import bench as B
+    assert B.parse_sm_sweep("16,32,64") == [16, 32, 64] and B.parse_sm_sweep(None) == []
+    for bad in ("16,x", "0", "8,-2"):
+        with pytest.raises(SystemExit, match="--sm-sweep takes positive SM counts"):
+            B.parse_sm_sweep(bad)
+    points = [{"num_sms": n, "dispatch_us_max": 700.0 - n, "combine_us_max": 800.0 - n, "dispatch_gbps_mean": 100.0 + n,
+               "combine_gbps_mean": 90.0 + n, "cached_dispatch_graph_us": 600.0 - n, "combine_graph_us": None,
+               "check_passed": True} for n in (18, 32, 64)]
+    table = B.format_sm_sweep(points).splitlines()
+    assert len(table) == 5 and table[2].split()[0] == "18" and table[4].split()[-1] == "ok"
+    assert "n/a" in table[3]  # combine graph time missing
+    if HAVE_MPL:
+        B.plot_sm_sweep(str(tmp_path / "sweep.png"), points, "test")
+        assert (tmp_path / "sweep.png").stat().st_size > 1000
+    args = B.add_arguments(argparse.ArgumentParser()).parse_args(["--device", "cpu", "--sm-sweep", "16,32"])
+    with pytest.raises(SystemExit, match="needs the GPU runner"):
+        B.main(args)
