@@ -37,7 +37,7 @@ for step in $steps; do
       timeout ${MULTI_BENCH_TIMEOUT:-180} torchrun --nproc-per-node "$n" -m deep_ep bench --iters 10 --json "$OUT/bench_ep$n.json" 2>&1 | tee "$OUT/bench_ep$n.log" | tail -20 ;;
     perf)
       n=$(nvidia-smi -L | wc -l)
-      summary() { grep -E "^(floor|rank 0|plain torch|slowest|check|warning)" ; }
+      summary() { grep -E "^(floor|rank 0|plain torch|slowest|check|warning|Traceback|[A-Za-z]+Error)" ; }
       pb() {  # name, then the command
         local name=$1; shift
         echo "--- $name"
@@ -51,7 +51,11 @@ for step in $steps; do
       pb bench_ep8_emulated python3 -m deep_ep bench --virtual-ranks 8 --iters 5
       if [ "$n" -ge 2 ]; then pb bench_ep2 torchrun --nproc-per-node 2 -m deep_ep bench --iters 10; fi
       if [ "$n" -ge 4 ]; then
-        for sms in 0 32 64; do pb bench_ep4_sms$sms torchrun --nproc-per-node 4 -m deep_ep bench --iters 10 --num-sms $sms; done
+        pb bench_ep4 torchrun --nproc-per-node 4 -m deep_ep bench --iters 10
+        echo "--- bench_ep4_sm_sweep"
+        timeout 300 torchrun --nproc-per-node 4 -m deep_ep bench --iters 10 --sm-sweep 16,24,32,48,64 \
+          --json "$OUT/bench_ep4_sm_sweep.json" > "$OUT/bench_ep4_sm_sweep.log" 2>&1
+        grep -A8 "^SMs " "$OUT/bench_ep4_sm_sweep.log"
         pb bench_ep4_decode torchrun --nproc-per-node 4 -m deep_ep bench --iters 20 --tokens 128
       fi
       timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
