@@ -382,6 +382,8 @@ def make_config(args: argparse.Namespace, num_ranks: int, *, gpu: bool) -> Bench
         errors.append("--iters must be >= 1 and --warmup >= 0")
     if not 0.0 <= cfg.mask_prob <= 1.0:
         errors.append(f"--mask-prob must be in [0, 1], got {cfg.mask_prob}")
+    if getattr(args, "fp8_scale", "fp32") != "fp32" and not cfg.fp8:
+        errors.append(f"--fp8-scale {args.fp8_scale} applies to FP8 dispatch: add --fp8")
     if cfg.fp8:
         unit = 128 if cfg.fp8_scale == "fp32" else 512
         if cfg.hidden % unit:

@@ -201,3 +201,10 @@ def test_sm_sweep_parse_table_and_cpu_refusal(tmp_path):
     args = B.add_arguments(argparse.ArgumentParser()).parse_args(["--device", "cpu", "--sm-sweep", "16,32"])
     with pytest.raises(SystemExit, match="needs the GPU runner"):
         B.main(args)
+
+
+def test_fp8_scale_without_fp8_refused():
+    from deep_ep import bench as B
+    args = B.add_arguments(argparse.ArgumentParser()).parse_args(["--device", "cpu", "--fp8-scale", "ue8m0"])
+    with pytest.raises(SystemExit, match="add --fp8"):
+        B.make_config(args, 2, gpu=False)
