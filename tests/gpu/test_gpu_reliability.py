@@ -70,6 +70,8 @@ def test_rank_skipping_a_call_times_out():
 
 
 def test_stress_emulated_ep8_memory_bounded():
+    """Alternating dispatch/combine on 8 emulated ranks with random token counts, masks and layouts;
+    every tenth iteration checked against the reference; GPU memory and host RSS bounded."""
     from deep_ep.emulated import EmulatedGroup
     iters = int(os.environ.get("DEEP_EP_GPU_STRESS_ITERS", "625"))
     R = 8
@@ -106,7 +108,7 @@ def test_stress_emulated_ep8_memory_bounded():
                     except AssertionError as exc:
                         failures.append(f"iteration {i}: {exc}")
                 if i == 10 or i == len(plans) - 1:
-                    mem.append(torch.cuda.memory_allocated(dev))
+                    mem.append((torch.cuda.memory_allocated(dev), _rss_bytes()))
             buf.barrier()
         finally:
             buf.destroy()
@@ -117,4 +119,15 @@ def test_stress_emulated_ep8_memory_bounded():
     assert not failures, failures[:5]
     mem = results[0][1]
     if len(mem) == 2:
-        assert mem[1] - mem[0] < 64 << 20, f"GPU memory grew by {(mem[1] - mem[0]) >> 20} MiB over the loop"
+        (gpu0, rss0), (gpu1, rss1) = mem
+        assert gpu1 - gpu0 < 64 << 20, f"GPU memory grew by {(gpu1 - gpu0) >> 20} MiB over the loop"
+        # One process holds all 8 ranks: a leak of a small host object per call (10,000 calls at the
+        # default length) would exceed this.
+        bound = (32 << 20) + 2 * R * len(plans) * 256
+        assert rss1 - rss0 < bound, f"host RSS grew by {(rss1 - rss0) >> 20} MiB over the loop (bound {bound >> 20} MiB)"
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
