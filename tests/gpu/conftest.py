@@ -5,6 +5,11 @@ import tempfile
 import pytest
 import torch
 
+# Emulated ranks need these before CUDA initialises (deep_ep/emulated.py): set here, so that
+# `pytest tests/gpu` works without them in the environment.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 
 @pytest.fixture(scope="session")
 def nccl_group():
