@@ -47,7 +47,7 @@ def _time_events(fn, iters: int, warmup: int, stream=None) -> List[float]:
     return out
 
 
-def _graph_time_us(fn, iters: int, barrier) -> Optional[float]:
+def graph_time_us(fn, iters: int, barrier) -> Optional[float]:
     """Mean time of ``fn`` replayed from a CUDA graph, in us (None if capture fails)."""
     cur = torch.cuda.current_stream()
     side = torch.cuda.Stream()
@@ -225,7 +225,7 @@ def _run_rank(cfg: B.BenchConfig, rank: int, group, device, barrier, expected, c
         # decode path). Not for emulated ranks: their threads would capture at the same time.
         if not emulated:
             for name, fn in (("cached_dispatch", cached_dispatch), ("combine", combine)):
-                host[name + "_graph_us"] = _graph_time_us(fn, max(10, cfg.iters), barrier)
+                host[name + "_graph_us"] = graph_time_us(fn, max(10, cfg.iters), barrier)
         sent = sum(B.token_copies(mine["topk_idx"], cfg.num_experts, cfg.num_ranks, cfg.expand))
         received = int(handle.rank_prefix_sum[-1])
         results[rank] = dict(rank=rank, sent=sent, received=received, received_rows=B._num_rows(recv_x),

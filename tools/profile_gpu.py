@@ -72,26 +72,11 @@ def main() -> None:
                 if t > 0:
                     print(f"  {e.key[:60]:60s} calls {e.count:4d}  avg {t / max(e.count, 1):9.1f} us")
             # (3) graphs
+            from deep_ep.bench_gpu import graph_time_us
             for name, fn in (("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
                              ("combine", lambda: buf.combine(y, handle))):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fn()
-                torch.cuda.current_stream().wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                for _ in range(3):
-                    g.replay()
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(a.iters):
-                    g.replay()
-                e1.record()
-                e1.synchronize()
-                print(f"===== {tag}: {name} from a CUDA graph: {e0.elapsed_time(e1) * 1e3 / a.iters:.1f} us per call")
+                us = graph_time_us(fn, a.iters, lambda: None)
+                print(f"===== {tag}: {name} from a CUDA graph: " + ("capture failed" if us is None else f"{us:.1f} us per call"))
     buf.destroy()
     dist.destroy_process_group()
 
