@@ -23,6 +23,7 @@ def _device_layout(cxx: str, fields: list, tmp_path, monkeypatch) -> list:
            "".join(f"    out[{i}] = (unsigned long long)({e});\n" for i, e in enumerate(exprs)) + "}\n")
     dump = tmp_path / "dump"
     monkeypatch.setenv("EP_JIT_DUMP_DIR", str(dump))
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "cache"))  # a cache hit dumps no PTX
     jit.build(f"deep_ep_args_probe_{cxx.split('::')[-1]}", src, defines={})
     ptx = next(dump.glob("deep_ep_args_probe_*.ptx")).read_text()
     regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"mov\.[ub]64\s+(%rd\d+),\s*(\d+);", ptx)}
