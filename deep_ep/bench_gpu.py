@@ -269,13 +269,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         ys = [B.expert_output(cfg, e.recv_x) for e in exp]
         expected = {"dispatch": exp, "combine": ref.reference_combine(ys, [e.handle for e in exp])}
 
-    # Floors and baselines, in the same run. A rank's dispatch must read each selected token once
-    # and write one row per copy (per destination rank; per pair when expanded); combine reads the
-    # copies and writes each token once. The floor is a device copy with the same traffic: reading
-    # and writing (reads + writes) / 2 bytes. Emulated ranks share one GPU: every rank's traffic.
-    def rows(i):
-        return B.floor_rows(i["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)
-    floor_rows = sum(rows(i) for i in inputs) if emulated else rows(inputs[my_rank])
+    # Floors and baselines, in the same run: a device copy with the operation's HBM traffic
+    # (`deep_ep.bench.floor_rows`); emulated ranks share one GPU, so theirs is every rank's traffic.
+    floor_rows = sum(B.floor_rows(inputs[r]["topk_idx"], cfg.num_experts, num_ranks, cfg.expand)
+                     for r in (range(num_ranks) if emulated else [my_rank]))
     floor_d = copy_floor_us(int(floor_rows * cfg.dispatch_bytes_per_token), device)
     floor_c = copy_floor_us(int(floor_rows * cfg.combine_bytes_per_token), device)
     baselines = torch_baselines_us(cfg, inputs[0], device) if num_ranks == 1 else {}

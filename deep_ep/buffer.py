@@ -343,24 +343,16 @@ class ElasticBuffer:
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs a dispatch/combine needs to saturate the links (the ``num_sms`` to pass; 0 = auto).
 
-        Uses the GPU backend's bandwidth model (`window_layout.theoretical_num_sms`, capped so that
-        emulated ranks' blocks all fit on the device) when present; otherwise the placeholder ``min(device SMs, 2 * max(num_ranks, num_topk))``. Returns 0 on CPU.
+        GPU: the bandwidth model of `window_layout.theoretical_num_sms`, capped so that emulated
+        ranks' blocks all fit on the device. Returns 0 on CPU.
+
+        Raises:
+            ValueError: ``num_experts`` or ``num_topk`` below 1. RuntimeError: destroyed buffer.
         """
         self._alive()
         _check_int("num_experts", num_experts, minimum=1)
         _check_int("num_topk", num_topk, minimum=1)
-        if self.device.type == "cpu":
-            return 0
-        backend_model = getattr(self._backend, "get_theoretical_num_sms", None)
-        if backend_model is not None:  # the GPU backend: the model, capped for emulated ranks
-            return int(backend_model(num_experts, num_topk))
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        try:
-            from .backends import window_layout
-            return int(window_layout.theoretical_num_sms(num_experts, num_topk, self.num_ranks,
-                                                         num_device_sms=sms))
-        except (ImportError, AttributeError, NotImplementedError, TypeError):
-            return min(sms, 2 * max(self.num_ranks, num_topk))
+        return int(self._backend.get_theoretical_num_sms(num_experts, num_topk))
 
     def get_logical_domain_size(self) -> tuple:
         """``(scale-out ranks, scale-up ranks)`` as the algorithms use them (``(1, R)`` on CPU)."""

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from deep_ep import jit  # noqa: E402
 from deep_ep.jit.cache import DiskCache  # noqa: E402
+from proc_utils import communicate_all  # noqa: E402
 
 SRC = r"""
 extern "C" __global__ void faults_kernel(float* y, const float* x, int n) {
@@ -243,14 +244,7 @@ def test_eight_processes_race_to_build(cache):
     code = _RACE.format(root=str(ROOT), src=SRC.replace("faults_kernel", "race_kernel"), start=time.time() + 4)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(8)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=180))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a racing build hung")
+    outs = communicate_all(procs, 180, "a racing build hung")
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     res = [json.loads(o[0].splitlines()[-1]) for o in outs]
     assert len({r["key"] for r in res}) == 1 and len({r["sha"] for r in res}) == 1

@@ -38,6 +38,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from proc_utils import communicate_all, rss_bytes
 from ep_cases import Case, bits_equal, check_cached_dispatch, make_combine_inputs, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,12 +46,6 @@ PG_TIMEOUT = 60          # the process group's own timeout: the buffer's must ac
 
 
 # ============================================================================ helpers
-def _rss_bytes() -> int:
-    """Resident set size of this process (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _entry(fn, rank, world_size, init_file, queue, args):
     """Process body: init gloo, run ``fn``, report ``(rank, 'ok', result)`` or the traceback."""
     try:
@@ -132,7 +127,7 @@ def _stress_worker(rank, world_size, iters, seed):
     for it in range(iters):
         if it == warm_at:
             gc.collect()
-            warm_rss = _rss_bytes()
+            warm_rss = rss_bytes()
         case = _random_case(rng, world_size, it)
         E, M = case.num_experts, case.max_tokens or M_STRESS
         xs, idxs, ws = make_inputs(case)
@@ -162,7 +157,7 @@ def _stress_worker(rank, world_size, iters, seed):
         for a, b in zip(snapshot, xs[rank] if isinstance(xs[rank], tuple) else (xs[rank],)):
             assert bits_equal(a, b), f"iteration {it}: input modified"
     gc.collect()
-    end_rss = _rss_bytes()
+    end_rss = rss_bytes()
     buf.destroy()
     return {"calls": calls, "warm_rss": warm_rss, "end_rss": end_rss}
 
@@ -381,12 +376,12 @@ def _lifecycle_worker(rank, world_size):
     for i in range(60):
         if i == 10:
             gc.collect()
-            rss0 = _rss_bytes()
+            rss0 = rss_bytes()
         b = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=H, num_topk=K)
         assert torch.equal(roundtrip(b), want)
         b.destroy()
     gc.collect()
-    growth = _rss_bytes() - rss0
+    growth = rss_bytes() - rss0
     assert growth < 8 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 50 buffers"
 
     # two buffers on two different groups at once, used interleaved, plus one on the world group
@@ -443,14 +438,7 @@ def test_interpreter_exit_with_live_buffers(explicit, tmp_path):
     init = tmp_path / "init"
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(int(explicit)), str(init)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=60))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a process hung at exit with a live buffer")
+    outs = communicate_all(procs, 60, "a process hung at exit with a live buffer")
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert "done" in out

@@ -76,6 +76,11 @@ class Backend(abc.ABC):
         """``(scale-out ranks, scale-up ranks)`` of the hardware. Default: one domain."""
         return 1, self.config.num_ranks
 
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """SMs a dispatch/combine should use (0: the backend has no SMs, e.g. CPU)."""
+        del num_experts, num_topk
+        return 0
+
     def capture(self):
         """Context manager around CUDA-graph capture of dispatch/combine (default: nothing)."""
         return contextlib.nullcontext()

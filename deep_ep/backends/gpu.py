@@ -247,7 +247,7 @@ class GPUBackend(Backend):
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every
         emulated rank's blocks fit on the device at once."""
         limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
-        n = num_sms or min(wl.theoretical_num_sms(0, 0, self.num_ranks, self.num_device_sms), max(1, limit))
+        n = num_sms or self.get_theoretical_num_sms(1, 1)  # the model ignores experts and top-k
         if n < 1:
             raise ValueError(f"num_sms must be >= 1, got {n}")
         if n > limit:

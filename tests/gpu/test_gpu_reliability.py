@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
+from proc_utils import rss_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -108,7 +109,7 @@ def test_stress_emulated_ep8_memory_bounded():
                     except AssertionError as exc:
                         failures.append(f"iteration {i}: {exc}")
                 if i == 10 or i == len(plans) - 1:
-                    mem.append((torch.cuda.memory_allocated(dev), _rss_bytes()))
+                    mem.append((torch.cuda.memory_allocated(dev), rss_bytes()))
             buf.barrier()
         finally:
             buf.destroy()
@@ -126,8 +127,3 @@ def test_stress_emulated_ep8_memory_bounded():
         bound = (32 << 20) + 2 * R * len(plans) * 256
         assert rss1 - rss0 < bound, f"host RSS grew by {(rss1 - rss0) >> 20} MiB over the loop (bound {bound >> 20} MiB)"
 
-
-def _rss_bytes() -> int:
-    """Resident set size of this process (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
