@@ -9,11 +9,12 @@ Flow of one non-cached dispatch:
 2. ``deep_ep_layout``  (1 block) waits for every peer's counts and writes the handle's layout words.
 3. With ``do_cpu_sync`` the host reads the received row count and allocates exact outputs; without
    it the outputs are sized for the worst case and nothing waits on the host.
-4. ``deep_ep_dispatch_send`` (num_sms blocks) moves every token row once per destination rank
-   (peers: into their window; this rank: straight into the outputs) and signals.
-5. ``deep_ep_dispatch_recv`` (num_sms blocks) waits, then copies peers' rows into the outputs.
+4. ``deep_ep_dispatch`` (num_sms blocks): the send phase moves every token row once per
+   destination rank (peers: into their window; this rank: straight into the outputs) and signals;
+   the receive phase waits for every peer, then copies peers' rows into the outputs.
 
-A cached dispatch runs steps 4-5 only; combine runs ``deep_ep_combine_send`` / ``_recv``. Rounds
+A cached dispatch runs step 4 only (``deep_ep_dispatch_cached``); combine runs ``deep_ep_combine``
+(stage the rows that came from peers, signal; then pull and sum every token's rows). Rounds
 alternate between the two halves of the receive region (see `window_layout`).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ class _DispatchArgs(ctypes.Structure):
                 ("peers", ctypes.c_void_p), ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
                 ("num_experts", ctypes.c_int), ("alignment", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
-                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64)]
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
 
 
 class _CombineArgs(ctypes.Structure):
@@ -63,7 +64,43 @@ class _CombineArgs(ctypes.Structure):
                 ("out_weights", ctypes.c_void_p), ("peers", ctypes.c_void_p), ("rank", ctypes.c_int),
                 ("num_ranks", ctypes.c_int), ("num_experts", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
-                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64)]
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
+
+
+class _ErrorRecord:
+    """Four int32 words of page-locked host memory mapped into the device's address space: the data
+    kernels' last block copies the window's error record here (``finish_wait`` in common.cuh), so
+    the host reads an asynchronous call's error at its next call with no operation on the stream.
+    Freed with the buffer (a graph replayed after that is invalid anyway: the window is gone too).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from cuda.bindings import driver
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)  # torch's primary context exists
+            jit.runtime.ensure_context(device.index)
+            err, host = driver.cuMemHostAlloc(16, driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE)
+            if int(err) != 0:
+                raise RuntimeError(f"cuMemHostAlloc of the error record failed: {err}")
+            err, dev = driver.cuMemHostGetDevicePointer(host, 0)
+            if int(err) != 0:
+                driver.cuMemFreeHost(host)
+                raise RuntimeError(f"cuMemHostGetDevicePointer of the error record failed: {err}")
+        self.host_ptr, self.device_ptr = int(host), int(dev)
+        ctypes.memset(self.host_ptr, 0, 16)
+        self.words = (ctypes.c_int32 * 4).from_address(self.host_ptr)
+
+    def read(self) -> tuple:
+        """(code, rank, peer, phase); the kernel writes the code last."""
+        return tuple(self.words)
+
+    def free(self) -> None:
+        """Release the memory (the buffer's kernels must have finished)."""
+        if self.host_ptr:
+            from cuda.bindings import driver
+            self.words = None
+            driver.cuMemFreeHost(self.host_ptr)
+            self.host_ptr = self.device_ptr = 0
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -177,7 +214,7 @@ class GPUBackend(Backend):
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
-        self._err_host = torch.zeros(4, dtype=torch.int32, pin_memory=True)  # see _enqueue_error_copy
+        self._err_record = _ErrorRecord(self._device)   # written by the data kernels (finish_wait)
         self._ctrl_error: Optional[torch.Tensor] = None
         self._broken: Optional[str] = None
         self._last_m = 0
@@ -218,6 +255,7 @@ class GPUBackend(Backend):
             self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
             self.transport.destroy()
             release_stream(self.comm_stream)
+            self._err_record.free()
 
     # ------------------------------------------------------------------ helpers
     def _layout(self, hidden: int) -> wl.WindowLayout:
@@ -314,13 +352,6 @@ class GPUBackend(Backend):
             f"{self.config.num_gpu_timeout_secs} s in phase {phases.get(phase, phase)}. A rank skipped a "
             f"call or failed; this buffer is no longer usable (destroy it and create a new one)")
 
-    def _enqueue_error_copy(self) -> None:
-        """Copy the error record to pinned memory after this call's kernels (no wait): the next call
-        sees an error of this one without a host synchronisation (also under CUDA-graph replay)."""
-        ctrl = self._ctrl_error_view()
-        with torch.cuda.stream(self.comm_stream):
-            self._err_host.copy_(ctrl, non_blocking=True)
-
     def _ctrl_error_view(self) -> torch.Tensor:
         if self._ctrl_error is None:
             off = wl.CTRL_ERROR_OFFSET
@@ -331,9 +362,9 @@ class GPUBackend(Backend):
         if self._broken is not None:
             raise RuntimeError(f"deep_ep: this buffer is no longer usable after an earlier GPU error "
                                f"({self._broken}); destroy it and create a new one")
-        v = self._err_host.tolist()
+        v = self._err_record.read()
         if v[0] != 0:
-            self._raise_error(tuple(v))
+            self._raise_error(v)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
@@ -443,13 +474,10 @@ class GPUBackend(Backend):
             out_src_token=_ptr(src_token), row_map=_ptr(row_map), out_capacity=out_rows, layout=lay.data_ptr(),
             peers=peers, rank=rank, num_ranks=R, num_experts=E, alignment=A,
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=self.timeout_ns)
+            timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
         suffix = "_cached" if cached else ""
         stream = self.comm_stream
-        mod.function("deep_ep_dispatch_send" + suffix).launch(n_sms, THREADS, (args,), stream=stream)
-        mod.function("deep_ep_dispatch_recv" + suffix).launch(n_sms, THREADS, (args, int(do_zero_padding)),
-                                                               stream=stream)
-        self._enqueue_error_copy()
+        mod.function("deep_ep_dispatch" + suffix).launch(n_sms, THREADS, (args, int(do_zero_padding)), stream=stream)
 
         recv_x = out_x if sf is None else (out_x, out_sf)
         if cached:
@@ -496,11 +524,9 @@ class GPUBackend(Backend):
             bias0=_ptr(bias0), bias1=_ptr(bias1), out=_ptr(out), out_weights=_ptr(out_w),
             peers=self.transport.peers.data_ptr(), rank=rank, num_ranks=R, num_experts=E,
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=self.timeout_ns)
+            timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
         stream = self.comm_stream
-        mod.function("deep_ep_combine_send").launch(n_sms, THREADS, (args,), stream=stream)
-        mod.function("deep_ep_combine_recv").launch(n_sms, THREADS, (args,), stream=stream)
-        self._enqueue_error_copy()
+        mod.function("deep_ep_combine").launch(n_sms, THREADS, (args,), stream=stream)
         return out, out_w
 
 

@@ -43,6 +43,7 @@ struct CombineArgs {
     int64_t recv_offset, half_bytes;
     int row_stride;
     uint64_t timeout_ns;
+    uint32_t* err_host;               // mapped host memory for the error record (finish_wait), or null
 };
 
 // acc[u][q] += the 8 bf16 values of v[u] (fp32, in this order: the reference's summation).
@@ -226,7 +227,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
             if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = w;
         }
     }
-    finish_wait(my_window, true);
+    finish_wait(my_window, true, a.err_host);
 }
 
 }  // namespace deep_ep

@@ -28,7 +28,8 @@ constexpr int kMaxExperts = 1024;           // MAX_EXPERTS in deep_ep/backends/w
 constexpr int kCtrlArrive = 0;               // [kMaxRanks] signals received from each peer
 constexpr int kCtrlEpoch = kMaxRanks;        // barriers this rank has completed
 constexpr int kCtrlRound = kMaxRanks + 1;    // data rounds completed (selects the receive half)
-constexpr int kCtrlDone = kMaxRanks + 2;     // blocks of the current kernel that have finished
+constexpr int kCtrlDone = kMaxRanks + 2;     // blocks that finished a producer phase (send, notify)
+constexpr int kCtrlDoneWait = kMaxRanks + 3; // blocks that finished a consumer phase (finish_wait)
 constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (first error wins)
 constexpr int64_t kCtrlBytes = 64 * 1024;
 
@@ -86,16 +87,19 @@ __device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank
         red_release_sys_add(ctrl_of(peers[p]) + kCtrlArrive + rank, 1u);
 }
 
-// Returns true in every thread of exactly one block: the last block to finish this kernel. Resets
-// the done-counter for the next kernel. Each block must have finished its own writes.
-__device__ __forceinline__ bool last_block(uint8_t* my_window) {
+// Returns true in every thread of exactly one block: the last block to finish this phase. Resets
+// the done-counter (``slot``) for the next kernel. Each block must have finished its own writes.
+// Producer and consumer phases count on separate words: in a kernel that runs both, a block may
+// finish its consumer phase early (a recorded error makes waits return at once) while others are
+// still producing, and one shared counter would then pick the wrong last block.
+__device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlDone) {
     __shared__ bool is_last;
     // Every thread fences its own writes (many go to peers' windows) before the block arrives: a
     // fence in one thread does not order the stores other threads issued.
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
-        uint32_t* done = ctrl_of(my_window) + kCtrlDone;
+        uint32_t* done = ctrl_of(my_window) + slot;
         uint32_t prev = atomicAdd(done, 1u);
         is_last = (prev == gridDim.x - 1);
         if (is_last) atomicExch(done, 0u);
@@ -130,13 +134,25 @@ __device__ __forceinline__ bool wait_all_peers(uint8_t* my_window, int rank, int
     return ok_flag != 0;
 }
 
-// After every block of a consumer kernel has waited: the last block advances the epoch.
-__device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_round) {
-    if (last_block(my_window) && threadIdx.x == 0) {
+// After every block of a consumer kernel has waited: the last block advances the epoch and, when
+// ``err_host`` is given (host memory mapped into the device's address space), copies the error
+// record there, so the host sees an error of an asynchronous call at its next call without a copy
+// operation on the stream (also under CUDA-graph replay).
+__device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_round, uint32_t* err_host = nullptr) {
+    if (last_block(my_window, kCtrlDoneWait) && threadIdx.x == 0) {
         uint32_t* ctrl = ctrl_of(my_window);
         ctrl[kCtrlEpoch] += 1u;
         if (advance_round) ctrl[kCtrlRound] += 1u;
         __threadfence();
+        if (err_host != nullptr) {
+            // rank, peer, phase first, then the code the host tests: never a torn record
+            volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
+            const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
+            for (int i = 1; i < 4; ++i) dst[i] = src[i];
+            __threadfence_system();
+            dst[0] = src[0];
+            __threadfence_system();
+        }
     }
 }
 

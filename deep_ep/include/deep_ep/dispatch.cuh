@@ -52,6 +52,7 @@ struct DispatchArgs {
     int64_t recv_offset, half_bytes;   // receive region: two halves of half_bytes
     int row_stride;
     uint64_t timeout_ns;
+    uint32_t* err_host;            // mapped host memory for the error record (finish_wait), or null
 };
 
 template <int kDataBytes, int kNumSF>
@@ -290,7 +291,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             }
         }
     }
-    finish_wait(my_window, true);
+    finish_wait(my_window, true, a.err_host);
 }
 
 }  // namespace deep_ep

@@ -32,29 +32,28 @@ extern "C" __global__ void __launch_bounds__(512, 1) deep_ep_layout(uint8_t* con
                          cumulative_stats, out_capacity, tok_capacity, timeout_ns);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_send(deep_ep::DispatchArgs a) {
+// One kernel per data stage: the send phase, then the receive phase. Blocks that finish sending
+// wait in the receive phase for every peer's signal, including this rank's own, which the last
+// sending block raises. The two phases count finished blocks on separate words (last_block), so a
+// block that leaves its wait early (after a recorded error) cannot disturb the send phase's count.
+// Blocks depend on other blocks of the same kernel, so all must be resident at once: num_sms <= SMs
+// (emulated ranks: the sum over ranks, checked on the host) and nothing else holding SMs forever.
+// A cooperative launch would guarantee it; whether it may run concurrently with other ranks'
+// kernels (emulated ranks) is to be measured.
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch(deep_ep::DispatchArgs a, int zero_padding) {
     deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_send_cached(deep_ep::DispatchArgs a) {
-    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_recv(deep_ep::DispatchArgs a, int zero_padding) {
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_recv_cached(deep_ep::DispatchArgs a, int zero_padding) {
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cached(deep_ep::DispatchArgs a, int zero_padding) {
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a);
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0);
 }
 #endif
 
 #ifdef EP_COMBINE
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine_send(deep_ep::CombineArgs a) {
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine(deep_ep::CombineArgs a) {
     deep_ep::combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine_recv(deep_ep::CombineArgs a) {
     deep_ep::combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a);
 }
 #endif
