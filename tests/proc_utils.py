@@ -26,3 +26,12 @@ def communicate_all(procs: list, timeout: float, hang_message: str) -> list:
                 q.kill()
             pytest.fail(hang_message)
     return outs
+
+
+def case_log(line: str) -> None:
+    """Append ``line`` to $DEEP_EP_CASE_LOG (if set) and flush: a trail of a device run's tests that
+    survives a crashed process (tools/device_suite.sh sets it)."""
+    path = os.environ.get("DEEP_EP_CASE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")

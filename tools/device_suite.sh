@@ -27,6 +27,7 @@ for step in $steps; do
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_backend.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     extra)
+      export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     bench)
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20

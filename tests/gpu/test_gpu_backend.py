@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_cases import cases_for  # noqa: E402
+from proc_utils import case_log  # noqa: E402
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
@@ -222,14 +223,6 @@ def test_ep1_real_nccl(case, nccl_group):
     run_case(case, lambda body: {0: body(nccl_group)}, dev)
 
 
-def _case_log(line: str) -> None:
-    """Append to $DEEP_EP_CASE_LOG (if set) and flush: a trail that survives a crashed process."""
-    path = os.environ.get("DEEP_EP_CASE_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-
-
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_emulated(num_ranks):
     """Every case at this rank count; stops at the first failure (a failed multi-rank case can leave
@@ -240,10 +233,10 @@ def test_emulated(num_ranks):
     dev = torch.device("cuda", 0)
     group = EmulatedGroup(num_ranks, device=dev)
     for case in cases_for(num_ranks):
-        _case_log(f"{case.name}: start")
+        case_log(f"{case.name}: start")
         try:
             run_case(case, group.run, dev)
         except Exception as exc:
-            _case_log(f"{case.name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            case_log(f"{case.name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             raise
-        _case_log(f"{case.name}: ok")
+        case_log(f"{case.name}: ok")

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
-from proc_utils import rss_bytes  # noqa: E402
+from proc_utils import case_log, rss_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -133,12 +133,17 @@ def test_stress_emulated_ep8_memory_bounded():
             buf.destroy()
         return failures, mem
 
+    t0 = time.monotonic()
     results = group.run(body)
+    wall = time.monotonic() - t0
     failures = [f for res in results for f in res[0]]
     assert not failures, failures[:5]
     mem = results[0][1]
     if len(mem) == 2:
         (gpu0, rss0), (gpu1, rss1) = mem
+        case_log(f"stress: {len(plans)} iterations x {R} ranks = {2 * R * len(plans)} calls, all checked, "
+                 f"{wall:.1f} s; GPU memory growth {(gpu1 - gpu0) / 2**20:.2f} MiB, host RSS growth "
+                 f"{(rss1 - rss0) / 2**20:.2f} MiB (iterations 10 to last)")
         assert gpu1 - gpu0 < 64 << 20, f"GPU memory grew by {(gpu1 - gpu0) >> 20} MiB over the loop"
         # One process holds all 8 ranks: a leak of a small host object per call (10,000 calls at the
         # default length) would exceed this.
