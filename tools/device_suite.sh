@@ -3,7 +3,7 @@
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench (default); extra (CUDA graphs, GPU reliability);
 #          multi (several GPUs: the suite and the bench under torchrun);
-#          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, emulated EP=8,
+#          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile)
 #          pack (every log and JSON under $OUT into one logs.tgz: the device tool returns 8 files)
 set -u -o pipefail
@@ -50,6 +50,10 @@ for step in $steps; do
       pb bench_ep1_fp8 python3 -m deep_ep bench --iters 10 --fp8
       pb bench_ep1_decode python3 -m deep_ep bench --iters 20 --tokens 128
       pb bench_ep8_emulated python3 -m deep_ep bench --virtual-ranks 8 --iters 5
+      echo "--- bench_ep1_sm_sweep"
+      timeout 300 python3 -m deep_ep bench --iters 10 --sm-sweep 8,16,24,32,48,64,96,132 \
+        --json "$OUT/bench_ep1_sm_sweep.json" > "$OUT/bench_ep1_sm_sweep.log" 2>&1
+      grep -A10 "^SMs " "$OUT/bench_ep1_sm_sweep.log"
       if [ "$n" -ge 2 ]; then pb bench_ep2 torchrun --nproc-per-node 2 -m deep_ep bench --iters 10; fi
       if [ "$n" -ge 4 ]; then
         pb bench_ep4 torchrun --nproc-per-node 4 -m deep_ep bench --iters 10
@@ -60,7 +64,7 @@ for step in $steps; do
         pb bench_ep4_decode torchrun --nproc-per-node 4 -m deep_ep bench --iters 20 --tokens 128
       fi
       timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
-      grep -E "=====.*(graph|device time)|^  deep_ep" "$OUT/profile.log" ;;
+      grep -E "=====.*(graph|device time|host cost)|^  deep_ep|^  [a-z].* [0-9.]+$" "$OUT/profile.log" ;;
     pack)
       tar czf /tmp/deep_ep_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/deep_ep_logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $step" ;;

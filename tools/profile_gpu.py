@@ -1,6 +1,6 @@
 """Where the time of a dispatch / combine goes, on one GPU (EP=1 through NCCL, or emulated ranks).
 
-Prints (1) the host-side profile (cProfile) of cached dispatches and combines, (2) every kernel's
+Prints (0) the host cost of each piece of a cached call, timed alone in a loop, (1) the host-side profile (cProfile) of cached dispatches and combines, (2) every kernel's
 device time from torch.profiler, for the DeepSeek-V3 shapes and a decode batch, and (3) the time of
 cached dispatch and combine replayed from CUDA graphs (no host work in the loop).
 
@@ -11,12 +11,68 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 
 import deep_ep
+
+
+def _us(fn, n: int = 2000) -> float:
+    """Median over 5 rounds of the mean host time of ``fn`` in microseconds (device work queued,
+    not waited for, except between rounds)."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def host_pieces(buf, dev, a) -> None:
+    """(0) The host time of a cached dispatch and a combine at the decode size, and of the pieces
+    they are made of, each timed alone (so the pieces need not add up exactly)."""
+    from deep_ep import jit
+    T = a.decode_tokens
+    x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=a.experts)
+    y = recv_x.clone()
+    backend = buf._backend
+    comm = backend.get_comm_stream()
+    compute = torch.cuda.current_stream()
+    ev = torch.cuda.Event()
+    mod = jit.build("profile_empty", 'extern "C" __global__ void empty_kernel(int a, void* p) {}')
+    fn = mod.function("empty_kernel")
+    pieces = [
+        ("cached dispatch (whole call)", lambda: buf.dispatch(x, handle=handle)),
+        ("combine (whole call)", lambda: buf.combine(y, handle)),
+        ("buffer._validate_dispatch (cached)", lambda: buf._validate_dispatch(
+            x, None, None, None, None, None, None, 0, None, False, False, handle, True, None, False, False, False)),
+        ("backend.dispatch (cached, no stream logic)", lambda: backend.dispatch(
+            x, None, None, None, num_experts=None, num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
+            expert_alignment=None, num_sms=0, handle=handle, do_handle_copy=True, do_cpu_sync=False,
+            do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False,
+            cumulative_local_expert_recv_stats=None)),
+        ("empty kernel launch (jit Function.launch, 2 args)", lambda: fn.launch(1, 32, (1, None), stream=comm)),
+        ("torch.empty [T, hidden] bf16", lambda: torch.empty((T, a.hidden), dtype=torch.bfloat16, device=dev)),
+        ("torch.cuda.current_stream()", torch.cuda.current_stream),
+        ("comm.wait_stream(compute)", lambda: comm.wait_stream(compute)),
+        ("torch.cuda.Event() + record(comm)", lambda: torch.cuda.Event().record(comm)),
+        ("reused event record(comm)", lambda: ev.record(comm)),
+        ("compute.wait_event(ev)", lambda: compute.wait_event(ev)),
+        ("backend._module lookup", lambda: backend._module("dispatch", (a.hidden * 2, 0, a.topk, False))),
+        ("backend.check_errors()", backend.check_errors),
+    ]
+    print(f"===== host cost of the pieces of a cached call (T={T}, hidden {a.hidden}), microseconds")
+    for name, f in pieces:
+        print(f"  {name:55s} {_us(f):8.2f}")
 
 
 def main() -> None:
@@ -27,6 +83,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--host-only", action="store_true", help="only (0): the host cost of the pieces")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -34,6 +91,11 @@ def main() -> None:
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
     buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=a.tokens, hidden=a.hidden,
                                 num_topk=a.topk, explicitly_destroy=True)
+    host_pieces(buf, dev, a)
+    if a.host_only:
+        buf.destroy()
+        dist.destroy_process_group()
+        return
     for T, label in ((a.tokens, "prefill"), (a.decode_tokens, "decode")):
         for expand in (False, True):
             x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
