@@ -94,14 +94,18 @@ def _check_tensor(name: str, t, *, dtype: Union[torch.dtype, tuple], shape: tupl
                   device: torch.device, contiguous: bool = True) -> torch.Tensor:
     """Check one tensor argument. ``shape`` entries are ints or None (any size)."""
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    want = "/".join(str(d).replace("torch.", "") for d in dtypes)
-    want_shape = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+    def want() -> str:  # messages are built only on failure: this runs on every call
+        return "/".join(str(d).replace("torch.", "") for d in dtypes)
+
+    def want_shape() -> str:
+        return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor ({want} {want_shape}), got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor ({want()} {want_shape()}), got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {want}, got {_fmt_tensor(t)}")
+        raise TypeError(f"{name} must have dtype {want()}, got {_fmt_tensor(t)}")
     if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
-        raise ValueError(f"{name} must have shape {want_shape}, got {_fmt_tensor(t)}")
+        raise ValueError(f"{name} must have shape {want_shape()}, got {_fmt_tensor(t)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the buffer's device), got {_fmt_tensor(t)}")
     if contiguous and not t.is_contiguous():
@@ -393,6 +397,17 @@ class ElasticBuffer:
         comm = self._backend.get_comm_stream()
         if comm is None:
             return fn(), EventOverlap()
+        join = self._backend.stream_join
+        if join is not None and previous_event is None and not async_with_compute_stream \
+                and not allocate_on_comm_stream:
+            # The common synchronous call, on raw handles and reused events (a few us of host time
+            # instead of ~12 with torch's stream and event objects); same ordering as below.
+            compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
+            comm_raw = comm.cuda_stream
+            join.wait(comm_raw, compute_raw)
+            outputs = fn()
+            join.wait(compute_raw, comm_raw)
+            return outputs, EventOverlap()
         compute = torch.cuda.current_stream()
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-__all__ = ["new_stream", "release_stream"]
+__all__ = ["new_stream", "release_stream", "StreamJoin"]
 
 _lock = threading.RLock()  # re-entrant: a garbage-collected owner may release a stream inside new_stream
 _free: dict = {}   # device index -> streams released by their owner, ready for reuse
@@ -64,3 +64,60 @@ def release_stream(stream: torch.cuda.ExternalStream) -> None:
         if index not in _free:
             _free[index] = []
         _free[index].append(stream)
+
+
+class StreamJoin:
+    """Orders two CUDA streams with reused driver events, for the synchronous call path.
+
+    ``wait(waiter, producer)`` makes the raw stream ``waiter`` wait for the work queued so far on the
+    raw stream ``producer`` (an event recorded on ``producer``, waited on by ``waiter``): what
+    ``torch.cuda.Stream.wait_stream`` does, without creating torch stream and event objects per call
+    (about 10 us of host time per dispatch). Valid under CUDA-graph capture (the record and the wait
+    become a dependency between the captured streams). One object per owner and thread: the events
+    are reused, so a wait refers to the latest record.
+
+    Args:
+        device: the CUDA device of both streams.
+
+    Raises:
+        RuntimeError: the driver refused to create an event.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from cuda.bindings import driver
+
+        from .jit.runtime import ensure_context
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._driver, self._index = driver, index
+        with torch.cuda.device(index):
+            torch.cuda.current_stream(index)
+            ensure_context(index)
+            self._events = []
+            for _ in range(2):
+                err, ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                if int(err) != 0:
+                    raise RuntimeError(f"cuEventCreate on cuda:{index} failed: {err}")
+                self._events.append(ev)
+        self._next = 0
+
+    def wait(self, waiter: int, producer: int) -> None:
+        """``waiter`` (raw CUstream) waits for everything queued on ``producer`` so far.
+
+        Raises:
+            RuntimeError: the driver refused the record or the wait.
+        """
+        d = self._driver
+        ev = self._events[self._next]
+        self._next ^= 1
+        (err,) = d.cuEventRecord(ev, producer)
+        if int(err) == 0:
+            (err,) = d.cuStreamWaitEvent(waiter, ev, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
+
+    def destroy(self) -> None:
+        """Release the events (a wait already queued stays valid)."""
+        for ev in self._events:
+            self._driver.cuEventDestroy(ev)
+        self._events = []

@@ -67,6 +67,9 @@ def host_pieces(buf, dev, a) -> None:
         ("torch.cuda.Event() + record(comm)", lambda: torch.cuda.Event().record(comm)),
         ("reused event record(comm)", lambda: ev.record(comm)),
         ("compute.wait_event(ev)", lambda: compute.wait_event(ev)),
+        ("StreamJoin.wait (driver record + wait, used instead)", lambda: backend.stream_join.wait(
+            comm.cuda_stream, compute.cuda_stream)),
+        ("torch._C._cuda_getCurrentRawStream", lambda: torch._C._cuda_getCurrentRawStream(dev.index)),
         ("backend._module lookup", lambda: backend._module("dispatch", (a.hidden * 2, 0, a.topk, False))),
         ("backend.check_errors()", backend.check_errors),
     ]

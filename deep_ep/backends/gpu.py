@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from dataclasses import dataclass, fields as dc_fields
+from dataclasses import dataclass, field, fields as dc_fields
 from typing import Optional
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from .. import jit
 from ..handle import EPHandle
 from ..reference import worst_case_recv_rows
-from ..streams import new_stream, release_stream
+from ..streams import StreamJoin, new_stream, release_stream
 from . import window_layout as wl
 from .base import Backend, BufferConfig
 
@@ -166,6 +166,10 @@ class GPUHandleState:
     row_map:  [tok rows, K] int32 output rows of each received token row (expanded only)
     recv_topk_idx, recv_topk_weights: the dispatch's outputs, returned again by a cached dispatch
     num_tok_rows_capacity: rows allocated in ``row_map`` (the true count, or ``R * M`` without CPU sync)
+    launches: prepared kernel launches of cached dispatches and combines with this handle
+              (`jit.PreparedLaunch`, keyed by kernel structure and options; not copied by `clone`):
+              their arguments point at this handle's tensors, so a later call with the handle
+              only updates the per-call pointers (inputs, outputs)
     """
     layout: torch.Tensor
     pos_tok: torch.Tensor
@@ -174,12 +178,14 @@ class GPUHandleState:
     recv_topk_idx: torch.Tensor
     recv_topk_weights: Optional[torch.Tensor]
     num_tok_rows_capacity: int
+    launches: dict = field(default_factory=dict, compare=False, repr=False)
 
     def clone(self) -> "GPUHandleState":
-        """A copy with every tensor cloned (for ``do_handle_copy`` and `EPHandle.clone`)."""
+        """A copy with every tensor cloned (for ``do_handle_copy`` and `EPHandle.clone`); no launches."""
         return GPUHandleState(**{f.name: (getattr(self, f.name).clone()
                                           if isinstance(getattr(self, f.name), torch.Tensor)
-                                          else getattr(self, f.name)) for f in dc_fields(self)})
+                                          else getattr(self, f.name)) for f in dc_fields(self)
+                                 if f.name != "launches"})
 
 
 class GPUBackend(Backend):
@@ -212,6 +218,8 @@ class GPUBackend(Backend):
         props = torch.cuda.get_device_properties(self._device)
         self.num_device_sms = props.multi_processor_count
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
+        self._comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
+        self.stream_join = StreamJoin(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
         self._err_record = _ErrorRecord(self._device)   # written by the data kernels (finish_wait)
@@ -255,6 +263,7 @@ class GPUBackend(Backend):
             self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
             self.transport.destroy()
             release_stream(self.comm_stream)
+            self.stream_join.destroy()
             self._err_record.free()
 
     # ------------------------------------------------------------------ helpers
@@ -466,18 +475,29 @@ class GPUBackend(Backend):
             out_idx, out_w, row_map = state.recv_topk_idx, state.recv_topk_weights, state.row_map
             src_rank, src_token = handle.recv_src_rank, handle.recv_src_token
 
-        args = _DispatchArgs(
-            x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
-            pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x),
-            out_sf=(out_sf.data_ptr() if out_sf is not None and out_sf.numel() else None), sf_ld=sf_ld,
-            out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), out_src_rank=_ptr(src_rank),
-            out_src_token=_ptr(src_token), row_map=_ptr(row_map), out_capacity=out_rows, layout=lay.data_ptr(),
-            peers=peers, rank=rank, num_ranks=R, num_experts=E, alignment=A,
-            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
-        suffix = "_cached" if cached else ""
-        stream = self.comm_stream
-        mod.function("deep_ep_dispatch" + suffix).launch(n_sms, THREADS, (args, int(do_zero_padding)), stream=stream)
+        out_sf_ptr = out_sf.data_ptr() if out_sf is not None and out_sf.numel() else None
+        prepared = None
+        if cached:
+            # The handle's prepared launch: only the per-call pointers change.
+            key = ("dispatch", data_bytes, num_sf, K, n_sms, bool(do_zero_padding), sf_ld)
+            prepared = state.launches.get(key)
+            if prepared is not None:
+                a = prepared.args[0]
+                a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
+        if prepared is None:
+            args = _DispatchArgs(
+                x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
+                pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x), out_sf=out_sf_ptr, sf_ld=sf_ld,
+                out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), out_src_rank=_ptr(src_rank),
+                out_src_token=_ptr(src_token), row_map=_ptr(row_map), out_capacity=out_rows, layout=lay.data_ptr(),
+                peers=peers, rank=rank, num_ranks=R, num_experts=E, alignment=A,
+                recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+                timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
+            fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
+            prepared = fn.prepare(n_sms, THREADS, (args, ctypes.c_int(int(do_zero_padding))), device=dev.index)
+            if cached:
+                state.launches[key] = prepared
+        prepared.launch(self._comm_handle)
 
         recv_x = out_x if sf is None else (out_x, out_sf)
         if cached:
@@ -517,16 +537,22 @@ class GPUBackend(Backend):
         out_w = torch.empty((T, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
         bias0 = bias[0] if len(bias) > 0 else None
         bias1 = bias[1] if len(bias) > 1 else None
-        args = _CombineArgs(
-            y=_ptr(x), weights_in=_ptr(topk_weights), recv_weights=_ptr(handle.recv_topk_weights),
-            row_map=_ptr(state.row_map), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
-            pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
-            bias0=_ptr(bias0), bias1=_ptr(bias1), out=_ptr(out), out_weights=_ptr(out_w),
-            peers=self.transport.peers.data_ptr(), rank=rank, num_ranks=R, num_experts=E,
-            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
-        stream = self.comm_stream
-        mod.function("deep_ep_combine").launch(n_sms, THREADS, (args,), stream=stream)
+        key = ("combine", H, K, n_sms)
+        prepared = state.launches.get(key)
+        if prepared is None:
+            args = _CombineArgs(
+                recv_weights=_ptr(handle.recv_topk_weights),
+                row_map=_ptr(state.row_map), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
+                pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
+                peers=self.transport.peers.data_ptr(), rank=rank, num_ranks=R, num_experts=E,
+                recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+                timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
+            prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(n_sms, THREADS, (args,),
+                                                                                   device=dev.index)
+        a = prepared.args[0]  # the per-call pointers
+        a.y, a.weights_in, a.bias0, a.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
+        a.out, a.out_weights = _ptr(out), _ptr(out_w)
+        prepared.launch(self._comm_handle)
         return out, out_w
 
 

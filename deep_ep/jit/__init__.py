@@ -23,10 +23,10 @@ from .cache import cache_root
 from .compiler import CompileError, SpillError
 from .locate import JitEnvironmentError
 from .nccl_headers import nccl_header_version
-from .runtime import Function, LaunchError, Module, cuda_device_count, f32, f64, i32, i64, ptr, u32, u64
+from .runtime import Function, LaunchError, Module, PreparedLaunch, cuda_device_count, f32, f64, i32, i64, ptr, u32, u64
 
 __all__ = [
-    "build", "Module", "Function", "CompileError", "SpillError", "LaunchError", "JitEnvironmentError",
+    "build", "Module", "Function", "PreparedLaunch", "CompileError", "SpillError", "LaunchError", "JitEnvironmentError",
     "NcclVersionMismatch", "stats", "reset_stats", "clear_memory_cache", "loaded_nccl_version",
     "nccl_header_version", "default_arch", "compile_options", "cache_root", "cuda_device_count",
     "i32", "u32", "i64", "u64", "f32", "f64", "ptr",

@@ -12,7 +12,7 @@ import ctypes
 import struct
 import threading
 
-__all__ = ["Module", "Function", "LaunchError", "i32", "u32", "i64", "u64", "f32", "f64", "ptr",
+__all__ = ["Module", "Function", "PreparedLaunch", "LaunchError", "i32", "u32", "i64", "u64", "f32", "f64", "ptr",
            "cuda_device_count"]
 
 
@@ -422,6 +422,26 @@ class Function:
                               f"cluster={cluster} args={_summarize(args)}")
         del buf
 
+    def prepare(self, grid: int, block: int, args: tuple, *, device: int) -> "PreparedLaunch":
+        """A launch of this kernel with fixed grid and block whose argument storage is ``args``.
+
+        Args:
+            grid, block: blocks and threads per block (1-D).
+            args: one ctypes object per kernel parameter, in order (``ctypes.Structure`` for a
+                by-value struct, ``ctypes.c_int`` etc. for scalars), each at least as large as the
+                kernel's parameter. They are the parameter memory: change their fields between
+                launches; the driver copies them at each launch (and at CUDA-graph capture).
+            device: CUDA device index the kernel is loaded on.
+
+        Raises:
+            LaunchError: no GPU, or the kernel could not be loaded.
+            TypeError: an argument is not a ctypes object.
+        """
+        for a in args:
+            if not isinstance(a, ctypes._SimpleCData) and not isinstance(a, ctypes.Structure):
+                raise TypeError(f"{self.name}: prepared launches take ctypes objects, got {type(a).__name__}")
+        return PreparedLaunch(self, self.handle(device), device, int(grid), int(block), tuple(args))
+
     def _launch_ex(self, h, grid, block, smem, hstream, params, cooperative, cluster):
         d = _drv()
         cfg = d.CUlaunchConfig()
@@ -445,6 +465,36 @@ class Function:
         cfg.numAttrs = len(attrs)
         (err,) = d.cuLaunchKernelEx(cfg, h, params, 0)
         return err
+
+
+class PreparedLaunch:
+    """A kernel launch packed once (`Function.prepare`); calling it costs one driver call.
+
+    For launches repeated many times with the same shape, e.g. a cached dispatch: the caller keeps the
+    ctypes argument objects, updates the fields that change, and calls ``launch(stream_handle)``.
+    Not thread-safe (one owner updates the arguments).
+    """
+
+    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_table")
+
+    def __init__(self, function: Function, h, device: int, grid: int, block: int, args: tuple) -> None:
+        self.function, self.args = function, args
+        self._h, self._device, self._grid, self._block = h, device, grid, block
+        self._table = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
+
+    def launch(self, hstream: int) -> None:
+        """Launch on the raw ``CUstream`` handle ``hstream`` (an int) of this launch's device.
+
+        Raises:
+            LaunchError: the driver refused the launch.
+        """
+        ensure_context(self._device)
+        (err,) = _drv().cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
+                                       ctypes.addressof(self._table), 0)
+        if int(err) != 0:
+            raise LaunchError(f"launch of {self.function.module.name}:{self.function.name} failed "
+                              f"({_err_name(err)}); grid={self._grid} block={self._block} "
+                              f"args={_summarize(self.args)} (prepared)")
 
 
 class Module:

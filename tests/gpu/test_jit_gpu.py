@@ -109,6 +109,52 @@ def test_launch_tensor_scalar_struct_args(mod):
     torch.cuda.synchronize()
 
 
+def test_prepared_launch_updates_arguments_in_place(mod):
+    """A prepared launch reads its ctypes arguments at each launch: fields changed between launches
+    take effect, including pointers; the kernel sees the by-value struct exactly."""
+    n = 300
+    xs = [torch.randint(-50, 50, (n,), dtype=torch.int32, device="cuda") for _ in range(2)]
+    outs = [torch.full((n,), -1, dtype=torch.int64, device="cuda") for _ in range(2)]
+    p = Params(7, 3.0, 2**40, (1, 2, 3, 4))
+    args = (ctypes.c_void_p(xs[0].data_ptr()), ctypes.c_void_p(outs[0].data_ptr()), ctypes.c_int(n),
+            ctypes.c_float(2.0), ctypes.c_int(1), ctypes.c_int64(2**35), ctypes.c_uint32(9),
+            ctypes.c_void_p(None), p)
+    launch = mod.function("mix").prepare((n + 127) // 128, 128, args, device=torch.cuda.current_device())
+    stream = torch.cuda.current_stream().cuda_stream
+    launch.launch(stream)
+    args[0].value, args[1].value, args[3].value = xs[1].data_ptr(), outs[1].data_ptr(), 3.0
+    p.a, p.v[2] = -5, 100
+    launch.launch(stream)
+    torch.cuda.synchronize()
+    assert outs[0].cpu().tolist() == _expected(xs[0].cpu().tolist(), n, 2.0, 1, 2**35, 9,
+                                               Params(7, 3.0, 2**40, (1, 2, 3, 4)), True)
+    assert outs[1].cpu().tolist() == _expected(xs[1].cpu().tolist(), n, 3.0, 1, 2**35, 9, p, True)
+    with pytest.raises(TypeError, match="ctypes"):
+        mod.function("mix").prepare(1, 32, (xs[0],), device=torch.cuda.current_device())
+
+
+def test_stream_join_orders_streams():
+    """`StreamJoin.wait` makes one stream wait for work queued on another (both directions), as
+    ``wait_stream`` does: a copy queued after the join sees a fill queued before it behind a sleep."""
+    from deep_ep.streams import StreamJoin
+    dev = torch.device("cuda", torch.cuda.current_device())
+    join = StreamJoin(dev)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    src = torch.zeros(1 << 20, device=dev)
+    dst = torch.full((1 << 20,), -1.0, device=dev)
+    torch.cuda.synchronize()
+    for value, (producer, waiter) in enumerate([(a, b), (b, a), (a, b)], start=1):
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(20_000_000)  # ~10 ms on an H200: the waiter would otherwise run first
+            src.fill_(float(value))
+        join.wait(waiter.cuda_stream, producer.cuda_stream)
+        with torch.cuda.stream(waiter):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        assert bool((dst == value).all()), f"round {value}: the waiting stream ran before the producer"
+    join.destroy()
+
+
 def test_dynamic_shared_memory_above_48k(mod):
     n = 40 * 1024  # 160 KB of int32
     out = torch.zeros(2, dtype=torch.int64, device="cuda")

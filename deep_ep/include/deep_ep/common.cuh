@@ -174,12 +174,14 @@ __device__ __forceinline__ uint8_t* window_row(uint8_t* window, const Args& a, i
 }
 
 // ---- grid geometry ----------------------------------------------------------------------------
-// Lane, global warp index and warp count of a kernel whose warps stride over work items.
+// Lane, global warp index and warp count of a kernel whose warps stride over work items. Warp
+// indices go round the blocks first (warp w of block b is w * gridDim + b): a small batch (decode,
+// fewer items than warps) is spread over every SM instead of filling the first few blocks.
 struct WarpGrid {
     int lane, warp, num_warps;
     __device__ __forceinline__ WarpGrid()
         : lane(static_cast<int>(threadIdx.x & 31)),
-          warp(static_cast<int>(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))),
+          warp(static_cast<int>((threadIdx.x >> 5) * gridDim.x + blockIdx.x)),
           num_warps(static_cast<int>(gridDim.x * (blockDim.x >> 5))) {}
 };
 
