@@ -136,7 +136,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
             }
         }
         // kUnroll vectors per lane per step: several independent 16-byte loads in flight per source.
-        constexpr int kUnroll = 4;
+        constexpr int kUnroll = EP_COMBINE_UNROLL;
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             float acc[kUnroll][8];
 #pragma unroll
@@ -205,7 +205,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
 #pragma unroll
                     for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
                 }
-                reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden)[i] = f32_to_bf16x8(acc[u]);
+                store_row_vec(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden) + i, f32_to_bf16x8(acc[u]));
             }
         }
         if (a.out_weights != nullptr) {

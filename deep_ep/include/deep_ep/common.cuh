@@ -185,15 +185,52 @@ struct WarpGrid {
           num_warps(static_cast<int>(gridDim.x * (blockDim.x >> 5))) {}
 };
 
+// ---- tunables (defaults; tools/tune_gpu.py builds variants) ------------------------------------
+#ifndef EP_SEND_UNROLL
+#define EP_SEND_UNROLL 8      // 16-byte vectors per lane per chunk when moving a dispatched row (4 KiB per warp)
+#endif
+#ifndef EP_COMBINE_UNROLL
+#define EP_COMBINE_UNROLL 4   // the same for the rows a combine sums (fp32 accumulators: 8 per vector)
+#endif
+
 // ---- warp-wide row chunks ------------------------------------------------------------------
 // A warp moves a row of kVecs 16-byte vectors in chunks of 32 * kUnroll vectors: lane l handles
 // vectors base + u * 32 + l (u < kUnroll) that exist. Loads of a chunk are all issued before use.
+// Cache hints, tunable at build time (tools/tune_gpu.py measures the variants): EP_LOAD_NO_L1=1
+// reads read-only rows without allocating in L1 (they are used once), EP_STORE_STREAMING=1 stores
+// with the evict-first hint (st.global.cs).
+#ifndef EP_LOAD_NO_L1
+#define EP_LOAD_NO_L1 0
+#endif
+#ifndef EP_STORE_STREAMING
+#define EP_STORE_STREAMING 0
+#endif
+
+__device__ __forceinline__ int4 load_readonly(const int4* p) {
+#if EP_LOAD_NO_L1
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
+__device__ __forceinline__ void store_row_vec(int4* p, const int4& v) {
+#if EP_STORE_STREAMING
+    __stcs(p, v);
+#else
+    *p = v;
+#endif
+}
+
 template <int kUnroll, int kVecs, bool kCoherent>
 __device__ __forceinline__ void load_chunk(const int4* src, int base, int lane, int4 (&v)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
-        if (i < kVecs) v[u] = kCoherent ? __ldcg(src + i) : __ldg(src + i);
+        if (i < kVecs) v[u] = kCoherent ? __ldcg(src + i) : load_readonly(src + i);
     }
 }
 
@@ -202,7 +239,7 @@ __device__ __forceinline__ void store_chunk(int4* dst, int base, int lane, const
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
-        if (i < kVecs) dst[i] = v[u];
+        if (i < kVecs) store_row_vec(dst + i, v[u]);
     }
 }
 

@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, 
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = 8;  // 4 KiB of loads in flight per warp
+    constexpr int kUnroll = EP_SEND_UNROLL;
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
@@ -185,7 +185,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = 8;
+    constexpr int kUnroll = EP_SEND_UNROLL;
     uint8_t* my_window = a.peers[a.rank];
     const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseDispatch, a.timeout_ns);
     const WarpGrid wg;

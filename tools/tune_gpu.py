@@ -1,0 +1,87 @@
+"""Build-time variants of the data kernels, timed side by side on one GPU (EP=1 through NCCL).
+
+Each variant adds defines to the kernel modules (the tunables in include/deep_ep/common.cuh:
+EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING). For every variant and batch
+size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
+copy floor (`deep_ep.bench_gpu.copy_floor_us`), and whether the outputs equal the default build's
+bit for bit (they must: the variants change how bytes move, not which).
+
+Usage: python tools/tune_gpu.py [--tokens 4096,128] [--iters 50] [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
+"""
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from deep_ep.backends import gpu
+from deep_ep.bench_gpu import copy_floor_us, graph_time_us
+
+DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "SEND_UNROLL=4", "COMBINE_UNROLL=2", "LOAD_NO_L1=1",
+                    "STORE_STREAMING=1", "LOAD_NO_L1=1,STORE_STREAMING=1")
+
+
+def parse_variant(text: str) -> dict:
+    """``"SEND_UNROLL=16,LOAD_NO_L1=1"`` -> ``{"EP_SEND_UNROLL": 16, "EP_LOAD_NO_L1": 1}``."""
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, value = item.split("=")
+        out["EP_" + name.strip().upper()] = int(value)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="4096,128")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--variants", default=";".join(DEFAULT_VARIANTS), help="';'-separated; '' = default build")
+    a = p.parse_args()
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+    sizes = [int(t) for t in a.tokens.split(",")]
+    base_dispatch, base_combine = gpu.dispatch_defines, gpu.combine_defines
+    inputs = {}
+    for T in sizes:
+        g = torch.Generator(device=dev).manual_seed(T)
+        x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
+        idx = torch.argsort(torch.rand((T, a.experts), device=dev, generator=g), dim=1)[:, :a.topk]
+        inputs[T] = (x, idx)
+    floors = {T: copy_floor_us(T * a.hidden * 2, dev) for T in sizes}
+    print("floor (back-to-back D2D copy of the rows): " + ", ".join(f"T={T} {f:.1f} us" for T, f in floors.items()))
+    print(f"{'variant':40s} {'T':>5s} {'dispatch us':>11s} {'ratio':>6s} {'combine us':>10s} {'ratio':>6s}  same")
+    reference = {}
+    for text in a.variants.split(";"):
+        extra = parse_variant(text)
+        gpu.dispatch_defines = lambda *s, _e=extra: {**base_dispatch(*s), **_e}
+        gpu.combine_defines = lambda *s, _e=extra: {**base_combine(*s), **_e}
+        buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=max(sizes), hidden=a.hidden,
+                                    num_topk=a.topk, explicitly_destroy=True)
+        try:
+            for T in sizes:
+                x, idx = inputs[T]
+                recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=a.experts)
+                y = (recv_x.float() * 0.5).to(torch.bfloat16)
+                d_us = graph_time_us(lambda: buf.dispatch(x, handle=handle), a.iters, lambda: None) or float("nan")
+                c_us = graph_time_us(lambda: buf.combine(y, handle), a.iters, lambda: None) or float("nan")
+                got = (buf.dispatch(x, handle=handle)[0].clone(), buf.combine(y, handle)[0].clone())
+                if T not in reference:
+                    reference[T] = got
+                same = all(torch.equal(u, v) for u, v in zip(got, reference[T]))
+                f = floors[T]
+                print(f"{text or '(default)':40s} {T:5d} {d_us:11.1f} {d_us / f:6.2f} {c_us:10.1f} {c_us / f:6.2f}  "
+                      f"{'yes' if same else 'NO'}", flush=True)
+        finally:
+            buf.destroy()
+    gpu.dispatch_defines, gpu.combine_defines = base_dispatch, base_combine
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
