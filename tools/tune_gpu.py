@@ -51,7 +51,7 @@ def main() -> None:
     for T in sizes:
         g = torch.Generator(device=dev).manual_seed(T)
         x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
-        idx = torch.argsort(torch.rand((T, a.experts), device=dev, generator=g), dim=1)[:, :a.topk]
+        idx = torch.argsort(torch.rand((T, a.experts), device=dev, generator=g), dim=1)[:, :a.topk].contiguous()
         inputs[T] = (x, idx)
     floors = {T: copy_floor_us(T * a.hidden * 2, dev) for T in sizes}
     print("floor (back-to-back D2D copy of the rows): " + ", ".join(f"T={T} {f:.1f} us" for T, f in floors.items()))
