@@ -47,6 +47,24 @@ def _time_events(fn, iters: int, warmup: int, stream=None) -> List[float]:
     return out
 
 
+def spin_up(ms: float = 20.0) -> None:
+    """Keep the current GPU busy with copies for about ``ms`` milliseconds, then wait: an idle H200
+    sits at a low clock and needs a few milliseconds of load to reach full speed, longer than a
+    short timed loop lasts. Local work only (ranks may spin a different number of times)."""
+    dev = torch.cuda.current_device()
+    scratch = _spin_scratch.get(dev)
+    if scratch is None:
+        scratch = _spin_scratch[dev] = torch.empty((2, 32 << 20), dtype=torch.uint8, device="cuda")
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        for _ in range(8):
+            scratch[1].copy_(scratch[0])
+        torch.cuda.current_stream().synchronize()
+
+
+_spin_scratch: Dict[int, torch.Tensor] = {}
+
+
 def graph_time_us(fn, iters: int, barrier) -> Optional[float]:
     """Mean time of ``fn`` replayed from a CUDA graph, in us (None if capture fails)."""
     cur = torch.cuda.current_stream()
@@ -66,6 +84,7 @@ def graph_time_us(fn, iters: int, barrier) -> Optional[float]:
     barrier()
     graph.replay()
     torch.cuda.synchronize()
+    spin_up()
     barrier()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -88,8 +107,7 @@ def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
     srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
     dst = torch.empty(n, dtype=torch.uint8, device=device)
     stream = torch.cuda.current_stream()
-    for i in range(3):
-        dst.copy_(srcs[i % copies])
+    spin_up()
     rounds = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,7 +1,8 @@
 """Build-time variants of the data kernels, timed side by side on one GPU (EP=1 through NCCL).
 
 Each variant adds defines to the kernel modules (the tunables in include/deep_ep/common.cuh:
-EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING). For every variant and batch
+EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING) or sets THREADS, the threads
+per block of the data kernels (`deep_ep.backends.gpu.THREADS`). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 copy floor (`deep_ep.bench_gpu.copy_floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which).
@@ -19,8 +20,9 @@ import deep_ep
 from deep_ep.backends import gpu
 from deep_ep.bench_gpu import copy_floor_us, graph_time_us
 
-DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "SEND_UNROLL=4", "COMBINE_UNROLL=2", "LOAD_NO_L1=1",
-                    "STORE_STREAMING=1", "LOAD_NO_L1=1,STORE_STREAMING=1")
+DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "THREADS=256", "THREADS=256,SEND_UNROLL=16",
+                    "THREADS=1024,SEND_UNROLL=4,COMBINE_UNROLL=2", "THREADS=1024,SEND_UNROLL=4",
+                    "LOAD_NO_L1=1,STORE_STREAMING=1")
 
 
 def parse_variant(text: str) -> dict:
@@ -46,7 +48,7 @@ def main() -> None:
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
     sizes = [int(t) for t in a.tokens.split(",")]
-    base_dispatch, base_combine = gpu.dispatch_defines, gpu.combine_defines
+    base_dispatch, base_combine, base_threads = gpu.dispatch_defines, gpu.combine_defines, gpu.THREADS
     inputs = {}
     for T in sizes:
         g = torch.Generator(device=dev).manual_seed(T)
@@ -59,6 +61,7 @@ def main() -> None:
     reference = {}
     for text in a.variants.split(";"):
         extra = parse_variant(text)
+        gpu.THREADS = extra.pop("EP_THREADS", base_threads)  # threads per block of the data kernels
         gpu.dispatch_defines = lambda *s, _e=extra: {**base_dispatch(*s), **_e}
         gpu.combine_defines = lambda *s, _e=extra: {**base_combine(*s), **_e}
         buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=max(sizes), hidden=a.hidden,
@@ -79,7 +82,7 @@ def main() -> None:
                       f"{'yes' if same else 'NO'}", flush=True)
         finally:
             buf.destroy()
-    gpu.dispatch_defines, gpu.combine_defines = base_dispatch, base_combine
+    gpu.dispatch_defines, gpu.combine_defines, gpu.THREADS = base_dispatch, base_combine, base_threads
     dist.destroy_process_group()
 
 

@@ -110,6 +110,17 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a) {
     if (last_block(my_window)) signal_all_peers(a.peers, rank, R);
 }
 
+// Token t's routing as one warp holds it: lane d < min(R, 32) its row at rank d, lanes < K its
+// expert id and (expanded) its pair's row at its owner; -1 where absent or t is past the end.
+template <int K, bool kExpand>
+__device__ __forceinline__ void fetch_token_routing(const CombineArgs& a, int t, int lane, int& row,
+                                                    int64_t& expert, int& pair) {
+    const bool live = t < a.num_tokens;
+    row = (live && lane < a.num_ranks) ? a.pos_tok[static_cast<int64_t>(t) * a.num_ranks + lane] : -1;
+    expert = (live && lane < K) ? a.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
+    pair = (kExpand && live && lane < K) ? a.pos_pair[static_cast<int64_t>(t) * K + lane] : -1;
+}
+
 template <int kHidden, int K, bool kExpand>
 __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
     using Row = CombineRow<kHidden, K, kExpand>;
@@ -120,20 +131,23 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const int half = current_half(my_window);
 
-    for (int t = ok ? global_warp : a.num_tokens; t < a.num_tokens; t += num_warps) {
-        int my_row = -1;
-        for (int d = lane; d < R; d += 32)
-            if (d == lane) my_row = a.pos_tok[static_cast<int64_t>(t) * R + d];
-        int my_expert = -1;  // int32: 64-bit division would be a call
+    // The routing of a warp's next token is loaded while it sums the current one (the row
+    // addresses depend on it: without the prefetch every token starts with a dependent load).
+    const int first = ok ? global_warp : a.num_tokens;
+    int next_row = -1, next_pair = -1;
+    int64_t next_expert = -1;
+    fetch_token_routing<K, kExpand>(a, first, lane, next_row, next_expert, next_pair);
+    for (int t = first; t < a.num_tokens; t += num_warps) {
+        int my_row = next_row;
+        int my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(next_expert, static_cast<int64_t>(a.num_experts))));
+        if (my_expert >= a.num_experts) my_expert = -1;  // int32: 64-bit division would be a call
+        const int pair = next_pair;
+        fetch_token_routing<K, kExpand>(a, t + num_warps, lane, next_row, next_expert, next_pair);
         int my_pair = -1;
         float my_pair_w = 0.0f;
-        if (lane < K) {
-            my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(a.topk_idx[static_cast<int64_t>(t) * K + lane], static_cast<int64_t>(a.num_experts))));
-            if (my_expert >= a.num_experts) my_expert = -1;
-            if (kExpand && my_expert >= 0 && my_expert / L == rank) {
-                my_pair = a.pos_pair[static_cast<int64_t>(t) * K + lane];
-                if (my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
-            }
+        if (kExpand && lane < K && my_expert >= 0 && my_expert / L == rank) {
+            my_pair = pair;
+            if (my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
         // kUnroll vectors per lane per step: several independent 16-byte loads in flight per source.
         constexpr int kUnroll = EP_COMBINE_UNROLL;

@@ -75,6 +75,12 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     const int num_tokens = has_error(my_window) ? 0 : a.num_tokens;
 
     for (int t = global_warp; t < num_tokens; t += num_warps) {
+        // The row's first chunk is requested before the routing is looked up: the two loads are
+        // independent, so their latencies overlap instead of adding up.
+        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
+        int4 v[kUnroll];
+        load_chunk<kUnroll, Row::kVecs, false>(src, 0, lane, v);
+
         // Destination rows of this token (lanes < R hold rank lane's row; lanes < K the pair's row).
         int my_row = -1, my_pair_row = -1;
         int my_expert = -1;  // int32: 64-bit division would be a call
@@ -99,10 +105,8 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
         __syncwarp();  // rows of ranks >= 32 are re-read from pos_tok below
 
         // ---- data: read once, store to every destination ----
-        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
-            int4 v[kUnroll];
-            load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
+            if (base > 0) load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
             for (int d = 0; d < R; ++d) {
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d)
                                        : a.pos_tok[static_cast<int64_t>(t) * R + d];
