@@ -54,6 +54,10 @@ for step in $steps; do
       timeout 300 python3 -m deep_ep bench --iters 10 --sm-sweep 8,16,24,32,48,64,96,132 \
         --json "$OUT/bench_ep1_sm_sweep.json" > "$OUT/bench_ep1_sm_sweep.log" 2>&1
       grep -A10 "^SMs " "$OUT/bench_ep1_sm_sweep.log"
+      echo "--- bench_ep1_decode_sm_sweep"
+      timeout 200 python3 -m deep_ep bench --iters 20 --tokens 128 --sm-sweep 16,32,64,132 \
+        --json "$OUT/bench_ep1_decode_sm_sweep.json" > "$OUT/bench_ep1_decode_sm_sweep.log" 2>&1
+      grep -A6 "^SMs " "$OUT/bench_ep1_decode_sm_sweep.log"
       if [ "$n" -ge 2 ]; then pb bench_ep2 torchrun --nproc-per-node 2 -m deep_ep bench --iters 10; fi
       if [ "$n" -ge 4 ]; then
         pb bench_ep4 torchrun --nproc-per-node 4 -m deep_ep bench --iters 10
