@@ -44,6 +44,8 @@ def host_pieces(buf, dev, a) -> None:
     idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
     recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=a.experts)
     y = recv_x.clone()
+    x8 = (x.to(torch.float8_e4m3fn), torch.rand((T, a.hidden // 128), device=dev))
+    handle8 = buf.dispatch(x8, idx, num_experts=a.experts)[3]
     backend = buf._backend
     comm = backend.get_comm_stream()
     compute = torch.cuda.current_stream()
@@ -53,6 +55,9 @@ def host_pieces(buf, dev, a) -> None:
     pieces = [
         ("cached dispatch (whole call)", lambda: buf.dispatch(x, handle=handle)),
         ("combine (whole call)", lambda: buf.combine(y, handle)),
+        ("cached FP8 dispatch, fp32 scales (whole call)", lambda: buf.dispatch(x8, handle=handle8)),
+        ("cached FP8 dispatch, col-major scales (whole call)", lambda: buf.dispatch(
+            x8, handle=handle8, use_tma_aligned_col_major_sf=True)),
         ("buffer._validate_dispatch (cached)", lambda: buf._validate_dispatch(
             x, None, None, None, None, None, None, 0, None, False, False, handle, True, None, False, False, False)),
         ("backend.dispatch (cached, no stream logic)", lambda: backend.dispatch(
