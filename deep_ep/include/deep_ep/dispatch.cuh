@@ -80,6 +80,14 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
         const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
         int4 v[kUnroll];
         load_chunk<kUnroll, Row::kVecs, false>(src, 0, lane, v);
+        // The scale factors too (FP8): lane holds words lane, lane + 32, ... of the token's row.
+        constexpr int kSFPerLane = (kNumSF + 31) / 32;
+        int my_sf[kSFPerLane > 0 ? kSFPerLane : 1];
+#pragma unroll
+        for (int j = 0; j < kSFPerLane; ++j) {
+            const int i = lane + 32 * j;
+            my_sf[j] = i < kNumSF ? a.sf[static_cast<int64_t>(t) * kNumSF + i] : 0;
+        }
 
         // Destination rows of this token (lanes < R hold rank lane's row; lanes < K the pair's row).
         int my_row = -1, my_pair_row = -1;
@@ -137,7 +145,9 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
             if (d != rank) {
                 uint8_t* dst = window_row(a.peers[d], a, half, row);
                 int* dst_sf = reinterpret_cast<int*>(dst + kDataBytes);
-                for (int i = lane; i < kNumSF; i += 32) dst_sf[i] = a.sf[static_cast<int64_t>(t) * kNumSF + i];
+#pragma unroll
+                for (int j = 0; j < kSFPerLane; ++j)
+                    if (lane + 32 * j < kNumSF) dst_sf[lane + 32 * j] = my_sf[j];
                 if (!kCached) {
                     int* meta = reinterpret_cast<int*>(dst + Row::kMetaOffset);
                     if (lane == 0) meta[0] = t;
@@ -150,8 +160,9 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                     }
                 }
             } else if (!kExpand) {
-                for (int i = lane; i < kNumSF; i += 32)
-                    store_sf<kDataBytes, kNumSF>(a, row, i, a.sf[static_cast<int64_t>(t) * kNumSF + i]);
+#pragma unroll
+                for (int j = 0; j < kSFPerLane; ++j)
+                    if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
                 if (!kCached) {
                     if (lane < K) {
                         const bool local = my_expert >= 0 && my_expert / L == rank;
@@ -167,8 +178,9 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                     const int e = __shfl_sync(0xffffffffu, my_expert, k);
                     const int out = __shfl_sync(0xffffffffu, my_pair_row, k);
                     if (e < 0 || e / L != rank || out < 0) continue;
-                    for (int i = lane; i < kNumSF; i += 32)
-                        store_sf<kDataBytes, kNumSF>(a, out, i, a.sf[static_cast<int64_t>(t) * kNumSF + i]);
+#pragma unroll
+                    for (int j = 0; j < kSFPerLane; ++j)
+                        if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, out, lane + 32 * j, my_sf[j]);
                 }
                 if (!kCached && lane < K) {
                     const bool local = my_expert >= 0 && my_expert / L == rank;
