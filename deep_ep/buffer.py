@@ -399,9 +399,11 @@ class ElasticBuffer:
             return fn(), EventOverlap()
         join = self._backend.stream_join
         if join is not None and previous_event is None and not async_with_compute_stream \
-                and not allocate_on_comm_stream:
+                and not allocate_on_comm_stream and torch._C._cuda_getDevice() == comm.device_index:
             # The common synchronous call, on raw handles and reused events (a few us of host time
-            # instead of ~12 with torch's stream and event objects); same ordering as below.
+            # instead of ~12 with torch's stream and event objects); same ordering as below. Only
+            # when the buffer's device is current: a raw default-stream handle (0) means the null
+            # stream of the current context.
             compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
             comm_raw = comm.cuda_stream
             join.wait(comm_raw, compute_raw)

@@ -102,11 +102,15 @@ class StreamJoin:
         self._next = 0
 
     def wait(self, waiter: int, producer: int) -> None:
-        """``waiter`` (raw CUstream) waits for everything queued on ``producer`` so far.
+        """``waiter`` (raw CUstream) waits for everything queued on ``producer`` so far. Both are
+        streams of this object's device; a handle of 0 is that device's null stream.
 
         Raises:
             RuntimeError: the driver refused the record or the wait.
         """
+        from .jit.runtime import ensure_context
+
+        ensure_context(self._index)  # a thread that never used CUDA has no current context
         d = self._driver
         ev = self._events[self._next]
         self._next ^= 1

@@ -180,6 +180,16 @@ class GPUHandleState:
     num_tok_rows_capacity: int
     launches: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the prepared launches behind (ctypes memory pointing at the
+        original's tensors)."""
+        state = dict(self.__dict__)
+        state["launches"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def clone(self) -> "GPUHandleState":
         """A copy with every tensor cloned (for ``do_handle_copy`` and `EPHandle.clone`); no launches."""
         return GPUHandleState(**{f.name: (getattr(self, f.name).clone()
@@ -479,7 +489,10 @@ class GPUBackend(Backend):
         prepared = None
         if cached:
             # The handle's prepared launch: only the per-call pointers change.
-            key = ("dispatch", data_bytes, num_sf, K, n_sms, bool(do_zero_padding), sf_ld)
+            # The handle-level tensors the launch reads are part of the key: a handle rebuilt with
+            # other tensors (dataclasses.replace) shares this state but must not reuse the pointers.
+            key = ("dispatch", data_bytes, num_sf, K, n_sms, bool(do_zero_padding), sf_ld,
+                   topk_idx.data_ptr(), src_rank.data_ptr(), src_token.data_ptr())
             prepared = state.launches.get(key)
             if prepared is not None:
                 a = prepared.args[0]
@@ -537,7 +550,7 @@ class GPUBackend(Backend):
         out_w = torch.empty((T, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
         bias0 = bias[0] if len(bias) > 0 else None
         bias1 = bias[1] if len(bias) > 1 else None
-        key = ("combine", H, K, n_sms)
+        key = ("combine", H, K, n_sms, handle.topk_idx.data_ptr(), _ptr(handle.recv_topk_weights))
         prepared = state.launches.get(key)
         if prepared is None:
             args = _CombineArgs(

@@ -1,0 +1,134 @@
+"""Cached calls through the handle's prepared launches (deep_ep.backends.gpu, `jit.PreparedLaunch`).
+
+A cached dispatch or combine prepares its kernel launch once per handle and later only updates the
+per-call pointers. These tests repeat eager cached calls with fresh inputs and outputs, switch
+between the options that change the launch (BF16 / FP8, weights and biases in combine, number of
+SMs), copy and pickle a handle after use, rebuild a handle with other tensors, and call from another
+current device; every output element is compared with the reference, outputs poisoned first where
+the API lets the test own them. Skipped without a CUDA device (one-rank NCCL group on GPU 0).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_ep  # noqa: E402
+from deep_ep import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+HIDDEN, EXPERTS, TOPK, TOKENS = 1024, 32, 8, 96
+
+
+def _routing(g: torch.Generator) -> torch.Tensor:
+    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(TOKENS)]).to(torch.int64)
+    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
+    return idx
+
+
+def _fp8(x: torch.Tensor) -> tuple:
+    sf = x.float().abs().view(x.shape[0], -1, 128).amax(-1).clamp(min=1e-4) / 448.0
+    data = (x.float().view(x.shape[0], -1, 128) / sf[..., None]).view_as(x).to(torch.float8_e4m3fn)
+    return data, sf.float().contiguous()
+
+
+def _check_combine(got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.cpu().float(), want.float()
+    assert got.shape == want.shape
+    bad = (got - want).abs() > 2 ** -7 * want.abs() + 1e-3
+    assert not bool(bad.any()), f"{int(bad.sum())} combined elements differ"
+
+
+@pytest.fixture()
+def buf(nccl_group):
+    b = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                              explicitly_destroy=True)
+    yield b
+    b.destroy()
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["non-expanded", "expanded"])
+def test_repeated_cached_calls_with_changing_options(buf, expand):
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(5 + expand)
+    idx, w = _routing(g), torch.rand((TOKENS, TOPK), generator=g)
+    x0 = torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16)
+    kw = dict(do_expand=expand, expert_alignment=4 if expand else 1, do_zero_padding=True)
+    _, _, _, handle, _ = buf.dispatch(x0.to(dev), idx.to(dev), w.to(dev), num_experts=EXPERTS, **kw)
+    for i in range(8):
+        x = torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16)
+        fp8 = i % 4 == 3
+        xin = _fp8(x) if fp8 else x
+        num_sms = (0, 7, 0, 3)[i % 4]
+        out = buf.dispatch(tuple(t.to(dev) for t in xin) if fp8 else xin.to(dev), handle=handle,
+                           num_sms=num_sms, do_zero_padding=True)
+        exp = ref.reference_dispatch([xin], [idx], [w], EXPERTS, do_expand=expand,
+                                     expert_alignment=4 if expand else 1)[0]
+        recv = out[0]
+        recv_cpu = tuple(t.cpu() for t in recv) if fp8 else recv.cpu()
+        ref.check_dispatch((recv_cpu, exp.recv_topk_idx, exp.recv_topk_weights, exp.handle), exp,
+                           check_handle=False)
+        # combine: with and without weights and biases, alternating (different prepared launches)
+        y = torch.randn((handle.num_recv_rows, HIDDEN), generator=g).to(torch.bfloat16)
+        cw = torch.rand(tuple(handle.recv_topk_weights.shape) if expand else (handle.num_recv_rows, TOPK),
+                        generator=g) if i % 2 else None
+        bias = (torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16),) if i % 3 == 1 else None
+        got, got_w, _ = buf.combine(y.to(dev), handle, topk_weights=None if cw is None else cw.to(dev),
+                                    bias=None if bias is None else tuple(b.to(dev) for b in bias),
+                                    num_sms=num_sms)
+        want, want_w = ref.reference_combine([y], [exp.handle], None if cw is None else [cw],
+                                             None if bias is None else [bias])[0]
+        _check_combine(got, want)
+        if cw is not None:
+            assert torch.allclose(got_w.cpu(), want_w, rtol=1e-6, atol=1e-6)
+
+
+def test_handle_copies_and_rebuilt_handles(buf):
+    """Expanded layout: its combine reads the handle's routing (topk_idx), so a launch that kept
+    the old tensor's pointer would produce zeros below."""
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(9)
+    idx = _routing(g)
+    x = torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16)
+    _, _, _, handle, _ = buf.dispatch(x.to(dev), idx.to(dev), num_experts=EXPERTS, do_expand=True)
+    y = torch.randn((handle.num_recv_rows, HIDDEN), generator=g).to(torch.bfloat16)
+    exp = ref.reference_dispatch([x], [idx], None, EXPERTS, do_expand=True)[0]
+    want = ref.reference_combine([y], [exp.handle])[0][0]
+    assert float(want.float().abs().sum()) > 0
+    buf.dispatch(x.to(dev), handle=handle)
+    _check_combine(buf.combine(y.to(dev), handle)[0], want)   # the handle now holds prepared launches
+    for other in (copy.deepcopy(handle), handle.clone()):
+        assert not other.backend_state.launches
+        _check_combine(buf.combine(y.to(dev), other)[0], want)
+    torch.save(handle.backend_state, io.BytesIO())  # picklable: the launches are left behind
+    # A handle rebuilt with another (equal) routing tensor: the launch must read the new tensor.
+    rebuilt = dataclasses.replace(handle, topk_idx=handle.topk_idx.clone())
+    handle.topk_idx.fill_(-1)  # the old tensor no longer routes anything
+    _check_combine(buf.combine(y.to(dev), rebuilt)[0], want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_call_with_another_current_device(buf):
+    """The buffer is on GPU 0 while GPU 1 is current: results must still be ordered and right."""
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(13)
+    idx = _routing(g)
+    x = torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
+    _, _, _, handle, _ = buf.dispatch(x, idx.to(dev), num_experts=EXPERTS)
+    y = torch.randn((handle.num_recv_rows, HIDDEN), generator=g).to(torch.bfloat16)
+    exp = ref.reference_dispatch([x.cpu()], [idx], None, EXPERTS)[0]
+    want = ref.reference_combine([y], [exp.handle])[0][0]
+    with torch.cuda.device(1):
+        yd = y.to(dev)
+        for _ in range(3):
+            got = buf.combine(yd, handle)[0]
+            snapshot = got.clone()  # queued on GPU 0's current stream after the call
+            _check_combine(snapshot, want)
