@@ -108,15 +108,16 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record or the wait.
         """
-        from .jit.runtime import ensure_context
+        from .jit.runtime import enter_context, leave_context
 
-        ensure_context(self._index)  # a thread that never used CUDA has no current context
+        previous = enter_context(self._index)  # a thread that never used CUDA has no current context
         d = self._driver
         ev = self._events[self._next]
         self._next ^= 1
         (err,) = d.cuEventRecord(ev, producer)
         if int(err) == 0:
             (err,) = d.cuStreamWaitEvent(waiter, ev, 0)
+        leave_context(previous)
         if int(err) != 0:
             raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
 

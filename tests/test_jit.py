@@ -207,7 +207,7 @@ def test_launch_overhead_with_fake_driver(monkeypatch):
     f = mod.function("axpy")
     f._handles[0] = object()
     monkeypatch.setattr(runtime, "_driver", FakeDriver)
-    monkeypatch.setattr(runtime, "ensure_context", lambda device: None)
+    monkeypatch.setattr(runtime, "enter_context", lambda device: None)
     monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
     y, x = torch.zeros(1024), torch.ones(1024)
     args = (y, x, 2.0, 1024)

@@ -250,7 +250,11 @@ class CPUBackend(Backend):
         self._wait("barrier", work)
 
     def destroy(self) -> None:
+        """Mark the buffer destroyed and drop the process group: a destroyed buffer must not keep
+        the group (and its gloo threads) alive past ``destroy_process_group``, into interpreter
+        teardown, where their destruction can abort the process."""
         self._destroyed = True
+        self.group = None
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,

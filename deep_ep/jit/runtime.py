@@ -242,14 +242,14 @@ def cuda_device_count() -> int:
         return 0
 
 
-def ensure_context(device: int):
-    """Make ``device``'s primary context (the one torch uses) current on this thread; return it."""
-    d = _drv()
+def _primary_context(device: int):
+    """``device``'s primary context (the one torch uses), retained once per process."""
     ctx = _primary_ctx.get(device)
     if ctx is None:
         with _init_lock:
             ctx = _primary_ctx.get(device)
             if ctx is None:
+                d = _drv()
                 if cuda_device_count() == 0:
                     raise LaunchError("no CUDA device is present: deep_ep.jit can compile kernels here, but not "
                                       "load or launch them")
@@ -260,6 +260,15 @@ def ensure_context(device: int):
                 if int(err) != 0:
                     raise LaunchError(f"cuDevicePrimaryCtxRetain({device}): {_err_name(err)}")
                 _primary_ctx[device] = ctx
+    return ctx
+
+
+def ensure_context(device: int):
+    """Make ``device``'s primary context (the one torch uses) current on this thread; return it.
+    It stays current: use it where the caller restores the device (``torch.cuda.device``), else
+    `enter_context` / `leave_context`."""
+    ctx = _primary_context(device)
+    d = _drv()
     err, cur = d.cuCtxGetCurrent()
     if int(cur) != int(ctx):
         (err,) = d.cuCtxSetCurrent(ctx)
@@ -268,9 +277,26 @@ def ensure_context(device: int):
     return ctx
 
 
-def _torch():
-    import torch
-    return torch
+def enter_context(device: int):
+    """Make ``device``'s primary context current for a driver call; return what `leave_context`
+    needs to restore the caller's (None when it was already current: the common, cheap case).
+    Without the restore, a launch on a buffer's device would silently change the caller's current
+    device (the CUDA runtime derives it from the current context)."""
+    ctx = _primary_context(device)
+    d = _drv()
+    err, cur = d.cuCtxGetCurrent()
+    if int(cur) == int(ctx):
+        return None
+    (err,) = d.cuCtxSetCurrent(ctx)
+    if int(err) != 0:
+        raise LaunchError(f"cuCtxSetCurrent(device {device}): {_err_name(err)}")
+    return cur
+
+
+def leave_context(previous) -> None:
+    """Undo `enter_context` (``previous`` is its return value)."""
+    if previous is not None:
+        _drv().cuCtxSetCurrent(previous)
 
 
 def _current_device() -> int:
@@ -354,9 +380,12 @@ class Function:
             with self._lock:
                 h = self._handles.get(device)
                 if h is None:
-                    ensure_context(device)
-                    mod = self.module._load(device)
-                    err, h = _drv().cuModuleGetFunction(mod, self.name.encode())
+                    previous = enter_context(device)
+                    try:
+                        mod = self.module._load(device)
+                        err, h = _drv().cuModuleGetFunction(mod, self.name.encode())
+                    finally:
+                        leave_context(previous)
                     if int(err) != 0:
                         raise LaunchError(f"kernel {self.name!r} not found in module {self.module.name!r} "
                                           f"(kernels: {self.module.kernel_names()}): {_err_name(err)}")
@@ -400,8 +429,13 @@ class Function:
         h = self._handles.get(device)
         if h is None:
             h = self.handle(device)
-        else:
-            ensure_context(device)
+        previous = enter_context(device)
+        try:
+            self._launch(h, device, hstream, grid, block, args, smem, cooperative, cluster)
+        finally:
+            leave_context(previous)
+
+    def _launch(self, h, device, hstream, grid, block, args, smem, cooperative, cluster) -> None:
         gx, gy, gz = (grid, 1, 1) if type(grid) is int else _dim3(grid, "grid")
         bx, by, bz = (block, 1, 1) if type(block) is int else _dim3(block, "block")
         if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
@@ -488,9 +522,10 @@ class PreparedLaunch:
         Raises:
             LaunchError: the driver refused the launch.
         """
-        ensure_context(self._device)
+        previous = enter_context(self._device)
         (err,) = _drv().cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
                                        ctypes.addressof(self._table), 0)
+        leave_context(previous)
         if int(err) != 0:
             raise LaunchError(f"launch of {self.function.module.name}:{self.function.name} failed "
                               f"({_err_name(err)}); grid={self._grid} block={self._block} "
@@ -554,8 +589,11 @@ class Module:
             with self._lock:
                 m = self._modules.get(device)
                 if m is None:
-                    ensure_context(device)
-                    err, m = _drv().cuModuleLoadData(self.cubin)
+                    previous = enter_context(device)
+                    try:
+                        err, m = _drv().cuModuleLoadData(self.cubin)
+                    finally:
+                        leave_context(previous)
                     if int(err) != 0:
                         raise LaunchError(f"cuModuleLoadData({self.name}, {self.arch}) on device {device}: "
                                           f"{_err_name(err)}")

@@ -132,3 +132,6 @@ def test_call_with_another_current_device(buf):
             got = buf.combine(yd, handle)[0]
             snapshot = got.clone()  # queued on GPU 0's current stream after the call
             _check_combine(snapshot, want)
+            # the calls launched on GPU 0 without changing the caller's current device
+            assert torch.cuda.current_device() == 1
+            assert torch.empty(1, device="cuda").device.index == 1
