@@ -516,3 +516,52 @@ def test_struct_layouts_match_nvcc(version, newest_nccl_include, tmp_path, monke
     print(f"\nNCCL {version}: {len(expected)} sizeof/alignof/offsetof values under NVRTC match nvcc, e.g. "
           f"sizeof(ncclDevComm)={expected['sizeof(struct ncclDevComm)']}, "
           f"sizeof(ncclGinProxyGfd_t)={expected['sizeof(ncclGinProxyGfd_t)']}")
+
+
+def test_launch_restores_the_callers_context(monkeypatch):
+    """A launch (plain or prepared) on another device's context restores the caller's afterwards,
+    also when the launch fails; nothing is switched when the right context is already current
+    (fake driver: records the current context at each launch)."""
+    import ctypes
+
+    from deep_ep.jit import runtime
+
+    state = {"current": 1, "launched_in": [], "fail": False}
+
+    class FakeDriver:
+        @staticmethod
+        def cuCtxGetCurrent():
+            return 0, state["current"]
+
+        @staticmethod
+        def cuCtxSetCurrent(ctx):
+            state["current"] = int(ctx)
+            return (0,)
+
+        @staticmethod
+        def cuLaunchKernel(*a):
+            state["launched_in"].append(state["current"])
+            return (1 if state["fail"] else 0,)
+
+    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
+    f = mod.function("axpy")
+    f._handles[0] = object()
+    monkeypatch.setattr(runtime, "_driver", FakeDriver)
+    monkeypatch.setattr(runtime, "_primary_context", lambda device: 100 + device)
+    monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
+    monkeypatch.setattr(runtime, "_err_name", lambda err: f"error {int(err)}")
+    f.launch(1, 32, (None, None, 1.0, 0), stream=0)
+    assert state["launched_in"] == [100] and state["current"] == 1   # device 0's context, then back
+    prepared = runtime.PreparedLaunch(f, object(), 0, 1, 32, (ctypes.c_int(1),))
+    prepared.launch(0)
+    assert state["launched_in"][-1] == 100 and state["current"] == 1
+    state["fail"] = True
+    with pytest.raises(jit.LaunchError):
+        prepared.launch(0)
+    with pytest.raises(jit.LaunchError):
+        f.launch(1, 32, (None, None, 1.0, 0), stream=0)
+    assert state["current"] == 1
+    state["current"], state["fail"] = 100, False    # already current: no switch at all
+    monkeypatch.setattr(FakeDriver, "cuCtxSetCurrent", staticmethod(lambda ctx: pytest.fail("switched")))
+    prepared.launch(0)
+    assert state["current"] == 100
