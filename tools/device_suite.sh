@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
-#   steps: env jit gpu bench (default); extra (CUDA graphs, GPU reliability);
+#   steps: env jit gpu bench (default); extra (CUDA graphs, cached calls, GPU reliability);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile)
@@ -29,7 +29,7 @@ for step in $steps; do
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_backend.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     extra)
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
-      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
+      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     bench)
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
