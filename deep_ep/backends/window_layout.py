@@ -7,7 +7,8 @@ a peer's region through the peer's base pointer):
 region      size                                        content
 ==========  ==========================================  ==============================================
 control     64 KiB                                      u32 signal counters (one per peer), epoch,
-                                                        round, done-counter, error record
+                                                        round, done-counters (producer and consumer
+                                                        phases), error record
                                                         (``include/deep_ep/common.cuh``)
 counts      ``R * (R + MAX_EXPERTS) * 4``, 64 KiB-aligned  the count matrix of the layout stage: row
                                                         ``s`` = tokens per destination rank and pairs
