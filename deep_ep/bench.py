@@ -690,13 +690,12 @@ def write_json(path: str, result: Dict[str, Any]) -> None:
 
 
 def _require_matplotlib():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit(
             "error: --plot needs matplotlib, which is not installed; "
             "install it with `pip install matplotlib` (or `pip install deep_ep[plot]`)"
-        ) from exc
+        )
 
 
 def plot(path: str, result: Dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 (tests/test_kernels_compile.py, which builds every kernel instantiation listed here under NVRTC)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)

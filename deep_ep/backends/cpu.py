@@ -449,7 +449,7 @@ class CPUBackend(Backend):
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle, topk_weights, bias, *, num_sms):
         self._begin("combine")
-        R, r = self.num_ranks, self.rank
+        R = self.num_ranks
         h = handle
         T, H, K, L = h.num_tokens, h.hidden, h.num_topk, h.num_local_experts
         has_w = topk_weights is not None

@@ -299,6 +299,11 @@ def leave_context(previous) -> None:
         _drv().cuCtxSetCurrent(previous)
 
 
+def _torch():
+    import torch
+    return torch
+
+
 def _current_device() -> int:
     torch = _torch()
     try:
