@@ -73,8 +73,8 @@ class StreamJoin:
     raw stream ``producer`` (an event recorded on ``producer``, waited on by ``waiter``): what
     ``torch.cuda.Stream.wait_stream`` does, without creating torch stream and event objects per call
     (about 10 us of host time per dispatch). Valid under CUDA-graph capture (the record and the wait
-    become a dependency between the captured streams). One object per owner and thread: the events
-    are reused, so a wait refers to the latest record.
+    become a dependency between the captured streams). One object per owner and thread: its event is
+    reused, which is safe because a wait refers to the record made just before it.
 
     Args:
         device: the CUDA device of both streams.
@@ -93,13 +93,9 @@ class StreamJoin:
         with torch.cuda.device(index):
             torch.cuda.current_stream(index)
             ensure_context(index)
-            self._events = []
-            for _ in range(2):
-                err, ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-                if int(err) != 0:
-                    raise RuntimeError(f"cuEventCreate on cuda:{index} failed: {err}")
-                self._events.append(ev)
-        self._next = 0
+            err, self._event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if int(err) != 0:
+            raise RuntimeError(f"cuEventCreate on cuda:{index} failed: {err}")
 
     def wait(self, waiter: int, producer: int) -> None:
         """``waiter`` (raw CUstream) waits for everything queued on ``producer`` so far. Both are
@@ -112,17 +108,15 @@ class StreamJoin:
 
         previous = enter_context(self._index)  # a thread that never used CUDA has no current context
         d = self._driver
-        ev = self._events[self._next]
-        self._next ^= 1
-        (err,) = d.cuEventRecord(ev, producer)
+        (err,) = d.cuEventRecord(self._event, producer)
         if int(err) == 0:
-            (err,) = d.cuStreamWaitEvent(waiter, ev, 0)
+            (err,) = d.cuStreamWaitEvent(waiter, self._event, 0)
         leave_context(previous)
         if int(err) != 0:
             raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
 
     def destroy(self) -> None:
-        """Release the events (a wait already queued stays valid)."""
-        for ev in self._events:
-            self._driver.cuEventDestroy(ev)
-        self._events = []
+        """Release the event (a wait already queued stays valid)."""
+        if self._event is not None:
+            self._driver.cuEventDestroy(self._event)
+            self._event = None

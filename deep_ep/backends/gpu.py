@@ -227,6 +227,10 @@ class GPUBackend(Backend):
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         props = torch.cuda.get_device_properties(self._device)
         self.num_device_sms = props.multi_processor_count
+        # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
+        self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
+        self._default_sms = self.get_theoretical_num_sms(1, 1)  # the model ignores experts and top-k
+        self._peers_ptr = self.transport.peers.data_ptr()  # the peer table is fixed for the window's life
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self._comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
         self.stream_join = StreamJoin(self._device)
@@ -253,8 +257,7 @@ class GPUBackend(Backend):
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs per dispatch/combine from the bandwidth model (`window_layout.theoretical_num_sms`),
         capped for emulated ranks so that all of them fit on the device."""
-        limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
-        return min(wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms), max(1, limit))
+        return min(wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms), self._sm_limit)
 
     def barrier(self) -> None:
         """Wait for this rank's communication, report a recorded GPU error, then a host barrier.
@@ -278,13 +281,12 @@ class GPUBackend(Backend):
 
     # ------------------------------------------------------------------ helpers
     def _layout(self, hidden: int) -> wl.WindowLayout:
+        """The window's layout for rows of ``hidden`` channels (computed once per hidden size)."""
         layout = self._layouts.get(hidden)
         if layout is None:
-            layout = self._layouts[hidden] = self._make_layout(hidden)
+            layout = self._layouts[hidden] = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk,
+                                                            False, self.transport.num_bytes)
         return layout
-
-    def _make_layout(self, hidden: int) -> wl.WindowLayout:
-        return wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk, False, self.transport.num_bytes)
 
     def _module(self, kind: str, structure: tuple):
         """The built and loaded module for ``structure`` (the arguments of `dispatch_defines` /
@@ -303,8 +305,8 @@ class GPUBackend(Backend):
     def _num_sms(self, num_sms: int) -> int:
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every
         emulated rank's blocks fit on the device at once."""
-        limit = self.num_device_sms // (self.num_ranks if self.emulated else 1)
-        n = num_sms or self.get_theoretical_num_sms(1, 1)  # the model ignores experts and top-k
+        limit = self._sm_limit
+        n = num_sms or self._default_sms
         if n < 1:
             raise ValueError(f"num_sms must be >= 1, got {n}")
         if n > limit:
@@ -427,8 +429,7 @@ class GPUBackend(Backend):
         self._last_m = m
         n_sms = self._num_sms(num_sms)
         mod = self._module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
-        ix_size = _LayoutIndex(R, L, E).size
-        peers = self.transport.peers.data_ptr()
+        peers = self._peers_ptr
 
         self._raise_if_broken()
         if not cached:
@@ -437,7 +438,7 @@ class GPUBackend(Backend):
             big = 2 ** 31 - 1
             out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
             tok_cap = big if do_cpu_sync else R * m
-            lay = torch.empty(ix_size, dtype=torch.int32, device=dev)
+            lay = torch.empty(_LayoutIndex(R, L, E).size, dtype=torch.int32, device=dev)
             pos_tok = torch.empty((T, R), dtype=torch.int32, device=dev)
             pos_pair = torch.empty((T, K), dtype=torch.int32, device=dev) if do_expand else None
             stream = self.comm_stream
@@ -557,7 +558,7 @@ class GPUBackend(Backend):
                 recv_weights=_ptr(handle.recv_topk_weights),
                 row_map=_ptr(state.row_map), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
                 pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
-                peers=self.transport.peers.data_ptr(), rank=rank, num_ranks=R, num_experts=E,
+                peers=self._peers_ptr, rank=rank, num_ranks=R, num_experts=E,
                 recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
                 timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
             prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(n_sms, THREADS, (args,),
