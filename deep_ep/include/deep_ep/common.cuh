@@ -64,8 +64,22 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // 16-byte loads that bypass L1 (window memory is written by other GPUs / other ranks' kernels).
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 __device__ __forceinline__ void st_cg(int4* p, const int4& v) { __stcg(p, v); }
-// Read-only data of this kernel's caller (x, y): the non-coherent path is fine.
-__device__ __forceinline__ int4 ld_nc(const int4* p) { return __ldg(p); }
+// Read-only data of this kernel's caller (x, y): the non-coherent path is fine. EP_LOAD_NO_L1=1
+// (a build-time tunable, measured by tools/tune_gpu.py) also skips allocating in L1: rows are
+// used once.
+#ifndef EP_LOAD_NO_L1
+#define EP_LOAD_NO_L1 0
+#endif
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+#if EP_LOAD_NO_L1
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
 
 // Record an error (the first one wins) in this rank's control region.
 __device__ __forceinline__ void record_error(uint8_t* my_window, int code, int rank, int peer, int phase) {
@@ -196,26 +210,11 @@ struct WarpGrid {
 // ---- warp-wide row chunks ------------------------------------------------------------------
 // A warp moves a row of kVecs 16-byte vectors in chunks of 32 * kUnroll vectors: lane l handles
 // vectors base + u * 32 + l (u < kUnroll) that exist. Loads of a chunk are all issued before use.
-// Cache hints, tunable at build time (tools/tune_gpu.py measures the variants): EP_LOAD_NO_L1=1
-// reads read-only rows without allocating in L1 (they are used once), EP_STORE_STREAMING=1 stores
-// with the evict-first hint (st.global.cs).
-#ifndef EP_LOAD_NO_L1
-#define EP_LOAD_NO_L1 0
-#endif
+// Stores tunable at build time: EP_STORE_STREAMING=1 stores with the evict-first hint
+// (st.global.cs); reads go through ld_nc (EP_LOAD_NO_L1).
 #ifndef EP_STORE_STREAMING
 #define EP_STORE_STREAMING 0
 #endif
-
-__device__ __forceinline__ int4 load_readonly(const int4* p) {
-#if EP_LOAD_NO_L1
-    int4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#else
-    return __ldg(p);
-#endif
-}
 
 __device__ __forceinline__ void store_row_vec(int4* p, const int4& v) {
 #if EP_STORE_STREAMING
@@ -230,7 +229,7 @@ __device__ __forceinline__ void load_chunk(const int4* src, int base, int lane, 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
-        if (i < kVecs) v[u] = kCoherent ? __ldcg(src + i) : load_readonly(src + i);
+        if (i < kVecs) v[u] = kCoherent ? __ldcg(src + i) : ld_nc(src + i);
     }
 }
 
