@@ -125,3 +125,31 @@ def test_cpu_backend_all_modes(world_size, tmp_path):
     names = os.environ.get("DEEP_EP_TEST_CASES", "")
     mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), names.split(",") if names else []),
              nprocs=world_size, join=True)
+
+
+def _duplicate_ids_worker(rank, world_size, init_file):
+    from deep_ep import ElasticBuffer
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=3, hidden=128, num_topk=4)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn((3, 128), generator=g).to(torch.bfloat16)
+        # 2 ranks x 2 experts: L = 2 < K = 4, so a token naming expert 0 four times exceeds the
+        # R x M x min(K, L) rows a do_cpu_sync=False expanded output is sized for, at rank 0.
+        idx = torch.zeros((3, 4), dtype=torch.int64)
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] would receive .* Nothing was written"):
+            buf.dispatch(x, idx, num_experts=4, do_expand=True, do_cpu_sync=False)
+        # every rank raised at the same point: the buffer still works
+        idx = torch.stack([torch.randperm(4, generator=g) for _ in range(3)])
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=4, do_expand=True, do_cpu_sync=False)
+        assert buf.combine(recv_x, handle)[0].shape == (3, 128)
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expanded_receive_over_the_worst_case_raises_on_every_rank(tmp_path):
+    """Duplicate expert ids in a token can exceed the do_cpu_sync=False expanded worst case: every
+    rank raises before anything is written (the GPU layout kernel's capacity error, on CPU)."""
+    mp.spawn(_duplicate_ids_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..handle import EPHandle
-from ..reference import alloc_recv_sf, as_bits, worst_case_recv_rows
+from ..reference import align_up, alloc_recv_sf, as_bits, worst_case_recv_rows
 from .base import Backend, BufferConfig
 
 __all__ = ["CPUBackend"]
@@ -303,6 +303,16 @@ class CPUBackend(Backend):
             valid = topk_idx[topk_idx >= 0]
             my_pairs = torch.bincount(valid, minlength=E).to(torch.int64)
             pair_counts = self._all_gather(my_pairs, "expert counts")   # [R sources, E]
+            if not do_cpu_sync:
+                # Every rank checks every destination (same numbers everywhere, so all raise).
+                need = align_up(pair_counts.sum(0), A).view(R, L).sum(1)   # rows per destination
+                cap = worst_case_recv_rows(R, M, K, L, A, True)
+                over = (need > cap).nonzero().flatten().tolist()
+                if over:
+                    raise self._error(
+                        f"rank(s) {over} would receive {need[over].tolist()} expanded rows, more than the "
+                        f"{cap} a do_cpu_sync=False output holds (R x M x min(K, L) pairs + padding: a token "
+                        f"that names the same expert more than once can exceed it). Nothing was written")
 
         # --- send_pos (where this rank's tokens land), computed locally from the exchanged counts
         if not do_expand:

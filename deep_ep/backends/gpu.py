@@ -366,7 +366,8 @@ class GPUBackend(Backend):
             raise RuntimeError(
                 f"deep_ep: rank {rank} would receive more rows than its do_cpu_sync=False outputs hold "
                 f"(sized for num_max_tokens_per_rank={self._last_m} per rank): every rank must pass the same "
-                f"num_max_tokens_per_rank. Nothing was written; this buffer is no longer usable")
+                f"num_max_tokens_per_rank, and in the expanded layout a token must not name the same expert "
+                f"twice. Nothing was written; this buffer is no longer usable")
         self._broken = "timeout"
         raise TimeoutError(
             f"deep_ep GPU timeout on rank {rank}: peer rank {peer} did not arrive within "
