@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import math
 import time
 import warnings
 import weakref
@@ -68,11 +69,16 @@ def _fmt_tensor(t) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
 
 
-def _check_int(name: str, value, *, minimum: Optional[int] = None) -> int:
+_INT32_MAX = 2 ** 31 - 1   # sizes and counts travel as int32 (kernel arguments, count tensors)
+
+
+def _check_int(name: str, value, *, minimum: Optional[int] = None, maximum: Optional[int] = _INT32_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -87,6 +93,8 @@ def _check_number(name: str, value, *, positive: bool = True) -> float:
         raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
     if positive and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 
@@ -253,7 +261,7 @@ class ElasticBuffer:
             else:
                 raise ValueError("a GPU buffer needs num_bytes, or num_max_tokens_per_rank and hidden to "
                                  "compute it (see ElasticBuffer.get_buffer_size_hint)")
-        _check_int("num_bytes", num_bytes, minimum=0)
+        _check_int("num_bytes", num_bytes, minimum=0, maximum=None)
 
         self.group = group
         self.rank = rank
@@ -283,6 +291,7 @@ class ElasticBuffer:
 
     @property
     def is_destroyed(self) -> bool:
+        """Whether `destroy` was called (every other method then raises `RuntimeError`)."""
         return self._destroyed
 
     def _alive(self) -> None:
@@ -292,11 +301,10 @@ class ElasticBuffer:
     def destroy(self) -> None:
         """Release the buffer's resources. Calling it again is a no-op; any other method then raises
         `RuntimeError`. Collective on GPU: every rank must call it."""
-        if self._destroyed or self._backend is None:
+        if not self._destroyed and self._backend is not None:
             self._destroyed = True
-            return
+            self._backend.destroy()
         self._destroyed = True
-        self._backend.destroy()
 
     def __del__(self) -> None:
         if getattr(self, "_backend", None) is None or getattr(self, "_destroyed", True):
@@ -663,8 +671,6 @@ def _collect_tensors(obj) -> list:
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for o in obj for t in _collect_tensors(o)]
-    if isinstance(obj, EPHandle):  # its fields and the backend's state (read by the kernels)
-        return [t for v in vars(obj).values() for t in _collect_tensors(v)]
-    if hasattr(obj, "__dataclass_fields__"):
+    if hasattr(obj, "__dataclass_fields__"):  # an EPHandle and its backend state (read by the kernels)
         return [t for v in vars(obj).values() for t in _collect_tensors(v)]
     return []

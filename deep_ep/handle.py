@@ -101,6 +101,7 @@ class EPHandle:
 
     @property
     def device(self) -> torch.device:
+        """The device of the handle's tensors (the buffer's device)."""
         return self.send_pos.device
 
     # ------------------------------------------------------------------ checks
@@ -114,8 +115,6 @@ class EPHandle:
             device: that buffer's device.
             what: the argument name used in the message.
         """
-        if not isinstance(self, EPHandle):  # pragma: no cover - defensive
-            raise TypeError(f"{what} must be an EPHandle, got {type(self).__name__}")
         if self.buffer_id != buffer_id:
             owner = ("deep_ep.reference (no buffer)" if self.buffer_id < 0
                      else f"ElasticBuffer #{self.buffer_id}")

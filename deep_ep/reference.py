@@ -106,6 +106,8 @@ class ReferenceDispatch:
     is_padding_row: Tensor       # [rows] bool: expanded padding rows (within the true count)
 
     def as_tuple(self):
+        """``(recv_x, recv_topk_idx, recv_topk_weights, handle)``, as `ElasticBuffer.dispatch` returns
+        them (less the event)."""
         return self.recv_x, self.recv_topk_idx, self.recv_topk_weights, self.handle
 
 

@@ -104,7 +104,6 @@ class CPUBackend(Backend):
         super().__init__(group, config)
         self.rank = config.rank
         self.num_ranks = config.num_ranks
-        self._destroyed = False
         self._timeout = datetime.timedelta(seconds=config.num_cpu_timeout_secs)
         self._calls = 0              # calls (dispatch / combine / barrier) entered on this rank
         self._op = ""                # the current (or last) call
@@ -250,10 +249,9 @@ class CPUBackend(Backend):
         self._wait("barrier", work)
 
     def destroy(self) -> None:
-        """Mark the buffer destroyed and drop the process group: a destroyed buffer must not keep
-        the group (and its gloo threads) alive past ``destroy_process_group``, into interpreter
-        teardown, where their destruction can abort the process."""
-        self._destroyed = True
+        """Drop the process group: a destroyed buffer must not keep the group (and its gloo threads)
+        alive past ``destroy_process_group``, into interpreter teardown, where their destruction can
+        abort the process. (The buffer refuses every later call.)"""
         self.group = None
 
     # ------------------------------------------------------------------ dispatch
@@ -321,7 +319,7 @@ class CPUBackend(Backend):
                                    torch.full((T, R), -1, dtype=torch.int64)).to(torch.int32)
         else:
             total = pair_counts.sum(0)                            # [E] pairs per expert at its owner
-            padded = (total + A - 1) // A * A
+            padded = align_up(total, A)
             pv = padded.view(R, L)
             starts = (torch.cumsum(pv, 1) - pv).flatten()         # group start in the owner's rows
             before = pair_counts[:r].sum(0)                       # pairs of sources < r, per expert
@@ -375,7 +373,7 @@ class CPUBackend(Backend):
         local = (in_idx >= r * L) & (in_idx < (r + 1) * L)        # [n_in, K]
         local_expert = in_idx - r * L
         expert_counts = torch.bincount(local_expert[local], minlength=L).to(torch.int32)
-        padded_counts = (expert_counts + A - 1) // A * A
+        padded_counts = align_up(expert_counts, A)
 
         if not do_expand:
             n_valid = n_in
