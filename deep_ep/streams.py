@@ -108,10 +108,12 @@ class StreamJoin:
 
         previous = enter_context(self._index)  # a thread that never used CUDA has no current context
         d = self._driver
-        (err,) = d.cuEventRecord(self._event, producer)
-        if int(err) == 0:
-            (err,) = d.cuStreamWaitEvent(waiter, self._event, 0)
-        leave_context(previous)
+        try:
+            (err,) = d.cuEventRecord(self._event, producer)
+            if int(err) == 0:
+                (err,) = d.cuStreamWaitEvent(waiter, self._event, 0)
+        finally:
+            leave_context(previous)
         if int(err) != 0:
             raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
 

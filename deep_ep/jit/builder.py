@@ -239,8 +239,10 @@ def _dump_dir() -> Path | None:
     return Path(d).expanduser() if d else None
 
 
-def _dump_source(name: str, key: str, source: str, options: list[str]) -> str:
-    base = _dump_dir() or (cache_root() / "sources")
+def _dump_source(name: str, key: str, source: str, options: list[str], base: Path | None = None) -> str:
+    """Write the source with a header naming the build and its options; return the path. ``base``
+    defaults to EP_JIT_DUMP_DIR, else the cache's ``sources`` folder."""
+    base = base or _dump_dir() or (cache_root() / "sources")
     base.mkdir(parents=True, exist_ok=True)
     path = base / f"{name}-{key[:16]}.cu"
     tmp = path.with_suffix(f".cu.{os.getpid()}.tmp")
@@ -440,8 +442,7 @@ def _compile(name: str, source: str, options: list[str], arch: str, key: str, di
     try:
         source_path = _dump_source(name, key, source, options)
     except OSError:  # the cache (or EP_JIT_DUMP_DIR) is not writable: keep the source privately
-        source_path = str(_private_root() / f"{name}-{key[:16]}.cu")
-        Path(source_path).write_text(f"// deep_ep.jit build of {name!r}\n// options: {' '.join(options)}\n{source}")
+        source_path = _dump_source(name, key, source, options, base=_private_root())
     use_nvcc = compiler.use_nvcc()
     if _flag("EP_JIT_PRINT_CMD"):
         cmd = compiler.nvcc_command(options, source_path, f"{name}.cubin") if use_nvcc \
@@ -455,7 +456,10 @@ def _compile(name: str, source: str, options: list[str], arch: str, key: str, di
     _debug("%s: compiled in %.2f s (%s, %s) key %s", name, dt, compiler.compiler_version(), arch, key[:16])
     if _flag("EP_JIT_PTXAS_VERBOSE"):
         print(f"[deep_ep.jit] {name} ptxas:\n{result.log}", flush=True)
-    _dump_artifacts(name, key, result)
+    try:
+        _dump_artifacts(name, key, result)
+    except OSError as exc:  # an unwritable EP_JIT_DUMP_DIR costs the dumps, not the build
+        _debug("%s: could not dump artifacts to %s: %s", name, _dump_dir(), exc)
     meta = {"name": name, "arch": arch, "options": options, "kernels": result.kernels, "log": result.log,
             "compiler": compiler.compiler_version(), "compile_seconds": dt, "created": time.time()}
     path = None

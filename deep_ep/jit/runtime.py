@@ -267,14 +267,8 @@ def ensure_context(device: int):
     """Make ``device``'s primary context (the one torch uses) current on this thread; return it.
     It stays current: use it where the caller restores the device (``torch.cuda.device``), else
     `enter_context` / `leave_context`."""
-    ctx = _primary_context(device)
-    d = _drv()
-    err, cur = d.cuCtxGetCurrent()
-    if int(cur) != int(ctx):
-        (err,) = d.cuCtxSetCurrent(ctx)
-        if int(err) != 0:
-            raise LaunchError(f"cuCtxSetCurrent(device {device}): {_err_name(err)}")
-    return ctx
+    enter_context(device)
+    return _primary_context(device)
 
 
 def enter_context(device: int):
@@ -528,9 +522,11 @@ class PreparedLaunch:
             LaunchError: the driver refused the launch.
         """
         previous = enter_context(self._device)
-        (err,) = _drv().cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
-                                       ctypes.addressof(self._table), 0)
-        leave_context(previous)
+        try:
+            (err,) = _drv().cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
+                                           ctypes.addressof(self._table), 0)
+        finally:
+            leave_context(previous)
         if int(err) != 0:
             raise LaunchError(f"launch of {self.function.module.name}:{self.function.name} failed "
                               f"({_err_name(err)}); grid={self._grid} block={self._block} "
