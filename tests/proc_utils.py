@@ -1,11 +1,20 @@
-"""Small helpers shared by tests that watch processes: resident memory, and waiting for a set of
-subprocesses with a limit (a hang fails the test instead of blocking the run)."""
+"""Small helpers shared by tests that watch processes: resident memory, waiting for a set of
+subprocesses with a limit, and running a function on several gloo ranks with a deadline (a hang
+fails the test instead of blocking the run)."""
 from __future__ import annotations
 
+import datetime
+import multiprocessing
 import os
 import subprocess
+import time
+import traceback
 
 import pytest
+import torch
+import torch.distributed as dist
+
+PG_TIMEOUT = 60          # the process group's own timeout: a buffer's timeouts must act long before it
 
 
 def rss_bytes() -> int:
@@ -35,3 +44,55 @@ def case_log(line: str) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def _entry(fn, rank, world_size, init_file, queue, args):
+    """Process body: init gloo, run ``fn``, report ``(rank, 'ok', result)`` or the traceback."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+        result = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def run_gloo_ranks(fn, world_size, tmp_path, *args, deadline=120.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes, each in a gloo process
+    group (initialised before ``fn``, destroyed after); returns ``fn``'s results by rank. ``fn``
+    must be a module-level function (spawn pickles it).
+
+    Fails (and kills the processes) if any rank raises, exits non-zero or is still running after
+    ``deadline`` seconds."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    init = tmp_path / f"init-{fn.__name__}-{time.monotonic_ns()}"
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(init), queue, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    results, errors = {}, []
+    while len(results) + len(errors) < world_size and time.monotonic() < end:
+        try:
+            rank, status, value = queue.get(timeout=0.5)
+        except Exception:  # queue.Empty
+            if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                time.sleep(0.5)
+                if queue.empty():
+                    break
+            continue
+        (results.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
+    for p in procs:
+        p.join(timeout=max(0.1, end - time.monotonic()))
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for i in hung:
+        procs[i].kill()
+        procs[i].join()
+    assert not errors, "\n".join(errors)
+    assert not hung, f"ranks {hung} still running after {deadline} s (hang)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return results

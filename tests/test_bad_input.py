@@ -6,14 +6,14 @@ call on the context ``c`` (see `_Ctx`). `CROSS_RANK` rows are calls whose argume
 rank alone but disagree between ranks: the backend must raise `RuntimeError` on every rank (no hang).
 Runs in two spawned gloo ranks; every row is executed on both.
 """
-import datetime
 import re
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from proc_utils import run_gloo_ranks
 
 T, H, K, E, M = 6, 256, 4, 8, 12
 FP8 = torch.float8_e4m3fn
@@ -222,48 +222,42 @@ def _good_round(c):
     assert out.shape == (T, H)
 
 
-def _worker(rank, world_size, init_file):
+def _worker(rank, world_size):
     from deep_ep import ElasticBuffer
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
-    try:
-        buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=512, num_topk=8)
-        other = ElasticBuffer(dist.group.WORLD)
-        c = _Ctx(buf, other, rank)
-        calls = []
-        for name in ("dispatch", "combine", "barrier"):
-            real = getattr(buf._backend, name)
-            setattr(buf._backend, name, (lambda real, name: lambda *a, **k: (calls.append(name), real(*a, **k))[1])(real, name))
-        failures = []
-        for name, call, exc_type, pattern in BAD_INPUTS:
-            calls.clear()
-            try:
-                call(c)
-                failures.append(f"{name}: no exception")
-            except Exception as exc:  # noqa: BLE001 - we check the type below
-                if type(exc) is not exc_type or not re.search(pattern, str(exc)):
-                    failures.append(f"{name}: got {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            if calls:
-                failures.append(f"{name}: the backend was called ({calls}) before the error")
-            _good_round(c)
-        for name, call, pattern in _cross_rank_table():
-            try:
-                call(c)
-                failures.append(f"{name}: no exception")
-            except RuntimeError as exc:
-                if not re.search(pattern, str(exc)):
-                    failures.append(f"{name}: message {exc}")
-            _good_round(c)
-        buf.destroy()
-        for call in (lambda: c.dispatch(), lambda: c.combine(), buf.barrier):
-            with pytest.raises(RuntimeError, match="destroyed"):
-                call()
-        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
-        other.destroy()
-    finally:
-        dist.destroy_process_group()
+    buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=512, num_topk=8)
+    other = ElasticBuffer(dist.group.WORLD)
+    c = _Ctx(buf, other, rank)
+    calls = []
+    for name in ("dispatch", "combine", "barrier"):
+        real = getattr(buf._backend, name)
+        setattr(buf._backend, name, (lambda real, name: lambda *a, **k: (calls.append(name), real(*a, **k))[1])(real, name))
+    failures = []
+    for name, call, exc_type, pattern in BAD_INPUTS:
+        calls.clear()
+        try:
+            call(c)
+            failures.append(f"{name}: no exception")
+        except Exception as exc:  # noqa: BLE001 - we check the type below
+            if type(exc) is not exc_type or not re.search(pattern, str(exc)):
+                failures.append(f"{name}: got {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        if calls:
+            failures.append(f"{name}: the backend was called ({calls}) before the error")
+        _good_round(c)
+    for name, call, pattern in _cross_rank_table():
+        try:
+            call(c)
+            failures.append(f"{name}: no exception")
+        except RuntimeError as exc:
+            if not re.search(pattern, str(exc)):
+                failures.append(f"{name}: message {exc}")
+        _good_round(c)
+    buf.destroy()
+    for call in (lambda: c.dispatch(), lambda: c.combine(), buf.barrier):
+        with pytest.raises(RuntimeError, match="destroyed"):
+            call()
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+    other.destroy()
 
 
 def test_bad_input_table(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    run_gloo_ranks(_worker, 2, tmp_path, deadline=180)

@@ -5,15 +5,14 @@ ranks locally and compares its own outputs bit for bit (every specified element;
 leaves unspecified are poisoned with NaN on the combine side, so reading them would show). Its own
 dispatch layout is also checked against the per-token loop of ep_cases.py.
 """
-import datetime
 import os
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from proc_utils import run_gloo_ranks
 from ep_cases import (Case, bits_equal, check_cached_dispatch, check_against_loop, loop_combine, make_combine_inputs,
                       make_inputs)
 
@@ -37,7 +36,7 @@ def _cases(R):
                     do_expand=do_expand, alignment=alignment, zero_padding=bool(seed % 3 != 1),
                     weights=bool(seed % 3 != 2), mask_prob=0.25, do_cpu_sync=sync, max_tokens=12,
                     num_bias=seed % 3, combine_weights=bool(seed % 2 == 0), seed=seed))
-    cases.append(Case(f"R{R}-all-empty", R, tok[2][:1] * 0 + [0] * R, do_expand=True, alignment=4,
+    cases.append(Case(f"R{R}-all-empty", R, [0] * R, do_expand=True, alignment=4,
                       num_experts=E, num_bias=2, seed=seed + 1))
     cases.append(Case(f"R{R}-one-rank-only", R, tok[2], num_experts=E, num_topk=2, seed=seed + 2))
     cases.append(Case(f"R{R}-unmasked-k8", R, [7] * R, num_experts=E, num_topk=min(8, E), mask_prob=0.0,
@@ -93,63 +92,51 @@ def _run_case(buf, case, rank):
             assert isinstance(ev, EventOverlap)
 
 
-def _worker(rank, world_size, init_file, case_names):
+def _worker(rank, world_size, case_names):
     from deep_ep import ElasticBuffer
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
-        buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=BUFFER_MAX_TOKENS, hidden=512, num_topk=8)
-        assert buf.get_logical_domain_size() == (1, world_size)
-        assert buf.get_physical_domain_size() == (1, world_size)
-        assert buf.get_comm_stream() is None and buf.get_theoretical_num_sms(16, 4) == 0
-        with buf.capture():
-            pass
-        for case in _cases(world_size):
-            if case_names and case.name not in case_names:
-                continue
-            try:
-                _run_case(buf, case, rank)
-            except Exception as exc:
-                raise AssertionError(f"case {case.name}, rank {rank}: {exc}\n{traceback.format_exc()}") from None
+    buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=BUFFER_MAX_TOKENS, hidden=512, num_topk=8)
+    assert buf.get_logical_domain_size() == (1, world_size)
+    assert buf.get_physical_domain_size() == (1, world_size)
+    assert buf.get_comm_stream() is None and buf.get_theoretical_num_sms(16, 4) == 0
+    with buf.capture():
+        pass
+    for case in _cases(world_size):
+        if case_names and case.name not in case_names:
+            continue
+        try:
+            _run_case(buf, case, rank)
+        except Exception as exc:
+            raise AssertionError(f"case {case.name}, rank {rank}: {exc}\n{traceback.format_exc()}") from None
+    buf.barrier()
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
         buf.barrier()
-        buf.destroy()
-        with pytest.raises(RuntimeError, match="destroyed"):
-            buf.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cpu_backend_all_modes(world_size, tmp_path):
     names = os.environ.get("DEEP_EP_TEST_CASES", "")
-    mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), names.split(",") if names else []),
-             nprocs=world_size, join=True)
+    run_gloo_ranks(_worker, world_size, tmp_path, names.split(",") if names else [], deadline=600)
 
 
-def _duplicate_ids_worker(rank, world_size, init_file):
+def _duplicate_ids_worker(rank, world_size):
     from deep_ep import ElasticBuffer
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=3, hidden=128, num_topk=4)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn((3, 128), generator=g).to(torch.bfloat16)
-        # 2 ranks x 2 experts: L = 2 < K = 4, so a token naming expert 0 four times exceeds the
-        # R x M x min(K, L) rows a do_cpu_sync=False expanded output is sized for, at rank 0.
-        idx = torch.zeros((3, 4), dtype=torch.int64)
-        with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] would receive .* Nothing was written"):
-            buf.dispatch(x, idx, num_experts=4, do_expand=True, do_cpu_sync=False)
-        # every rank raised at the same point: the buffer still works
-        idx = torch.stack([torch.randperm(4, generator=g) for _ in range(3)])
-        recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=4, do_expand=True, do_cpu_sync=False)
-        assert buf.combine(recv_x, handle)[0].shape == (3, 128)
-        buf.destroy()
-    finally:
-        dist.destroy_process_group()
+    buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=3, hidden=128, num_topk=4)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn((3, 128), generator=g).to(torch.bfloat16)
+    # 2 ranks x 2 experts: L = 2 < K = 4, so a token naming expert 0 four times exceeds the
+    # R x M x min(K, L) rows a do_cpu_sync=False expanded output is sized for, at rank 0.
+    idx = torch.zeros((3, 4), dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] would receive .* Nothing was written"):
+        buf.dispatch(x, idx, num_experts=4, do_expand=True, do_cpu_sync=False)
+    # every rank raised at the same point: the buffer still works
+    idx = torch.stack([torch.randperm(4, generator=g) for _ in range(3)])
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=4, do_expand=True, do_cpu_sync=False)
+    assert buf.combine(recv_x, handle)[0].shape == (3, 128)
+    buf.destroy()
 
 
 def test_expanded_receive_over_the_worst_case_raises_on_every_rank(tmp_path):
     """Duplicate expert ids in a token can exceed the do_cpu_sync=False expanded worst case: every
     rank raises before anything is written (the GPU layout kernel's capacity error, on CPU)."""
-    mp.spawn(_duplicate_ids_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    run_gloo_ranks(_duplicate_ids_worker, 2, tmp_path, deadline=60)

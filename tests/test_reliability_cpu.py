@@ -20,9 +20,7 @@ Ranks run in spawned processes joined with a hard deadline (a hang fails the tes
 """
 from __future__ import annotations
 
-import datetime
 import gc
-import multiprocessing
 import os
 import random
 import re
@@ -30,7 +28,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -38,62 +35,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from proc_utils import communicate_all, rss_bytes
+from proc_utils import PG_TIMEOUT, communicate_all, rss_bytes, run_gloo_ranks
 from ep_cases import Case, bits_equal, check_cached_dispatch, make_combine_inputs, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-PG_TIMEOUT = 60          # the process group's own timeout: the buffer's must act long before it
-
-
-# ============================================================================ helpers
-def _entry(fn, rank, world_size, init_file, queue, args):
-    """Process body: init gloo, run ``fn``, report ``(rank, 'ok', result)`` or the traceback."""
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
-        result = fn(rank, world_size, *args)
-        dist.destroy_process_group()
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-        raise
-
-
-def _launch(fn, world_size, tmp_path, *args, deadline=120.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns results by rank.
-
-    Fails (and kills the processes) if any rank raises, exits non-zero or is still running after
-    ``deadline`` seconds."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    init = tmp_path / f"init-{fn.__name__}-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(init), queue, args))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline
-    results, errors = {}, []
-    while len(results) + len(errors) < world_size and time.monotonic() < end:
-        try:
-            rank, status, value = queue.get(timeout=0.5)
-        except Exception:  # queue.Empty
-            if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                time.sleep(0.5)
-                if queue.empty():
-                    break
-            continue
-        (results.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
-    for p in procs:
-        p.join(timeout=max(0.1, end - time.monotonic()))
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for i in hung:
-        procs[i].kill()
-        procs[i].join()
-    assert not errors, "\n".join(errors)
-    assert not hung, f"ranks {hung} still running after {deadline} s (hang)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
 
 
 # ============================================================================ stress
@@ -174,7 +119,7 @@ def test_stress_alternating_calls_checked(world_size, tmp_path):
     """Alternating dispatch/combine with random configurations; every result checked, bounded RSS."""
     iters = STRESS_ITERS if world_size == 2 else max(50, STRESS_ITERS // 4)
     t0 = time.perf_counter()
-    res = _launch(_stress_worker, world_size, tmp_path, iters, 1234, deadline=60 + iters * 0.5)
+    res = run_gloo_ranks(_stress_worker, world_size, tmp_path, iters, 1234, deadline=60 + iters * 0.5)
     dt = time.perf_counter() - t0
     for rank, r in res.items():
         growth = r["end_rss"] - r["warm_rss"]
@@ -191,6 +136,7 @@ def test_stress_alternating_calls_checked(world_size, tmp_path):
 
 # ============================================================================ timeouts
 TIMEOUT_S = 2.0
+LATE_BY = 6.0   # the skipper arrives this long after the timeout: the bounds below tell the two apart
 
 
 def _skip_worker(rank, world_size, skipper, op):
@@ -215,7 +161,7 @@ def _skip_worker(rank, world_size, skipper, op):
 
     out = {}
     if rank == skipper:
-        time.sleep(TIMEOUT_S + 2.0)        # never arrives in time
+        time.sleep(TIMEOUT_S + LATE_BY)    # never arrives in time
     t0 = time.monotonic()
     try:
         call()
@@ -242,21 +188,22 @@ def _skip_worker(rank, world_size, skipper, op):
                                                            reason="long run only"))])
 def test_rank_skipping_a_call_times_out_with_names(world_size, skipper, op, tmp_path):
     t0 = time.monotonic()
-    res = _launch(_skip_worker, world_size, tmp_path, skipper, op, deadline=45)
+    res = run_gloo_ranks(_skip_worker, world_size, tmp_path, skipper, op, deadline=45)
     total = time.monotonic() - t0
     for rank, r in res.items():
         if rank == skipper:
             # the late rank finds its peers gone: a clear error, promptly
-            assert r["error"] is not None and r["elapsed"] < TIMEOUT_S + 2, r
+            assert r["error"] is not None and r["elapsed"] < TIMEOUT_S + LATE_BY, r
             continue
         assert r["type"] == "TimeoutError", r
         msg = r["error"]
         assert f"deep_ep CPU timeout on rank {rank}: peer rank {skipper} did not arrive within {TIMEOUT_S} s" \
             in msg, msg
         assert f"in {op}" in msg and "phase" in msg, msg
-        assert TIMEOUT_S - 0.5 < r["elapsed"] < TIMEOUT_S + 1.5, r
+        # raised by the timeout (not by the skipper's late arrival); generous on a loaded 2-core machine
+        assert TIMEOUT_S - 0.5 < r["elapsed"] < TIMEOUT_S + LATE_BY - 1.0, r
         assert r["after"] and "can no longer communicate" in r["after"], r
-        assert r["destroy_s"] < 1.0
+        assert r["destroy_s"] < 5.0   # promptly: far below the process group's own timeout
     assert total < PG_TIMEOUT / 2, f"shutdown took {total:.1f} s"
 
 
@@ -330,7 +277,7 @@ def _capacity_worker(rank, world_size):
 
 
 def test_capacity_and_handle_misuse_detected(tmp_path):
-    _launch(_capacity_worker, 2, tmp_path, deadline=60)
+    run_gloo_ranks(_capacity_worker, 2, tmp_path, deadline=60)
 
 
 # ============================================================================ lifecycle
@@ -405,7 +352,7 @@ def _lifecycle_worker(rank, world_size):
 
 
 def test_lifecycle(tmp_path):
-    res = _launch(_lifecycle_worker, 3, tmp_path, deadline=90)
+    res = run_gloo_ranks(_lifecycle_worker, 3, tmp_path, deadline=90)
     assert res == {0: 1, 1: 2, 2: 1}
 
 
