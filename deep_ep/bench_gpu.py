@@ -47,6 +47,17 @@ def _time_events(fn, iters: int, warmup: int, stream=None) -> List[float]:
     return out
 
 
+def single_rank_nccl_group(device: torch.device):
+    """A one-rank NCCL process group on ``device`` (torch's own communicator, as a user's job has),
+    made with a file store unless a process group already exists; returns ``dist.group.WORLD``."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        torch.cuda.set_device(device)
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="deep_ep_store_"), "store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+    return dist.group.WORLD
+
+
 def spin_up(ms: float = 20.0) -> None:
     """Keep the current GPU busy with copies for about ``ms`` milliseconds, then wait: an idle H200
     sits at a low clock and needs a few milliseconds of load to reach full speed, longer than a
@@ -318,11 +329,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         group.run(lambda g: _run_rank(cfg, g.rank(), g, device, g.barrier, expected, cfg.check, results, True))
         runner = f"gpu/emulated x{num_ranks}"
     else:
-        if not dist.is_initialized():
-            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="deep_ep_bench_"), "store"), 1)
-            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+        group = single_rank_nccl_group(device)  # torchrun already made the job's group
         barrier = (lambda: dist.barrier()) if multiprocess else (lambda: None)
-        _run_rank(cfg, my_rank, dist.group.WORLD, device, barrier, expected, cfg.check, results, False)
+        _run_rank(cfg, my_rank, group, device, barrier, expected, cfg.check, results, False)
         runner = f"gpu/nccl x{num_ranks}"
         if multiprocess:  # every rank's row to rank 0
             gathered = [None] * num_ranks if my_rank == 0 else None

@@ -1,8 +1,31 @@
 """The GPU test matrix, shared by the device suite (tests/gpu/) and the CPU compile test
-(tests/test_kernels_compile.py, which builds every kernel instantiation listed here under NVRTC)."""
+(tests/test_kernels_compile.py, which builds every kernel instantiation listed here under NVRTC),
+and the checks the GPU tests share."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import torch
+
+
+def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Every element within bf16 rounding of an fp32 sum taken in another order:
+    ``|a - e| <= 2**-7 * |e| + 1e-3`` (about two bf16 ulps), no NaN. Both bf16, same shape."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.bfloat16, \
+        (what, actual.shape, expected.shape, actual.dtype, expected.dtype)
+    a, e = actual.float(), expected.float()
+    bad = ~((a - e).abs() <= 2 ** -7 * e.abs() + 1e-3)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
+                           f"{bad.nonzero()[0].tolist()}: {a[tuple(bad.nonzero()[0])]} vs {e[tuple(bad.nonzero()[0])]}")
+
+
+def random_routing(tokens: int, num_experts: int, num_topk: int, g: torch.Generator,
+                   mask_prob: float = 0.1) -> torch.Tensor:
+    """int64 ``[tokens, num_topk]`` distinct expert ids per token, each masked (-1) with ``mask_prob``."""
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:num_topk] for _ in range(tokens)]).to(torch.int64) \
+        if tokens else torch.empty((0, num_topk), dtype=torch.int64)
+    idx[torch.rand(idx.shape, generator=g) < mask_prob] = -1
+    return idx
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,15 @@ Usage: python tools/profile_gpu.py [--tokens 4096] [--decode-tokens 128] [--iter
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 import deep_ep
+from deep_ep.bench_gpu import graph_time_us, single_rank_nccl_group
 
 
 def _us(fn, n: int = 2000) -> float:
@@ -94,10 +93,8 @@ def main() -> None:
     p.add_argument("--host-only", action="store_true", help="only (0): the host cost of the pieces")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
-    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=a.tokens, hidden=a.hidden,
+    group = single_rank_nccl_group(dev)
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=a.tokens, hidden=a.hidden,
                                 num_topk=a.topk, explicitly_destroy=True)
     host_pieces(buf, dev, a)
     if a.host_only:
@@ -142,7 +139,6 @@ def main() -> None:
                 if t > 0:
                     print(f"  {e.key[:60]:60s} calls {e.count:4d}  avg {t / max(e.count, 1):9.1f} us")
             # (3) graphs
-            from deep_ep.bench_gpu import graph_time_us
             for name, fn in (("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
                              ("combine", lambda: buf.combine(y, handle))):
                 us = graph_time_us(fn, a.iters, lambda: None)

@@ -10,15 +10,13 @@ bit for bit (they must: the variants change how bytes move, not which).
 Usage: python tools/tune_gpu.py [--tokens 4096,128] [--iters 50] [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
 """
 import argparse
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 import deep_ep
 from deep_ep.backends import gpu
-from deep_ep.bench_gpu import copy_floor_us, graph_time_us
+from deep_ep.bench_gpu import copy_floor_us, graph_time_us, single_rank_nccl_group
 
 DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "THREADS=256", "THREADS=256,SEND_UNROLL=16",
                     "THREADS=1024,SEND_UNROLL=4,COMBINE_UNROLL=2", "THREADS=1024,SEND_UNROLL=4",
@@ -44,9 +42,7 @@ def main() -> None:
     p.add_argument("--variants", default=";".join(DEFAULT_VARIANTS), help="';'-separated; '' = default build")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+    group = single_rank_nccl_group(dev)
     sizes = [int(t) for t in a.tokens.split(",")]
     base_dispatch, base_combine, base_threads = gpu.dispatch_defines, gpu.combine_defines, gpu.THREADS
     inputs = {}
@@ -64,7 +60,7 @@ def main() -> None:
         gpu.THREADS = extra.pop("EP_THREADS", base_threads)  # threads per block of the data kernels
         gpu.dispatch_defines = lambda *s, _e=extra: {**base_dispatch(*s), **_e}
         gpu.combine_defines = lambda *s, _e=extra: {**base_combine(*s), **_e}
-        buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=max(sizes), hidden=a.hidden,
+        buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(sizes), hidden=a.hidden,
                                     num_topk=a.topk, explicitly_destroy=True)
         try:
             for T in sizes:

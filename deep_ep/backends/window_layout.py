@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # window sizes are rounded up to 2 MiB (NCCL's allocation granularity)
 CTRL_BYTES = 64 * 1024
-CTRL_ERROR_OFFSET = (1024 + 4) * 4  # byte offset of the error record: kCtrlError words in common.cuh
+MAX_RANKS = 1024                          # kMaxRanks in include/deep_ep/common.cuh (signal words)
+CTRL_ERROR_OFFSET = (MAX_RANKS + 4) * 4   # byte offset of the error record: kCtrlError words in common.cuh
 MAX_EXPERTS = 1024                  # experts a window's count matrix has room for
 MAX_TOPK = 16                       # top-k assumed when the buffer was created without num_topk
 

@@ -1,6 +1,5 @@
 """Fixtures of the GPU suite (run on a CUDA machine by tools/device_suite.sh)."""
 import os
-import tempfile
 
 import pytest
 import torch
@@ -14,9 +13,5 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 @pytest.fixture(scope="session")
 def nccl_group():
     """A one-rank NCCL process group on GPU 0: torch's own communicator, as a user's job has."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="deep_ep_store_"), "store"), 1)
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
+    from deep_ep.bench_gpu import single_rank_nccl_group
+    yield single_rank_nccl_group(torch.device("cuda", 0))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_cases import cases_for  # noqa: E402
+from gpu_cases import assert_close_bf16, cases_for  # noqa: E402
 from proc_utils import case_log  # noqa: E402
 
 import deep_ep  # noqa: E402
@@ -94,16 +94,6 @@ def handle_to_cpu(h):
         setattr(c, f, v.cpu() if isinstance(v, torch.Tensor) else v)
     c.buffer_id = -1
     return c
-
-
-def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Every element within bf16 rounding of an fp32 sum taken in another order:
-    ``|a - e| <= 2**-7 * |e| + 1e-3`` (about two bf16 ulps), no NaN."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.bfloat16, what
-    a, e = actual.float(), expected.float()
-    bad = ~((a - e).abs() <= 2 ** -7 * e.abs() + 1e-3)
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
-                           f"{bad.nonzero()[0].tolist()}: {a[tuple(bad.nonzero()[0])]} vs {e[tuple(bad.nonzero()[0])]}")
 
 
 # ------------------------------------------------------------------------------------- driver

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
+from deep_ep.bench import quantize_fp8  # noqa: E402
+from gpu_cases import assert_close_bf16, random_routing  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,22 +31,11 @@ HIDDEN, EXPERTS, TOPK, TOKENS = 1024, 32, 8, 96
 
 
 def _routing(g: torch.Generator) -> torch.Tensor:
-    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(TOKENS)]).to(torch.int64)
-    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
-    return idx
-
-
-def _fp8(x: torch.Tensor) -> tuple:
-    sf = x.float().abs().view(x.shape[0], -1, 128).amax(-1).clamp(min=1e-4) / 448.0
-    data = (x.float().view(x.shape[0], -1, 128) / sf[..., None]).view_as(x).to(torch.float8_e4m3fn)
-    return data, sf.float().contiguous()
+    return random_routing(TOKENS, EXPERTS, TOPK, g)
 
 
 def _check_combine(got: torch.Tensor, want: torch.Tensor) -> None:
-    got, want = got.cpu().float(), want.float()
-    assert got.shape == want.shape
-    bad = (got - want).abs() > 2 ** -7 * want.abs() + 1e-3
-    assert not bool(bad.any()), f"{int(bad.sum())} combined elements differ"
+    assert_close_bf16(got.cpu(), want, "combined x")
 
 
 @pytest.fixture()
@@ -66,7 +57,7 @@ def test_repeated_cached_calls_with_changing_options(buf, expand):
     for i in range(8):
         x = torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16)
         fp8 = i % 4 == 3
-        xin = _fp8(x) if fp8 else x
+        xin = quantize_fp8(x) if fp8 else x
         num_sms = (0, 7, 0, 3)[i % 4]
         out = buf.dispatch(tuple(t.to(dev) for t in xin) if fp8 else xin.to(dev), handle=handle,
                            num_sms=num_sms, do_zero_padding=True)

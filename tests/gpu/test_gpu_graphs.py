@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
+from gpu_cases import assert_close_bf16, random_routing  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -24,18 +25,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HIDDEN, EXPERTS, TOPK = 1024, 32, 8
 
 
-def _routing(tokens: int, g: torch.Generator) -> torch.Tensor:
-    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)]).to(torch.int64)
-    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
-    return idx
-
-
 class _Graph:
     """One captured decode step for a batch size: static inputs, the graph, static outputs."""
 
     def __init__(self, buf, tokens: int, expand: bool, g: torch.Generator, dev):
         self.tokens, self.expand = tokens, expand
-        self.idx = _routing(tokens, g)
+        self.idx = random_routing(tokens, EXPERTS, TOPK, g)
         self.w = torch.rand((tokens, TOPK), generator=g)
         x0 = torch.randn((tokens, HIDDEN), generator=g).to(torch.bfloat16)
         _, _, _, self.handle, _ = buf.dispatch(x0.to(dev), self.idx.to(dev), self.w.to(dev), num_experts=EXPERTS,
@@ -69,8 +64,7 @@ class _Graph:
         rows = torch.arange(exp[0].num_valid_rows)
         assert torch.equal(self.recv_x.cpu()[rows].view(torch.int16), exp[0].recv_x[rows].view(torch.int16))
         comb = ref.reference_combine([y], [exp[0].handle])[0][0]
-        got = self.out.cpu().float()
-        assert ((got - comb.float()).abs() <= 2 ** -7 * comb.float().abs() + 1e-3).all()
+        assert_close_bf16(self.out.cpu(), comb, f"combine, {self.tokens} tokens")
 
 
 @pytest.mark.parametrize("expand", [False, True], ids=["nonexpanded", "expanded"])

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
+from gpu_cases import assert_close_bf16, random_routing  # noqa: E402
 from proc_utils import case_log, rss_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,11 +30,7 @@ def _inputs(num_ranks: int, g: torch.Generator):
     xs, idxs, ws = [], [], []
     for _ in range(num_ranks):
         T = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=g))
-        idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(T)]) if T else \
-            torch.empty((0, TOPK), dtype=torch.int64)
-        idx = idx.to(torch.int64)
-        if T:
-            idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        idx = random_routing(T, EXPERTS, TOPK, g, mask_prob=0.2)
         xs.append(torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16))
         idxs.append(idx)
         ws.append(torch.rand((T, TOPK), generator=g))
@@ -98,7 +95,7 @@ def test_stress_emulated_ep8_memory_bounded():
                 exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, do_expand=expand,
                                              expert_alignment=4 if expand else 1)
                 comb = ref.reference_combine([e.recv_x for e in exp], [e.handle for e in exp])
-                refs[i] = [exp, [c[0].float() for c in comb], R]
+                refs[i] = [exp, [c[0] for c in comb], R]
             entry = refs[i]
             entry[2] -= 1
             if entry[2] == 0:
@@ -121,9 +118,7 @@ def test_stress_emulated_ep8_memory_bounded():
                 try:
                     ref.check_dispatch(tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in out[:3])
                                        + (out[3],), exp[r], check_handle=False, rank=r)
-                    got = comb.cpu().float()
-                    assert got.shape == want[r].shape, (got.shape, want[r].shape)
-                    assert ((got - want[r]).abs() <= 2 ** -7 * want[r].abs() + 1e-3).all(), "combine differs"
+                    assert_close_bf16(comb.cpu(), want[r], "combined x")
                 except AssertionError as exc:
                     failures.append(f"rank {r} iteration {i}: {exc}")
                 if i == 10 or i == len(plans) - 1:
