@@ -79,19 +79,15 @@ def as_bits(t: Tensor) -> Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def as_rows(t: Tensor) -> Tensor:
-    """View a contiguous ``[rows, n]`` tensor as ``[rows, m]`` of the widest integer type that divides
-    a row: moving whole rows (index_select / index_copy_) is then a few wide copies per row."""
+def as_rows(t: Tensor, dtypes: tuple = (torch.int64, torch.int32, torch.int16)) -> Tensor:
+    """View a contiguous ``[rows, n]`` tensor as ``[rows, m]`` of the widest integer type of ``dtypes``
+    (none narrower than an element) that divides a row, else as uint8 bytes: moving whole rows
+    (index_select / index_copy_) is then a few wide copies per row."""
     row_bytes = t.shape[1] * t.element_size()
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        size = torch.empty(0, dtype=dtype).element_size()
-        if row_bytes % size == 0 and size >= t.element_size():
+    for dtype in dtypes:
+        if row_bytes % dtype.itemsize == 0 and dtype.itemsize >= t.element_size():
             return t.view(dtype)
-    return as_bits(t)
-
-
-def _padded_counts(counts: Tensor, alignment: int) -> Tensor:
-    return (counts + alignment - 1) // alignment * alignment
+    return t.view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
@@ -169,7 +165,7 @@ def reference_dispatch(xs: Sequence[XType], topk_idxs: Sequence[Tensor],
         local = owner == d                                            # [N, K]
         local_expert = idx_all - d * L                                # valid where local
         counts = torch.bincount(local_expert[local], minlength=L).to(torch.int32)   # unpadded pairs
-        padded = _padded_counts(counts, A)
+        padded = align_up(counts, A)
         if not do_expand:
             rows_g = local.any(1).nonzero().squeeze(1)                # ordered by (s, t)
             n_true = int(rows_g.numel())

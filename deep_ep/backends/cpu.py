@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..handle import EPHandle
-from ..reference import align_up, alloc_recv_sf, as_bits, worst_case_recv_rows
+from ..reference import align_up, alloc_recv_sf, as_bits, as_rows, worst_case_recv_rows
 from .base import Backend, BufferConfig
 
 __all__ = ["CPUBackend"]
@@ -77,13 +77,8 @@ def _typed(b: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``[rows, n]`` tensor viewed with the widest gloo-supported integer type dividing
-    a row (int64, int32, else uint8), so whole rows move as few wide elements."""
-    row_bytes = t.shape[1] * t.element_size()
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
-        if row_bytes % size == 0 and size >= t.element_size():
-            return t.view(dtype)
-    return t.view(torch.uint8)
+    """`as_rows` limited to the integer types gloo sends (int64, int32, else uint8)."""
+    return as_rows(t, (torch.int64, torch.int32))
 
 
 def _pack(parts: list, rows: torch.Tensor) -> torch.Tensor:
