@@ -45,6 +45,7 @@ def main() -> None:
     group = single_rank_nccl_group(dev)
     sizes = [int(t) for t in a.tokens.split(",")]
     base_dispatch, base_combine, base_threads = gpu.dispatch_defines, gpu.combine_defines, gpu.THREADS
+    base_cooperative = gpu.COOPERATIVE
     inputs = {}
     for T in sizes:
         g = torch.Generator(device=dev).manual_seed(T)
@@ -58,6 +59,7 @@ def main() -> None:
     for text in a.variants.split(";"):
         extra = parse_variant(text)
         gpu.THREADS = extra.pop("EP_THREADS", base_threads)  # threads per block of the data kernels
+        gpu.COOPERATIVE = bool(extra.pop("EP_COOPERATIVE", base_cooperative))  # host side: launch kind
         gpu.dispatch_defines = lambda *s, _e=extra: {**base_dispatch(*s), **_e}
         gpu.combine_defines = lambda *s, _e=extra: {**base_combine(*s), **_e}
         buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(sizes), hidden=a.hidden,

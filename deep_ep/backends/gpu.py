@@ -20,6 +20,7 @@ alternate between the two halves of the receive region (see `window_layout`).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from dataclasses import dataclass, field, fields as dc_fields
@@ -34,10 +35,16 @@ from ..streams import StreamJoin, new_stream, release_stream
 from . import window_layout as wl
 from .base import Backend, BufferConfig
 
-__all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines"]
+__all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
+           "tunable_defines"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 LAYOUT_THREADS = 512    # threads of the layout kernels (launch bounds of entry.cuh)
+# The data kernels' blocks wait for each other (receive blocks for the last send block's signal),
+# so all of them must be resident at once. A cooperative launch makes the driver check that and
+# refuse a grid that cannot be (MPS or green contexts with fewer SMs) instead of stalling until the
+# timeout. Not for emulated ranks, whose grids share the device. DEEP_EP_COOPERATIVE=0/1 overrides.
+COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "0") not in ("", "0")
 
 
 class _DispatchArgs(ctypes.Structure):
@@ -115,16 +122,37 @@ def kernel_source() -> str:
     return "#include <deep_ep/entry.cuh>\n"
 
 
+def tunable_defines() -> dict:
+    """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_BLOCK_FENCE=1,EP_SEND_UNROLL=4"``),
+    added to every data module: for running the GPU tests against a variant before it becomes the
+    default (tools/tune_gpu.py times them). The tunables are listed in include/deep_ep/common.cuh.
+
+    Raises:
+        ValueError: an item is not ``EP_<NAME>=<integer>``.
+    """
+    out = {}
+    for item in filter(None, (p.strip() for p in os.environ.get("DEEP_EP_KERNEL_DEFINES", "").split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name.startswith("EP_") or not name[3:].replace("_", "").isalnum():
+            raise ValueError(f"DEEP_EP_KERNEL_DEFINES: expected EP_<NAME>=<integer>, got {item!r}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"DEEP_EP_KERNEL_DEFINES: {name} needs an integer, got {value.strip()!r}") from None
+    return out
+
+
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool) -> dict:
     """Defines of the dispatch module (layout + dispatch kernels) for one structural configuration."""
     return {"EP_DISPATCH": 1, "EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk,
-            "EP_EXPAND": int(expand), "EP_THREADS": THREADS}
+            "EP_EXPAND": int(expand), "EP_THREADS": THREADS, **tunable_defines()}
 
 
 def combine_defines(hidden: int, num_topk: int, expand: bool) -> dict:
     """Defines of the combine module for one structural configuration."""
     return {"EP_COMBINE": 1, "EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
-            "EP_THREADS": THREADS}
+            "EP_THREADS": THREADS, **tunable_defines()}
 
 
 _modules: dict = {}
@@ -230,6 +258,7 @@ class GPUBackend(Backend):
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
         self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
         self._default_sms = self.get_theoretical_num_sms(1, 1)  # the model ignores experts and top-k
+        self._cooperative = COOPERATIVE and not self.emulated
         self._peers_ptr = self.transport.peers.data_ptr()  # the peer table is fixed for the window's life
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self._comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
@@ -287,6 +316,19 @@ class GPUBackend(Backend):
             layout = self._layouts[hidden] = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk,
                                                             False, self.transport.num_bytes)
         return layout
+
+    def _launch_data(self, prepared, n_sms: int) -> None:
+        """Launch a dispatch/combine kernel on the comm stream; a cooperative launch the device
+        refuses (its blocks cannot all be resident: MPS or green contexts with fewer SMs) becomes a
+        LaunchError that says which ``num_sms`` to lower."""
+        try:
+            prepared.launch(self._comm_handle)
+        except jit.LaunchError as exc:
+            if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+                raise jit.LaunchError(f"rank {self.rank}: the device cannot hold all {n_sms} blocks of "
+                                  f"{prepared.function.name} at once (fewer SMs available, e.g. under MPS "
+                                  f"or a green context): pass a smaller num_sms") from exc
+            raise
 
     def _module(self, kind: str, structure: tuple):
         """The built and loaded module for ``structure`` (the arguments of `dispatch_defines` /
@@ -509,10 +551,11 @@ class GPUBackend(Backend):
                 recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
                 timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
             fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
-            prepared = fn.prepare(n_sms, THREADS, (args, ctypes.c_int(int(do_zero_padding))), device=dev.index)
+            prepared = fn.prepare(n_sms, THREADS, (args, ctypes.c_int(int(do_zero_padding))), device=dev.index,
+                                  cooperative=self._cooperative)
             if cached:
                 state.launches[key] = prepared
-        prepared.launch(self._comm_handle)
+        self._launch_data(prepared, n_sms)
 
         recv_x = out_x if sf is None else (out_x, out_sf)
         if cached:
@@ -562,12 +605,12 @@ class GPUBackend(Backend):
                 peers=self._peers_ptr, rank=rank, num_ranks=R, num_experts=E,
                 recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
                 timeout_ns=self.timeout_ns, err_host=self._err_record.device_ptr)
-            prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(n_sms, THREADS, (args,),
-                                                                                   device=dev.index)
+            prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(
+                n_sms, THREADS, (args,), device=dev.index, cooperative=self._cooperative)
         a = prepared.args[0]  # the per-call pointers
         a.y, a.weights_in, a.bias0, a.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
         a.out, a.out_weights = _ptr(out), _ptr(out_w)
-        prepared.launch(self._comm_handle)
+        self._launch_data(prepared, n_sms)
         return out, out_w
 
 

@@ -133,6 +133,31 @@ def test_prepared_launch_updates_arguments_in_place(mod):
         mod.function("mix").prepare(1, 32, (xs[0],), device=torch.cuda.current_device())
 
 
+def test_prepared_cooperative_launch(mod):
+    """A cooperative prepared launch runs like a plain one (also captured in a CUDA graph), and a
+    grid that cannot be resident at once is refused with a LaunchError instead of being started."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    dev = torch.cuda.current_device()
+    out = torch.full((sms,), -1, dtype=torch.int32, device="cuda")
+    launch = mod.function("block_ids").prepare(sms, 256, (ctypes.c_void_p(out.data_ptr()),), device=dev,
+                                               cooperative=True)
+    launch.launch(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == list(range(sms))
+    out.fill_(-1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch.launch(torch.cuda.current_stream().cuda_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == list(range(sms))
+    big = torch.empty(64 * sms, dtype=torch.int32, device="cuda")
+    too_many = mod.function("block_ids").prepare(64 * sms, 1024, (ctypes.c_void_p(big.data_ptr()),), device=dev,
+                                                 cooperative=True)
+    with pytest.raises(jit.LaunchError, match="COOPERATIVE_LAUNCH_TOO_LARGE"):
+        too_many.launch(torch.cuda.current_stream().cuda_stream)
+
+
 def test_stream_join_orders_streams():
     """`StreamJoin.wait` makes one stream wait for work queued on another (both directions), as
     ``wait_stream`` does: a copy queued after the join sees a fill queued before it behind a sleep."""

@@ -106,13 +106,24 @@ __device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank
 // Producer and consumer phases count on separate words: in a kernel that runs both, a block may
 // finish its consumer phase early (a recorded error makes waits return at once) while others are
 // still producing, and one shared counter would then pick the wrong last block.
+// EP_BLOCK_FENCE (build-time tunable, measured by tools/tune_gpu.py): 0 = every thread fences its
+// own writes at system scope before the block arrives; 1 = the block meets at bar.sync first and
+// one thread fences: bar.sync orders the other threads' writes before thread 0's later operations,
+// and the system-scope fence is cumulative over what precedes it in that order (the pattern of a
+// cooperative-groups grid sync, at system scope because the writes go to peers' windows).
+#ifndef EP_BLOCK_FENCE
+#define EP_BLOCK_FENCE 0
+#endif
 __device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlDone) {
     __shared__ bool is_last;
-    // Every thread fences its own writes (many go to peers' windows) before the block arrives: a
-    // fence in one thread does not order the stores other threads issued.
+#if !EP_BLOCK_FENCE
     __threadfence_system();
+#endif
     __syncthreads();
     if (threadIdx.x == 0) {
+#if EP_BLOCK_FENCE
+        __threadfence_system();
+#endif
         uint32_t* done = ctrl_of(my_window) + slot;
         uint32_t prev = atomicAdd(done, 1u);
         is_last = (prev == gridDim.x - 1);
@@ -158,10 +169,13 @@ __device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_rou
         ctrl[kCtrlEpoch] += 1u;
         if (advance_round) ctrl[kCtrlRound] += 1u;
         __threadfence();
-        if (err_host != nullptr) {
+        const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
+        // Only an error is copied: the window's record is never cleared, so while it reads 0 the
+        // host's copy (zeroed at creation) is already right, and a call without an error does not
+        // pay for writes and system-scope fences over PCIe.
+        if (err_host != nullptr && src[0] != 0u) {
             // rank, peer, phase first, then the code the host tests: never a torn record
             volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
-            const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
             for (int i = 1; i < 4; ++i) dst[i] = src[i];
             __threadfence_system();
             dst[0] = src[0];
