@@ -150,7 +150,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
             if (my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
         // kUnroll vectors per lane per step: several independent 16-byte loads in flight per source.
-        constexpr int kUnroll = EP_COMBINE_UNROLL;
+        constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, 4>();
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             float acc[kUnroll][8];
 #pragma unroll

@@ -214,12 +214,25 @@ struct WarpGrid {
 };
 
 // ---- tunables (defaults; tools/tune_gpu.py builds variants) ------------------------------------
+// 16-byte vectors per lane per chunk when moving a dispatched row (at most; 8 = 4 KiB per warp),
+// and the same for the rows a combine sums (fp32 accumulators: 8 per vector). 0 = balanced: the
+// fewest chunks of at most 8 (send) / 4 (combine) vectors, all of equal size (see row_unroll).
 #ifndef EP_SEND_UNROLL
-#define EP_SEND_UNROLL 8      // 16-byte vectors per lane per chunk when moving a dispatched row (4 KiB per warp)
+#define EP_SEND_UNROLL 8
 #endif
 #ifndef EP_COMBINE_UNROLL
-#define EP_COMBINE_UNROLL 4   // the same for the rows a combine sums (fp32 accumulators: 8 per vector)
+#define EP_COMBINE_UNROLL 4
 #endif
+
+// Vectors per lane per chunk for a row of kVecs 16-byte vectors: kTunable if it is not 0, else
+// the fewest chunks of at most kMax each, evened out (e.g. 28 vectors per lane and kMax 8: four
+// chunks of 7 rather than 8 + 8 + 8 + 4).
+template <int kVecs, int kTunable, int kMax>
+__host__ __device__ constexpr int row_unroll() {
+    constexpr int per_lane = (kVecs + 31) / 32;
+    constexpr int chunks = (per_lane + kMax - 1) / kMax;
+    return kTunable != 0 ? kTunable : (per_lane + chunks - 1) / chunks;
+}
 
 // ---- warp-wide row chunks ------------------------------------------------------------------
 // A warp moves a row of kVecs 16-byte vectors in chunks of 32 * kUnroll vectors: lane l handles

@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, 
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = EP_SEND_UNROLL;
+    constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
@@ -201,7 +201,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = EP_SEND_UNROLL;
+    constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
     uint8_t* my_window = a.peers[a.rank];
     const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseDispatch, a.timeout_ns);
     const WarpGrid wg;
