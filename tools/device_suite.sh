@@ -4,7 +4,8 @@
 #   steps: env jit gpu bench (default); extra (CUDA graphs, cached calls, GPU reliability);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
-#                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile)
+#                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
+#                leaves out the SM sweeps and the profile)
 #          coop (cooperative launches: GPU suite with DEEP_EP_COOPERATIVE=1, then tools/tune_gpu.py)
 #          floor (tools/row_floor.py: bare row gathers, empty kernels and grid barriers against the copy floor)
 #          pack (every log and JSON under $OUT into one logs.tgz: the device tool returns 8 files)
@@ -53,6 +54,7 @@ for step in $steps; do
       pb bench_ep1_fp8 python3 -m deep_ep bench --iters 10 --fp8
       pb bench_ep1_decode python3 -m deep_ep bench --iters 20 --tokens 128
       pb bench_ep8_emulated python3 -m deep_ep bench --virtual-ranks 8 --iters 5
+      if [ "${PERF_SWEEPS:-1}" = 1 ]; then
       echo "--- bench_ep1_sm_sweep"
       timeout 300 python3 -m deep_ep bench --iters 10 --sm-sweep 8,16,24,32,48,64,96,132 \
         --json "$OUT/bench_ep1_sm_sweep.json" > "$OUT/bench_ep1_sm_sweep.log" 2>&1
@@ -61,6 +63,7 @@ for step in $steps; do
       timeout 200 python3 -m deep_ep bench --iters 20 --tokens 128 --sm-sweep 16,32,64,132 \
         --json "$OUT/bench_ep1_decode_sm_sweep.json" > "$OUT/bench_ep1_decode_sm_sweep.log" 2>&1
       grep -A6 "^SMs " "$OUT/bench_ep1_decode_sm_sweep.log"
+      fi
       if [ "$n" -ge 2 ]; then pb bench_ep2 torchrun --nproc-per-node 2 -m deep_ep bench --iters 10; fi
       if [ "$n" -ge 4 ]; then
         pb bench_ep4 torchrun --nproc-per-node 4 -m deep_ep bench --iters 10
@@ -70,8 +73,11 @@ for step in $steps; do
         grep -A8 "^SMs " "$OUT/bench_ep4_sm_sweep.log"
         pb bench_ep4_decode torchrun --nproc-per-node 4 -m deep_ep bench --iters 20 --tokens 128
       fi
-      timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
-      grep -E "=====.*(graph|device time|host cost)|^  deep_ep|^  [a-z].* [0-9.]+$" "$OUT/profile.log" ;;
+      if [ "$n" -ge 2 ]; then pb bench_ep2_decode torchrun --nproc-per-node 2 -m deep_ep bench --iters 20 --tokens 128; fi
+      if [ "${PERF_SWEEPS:-1}" = 1 ]; then
+        timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
+        grep -E "=====.*(graph|device time|host cost)|^  deep_ep|^  [a-z].* [0-9.]+$" "$OUT/profile.log"
+      fi ;;
     coop)  # cooperative launches of the data kernels (DEEP_EP_COOPERATIVE=1): the suite, then timed beside plain ones
       DEEP_EP_COOPERATIVE=1 DEEP_EP_CASE_LOG=$OUT/coop_cases.log timeout ${COOP_TIMEOUT:-200} python3 -m pytest -q -x \
         tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py -p no:cacheprovider \

@@ -125,18 +125,19 @@ template <int kHidden, int K, bool kExpand>
 __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
     using Row = CombineRow<kHidden, K, kExpand>;
     uint8_t* my_window = a.peers[a.rank];
-    const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseCombine, a.timeout_ns);
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
-    const int half = current_half(my_window);
 
     // The routing of a warp's next token is loaded while it sums the current one (the row
-    // addresses depend on it: without the prefetch every token starts with a dependent load).
-    const int first = ok ? global_warp : a.num_tokens;
+    // addresses depend on it: without the prefetch every token starts with a dependent load);
+    // the first token's during the wait (the handle's routing is not written by this kernel).
     int next_row = -1, next_pair = -1;
     int64_t next_expert = -1;
-    fetch_token_routing<K, kExpand>(a, first, lane, next_row, next_expert, next_pair);
+    fetch_token_routing<K, kExpand>(a, global_warp, lane, next_row, next_expert, next_pair);
+    const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseCombine, a.timeout_ns);
+    const int half = current_half(my_window);
+    const int first = ok ? global_warp : a.num_tokens;
     for (int t = first; t < a.num_tokens; t += num_warps) {
         int my_row = next_row;
         int my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(next_expert, static_cast<int64_t>(a.num_experts))));

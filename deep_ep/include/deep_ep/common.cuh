@@ -112,7 +112,7 @@ __device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank
 // and the system-scope fence is cumulative over what precedes it in that order (the pattern of a
 // cooperative-groups grid sync, at system scope because the writes go to peers' windows).
 #ifndef EP_BLOCK_FENCE
-#define EP_BLOCK_FENCE 0
+#define EP_BLOCK_FENCE 1
 #endif
 __device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlDone) {
     __shared__ bool is_last;
@@ -218,10 +218,10 @@ struct WarpGrid {
 // and the same for the rows a combine sums (fp32 accumulators: 8 per vector). 0 = balanced: the
 // fewest chunks of at most 8 (send) / 4 (combine) vectors, all of equal size (see row_unroll).
 #ifndef EP_SEND_UNROLL
-#define EP_SEND_UNROLL 8
+#define EP_SEND_UNROLL 0
 #endif
 #ifndef EP_COMBINE_UNROLL
-#define EP_COMBINE_UNROLL 4
+#define EP_COMBINE_UNROLL 0
 #endif
 
 // Vectors per lane per chunk for a row of kVecs 16-byte vectors: kTunable if it is not 0, else

@@ -69,17 +69,19 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
+    // A row's first chunk is requested before its routing is looked up (the loads are independent,
+    // so their latencies overlap); the warp's first row even before the control words are read.
+    int4 v[kUnroll];
+    if (global_warp < a.num_tokens)
+        load_chunk<kUnroll, Row::kVecs, false>(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(global_warp) * kDataBytes), 0, lane, v);
     uint8_t* my_window = a.peers[rank];
     const int half = current_half(my_window);
     // After a timeout the layout is void: move nothing, but still signal so epochs stay in step.
     const int num_tokens = has_error(my_window) ? 0 : a.num_tokens;
 
     for (int t = global_warp; t < num_tokens; t += num_warps) {
-        // The row's first chunk is requested before the routing is looked up: the two loads are
-        // independent, so their latencies overlap instead of adding up.
         const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
-        int4 v[kUnroll];
-        load_chunk<kUnroll, Row::kVecs, false>(src, 0, lane, v);
+        if (t != global_warp) load_chunk<kUnroll, Row::kVecs, false>(src, 0, lane, v);
         // The scale factors too (FP8): lane holds words lane, lane + 32, ... of the token's row.
         constexpr int kSFPerLane = (kNumSF + 31) / 32;
         int my_sf[kSFPerLane > 0 ? kSFPerLane : 1];
@@ -203,17 +205,18 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
     uint8_t* my_window = a.peers[a.rank];
-    const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseDispatch, a.timeout_ns);
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
+    // The layout was written before this kernel (layout kernel or handle): read during the wait.
+    const int num_tok_rows = a.layout[ix.num_tok_rows()];
+    const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
+    const int self_end = a.layout[ix.tok_prefix() + rank];
+    const bool ok = wait_all_peers(my_window, a.rank, a.num_ranks, kPhaseDispatch, a.timeout_ns);
     const int half = current_half(my_window);
 
     if (ok) {
-        const int num_tok_rows = a.layout[ix.num_tok_rows()];
-        const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
-        const int self_end = a.layout[ix.tok_prefix() + rank];
         for (int j = global_warp; j < num_tok_rows; j += num_warps) {
             if (j >= self_begin && j < self_end) continue;  // written by dispatch_send
             int s = 0;
