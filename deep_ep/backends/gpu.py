@@ -43,8 +43,9 @@ LAYOUT_THREADS = 512    # threads of the layout kernels (launch bounds of entry.
 # The data kernels' blocks wait for each other (receive blocks for the last send block's signal),
 # so all of them must be resident at once. A cooperative launch makes the driver check that and
 # refuse a grid that cannot be (MPS or green contexts with fewer SMs) instead of stalling until the
-# timeout. Not for emulated ranks, whose grids share the device. DEEP_EP_COOPERATIVE=0/1 overrides.
-COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "0") not in ("", "0")
+# timeout; it cost nothing measurable on the H200 (docs/performance.md). Not for emulated ranks,
+# whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
+COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
 
 
 class _DispatchArgs(ctypes.Structure):
