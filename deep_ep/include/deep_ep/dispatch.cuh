@@ -61,6 +61,32 @@ __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, 
     else a.out_sf[static_cast<int64_t>(i) * a.sf_ld + row] = v;
 }
 
+// What a warp loads to start moving a token (lane-wise): the row's first chunk (kUnroll vectors),
+// scale factors lane, lane + 32, ... (FP8), the top-k expert id (lanes < K), the row at rank
+// ``lane`` (lanes < num_ranks; ranks >= 32 are read where used) and the pair's row (expanded).
+template <int kUnroll, int kSFPerLane>
+struct TokenLoads {
+    int4 v[kUnroll];
+    int sf[kSFPerLane > 0 ? kSFPerLane : 1];
+    int64_t expert;
+    int row, pair;
+};
+
+// Issue token t's loads (none past the last token; the values are then unused).
+template <int kVecs, int kNumSF, int K, bool kExpand, int kUnroll, int kSFPerLane>
+__device__ __forceinline__ void fetch_token(const DispatchArgs& a, int t, int lane, TokenLoads<kUnroll, kSFPerLane>& o) {
+    if (t >= a.num_tokens) return;
+    load_chunk<kUnroll, kVecs, false>(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * (kVecs * 16)), 0, lane, o.v);
+#pragma unroll
+    for (int j = 0; j < kSFPerLane; ++j) {
+        const int i = lane + 32 * j;
+        o.sf[j] = i < kNumSF ? a.sf[static_cast<int64_t>(t) * kNumSF + i] : 0;
+    }
+    o.expert = lane < K ? a.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
+    o.row = lane < a.num_ranks ? a.pos_tok[static_cast<int64_t>(t) * a.num_ranks + lane] : -1;
+    o.pair = (kExpand && lane < K) ? a.pos_pair[static_cast<int64_t>(t) * K + lane] : -1;
+}
+
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
@@ -69,11 +95,14 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = a.num_ranks, L = a.num_experts / a.num_ranks, rank = a.rank;
     const LayoutIndex ix{R, L, a.num_experts};
-    // A row's first chunk is requested before its routing is looked up (the loads are independent,
-    // so their latencies overlap); the warp's first row even before the control words are read.
-    int4 v[kUnroll];
-    if (global_warp < a.num_tokens)
-        load_chunk<kUnroll, Row::kVecs, false>(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(global_warp) * kDataBytes), 0, lane, v);
+    constexpr int kSFPerLane = (kNumSF + 31) / 32;
+    // Everything a token's moves start from is loaded one token ahead (TokenLoads): the first
+    // chunk of the row, its scale factors and its routing for the warp's next token are requested
+    // while the current token's last chunk is stored, so a warp never waits for a routing or
+    // first-chunk load between tokens. The warp's first token is requested before the control
+    // words are read.
+    TokenLoads<kUnroll, kSFPerLane> cur, next;
+    fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, global_warp, lane, cur);
     uint8_t* my_window = a.peers[rank];
     const int half = current_half(my_window);
     // After a timeout the layout is void: move nothing, but still signal so epochs stay in step.
@@ -81,23 +110,16 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
 
     for (int t = global_warp; t < num_tokens; t += num_warps) {
         const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
-        if (t != global_warp) load_chunk<kUnroll, Row::kVecs, false>(src, 0, lane, v);
-        // The scale factors too (FP8): lane holds words lane, lane + 32, ... of the token's row.
-        constexpr int kSFPerLane = (kNumSF + 31) / 32;
-        int my_sf[kSFPerLane > 0 ? kSFPerLane : 1];
-#pragma unroll
-        for (int j = 0; j < kSFPerLane; ++j) {
-            const int i = lane + 32 * j;
-            my_sf[j] = i < kNumSF ? a.sf[static_cast<int64_t>(t) * kNumSF + i] : 0;
-        }
+        int4 (&v)[kUnroll] = cur.v;
+        const int (&my_sf)[kSFPerLane > 0 ? kSFPerLane : 1] = cur.sf;
 
         // Destination rows of this token (lanes < R hold rank lane's row; lanes < K the pair's row).
         int my_row = -1, my_pair_row = -1;
         int my_expert = -1;  // int32: 64-bit division would be a call
-        if (lane < K) my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(a.topk_idx[static_cast<int64_t>(t) * K + lane], static_cast<int64_t>(a.num_experts))));
+        if (lane < K) my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(cur.expert, static_cast<int64_t>(a.num_experts))));
         if (my_expert >= a.num_experts) my_expert = -1;  // out-of-range ids are treated as masked
         for (int d = lane; d < R; d += 32) {
-            int v = a.pos_tok[static_cast<int64_t>(t) * R + d];
+            int v = d == lane ? cur.row : a.pos_tok[static_cast<int64_t>(t) * R + d];
             if (!kCached && v >= 0) {
                 v += a.layout[ix.send_base() + d];
                 a.pos_tok[static_cast<int64_t>(t) * R + d] = v;
@@ -105,7 +127,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
             if (d == lane) my_row = v;
         }
         if (kExpand && lane < K) {
-            int v = a.pos_pair[static_cast<int64_t>(t) * K + lane];
+            int v = cur.pair;
             if (!kCached && v >= 0 && my_expert >= 0) {
                 v += a.layout[ix.out_base() + static_cast<int>(my_expert)];
                 a.pos_pair[static_cast<int64_t>(t) * K + lane] = v;
@@ -117,6 +139,8 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
         // ---- data: read once, store to every destination ----
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             if (base > 0) load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
+            if (base + 32 * kUnroll >= Row::kVecs)  // last chunk: the next token's loads go out before its stores
+                fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, t + num_warps, lane, next);
             for (int d = 0; d < R; ++d) {
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d)
                                        : a.pos_tok[static_cast<int64_t>(t) * R + d];
@@ -196,6 +220,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                 }
             }
         }
+        cur = next;
     }
     if (last_block(my_window)) signal_all_peers(a.peers, rank, R);
 }
