@@ -38,8 +38,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) deep_ep_layout(uint8_t* con
 // block that leaves its wait early (after a recorded error) cannot disturb the send phase's count.
 // Blocks depend on other blocks of the same kernel, so all must be resident at once: num_sms <= SMs
 // (emulated ranks: the sum over ranks, checked on the host) and nothing else holding SMs forever.
-// A cooperative launch would guarantee it; whether it may run concurrently with other ranks'
-// kernels (emulated ranks) is to be measured.
+// The host launches them cooperatively (gpu.COOPERATIVE; not emulated ranks, whose grids share the
+// device): the driver then refuses a grid that cannot be resident instead of letting it stall.
 extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch(deep_ep::DispatchArgs a, int zero_padding) {
     deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a);
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0);
