@@ -114,15 +114,22 @@ __device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank
 #ifndef EP_BLOCK_FENCE
 #define EP_BLOCK_FENCE 1
 #endif
-__device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlDone) {
+// ``system``: the blocks' writes must be visible to peers (a producer phase); false: only to this
+// GPU (a consumer phase, whose writes are local; peers learn of its end through the next signal).
+__device__ __forceinline__ void block_fence(bool system) {
+    if (system) __threadfence_system();
+    else __threadfence();
+}
+
+__device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlDone, bool system = true) {
     __shared__ bool is_last;
 #if !EP_BLOCK_FENCE
-    __threadfence_system();
+    block_fence(system);
 #endif
     __syncthreads();
     if (threadIdx.x == 0) {
 #if EP_BLOCK_FENCE
-        __threadfence_system();
+        block_fence(system);
 #endif
         uint32_t* done = ctrl_of(my_window) + slot;
         uint32_t prev = atomicAdd(done, 1u);
@@ -164,21 +171,23 @@ __device__ __forceinline__ bool wait_all_peers(uint8_t* my_window, int rank, int
 // record there, so the host sees an error of an asynchronous call at its next call without a copy
 // operation on the stream (also under CUDA-graph replay).
 __device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_round, uint32_t* err_host = nullptr) {
-    if (last_block(my_window, kCtrlDoneWait) && threadIdx.x == 0) {
+    if (last_block(my_window, kCtrlDoneWait, false) && threadIdx.x == 0) {
         uint32_t* ctrl = ctrl_of(my_window);
-        ctrl[kCtrlEpoch] += 1u;
-        if (advance_round) ctrl[kCtrlRound] += 1u;
-        __threadfence();
+        __threadfence();  // every block has arrived: their error records are visible from here on
         const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
+        const uint32_t code = src[0];
+        // Reductions (no value comes back): the kernel's end makes them visible to the next one.
+        atomicAdd(ctrl + kCtrlEpoch, 1u);
+        if (advance_round) atomicAdd(ctrl + kCtrlRound, 1u);
         // Only an error is copied: the window's record is never cleared, so while it reads 0 the
         // host's copy (zeroed at creation) is already right, and a call without an error does not
         // pay for writes and system-scope fences over PCIe.
-        if (err_host != nullptr && src[0] != 0u) {
+        if (err_host != nullptr && code != 0u) {
             // rank, peer, phase first, then the code the host tests: never a torn record
             volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
             for (int i = 1; i < 4; ++i) dst[i] = src[i];
             __threadfence_system();
-            dst[0] = src[0];
+            dst[0] = code;
             __threadfence_system();
         }
     }
