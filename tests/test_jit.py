@@ -659,3 +659,26 @@ def test_prepared_cooperative_launch(monkeypatch):
     state["refuse"] = True
     with pytest.raises(jit.LaunchError, match="cooperative=True"):
         coop.launch(7)
+
+
+def test_backend_rewords_a_refused_cooperative_launch():
+    """The GPU backend turns the driver's COOPERATIVE_LAUNCH_TOO_LARGE into a LaunchError that names
+    the rank, the kernel and the `num_sms` to lower; other launch errors pass through unchanged."""
+    from types import SimpleNamespace
+
+    from deep_ep.backends.gpu import GPUBackend
+
+    class Refused:
+        function = SimpleNamespace(name="deep_ep_dispatch_cached")
+
+        def __init__(self, message):
+            self.message = message
+
+        def launch(self, hstream):
+            raise jit.LaunchError(self.message)
+
+    fake = SimpleNamespace(rank=3, _comm_handle=0)
+    with pytest.raises(jit.LaunchError, match=r"rank 3: .* all 132 blocks of deep_ep_dispatch_cached .* num_sms"):
+        GPUBackend._launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
+    with pytest.raises(jit.LaunchError, match="^launch failed: CUDA_ERROR_INVALID_VALUE$"):
+        GPUBackend._launch_data(fake, Refused("launch failed: CUDA_ERROR_INVALID_VALUE"), 132)
