@@ -663,7 +663,8 @@ def test_prepared_cooperative_launch(monkeypatch):
 
 def test_backend_rewords_a_refused_cooperative_launch():
     """The GPU backend turns the driver's COOPERATIVE_LAUNCH_TOO_LARGE into a LaunchError that names
-    the rank, the kernel and the `num_sms` to lower; other launch errors pass through unchanged."""
+    the rank, the kernel and the `num_sms` to lower, and marks the buffer unusable (it is out of step
+    with its peers); other launch errors pass through unchanged."""
     from types import SimpleNamespace
 
     from deep_ep.backends.gpu import GPUBackend
@@ -677,8 +678,11 @@ def test_backend_rewords_a_refused_cooperative_launch():
         def launch(self, hstream):
             raise jit.LaunchError(self.message)
 
-    fake = SimpleNamespace(rank=3, _comm_handle=0)
-    with pytest.raises(jit.LaunchError, match=r"rank 3: .* all 132 blocks of deep_ep_dispatch_cached .* num_sms"):
-        GPUBackend._launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
+    fake = SimpleNamespace(rank=3, _comm_handle=0, _broken=None)
     with pytest.raises(jit.LaunchError, match="^launch failed: CUDA_ERROR_INVALID_VALUE$"):
         GPUBackend._launch_data(fake, Refused("launch failed: CUDA_ERROR_INVALID_VALUE"), 132)
+    assert fake._broken is None
+    with pytest.raises(jit.LaunchError, match=r"rank 3: .* all 132 blocks of deep_ep_dispatch_cached .* "
+                                              r"no longer be used .* smaller num_sms"):
+        GPUBackend._launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
+    assert fake._broken == "cooperative launch refused"   # later calls raise before launching anything

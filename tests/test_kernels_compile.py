@@ -47,7 +47,8 @@ def test_combine_module_compiles(structure):
 
 def test_tunable_defines_from_environment(monkeypatch):
     """DEEP_EP_KERNEL_DEFINES adds build-time tunables to both data modules (the default build has
-    none); the variant compiles without spills; malformed items are refused."""
+    none); the variant compiles without spills; malformed items, unknown names and structural defines
+    are refused."""
     monkeypatch.delenv("DEEP_EP_KERNEL_DEFINES", raising=False)
     assert gpu.tunable_defines() == {} and "EP_BLOCK_FENCE" not in gpu.dispatch_defines(14336, 0, 8, False)
     monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", " EP_BLOCK_FENCE=1, EP_SEND_UNROLL=4 ")
@@ -56,7 +57,8 @@ def test_tunable_defines_from_environment(monkeypatch):
     assert d["EP_BLOCK_FENCE"] == 1 and d["EP_TOPK"] == 8 and c["EP_BLOCK_FENCE"] == 1
     jit.build("deep_ep_dispatch_test", gpu.kernel_source(), defines=d, check_spills=True)
     jit.build("deep_ep_combine_test", gpu.kernel_source(), defines=c, check_spills=True)
-    for bad in ("BLOCK_FENCE=1", "EP_BLOCK_FENCE", "EP_BLOCK_FENCE=yes", "EP_X-Y=1"):
+    for bad in ("BLOCK_FENCE=1", "EP_BLOCK_FENCE", "EP_BLOCK_FENCE=yes", "EP_X-Y=1", "EP_THREADS=256",
+                "EP_TOPK=4", "ep_block_fence=1", "EP_BLOCK_FENCES=1"):
         monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", bad)
         with pytest.raises(ValueError, match="DEEP_EP_KERNEL_DEFINES"):
             gpu.tunable_defines()

@@ -6,7 +6,7 @@
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
 #                leaves out the SM sweeps and the profile)
-#          coop (cooperative launches: GPU suite with DEEP_EP_COOPERATIVE=1, then tools/tune_gpu.py)
+#          coop (plain launches instead of cooperative: GPU suite with DEEP_EP_COOPERATIVE=0, then tools/tune_gpu.py)
 #          floor (tools/row_floor.py: bare row gathers, empty kernels and grid barriers against the copy floor)
 #          pack (every log and JSON under $OUT into one logs.tgz: the device tool returns 8 files)
 set -u -o pipefail
@@ -78,11 +78,11 @@ for step in $steps; do
         timeout 150 python3 tools/profile_gpu.py --iters 50 > "$OUT/profile.log" 2>&1
         grep -E "=====.*(graph|device time|host cost)|^  deep_ep|^  [a-z].* [0-9.]+$" "$OUT/profile.log"
       fi ;;
-    coop)  # cooperative launches of the data kernels (DEEP_EP_COOPERATIVE=1): the suite, then timed beside plain ones
-      DEEP_EP_COOPERATIVE=1 DEEP_EP_CASE_LOG=$OUT/coop_cases.log timeout ${COOP_TIMEOUT:-200} python3 -m pytest -q -x \
+    coop)  # plain launches of the data kernels (DEEP_EP_COOPERATIVE=0; cooperative is the default): the suite, then timed beside cooperative ones
+      DEEP_EP_COOPERATIVE=0 DEEP_EP_CASE_LOG=$OUT/coop_cases.log timeout ${COOP_TIMEOUT:-200} python3 -m pytest -q -x \
         tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py -p no:cacheprovider \
         2>&1 | tee "$OUT/coop_tests.log" | tail -15
-      timeout ${TUNE_TIMEOUT:-200} python3 tools/tune_gpu.py --iters 50 --variants ";COOPERATIVE=1;;COOPERATIVE=1" \
+      timeout ${TUNE_TIMEOUT:-200} python3 tools/tune_gpu.py --iters 50 --variants ";COOPERATIVE=0;;COOPERATIVE=0" \
         2>&1 | tee "$OUT/coop_tune.log" | tail -15 ;;
     floor)  # what a bare row move costs (tools/row_floor.py): the attribution of the gap to the copy floor
       timeout ${FLOOR_TIMEOUT:-200} python3 tools/row_floor.py 2>&1 | tee "$OUT/row_floor.log" | tail -30 ;;

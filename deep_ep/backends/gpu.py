@@ -123,20 +123,28 @@ def kernel_source() -> str:
     return "#include <deep_ep/entry.cuh>\n"
 
 
+# Build-time tunables of the data kernels (include/deep_ep/common.cuh): they change how bytes move,
+# never which, so the host needs no matching change. Structural defines (EP_THREADS, EP_TOPK...) are
+# not among them: overriding those would break the host's view of the kernels.
+TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_LOAD_NO_L1", "EP_STORE_STREAMING",
+                      "EP_BLOCK_FENCE"})
+
+
 def tunable_defines() -> dict:
     """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_BLOCK_FENCE=1,EP_SEND_UNROLL=4"``),
     added to every data module: for running the GPU tests against a variant before it becomes the
     default (tools/tune_gpu.py times them). The tunables are listed in include/deep_ep/common.cuh.
 
     Raises:
-        ValueError: an item is not ``EP_<NAME>=<integer>``.
+        ValueError: an item is not ``<tunable>=<integer>`` with a name in `TUNABLES`.
     """
     out = {}
     for item in filter(None, (p.strip() for p in os.environ.get("DEEP_EP_KERNEL_DEFINES", "").split(","))):
         name, sep, value = item.partition("=")
         name = name.strip()
-        if not sep or not name.startswith("EP_") or not name[3:].replace("_", "").isalnum():
-            raise ValueError(f"DEEP_EP_KERNEL_DEFINES: expected EP_<NAME>=<integer>, got {item!r}")
+        if not sep or name not in TUNABLES:
+            raise ValueError(f"DEEP_EP_KERNEL_DEFINES: expected <tunable>=<integer> with a tunable of "
+                             f"{sorted(TUNABLES)}, got {item!r}")
         try:
             out[name] = int(value)
         except ValueError:
@@ -326,9 +334,13 @@ class GPUBackend(Backend):
             prepared.launch(self._comm_handle)
         except jit.LaunchError as exc:
             if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+                # Kernels of this call may already be queued (notify, layout) and the peers wait for
+                # this one: the buffer is out of step with them, so it cannot be used again.
+                self._broken = "cooperative launch refused"
                 raise jit.LaunchError(f"rank {self.rank}: the device cannot hold all {n_sms} blocks of "
-                                  f"{prepared.function.name} at once (fewer SMs available, e.g. under MPS "
-                                  f"or a green context): pass a smaller num_sms") from exc
+                                      f"{prepared.function.name} at once (fewer SMs available, e.g. under MPS "
+                                      f"or a green context). This buffer can no longer be used (its peers "
+                                      f"wait for this call): create a new one and pass a smaller num_sms") from exc
             raise
 
     def _module(self, kind: str, structure: tuple):

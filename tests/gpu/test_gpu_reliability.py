@@ -1,4 +1,5 @@
-"""GPU reliability: a rank that skips a call, and a stress loop on emulated ranks with a memory bound.
+"""GPU reliability: a rank that skips a call (the error raised by a synchronising call, and by the
+next call after an asynchronous one), and a stress loop on emulated ranks with a memory bound.
 
 Skipped without a CUDA device; run by tools/device_suite.sh on the H200. The stress length is
 ``DEEP_EP_GPU_STRESS_ITERS`` iterations of one dispatch and one combine on each of 8 ranks (default
@@ -61,6 +62,39 @@ def test_rank_skipping_a_call_times_out():
             assert time.monotonic() - t0 < 3 + 10
             with pytest.raises(RuntimeError, match="no longer usable"):
                 buf.dispatch(x, idx, num_experts=EXPERTS)
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
+
+
+def test_async_timeout_reaches_the_next_call():
+    """A combine whose peer never arrives times out on the GPU with no host wait in the call; the
+    kernel copies its error record to mapped host memory, and the rank's next call (a cached
+    dispatch, which does not synchronise) raises the TimeoutError from that copy before launching."""
+    from deep_ep.emulated import EmulatedGroup
+    dev = torch.device("cuda", 0)
+    group = EmulatedGroup(2, device=dev)
+    x = torch.randn((8, HIDDEN), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(EXPERTS)[:TOPK] for _ in range(8)]).to(dev)
+
+    def body(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                    num_gpu_timeout_secs=3)
+        try:
+            _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
+            y = torch.randn((handle.num_recv_rows, HIDDEN), device=dev).to(torch.bfloat16)
+            buf.combine(y, handle)
+            buf.barrier()
+            if g.rank() == 1:
+                return None  # skips the next combine
+            buf.combine(y, handle)                 # queued; the kernel gives up after 3 s
+            buf.get_comm_stream().synchronize()
+            with pytest.raises(TimeoutError, match=r"rank 0: peer rank 1 did not arrive .* combine"):
+                buf.dispatch(x, handle=handle)
+            with pytest.raises(RuntimeError, match="no longer usable"):
+                buf.dispatch(x, handle=handle)
             return None
         finally:
             buf.get_comm_stream().synchronize()

@@ -116,6 +116,8 @@ __device__ __forceinline__ void signal_all_peers(uint8_t* const* peers, int rank
 #endif
 // ``system``: the blocks' writes must be visible to peers (a producer phase); false: only to this
 // GPU (a consumer phase, whose writes are local; peers learn of its end through the next signal).
+// The count is the release half only: there is no fence after the atomicAdd, so a caller that
+// reads other blocks' writes in the last block fences first (signal_all_peers and finish_wait do).
 __device__ __forceinline__ void block_fence(bool system) {
     if (system) __threadfence_system();
     else __threadfence();

@@ -220,7 +220,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                 }
             }
         }
-        cur = next;
+        cur = next;  // after a warp's last token, values never loaded: the loop ends before any use
     }
     if (last_block(my_window)) signal_all_peers(a.peers, rank, R);
 }
