@@ -518,6 +518,20 @@ def test_struct_layouts_match_nvcc(version, newest_nccl_include, tmp_path, monke
           f"sizeof(ncclGinProxyGfd_t)={expected['sizeof(ncclGinProxyGfd_t)']}")
 
 
+def _fake_context_driver(state: dict):
+    """Base class of a fake CUDA driver whose current context is ``state["current"]``."""
+    class Driver:
+        @staticmethod
+        def cuCtxGetCurrent():
+            return 0, state["current"]
+
+        @staticmethod
+        def cuCtxSetCurrent(ctx):
+            state["current"] = int(ctx)
+            return (0,)
+    return Driver
+
+
 def test_launch_restores_the_callers_context(monkeypatch):
     """A launch (plain or prepared) on another device's context restores the caller's afterwards,
     also when the launch fails; nothing is switched when the right context is already current
@@ -528,16 +542,7 @@ def test_launch_restores_the_callers_context(monkeypatch):
 
     state = {"current": 1, "launched_in": [], "fail": False}
 
-    class FakeDriver:
-        @staticmethod
-        def cuCtxGetCurrent():
-            return 0, state["current"]
-
-        @staticmethod
-        def cuCtxSetCurrent(ctx):
-            state["current"] = int(ctx)
-            return (0,)
-
+    class FakeDriver(_fake_context_driver(state)):
         @staticmethod
         def cuLaunchKernel(*a):
             state["launched_in"].append(state["current"])
@@ -576,18 +581,9 @@ def test_prepared_launch_passes_dynamic_shared_memory(monkeypatch):
 
     state = {"current": 1, "attrs": [], "launches": []}
 
-    class FakeDriver:
+    class FakeDriver(_fake_context_driver(state)):
         class CUfunction_attribute:
             CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
-        @staticmethod
-        def cuCtxGetCurrent():
-            return 0, state["current"]
-
-        @staticmethod
-        def cuCtxSetCurrent(ctx):
-            state["current"] = int(ctx)
-            return (0,)
 
         @staticmethod
         def cuFuncSetAttribute(h, attr, value):
@@ -627,13 +623,9 @@ def test_prepared_cooperative_launch(monkeypatch):
 
     from deep_ep.jit import runtime
 
-    state = {"plain": [], "coop": [], "refuse": False}
+    state = {"current": 100, "plain": [], "coop": [], "refuse": False}
 
-    class FakeDriver:
-        @staticmethod
-        def cuCtxGetCurrent():
-            return 0, 100
-
+    class FakeDriver(_fake_context_driver(state)):
         @staticmethod
         def cuLaunchKernel(h, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
             state["plain"].append((gx, bx, smem, stream, params))

@@ -38,16 +38,26 @@ def _inputs(num_ranks: int, g: torch.Generator):
     return xs, idxs, ws
 
 
-def test_rank_skipping_a_call_times_out():
+def _two_ranks():
+    """Two emulated ranks on GPU 0 and a small batch: (group, device, x [8, HIDDEN] bf16, top-k ids)."""
     from deep_ep.emulated import EmulatedGroup
     dev = torch.device("cuda", 0)
-    group = EmulatedGroup(2, device=dev)
+    group = EmulatedGroup(2, device=dev)  # before any CUDA work (it checks the process's CUDA settings)
     x = torch.randn((8, HIDDEN), device=dev).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(EXPERTS)[:TOPK] for _ in range(8)]).to(dev)
+    return group, dev, x, idx
+
+
+def _short_timeout_buffer(g):
+    return deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                 num_gpu_timeout_secs=3)
+
+
+def test_rank_skipping_a_call_times_out():
+    group, dev, x, idx = _two_ranks()
 
     def body(g):
-        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
-                                    num_gpu_timeout_secs=3)
+        buf = _short_timeout_buffer(g)
         try:
             # One call on every rank first: with emulated ranks, the first use of a kernel module is
             # a collective load (deep_ep.emulated), which a skipping rank would block on the host.
@@ -73,15 +83,10 @@ def test_async_timeout_reaches_the_next_call():
     """A combine whose peer never arrives times out on the GPU with no host wait in the call; the
     kernel copies its error record to mapped host memory, and the rank's next call (a cached
     dispatch, which does not synchronise) raises the TimeoutError from that copy before launching."""
-    from deep_ep.emulated import EmulatedGroup
-    dev = torch.device("cuda", 0)
-    group = EmulatedGroup(2, device=dev)
-    x = torch.randn((8, HIDDEN), device=dev).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(EXPERTS)[:TOPK] for _ in range(8)]).to(dev)
+    group, dev, x, idx = _two_ranks()
 
     def body(g):
-        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
-                                    num_gpu_timeout_secs=3)
+        buf = _short_timeout_buffer(g)
         try:
             _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
             y = torch.randn((handle.num_recv_rows, HIDDEN), device=dev).to(torch.bfloat16)
