@@ -572,52 +572,9 @@ def test_launch_restores_the_callers_context(monkeypatch):
     assert state["current"] == 100
 
 
-def test_prepared_launch_passes_dynamic_shared_memory(monkeypatch):
-    """`Function.prepare(..., smem=)` raises the function's limit once above 48 KB (in the device's
-    context) and every prepared launch passes the bytes; without smem nothing changes (fake driver)."""
-    import ctypes
-
-    from deep_ep.jit import runtime
-
-    state = {"current": 1, "attrs": [], "launches": []}
-
-    class FakeDriver(_fake_context_driver(state)):
-        class CUfunction_attribute:
-            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
-        @staticmethod
-        def cuFuncSetAttribute(h, attr, value):
-            state["attrs"].append((attr, value, state["current"]))
-            return (0,)
-
-        @staticmethod
-        def cuLaunchKernel(h, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-            state["launches"].append((gx, bx, smem))
-            return (0,)
-
-    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
-    f = mod.function("axpy")
-    f._handles[0] = object()
-    monkeypatch.setattr(runtime, "_driver", FakeDriver)
-    monkeypatch.setattr(runtime, "_primary_context", lambda device: 100 + device)
-    plain = f.prepare(2, 64, (ctypes.c_int(1),), device=0)
-    plain.launch(0)
-    assert state["attrs"] == [] and state["launches"] == [(2, 64, 0)]
-    small = f.prepare(2, 64, (ctypes.c_int(1),), device=0, smem=16 * 1024)
-    small.launch(0)
-    assert state["attrs"] == [] and state["launches"][-1] == (2, 64, 16 * 1024)
-    big = f.prepare(3, 512, (ctypes.c_int(1),), device=0, smem=128 * 1024)
-    assert state["attrs"] == [(8, 128 * 1024, 100)] and state["current"] == 1  # in device 0's context, restored
-    big.launch(0)
-    f.prepare(3, 512, (ctypes.c_int(1),), device=0, smem=96 * 1024)  # already allowed: no second call
-    assert len(state["attrs"]) == 1 and state["launches"][-1] == (3, 512, 128 * 1024)
-    with pytest.raises(ValueError):
-        f.prepare(1, 32, (ctypes.c_int(1),), device=0, smem=-1)
-
-
 def test_prepared_cooperative_launch(monkeypatch):
     """`Function.prepare(..., cooperative=True)` launches through cuLaunchCooperativeKernel with the
-    same grid, block, shared memory and parameters; a refusal (grid too large to be resident at
+    same grid, block and parameters; a refusal (grid too large to be resident at
     once) is a LaunchError naming the launch kind (fake driver)."""
     import ctypes
 
@@ -642,9 +599,9 @@ def test_prepared_cooperative_launch(monkeypatch):
     monkeypatch.setattr(runtime, "_driver", FakeDriver)
     monkeypatch.setattr(runtime, "_primary_context", lambda device: 100 + device)
     monkeypatch.setattr(runtime, "_err_name", lambda err: f"error {int(err)}")
-    coop = f.prepare(132, 512, (ctypes.c_int(1),), device=0, smem=1024, cooperative=True)
+    coop = f.prepare(132, 512, (ctypes.c_int(1),), device=0, cooperative=True)
     coop.launch(7)
-    assert state["plain"] == [] and state["coop"][0][:4] == (132, 512, 1024, 7)
+    assert state["plain"] == [] and state["coop"][0][:4] == (132, 512, 0, 7)
     assert state["coop"][0][4] == ctypes.addressof(coop._table)
     f.prepare(132, 512, (ctypes.c_int(1),), device=0).launch(7)
     assert len(state["plain"]) == 1 and len(state["coop"]) == 1

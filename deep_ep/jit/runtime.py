@@ -455,7 +455,7 @@ class Function:
                               f"cluster={cluster} args={_summarize(args)}")
         del buf
 
-    def prepare(self, grid: int, block: int, args: tuple, *, device: int, smem: int = 0,
+    def prepare(self, grid: int, block: int, args: tuple, *, device: int,
                 cooperative: bool = False) -> "PreparedLaunch":
         """A launch of this kernel with fixed grid and block whose argument storage is ``args``.
 
@@ -466,31 +466,20 @@ class Function:
                 kernel's parameter. They are the parameter memory: change their fields between
                 launches; the driver copies them at each launch (and at CUDA-graph capture).
             device: CUDA device index the kernel is loaded on.
-            smem: dynamic shared memory bytes of every launch; above 48 KB the function's limit is
-                raised now (as `launch` does).
             cooperative: launch with ``cuLaunchCooperativeKernel``: the driver starts the grid only
                 if all its blocks can be resident at once, and refuses it otherwise
                 (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``, raised as `LaunchError`) instead of
                 letting blocks that wait for each other stall.
 
         Raises:
-            LaunchError: no GPU, the kernel could not be loaded, or the device refuses ``smem``.
+            LaunchError: no GPU, or the kernel could not be loaded.
             TypeError: an argument is not a ctypes object.
         """
         for a in args:
             if not isinstance(a, ctypes._SimpleCData) and not isinstance(a, ctypes.Structure):
                 raise TypeError(f"{self.name}: prepared launches take ctypes objects, got {type(a).__name__}")
-        smem = int(smem)
-        if smem < 0:
-            raise ValueError(f"{self.name}: smem must be >= 0, got {smem}")
-        h = self.handle(device)
-        if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
-            previous = enter_context(device)
-            try:
-                self._set_smem(device, h, smem)
-            finally:
-                leave_context(previous)
-        return PreparedLaunch(self, h, device, int(grid), int(block), tuple(args), smem, bool(cooperative))
+        return PreparedLaunch(self, self.handle(device), device, int(grid), int(block), tuple(args),
+                              bool(cooperative))
 
     def _launch_ex(self, h, grid, block, smem, hstream, params, cooperative, cluster):
         d = _drv()
@@ -525,12 +514,12 @@ class PreparedLaunch:
     Not thread-safe (one owner updates the arguments).
     """
 
-    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_smem", "_cooperative", "_table")
+    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_cooperative", "_table")
 
     def __init__(self, function: Function, h, device: int, grid: int, block: int, args: tuple,
-                 smem: int = 0, cooperative: bool = False) -> None:
+                 cooperative: bool = False) -> None:
         self.function, self.args = function, args
-        self._h, self._device, self._grid, self._block, self._smem = h, device, grid, block, smem
+        self._h, self._device, self._grid, self._block = h, device, grid, block
         self._cooperative = cooperative
         self._table = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
 
@@ -544,16 +533,16 @@ class PreparedLaunch:
         try:
             d = _drv()
             if self._cooperative:
-                (err,) = d.cuLaunchCooperativeKernel(self._h, self._grid, 1, 1, self._block, 1, 1, self._smem,
-                                                     hstream, ctypes.addressof(self._table))
+                (err,) = d.cuLaunchCooperativeKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
+                                                     ctypes.addressof(self._table))
             else:
-                (err,) = d.cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, self._smem, hstream,
+                (err,) = d.cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
                                           ctypes.addressof(self._table), 0)
         finally:
             leave_context(previous)
         if int(err) != 0:
             raise LaunchError(f"launch of {self.function.module.name}:{self.function.name} failed "
-                              f"({_err_name(err)}); grid={self._grid} block={self._block} smem={self._smem} "
+                              f"({_err_name(err)}); grid={self._grid} block={self._block} "
                               f"cooperative={self._cooperative} args={_summarize(self.args)} (prepared)")
 
 
