@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..handle import EPHandle
 from ..reference import align_up, alloc_recv_sf, as_bits, as_rows, worst_case_recv_rows
+from . import outputs
 from .base import Backend, BufferConfig
 
 __all__ = ["CPUBackend"]
@@ -348,7 +349,7 @@ class CPUBackend(Backend):
         self._all_to_all("routing rows", meta_in, meta_out, in_splits, out_splits)
         # Non-expanded outputs receive the data in place; expanded ones go through a staging tensor.
         rows_needed = n_in if (do_cpu_sync or do_expand) else worst_case_recv_rows(R, M, K, L, A, False)
-        in_data_full = torch.empty((rows_needed, H), dtype=data.dtype)
+        in_data_full = outputs.empty((rows_needed, H), data.dtype, "cpu")
         in_data = in_data_full[:n_in]
         self._all_to_all("data rows", _wire(in_data), _wire(data).index_select(0, tok_t), in_splits,
                          out_splits)
@@ -412,7 +413,7 @@ class CPUBackend(Backend):
         if not do_expand:
             recv_data = in_data_full                               # received in place
         else:
-            recv_data = torch.empty((rows, H), dtype=data.dtype)
+            recv_data = outputs.empty((rows, H), data.dtype, "cpu")
             _wire(recv_data).index_copy_(0, row_of, _wire(in_data).index_select(0, src_of))
             if do_zero_padding:
                 as_bits(recv_data)[:n_valid][pad_rows] = 0

@@ -32,6 +32,7 @@ from .. import jit
 from ..handle import EPHandle
 from ..reference import worst_case_recv_rows
 from ..streams import StreamJoin, new_stream, release_stream
+from . import outputs
 from . import window_layout as wl
 from .base import Backend, BufferConfig
 
@@ -152,16 +153,38 @@ def tunable_defines() -> dict:
     return out
 
 
+#: Test-only kernel defects (include/deep_ep/common.cuh, ``kDefect*``): tools/mutation_check.py builds
+#: the kernels with one of them to prove that the GPU tests and the bench's check catch it.
+TEST_DEFECTS = {1: "dropped row", 2: "wrong row", 3: "missing bias", 4: "scaled weight",
+                5: "stale scale factor", 6: "skipped expert"}
+
+
+def test_defect_defines() -> dict:
+    """``{"EP_TEST_DEFECT": n}`` when ``DEEP_EP_TEST_DEFECT=n`` (a key of `TEST_DEFECTS`) is set, else
+    ``{}``. Only the mutation check sets it: a defect makes the kernels wrong on purpose.
+
+    Raises:
+        ValueError: the variable is set to something else.
+    """
+    value = os.environ.get("DEEP_EP_TEST_DEFECT", "").strip()
+    if value in ("", "0"):
+        return {}
+    if not value.isdigit() or int(value) not in TEST_DEFECTS:
+        raise ValueError(f"DEEP_EP_TEST_DEFECT must be one of {sorted(TEST_DEFECTS)} (test-only kernel "
+                         f"defects: {TEST_DEFECTS}), got {value!r}")
+    return {"EP_TEST_DEFECT": int(value)}
+
+
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool) -> dict:
     """Defines of the dispatch module (layout + dispatch kernels) for one structural configuration."""
     return {"EP_DISPATCH": 1, "EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk,
-            "EP_EXPAND": int(expand), "EP_THREADS": THREADS, **tunable_defines()}
+            "EP_EXPAND": int(expand), "EP_THREADS": THREADS, **tunable_defines(), **test_defect_defines()}
 
 
 def combine_defines(hidden: int, num_topk: int, expand: bool) -> dict:
     """Defines of the combine module for one structural configuration."""
     return {"EP_COMBINE": 1, "EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
-            "EP_THREADS": THREADS, **tunable_defines()}
+            "EP_THREADS": THREADS, **tunable_defines(), **test_defect_defines()}
 
 
 _modules: dict = {}
@@ -494,9 +517,9 @@ class GPUBackend(Backend):
             big = 2 ** 31 - 1
             out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
             tok_cap = big if do_cpu_sync else R * m
-            lay = torch.empty(_LayoutIndex(R, L, E).size, dtype=torch.int32, device=dev)
-            pos_tok = torch.empty((T, R), dtype=torch.int32, device=dev)
-            pos_pair = torch.empty((T, K), dtype=torch.int32, device=dev) if do_expand else None
+            lay = outputs.empty(_LayoutIndex(R, L, E).size, torch.int32, dev)
+            pos_tok = outputs.empty((T, R), torch.int32, dev)
+            pos_pair = outputs.empty((T, K), torch.int32, dev) if do_expand else None
             stream = self.comm_stream
             mod.function("deep_ep_notify").launch(
                 R + (E if do_expand else 0), LAYOUT_THREADS,
@@ -519,25 +542,25 @@ class GPUBackend(Backend):
             out_rows = handle.num_recv_rows
 
         # outputs
-        out_x = torch.empty((out_rows, H), dtype=data.dtype, device=dev)
+        out_x = outputs.empty((out_rows, H), data.dtype, dev)
         out_sf, sf_ld = None, 0
         if sf is not None:
             if use_tma_aligned_col_major_sf:
                 sf_ld = (out_rows + 3) // 4 * 4
-                out_sf = torch.empty((num_sf, sf_ld), dtype=sf.dtype, device=dev).t()[:out_rows]
+                out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev).t()[:out_rows]
             else:
-                out_sf = torch.empty((out_rows, num_sf), dtype=sf.dtype, device=dev)
+                out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev)
         if not cached:
             if do_expand:
-                out_idx = torch.empty(out_rows, dtype=torch.int64, device=dev)
-                out_w = torch.empty(out_rows, dtype=torch.float32, device=dev)
-                row_map = torch.empty((tok_capacity, K), dtype=torch.int32, device=dev)
+                out_idx = outputs.empty(out_rows, torch.int64, dev)
+                out_w = outputs.empty(out_rows, torch.float32, dev)
+                row_map = outputs.empty((tok_capacity, K), torch.int32, dev)
             else:
-                out_idx = torch.empty((out_rows, K), dtype=torch.int64, device=dev)
-                out_w = torch.empty((out_rows, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
+                out_idx = outputs.empty((out_rows, K), torch.int64, dev)
+                out_w = outputs.empty((out_rows, K), torch.float32, dev) if topk_weights is not None else None
                 row_map = None
-            src_rank = torch.empty(out_rows, dtype=torch.int32, device=dev)
-            src_token = torch.empty(out_rows, dtype=torch.int32, device=dev)
+            src_rank = outputs.empty(out_rows, torch.int32, dev)
+            src_token = outputs.empty(out_rows, torch.int32, dev)
         else:
             out_idx, out_w, row_map = state.recv_topk_idx, state.recv_topk_weights, state.row_map
             src_rank, src_token = handle.recv_src_rank, handle.recv_src_token
@@ -604,8 +627,8 @@ class GPUBackend(Backend):
         layout = self._layout(H)
         n_sms = self._num_sms(num_sms)
         mod = self._module("combine", (H, K, bool(handle.do_expand)))
-        out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
-        out_w = torch.empty((T, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
+        out = outputs.empty((T, H), torch.bfloat16, dev)
+        out_w = outputs.empty((T, K), torch.float32, dev) if topk_weights is not None else None
         bias0 = bias[0] if len(bias) > 0 else None
         bias1 = bias[1] if len(bias) > 1 else None
         key = ("combine", H, K, n_sms, handle.topk_idx.data_ptr(), _ptr(handle.recv_topk_weights))

@@ -210,7 +210,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a) {
                 const int i = base + u * 32 + lane;
                 if (i >= Row::kVecs) continue;
                 float f[8];
-                if (a.bias0 != nullptr) {
+                if (a.bias0 != nullptr && EP_TEST_DEFECT != kDefectMissingBias) {
                     bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * kHidden) + i), f);
 #pragma unroll
                     for (int q = 0; q < 8; ++q) acc[u][q] += f[q];

@@ -280,6 +280,20 @@ __device__ __forceinline__ void store_chunk(int4* dst, int base, int lane, const
     }
 }
 
+// ---- test-only defects -------------------------------------------------------------------------
+// The checks of this library must be able to fail: the tests build the kernels with one deliberate
+// defect at a time (EP_TEST_DEFECT, set only through DEEP_EP_TEST_DEFECT by tools/mutation_check.py)
+// and expect the GPU suite and the bench's check to report it. 0, the default, builds no defect.
+#ifndef EP_TEST_DEFECT
+#define EP_TEST_DEFECT 0
+#endif
+constexpr int kDefectDroppedRow = 1;     // dispatch: every 64th output row is not written
+constexpr int kDefectWrongRow = 2;       // dispatch: some tokens land in the neighbouring row
+constexpr int kDefectMissingBias = 3;    // combine: the first bias is not added
+constexpr int kDefectScaledWeight = 4;   // dispatch: the first top-k weight of a row is doubled
+constexpr int kDefectStaleScale = 5;     // cached FP8 dispatch: some rows keep stale scale factors
+constexpr int kDefectSkippedExpert = 6;  // expanded dispatch: local expert 1 receives no rows
+
 // ---- small math -------------------------------------------------------------------------------
 template <typename T>
 __device__ __forceinline__ T ceil_div(T a, T b) { return (a + b - 1) / b; }

@@ -61,6 +61,20 @@ __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, 
     else a.out_sf[static_cast<int64_t>(i) * a.sf_ld + row] = v;
 }
 
+// Test-only defects (EP_TEST_DEFECT, common.cuh); each folds away in a normal build.
+__device__ __forceinline__ bool defect_drops_row(int row) { return EP_TEST_DEFECT == kDefectDroppedRow && (row & 63) == 63; }
+__device__ __forceinline__ int defect_row(int row) {
+    return (EP_TEST_DEFECT == kDefectWrongRow && row % 61 == 7) ? (row ^ 1) : row;  // odd rows: row - 1 stays in bounds
+}
+__device__ __forceinline__ float defect_weight(float w, int lane) {
+    return (EP_TEST_DEFECT == kDefectScaledWeight && lane == 0) ? 2.0f * w : w;
+}
+template <bool kCached>
+__device__ __forceinline__ bool defect_stale_sf(int row) { return kCached && EP_TEST_DEFECT == kDefectStaleScale && (row & 7) == 3; }
+__device__ __forceinline__ bool defect_skips_expert(int local_expert) {
+    return EP_TEST_DEFECT == kDefectSkippedExpert && local_expert == 1;
+}
+
 // What a warp loads to start moving a token (lane-wise): the row's first chunk (kUnroll vectors),
 // scale factors lane, lane + 32, ... (FP8), the top-k expert id (lanes < K), the row at rank
 // ``lane`` (lanes < num_ranks; ranks >= 32 are read where used) and the pair's row (expanded).
@@ -149,14 +163,15 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                     int4* dst = reinterpret_cast<int4*>(window_row(a.peers[d], a, half, row));
                     store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else if (!kExpand) {
-                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
+                    if (defect_drops_row(row)) continue;
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(defect_row(row)) * kDataBytes);
                     store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else {
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const int e = __shfl_sync(0xffffffffu, my_expert, k);
                         const int out = __shfl_sync(0xffffffffu, my_pair_row, k);
-                        if (e < 0 || e / L != rank || out < 0) continue;
+                        if (e < 0 || e / L != rank || out < 0 || defect_skips_expert(e - rank * L)) continue;
                         int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
                         store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                     }
@@ -188,14 +203,14 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
             } else if (!kExpand) {
 #pragma unroll
                 for (int j = 0; j < kSFPerLane; ++j)
-                    if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
+                    if (lane + 32 * j < kNumSF && !defect_stale_sf<kCached>(row)) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
                 if (!kCached) {
                     if (lane < K) {
                         const bool local = my_expert >= 0 && my_expert / L == rank;
                         a.out_topk_idx[static_cast<int64_t>(row) * K + lane] = local ? my_expert - rank * L : -1;
                         if (a.out_weights != nullptr)
                             a.out_weights[static_cast<int64_t>(row) * K + lane] =
-                                local ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
+                                local ? defect_weight(a.topk_weights[static_cast<int64_t>(t) * K + lane], lane) : 0.0f;
                     }
                     if (lane == 0) { a.out_src_rank[row] = rank; a.out_src_token[row] = t; }
                 }
@@ -213,7 +228,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a) {
                     a.row_map[static_cast<int64_t>(row) * K + lane] = local ? my_pair_row : -1;
                     if (local) {
                         a.out_topk_idx[my_pair_row] = my_expert - rank * L;
-                        a.out_weights[my_pair_row] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 1.0f;
+                        a.out_weights[my_pair_row] = defect_weight(a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 1.0f, lane);
                         a.out_src_rank[my_pair_row] = rank;
                         a.out_src_token[my_pair_row] = t;
                     }
@@ -250,17 +265,19 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             const int* meta = reinterpret_cast<const int*>(row + Row::kMetaOffset);
             int out_row = -1;
             if (kExpand && lane < K) out_row = kCached ? a.row_map[static_cast<int64_t>(j) * K + lane] : __ldcg(meta + 1 + lane);
+            const int defect_expert = (EP_TEST_DEFECT == kDefectSkippedExpert && !kCached && lane < K) ? __ldcg(meta + 1 + K + lane) : -1;
             const int4* src = reinterpret_cast<const int4*>(row);
             for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
                 int4 v[kUnroll];
                 load_chunk<kUnroll, Row::kVecs, true>(src, base, lane, v);
                 if (!kExpand) {
-                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(j) * kDataBytes);
-                    store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(defect_row(j)) * kDataBytes);
+                    if (!defect_drops_row(j)) store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else {
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const int out = __shfl_sync(0xffffffffu, out_row, k);
+                        if (EP_TEST_DEFECT == kDefectSkippedExpert && defect_skips_expert(__shfl_sync(0xffffffffu, defect_expert, k))) continue;
                         if (out < 0) continue;
                         int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
                         store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
@@ -269,7 +286,8 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             }
             const int* row_sf = reinterpret_cast<const int*>(row + kDataBytes);
             if (!kExpand) {
-                for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, j, i, __ldcg(row_sf + i));
+                if (!defect_stale_sf<kCached>(j))
+                    for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, j, i, __ldcg(row_sf + i));
             } else {
                 for (int k = 0; k < K; ++k) {
                     const int out = __shfl_sync(0xffffffffu, out_row, k);
@@ -283,14 +301,14 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
                     if (lane < K) {
                         a.out_topk_idx[static_cast<int64_t>(j) * K + lane] = __ldcg(meta + 1 + K + lane);
                         if (a.out_weights != nullptr)
-                            a.out_weights[static_cast<int64_t>(j) * K + lane] = __ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane);
+                            a.out_weights[static_cast<int64_t>(j) * K + lane] = defect_weight(__ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane), lane);
                     }
                     if (lane == 0) { a.out_src_rank[j] = s; a.out_src_token[j] = src_token; }
                 } else if (lane < K) {
                     a.row_map[static_cast<int64_t>(j) * K + lane] = out_row;
                     if (out_row >= 0) {
                         a.out_topk_idx[out_row] = __ldcg(meta + 1 + K + lane);
-                        a.out_weights[out_row] = __ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane);
+                        a.out_weights[out_row] = defect_weight(__ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane), lane);
                         a.out_src_rank[out_row] = s;
                         a.out_src_token[out_row] = src_token;
                     }

@@ -1,0 +1,54 @@
+"""Allocation of the tensors a backend returns, with a test hook that poisons them.
+
+Every output of `dispatch` and `combine` (received rows, scale factors, indices, weights, the handle's
+tensors) is allocated here. Under `poisoned` each allocation is filled first with a pattern no
+correct result has: bytes ``0xFF`` for floating-point tensors (NaN in bf16, fp32 and e4m3), bytes
+``0xA5`` for integer tensors (-1515870811 as int32, never a valid row, count or expert id). A kernel
+that leaves an element unwritten then shows up in an element-by-element comparison, whatever memory
+torch's caching allocator handed out (an earlier call's correct values included).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+__all__ = ["empty", "fill_poison", "poisoned", "is_poisoning"]
+
+_lock = threading.Lock()
+_depth = 0          # nesting of `poisoned` (process-wide: emulated ranks run in threads)
+
+
+def is_poisoning() -> bool:
+    """Whether allocations are poisoned right now."""
+    return _depth > 0
+
+
+def fill_poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill a contiguous tensor with the poison pattern of its dtype (in place; returns it)."""
+    if t.numel():
+        t.view(torch.uint8).fill_(0xFF if t.dtype.is_floating_point else 0xA5)
+    return t
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)``, poisoned under `poisoned`."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _depth:
+        fill_poison(t)
+    return t
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Context (for tests and the bench's check): every output allocated inside it is poisoned.
+    Nests; process-wide while any thread is inside."""
+    global _depth
+    with _lock:
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
