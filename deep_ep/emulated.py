@@ -46,8 +46,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .comm.transport import EmulatedTransport, EmulatedWindowSet
-from .streams import new_stream, release_stream
+from .comm.emulated import EmulatedTransport, EmulatedWindowSet
+from .cuda.streams import new_stream, release_stream
 
 __all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "ensure_cuda_settings"]
 

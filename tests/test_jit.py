@@ -150,7 +150,7 @@ def test_arg_marshalling_layout():
     import struct
 
     import torch
-    from deep_ep.jit.runtime import _Plan, pack_args
+    from deep_ep.jit.args import _Plan, pack_args
 
     class Pair(ctypes.Structure):
         _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int64)]
@@ -193,6 +193,7 @@ def test_arg_marshalling_layout():
 def test_launch_overhead_with_fake_driver(monkeypatch):
     """CPU time of the launch path (argument packing + bookkeeping) with a fake cuLaunchKernel."""
     import torch
+    from deep_ep.cuda import driver as cuda_driver
     from deep_ep.jit import runtime
 
     calls = []
@@ -206,7 +207,7 @@ def test_launch_overhead_with_fake_driver(monkeypatch):
     mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
     f = mod.function("axpy")
     f._handles[0] = object()
-    monkeypatch.setattr(runtime, "_driver", FakeDriver)
+    monkeypatch.setattr(cuda_driver, "_driver", FakeDriver)
     monkeypatch.setattr(runtime, "enter_context", lambda device: None)
     monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
     y, x = torch.zeros(1024), torch.ones(1024)
@@ -538,6 +539,7 @@ def test_launch_restores_the_callers_context(monkeypatch):
     (fake driver: records the current context at each launch)."""
     import ctypes
 
+    from deep_ep.cuda import driver as cuda_driver
     from deep_ep.jit import runtime
 
     state = {"current": 1, "launched_in": [], "fail": False}
@@ -551,8 +553,8 @@ def test_launch_restores_the_callers_context(monkeypatch):
     mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
     f = mod.function("axpy")
     f._handles[0] = object()
-    monkeypatch.setattr(runtime, "_driver", FakeDriver)
-    monkeypatch.setattr(runtime, "_primary_context", lambda device: 100 + device)
+    monkeypatch.setattr(cuda_driver, "_driver", FakeDriver)
+    monkeypatch.setattr(cuda_driver, "primary_context", lambda device: 100 + device)
     monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
     monkeypatch.setattr(runtime, "_err_name", lambda err: f"error {int(err)}")
     f.launch(1, 32, (None, None, 1.0, 0), stream=0)
@@ -578,6 +580,7 @@ def test_prepared_cooperative_launch(monkeypatch):
     once) is a LaunchError naming the launch kind (fake driver)."""
     import ctypes
 
+    from deep_ep.cuda import driver as cuda_driver
     from deep_ep.jit import runtime
 
     state = {"current": 100, "plain": [], "coop": [], "refuse": False}
@@ -596,8 +599,8 @@ def test_prepared_cooperative_launch(monkeypatch):
     mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
     f = mod.function("axpy")
     f._handles[0] = object()
-    monkeypatch.setattr(runtime, "_driver", FakeDriver)
-    monkeypatch.setattr(runtime, "_primary_context", lambda device: 100 + device)
+    monkeypatch.setattr(cuda_driver, "_driver", FakeDriver)
+    monkeypatch.setattr(cuda_driver, "primary_context", lambda device: 100 + device)
     monkeypatch.setattr(runtime, "_err_name", lambda err: f"error {int(err)}")
     coop = f.prepare(132, 512, (ctypes.c_int(1),), device=0, cooperative=True)
     coop.launch(7)
@@ -627,11 +630,11 @@ def test_backend_rewords_a_refused_cooperative_launch():
         def launch(self, hstream):
             raise jit.LaunchError(self.message)
 
-    fake = SimpleNamespace(rank=3, _comm_handle=0, _broken=None)
+    fake = SimpleNamespace(rank=3, comm_handle=0, broken=None)
     with pytest.raises(jit.LaunchError, match="^launch failed: CUDA_ERROR_INVALID_VALUE$"):
-        GPUBackend._launch_data(fake, Refused("launch failed: CUDA_ERROR_INVALID_VALUE"), 132)
-    assert fake._broken is None
+        GPUBackend.launch_data(fake, Refused("launch failed: CUDA_ERROR_INVALID_VALUE"), 132)
+    assert fake.broken is None
     with pytest.raises(jit.LaunchError, match=r"rank 3: .* all 132 blocks of deep_ep_dispatch_cached .* "
                                               r"no longer be used .* smaller num_sms"):
-        GPUBackend._launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
-    assert fake._broken == "cooperative launch refused"   # later calls raise before launching anything
+        GPUBackend.launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
+    assert fake.broken == "cooperative launch refused"   # later calls raise before launching anything

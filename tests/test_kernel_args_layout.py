@@ -1,45 +1,95 @@
-"""The host mirrors of the kernels' by-value argument structs (ctypes, deep_ep/backends/gpu.py) must
-have the device structs' layout, field for field: a mismatch would make every kernel read garbage.
+"""The host mirrors of the kernels' by-value argument structs (ctypes, deep_ep/backends/gpu/abi.py and
+deep_ep/comm/emulated.py) must have the device structs' layout, field for field: a mismatch would
+make every kernel read garbage. The shared constants and layout words must parse from the one source.
 
-Checked on the CPU: a probe kernel, compiled with NVRTC against the real headers, stores the size
-and every field offset of the device struct; the values are read back from its PTX (NVRTC has no
-constant-expression offsetof) and compared with the ctypes layout. Nothing runs."""
+Checked on the CPU: a probe module, compiled with NVRTC against the real headers, holds the size and
+every field offset of the device struct in an initialised device array, read back from its cubin
+(`deep_ep.jit.elf`). Nothing runs."""
 import ctypes
-import re
+import os
+import struct
+from pathlib import Path
 
 import pytest
 
 from deep_ep import jit
-from deep_ep.backends import gpu
+from deep_ep.backends.gpu import abi
+from deep_ep.comm import devcomm
+from deep_ep.comm.emulated import EmulatedTransportArgs
+from deep_ep.jit.elf import symbol_bytes
 
 
-def _device_layout(cxx: str, fields: list, tmp_path, monkeypatch) -> list:
+def _device_layout(cxx: str, fields: list, header: str) -> list:
     """[sizeof, offset of each field] of ``cxx`` as the device compiler lays it out."""
-    exprs = [f"sizeof({cxx})"] + [f"(reinterpret_cast<const char*>(&probe_obj.{f}) - "
-                                  f"reinterpret_cast<const char*>(&probe_obj))" for f in fields]
-    src = ("#include <deep_ep/entry.cuh>\n"
-           f"__device__ {cxx} probe_obj;\n"
-           'extern "C" __global__ void deep_ep_args_probe(unsigned long long* out) {\n' +
-           "".join(f"    out[{i}] = (unsigned long long)({e});\n" for i, e in enumerate(exprs)) + "}\n")
-    dump = tmp_path / "dump"
-    monkeypatch.setenv("EP_JIT_DUMP_DIR", str(dump))
-    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "cache"))  # a cache hit dumps no PTX
-    jit.build(f"deep_ep_args_probe_{cxx.split('::')[-1]}", src, defines={})
-    ptx = next(dump.glob("deep_ep_args_probe_*.ptx")).read_text()
-    regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"mov\.[ub]64\s+(%rd\d+),\s*(\d+);", ptx)}
-    vals = {}
-    for m in re.finditer(r"st\.global\.[ub]64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|\d+);", ptx):
-        vals[int(m.group(1) or 0) // 8] = regs[m.group(2)] if m.group(2).startswith("%") else int(m.group(2))
-    assert len(vals) == len(exprs), f"could not read {len(exprs) - len(vals)} values from the PTX"
-    return [vals[i] for i in range(len(exprs))]
+    exprs = [f"sizeof({cxx})"] + [f"__builtin_offsetof({cxx}, {f})" for f in fields]
+    src = (f"#include <deep_ep/{header}>\n"
+           'extern "C" __device__ const unsigned long long deep_ep_args_probe[] = {' + ", ".join(exprs) + "};\n")
+    mod = jit.build(f"deep_ep_args_probe_{cxx.split('::')[-1]}", src, defines={})
+    raw = symbol_bytes(mod.cubin, "deep_ep_args_probe")
+    return list(struct.unpack(f"<{len(exprs)}Q", raw))
 
 
-@pytest.mark.parametrize("cls, cxx", [(gpu._DispatchArgs, "deep_ep::DispatchArgs"),
-                                      (gpu._CombineArgs, "deep_ep::CombineArgs")],
-                         ids=["DispatchArgs", "CombineArgs"])
-def test_ctypes_mirror_matches_device_struct(cls, cxx, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cls, cxx, header", [
+    (abi.DispatchArgs, "deep_ep::DispatchArgs", "impls/dispatch_args.cuh"),
+    (abi.CombineArgs, "deep_ep::CombineArgs", "impls/combine_args.cuh"),
+    (EmulatedTransportArgs, "deep_ep::comm::TransportArgs", "comm/transport.cuh"),
+], ids=["DispatchArgs", "CombineArgs", "EmulatedTransportArgs"])
+def test_ctypes_mirror_matches_device_struct(cls, cxx, header):
     fields = [name for name, _ in cls._fields_]
-    device = _device_layout(cxx, fields, tmp_path, monkeypatch)
+    device = _device_layout(cxx, fields, header)
     host = [ctypes.sizeof(cls)] + [getattr(cls, f).offset for f in fields]
     assert device == host, "\n".join(f"{n}: device {d}, ctypes {h}" for n, d, h in
                                      zip(["sizeof"] + fields, device, host) if d != h)
+
+
+def test_layout_words_match_the_device_index():
+    """`abi.LayoutIndex` (parsed from EP_LAYOUT_WORDS) gives the device struct's offsets."""
+    R, L, E = 5, 7, 35
+    names = [n for n, _ in abi._LAYOUT_WORDS]
+    src = ("#include <deep_ep/common/abi.cuh>\n"
+           'extern "C" __device__ const unsigned long long deep_ep_layout_probe[] = {' +
+           ", ".join(f"deep_ep::LayoutIndex({R}, {L}, {E}).{n}()" for n in names + ["size"]) + "};\n")
+    mod = jit.build("deep_ep_layout_probe", src, defines={})
+    raw = symbol_bytes(mod.cubin, "deep_ep_layout_probe")
+    device = list(struct.unpack(f"<{len(names) + 1}Q", raw))
+    ix = abi.LayoutIndex(R, L, E)
+    assert device == [getattr(ix, n) for n in names] + [ix.size]
+    assert names[:4] == ["num_out_rows", "num_tok_rows", "tok_prefix", "rank_prefix_sum"]
+    assert ix.size == 2 + 3 * R + 3 * L + E
+
+
+def test_shared_constants_parse_from_the_header():
+    c = abi.CONSTANTS
+    assert c["kMaxRanks"] == abi.MAX_RANKS == 1024 and c["kCtrlEpoch"] == c["kMaxRanks"]
+    assert abi.CTRL_ERROR_OFFSET == (c["kMaxRanks"] + 4) * 4
+    assert abi.TEST_DEFECTS == {1: "dropped row", 2: "wrong row", 3: "missing bias", 4: "scaled weight",
+                                5: "stale scale factor", 6: "skipped expert"}
+    assert set(abi.PHASES) == {1, 2, 3, 4}
+
+
+def _nccl_header_dirs() -> list:
+    """The NCCL headers the JIT uses, and the newest release's if the JIT tests fetched them."""
+    dirs = [("installed", None)]
+    newest = Path(os.environ.get("EP_TEST_NCCL_CACHE", Path.home() / ".cache" / "deep_ep" / "test-nccl"))
+    for inc in sorted(newest.glob("*/nvidia/nccl/include")):
+        dirs.append((inc.parts[-4], str(inc)))
+    return dirs
+
+
+@pytest.mark.parametrize("name, inc", _nccl_header_dirs(), ids=lambda v: v if isinstance(v, str) and "/" not in v else "")
+def test_devcomm_layout_probe(name, inc, monkeypatch):
+    """The device-communicator probe builds against every NCCL release the tests have headers of,
+    and the layout it reads is sane: the window handle follows the ncclDevComm in TransportArgs, the
+    requirement fields lie inside the struct, and 2.29+ carries NCCL's size/magic/version header."""
+    from deep_ep.jit import builder
+    monkeypatch.setattr(builder, "_check_nccl_versions", lambda *a: None)  # no libnccl is loaded here
+    layout = devcomm._layout(inc)
+    assert layout.devcomm_size > 0 and layout.window_offset >= layout.devcomm_size
+    assert layout.transport_args_size == layout.window_offset + 8
+    assert len(layout.requirements) == layout.requirements_size
+    assert all(0 < off < layout.requirements_size for off in layout.offsets.values())
+    if layout.version >= 22900:
+        size, magic, ver = struct.unpack_from("<QII", layout.requirements)
+        assert (size, magic, ver) == (layout.requirements_size, 0xCAFEBEEF, layout.version)
+    else:
+        assert layout.requirements == bytes(layout.requirements_size) and not layout.properties

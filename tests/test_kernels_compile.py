@@ -1,5 +1,8 @@
 """Every kernel instantiation the GPU suite and the bench use compiles under NVRTC, with no spills.
 
+Every structure is compiled for the emulated-rank transport; the NCCL transport (NCCL's device
+headers through the JIT's compatibility layer) for the DeepSeek-V3 shapes of every layout and the
+control module, since the transport only changes how a kernel finds its peers.
 Runs on machines without a GPU (CI): compiling needs only the NVRTC and header wheels.
 """
 from __future__ import annotations
@@ -33,16 +36,32 @@ DISPATCH, COMBINE = _structures()
 
 @pytest.mark.parametrize("structure", DISPATCH, ids=lambda s: "d{}_sf{}_k{}_{}".format(*s))
 def test_dispatch_module_compiles(structure):
-    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source(), defines=gpu.dispatch_defines(*structure),
+    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=gpu.dispatch_defines(*structure),
                     check_spills=True)
     assert {"deep_ep_notify", "deep_ep_layout", "deep_ep_dispatch", "deep_ep_dispatch_cached"} <= set(mod.kernel_names())
 
 
 @pytest.mark.parametrize("structure", COMBINE, ids=lambda s: "h{}_k{}_{}".format(*s))
 def test_combine_module_compiles(structure):
-    mod = jit.build("deep_ep_combine_test", gpu.kernel_source(), defines=gpu.combine_defines(*structure),
+    mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=gpu.combine_defines(*structure),
                     check_spills=True)
     assert {"deep_ep_combine"} <= set(mod.kernel_names())
+
+
+NCCL_STRUCTURES = [("dispatch", (14336, 0, 8, False)), ("dispatch", (14336, 0, 8, True)),
+                   ("dispatch", (7168, 56, 8, False)), ("combine", (7168, 8, False)), ("combine", (7168, 8, True)),
+                   ("barrier", ())]
+
+
+@pytest.mark.parametrize("kind, structure", NCCL_STRUCTURES, ids=lambda v: v if isinstance(v, str) else "")
+def test_nccl_transport_module_compiles(kind, structure):
+    """The modules of NCCL-backed buffers (EP_TRANSPORT_NCCL=1: ncclDevComm and the symmetric window)."""
+    from deep_ep.backends.gpu import modules
+    defines = {"dispatch": gpu.dispatch_defines, "combine": gpu.combine_defines,
+               "barrier": modules.barrier_defines}[kind](*structure, transport_nccl=True)
+    mod = jit.build(f"deep_ep_{kind}_nccl_test", gpu.kernel_source(kind), defines=defines, use_nccl=True,
+                    check_spills=True)
+    assert mod.kernel_names()
 
 
 def test_tunable_defines_from_environment(monkeypatch):
@@ -55,8 +74,8 @@ def test_tunable_defines_from_environment(monkeypatch):
     assert gpu.tunable_defines() == {"EP_BLOCK_FENCE": 1, "EP_SEND_UNROLL": 4}
     d, c = gpu.dispatch_defines(14336, 0, 8, False), gpu.combine_defines(7168, 8, False)
     assert d["EP_BLOCK_FENCE"] == 1 and d["EP_TOPK"] == 8 and c["EP_BLOCK_FENCE"] == 1
-    jit.build("deep_ep_dispatch_test", gpu.kernel_source(), defines=d, check_spills=True)
-    jit.build("deep_ep_combine_test", gpu.kernel_source(), defines=c, check_spills=True)
+    jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=d, check_spills=True)
+    jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=c, check_spills=True)
     for bad in ("BLOCK_FENCE=1", "EP_BLOCK_FENCE", "EP_BLOCK_FENCE=yes", "EP_X-Y=1", "EP_THREADS=256",
                 "EP_TOPK=4", "ep_block_fence=1", "EP_BLOCK_FENCES=1"):
         monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", bad)

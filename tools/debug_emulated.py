@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu")
 import torch  # noqa: E402
 from gpu_cases import cases_for  # noqa: E402
 import test_gpu_backend as T  # noqa: E402
-from deep_ep.backends import window_layout as wl  # noqa: E402
-from deep_ep.comm import transport as tr  # noqa: E402
+from deep_ep.backends.gpu import abi  # noqa: E402
+from deep_ep.comm import emulated as tr  # noqa: E402
 from deep_ep.emulated import EmulatedGroup  # noqa: E402
 
-K_MAX_RANKS = wl.MAX_RANKS
+K_MAX_RANKS = abi.MAX_RANKS
 snapshots: dict = {}
 _destroy = tr.EmulatedTransport.destroy
 

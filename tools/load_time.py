@@ -11,11 +11,12 @@ import time
 t_start = time.perf_counter()
 import torch  # noqa: E402
 
-from deep_ep.backends import gpu  # noqa: E402
+from deep_ep.backends.gpu import modules  # noqa: E402
 
 t_import = time.perf_counter()
 STRUCTURES = [("dispatch", (14336, 0, 8, False)), ("dispatch", (14336, 0, 8, True)),
               ("dispatch", (7168, 56, 8, False)), ("combine", (7168, 8, False)), ("combine", (7168, 8, True))]
+TRANSPORT_NCCL = True   # what an EP=1 buffer on a torch NCCL group builds
 
 
 def main() -> None:
@@ -24,9 +25,8 @@ def main() -> None:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for kind, s in STRUCTURES:
-        defines = gpu.dispatch_defines(*s) if kind == "dispatch" else gpu.combine_defines(*s)
-        _, mod = gpu._build_module(kind, defines)
-        gpu._load_module(mod, dev)
+        _, mod = modules.build_module(kind, s, TRANSPORT_NCCL)
+        modules.load_module(mod, dev.index)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     print(f"import torch + deep_ep: {t_import - t_start:.2f} s; CUDA init and context: {t0 - t_import:.2f} s; "

@@ -1,96 +1,49 @@
-"""Transports: how a rank's kernels reach the windows of the other ranks of its scale-up domain.
+"""Host side of the transports: how a buffer's kernels reach the windows of the other ranks.
 
-Kernels only see a *peer table*: a device array of ``num_ranks`` base pointers, entry ``p`` being
-rank ``p``'s symmetric window as addressable from this GPU. Two transports fill it:
+Each rank of a buffer owns a window of the same size and layout (`deep_ep.backends.gpu.window`). A
+transport makes the peers' windows reachable from this rank's kernels and gives the kernels one
+argument, ``TransportArgs`` (`deep_ep/include/deep_ep/comm/transport.cuh`), passed by value:
 
-* `deep_ep.comm.nccl.NcclTransport`: the window is NCCL memory registered as a symmetric window on
-  the user's communicator; entries come from ``ncclGetLsaPointer`` (NVLink load/store).
-* `EmulatedTransport`: N ranks in one process on one GPU share one allocation; entry ``p`` points at
-  rank ``p``'s slice. Same kernels, same window layout, same signals.
+* `deep_ep.comm.lsa.NcclLsaTransport`: a symmetric window on the user's NCCL communicator and the
+  ``ncclDevComm`` made from it; kernels built with ``EP_TRANSPORT_NCCL=1`` find the peers' windows
+  of the NVLink (LSA) team through NCCL's device API.
+* `deep_ep.comm.emulated.EmulatedTransport`: N ranks in one process on one GPU share one
+  allocation; kernels built with ``EP_TRANSPORT_NCCL=0`` get a table of its slices. Same kernels
+  otherwise, same window layout, same signals.
+
+A scale-out transport (RDMA through NCCL GIN) is a third implementation of the same interface.
 """
 from __future__ import annotations
 
 import abc
-import threading
 
 import torch
 
-__all__ = ["Transport", "EmulatedTransport", "EmulatedWindowSet"]
+__all__ = ["Transport"]
 
 
 class Transport(abc.ABC):
-    """What the GPU backend needs from the communication layer."""
+    """What the GPU backend needs from the communication layer, for one buffer on one rank."""
 
     rank: int
     num_ranks: int
     num_bytes: int
     device: torch.device
-    #: int64 [num_ranks] device tensor of window base addresses (the peer table).
-    peers: torch.Tensor
+    #: kernels of this transport are built with ``EP_TRANSPORT_NCCL`` = this value (0 or 1)
+    kernel_define: int
 
     @abc.abstractmethod
-    def window_ptr(self) -> int:
-        """Address of this rank's own window."""
+    def kernel_args(self):
+        """The kernels' ``TransportArgs``, a ctypes object passed by value (fixed for the buffer's life)."""
+
+    @abc.abstractmethod
+    def window_tensor(self) -> torch.Tensor:
+        """This rank's window (at least its 64 KiB control region) as a uint8 tensor view."""
 
     @abc.abstractmethod
     def host_barrier(self) -> None:
         """Block the calling host thread until every rank reached it (no GPU work)."""
 
-    def window_tensor(self) -> torch.Tensor:
-        """This rank's window as a uint8 tensor (for host-side reads of the control region)."""
-        raise NotImplementedError
-
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release the window (collective where the transport needs it)."""
-
-
-class EmulatedWindowSet:
-    """The windows of N emulated ranks: one zeroed allocation on one GPU, N equal slices.
-
-    Created once per `deep_ep.emulated.EmulatedGroup` and window size; every rank's transport points
-    into it.
-    """
-
-    def __init__(self, num_ranks: int, num_bytes: int, device: torch.device) -> None:
-        self.num_ranks = num_ranks
-        self.num_bytes = num_bytes
-        self.device = device
-        self.storage = torch.zeros(num_ranks * num_bytes, dtype=torch.uint8, device=device)
-        # Zeroed before any rank's stream can signal into it. A stream-level wait: a device-wide one
-        # could wait on another rank's kernels that wait on this rank.
-        torch.cuda.current_stream(device).synchronize()
-        base = self.storage.data_ptr()
-        self.peers = torch.tensor([base + r * num_bytes for r in range(num_ranks)], dtype=torch.int64,
-                                  device=device)
-        self.refs = num_ranks
-        self.lock = threading.Lock()
-
-
-class EmulatedTransport(Transport):
-    """One emulated rank's view of an `EmulatedWindowSet`."""
-
-    def __init__(self, windows: EmulatedWindowSet, rank: int, host_barrier) -> None:
-        self.windows = windows
-        self.rank = rank
-        self.num_ranks = windows.num_ranks
-        self.num_bytes = windows.num_bytes
-        self.device = windows.device
-        self.peers = windows.peers
-        self._barrier = host_barrier
-
-    def window_ptr(self) -> int:
-        return self.windows.storage.data_ptr() + self.rank * self.num_bytes
-
-    def window_tensor(self) -> torch.Tensor:
-        return self.windows.storage[self.rank * self.num_bytes:(self.rank + 1) * self.num_bytes]
-
-    def host_barrier(self) -> None:
-        self._barrier()
-
-    def destroy(self) -> None:
-        with self.windows.lock:
-            self.windows.refs -= 1
-            if self.windows.refs == 0:
-                self.windows.storage = None
-                self.windows.peers = None

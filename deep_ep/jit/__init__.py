@@ -11,7 +11,8 @@ Modules:
     ``nccl_headers``  NVRTC compatibility layer for NCCL's device headers (patched copies in the cache).
     ``compiler``      NVRTC (default) or nvcc (``EP_JIT_USE_NVCC=1``).
     ``cache``         atomic on-disk cache of cubins.
-    ``runtime``       ``Module``/``Function``: driver-API loading and launching, argument marshalling.
+    ``args``          typed scalar arguments and the packing of argument tuples.
+    ``runtime``       ``Module``/``Function``: driver-API loading and launching.
     ``builder``       :func:`build`, cache key, stats, NCCL version checks.
 
 Environment switches are documented in ``docs/jit.md``.
@@ -23,7 +24,8 @@ from .cache import cache_root
 from .compiler import CompileError, SpillError
 from .locate import JitEnvironmentError
 from .nccl_headers import nccl_header_version
-from .runtime import Function, LaunchError, Module, PreparedLaunch, cuda_device_count, f32, f64, i32, i64, ptr, u32, u64
+from .args import f32, f64, i32, i64, ptr, u32, u64
+from .runtime import Function, LaunchError, Module, PreparedLaunch, cuda_device_count
 
 __all__ = [
     "build", "Module", "Function", "PreparedLaunch", "CompileError", "SpillError", "LaunchError", "JitEnvironmentError",

@@ -15,6 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
+from ..cuda import nccl
 from . import compiler, locate, nccl_headers
 from .cache import DiskCache, cache_root
 from .compiler import SpillError
@@ -93,11 +94,9 @@ def _count(key: str, value=1) -> None:
 def loaded_nccl_version() -> int | None:
     """``ncclGetVersion`` of the libnccl already loaded in this process (e.g. 22809), or None.
 
-    The library is the one `deep_ep.comm.nccl` finds in ``/proc/self/maps`` and opens with
+    The library is the one `deep_ep.cuda.nccl` finds in ``/proc/self/maps`` and opens with
     ``RTLD_NOLOAD`` (never a new copy).
     """
-    from ..comm import nccl  # lazy: comm builds its kernels through this module
-
     if nccl.loaded_libnccl_path() is None:
         return None
     try:

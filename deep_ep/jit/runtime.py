@@ -1,296 +1,25 @@
 """Loading cubins and launching kernels with the CUDA driver API (``cuda.bindings.driver``).
 
-The launch path is on the hot path of dispatch/combine, so :meth:`Function.launch` keeps per-call
-work small: the ``CUfunction`` per device is cached, the argument layout (a ``struct.Struct``
-and the slot offsets) is cached per tuple of argument types, and parameters are packed into a
-single ``ctypes`` buffer that also holds the ``void*`` table handed to ``cuLaunchKernel``.
+`Module` holds a cubin and loads it per device on first use; `Function` is one of its kernels, and
+`Function.launch` packs the arguments (`deep_ep.jit.args`) and calls ``cuLaunchKernel`` in the
+device's primary context (`deep_ep.cuda.driver`), restoring the caller's context afterwards.
+`PreparedLaunch` is a launch packed once, for calls repeated with the same shape.
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 
-__all__ = ["Module", "Function", "PreparedLaunch", "LaunchError", "i32", "u32", "i64", "u64", "f32", "f64", "ptr",
-           "cuda_device_count"]
+from ..cuda.driver import DriverError, device_count as cuda_device_count, driver as _drv, enter_context, \
+    error_name as _err_name, leave_context
+from .args import pack_args, plan_for, summarize as _summarize
+
+__all__ = ["Module", "Function", "PreparedLaunch", "LaunchError", "cuda_device_count"]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(DriverError):
     """A kernel launch (or the loading before it) failed."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Typed scalar arguments
-
-
-class _Typed:
-    __slots__ = ("value",)
-    fmt = ""
-    lo = hi = None
-
-    def __init__(self, value):
-        v = int(value) if self.fmt not in ("f", "d") else float(value)
-        if self.lo is not None and not (self.lo <= v <= self.hi):
-            raise OverflowError(f"{type(self).__name__}({value}) out of range [{self.lo}, {self.hi}]")
-        self.value = v
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.value})"
-
-
-class i32(_Typed):
-    """A kernel argument of type ``int32_t``."""
-    __slots__ = ()
-    fmt, lo, hi = "i", -2**31, 2**31 - 1
-
-
-class u32(_Typed):
-    """A kernel argument of type ``uint32_t``."""
-    __slots__ = ()
-    fmt, lo, hi = "I", 0, 2**32 - 1
-
-
-class i64(_Typed):
-    """A kernel argument of type ``int64_t``."""
-    __slots__ = ()
-    fmt, lo, hi = "q", -2**63, 2**63 - 1
-
-
-class u64(_Typed):
-    """A kernel argument of type ``uint64_t``."""
-    __slots__ = ()
-    fmt, lo, hi = "Q", 0, 2**64 - 1
-
-
-class ptr(_Typed):
-    """A pointer kernel argument given as an integer address (0 = null)."""
-    __slots__ = ()
-    fmt, lo, hi = "Q", 0, 2**64 - 1
-
-
-class f32(_Typed):
-    """A kernel argument of type ``float``."""
-    __slots__ = ()
-    fmt = "f"
-
-
-class f64(_Typed):
-    """A kernel argument of type ``double``."""
-    __slots__ = ()
-    fmt = "d"
-
-
-def _int32(v: int) -> int:
-    if -2147483648 <= v <= 2147483647:
-        return v
-    raise OverflowError(f"Python int {v} does not fit the int32 kernel argument; wrap it (jit.i64/u64/u32/ptr)")
-
-
-def _null(_a) -> int:
-    return 0
-
-
-def _typed_value(a) -> int | float:
-    return a.value
-
-
-def _blob(a) -> bytes:
-    return bytes(a)
-
-
-def _type_plan(tp):
-    """(struct format, converter) for an argument type; blobs handled by the caller."""
-    if tp is bool:
-        return "i4x", int
-    if tp is int:
-        return "i4x", _int32
-    if tp is float:
-        return "f4x", float
-    if tp is type(None):
-        return "Q", _null
-    if isinstance(tp, type) and issubclass(tp, _Typed):
-        fmt = tp.fmt
-        return (fmt + "4x" if fmt in "iIf" else fmt), _typed_value
-    data_ptr = getattr(tp, "data_ptr", None)
-    if callable(data_ptr):  # torch.Tensor and subclasses: the unbound method, no wrapper call
-        return "Q", data_ptr
-    raise TypeError(f"unsupported kernel argument type {tp.__name__}: use a tensor, None, int, float, bool, "
-                    "jit.i32/u32/i64/u64/f32/ptr, a ctypes.Structure or bytes")
-
-
-_BLOB_TYPES = (bytes, bytearray, memoryview)
-
-
-class _Plan:
-    """Precomputed layout for one tuple of argument types (and blob sizes)."""
-    __slots__ = ("struct", "convs", "offsets", "table_offset", "size", "table_struct", "local")
-
-    def __init__(self, args):
-        fmt = ["="]
-        convs, offsets = [], []
-        off = 0
-        for a in args:
-            tp = type(a)
-            if _is_blob_type(tp):
-                n = len(bytes(a)) if isinstance(a, _BLOB_TYPES) else ctypes.sizeof(a)
-                pad = (-off) % 16
-                if pad:
-                    fmt.append(f"{pad}x")
-                    off += pad
-                fmt.append(f"{n}s")
-                offsets.append(off)
-                off += n
-                convs.append(_blob)
-                continue
-            f, conv = _type_plan(tp)
-            pad = (-off) % 8
-            if pad:
-                fmt.append(f"{pad}x")
-                off += pad
-            fmt.append(f)
-            offsets.append(off)
-            off += struct.calcsize("=" + f)
-            convs.append(conv)
-        pad = (-off) % 8
-        if pad:
-            fmt.append(f"{pad}x")
-            off += pad
-        self.struct = struct.Struct("".join(fmt))
-        self.convs = tuple(convs)
-        self.offsets = tuple(offsets)
-        self.table_offset = off
-        self.table_struct = struct.Struct(f"={len(args)}Q")
-        self.size = off + 8 * max(1, len(args))
-        self.local = threading.local()
-
-
-_blob_type_memo: dict[type, bool] = {}
-
-
-def _is_blob_type(tp) -> bool:
-    b = _blob_type_memo.get(tp)
-    if b is None:
-        b = _blob_type_memo[tp] = issubclass(tp, _BLOB_TYPES + (ctypes.Structure, ctypes.Union, ctypes.Array))
-    return b
-
-
-def _plan_key(args):
-    """Cache key of an argument tuple's layout: the types, plus the sizes of by-value blobs."""
-    key = tuple(map(type, args))
-    if any(map(_is_blob_type, key)):
-        key += tuple(len(bytes(a)) if isinstance(a, _BLOB_TYPES) else ctypes.sizeof(a)
-                     for a in args if _is_blob_type(type(a)))
-    return key
-
-
-def pack_args(plan: _Plan, args) -> tuple[ctypes.Array, int]:
-    """Pack ``args`` per ``plan`` into this thread's buffer for the plan.
-
-    Returns ``(buffer, address of the void* table)``. The buffer is reused by later launches of
-    the same plan on the same thread: the driver copies parameters during ``cuLaunchKernel``.
-    """
-    local = plan.local
-    try:
-        buf, table = local.buf, local.table
-    except AttributeError:
-        buf = ctypes.create_string_buffer(plan.size)
-        base = ctypes.addressof(buf)
-        plan.table_struct.pack_into(buf, plan.table_offset, *[base + o for o in plan.offsets])
-        table = base + plan.table_offset
-        local.buf, local.table = buf, table
-    plan.struct.pack_into(buf, 0, *[c(a) for c, a in zip(plan.convs, args)])
-    return buf, table
-
-
-# ---------------------------------------------------------------------------------------------
-# Driver helpers
-
-_driver = None
-_init_lock = threading.Lock()
-_primary_ctx: dict[int, object] = {}
-
-
-def _drv():
-    global _driver
-    if _driver is None:
-        from cuda.bindings import driver
-        _driver = driver
-    return _driver
-
-
-def _err_name(err) -> str:
-    d = _drv()
-    try:
-        _e, name = d.cuGetErrorName(err)
-        _e, msg = d.cuGetErrorString(err)
-        return f"{name.decode()}: {msg.decode()}"
-    except Exception:
-        return str(err)
-
-
-def cuda_device_count() -> int:
-    """Number of CUDA devices the driver sees (0 when no driver or no GPU)."""
-    try:
-        d = _drv()
-        (err,) = d.cuInit(0)
-        if int(err) != 0:
-            return 0
-        err, n = d.cuDeviceGetCount()
-        return int(n) if int(err) == 0 else 0
-    except Exception:
-        return 0
-
-
-def _primary_context(device: int):
-    """``device``'s primary context (the one torch uses), retained once per process."""
-    ctx = _primary_ctx.get(device)
-    if ctx is None:
-        with _init_lock:
-            ctx = _primary_ctx.get(device)
-            if ctx is None:
-                d = _drv()
-                if cuda_device_count() == 0:
-                    raise LaunchError("no CUDA device is present: deep_ep.jit can compile kernels here, but not "
-                                      "load or launch them")
-                err, dev = d.cuDeviceGet(device)
-                if int(err) != 0:
-                    raise LaunchError(f"cuDeviceGet({device}): {_err_name(err)}")
-                err, ctx = d.cuDevicePrimaryCtxRetain(dev)
-                if int(err) != 0:
-                    raise LaunchError(f"cuDevicePrimaryCtxRetain({device}): {_err_name(err)}")
-                _primary_ctx[device] = ctx
-    return ctx
-
-
-def ensure_context(device: int):
-    """Make ``device``'s primary context (the one torch uses) current on this thread; return it.
-    It stays current: use it where the caller restores the device (``torch.cuda.device``), else
-    `enter_context` / `leave_context`."""
-    enter_context(device)
-    return _primary_context(device)
-
-
-def enter_context(device: int):
-    """Make ``device``'s primary context current for a driver call; return what `leave_context`
-    needs to restore the caller's (None when it was already current: the common, cheap case).
-    Without the restore, a launch on a buffer's device would silently change the caller's current
-    device (the CUDA runtime derives it from the current context)."""
-    ctx = _primary_context(device)
-    d = _drv()
-    err, cur = d.cuCtxGetCurrent()
-    if int(cur) == int(ctx):
-        return None
-    (err,) = d.cuCtxSetCurrent(ctx)
-    if int(err) != 0:
-        raise LaunchError(f"cuCtxSetCurrent(device {device}): {_err_name(err)}")
-    return cur
-
-
-def leave_context(previous) -> None:
-    """Undo `enter_context` (``previous`` is its return value)."""
-    if previous is not None:
-        _drv().cuCtxSetCurrent(previous)
 
 
 def _torch():
@@ -336,20 +65,6 @@ def _dim3(v, what: str) -> tuple[int, int, int]:
     return t + (1,) * (3 - len(t))
 
 
-def _summarize(args) -> str:
-    out = []
-    for a in args:
-        if hasattr(a, "data_ptr") and hasattr(a, "shape"):
-            out.append(f"Tensor(shape={tuple(a.shape)}, dtype={a.dtype}, device={a.device}, ptr=0x{a.data_ptr():x})")
-        elif isinstance(a, (ctypes.Structure, ctypes.Union)):
-            out.append(f"{type(a).__name__}(<{ctypes.sizeof(a)} bytes by value>)")
-        elif isinstance(a, _BLOB_TYPES):
-            out.append(f"<{len(a)} bytes by value>")
-        else:
-            out.append(repr(a))
-    return "[" + ", ".join(out) + "]"
-
-
 class Function:
     """One kernel of a :class:`Module`; loaded per device on first launch.
 
@@ -360,7 +75,7 @@ class Function:
         self.module, self.name = module, name
         self._handles: dict[int, object] = {}      # device -> CUfunction
         self._smem_limit: dict[int, int] = {}      # device -> max dynamic smem set so far
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict = {}
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -439,11 +154,7 @@ class Function:
         bx, by, bz = (block, 1, 1) if type(block) is int else _dim3(block, "block")
         if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
             self._set_smem(device, h, smem)
-        key = _plan_key(args)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _Plan(args)
-        buf, params = pack_args(plan, args)  # buf: keeps the parameter memory alive
+        buf, params = pack_args(plan_for(self._plans, args), args)  # buf: keeps the parameter memory alive
         d = _drv()
         if not cooperative and cluster is None:
             (err,) = d.cuLaunchKernel(h, gx, gy, gz, bx, by, bz, smem, hstream, params, 0)
@@ -461,9 +172,9 @@ class Function:
 
         Args:
             grid, block: blocks and threads per block (1-D).
-            args: one ctypes object per kernel parameter, in order (``ctypes.Structure`` for a
-                by-value struct, ``ctypes.c_int`` etc. for scalars), each at least as large as the
-                kernel's parameter. They are the parameter memory: change their fields between
+            args: one ctypes object per kernel parameter, in order (``ctypes.Structure`` or a
+                ``ctypes`` byte array for a by-value struct, ``ctypes.c_int`` etc. for scalars), each
+                at least as large as the kernel's parameter. They are the parameter memory: change their fields between
                 launches; the driver copies them at each launch (and at CUDA-graph capture).
             device: CUDA device index the kernel is loaded on.
             cooperative: launch with ``cuLaunchCooperativeKernel``: the driver starts the grid only
@@ -476,7 +187,7 @@ class Function:
             TypeError: an argument is not a ctypes object.
         """
         for a in args:
-            if not isinstance(a, ctypes._SimpleCData) and not isinstance(a, ctypes.Structure):
+            if not isinstance(a, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
                 raise TypeError(f"{self.name}: prepared launches take ctypes objects, got {type(a).__name__}")
         return PreparedLaunch(self, self.handle(device), device, int(grid), int(block), tuple(args),
                               bool(cooperative))

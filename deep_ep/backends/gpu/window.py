@@ -9,7 +9,7 @@ region      size                                        content
 control     64 KiB                                      u32 signal counters (one per peer), epoch,
                                                         round, done-counters (producer and consumer
                                                         phases), error record
-                                                        (``include/deep_ep/common.cuh``)
+                                                        (``include/deep_ep/common/abi.cuh``)
 counts      ``R * (R + MAX_EXPERTS) * 4``, 64 KiB-aligned  the count matrix of the layout stage: row
                                                         ``s`` = tokens per destination rank and pairs
                                                         per expert sent by rank ``s``
@@ -28,12 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .abi import CTRL_BYTES, MAX_EXPERTS, MAX_TOPK
+
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # window sizes are rounded up to 2 MiB (NCCL's allocation granularity)
-CTRL_BYTES = 64 * 1024
-MAX_RANKS = 1024                          # kMaxRanks in include/deep_ep/common.cuh (signal words)
-CTRL_ERROR_OFFSET = (MAX_RANKS + 4) * 4   # byte offset of the error record: kCtrlError words in common.cuh
-MAX_EXPERTS = 1024                  # experts a window's count matrix has room for
-MAX_TOPK = 16                       # top-k assumed when the buffer was created without num_topk
 
 # Bandwidth model constants for get_theoretical_num_sms (H200, measured: see docs/performance.md).
 SM_COPY_BANDWIDTH_GBPS = 28.0       # one SM's share of the device copy rate (3670 GB/s / 132 SMs)

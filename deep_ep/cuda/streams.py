@@ -31,7 +31,7 @@ def new_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """
     from cuda.bindings import driver
 
-    from .jit.runtime import ensure_context
+    from .driver import ensure_context
 
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -86,7 +86,7 @@ class StreamJoin:
     def __init__(self, device: torch.device) -> None:
         from cuda.bindings import driver
 
-        from .jit.runtime import ensure_context
+        from .driver import ensure_context
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._driver, self._index = driver, index
@@ -104,7 +104,7 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record or the wait.
         """
-        from .jit.runtime import enter_context, leave_context
+        from .driver import enter_context, leave_context
 
         previous = enter_context(self._index)  # a thread that never used CUDA has no current context
         d = self._driver

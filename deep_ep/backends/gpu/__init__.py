@@ -1,0 +1,267 @@
+"""GPU backend: dispatch and combine with the kernels of ``deep_ep/include/deep_ep``.
+
+One room per concern:
+
+* this module: `GPUBackend`, a buffer's lifecycle on one rank (transport, streams, error record,
+  module loading, SM counts, barrier);
+* `dispatch` / `combine`: the host side of each primitive (argument structs, outputs, launches);
+* `modules`: kernel sources, build-time defines, building and loading;
+* `window`: the layout of a rank's window and the buffer-size hint;
+* `abi`: what the host shares with the kernels (read from ``include/deep_ep/common/abi.cuh``);
+* `errors`: errors recorded by the kernels; `state`: a handle's GPU-side state.
+
+Every kernel runs on the backend's communication stream (`ElasticBuffer` orders it after the
+compute stream or ``previous_event``); outputs are allocated on the caller's current stream. The
+transport (`deep_ep.comm`) is NCCL's symmetric window and device communicator for a torch NCCL
+group, or one allocation shared by ranks emulated on one GPU; kernels are built for the one in use.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from ... import jit
+from ...cuda.streams import StreamJoin, new_stream, release_stream
+from ..base import Backend, BufferConfig
+from . import window as wl
+from .abi import CTRL_ERROR_OFFSET
+from .combine import run_combine
+from .dispatch import run_dispatch
+from .errors import ErrorRecord, raise_recorded
+from .modules import (THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines, kernel_source,
+                      load_module, num_modules_built, test_defect_defines, tunable_defines)
+from .state import GPUHandleState
+
+__all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
+           "tunable_defines", "test_defect_defines", "TEST_DEFECTS", "THREADS", "num_modules_built"]
+
+# The data kernels' blocks wait for each other (receive blocks for the last send block's signal),
+# so all of them must be resident at once. A cooperative launch makes the driver check that and
+# refuse a grid that cannot be (MPS or green contexts with fewer SMs) instead of stalling until the
+# timeout; it cost nothing measurable on the H200 (docs/performance.md). Not for emulated ranks,
+# whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
+COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
+
+
+class GPUBackend(Backend):
+    """Dispatch/combine on CUDA tensors for one rank of a buffer.
+
+    ``group`` is a torch NCCL process group (transport: `deep_ep.comm.lsa.NcclLsaTransport`) or a
+    rank of an emulated group, which makes its own transport (``group.make_transport``) and loads
+    modules collectively (``group.load_collectively``).
+
+    Raises:
+        RuntimeError: no CUDA device, or created during CUDA-graph capture.
+        ValueError: no window size. NotImplementedError: the group spans more than one NVLink domain.
+    """
+
+    def __init__(self, group, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        if not torch.cuda.is_available():
+            raise RuntimeError("the GPU backend needs a CUDA device; use a gloo group with CPU tensors "
+                               "to run deep_ep without a GPU")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an ElasticBuffer cannot be created while a CUDA graph is being captured: "
+                               "create it before capture (it allocates and registers memory with NCCL), "
+                               "then capture dispatch/combine calls")
+        num_bytes = config.num_bytes
+        if num_bytes <= 0:
+            raise ValueError("the GPU backend needs a window size: pass num_bytes, or "
+                             "num_max_tokens_per_rank and hidden to ElasticBuffer")
+        self.emulated = hasattr(group, "make_transport")
+        if self.emulated:
+            self.transport = group.make_transport(num_bytes)
+            self._device = self.transport.device
+        else:
+            from ...comm.lsa import NcclLsaTransport
+            self._device = torch.device("cuda", torch.cuda.current_device())
+            self.transport = NcclLsaTransport(group, num_bytes, self._device)
+        self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
+        self.transport_nccl = bool(self.transport.kernel_define)
+        self.transport_args = self.transport.kernel_args()   # fixed for the window's life
+        props = torch.cuda.get_device_properties(self._device)
+        self.num_device_sms = props.multi_processor_count
+        # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
+        self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
+        self._default_sms = self.get_theoretical_num_sms(1, 1)  # the model ignores experts and top-k
+        self.cooperative = COOPERATIVE and not self.emulated
+        self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
+        self.comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
+        self.stream_join = StreamJoin(self._device)
+        self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
+        self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
+        self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
+        self._ctrl_error: Optional[torch.Tensor] = None
+        self.broken: Optional[str] = None
+        self.last_m = 0
+        self._ready_modules: dict = {}   # (kind, structure) -> loaded module
+        self._layouts: dict = {}         # hidden -> WindowLayout
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        """The CUDA device of this rank's tensors and window."""
+        return self._device
+
+    def get_comm_stream(self):
+        """The dedicated stream every kernel of this buffer runs on (`deep_ep.cuda.streams`)."""
+        return self.comm_stream
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """SMs per dispatch/combine from the bandwidth model (`window.theoretical_num_sms`),
+        capped for emulated ranks so that all of them fit on the device."""
+        return min(wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms), self._sm_limit)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self) -> None:
+        """Wait for this rank's communication, report a recorded GPU error, then a host barrier.
+
+        Raises:
+            TimeoutError / RuntimeError: see `check_errors`.
+        """
+        self.comm_stream.synchronize()
+        self.check_errors()
+        self.transport.host_barrier()
+
+    def gpu_barrier(self, stream_handle: int) -> None:
+        """Queue a barrier across the ranks on the raw stream ``stream_handle``: a kernel that signals
+        every peer and waits for every peer's signal (the buffer's GPU timeout applies)."""
+        self.raise_if_broken()
+        mod = self.module("barrier", ())
+        mod.function("deep_ep_barrier").launch(
+            1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr)),
+            stream=stream_handle)
+
+    def destroy(self) -> None:
+        """Wait for this rank's kernels, release the window (collective for NCCL) and the stream."""
+        if not self._destroyed:
+            self._destroyed = True
+            self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
+            self.transport.destroy()
+            release_stream(self.comm_stream)
+            self.stream_join.destroy()
+            self.err_record.free()
+
+    # ------------------------------------------------------------------ dispatch / combine
+    def dispatch(self, data, sf, topk_idx, topk_weights, **kwargs):
+        return run_dispatch(self, data, sf, topk_idx, topk_weights, **kwargs)
+
+    def combine(self, x, handle, topk_weights, bias, *, num_sms):
+        return run_combine(self, x, handle, topk_weights, bias, num_sms=num_sms)
+
+    # ------------------------------------------------------------------ helpers for the primitives
+    def layout(self, hidden: int) -> wl.WindowLayout:
+        """The window's layout for rows of ``hidden`` channels (computed once per hidden size)."""
+        layout = self._layouts.get(hidden)
+        if layout is None:
+            layout = self._layouts[hidden] = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk,
+                                                            False, self.transport.num_bytes)
+        return layout
+
+    def launch_data(self, prepared, n_sms: int) -> None:
+        """Launch a dispatch/combine kernel on the comm stream; a cooperative launch the device
+        refuses (its blocks cannot all be resident: MPS or green contexts with fewer SMs) becomes a
+        LaunchError that says which ``num_sms`` to lower."""
+        try:
+            prepared.launch(self.comm_handle)
+        except jit.LaunchError as exc:
+            if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+                # Kernels of this call may already be queued (notify, layout) and the peers wait for
+                # this one: the buffer is out of step with them, so it cannot be used again.
+                self.broken = "cooperative launch refused"
+                raise jit.LaunchError(f"rank {self.rank}: the device cannot hold all {n_sms} blocks of "
+                                      f"{prepared.function.name} at once (fewer SMs available, e.g. under MPS "
+                                      f"or a green context). This buffer can no longer be used (its peers "
+                                      f"wait for this call): create a new one and pass a smaller num_sms") from exc
+            raise
+
+    def module(self, kind: str, structure: tuple):
+        """The built and loaded module of ``kind`` for ``structure`` (the arguments of its defines
+        function); the first use builds and loads it, collectively for emulated ranks."""
+        mod = self._ready_modules.get((kind, structure))
+        if mod is None:
+            key, mod = build_module(kind, structure, self.transport_nccl)
+            if self.emulated:
+                self.group.load_collectively(key, lambda: load_module(mod, self._device.index))
+            else:
+                load_module(mod, self._device.index)
+            self._ready_modules[(kind, structure)] = mod
+        return mod
+
+    def num_sms(self, num_sms: int) -> int:
+        """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every
+        emulated rank's blocks fit on the device at once."""
+        limit = self._sm_limit
+        n = num_sms or self._default_sms
+        if n < 1:
+            raise ValueError(f"num_sms must be >= 1, got {n}")
+        if n > limit:
+            if self.emulated:
+                raise ValueError(
+                    f"{self.num_ranks} emulated ranks x {n} SMs > {self.num_device_sms} SMs of the device: "
+                    f"every rank's blocks must be resident at once (ranks wait on each other); "
+                    f"use num_sms <= {limit}")
+            n = limit
+        return n
+
+    def host_read(self, t: torch.Tensor, stream) -> list:
+        """``t`` (int32, on the device) as a list, once ``stream``'s work before now is done.
+
+        A pinned copy and an event, polled: a pageable copy (``.cpu()``) would wait inside the
+        driver for the kernel it depends on, which spins until every peer arrives, and while it
+        waits other threads' launches can block too (with emulated ranks: the peers' launches).
+        """
+        n = t.numel()
+        if self._host_buf.numel() < n:
+            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, pin_memory=True)
+        dst = self._host_buf[:n]
+        with torch.cuda.stream(stream):
+            dst.copy_(t, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        deadline = time.monotonic() + self.config.num_cpu_timeout_secs
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
+                                   f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
+            time.sleep(2e-5)
+        return dst.tolist()
+
+    def read_error(self) -> Optional[tuple]:
+        """(code, rank, peer, phase) recorded by a kernel of this rank, or None (waits for the stream)."""
+        v = self.host_read(self._ctrl_error_view(), self.comm_stream)
+        return tuple(v) if v[0] != 0 else None
+
+    def check_errors(self) -> None:
+        """Raise if a kernel of this rank recorded an error (waits for the communication stream).
+
+        Raises:
+            TimeoutError: a peer did not arrive within ``num_gpu_timeout_secs``.
+            RuntimeError: this rank would have received more rows than its outputs hold.
+        """
+        err = self.read_error()
+        if err is not None:
+            self._raise(err)
+
+    def raise_if_broken(self) -> None:
+        """Raise if an earlier error left the buffer unusable, or a kernel recorded one since
+        (read from the mapped host record: no stream operation)."""
+        if self.broken is not None:
+            raise RuntimeError(f"deep_ep: this buffer is no longer usable after an earlier GPU error "
+                               f"({self.broken}); destroy it and create a new one")
+        v = self.err_record.read()
+        if v[0] != 0:
+            self._raise(v)
+
+    def _raise(self, record: tuple) -> None:
+        self.broken = "capacity" if record[0] == 2 else "timeout"
+        raise_recorded(record, self.config.num_gpu_timeout_secs, self.last_m)
+
+    def _ctrl_error_view(self) -> torch.Tensor:
+        if self._ctrl_error is None:
+            self._ctrl_error = self.transport.window_tensor()[CTRL_ERROR_OFFSET:CTRL_ERROR_OFFSET + 16].view(torch.int32)
+        return self._ctrl_error

@@ -1,0 +1,98 @@
+"""What the host shares with the kernels, read from the one source, ``include/deep_ep/common/abi.cuh``.
+
+Every ``constexpr int kName = value;`` line of ``common/abi.cuh`` and ``common/defects.cuh`` becomes
+an entry of `CONSTANTS` (``kMaxRanks`` -> ``CONSTANTS["kMaxRanks"]``), and the ``EP_LAYOUT_WORDS``
+list gives `LayoutIndex` the word offsets of a handle's layout tensor. The argument structs the
+kernels take by value are mirrored as ctypes structures below; tests/test_kernel_args_layout.py
+checks them against the compiler's own offsets.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "DispatchArgs", "CombineArgs", "MAX_RANKS",
+           "MAX_EXPERTS", "MAX_TOPK", "CTRL_BYTES", "CTRL_ERROR_OFFSET", "PHASES"]
+
+_COMMON = Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "common"
+_CONSTEXPR = re.compile(r"^\s*constexpr\s+int\s+(k\w+)\s*=\s*([^;]+);(?:\s*//\s*(.*))?$")
+
+
+def _read_constants(*files: Path) -> tuple:
+    values, comments = {}, {}
+    for path in files:
+        for line in path.read_text().splitlines():
+            m = _CONSTEXPR.match(line)
+            if m:
+                name, expr, comment = m.groups()
+                # Integers, and sums / products of names defined above them.
+                values[name] = int(eval(expr, {"__builtins__": {}}, dict(values)))  # noqa: S307
+                comments[name] = (comment or "").strip()
+    return values, comments
+
+
+CONSTANTS, _COMMENTS = _read_constants(_COMMON / "abi.cuh", _COMMON / "defects.cuh")
+
+MAX_RANKS = CONSTANTS["kMaxRanks"]
+MAX_EXPERTS = CONSTANTS["kMaxExperts"]
+MAX_TOPK = CONSTANTS["kMaxTopk"]
+CTRL_BYTES = CONSTANTS["kCtrlBytes"]
+CTRL_ERROR_OFFSET = CONSTANTS["kCtrlError"] * 4      #: byte offset of the error record
+ERR_TIMEOUT = CONSTANTS["kErrTimeout"]
+ERR_CAPACITY = CONSTANTS["kErrCapacity"]
+#: phase code -> what the rank was waiting for (names a timeout)
+PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts)",
+          CONSTANTS["kPhaseDispatch"]: "dispatch (waiting for peers' tokens)",
+          CONSTANTS["kPhaseCombine"]: "combine (waiting for peers' expert outputs)",
+          CONSTANTS["kPhaseBarrier"]: "barrier (waiting for peers)"}
+#: test-only kernel defects (common/defects.cuh): number -> name ("dropped row", ...)
+TEST_DEFECTS = {v: _COMMENTS[k].split(":", 1)[0].strip() for k, v in CONSTANTS.items() if k.startswith("kDefect")}
+
+
+def _layout_words() -> list:
+    text = (_COMMON / "abi.cuh").read_text()
+    body = text[text.index("#define EP_LAYOUT_WORDS(X)"):]
+    body = body[:body.index("\n\n")]
+    return re.findall(r"X\((\w+),\s*(\w+)\)", body)
+
+
+_LAYOUT_WORDS = _layout_words()
+
+
+class LayoutIndex:
+    """Word offsets of a handle's layout tensor (``deep_ep::LayoutIndex``): ``ix.rank_prefix_sum``,
+    ``ix.padded_counts``, ... and ``ix.size``, for ``R`` ranks, ``L`` local experts, ``E`` experts."""
+
+    def __init__(self, R: int, L: int, E: int) -> None:
+        counts = {"1": 1, "R": R, "L": L, "E": E}
+        offset = 0
+        for name, count in _LAYOUT_WORDS:
+            setattr(self, name, offset)
+            offset += counts[count]
+        self.size = offset
+
+
+class DispatchArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::DispatchArgs`` (include/deep_ep/impls/dispatch_args.cuh)."""
+    _fields_ = [("x", ctypes.c_void_p), ("sf", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p),
+                ("topk_weights", ctypes.c_void_p), ("num_tokens", ctypes.c_int),
+                ("pos_tok", ctypes.c_void_p), ("pos_pair", ctypes.c_void_p),
+                ("out_x", ctypes.c_void_p), ("out_sf", ctypes.c_void_p), ("sf_ld", ctypes.c_int),
+                ("out_topk_idx", ctypes.c_void_p), ("out_weights", ctypes.c_void_p),
+                ("out_src_rank", ctypes.c_void_p), ("out_src_token", ctypes.c_void_p),
+                ("row_map", ctypes.c_void_p), ("out_capacity", ctypes.c_int), ("layout", ctypes.c_void_p),
+                ("num_experts", ctypes.c_int), ("alignment", ctypes.c_int),
+                ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
+
+
+class CombineArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::CombineArgs`` (include/deep_ep/impls/combine_args.cuh)."""
+    _fields_ = [("y", ctypes.c_void_p), ("weights_in", ctypes.c_void_p), ("recv_weights", ctypes.c_void_p),
+                ("row_map", ctypes.c_void_p), ("layout", ctypes.c_void_p), ("pos_tok", ctypes.c_void_p),
+                ("pos_pair", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("num_tokens", ctypes.c_int),
+                ("bias0", ctypes.c_void_p), ("bias1", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("out_weights", ctypes.c_void_p), ("num_experts", ctypes.c_int),
+                ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]

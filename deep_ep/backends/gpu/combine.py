@@ -1,0 +1,49 @@
+"""Host side of combine on the GPU backend: one kernel, ``deep_ep_combine`` (each destination stages
+the rows that came from peers in its own window and signals; each source then pulls and sums its
+tokens' rows), launched through the handle's prepared launch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import outputs
+from .abi import CombineArgs
+from .dispatch import _ptr
+from .modules import THREADS
+from .state import GPUHandleState
+
+__all__ = ["run_combine"]
+
+
+def run_combine(b, x, handle, topk_weights, bias, *, num_sms):
+    """`Backend.combine` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
+    dev = b.device
+    state = handle.backend_state
+    if not isinstance(state, GPUHandleState):
+        raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+    b.raise_if_broken()
+    T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
+    layout = b.layout(H)
+    n_sms = b.num_sms(num_sms)
+    mod = b.module("combine", (H, K, bool(handle.do_expand)))
+    out = outputs.empty((T, H), torch.bfloat16, dev)
+    out_w = outputs.empty((T, K), torch.float32, dev) if topk_weights is not None else None
+    bias0 = bias[0] if len(bias) > 0 else None
+    bias1 = bias[1] if len(bias) > 1 else None
+    key = ("combine", H, K, n_sms, handle.topk_idx.data_ptr(), _ptr(handle.recv_topk_weights))
+    prepared = state.launches.get(key)
+    if prepared is None:
+        args = CombineArgs(
+            recv_weights=_ptr(handle.recv_topk_weights),
+            row_map=_ptr(state.row_map), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
+            pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
+            num_experts=E,
+            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr)
+        prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(
+            n_sms, THREADS, (args, b.transport_args), device=dev.index, cooperative=b.cooperative)
+    a = prepared.args[0]  # the per-call pointers
+    a.y, a.weights_in, a.bias0, a.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
+    a.out, a.out_weights = _ptr(out), _ptr(out_w)
+    b.launch_data(prepared, n_sms)
+    return out, out_w

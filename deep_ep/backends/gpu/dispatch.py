@@ -1,0 +1,186 @@
+"""Host side of dispatch on the GPU backend.
+
+Flow of one non-cached dispatch (every kernel on the buffer's communication stream):
+
+1. ``deep_ep_notify``  (R [+E] blocks) numbers this rank's tokens per destination rank / expert and
+   writes its count row into every peer's window; its last block signals the peers.
+2. ``deep_ep_layout``  (1 block) waits for every peer's counts and writes the handle's layout words.
+3. With ``do_cpu_sync`` the host reads the received row count and allocates exact outputs; without
+   it the outputs are sized for the worst case and nothing waits on the host.
+4. ``deep_ep_dispatch`` (num_sms blocks): the send phase moves every token row once per
+   destination rank (peers: into their window; this rank: straight into the outputs) and signals;
+   the receive phase waits for every peer, then copies peers' rows into the outputs.
+
+A cached dispatch runs step 4 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
+Rounds alternate between the two halves of the receive region (see `window`).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from ... import jit
+from ...handle import EPHandle
+from ...reference import worst_case_recv_rows
+from .. import outputs
+from .abi import MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutIndex
+from .modules import LAYOUT_THREADS, THREADS
+from .state import GPUHandleState
+
+__all__ = ["run_dispatch"]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
+                 expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
+                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+    """`Backend.dispatch` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
+    dev = b.device
+    R, rank = b.num_ranks, b.rank
+    cached = handle is not None
+    if cached:
+        state = handle.backend_state
+        if not isinstance(state, GPUHandleState):
+            raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+        topk_idx = handle.topk_idx
+        do_expand = handle.do_expand
+        expert_alignment = handle.expert_alignment
+        num_experts = handle.num_experts
+    E, A = num_experts, expert_alignment
+    if E > MAX_EXPERTS:
+        raise ValueError(f"num_experts={E} exceeds the {MAX_EXPERTS} experts a window has room for")
+    L = E // R
+    T, H = int(data.shape[0]), int(data.shape[1])
+    K = int(topk_idx.shape[1])
+    if K > (b.config.num_topk or MAX_TOPK):
+        raise ValueError(f"top-k {K} exceeds the {b.config.num_topk or MAX_TOPK} the window rows were "
+                         f"sized for: create the buffer with num_topk={K}")
+    data_bytes = H * data.element_size()
+    num_sf = 0 if sf is None else int(sf.shape[1])
+    if data_bytes % 16:
+        raise ValueError(f"a token row must be a multiple of 16 bytes on the GPU; got hidden={H} "
+                         f"({data.dtype}): use a hidden size that is a multiple of 8 (bf16) / 16 (fp8)")
+    layout = b.layout(H)
+    cap_tok_rows = layout.rows_per_half
+    m = num_max_tokens_per_rank or (cap_tok_rows // R)
+    if R * m > cap_tok_rows:
+        raise ValueError(f"the window holds {cap_tok_rows} token rows per round, fewer than "
+                         f"{R} ranks x num_max_tokens_per_rank={m}: create the buffer with a larger "
+                         f"num_bytes (see ElasticBuffer.get_buffer_size_hint)")
+    if T > m:
+        raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
+                         f"(num_max_tokens_per_rank)")
+    b.last_m = m
+    n_sms = b.num_sms(num_sms)
+    mod = b.module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
+    transport = b.transport_args
+
+    b.raise_if_broken()
+    if not cached:
+        # do_cpu_sync=False: outputs are sized now for the worst case; the layout kernel refuses
+        # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
+        big = 2 ** 31 - 1
+        out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
+        tok_cap = big if do_cpu_sync else R * m
+        lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev)
+        pos_tok = outputs.empty((T, R), torch.int32, dev)
+        pos_pair = outputs.empty((T, K), torch.int32, dev) if do_expand else None
+        stream = b.comm_stream
+        mod.function("deep_ep_notify").launch(
+            R + (E if do_expand else 0), LAYOUT_THREADS,
+            (topk_idx, T, E, jit.i64(layout.counts_offset), pos_tok, pos_pair, transport),
+            smem=4 * L, stream=stream)
+        mod.function("deep_ep_layout").launch(
+            1, LAYOUT_THREADS,
+            (E, A, jit.i64(layout.counts_offset), lay, cumulative_local_expert_recv_stats, out_cap, tok_cap,
+             jit.u64(b.timeout_ns), transport), stream=stream)
+        if do_cpu_sync:
+            head = b.host_read(lay, stream)  # waits for the layout kernel, i.e. every peer's counts
+            b.check_errors()
+            num_out_rows, num_tok_rows = head[0], head[1]
+            out_rows = num_out_rows
+            tok_capacity = num_tok_rows
+        else:
+            out_rows, tok_capacity, num_out_rows = out_cap, tok_cap, None
+    else:
+        lay, pos_tok, pos_pair = state.layout, state.pos_tok, state.pos_pair
+        out_rows = handle.num_recv_rows
+
+    # outputs
+    out_x = outputs.empty((out_rows, H), data.dtype, dev)
+    out_sf, sf_ld = None, 0
+    if sf is not None:
+        if use_tma_aligned_col_major_sf:
+            sf_ld = (out_rows + 3) // 4 * 4
+            out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev).t()[:out_rows]
+        else:
+            out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev)
+    if not cached:
+        if do_expand:
+            out_idx = outputs.empty(out_rows, torch.int64, dev)
+            out_w = outputs.empty(out_rows, torch.float32, dev)
+            row_map = outputs.empty((tok_capacity, K), torch.int32, dev)
+        else:
+            out_idx = outputs.empty((out_rows, K), torch.int64, dev)
+            out_w = outputs.empty((out_rows, K), torch.float32, dev) if topk_weights is not None else None
+            row_map = None
+        src_rank = outputs.empty(out_rows, torch.int32, dev)
+        src_token = outputs.empty(out_rows, torch.int32, dev)
+    else:
+        out_idx, out_w, row_map = state.recv_topk_idx, state.recv_topk_weights, state.row_map
+        src_rank, src_token = handle.recv_src_rank, handle.recv_src_token
+
+    out_sf_ptr = out_sf.data_ptr() if out_sf is not None and out_sf.numel() else None
+    prepared = None
+    if cached:
+        # The handle's prepared launch: only the per-call pointers change.
+        # The handle-level tensors the launch reads are part of the key: a handle rebuilt with
+        # other tensors (dataclasses.replace) shares this state but must not reuse the pointers.
+        key = ("dispatch", data_bytes, num_sf, K, n_sms, bool(do_zero_padding), sf_ld,
+               topk_idx.data_ptr(), src_rank.data_ptr(), src_token.data_ptr())
+        prepared = state.launches.get(key)
+        if prepared is not None:
+            a = prepared.args[0]
+            a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
+    if prepared is None:
+        args = DispatchArgs(
+            x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
+            pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x), out_sf=out_sf_ptr, sf_ld=sf_ld,
+            out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), out_src_rank=_ptr(src_rank),
+            out_src_token=_ptr(src_token), row_map=_ptr(row_map), out_capacity=out_rows, layout=lay.data_ptr(),
+            num_experts=E, alignment=A,
+            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr)
+        fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
+        prepared = fn.prepare(n_sms, THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
+                              cooperative=b.cooperative)
+        if cached:
+            state.launches[key] = prepared
+    b.launch_data(prepared, n_sms)
+
+    recv_x = out_x if sf is None else (out_x, out_sf)
+    if cached:
+        # design.md: the handle's weights in the expanded layout, None otherwise.
+        return recv_x, out_idx, (handle.recv_topk_weights if do_expand else None), handle
+
+    Lx = LayoutIndex(R, L, E)
+    plist = None
+    if do_cpu_sync:
+        plist = head[Lx.padded: Lx.padded + L]
+    new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, row_map=row_map,
+                               recv_topk_idx=out_idx, recv_topk_weights=out_w,
+                               num_tok_rows_capacity=tok_capacity)
+    new_handle = EPHandle(
+        buffer_id=b.config.buffer_id, num_ranks=R, rank=rank, num_experts=E, num_topk=K, hidden=H,
+        do_expand=do_expand, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank, num_tokens=T,
+        num_recv_tokens=num_out_rows, num_recv_tokens_gpu=lay[0:1],
+        rank_prefix_sum=lay[Lx.rps: Lx.rps + R], num_recv_tokens_per_expert=lay[Lx.padded: Lx.padded + L],
+        num_recv_tokens_per_expert_list=plist, recv_src_rank=src_rank, recv_src_token=src_token,
+        send_pos=pos_pair if do_expand else pos_tok, topk_idx=topk_idx,
+        recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
+    return recv_x, out_idx, out_w, new_handle

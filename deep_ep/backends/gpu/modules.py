@@ -1,0 +1,127 @@
+"""The GPU backend's kernel modules: their sources, build-time defines, building and loading.
+
+A module is one of ``include/deep_ep/kernels/*.cuh`` compiled for one structural configuration
+(row bytes, scale factors, top-k, layout, transport); token counts, rank counts and sizes are run-time
+arguments, so a new batch size never compiles. Modules are built once per process (and cached on
+disk by `deep_ep.jit`) and loaded on the buffer's device before their first launch.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from ... import jit
+from .abi import TEST_DEFECTS
+
+__all__ = ["THREADS", "LAYOUT_THREADS", "TUNABLES", "TEST_DEFECTS", "kernel_source", "tunable_defines",
+           "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines", "build_module",
+           "load_module", "num_modules_built"]
+
+THREADS = 512           # threads of the data kernels (EP_THREADS)
+LAYOUT_THREADS = 512    # threads of the notify / layout kernels (EP_LAYOUT_THREADS)
+
+# Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh):
+# they change how bytes move, never which, so the host needs no matching change. Structural defines
+# (EP_THREADS, EP_TOPK...) are not among them: overriding those would break the host's view of the
+# kernels.
+TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_LOAD_NO_L1", "EP_STORE_STREAMING",
+                      "EP_BLOCK_FENCE"})
+
+
+def kernel_source(kind: str) -> str:
+    """The CUDA source of a ``kind`` module ("dispatch", "combine" or "barrier"); the structure comes
+    in as defines."""
+    if kind not in ("dispatch", "combine", "barrier"):
+        raise ValueError(f"unknown kernel module kind {kind!r}")
+    return f"#include <deep_ep/kernels/{kind}.cuh>\n"
+
+
+def tunable_defines() -> dict:
+    """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_BLOCK_FENCE=1,EP_SEND_UNROLL=4"``),
+    added to every data module: for running the GPU tests against a variant before it becomes the
+    default (tools/tune_gpu.py times them).
+
+    Raises:
+        ValueError: an item is not ``<tunable>=<integer>`` with a name in `TUNABLES`.
+    """
+    out = {}
+    for item in filter(None, (p.strip() for p in os.environ.get("DEEP_EP_KERNEL_DEFINES", "").split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in TUNABLES:
+            raise ValueError(f"DEEP_EP_KERNEL_DEFINES: expected <tunable>=<integer> with a tunable of "
+                             f"{sorted(TUNABLES)}, got {item!r}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"DEEP_EP_KERNEL_DEFINES: {name} needs an integer, got {value.strip()!r}") from None
+    return out
+
+
+def test_defect_defines() -> dict:
+    """``{"EP_TEST_DEFECT": n}`` when ``DEEP_EP_TEST_DEFECT=n`` (a key of `TEST_DEFECTS`) is set, else
+    ``{}``. Only the mutation check sets it: a defect makes the kernels wrong on purpose.
+
+    Raises:
+        ValueError: the variable is set to something else.
+    """
+    value = os.environ.get("DEEP_EP_TEST_DEFECT", "").strip()
+    if value in ("", "0"):
+        return {}
+    if not value.isdigit() or int(value) not in TEST_DEFECTS:
+        raise ValueError(f"DEEP_EP_TEST_DEFECT must be one of {sorted(TEST_DEFECTS)} (test-only kernel "
+                         f"defects: {TEST_DEFECTS}), got {value!r}")
+    return {"EP_TEST_DEFECT": int(value)}
+
+
+def _common(transport_nccl: bool) -> dict:
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, "EP_LAYOUT_THREADS": LAYOUT_THREADS,
+            **tunable_defines(), **test_defect_defines()}
+
+
+def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
+    """Defines of the dispatch module (notify, layout and dispatch kernels) for one structure."""
+    return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
+            **_common(transport_nccl)}
+
+
+def combine_defines(hidden: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
+    """Defines of the combine module for one structure."""
+    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand), **_common(transport_nccl)}
+
+
+def barrier_defines(transport_nccl: bool = False) -> dict:
+    """Defines of the control module (the GPU barrier)."""
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl)}
+
+
+_DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines}
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def build_module(kind: str, structure: tuple, transport_nccl: bool):
+    """``(key, module)`` for ``kind`` and ``structure`` (the arguments of its ``*_defines``), built once
+    per process. Modules of the NCCL transport compile against NCCL's device headers."""
+    defines = _DEFINES[kind](*structure, transport_nccl=transport_nccl)
+    key = (kind, tuple(sorted(defines.items())))
+    mod = _modules.get(key)
+    if mod is None:
+        with _modules_lock:
+            mod = _modules.get(key)
+            if mod is None:
+                name = f"deep_ep_{kind}_" + "_".join(f"{v}" for _, v in sorted(defines.items()))
+                mod = jit.build(name, kernel_source(kind), defines=defines, use_nccl=transport_nccl)
+                _modules[key] = mod
+    return key, mod
+
+
+def load_module(mod, device_index: int) -> None:
+    """Load every kernel of ``mod`` on the device now (not at its first launch)."""
+    for name in mod.kernel_names():
+        mod.function(name).handle(device_index)
+
+
+def num_modules_built() -> int:
+    """Distinct kernel modules this process has built or loaded (the bench reports it)."""
+    return len(_modules)

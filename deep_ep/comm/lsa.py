@@ -1,0 +1,84 @@
+"""The scale-up transport of a torch NCCL group: a symmetric window reached over NVLink (LSA).
+
+Every rank allocates and registers its window on the user's communicator (`SymmetricWindow`), and a
+device communicator (`DeviceCommunicator`) is made from the same communicator. The kernels receive
+both and resolve each peer's window with NCCL's device API (``ncclTeamLsa``, ``ncclGetLsaPointer``).
+
+Only ranks of one LSA team (one NVLink domain) are reachable this way; a group that spans more
+(other nodes, reached over RDMA through GIN) raises `NotImplementedError` until the scale-out
+transport exists.
+"""
+from __future__ import annotations
+
+import torch
+
+from .devcomm import DeviceCommunicator
+from .nccl import SymmetricWindow, comm_ptr, lsa_team
+from .transport import Transport
+
+__all__ = ["NcclLsaTransport"]
+
+
+class _DeviceBytes:
+    """Exposes device memory that torch did not allocate through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class NcclLsaTransport(Transport):
+    """A symmetric window of ``num_bytes`` per rank on the NCCL group ``group``, and its device
+    communicator. Collective: every rank of ``group`` creates it with the same ``num_bytes``.
+
+    Raises:
+        NotImplementedError: some ranks of the group are outside this rank's NVLink (LSA) domain.
+        deep_ep.cuda.nccl.NcclError: an NCCL call failed.
+    """
+
+    kernel_define = 1
+
+    def __init__(self, group, num_bytes: int, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.rank, self.num_ranks = int(group.rank()), int(group.size())
+        self.num_bytes = int(num_bytes)
+        self.window = self.devcomm = None
+        self.comm = comm_ptr(group, device)
+        team_size, team_rank = lsa_team(self.comm)
+        if team_size != self.num_ranks:
+            raise NotImplementedError(
+                f"rank {self.rank}: only {team_size} of the group's {self.num_ranks} ranks share this GPU's "
+                f"NVLink (LSA) domain; scale-out over RDMA (NCCL GIN) is not implemented yet")
+        if team_rank != self.rank:
+            raise NotImplementedError(f"LSA rank {team_rank} differs from group rank {self.rank}: "
+                                      f"a group whose NVLink domain is permuted is not supported yet")
+        self.window = SymmetricWindow(self.comm, self.num_bytes, device)
+        self.devcomm = DeviceCommunicator(self.comm, self.num_ranks)
+        self._args = self.devcomm.transport_args(self.window.handle)
+        self._window_view = None
+
+    def kernel_args(self):
+        return self._args
+
+    def window_tensor(self) -> torch.Tensor:
+        """The control region (first 64 KiB) of this rank's window as a uint8 tensor view."""
+        if self._window_view is None:
+            self._window_view = torch.as_tensor(_DeviceBytes(self.window.ptr, 64 * 1024), device=self.device)
+        return self._window_view
+
+    def host_barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        """Destroy the device communicator, deregister and free the window. Collective: a barrier
+        first, so that no peer is still reading this rank's window (combine pulls from peers)."""
+        if self.window is not None and self.window.handle:
+            self.host_barrier()
+        if self.devcomm is not None:
+            self.devcomm.destroy()
+            self.devcomm = None
+        if self.window is not None:
+            self.window.destroy()
+            self.window = None

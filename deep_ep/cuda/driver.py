@@ -1,0 +1,113 @@
+"""The CUDA driver API (``cuda.bindings.driver``) and the devices' primary contexts.
+
+deep_ep launches its kernels with the driver API in the primary context of each device, the context
+torch's runtime uses, so tensors and kernels share one address space. A driver call needs that
+context current on the calling thread: `enter_context` makes it current and returns what
+`leave_context` needs to restore the caller's, so a launch never changes the caller's current
+device (the CUDA runtime derives the current device from the current context).
+"""
+from __future__ import annotations
+
+import threading
+
+__all__ = ["DriverError", "driver", "error_name", "device_count", "primary_context", "ensure_context",
+           "enter_context", "leave_context"]
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed (no device, a context that cannot be retained or made current)."""
+
+
+_driver = None
+_init_lock = threading.Lock()
+_primary: dict = {}
+
+
+def driver():
+    """The ``cuda.bindings.driver`` module (imported on first use)."""
+    global _driver
+    if _driver is None:
+        from cuda.bindings import driver as d
+        _driver = d
+    return _driver
+
+
+def error_name(err) -> str:
+    """``"CUDA_ERROR_X: description"`` for a driver error code."""
+    d = driver()
+    try:
+        _e, name = d.cuGetErrorName(err)
+        _e, msg = d.cuGetErrorString(err)
+        return f"{name.decode()}: {msg.decode()}"
+    except Exception:  # an unknown code, or bindings without the call
+        return str(err)
+
+
+def device_count() -> int:
+    """Number of CUDA devices the driver sees (0 when there is no driver or no GPU)."""
+    try:
+        d = driver()
+        (err,) = d.cuInit(0)
+        if int(err) != 0:
+            return 0
+        err, n = d.cuDeviceGetCount()
+        return int(n) if int(err) == 0 else 0
+    except Exception:  # no bindings or no driver library
+        return 0
+
+
+def primary_context(device: int):
+    """``device``'s primary context (the one torch uses), retained once per process.
+
+    Raises:
+        DriverError: no CUDA device, or the driver refused.
+    """
+    ctx = _primary.get(device)
+    if ctx is None:
+        with _init_lock:
+            ctx = _primary.get(device)
+            if ctx is None:
+                d = driver()
+                if device_count() == 0:
+                    raise DriverError("no CUDA device is present: deep_ep can compile kernels here, but not "
+                                      "load or launch them")
+                err, dev = d.cuDeviceGet(device)
+                if int(err) != 0:
+                    raise DriverError(f"cuDeviceGet({device}): {error_name(err)}")
+                err, ctx = d.cuDevicePrimaryCtxRetain(dev)
+                if int(err) != 0:
+                    raise DriverError(f"cuDevicePrimaryCtxRetain({device}): {error_name(err)}")
+                _primary[device] = ctx
+    return ctx
+
+
+def ensure_context(device: int):
+    """Make ``device``'s primary context current on this thread and return it. It stays current:
+    use it where the caller restores the device (``torch.cuda.device``), else `enter_context` /
+    `leave_context`."""
+    enter_context(device)
+    return primary_context(device)
+
+
+def enter_context(device: int):
+    """Make ``device``'s primary context current for a driver call; return what `leave_context`
+    needs to restore the caller's (None when it was current already: the common, cheap case).
+
+    Raises:
+        DriverError: the context could not be made current.
+    """
+    ctx = primary_context(device)
+    d = driver()
+    _err, cur = d.cuCtxGetCurrent()
+    if int(cur) == int(ctx):
+        return None
+    (err,) = d.cuCtxSetCurrent(ctx)
+    if int(err) != 0:
+        raise DriverError(f"cuCtxSetCurrent(device {device}): {error_name(err)}")
+    return cur
+
+
+def leave_context(previous) -> None:
+    """Undo `enter_context` (``previous`` is its return value)."""
+    if previous is not None:
+        driver().cuCtxSetCurrent(previous)

@@ -1,0 +1,66 @@
+// What the host and the kernels must agree on: window control words, error codes, phases, limits
+// and the layout words of a handle. This file is the one source: deep_ep/backends/gpu/abi.py reads
+// every `constexpr int k... = ...;` line and the EP_LAYOUT_WORDS list below, so keep them in that
+// form (one per line; values are integers or sums/products of earlier names).
+#pragma once
+
+#include "types.cuh"
+
+namespace deep_ep {
+
+// ---- limits -----------------------------------------------------------------------------------
+constexpr int kMaxRanks = 1024;     // ranks of one scale-up (LSA) domain: signal words per window
+constexpr int kMaxExperts = 1024;   // experts a window's count matrix has room for
+constexpr int kMaxTopk = 16;        // top-k assumed when a buffer was created without num_topk
+
+// ---- the control region of every rank's window (u32 words from the window's start) ------------
+constexpr int kCtrlBytes = 65536;
+constexpr int kCtrlArrive = 0;               // [kMaxRanks] signals received from each peer
+constexpr int kCtrlEpoch = kMaxRanks;        // waits this rank has completed (one per consumer phase)
+constexpr int kCtrlRound = kMaxRanks + 1;    // data rounds completed (selects the receive half)
+constexpr int kCtrlDone = kMaxRanks + 2;     // blocks that finished a producer phase (send, notify)
+constexpr int kCtrlDoneWait = kMaxRanks + 3; // blocks that finished a consumer phase (finish_wait)
+constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (the first error wins)
+
+// ---- error codes (kCtrlError[0]) and the phases a timeout names (kCtrlError[3]) ----------------
+constexpr int kErrTimeout = 1;    // a peer did not arrive in time
+constexpr int kErrCapacity = 2;   // this rank would receive more rows than its outputs hold
+constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
+constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
+constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
+constexpr int kPhaseBarrier = 4;   // barrier: waiting for peers
+
+// ---- the layout words of a handle (int32), in order: name, count in R (ranks), L (local experts)
+// and E (experts). LayoutIndex below gives each one's offset.
+#define EP_LAYOUT_WORDS(X)                                                                        \
+    X(num_out_rows, 1)       /* output rows incl. padding (expanded) = token rows (non-expanded) */ \
+    X(num_tok_rows, 1)       /* received token rows */                                              \
+    X(tok_prefix, R)         /* [R] inclusive prefix of token rows per source rank */               \
+    X(rank_prefix_sum, R)    /* [R] inclusive prefix per source (tokens; expanded: pairs) */        \
+    X(raw_counts, L)         /* [L] received pairs per local expert */                              \
+    X(padded_counts, L)      /* [L] the same, padded to the alignment */                            \
+    X(expert_start, L)       /* [L] first output row of each local expert */                        \
+    X(send_base, R)          /* [R] this rank's first token row at each destination */              \
+    X(out_base, E)           /* [E] expanded: this rank's first output row per global expert */
+
+// Offsets (int32 words) inside a handle's layout tensor: `ix.tok_prefix()` and so on, `ix.size()`.
+struct LayoutIndex {
+#define EP_LAYOUT_MEMBER(name, count) int name##_offset = 0;
+    EP_LAYOUT_WORDS(EP_LAYOUT_MEMBER)
+#undef EP_LAYOUT_MEMBER
+    int num_words = 0;
+
+    __host__ __device__ constexpr LayoutIndex(int R, int L, int E) {
+        int offset = 0;
+#define EP_LAYOUT_PLACE(name, count) name##_offset = offset; offset += (count);
+        EP_LAYOUT_WORDS(EP_LAYOUT_PLACE)
+#undef EP_LAYOUT_PLACE
+        num_words = offset;
+    }
+#define EP_LAYOUT_ACCESSOR(name, count) __host__ __device__ constexpr int name() const { return name##_offset; }
+    EP_LAYOUT_WORDS(EP_LAYOUT_ACCESSOR)
+#undef EP_LAYOUT_ACCESSOR
+    __host__ __device__ constexpr int size() const { return num_words; }
+};
+
+}  // namespace deep_ep

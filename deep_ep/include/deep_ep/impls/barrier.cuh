@@ -1,0 +1,16 @@
+// A barrier across the ranks of a buffer on the GPU (one block): signal every peer, wait for every
+// peer's signal (with the buffer's timeout), advance the epoch. Ordered on a stream like any kernel,
+// so work queued before it on every rank is complete, as far as the window is concerned, after it.
+#pragma once
+
+#include "../comm/lsa.cuh"
+
+namespace deep_ep {
+
+__device__ __forceinline__ void barrier_impl(const comm::LsaTransport& tr, uint64_t timeout_ns, uint32_t* err_host) {
+    if (comm::last_block(tr.local())) tr.signal_all();
+    tr.wait_all(kPhaseBarrier, timeout_ns);
+    comm::finish_wait(tr.local(), false, err_host);
+}
+
+}  // namespace deep_ep

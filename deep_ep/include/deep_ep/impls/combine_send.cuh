@@ -1,0 +1,66 @@
+// Combine, send phase (num_sms blocks) on destination d: the rows that came from peers are staged in
+// d's own window at the row index they arrived at (non-expanded: the bf16 row; expanded: the fp32
+// sum of the token's rows for d's experts, weighted by the dispatch weights), with the top-k
+// weights to reduce in a trailer. Rows from d itself stay in the caller's tensor. The last block
+// signals every peer.
+#pragma once
+
+#include "../comm/lsa.cuh"
+#include "../common/grid.cuh"
+#include "combine_reduce.cuh"
+
+namespace deep_ep {
+
+template <int kHidden, int K, bool kExpand>
+__device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const comm::LsaTransport& tr) {
+    using Row = CombineRow<kHidden, K, kExpand>;
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
+    const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
+    const LayoutIndex ix{R, L, a.num_experts};
+    uint8_t* my_window = tr.local();
+    const int half = comm::current_half(my_window);
+    const int num_tok_rows = comm::has_error(my_window) ? 0 : a.layout[ix.num_tok_rows()];
+    const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
+    const int self_end = a.layout[ix.tok_prefix() + rank];
+
+    for (int j = global_warp; j < num_tok_rows; j += num_warps) {
+        if (j >= self_begin && j < self_end) continue;
+        uint8_t* dst = my_window + comm::row_offset(a, half, j);
+        float* dst_w = reinterpret_cast<float*>(dst + Row::kWeightOffset);
+        if (!kExpand) {
+            const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(j) * kHidden);
+            int4* d4 = reinterpret_cast<int4*>(dst);
+#pragma unroll 4
+            for (int i = lane; i < Row::kVecs; i += 32) st_cg(d4 + i, ld_nc(src + i));
+            if (lane < K) dst_w[lane] = a.weights_in != nullptr ? a.weights_in[static_cast<int64_t>(j) * K + lane] : 0.0f;
+        } else {
+            const int my_out = lane < K ? a.row_map[static_cast<int64_t>(j) * K + lane] : -1;
+            const float my_w = my_out >= 0 ? a.recv_weights[my_out] : 0.0f;
+            float4* d4 = reinterpret_cast<float4*>(dst);
+            // All lanes iterate together (the shuffles need the whole warp); lanes past the row idle.
+            for (int base = 0; base < Row::kVecs; base += 32) {
+                const int i = base + lane;
+                const bool active = i < Row::kVecs;
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    const int out = __shfl_sync(0xffffffffu, my_out, k);
+                    const float w = __shfl_sync(0xffffffffu, my_w, k);
+                    if (out < 0 || !active) continue;
+                    float f[8];
+                    bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden) + i), f);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(w, f[q], acc[q]);
+                }
+                if (!active) continue;
+                __stcg(d4 + 2 * i, make_float4(acc[0], acc[1], acc[2], acc[3]));
+                __stcg(d4 + 2 * i + 1, make_float4(acc[4], acc[5], acc[6], acc[7]));
+            }
+            if (lane < K) dst_w[lane] = (a.weights_in != nullptr && my_out >= 0) ? a.weights_in[my_out] : 0.0f;
+        }
+    }
+    if (comm::last_block(my_window)) tr.signal_all();
+}
+
+}  // namespace deep_ep

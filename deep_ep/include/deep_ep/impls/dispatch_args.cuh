@@ -1,0 +1,69 @@
+// Dispatch: the kernels' argument struct, the layout of a dispatched row in a peer's window, and
+// the output helpers the send and receive phases share.
+//
+// Window row (row_stride bytes): [data: kDataBytes][scale factors: kNumSF * 4]
+//   [meta at kMetaOffset: int src_token, int out_row[K], int local_idx[K], float weight[K]]
+#pragma once
+
+#include "../common/abi.cuh"
+#include "../common/defects.cuh"
+
+namespace deep_ep {
+
+template <int kDataBytes, int kNumSF, int K>
+struct DispatchRow {
+    static_assert(kDataBytes % 16 == 0, "row bytes must be a multiple of 16");
+    static constexpr int kVecs = kDataBytes / 16;
+    static constexpr int kMetaOffset = ((kDataBytes + kNumSF * 4) + 15) / 16 * 16;
+    static constexpr int kMetaBytes = 4 + 12 * K;
+};
+
+struct DispatchArgs {
+    // inputs (this rank as a source)
+    const uint8_t* x;              // [T, kDataBytes]
+    const int* sf;                 // [T, kNumSF] or null
+    const int64_t* topk_idx;       // [T, K]
+    const float* topk_weights;     // [T, K] or null
+    int num_tokens;
+    // handle (this rank as a source): local numbering in, absolute rows out (non-cached)
+    int* pos_tok;                  // [T, R]
+    int* pos_pair;                 // [T, K] (expanded)
+    // outputs (this rank as a destination)
+    uint8_t* out_x;                // [rows, kDataBytes]
+    int* out_sf;                   // row-major [rows, kNumSF] or column-major [kNumSF, sf_ld]
+    int sf_ld;                     // 0: row-major; else leading dimension of the column-major layout
+    int64_t* out_topk_idx;         // non-expanded [rows, K]; expanded [rows]
+    float* out_weights;            // non-expanded [rows, K]; expanded [rows]; may be null (non-expanded)
+    int* out_src_rank;             // [rows]
+    int* out_src_token;            // [rows]
+    int* row_map;                  // expanded: [tok_rows capacity, K] output rows of each token row
+    int out_capacity;              // rows allocated in the outputs
+    const int* layout;             // LayoutIndex words
+    int num_experts, alignment;
+    int64_t recv_offset, half_bytes;   // receive region: two halves of half_bytes
+    int row_stride;
+    uint64_t timeout_ns;
+    uint32_t* err_host;            // mapped host memory for the error record (finish_wait), or null
+};
+
+template <int kDataBytes, int kNumSF>
+__device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, int v) {
+    if (a.sf_ld == 0) a.out_sf[static_cast<int64_t>(row) * kNumSF + i] = v;
+    else a.out_sf[static_cast<int64_t>(i) * a.sf_ld + row] = v;
+}
+
+// Test-only defects (EP_TEST_DEFECT, common.cuh); each folds away in a normal build.
+__device__ __forceinline__ bool defect_drops_row(int row) { return EP_TEST_DEFECT == kDefectDroppedRow && (row & 63) == 63; }
+__device__ __forceinline__ int defect_row(int row) {
+    return (EP_TEST_DEFECT == kDefectWrongRow && row % 61 == 7) ? (row ^ 1) : row;  // odd rows: row - 1 stays in bounds
+}
+__device__ __forceinline__ float defect_weight(float w, int lane) {
+    return (EP_TEST_DEFECT == kDefectScaledWeight && lane == 0) ? 2.0f * w : w;
+}
+template <bool kCached>
+__device__ __forceinline__ bool defect_stale_sf(int row) { return kCached && EP_TEST_DEFECT == kDefectStaleScale && (row & 7) == 3; }
+__device__ __forceinline__ bool defect_skips_expert(int local_expert) {
+    return EP_TEST_DEFECT == kDefectSkippedExpert && local_expert == 1;
+}
+
+}  // namespace deep_ep

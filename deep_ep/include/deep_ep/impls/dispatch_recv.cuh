@@ -1,0 +1,128 @@
+// Dispatch, receive phase (num_sms blocks) on destination d: waits for every peer, then copies the
+// window rows that came from peers into the output tensors (expanded: scattering each row to its
+// experts' rows), fills padding rows and marks rows past the true count.
+#pragma once
+
+#include "../comm/lsa.cuh"
+#include "../common/grid.cuh"
+#include "dispatch_args.cuh"
+
+namespace deep_ep {
+
+template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
+__device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding, const comm::LsaTransport& tr) {
+    using Row = DispatchRow<kDataBytes, kNumSF, K>;
+    constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
+    uint8_t* my_window = tr.local();
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
+    const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
+    const LayoutIndex ix{R, L, a.num_experts};
+    // The layout was written before this kernel (layout kernel or handle): read during the wait.
+    const int num_tok_rows = a.layout[ix.num_tok_rows()];
+    const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
+    const int self_end = a.layout[ix.tok_prefix() + rank];
+    const bool ok = tr.wait_all(kPhaseDispatch, a.timeout_ns);
+    const int half = comm::current_half(my_window);
+
+    if (ok) {
+        for (int j = global_warp; j < num_tok_rows; j += num_warps) {
+            if (j >= self_begin && j < self_end) continue;  // written by dispatch_send
+            int s = 0;
+            while (s < R - 1 && j >= a.layout[ix.tok_prefix() + s]) ++s;
+            const uint8_t* row = my_window + comm::row_offset(a, half, j);
+            const int* meta = reinterpret_cast<const int*>(row + Row::kMetaOffset);
+            int out_row = -1;
+            if (kExpand && lane < K) out_row = kCached ? a.row_map[static_cast<int64_t>(j) * K + lane] : __ldcg(meta + 1 + lane);
+            const int defect_expert = (EP_TEST_DEFECT == kDefectSkippedExpert && !kCached && lane < K) ? __ldcg(meta + 1 + K + lane) : -1;
+            const int4* src = reinterpret_cast<const int4*>(row);
+            for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
+                int4 v[kUnroll];
+                load_chunk<kUnroll, Row::kVecs, true>(src, base, lane, v);
+                if (!kExpand) {
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(defect_row(j)) * kDataBytes);
+                    if (!defect_drops_row(j)) store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        const int out = __shfl_sync(0xffffffffu, out_row, k);
+                        if (EP_TEST_DEFECT == kDefectSkippedExpert && defect_skips_expert(__shfl_sync(0xffffffffu, defect_expert, k))) continue;
+                        if (out < 0) continue;
+                        int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
+                        store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
+                    }
+                }
+            }
+            const int* row_sf = reinterpret_cast<const int*>(row + kDataBytes);
+            if (!kExpand) {
+                if (!defect_stale_sf<kCached>(j))
+                    for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, j, i, __ldcg(row_sf + i));
+            } else {
+                for (int k = 0; k < K; ++k) {
+                    const int out = __shfl_sync(0xffffffffu, out_row, k);
+                    if (out < 0) continue;
+                    for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, out, i, __ldcg(row_sf + i));
+                }
+            }
+            if (!kCached) {
+                const int src_token = __ldcg(meta);
+                if (!kExpand) {
+                    if (lane < K) {
+                        a.out_topk_idx[static_cast<int64_t>(j) * K + lane] = __ldcg(meta + 1 + K + lane);
+                        if (a.out_weights != nullptr)
+                            a.out_weights[static_cast<int64_t>(j) * K + lane] = defect_weight(__ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane), lane);
+                    }
+                    if (lane == 0) { a.out_src_rank[j] = s; a.out_src_token[j] = src_token; }
+                } else if (lane < K) {
+                    a.row_map[static_cast<int64_t>(j) * K + lane] = out_row;
+                    if (out_row >= 0) {
+                        a.out_topk_idx[out_row] = __ldcg(meta + 1 + K + lane);
+                        a.out_weights[out_row] = defect_weight(__ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane), lane);
+                        a.out_src_rank[out_row] = s;
+                        a.out_src_token[out_row] = src_token;
+                    }
+                }
+            }
+        }
+        // Expanded: padding rows of every local expert.
+        if (kExpand) {
+            const int A = a.alignment;
+            for (int idx = global_warp; idx < L * A; idx += num_warps) {
+                const int e = idx / A, i = idx % A;
+                const int row = a.layout[ix.expert_start() + e] + a.layout[ix.raw_counts() + e] + i;
+                if (row >= a.layout[ix.expert_start() + e] + a.layout[ix.padded_counts() + e]) continue;
+                if (zero_padding) {
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
+                    for (int v = lane; v < Row::kVecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+                    for (int q = lane; q < kNumSF; q += 32) store_sf<kDataBytes, kNumSF>(a, row, q, 0);
+                }
+                if (!kCached && lane == 0) {
+                    a.out_topk_idx[row] = -1;
+                    a.out_weights[row] = 0.0f;
+                    a.out_src_rank[row] = -1;
+                    a.out_src_token[row] = -1;
+                }
+            }
+        }
+        // Rows past the true count (outputs sized for the worst case): metadata only.
+        if (!kCached) {
+            const int num_out_rows = a.layout[ix.num_out_rows()];
+            const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+            for (int r = num_out_rows + tid; r < a.out_capacity; r += nthreads) {
+                if (kExpand) {
+                    a.out_topk_idx[r] = -1;
+                    a.out_weights[r] = 0.0f;
+                } else {
+                    for (int k = 0; k < K; ++k) a.out_topk_idx[static_cast<int64_t>(r) * K + k] = -1;
+                    if (a.out_weights != nullptr)
+                        for (int k = 0; k < K; ++k) a.out_weights[static_cast<int64_t>(r) * K + k] = 0.0f;
+                }
+                a.out_src_rank[r] = -1;
+                a.out_src_token[r] = -1;
+            }
+        }
+    }
+    comm::finish_wait(my_window, true, a.err_host);
+}
+
+}  // namespace deep_ep

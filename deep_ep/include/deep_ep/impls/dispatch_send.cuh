@@ -1,0 +1,178 @@
+// Dispatch, send phase (num_sms blocks) on source rank s: one warp per token. The token's data row
+// is read once into registers, chunk by chunk, and stored to every destination: rows for a peer
+// go into the receive half of that peer's window (with the metadata trailer of dispatch_args.cuh);
+// rows for this rank go straight into the output tensors (expanded: once per local expert). The
+// last block to finish signals every peer.
+#pragma once
+
+#include "../comm/lsa.cuh"
+#include "../common/grid.cuh"
+#include "dispatch_args.cuh"
+
+namespace deep_ep {
+
+// What a warp loads to start moving a token (lane-wise): the row's first chunk (kUnroll vectors),
+// scale factors lane, lane + 32, ... (FP8), the top-k expert id (lanes < K), the row at rank
+// ``lane`` (lanes < num_ranks; ranks >= 32 are read where used) and the pair's row (expanded).
+template <int kUnroll, int kSFPerLane>
+struct TokenLoads {
+    int4 v[kUnroll];
+    int sf[kSFPerLane > 0 ? kSFPerLane : 1];
+    int64_t expert;
+    int row, pair;
+};
+
+// Issue token t's loads (none past the last token; the values are then unused).
+template <int kVecs, int kNumSF, int K, bool kExpand, int kUnroll, int kSFPerLane>
+__device__ __forceinline__ void fetch_token(const DispatchArgs& a, int num_ranks, int t, int lane,
+                                            TokenLoads<kUnroll, kSFPerLane>& o) {
+    if (t >= a.num_tokens) return;
+    load_chunk<kUnroll, kVecs, false>(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * (kVecs * 16)), 0, lane, o.v);
+#pragma unroll
+    for (int j = 0; j < kSFPerLane; ++j) {
+        const int i = lane + 32 * j;
+        o.sf[j] = i < kNumSF ? a.sf[static_cast<int64_t>(t) * kNumSF + i] : 0;
+    }
+    o.expert = lane < K ? a.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
+    o.row = lane < num_ranks ? a.pos_tok[static_cast<int64_t>(t) * num_ranks + lane] : -1;
+    o.pair = (kExpand && lane < K) ? a.pos_pair[static_cast<int64_t>(t) * K + lane] : -1;
+}
+
+template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
+__device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const comm::LsaTransport& tr) {
+    using Row = DispatchRow<kDataBytes, kNumSF, K>;
+    constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
+    const WarpGrid wg;
+    const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
+    const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
+    const LayoutIndex ix{R, L, a.num_experts};
+    constexpr int kSFPerLane = (kNumSF + 31) / 32;
+    // Everything a token's moves start from is loaded one token ahead (TokenLoads): the first
+    // chunk of the row, its scale factors and its routing for the warp's next token are requested
+    // while the current token's last chunk is stored, so a warp never waits for a routing or
+    // first-chunk load between tokens. The warp's first token is requested before the control
+    // words are read.
+    TokenLoads<kUnroll, kSFPerLane> cur, next;
+    fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, global_warp, lane, cur);
+    uint8_t* my_window = tr.local();
+    const int half = comm::current_half(my_window);
+    // After a timeout the layout is void: move nothing, but still signal so epochs stay in step.
+    const int num_tokens = comm::has_error(my_window) ? 0 : a.num_tokens;
+
+    for (int t = global_warp; t < num_tokens; t += num_warps) {
+        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
+        int4 (&v)[kUnroll] = cur.v;
+        const int (&my_sf)[kSFPerLane > 0 ? kSFPerLane : 1] = cur.sf;
+
+        // Destination rows of this token (lanes < R hold rank lane's row; lanes < K the pair's row).
+        int my_row = -1, my_pair_row = -1;
+        int my_expert = -1;  // int32: 64-bit division would be a call
+        if (lane < K) my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(cur.expert, static_cast<int64_t>(a.num_experts))));
+        if (my_expert >= a.num_experts) my_expert = -1;  // out-of-range ids are treated as masked
+        for (int d = lane; d < R; d += 32) {
+            int v = d == lane ? cur.row : a.pos_tok[static_cast<int64_t>(t) * R + d];
+            if (!kCached && v >= 0) {
+                v += a.layout[ix.send_base() + d];
+                a.pos_tok[static_cast<int64_t>(t) * R + d] = v;
+            }
+            if (d == lane) my_row = v;
+        }
+        if (kExpand && lane < K) {
+            int v = cur.pair;
+            if (!kCached && v >= 0 && my_expert >= 0) {
+                v += a.layout[ix.out_base() + static_cast<int>(my_expert)];
+                a.pos_pair[static_cast<int64_t>(t) * K + lane] = v;
+            }
+            my_pair_row = my_expert >= 0 ? v : -1;
+        }
+        __syncwarp();  // rows of ranks >= 32 are re-read from pos_tok below
+
+        // ---- data: read once, store to every destination ----
+        for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
+            if (base > 0) load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
+            if (base + 32 * kUnroll >= Row::kVecs)  // last chunk: the next token's loads go out before its stores
+                fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, t + num_warps, lane, next);
+            for (int d = 0; d < R; ++d) {
+                const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d)
+                                       : a.pos_tok[static_cast<int64_t>(t) * R + d];
+                if (row < 0) continue;
+                if (d != rank) {
+                    tr.put_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
+                } else if (!kExpand) {
+                    if (defect_drops_row(row)) continue;
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(defect_row(row)) * kDataBytes);
+                    store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        const int e = __shfl_sync(0xffffffffu, my_expert, k);
+                        const int out = __shfl_sync(0xffffffffu, my_pair_row, k);
+                        if (e < 0 || e / L != rank || out < 0 || defect_skips_expert(e - rank * L)) continue;
+                        int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
+                        store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
+                    }
+                }
+            }
+        }
+
+        // ---- scale factors and metadata ----
+        for (int d = 0; d < R; ++d) {
+            const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
+            if (row < 0) continue;
+            if (d != rank) {
+                const int64_t dst = comm::row_offset(a, half, row);
+#pragma unroll
+                for (int j = 0; j < kSFPerLane; ++j)
+                    if (lane + 32 * j < kNumSF) tr.put<int>(d, dst + kDataBytes + 4 * (lane + 32 * j), my_sf[j]);
+                if (!kCached) {
+                    const int64_t meta = dst + Row::kMetaOffset;  // int src_token, out_row[K], local_idx[K]; float weight[K]
+                    if (lane == 0) tr.put<int>(d, meta, t);
+                    if (lane < K) {
+                        const bool local = my_expert >= 0 && my_expert / L == d;
+                        tr.put<int>(d, meta + 4 * (1 + lane), (kExpand && local) ? my_pair_row : -1);
+                        tr.put<int>(d, meta + 4 * (1 + K + lane), local ? static_cast<int>(my_expert - d * L) : -1);
+                        tr.put<float>(d, meta + 4 * (1 + 2 * K + lane),
+                                      local ? (a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 1.0f) : 0.0f);
+                    }
+                }
+            } else if (!kExpand) {
+#pragma unroll
+                for (int j = 0; j < kSFPerLane; ++j)
+                    if (lane + 32 * j < kNumSF && !defect_stale_sf<kCached>(row)) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
+                if (!kCached) {
+                    if (lane < K) {
+                        const bool local = my_expert >= 0 && my_expert / L == rank;
+                        a.out_topk_idx[static_cast<int64_t>(row) * K + lane] = local ? my_expert - rank * L : -1;
+                        if (a.out_weights != nullptr)
+                            a.out_weights[static_cast<int64_t>(row) * K + lane] =
+                                local ? defect_weight(a.topk_weights[static_cast<int64_t>(t) * K + lane], lane) : 0.0f;
+                    }
+                    if (lane == 0) { a.out_src_rank[row] = rank; a.out_src_token[row] = t; }
+                }
+            } else {
+                for (int k = 0; k < K; ++k) {
+                    const int e = __shfl_sync(0xffffffffu, my_expert, k);
+                    const int out = __shfl_sync(0xffffffffu, my_pair_row, k);
+                    if (e < 0 || e / L != rank || out < 0) continue;
+#pragma unroll
+                    for (int j = 0; j < kSFPerLane; ++j)
+                        if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, out, lane + 32 * j, my_sf[j]);
+                }
+                if (!kCached && lane < K) {
+                    const bool local = my_expert >= 0 && my_expert / L == rank;
+                    a.row_map[static_cast<int64_t>(row) * K + lane] = local ? my_pair_row : -1;
+                    if (local) {
+                        a.out_topk_idx[my_pair_row] = my_expert - rank * L;
+                        a.out_weights[my_pair_row] = defect_weight(a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 1.0f, lane);
+                        a.out_src_rank[my_pair_row] = rank;
+                        a.out_src_token[my_pair_row] = t;
+                    }
+                }
+            }
+        }
+        cur = next;  // after a warp's last token, values never loaded: the loop ends before any use
+    }
+    if (comm::last_block(my_window)) tr.signal_all();
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,112 @@
+// Layout stage of a dispatch (one block): wait for every peer's counts and derive, from the full
+// count matrix, this rank's receive layout and, as a source, where its rows start at every
+// destination (the handle's layout words, common/abi.cuh).
+#pragma once
+
+#include "../comm/lsa.cuh"
+#include "../common/grid.cuh"
+
+namespace deep_ep {
+
+// One block. counts matrix C[s][R + E] (int32) sits at counts_offset of this rank's window.
+// Every sum over the matrix is spread over the block's threads (shared-memory atomics, then block
+// scans): a single thread walking the matrix costs one L2 round trip per entry (~90 us at E = 256).
+__device__ __forceinline__ void layout_impl(int num_experts, int alignment, int64_t counts_offset,
+                                            bool expand, int* __restrict__ layout,
+                                            int* __restrict__ cumulative_stats, int out_capacity,
+                                            int tok_capacity, uint64_t timeout_ns, const comm::LsaTransport& tr) {
+    const int rank = tr.rank, num_ranks = tr.num_ranks;
+    __shared__ int s_tok[kMaxRanks];       // tokens from each source -> inclusive prefix
+    __shared__ int s_pairs[kMaxRanks];     // pairs for this rank's experts from each source -> inclusive prefix
+    __shared__ int s_send[kMaxRanks];      // this rank's first token row at each destination
+    __shared__ int s_local[kMaxExperts];   // pairs per local expert -> padded -> exclusive prefix
+    __shared__ int s_global[kMaxExperts];  // expanded: pairs per global expert -> padded -> exclusive prefix
+    __shared__ int s_before[kMaxExperts];  // expanded: pairs per global expert from sources before this rank
+    uint8_t* my_window = tr.local();
+    const bool ok = tr.wait_all(kPhaseNotify, timeout_ns);
+    const int R = num_ranks, E = num_experts, L = E / R;
+    const LayoutIndex ix{R, L, E};
+    const int row = R + E;
+    const int* C = reinterpret_cast<const int*>(my_window + counts_offset);
+    const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+    if (ok) {
+        for (int s = tid; s < R; s += nthreads) {
+            s_tok[s] = __ldcg(C + s * row + rank);
+            s_pairs[s] = 0;
+            s_send[s] = 0;
+        }
+        for (int e = tid; e < L; e += nthreads) s_local[e] = 0;
+        if (expand)
+            for (int g = tid; g < E; g += nthreads) s_global[g] = s_before[g] = 0;
+        __syncthreads();
+        for (int i = tid; i < R * L; i += nthreads) {
+            const int s = i / L, e = i - s * L;
+            const int c = __ldcg(C + s * row + R + rank * L + e);
+            if (c != 0) {
+                atomicAdd(&s_local[e], c);
+                atomicAdd(&s_pairs[s], c);
+            }
+        }
+        for (int i = tid; i < rank * R; i += nthreads) {  // sources before this rank, every destination
+            const int s = i / R, d = i - s * R;
+            const int c = __ldcg(C + s * row + d);
+            if (c != 0) atomicAdd(&s_send[d], c);
+        }
+        if (expand) {
+            for (int i = tid; i < R * E; i += nthreads) {
+                const int s = i / E, g = i - s * E;
+                const int c = __ldcg(C + s * row + R + g);
+                if (c != 0) {
+                    atomicAdd(&s_global[g], c);
+                    if (s < rank) atomicAdd(&s_before[g], c);
+                }
+            }
+        }
+        __syncthreads();
+        for (int e = tid; e < L; e += nthreads) {
+            const int raw = s_local[e];
+            const int padded = (raw + alignment - 1) / alignment * alignment;
+            layout[ix.raw_counts() + e] = raw;
+            layout[ix.padded_counts() + e] = padded;
+            if (cumulative_stats != nullptr) cumulative_stats[e] += raw;
+            s_local[e] = padded;
+        }
+        for (int d = tid; d < R; d += nthreads) layout[ix.send_base() + d] = s_send[d];
+        if (expand)
+            for (int g = tid; g < E; g += nthreads) s_global[g] = (s_global[g] + alignment - 1) / alignment * alignment;
+        __syncthreads();
+        const int num_tok_rows = block_scan_in_place(s_tok, R, true);
+        block_scan_in_place(s_pairs, R, true);
+        const int num_out_rows = block_scan_in_place(s_local, L, false);
+        if (expand) block_scan_in_place(s_global, E, false);
+        for (int s = tid; s < R; s += nthreads) {
+            layout[ix.tok_prefix() + s] = s_tok[s];
+            layout[ix.rank_prefix_sum() + s] = expand ? s_pairs[s] : s_tok[s];
+        }
+        for (int e = tid; e < L; e += nthreads) layout[ix.expert_start() + e] = s_local[e];
+        // Expanded: first output row of this source's pairs for every global expert g (owner d).
+        if (expand)
+            for (int g = tid; g < E; g += nthreads) {
+                const int d = g / L;
+                layout[ix.out_base() + g] = s_global[g] - s_global[d * L] + s_before[g];
+            }
+        if (tid == 0) {
+            layout[ix.num_tok_rows()] = num_tok_rows;
+            layout[ix.num_out_rows()] = expand ? num_out_rows : num_tok_rows;
+        }
+    }
+    __syncthreads();
+    // More rows than the outputs allocated for the worst case hold (a peer used a larger
+    // num_max_tokens_per_rank): refuse rather than write past them.
+    const bool overflow = ok && (layout[ix.num_out_rows()] > out_capacity || layout[ix.num_tok_rows()] > tok_capacity);
+    if (overflow && threadIdx.x == 0) comm::record_error(my_window, kErrCapacity, rank, -1, kPhaseNotify);
+    if (!ok || overflow) {
+        // Every word defined (no rows, zero offsets), so that kernels launched after this one
+        // (without a host check in between) index nothing out of bounds.
+        __syncthreads();
+        for (int i = threadIdx.x; i < ix.size(); i += blockDim.x) layout[i] = 0;
+    }
+    comm::finish_wait(my_window, false);
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,53 @@
+// Entry points of a dispatch module. The host (deep_ep/backends/gpu/modules.py) compiles this file
+// once per structural configuration, passing it as -D defines: EP_DATA_BYTES (bytes of one token
+// row), EP_NUM_SF (4-byte scale factors per row, 0 for BF16), EP_TOPK, EP_EXPAND (0/1),
+// EP_THREADS / EP_LAYOUT_THREADS (block sizes) and EP_TRANSPORT_NCCL (comm/transport.cuh).
+// Token counts, rank counts and buffer sizes are run-time arguments: a new batch size never compiles.
+#pragma once
+
+#include "../comm/transport.cuh"
+#include "../impls/dispatch_recv.cuh"
+#include "../impls/dispatch_send.cuh"
+#include "../impls/layout.cuh"
+#include "../impls/notify.cuh"
+
+extern "C" __global__ void __launch_bounds__(EP_LAYOUT_THREADS) deep_ep_notify(
+        const int64_t* topk_idx, int num_tokens, int num_experts, int64_t counts_offset, int* pos_tok, int* pos_pair,
+        deep_ep::comm::TransportArgs transport) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(topk_idx, num_tokens, num_experts, counts_offset, pos_tok, pos_pair, tr);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_LAYOUT_THREADS, 1) deep_ep_layout(
+        int num_experts, int alignment, int64_t counts_offset, int* layout, int* cumulative_stats, int out_capacity,
+        int tok_capacity, uint64_t timeout_ns, deep_ep::comm::TransportArgs transport) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::layout_impl(num_experts, alignment, counts_offset, EP_EXPAND != 0, layout, cumulative_stats, out_capacity,
+                         tok_capacity, timeout_ns, tr);
+}
+
+// One kernel per data stage: the send phase, then the receive phase. Blocks that finish sending
+// wait in the receive phase for every peer's signal, including this rank's own, which the last
+// sending block raises. The two phases count finished blocks on separate words (last_block), so a
+// block that leaves its wait early (after a recorded error) cannot disturb the send phase's count.
+// Blocks depend on other blocks of the same kernel, so all must be resident at once: num_sms <= SMs
+// (emulated ranks: the sum over ranks, checked on the host) and nothing else holding SMs forever.
+// The host launches them cooperatively (not for emulated ranks, whose grids share the device): the
+// driver then refuses a grid that cannot be resident instead of letting it stall.
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch(
+        deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, tr);
+    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0, tr);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cached(
+        deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, tr);
+    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0, tr);
+}
