@@ -344,7 +344,7 @@ class ElasticBuffer:
         if use_fp8_dispatch and hidden % 128 != 0:
             raise ValueError(f"use_fp8_dispatch needs hidden to be a multiple of 128, got hidden={hidden}")
         if not is_cpu_group(group):
-            from .backends import window_layout
+            from .backends.gpu import window as window_layout
             return int(window_layout.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden,
                                                       num_topk, use_fp8_dispatch))
         row = (hidden + hidden // 128 * 4) if use_fp8_dispatch else 2 * hidden

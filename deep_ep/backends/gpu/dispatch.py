@@ -171,7 +171,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     Lx = LayoutIndex(R, L, E)
     plist = None
     if do_cpu_sync:
-        plist = head[Lx.padded: Lx.padded + L]
+        plist = head[Lx.padded_counts: Lx.padded_counts + L]
     new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, row_map=row_map,
                                recv_topk_idx=out_idx, recv_topk_weights=out_w,
                                num_tok_rows_capacity=tok_capacity)
@@ -179,7 +179,8 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         buffer_id=b.config.buffer_id, num_ranks=R, rank=rank, num_experts=E, num_topk=K, hidden=H,
         do_expand=do_expand, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank, num_tokens=T,
         num_recv_tokens=num_out_rows, num_recv_tokens_gpu=lay[0:1],
-        rank_prefix_sum=lay[Lx.rps: Lx.rps + R], num_recv_tokens_per_expert=lay[Lx.padded: Lx.padded + L],
+        rank_prefix_sum=lay[Lx.rank_prefix_sum: Lx.rank_prefix_sum + R],
+        num_recv_tokens_per_expert=lay[Lx.padded_counts: Lx.padded_counts + L],
         num_recv_tokens_per_expert_list=plist, recv_src_rank=src_rank, recv_src_token=src_token,
         send_pos=pos_pair if do_expand else pos_tok, topk_idx=topk_idx,
         recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
