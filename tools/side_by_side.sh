@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Old tree vs this tree on one GPU, in one run: outputs bit for bit (tools/compare_outputs.py) and the
+# bench's numbers, alternating old / new so that drift of the card shows as spread, not as a gain.
+# Usage: OLD=<path of an old checkout> bash tools/side_by_side.sh [rounds]   (logs under $OUT)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+NEW=$PWD
+OLD=${OLD:?set OLD to the old tree}
+ROUNDS=${1:-2}
+OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
+export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$NEW/.jitcache}
+echo "=== outputs $(date -u +%H:%M:%S)"
+(cd "$OLD" && PYTHONPATH=$OLD timeout 300 python3 "$NEW/tools/compare_outputs.py" dump "$OUT/outputs_old.pt") 2>&1 | tail -3
+PYTHONPATH=$NEW timeout 300 python3 tools/compare_outputs.py dump "$OUT/outputs_new.pt" 2>&1 | tail -3
+PYTHONPATH=$NEW python3 tools/compare_outputs.py compare "$OUT/outputs_old.pt" "$OUT/outputs_new.pt" 2>&1 | tail -12
+for r in $(seq 1 "$ROUNDS"); do
+  for tree in old new; do
+    dir=$OLD; [ "$tree" = new ] && dir=$NEW
+    echo "=== bench $tree round $r $(date -u +%H:%M:%S)"
+    (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m deep_ep bench --iters 10 ${BENCH_ARGS:-}) \
+      > "$OUT/bench_${tree}_$r.log" 2>&1
+    grep -E "^(floor|rank 0|check|Traceback|[A-Za-z]+Error)" "$OUT/bench_${tree}_$r.log"
+  done
+done
