@@ -21,8 +21,8 @@ from deep_ep.jit.elf import symbol_bytes
 
 def _device_layout(cxx: str, fields: list, header: str) -> list:
     """[sizeof, offset of each field] of ``cxx`` as the device compiler lays it out."""
-    exprs = [f"sizeof({cxx})"] + [f"__builtin_offsetof({cxx}, {f})" for f in fields]
-    src = (f"#include <deep_ep/{header}>\n"
+    exprs = [f"sizeof({cxx})"] + [f"offsetof({cxx}, {f})" for f in fields]
+    src = (f"#include <cuda/std/cstddef>\n#include <deep_ep/{header}>\n"
            'extern "C" __device__ const unsigned long long deep_ep_args_probe[] = {' + ", ".join(exprs) + "};\n")
     mod = jit.build(f"deep_ep_args_probe_{cxx.split('::')[-1]}", src, defines={})
     raw = symbol_bytes(mod.cubin, "deep_ep_args_probe")

@@ -42,7 +42,7 @@ def _flat(prefix: str, v, out: dict) -> None:
         for i, t in enumerate(v):
             _flat(f"{prefix}.{i}", t, out)
     elif isinstance(v, torch.Tensor):
-        out[prefix] = v.detach().cpu().clone()
+        out[prefix] = v.detach().clone()   # on the device; copied to the host after a stream sync
 
 
 CONFIGS = [  # name, tokens, hidden, experts, top-k, fp8, expand
@@ -55,9 +55,16 @@ CONFIGS = [  # name, tokens, hidden, experts, top-k, fp8, expand
 
 def _run_rank(group, rank: int, dev, results: dict, tag: str) -> None:
     import deep_ep
+    # Inputs first, all of them: with emulated ranks nothing may block on the host (a pageable copy
+    # or a device-wide synchronize) while a peer's kernel spins waiting for this rank.
+    inputs = [_to(_inputs(1000 * ci + rank, T, H, E, K, fp8), dev)
+              for ci, (name, T, H, E, K, fp8, expand) in enumerate(CONFIGS)]
+    scales = [torch.rand(H, generator=torch.Generator().manual_seed(77 + ci)).to(dev)
+              for ci, (name, T, H, E, K, fp8, expand) in enumerate(CONFIGS)]
+    torch.cuda.current_stream().synchronize()
     buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=512, hidden=7168, num_topk=8, use_fp8_dispatch=False)
     for ci, (name, T, H, E, K, fp8, expand) in enumerate(CONFIGS):
-        x, idx, w, biases = _to(_inputs(1000 * ci + rank, T, H, E, K, fp8), dev)
+        x, idx, w, biases = inputs[ci]
         kw = dict(do_expand=True, expert_alignment=128, do_zero_padding=True) if expand else {}
         recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=E, **kw)
         out = {}
@@ -69,15 +76,13 @@ def _run_rank(group, rank: int, dev, results: dict, tag: str) -> None:
         cached = buf.dispatch(x, handle=handle)
         _flat("cached.recv_x", cached[0], out)
         data = recv_x[0].float() if fp8 else recv_x.float()
-        g = torch.Generator(device="cpu").manual_seed(77 + ci)
-        scale = torch.rand(data.shape[1], generator=g).to(dev)
-        y = (data * scale).to(torch.bfloat16)
-        cw = torch.rand(recv_w.shape, generator=g).to(dev) if recv_w is not None else None
+        y = (data * scales[ci]).to(torch.bfloat16)
+        cw = (recv_w * 0.5 + 0.25) if recv_w is not None else None
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=cw, bias=biases)
         _flat("combine.x", combined, out)
         _flat("combine.w", combined_w, out)
-        torch.cuda.synchronize(dev)
-        results[f"{tag}/{name}/rank{rank}"] = out
+        torch.cuda.current_stream().synchronize()   # this rank's stream only: peers may still be running
+        results[f"{tag}/{name}/rank{rank}"] = {k: v.cpu() for k, v in out.items()}
     buf.destroy()
 
 

@@ -32,9 +32,10 @@ __all__ = ["DevCommLayout", "devcomm_layout", "DeviceCommunicator", "PROBE_SOURC
 
 #: The probe: sizes, offsets and NCCL's defaults under the headers the kernels are built with.
 PROBE_SOURCE = r"""
+#include <cuda/std/cstddef>   // offsetof as a constant expression on every NVRTC (13.0 has no __builtin_offsetof)
 #define EP_TRANSPORT_NCCL 1
 #include <deep_ep/comm/transport.cuh>
-#define EP_OFFSET(type, field) __builtin_offsetof(type, field)
+#define EP_OFFSET(type, field) offsetof(type, field)
 extern "C" __device__ const unsigned long long deep_ep_devcomm_layout[] = {
     NCCL_VERSION_CODE,
     sizeof(ncclDevComm),
