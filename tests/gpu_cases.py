@@ -3,9 +3,19 @@
 and the checks the GPU tests share."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
+
+
+def case_seed(*parts) -> int:
+    """A seed of its own for each case: CRC-32 of the parts' text (case name, parameters, test id).
+    Cases never share inputs, so an output left unwritten cannot hold a previous case's correct
+    values; the same case always draws the same inputs (a failure reproduces)."""
+    return zlib.crc32("/".join(str(p) for p in parts).encode())
 
 
 def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -17,6 +27,31 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     bad = ~((a - e).abs() <= 2 ** -7 * e.abs() + 1e-3)
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
                            f"{bad.nonzero()[0].tolist()}: {a[tuple(bad.nonzero()[0])]} vs {e[tuple(bad.nonzero()[0])]}")
+
+
+def to_cpu(x):
+    """A CPU copy with the same shape and strides (``.cpu()`` makes a tensor that is not dense, such as
+    TMA-aligned column-major scale factors, contiguous)."""
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return tuple(to_cpu(t) for t in x)
+    if isinstance(x, torch.Tensor):
+        if x.is_contiguous() or x.numel() == 0:
+            return x.cpu()
+        span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+        flat = x.as_strided((span,), (1,)).cpu()
+        return flat.as_strided(x.shape, x.stride())
+    return x
+
+
+def handle_to_cpu(h):
+    """A copy of handle ``h`` with every tensor on the CPU, ``buffer_id = -1`` (as the reference's) and
+    no backend state (nothing is cloned on the device)."""
+    tensors = ("num_recv_tokens_gpu", "rank_prefix_sum", "num_recv_tokens_per_expert", "recv_src_rank",
+               "recv_src_token", "send_pos", "topk_idx", "recv_topk_weights")
+    return dataclasses.replace(h, buffer_id=-1, backend_state=None,
+                               **{f: to_cpu(getattr(h, f)) for f in tensors})
 
 
 def random_routing(tokens: int, num_experts: int, num_topk: int, g: torch.Generator,
@@ -84,6 +119,27 @@ _BASE = [
     Case("hidden2880-top4", hidden=2880, num_topk=4, num_experts=32, tokens=(33, 70)),
     Case("top8-expand", num_topk=8, num_experts=32, expand=True, alignment=16),
 ]
+
+
+CASES_ENV = "DEEP_EP_GPU_CASES"
+
+
+def selected(cases: list) -> list:
+    """``cases`` whose base name (the name without its ``ep<R>-`` prefix) is listed, comma-separated,
+    in $DEEP_EP_GPU_CASES; all of them when it is unset or empty (tools/mutation_check.py sets it to
+    run a few cases of each test).
+
+    Raises:
+        ValueError: a listed name is not a case (a typo would otherwise select nothing and pass).
+    """
+    names = {n.strip() for n in os.environ.get(CASES_ENV, "").split(",") if n.strip()}
+    if not names:
+        return list(cases)
+    known = {c.name for c in _BASE}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ValueError(f"${CASES_ENV} names unknown cases {unknown}; known: {sorted(known)}")
+    return [c for c in cases if c.name.split("-", 1)[1] in names]
 
 
 def cases_for(num_ranks: int) -> list:

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
-#   steps: env jit gpu bench (default); extra (CUDA graphs, cached calls, GPU reliability);
+#   steps: env jit gpu bench summary (default); extra (CUDA graphs, cached calls, stream semantics,
+#          GPU reliability);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
 #                leaves out the SM sweeps and the profile)
 #          coop (plain launches instead of cooperative: GPU suite with DEEP_EP_COOPERATIVE=0, then tools/tune_gpu.py)
 #          floor (tools/row_floor.py: bare row gathers, empty kernels and grid barriers against the copy floor)
-#          pack (every log and JSON under $OUT into one logs.tgz: the device tool returns 8 files)
+#          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
+#                  subset and the bench's check, the clean build must pass both; one line per defect)
+#          summary (last: $OUT/summary.txt, the run's record: card, driver, torch, NCCL, commit, date,
+#                   passed / failed per test file, bench checks, the mutation lines; see docs/device-runs/)
+#          pack (every log and JSON under $OUT into one logs.tgz, summary.txt kept beside it: the device
+#                tool returns 8 files)
+# Every pytest step writes $OUT/<step>.log and JUnit XML $OUT/<step>.xml (read by summary).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -16,7 +23,7 @@ export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$PWD/.jitcache}
 # Emulated ranks spin on each other: no lazy kernel loading, and a hardware queue per stream (deep_ep/emulated.py)
 export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
-steps=${*:-env jit gpu bench}
+steps=${*:-env jit gpu bench summary}
 for step in $steps; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -26,13 +33,17 @@ for step in $steps; do
       # The copy of .git on the device can lag the working tree: pass DEEP_EP_COMMIT=<hash> to record it.
       echo "commit ${DEEP_EP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null) (device git)}" | tee -a "$OUT/env.txt" ;;
     jit)
-      timeout 300 python3 -m pytest -q -x tests/gpu/test_jit_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/jit_gpu.log" | tail -15 ;;
+      timeout 300 python3 -m pytest -q -x tests/gpu/test_jit_gpu.py -p no:cacheprovider --junitxml="$OUT/jit_gpu.xml" \
+        2>&1 | tee "$OUT/jit_gpu.log" | tail -15 ;;
     gpu)
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
-      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_backend.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_backend.py -p no:cacheprovider \
+        --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     extra)
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
-      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
+      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py \
+        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
+        2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     bench)
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
@@ -81,13 +92,19 @@ for step in $steps; do
     coop)  # plain launches of the data kernels (DEEP_EP_COOPERATIVE=0; cooperative is the default): the suite, then timed beside cooperative ones
       DEEP_EP_COOPERATIVE=0 DEEP_EP_CASE_LOG=$OUT/coop_cases.log timeout ${COOP_TIMEOUT:-200} python3 -m pytest -q -x \
         tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py -p no:cacheprovider \
-        2>&1 | tee "$OUT/coop_tests.log" | tail -15
+        --junitxml="$OUT/coop_tests.xml" 2>&1 | tee "$OUT/coop_tests.log" | tail -15
       timeout ${TUNE_TIMEOUT:-200} python3 tools/tune_gpu.py --iters 50 --variants ";COOPERATIVE=0;;COOPERATIVE=0" \
         2>&1 | tee "$OUT/coop_tune.log" | tail -15 ;;
     floor)  # what a bare row move costs (tools/row_floor.py): the attribution of the gap to the copy floor
       timeout ${FLOOR_TIMEOUT:-200} python3 tools/row_floor.py 2>&1 | tee "$OUT/row_floor.log" | tail -30 ;;
+    mutate)  # MUTATE_BUDGET seconds for all its runs (each prints its time); MUTATE_BENCH_ARGS e.g. "--tokens 1024"
+      timeout $(( ${MUTATE_BUDGET:-360} + 60 )) python3 tools/mutation_check.py --out "$OUT/mutation" \
+        --budget ${MUTATE_BUDGET:-360} --bench-args "${MUTATE_BENCH_ARGS:-}" 2>&1 | tee "$OUT/mutation.log" | grep -E "^(clean build|defect|mutation check|  all runs|Traceback)" ;;
+    summary)
+      python3 tools/mutation_check.py --write-summary "$OUT" ;;
     pack)
-      tar czf /tmp/deep_ep_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/deep_ep_logs.tgz "$OUT/logs.tgz" ;;
+      tar czf /tmp/deep_ep_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+        && mv /tmp/deep_ep_logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $step" ;;
   esac
 done

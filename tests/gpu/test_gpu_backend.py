@@ -1,11 +1,15 @@
 """GPU dispatch/combine against the reference, on real NCCL (EP=1) and emulated ranks (EP 2, 4, 8).
 
-Every case draws fresh random inputs, computes every rank's expected outputs with
-`deep_ep.reference` on the CPU, poisons the CUDA caching allocator (so unwritten outputs show up as
-NaN / garbage rather than stale zeros), runs the GPU path and compares every element:
-dispatch bit for bit; combine bit for bit in the non-expanded layout and within one bf16 ulp in the
-expanded one (the GPU sums each destination's pairs first, in fp32: a different order).
-Skipped without a CUDA device; run by tests/gpu/run_device_suite.sh on the H200.
+Every case draws fresh random inputs from a seed of its own (`gpu_cases.case_seed` of the case name),
+computes every rank's expected outputs with `deep_ep.reference` on the CPU, runs the GPU path with
+every output poisoned by the library's allocation hook (`deep_ep.backends.outputs.poisoned`: NaN /
+0xA5 bytes, so an element a kernel leaves unwritten cannot pass for a result, whatever memory the
+caching allocator hands out) and compares every element: dispatch bit for bit (the fresh dispatch,
+the cached dispatch of fresh data and scale factors with the same handle: data, scale factors,
+indices, weights and handle); combine bit for bit in the non-expanded layout and within one bf16 ulp
+in the expanded one (the GPU sums each destination's pairs first, in fp32: a different order). The
+expert statistics start from random non-zero counts, so an overwrite cannot pass for an increment.
+Skipped without a CUDA device; run by tools/device_suite.sh on the H200.
 """
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_cases import assert_close_bf16, cases_for  # noqa: E402
+from gpu_cases import assert_close_bf16, case_seed, cases_for, handle_to_cpu, selected, to_cpu  # noqa: E402
 from proc_utils import case_log  # noqa: E402
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
+from deep_ep.backends import outputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -63,48 +68,36 @@ def to_dev(x, dev):
     return x.to(dev)
 
 
-def poison_allocator(dev, nbytes: int = 256 << 20) -> None:
-    """Fill a large block with NaN bit patterns and free it: the next allocations reuse it."""
-    blk = torch.empty(nbytes // 4, dtype=torch.int32, device=dev)
-    blk.fill_(0x7FC07FC0)
-    del blk
-
-
-def to_cpu(x):
-    """A CPU copy with the same shape and strides (``.cpu()`` makes a tensor that is not dense, such as
-    TMA-aligned column-major scale factors, contiguous)."""
-    if x is None:
-        return None
-    if isinstance(x, (tuple, list)):
-        return tuple(to_cpu(t) for t in x)
-    if isinstance(x, torch.Tensor):
-        if x.is_contiguous() or x.numel() == 0:
-            return x.cpu()
-        span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-        flat = x.as_strided((span,), (1,)).cpu()
-        return flat.as_strided(x.shape, x.stride())
-    return x
-
-
-def handle_to_cpu(h):
-    c = h.clone() if hasattr(h, "clone") else h
-    for f in ("num_recv_tokens_gpu", "rank_prefix_sum", "num_recv_tokens_per_expert", "recv_src_rank",
-              "recv_src_token", "send_pos", "topk_idx", "recv_topk_weights"):
-        v = getattr(h, f)
-        setattr(c, f, v.cpu() if isinstance(v, torch.Tensor) else v)
-    c.buffer_id = -1
-    return c
-
-
 # ------------------------------------------------------------------------------------- driver
-def run_case(case, group_for_rank, dev, seed: int = 1234):
+def fresh_data(xs, g: torch.Generator) -> list:
+    """New data (and new scale factors) of the same shapes and dtypes as ``xs``, for a cached dispatch:
+    no row of its expected output equals the first dispatch's (a stale row shows)."""
+    out = []
+    for x in xs:
+        d, sf = ref.split_x(x)
+        if sf is None:
+            out.append(torch.randn(d.shape, generator=g).to(d.dtype))
+            continue
+        nd = (torch.randn(d.shape, generator=g) * 4).to(d.dtype)
+        if sf.dtype == torch.float32:
+            nsf = torch.rand(sf.shape, generator=g) + 0.5
+        else:
+            nsf = torch.randint(-2**31, 2**31 - 1, tuple(sf.shape), generator=g, dtype=torch.int64).to(sf.dtype)
+        out.append((nd, nsf))
+    return out
+
+
+def run_case(case, group_for_rank, dev, seed=None):
     """Run ``case`` and check everything.
 
     ``group_for_rank(body)`` runs ``body(group)`` on the ranks this process drives and returns their
     results: a list over all ranks (emulated ranks) or a dict ``{rank: result}`` (one rank per process
-    under torchrun). Every process computes every rank's inputs and the reference from one seed.
+    under torchrun). Every process computes every rank's inputs and the reference from one seed
+    (default: `case_seed` of the case name, so no two cases share inputs).
     """
     R = case.num_ranks
+    L = case.num_experts // R
+    seed = case_seed(case.name) if seed is None else seed
     xs, idxs, ws, biases = make_inputs(case, seed)
     M = max(case.max_tokens, 1)
     exp = ref.reference_dispatch(xs, idxs, ws, case.num_experts, do_expand=case.expand,
@@ -116,21 +109,20 @@ def run_case(case, group_for_rank, dev, seed: int = 1234):
     if case.weights:
         yws = [torch.rand((e.handle.num_recv_rows,) if case.expand else (e.handle.num_recv_rows, case.num_topk),
                           generator=g) for e in exp]
+    # Statistics start from random non-zero counts: an overwrite would not pass for an increment.
+    stats0 = [torch.randint(1, 1000, (L,), generator=g, dtype=torch.int32) for _ in range(R)]
     exp_comb = ref.reference_combine(ys, [e.handle for e in exp], yws,
                                      [b if b else None for b in biases])
-    # cached dispatch: fresh data, same routing
-    xs2 = None
+    # cached dispatch: fresh data and scale factors, same routing (and, expanded, the same weights)
+    xs2 = exp2 = None
     if case.cached:
-        g2 = torch.Generator().manual_seed(seed + 2)
-        xs2 = []
-        for x in xs:
-            d, sf = ref.split_x(x)
-            nd = torch.randn(d.shape, generator=g2).to(d.dtype) if sf is None else \
-                (torch.randn(d.shape, generator=g2) * 4).to(d.dtype)
-            xs2.append(nd if sf is None else (nd, sf))
-        exp2 = ref.reference_dispatch(xs2, idxs, None, case.num_experts, do_expand=case.expand,
+        xs2 = fresh_data(xs, torch.Generator().manual_seed(seed + 2))
+        exp2 = ref.reference_dispatch(xs2, idxs, ws, case.num_experts, do_expand=case.expand,
                                       expert_alignment=case.alignment, do_cpu_sync=case.do_cpu_sync,
                                       num_max_tokens_per_rank=M, use_tma_aligned_col_major_sf=case.col_major_sf)
+        for e in exp2:
+            if not case.expand:
+                e.recv_topk_weights = None   # design.md: a cached non-expanded dispatch returns no weights
 
     def body(group):
         r = group.rank()
@@ -138,43 +130,44 @@ def run_case(case, group_for_rank, dev, seed: int = 1234):
                                     num_topk=case.num_topk, use_fp8_dispatch=bool(case.fp8),
                                     num_gpu_timeout_secs=float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20")))
         def sync():  # stream-level: a device-wide sync could wait on another rank's pending kernels
-            buf.get_comm_stream().synchronize()
-            torch.cuda.current_stream(dev).synchronize()
+            if dev.type == "cuda":  # (tests/test_mutations_cpu.py runs the cases on the CPU backend)
+                buf.get_comm_stream().synchronize()
+                torch.cuda.current_stream(dev).synchronize()
+
+        def combine():
+            with outputs.poisoned():
+                comb = buf.combine(to_dev(ys[r], dev), handle,
+                                   topk_weights=to_dev(yws[r], dev) if yws is not None else None,
+                                   bias=to_dev(biases[r], dev) if biases[r] else None, num_sms=case.num_sms)
+            sync()
+            return comb[0].cpu(), to_cpu(comb[1])
 
         try:
-            stats = torch.zeros(case.num_experts // R, dtype=torch.int32, device=dev)
-            poison_allocator(dev)
-            out = buf.dispatch(to_dev(xs[r], dev), to_dev(idxs[r], dev),
-                               to_dev(ws[r], dev) if ws is not None else None,
-                               cumulative_local_expert_recv_stats=stats, num_experts=case.num_experts,
-                               expert_alignment=case.alignment, num_sms=case.num_sms,
-                               do_cpu_sync=case.do_cpu_sync, do_expand=case.expand,
-                               do_zero_padding=case.zero_padding,
-                               use_tma_aligned_col_major_sf=case.col_major_sf,
-                               num_max_tokens_per_rank=M)
+            stats = stats0[r].to(dev, copy=True)   # the start stays for the check
+            with outputs.poisoned():
+                out = buf.dispatch(to_dev(xs[r], dev), to_dev(idxs[r], dev),
+                                   to_dev(ws[r], dev) if ws is not None else None,
+                                   cumulative_local_expert_recv_stats=stats, num_experts=case.num_experts,
+                                   expert_alignment=case.alignment, num_sms=case.num_sms,
+                                   do_cpu_sync=case.do_cpu_sync, do_expand=case.expand,
+                                   do_zero_padding=case.zero_padding,
+                                   use_tma_aligned_col_major_sf=case.col_major_sf,
+                                   num_max_tokens_per_rank=M)
             recv_x, recv_idx, recv_w, handle, _ = out
             sync()
             result = {"dispatch": (to_cpu(recv_x), to_cpu(recv_idx), to_cpu(recv_w), handle_to_cpu(handle)),
                       "stats": stats.cpu()}
-            poison_allocator(dev)
-            comb = buf.combine(to_dev(ys[r], dev), handle,
-                               topk_weights=to_dev(yws[r], dev) if yws is not None else None,
-                               bias=to_dev(biases[r], dev) if biases[r] else None, num_sms=case.num_sms)
-            sync()
-            result["combine"] = (comb[0].cpu(), to_cpu(comb[1]))
+            result["combine"] = combine()
             if case.cached:
-                poison_allocator(dev)
-                out2 = buf.dispatch(to_dev(xs2[r], dev), handle=handle, num_sms=case.num_sms,
-                                    do_zero_padding=case.zero_padding,
-                                    use_tma_aligned_col_major_sf=case.col_major_sf)
+                with outputs.poisoned():
+                    out2 = buf.dispatch(to_dev(xs2[r], dev), handle=handle, num_sms=case.num_sms,
+                                        do_zero_padding=case.zero_padding,
+                                        use_tma_aligned_col_major_sf=case.col_major_sf)
                 sync()
-                result["cached"] = to_cpu(out2[0])
+                assert out2[3] is handle, f"rank {r}: a cached dispatch returns the handle it was given"
+                result["cached"] = (to_cpu(out2[0]), to_cpu(out2[1]), to_cpu(out2[2]), handle_to_cpu(out2[3]))
                 # and a second combine with the same handle (rounds alternate halves)
-                comb2 = buf.combine(to_dev(ys[r], dev), handle,
-                                    topk_weights=to_dev(yws[r], dev) if yws is not None else None,
-                                    bias=to_dev(biases[r], dev) if biases[r] else None, num_sms=case.num_sms)
-                sync()
-                result["combine2"] = (comb2[0].cpu(), to_cpu(comb2[1]))
+                result["combine2"] = combine()
             buf.barrier()
             return result
         finally:
@@ -185,29 +178,31 @@ def run_case(case, group_for_rank, dev, seed: int = 1234):
     items = results.items() if isinstance(results, dict) else enumerate(results)
     for r, res in items:
         ref.check_dispatch(res["dispatch"], exp[r], do_zero_padding=case.zero_padding, rank=r)
-        # stats: unpadded received pairs per local expert
+        # stats: the start plus the unpadded received pairs per local expert
         counts = torch.bincount(exp[r].recv_topk_idx[exp[r].recv_topk_idx >= 0].flatten(),
-                                minlength=case.num_experts // R).to(torch.int32)
-        assert torch.equal(res["stats"], counts), f"rank {r}: stats {res['stats']} vs {counts}"
+                                minlength=L).to(torch.int32)
+        assert torch.equal(res["stats"], stats0[r] + counts), \
+            f"rank {r}: stats {res['stats'].tolist()}, expected {stats0[r].tolist()} + {counts.tolist()}"
         for key in ("combine", "combine2") if case.cached else ("combine",):
             got = res[key]
             if case.expand:
                 assert_close_bf16(got[0], exp_comb[r][0], f"rank {r} {key} combined_x")
-                if exp_comb[r][1] is not None:
-                    assert torch.equal(got[1], exp_comb[r][1]), f"rank {r} {key} combined_topk_weights"
+                if exp_comb[r][1] is None:
+                    assert got[1] is None, f"rank {r} {key}: combined_topk_weights should be None"
+                else:
+                    assert got[1] is not None and torch.equal(got[1], exp_comb[r][1]), \
+                        f"rank {r} {key} combined_topk_weights"
             else:
                 ref.check_combine(got, exp_comb[r], rank=r)
         if case.cached:
-            d_got, _ = ref.split_x(res["cached"])
-            d_exp, _ = ref.split_x(exp2[r].recv_x)
-            rows = torch.arange(exp2[r].num_valid_rows)
-            if not case.zero_padding:
-                rows = rows[~exp2[r].is_padding_row[:exp2[r].num_valid_rows]]
-            assert torch.equal(d_got[rows].view(torch.uint8), d_exp[rows].view(torch.uint8)), f"rank {r}: cached recv_x"
+            try:
+                ref.check_dispatch(res["cached"], exp2[r], do_zero_padding=case.zero_padding, rank=r)
+            except AssertionError as exc:
+                raise AssertionError(f"cached dispatch: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------- EP=1 on real NCCL
-@pytest.mark.parametrize("case", cases_for(1), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", selected(cases_for(1)), ids=lambda c: c.name)
 def test_ep1_real_nccl(case, nccl_group):
     dev = torch.device("cuda", 0)
     run_case(case, lambda body: {0: body(nccl_group)}, dev)
@@ -222,7 +217,7 @@ def test_emulated(num_ranks):
     from deep_ep.emulated import EmulatedGroup
     dev = torch.device("cuda", 0)
     group = EmulatedGroup(num_ranks, device=dev)
-    for case in cases_for(num_ranks):
+    for case in selected(cases_for(num_ranks)):
         case_log(f"{case.name}: start")
         try:
             run_case(case, group.run, dev)

@@ -1,13 +1,16 @@
 """Decode path under CUDA graphs: cached dispatch + combine captured once, replayed with fresh inputs.
 
-For each layout (expanded or not) a handle is made by an ordinary dispatch; then a graph captures
-``dispatch(x_static, handle=handle)`` followed by ``combine(y_static, handle)``. Each replay copies
-fresh random data into the static inputs and compares every output element with the reference.
-Two graphs of different batch sizes share one buffer and are replayed interleaved (the device-side
-round counters must stay consistent). Skipped without a CUDA device.
+For each layout (expanded or not, BF16 or FP8) a handle is made by an ordinary dispatch; then a graph
+captures ``dispatch(x_static, handle=handle)`` followed by ``combine(y_static, handle,
+bias=bias_static)``. Before each replay the test copies fresh random data into the static inputs and
+fills the graph's outputs with the poison pattern (`deep_ep.backends.outputs.fill_poison`: what the
+replay leaves unwritten shows); after it, every output element is compared with the reference. Two
+graphs of different batch sizes share one buffer and are replayed interleaved (the device-side round
+counters must stay consistent). Seeds differ per parameter. Skipped without a CUDA device.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -17,63 +20,99 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
-from gpu_cases import assert_close_bf16, random_routing  # noqa: E402
+from gpu_cases import assert_close_bf16, case_seed, handle_to_cpu, random_routing, to_cpu  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
+from deep_ep.backends import outputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 HIDDEN, EXPERTS, TOPK = 1024, 32, 8
 
 
+def _x(tokens: int, fp8: bool, g: torch.Generator):
+    """Fresh dispatch input: bf16 [tokens, HIDDEN], or (e4m3 data, float32 scale factors [tokens, HIDDEN / 128])."""
+    if not fp8:
+        return torch.randn((tokens, HIDDEN), generator=g).to(torch.bfloat16)
+    return ((torch.randn((tokens, HIDDEN), generator=g) * 4).to(torch.float8_e4m3fn),
+            torch.rand((tokens, HIDDEN // 128), generator=g) + 0.5)
+
+
+def _copy_into(static, value) -> None:
+    if isinstance(static, tuple):
+        for s, v in zip(static, value):
+            s.copy_(v)
+    else:
+        static.copy_(value)
+
+
+def _poison(x) -> None:
+    for t in (x if isinstance(x, tuple) else (x,)):
+        outputs.fill_poison(t)
+
+
 class _Graph:
     """One captured decode step for a batch size: static inputs, the graph, static outputs."""
 
-    def __init__(self, buf, tokens: int, expand: bool, g: torch.Generator, dev):
-        self.tokens, self.expand = tokens, expand
+    def __init__(self, buf, tokens: int, expand: bool, fp8: bool, g: torch.Generator, dev):
+        self.tokens, self.expand, self.fp8 = tokens, expand, fp8
         self.idx = random_routing(tokens, EXPERTS, TOPK, g)
         self.w = torch.rand((tokens, TOPK), generator=g)
         x0 = torch.randn((tokens, HIDDEN), generator=g).to(torch.bfloat16)
-        _, _, _, self.handle, _ = buf.dispatch(x0.to(dev), self.idx.to(dev), self.w.to(dev), num_experts=EXPERTS,
-                                               do_expand=expand, expert_alignment=8 if expand else 1,
-                                               do_zero_padding=True)
+        with outputs.poisoned():
+            _, _, _, self.handle, _ = buf.dispatch(x0.to(dev), self.idx.to(dev), self.w.to(dev),
+                                                   num_experts=EXPERTS, do_expand=expand,
+                                                   expert_alignment=8 if expand else 1, do_zero_padding=True)
         rows = self.handle.num_recv_rows
-        self.x = torch.empty((tokens, HIDDEN), dtype=torch.bfloat16, device=dev)
-        self.y = torch.empty((rows, HIDDEN), dtype=torch.bfloat16, device=dev)
-        self.x.copy_(x0)
-        self.y.normal_()
+        first = _x(tokens, fp8, g)
+        self.x = tuple(t.to(dev) for t in first) if fp8 else first.to(dev)
+        self.y = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
+        self.bias = torch.randn((tokens, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):  # warm-up outside capture (module loads, allocator pools)
             buf.dispatch(self.x, handle=self.handle, do_zero_padding=True)
-            buf.combine(self.y, self.handle)
+            buf.combine(self.y, self.handle, bias=self.bias)
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
+        # Captured without poisoning, as a user's graph is: the test poisons the outputs before replays.
         with torch.cuda.graph(self.graph):
-            self.recv_x, _, _, _, _ = buf.dispatch(self.x, handle=self.handle, do_zero_padding=True)
-            self.out, _, _ = buf.combine(self.y, self.handle)
+            self.recv_x, self.recv_idx, self.recv_w, _, _ = buf.dispatch(self.x, handle=self.handle,
+                                                                         do_zero_padding=True)
+            self.out, _, _ = buf.combine(self.y, self.handle, bias=self.bias)
 
     def replay_and_check(self, g: torch.Generator) -> None:
-        x = torch.randn((self.tokens, HIDDEN), generator=g).to(torch.bfloat16)
+        x = _x(self.tokens, self.fp8, g)
         y = torch.randn(tuple(self.y.shape), generator=g).to(torch.bfloat16)
-        self.x.copy_(x)
+        bias = torch.randn(tuple(self.bias.shape), generator=g).to(torch.bfloat16)
+        _copy_into(self.x, x)
         self.y.copy_(y)
+        self.bias.copy_(bias)
+        _poison(self.recv_x)
+        outputs.fill_poison(self.out)
         self.graph.replay()
         torch.cuda.synchronize()
         exp = ref.reference_dispatch([x], [self.idx], [self.w], EXPERTS, do_expand=self.expand,
-                                     expert_alignment=8 if self.expand else 1)
-        rows = torch.arange(exp[0].num_valid_rows)
-        assert torch.equal(self.recv_x.cpu()[rows].view(torch.int16), exp[0].recv_x[rows].view(torch.int16))
-        comb = ref.reference_combine([y], [exp[0].handle])[0][0]
-        assert_close_bf16(self.out.cpu(), comb, f"combine, {self.tokens} tokens")
+                                     expert_alignment=8 if self.expand else 1,
+                                     num_max_tokens_per_rank=256)[0]
+        # design.md: a cached dispatch returns no weights (non-expanded) or the handle's (expanded)
+        want = dataclasses.replace(exp, recv_topk_weights=exp.recv_topk_weights if self.expand else None)
+        ref.check_dispatch((to_cpu(self.recv_x), self.recv_idx.cpu(), to_cpu(self.recv_w),
+                            handle_to_cpu(self.handle)), want)
+        comb = ref.reference_combine([y], [exp.handle], None, [bias])[0][0]
+        if self.expand:
+            assert_close_bf16(self.out.cpu(), comb, f"combine, {self.tokens} tokens")
+        else:  # one rank, non-expanded: one row plus the bias, bit for bit
+            ref.check_combine((self.out.cpu(), None), (comb, None))
 
 
-@pytest.mark.parametrize("expand", [False, True], ids=["nonexpanded", "expanded"])
-def test_graph_replay_ep1(nccl_group, expand):
+@pytest.mark.parametrize("expand, fp8", [(False, False), (True, False), (False, True)],
+                         ids=["nonexpanded", "expanded", "nonexpanded-fp8"])
+def test_graph_replay_ep1(nccl_group, expand, fp8):
     dev = torch.device("cuda", 0)
     buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=256, hidden=HIDDEN, num_topk=TOPK)
     try:
-        g = torch.Generator().manual_seed(7)
-        small, large = _Graph(buf, 32, expand, g, dev), _Graph(buf, 128, expand, g, dev)
+        g = torch.Generator().manual_seed(case_seed("graph-replay", expand, fp8))
+        small, large = _Graph(buf, 32, expand, fp8, g, dev), _Graph(buf, 128, expand, fp8, g, dev)
         for step in range(6):  # interleaved replays of two graphs sharing one buffer
             (small if step % 2 else large).replay_and_check(g)
             small.replay_and_check(g) if step % 3 == 0 else None

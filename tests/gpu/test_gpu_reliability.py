@@ -1,5 +1,7 @@
 """GPU reliability: a rank that skips a call (the error raised by a synchronising call, and by the
-next call after an asynchronous one), and a stress loop on emulated ranks with a memory bound.
+next call after an asynchronous one), and a stress loop on emulated ranks with a memory bound whose
+every call runs with poisoned outputs (`deep_ep.backends.outputs.poisoned`) and is checked element
+by element against the reference.
 
 Skipped without a CUDA device; run by tools/device_suite.sh on the H200. The stress length is
 ``DEEP_EP_GPU_STRESS_ITERS`` iterations of one dispatch and one combine on each of 8 ranks (default
@@ -19,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
-from gpu_cases import assert_close_bf16, random_routing  # noqa: E402
+from deep_ep.backends import outputs  # noqa: E402
+from gpu_cases import assert_close_bf16, case_seed, handle_to_cpu, random_routing, to_cpu  # noqa: E402
 from proc_utils import case_log, rss_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -115,7 +118,7 @@ def test_stress_emulated_ep8_memory_bounded():
     R = 8
     dev = torch.device("cuda", 0)
     group = EmulatedGroup(R, device=dev)
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(case_seed("stress-emulated-ep8", iters))
     plans = []
     for i in range(iters):
         expand = bool(i % 3 == 1)
@@ -132,7 +135,8 @@ def test_stress_emulated_ep8_memory_bounded():
             if i not in refs:
                 expand, xs, idxs, ws = plans[i]
                 exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, do_expand=expand,
-                                             expert_alignment=4 if expand else 1)
+                                             expert_alignment=4 if expand else 1,
+                                             num_max_tokens_per_rank=MAX_TOKENS)
                 comb = ref.reference_combine([e.recv_x for e in exp], [e.handle for e in exp])
                 refs[i] = [exp, [c[0] for c in comb], R]
             entry = refs[i]
@@ -148,15 +152,17 @@ def test_stress_emulated_ep8_memory_bounded():
         failures, mem = [], []
         try:
             for i, (expand, xs, idxs, ws) in enumerate(plans):
-                out = buf.dispatch(xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev), num_experts=EXPERTS,
-                                   do_expand=expand, expert_alignment=4 if expand else 1, do_zero_padding=True)
-                recv_x, _, _, handle, _ = out
-                comb, _, _ = buf.combine(recv_x, handle)
+                with outputs.poisoned():
+                    out = buf.dispatch(xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev), num_experts=EXPERTS,
+                                       do_expand=expand, expert_alignment=4 if expand else 1,
+                                       do_zero_padding=True)
+                    recv_x, _, _, handle, _ = out
+                    comb, _, _ = buf.combine(recv_x, handle)
                 torch.cuda.current_stream().synchronize()
                 exp, want = reference(i)
                 try:
-                    ref.check_dispatch(tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in out[:3])
-                                       + (out[3],), exp[r], check_handle=False, rank=r)
+                    ref.check_dispatch((to_cpu(out[0]), to_cpu(out[1]), to_cpu(out[2]), handle_to_cpu(out[3])),
+                                       exp[r], rank=r)
                     assert_close_bf16(comb.cpu(), want[r], "combined x")
                 except AssertionError as exc:
                     failures.append(f"rank {r} iteration {i}: {exc}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -205,30 +204,6 @@ def test_launch_failure_names_kernel(mod):
     with pytest.raises(jit.LaunchError, match="block_ids") as info:
         mod.function("block_ids").launch(1, 4096, (None,))
     assert "block=(4096, 1, 1)" in str(info.value)
-
-
-def test_launch_overhead(mod):
-    x = torch.zeros(1, dtype=torch.int32, device="cuda")
-    f = mod.function("block_ids")
-    f.launch(1, 32, (x,))
-    torch.cuda.synchronize()
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f.launch(1, 32, (x,))
-    dt = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    from deep_ep.jit import runtime
-    h, stream = f.handle(0), torch.cuda.current_stream().cuda_stream
-    plan = next(iter(f._plans.values()))
-    _buf, params = runtime.pack_args(plan, (x,))
-    d = runtime._drv()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        d.cuLaunchKernel(h, 1, 1, 1, 32, 1, 1, 0, stream, params, 0)
-    raw = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    print(f"\nhost time per launch: Function.launch {dt * 1e6:.1f} us, bare cuLaunchKernel binding {raw * 1e6:.1f} us")
 
 
 def test_nccl_kernel_loads():

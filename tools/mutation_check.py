@@ -1,0 +1,492 @@
+"""Checks that can fail: the GPU suite and the bench's check against kernels built with a defect.
+
+For the clean build and for each test-only kernel defect n of `deep_ep.backends.gpu.TEST_DEFECTS`
+(built when DEEP_EP_TEST_DEFECT=n; the define is part of the JIT cache key, so each defect compiles
+modules of its own while the clean build reuses those already cached), this runs
+
+(a) a few cases of the GPU suite that exercise the defect (``pytest -x``; EP=1 on NCCL for the path
+    a rank takes to itself, two emulated ranks for the peer path; `DEFECTS` lists them), and
+(b) ``python -m deep_ep bench --iters 2`` with the configuration that exercises it,
+
+and prints one line per defect::
+
+    defect 3 (missing bias): suite FAILED as expected (1 failed), bench check FAILED as expected
+
+or the same line ending in ``NOT CAUGHT``. The clean build runs the union of those suite cases and
+every bench configuration used, and must pass them all (a run that fails without a defect would
+prove nothing). Exit status 0 when the clean build passes and both checks catch every defect.
+
+Usage (the ``mutate`` step of tools/device_suite.sh, on a GPU machine)::
+
+    python3 tools/mutation_check.py [--defects 1,3] [--out DIR] [--budget 360] [--dry-run]
+
+``--dry-run`` prints the commands and runs nothing (no GPU needed). Logs, JUnit XML files, bench
+JSON files and ``mutation.json`` (every verdict) go to ``--out`` (default ``$OUT/mutation``).
+
+``python3 tools/mutation_check.py --write-summary DIR`` writes ``DIR/summary.txt`` for a device run
+(the ``summary`` step): card, driver, torch, NCCL, commit, date, passed / failed per test file (from
+the JUnit XML files ``DIR/*.xml``), the bench checks (``DIR/*.json``), the torchrun suite and this
+check's lines (``DIR/mutation/mutation.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE_FILE = "tests/gpu/test_gpu_backend.py"
+SUITE_NODES = (f"{SUITE_FILE}::test_ep1_real_nccl", f"{SUITE_FILE}::test_emulated[2]")
+
+
+@dataclass(frozen=True)
+class Defect:
+    """One test-only kernel defect and what must catch it.
+
+    cases: base names of cases in tests/gpu_cases.py (run at EP=1 and on two emulated ranks).
+    bench_args: arguments added to ``python -m deep_ep bench --iters 2``.
+    """
+    number: int
+    name: str
+    cases: tuple
+    bench_args: tuple = ()
+
+
+#: The defects of `deep_ep.backends.gpu.TEST_DEFECTS` (tests/test_mutations_cpu.py checks that the
+#: numbers and names agree) and the runs that exercise each.
+DEFECTS = (
+    Defect(1, "dropped row", ("bf16",)),                       # non-expanded rows 63, 127, ... unwritten
+    Defect(2, "wrong row", ("bf16",)),                         # rows 7, 68, ... land in the row beside
+    Defect(3, "missing bias", ("bf16-noweights-bias2",), ("--bias", "1")),
+    Defect(4, "scaled weight", ("bf16",)),                     # recv_topk_weights[:, 0] doubled
+    Defect(5, "stale scale factor", ("fp8-fp32",), ("--fp8",)),  # cached FP8 dispatch
+    Defect(6, "skipped expert", ("bf16-expand",), ("--expand",)),
+)
+
+
+# ---------------------------------------------------------------------------------------- results
+_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
+_SUMMARY_LINE = re.compile(r"^[=\s]*\d+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b"
+                           r".* in [\d.]+s")
+
+
+def pytest_counts(text: str) -> Optional[dict]:
+    """Counts from the last summary line of pytest output (``1 failed, 3 passed in 2.10s``), as
+    ``{"passed": 3, "failed": 1, "errors": 0, "skipped": 0, ...}``; None when there is no such line
+    (pytest crashed or was killed)."""
+    lines = [ln for ln in text.splitlines() if _SUMMARY_LINE.match(ln.strip())]
+    if not lines:
+        return None
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for number, what in _COUNT.findall(lines[-1]):
+        what = {"error": "errors", "warning": "warnings"}.get(what, what)
+        counts[what] = counts.get(what, 0) + int(number)
+    return counts
+
+
+def _test_file(classname: str) -> str:
+    """``tests.gpu.test_x`` or ``tests.gpu.test_x.TestCls`` -> ``tests/gpu/test_x.py``."""
+    parts = classname.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("test_") or part.endswith("_test"):
+            return "/".join(parts[:i + 1]) + ".py"
+    return "/".join(parts) + ".py"
+
+
+def junit_counts(path: Path) -> dict:
+    """``{test file: {"passed", "failed", "errors", "skipped"}}`` from a pytest JUnit XML file."""
+    per_file: dict = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = _test_file(case.get("classname", "") or "unknown")
+        c = per_file.setdefault(name, {"passed": 0, "failed": 0, "errors": 0, "skipped": 0})
+        tags = {child.tag for child in case}
+        if "failure" in tags:
+            c["failed"] += 1
+        elif "error" in tags:
+            c["errors"] += 1
+        elif "skipped" in tags:
+            c["skipped"] += 1
+        else:
+            c["passed"] += 1
+    return per_file
+
+
+def total(per_file: dict) -> dict:
+    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for c in per_file.values():
+        for k in out:
+            out[k] += c.get(k, 0)
+    return out
+
+
+def format_counts(c: dict) -> str:
+    """``3 passed, 1 failed`` (errors and skipped only when present)."""
+    parts = [f"{c.get('passed', 0)} passed", f"{c.get('failed', 0)} failed"]
+    parts += [f"{c[k]} {k}" for k in ("errors", "skipped") if c.get(k)]
+    return ", ".join(parts)
+
+
+def suite_verdict(rc: Optional[int], counts: Optional[dict], note: str = "") -> tuple:
+    """``(verdict, detail)``: ``"passed"`` (exit 0, tests ran, none failed), ``"failed"`` (exit 1
+    with failed tests: a check failed) or ``"error"`` (anything else: timeout, crash, collection or
+    fixture errors, nothing ran), with a few words for the report."""
+    if note:
+        return "error", note
+    if counts is None:
+        return "error", f"pytest exited {rc} without a summary (crashed or killed)"
+    if rc == 0 and counts["failed"] == 0 and counts["errors"] == 0 and counts["passed"] > 0:
+        return "passed", format_counts(counts)
+    if rc == 1 and counts["failed"] > 0:
+        return "failed", format_counts(counts)
+    return "error", f"pytest exited {rc}: {format_counts(counts)}"
+
+
+def bench_verdict(rc: Optional[int], result: Optional[dict], log: str, note: str = "") -> tuple:
+    """``(verdict, detail)`` of one bench run: ``"passed"`` (exit 0, check enabled and passed),
+    ``"failed"`` (non-zero exit and the check failed, by the JSON's ``check.passed`` or a
+    ``check: MISMATCH`` line) or ``"error"`` (timeout, crash, refused arguments, check disabled)."""
+    if note:
+        return "error", note
+    check = (result or {}).get("check")
+    mismatch = re.search(r"^check: MISMATCH.*$", log, re.M)
+    if check is not None and not check.get("enabled", False):
+        return "error", "the bench ran without its check"
+    if rc == 0:
+        if check is not None and check.get("passed") is True:
+            return "passed", "check passed"
+        return "error", "exit 0 without a passed check in its JSON"
+    if (check is not None and check.get("passed") is False) or (check is None and mismatch):
+        first = (check or {}).get("failures") or ([mismatch.group(0)] if mismatch else [])
+        return "failed", (str(first[0])[:160] if first else "check failed")
+    tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or [""]
+    return "error", f"exit {rc} without a check verdict: {tail[0][:160]}"
+
+
+# ---------------------------------------------------------------------------------------- runs
+@dataclass
+class Run:
+    """One subprocess of the check: a suite subset or a bench configuration for a defect (0 = clean)."""
+    kind: str                 # "suite" or "bench"
+    defect: int
+    argv: list
+    env: dict                 # variables set (value None: removed)
+    log: Path
+    artifact: Path            # JUnit XML (suite) or JSON (bench)
+    timeout: float
+    label: str = ""
+    rc: Optional[int] = None
+    wall: float = 0.0
+    note: str = ""
+    verdict: str = ""
+    detail: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def command_line(self) -> str:
+        sets = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items() if v is not None)
+        unsets = " ".join(f"-u {k}" for k, v in self.env.items() if v is None)
+        return f"env {unsets} {sets} {' '.join(shlex.quote(a) for a in self.argv)}".replace("  ", " ")
+
+
+def plan(defects: list, out: Path, *, python: str = sys.executable, suite_timeout: float = 150,
+         bench_timeout: float = 150, bench_extra: tuple = ()) -> list:
+    """The runs: the clean build first (the union of the suite cases, every bench configuration),
+    then a suite subset and a bench run per defect. ``bench_extra`` is added to every bench run."""
+    def suite(n: int, cases) -> Run:
+        xml = out / f"suite_defect{n}.xml"
+        return Run("suite", n, [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                f"--junitxml={xml}", *SUITE_NODES],
+                   {"DEEP_EP_TEST_DEFECT": str(n) if n else None, "DEEP_EP_GPU_CASES": ",".join(cases),
+                    "DEEP_EP_CASE_LOG": str(out / f"suite_defect{n}_cases.log")},
+                   out / f"suite_defect{n}.log", xml, suite_timeout, label=",".join(cases))
+
+    def bench(n: int, args, tag: str) -> Run:
+        js = out / f"bench_defect{n}{tag}.json"
+        return Run("bench", n, [python, "-m", "deep_ep", "bench", "--iters", "2", *args, *bench_extra,
+                                "--json", str(js)],
+                   {"DEEP_EP_TEST_DEFECT": str(n) if n else None},
+                   out / f"bench_defect{n}{tag}.log", js, bench_timeout, label=" ".join(args) or "defaults")
+
+    runs = []
+    cases = sorted({c for d in defects for c in d.cases})
+    runs.append(suite(0, cases))
+    configs = []
+    for d in defects:
+        if d.bench_args not in configs:
+            configs.append(d.bench_args)
+    for i, args in enumerate(configs):
+        runs.append(bench(0, args, f"_{i}"))
+    for d in defects:
+        runs += [suite(d.number, d.cases), bench(d.number, d.bench_args, "")]
+    return runs
+
+
+def execute(run: Run, deadline: float) -> None:
+    """Run ``run`` (its own process group, killed at its timeout or at ``deadline``), then judge it."""
+    left = deadline - time.monotonic()
+    if left < 10:
+        run.note = "not run: the time budget was spent"
+    else:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        for k, v in run.env.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        for stale in (run.log, run.artifact):
+            if stale.exists():
+                stale.unlink()
+        limit = min(run.timeout, left)
+        start = time.monotonic()
+        with open(run.log, "w") as log:
+            proc = subprocess.Popen(run.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                run.rc = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)   # the group this run started, nothing else
+                run.rc = proc.wait()
+                run.note = f"timed out after {limit:.0f} s"
+        run.wall = time.monotonic() - start
+    judge(run)
+
+
+def judge(run: Run) -> None:
+    """Set ``run.verdict`` / ``run.detail`` from its exit status, log and artifact."""
+    log = run.log.read_text(errors="replace") if run.log.exists() else ""
+    if run.kind == "suite":
+        counts = None
+        if run.artifact.exists():
+            try:
+                counts = total(junit_counts(run.artifact))
+            except ET.ParseError:
+                counts = None
+        if counts is None:
+            counts = pytest_counts(log)
+        run.extra["counts"] = counts
+        run.verdict, run.detail = suite_verdict(run.rc, counts, run.note)
+    else:
+        result = None
+        if run.artifact.exists():
+            try:
+                result = json.loads(run.artifact.read_text())
+            except ValueError:
+                result = None
+        run.verdict, run.detail = bench_verdict(run.rc, result, log, run.note)
+
+
+def defect_line(d: Defect, suite: Run, bench: Run) -> str:
+    """The report line of one defect (see the module docstring)."""
+    def half(run: Run, what: str) -> str:
+        if run.verdict == "failed":
+            return f"{what} FAILED as expected ({run.detail})" if run.kind == "suite" else f"{what} FAILED as expected"
+        if run.verdict == "passed":
+            return f"{what} passed ({run.detail})"
+        return f"{what} gave no verdict ({run.detail})"
+    caught = suite.verdict == "failed" and bench.verdict == "failed"
+    line = f"defect {d.number} ({d.name}): {half(suite, 'suite')}, {half(bench, 'bench check')}"
+    return line if caught else line + ": NOT CAUGHT"
+
+
+def clean_line(suite: Run, benches: list) -> tuple:
+    """``(line, passed)`` for the clean build."""
+    ok = suite.verdict == "passed" and all(b.verdict == "passed" for b in benches)
+    parts = [f"suite {'passed' if suite.verdict == 'passed' else 'FAILED'} ({suite.detail})"]
+    bad = [b for b in benches if b.verdict != "passed"]
+    if not bad:
+        parts.append(f"bench check passed ({len(benches)} configuration{'s' if len(benches) != 1 else ''})")
+    for b in bad:
+        parts.append(f"bench [{b.label}] check FAILED ({b.detail})")
+    line = "clean build: " + ", ".join(parts)
+    return (line if ok else line + ": the checks fail without a defect"), ok
+
+
+def report(defects: list, runs: list) -> tuple:
+    """``(lines, passed)`` from judged runs (the clean build's and each defect's)."""
+    clean_suite = next(r for r in runs if r.kind == "suite" and r.defect == 0)
+    clean_benches = [r for r in runs if r.kind == "bench" and r.defect == 0]
+    line, clean_ok = clean_line(clean_suite, clean_benches)
+    lines, missed = [line], []
+    for d in defects:
+        suite = next(r for r in runs if r.kind == "suite" and r.defect == d.number)
+        bench = next(r for r in runs if r.kind == "bench" and r.defect == d.number)
+        lines.append(defect_line(d, suite, bench))
+        if not (suite.verdict == "failed" and bench.verdict == "failed"):
+            missed.append(d.number)
+    passed = clean_ok and not missed
+    if passed:
+        lines.append(f"mutation check: passed (the clean build passes; the suite and the bench check catch "
+                     f"all {len(defects)} defects)")
+    else:
+        why = ([] if clean_ok else ["the clean build fails"]) + \
+              ([f"defect(s) {', '.join(map(str, missed))} not caught"] if missed else [])
+        lines.append("mutation check: FAILED (" + "; ".join(why) + ")")
+    return lines, passed
+
+
+def main_check(args) -> int:
+    wanted = {int(x) for x in args.defects.split(",")} if args.defects else None
+    defects = [d for d in DEFECTS if wanted is None or d.number in wanted]
+    if wanted and len(defects) != len(wanted):
+        raise SystemExit(f"--defects: unknown defect(s) {sorted(wanted - {d.number for d in DEFECTS})}")
+    out = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp/deep_ep_out"), "mutation"))
+    runs = plan(defects, out, suite_timeout=args.suite_timeout, bench_timeout=args.bench_timeout,
+                bench_extra=tuple(shlex.split(args.bench_args)))
+    if args.dry_run:
+        for r in runs:
+            print(f"[{r.kind} defect {r.defect}] {r.command_line()}")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    deadline = start + args.budget
+    for r in runs:
+        execute(r, deadline)
+        print(f"  {r.kind} defect {r.defect} [{r.label}]: {r.verdict} ({r.detail}), {r.wall:.0f} s", flush=True)
+    print(f"  all runs: {time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)", flush=True)
+    lines, passed = report(defects, runs)
+    for line in lines:
+        print(line, flush=True)
+    (out / "mutation.json").write_text(json.dumps({
+        "passed": passed, "lines": lines,
+        "runs": [{"kind": r.kind, "defect": r.defect, "label": r.label, "command": r.command_line(),
+                  "rc": r.rc, "wall_s": round(r.wall, 1), "verdict": r.verdict, "detail": r.detail,
+                  "log": str(r.log)} for r in runs]}, indent=1))
+    return 0 if passed else 1
+
+
+# ---------------------------------------------------------------------------------------- run summary
+def _command(argv: list) -> str:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return p.stdout.strip() if p.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _git_commit() -> str:
+    head = _command(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    # The copy of .git on a device machine can lag its working tree: DEEP_EP_COMMIT says which it is.
+    return f"{head} (device git; set DEEP_EP_COMMIT to record the commit run)" if head else "unknown"
+
+
+def environment() -> dict:
+    """Facts of this machine: card, driver, torch, CUDA, NCCL, commit (DEEP_EP_COMMIT or git), date."""
+    smi = _command(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    cards = [ln.split(",")[0].strip() for ln in smi.splitlines() if ln.strip()]
+    facts = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+             "commit": os.environ.get("DEEP_EP_COMMIT") or _git_commit(),
+             "card": (f"{cards[0]} x{len(cards)}" if cards else "unknown (no nvidia-smi)"),
+             "driver": smi.splitlines()[0].split(",")[1].strip() if cards else "unknown"}
+    versions = _command([sys.executable, "-c", "import torch; print(torch.__version__); print(torch.version.cuda); "
+                         "v = torch.cuda.nccl.version() if torch.cuda.is_available() else None; "
+                         "print('.'.join(map(str, v)) if isinstance(v, tuple) else v)"]).splitlines()
+    versions += ["unknown"] * (3 - len(versions))
+    facts.update(torch=versions[0], cuda=versions[1], nccl=versions[2])
+    return facts
+
+
+#: The pytest steps of tools/device_suite.sh: ``<step>.log`` and ``<step>.xml`` under $OUT.
+PYTEST_STEPS = ("jit_gpu", "gpu_tests", "gpu_extra", "coop_tests")
+
+
+def summary_text(run_dir: Path, facts: dict) -> str:
+    """The text of summary.txt for the device run whose outputs are in ``run_dir``."""
+    lines = ["deep_ep device-suite run", f"date: {facts['date']}", f"commit: {facts['commit']}",
+             f"card: {facts['card']}", f"driver: {facts['driver']}",
+             f"torch: {facts['torch']} (CUDA {facts['cuda']})", f"NCCL (torch): {facts['nccl']}", "",
+             "tests (per file: passed, failed; from the pytest JUnit XML of each step):"]
+    header = len(lines)
+    steps = sorted({x.stem for x in run_dir.glob("*.xml")} | {s for s in PYTEST_STEPS if (run_dir / f"{s}.log").exists()})
+    for step in steps:
+        xml, log = run_dir / f"{step}.xml", run_dir / f"{step}.log"
+        per_file = None
+        if xml.exists():
+            try:
+                per_file = junit_counts(xml)
+            except ET.ParseError:
+                per_file = None
+        if per_file:
+            lines += [f"  {step}: {name}: {format_counts(c)}" for name, c in sorted(per_file.items())]
+            continue
+        counts = pytest_counts(log.read_text(errors="replace")) if log.exists() else None
+        if counts is not None:
+            lines.append(f"  {step}: {format_counts(counts)} (from {log.name}: no JUnit XML)")
+        else:
+            lines.append(f"  {step}: no result (pytest crashed or timed out: see {log.name})")
+    torchrun = run_dir / "torchrun_suite.log"
+    if torchrun.exists():
+        text = torchrun.read_text(errors="replace")
+        ok, bad = len(re.findall(r"^\S+: ok$", text, re.M)), len(re.findall(r"^\S+: FAIL", text, re.M))
+        lines.append(f"  torchrun_suite: tools/torchrun_suite.py: {ok} passed, {bad} failed")
+    if len(lines) == header:
+        lines.append("  (no test results)")
+    lines += ["", "bench checks:"]
+    any_bench = False
+    for js in sorted(run_dir.glob("*.json")):
+        try:
+            result = json.loads(js.read_text())
+        except ValueError:
+            continue
+        check = result.get("check") if isinstance(result, dict) else None
+        if not isinstance(check, dict):
+            continue
+        any_bench = True
+        if not check.get("enabled"):
+            verdict = "not checked"
+        elif check.get("passed"):
+            verdict = "check passed"
+        else:
+            first = (check.get("failures") or ["?"])[0]
+            verdict = f"check FAILED ({str(first)[:160]})"
+        lines.append(f"  {js.stem}: {verdict}")
+    if not any_bench:
+        lines.append("  (no bench JSON files)")
+    mutation = run_dir / "mutation" / "mutation.json"
+    lines += ["", "mutation check (tools/mutation_check.py):"]
+    if mutation.exists():
+        try:
+            lines += ["  " + ln for ln in json.loads(mutation.read_text())["lines"]]
+        except (ValueError, KeyError):
+            lines.append("  unreadable mutation.json")
+    else:
+        lines.append("  not run")
+    return "\n".join(lines) + "\n"
+
+
+def main_summary(run_dir: Path) -> int:
+    text = summary_text(run_dir, environment())
+    (run_dir / "summary.txt").write_text(text)
+    sys.stdout.write(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--defects", default="", help="comma-separated defect numbers (default: all)")
+    p.add_argument("--out", default=None, help="folder of logs and results (default: $OUT/mutation)")
+    p.add_argument("--budget", type=float, default=360.0, help="seconds for all runs (default 360)")
+    p.add_argument("--suite-timeout", type=float, default=150.0, help="seconds per suite run")
+    p.add_argument("--bench-timeout", type=float, default=150.0, help="seconds per bench run")
+    p.add_argument("--bench-args", default="", help="arguments added to every bench run (e.g. \"--tokens 1024\")")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--write-summary", metavar="DIR", default=None,
+                   help="write DIR/summary.txt for a device run instead of running the check")
+    args = p.parse_args(argv)
+    if args.write_summary:
+        return main_summary(Path(args.write_summary))
+    return main_check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
