@@ -32,11 +32,20 @@ def fill_poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=device)``, poisoned under `poisoned`."""
+def empty(shape, dtype: torch.dtype, device, stream=None) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)``, poisoned under `poisoned`.
+
+    ``stream``: where the kernels that write the tensor run (the GPU backend's communication
+    stream): the poison is filled there, so it is ordered before them whatever the current stream
+    is doing (the buffer orders that stream after the caller's before it allocates).
+    """
     t = torch.empty(shape, dtype=dtype, device=device)
     if _depth:
-        fill_poison(t)
+        if stream is None:
+            fill_poison(t)
+        else:
+            with torch.cuda.stream(stream):
+                fill_poison(t)
     return t
 
 

@@ -160,7 +160,7 @@ def test_prepared_cooperative_launch(mod):
 def test_stream_join_orders_streams():
     """`StreamJoin.wait` makes one stream wait for work queued on another (both directions), as
     ``wait_stream`` does: a copy queued after the join sees a fill queued before it behind a sleep."""
-    from deep_ep.streams import StreamJoin
+    from deep_ep.cuda.streams import StreamJoin
     dev = torch.device("cuda", torch.cuda.current_device())
     join = StreamJoin(dev)
     a, b = torch.cuda.Stream(), torch.cuda.Stream()

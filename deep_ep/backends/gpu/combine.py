@@ -26,8 +26,8 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms):
     layout = b.layout(H)
     n_sms = b.num_sms(num_sms)
     mod = b.module("combine", (H, K, bool(handle.do_expand)))
-    out = outputs.empty((T, H), torch.bfloat16, dev)
-    out_w = outputs.empty((T, K), torch.float32, dev) if topk_weights is not None else None
+    out = outputs.empty((T, H), torch.bfloat16, dev, b.comm_stream)
+    out_w = outputs.empty((T, K), torch.float32, dev, b.comm_stream) if topk_weights is not None else None
     bias0 = bias[0] if len(bias) > 0 else None
     bias1 = bias[1] if len(bias) > 1 else None
     key = ("combine", H, K, n_sms, handle.topk_idx.data_ptr(), _ptr(handle.recv_topk_weights))

@@ -87,9 +87,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         big = 2 ** 31 - 1
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else R * m
-        lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev)
-        pos_tok = outputs.empty((T, R), torch.int32, dev)
-        pos_pair = outputs.empty((T, K), torch.int32, dev) if do_expand else None
+        lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev, b.comm_stream)
+        pos_tok = outputs.empty((T, R), torch.int32, dev, b.comm_stream)
+        pos_pair = outputs.empty((T, K), torch.int32, dev, b.comm_stream) if do_expand else None
         stream = b.comm_stream
         mod.function("deep_ep_notify").launch(
             R + (E if do_expand else 0), LAYOUT_THREADS,
@@ -112,25 +112,25 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         out_rows = handle.num_recv_rows
 
     # outputs
-    out_x = outputs.empty((out_rows, H), data.dtype, dev)
+    out_x = outputs.empty((out_rows, H), data.dtype, dev, b.comm_stream)
     out_sf, sf_ld = None, 0
     if sf is not None:
         if use_tma_aligned_col_major_sf:
             sf_ld = (out_rows + 3) // 4 * 4
-            out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev).t()[:out_rows]
+            out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev, b.comm_stream).t()[:out_rows]
         else:
-            out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev)
+            out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev, b.comm_stream)
     if not cached:
         if do_expand:
-            out_idx = outputs.empty(out_rows, torch.int64, dev)
-            out_w = outputs.empty(out_rows, torch.float32, dev)
-            row_map = outputs.empty((tok_capacity, K), torch.int32, dev)
+            out_idx = outputs.empty(out_rows, torch.int64, dev, b.comm_stream)
+            out_w = outputs.empty(out_rows, torch.float32, dev, b.comm_stream)
+            row_map = outputs.empty((tok_capacity, K), torch.int32, dev, b.comm_stream)
         else:
-            out_idx = outputs.empty((out_rows, K), torch.int64, dev)
-            out_w = outputs.empty((out_rows, K), torch.float32, dev) if topk_weights is not None else None
+            out_idx = outputs.empty((out_rows, K), torch.int64, dev, b.comm_stream)
+            out_w = outputs.empty((out_rows, K), torch.float32, dev, b.comm_stream) if topk_weights is not None else None
             row_map = None
-        src_rank = outputs.empty(out_rows, torch.int32, dev)
-        src_token = outputs.empty(out_rows, torch.int32, dev)
+        src_rank = outputs.empty(out_rows, torch.int32, dev, b.comm_stream)
+        src_token = outputs.empty(out_rows, torch.int32, dev, b.comm_stream)
     else:
         out_idx, out_w, row_map = state.recv_topk_idx, state.recv_topk_weights, state.row_map
         src_rank, src_token = handle.recv_src_rank, handle.recv_src_token
