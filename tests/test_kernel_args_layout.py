@@ -30,10 +30,12 @@ def _device_layout(cxx: str, fields: list, header: str) -> list:
 
 
 @pytest.mark.parametrize("cls, cxx, header", [
+    (abi.NotifyArgs, "deep_ep::NotifyArgs", "impls/notify.cuh"),
+    (abi.LayoutArgs, "deep_ep::LayoutArgs", "impls/layout.cuh"),
     (abi.DispatchArgs, "deep_ep::DispatchArgs", "impls/dispatch_args.cuh"),
     (abi.CombineArgs, "deep_ep::CombineArgs", "impls/combine_args.cuh"),
     (EmulatedTransportArgs, "deep_ep::comm::TransportArgs", "comm/transport.cuh"),
-], ids=["DispatchArgs", "CombineArgs", "EmulatedTransportArgs"])
+], ids=["NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs", "EmulatedTransportArgs"])
 def test_ctypes_mirror_matches_device_struct(cls, cxx, header):
     fields = [name for name, _ in cls._fields_]
     device = _device_layout(cxx, fields, header)
@@ -65,6 +67,7 @@ def test_shared_constants_parse_from_the_header():
     assert abi.TEST_DEFECTS == {1: "dropped row", 2: "wrong row", 3: "missing bias", 4: "scaled weight",
                                 5: "stale scale factor", 6: "skipped expert"}
     assert set(abi.PHASES) == {1, 2, 3, 4}
+    assert abi.READBACK["seq"] == 0 and abi.READBACK["counts"] > max(v for k, v in abi.READBACK.items() if k != "counts")
 
 
 def _nccl_header_dirs() -> list:

@@ -27,10 +27,10 @@ from ... import jit
 from ...cuda.streams import StreamJoin, new_stream, release_stream
 from ..base import Backend, BufferConfig
 from . import window as wl
-from .abi import CTRL_ERROR_OFFSET
+from .abi import CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, MAX_EXPERTS, READBACK, READBACK_WORDS
 from .combine import run_combine
 from .dispatch import run_dispatch
-from .errors import ErrorRecord, raise_recorded
+from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
 from .modules import (THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines, kernel_source,
                       load_module, num_modules_built, test_defect_defines, tunable_defines)
 from .state import GPUHandleState
@@ -94,9 +94,18 @@ class GPUBackend(Backend):
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
+        self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout kernel's report (do_cpu_sync)
+        self.readback_seq = 0
+        # The notify kernel's scratch: barrier words, the smallest bad index (INT_MAX: none), group counts.
+        self.notify_groups_max = max(1, 4 * self.num_device_sms // (self.num_ranks if self.emulated else 1))
+        self.notify_scratch = torch.zeros(4 + self.notify_groups_max * (self.num_ranks + MAX_EXPERTS),
+                                          dtype=torch.int32, device=self._device)
+        self.notify_scratch[2] = 2 ** 31 - 1
+        torch.cuda.current_stream(self._device).synchronize()
         self._ctrl_error: Optional[torch.Tensor] = None
         self.broken: Optional[str] = None
         self.last_m = 0
+        self.last_num_experts = self.last_num_topk = 0   # of the last dispatch (for async error messages)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
@@ -145,6 +154,7 @@ class GPUBackend(Backend):
             release_stream(self.comm_stream)
             self.stream_join.destroy()
             self.err_record.free()
+            self.readback.free()
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, data, sf, topk_idx, topk_weights, **kwargs):
@@ -231,6 +241,40 @@ class GPUBackend(Backend):
             time.sleep(2e-5)
         return dst.tolist()
 
+    def wait_readback(self, seq: int, num_experts: int, num_topk: int) -> list:
+        """The layout kernel's report of call ``seq`` (the kReadback* words), once it is written.
+
+        The host spins on mapped memory (no copy, no event, no sleep: a sleep costs tens of
+        microseconds of wake-up), yielding the GIL now and then for other ranks' threads.
+
+        Raises:
+            ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
+                nothing moved, the buffer stays usable).
+            TimeoutError / RuntimeError: the layout kernel recorded a timeout or a capacity error.
+        """
+        words = self.readback.words
+        seq_word = READBACK["seq"]
+        deadline = None
+        spins = 0
+        while words[seq_word] != seq:
+            spins += 1
+            if spins & 255 == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.config.num_cpu_timeout_secs
+                elif now > deadline:
+                    raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
+                                       f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
+                time.sleep(0)
+        report = list(words)
+        status = report[READBACK["status"]]
+        if status == ERR_BAD_EXPERT:
+            raise_bad_expert(report[READBACK["peer"]], report[READBACK["detail"]], report[READBACK["value"]],
+                             num_experts, num_topk)
+        if status != 0:
+            self._raise((status, report[READBACK["rank"]], report[READBACK["peer"]], report[READBACK["detail"]]))
+        return report
+
     def read_error(self) -> Optional[tuple]:
         """(code, rank, peer, phase) recorded by a kernel of this rank, or None (waits for the stream)."""
         v = self.host_read(self._ctrl_error_view(), self.comm_stream)
@@ -254,11 +298,15 @@ class GPUBackend(Backend):
             raise RuntimeError(f"deep_ep: this buffer is no longer usable after an earlier GPU error "
                                f"({self.broken}); destroy it and create a new one")
         v = self.err_record.read()
+        if v[0] == ERR_BAD_EXPERT:
+            # Found by an earlier call without a host sync; every rank voided that call alike.
+            self.err_record.clear()
+            raise_bad_expert(v[1], v[2], v[3], self.last_num_experts, self.last_num_topk)
         if v[0] != 0:
             self._raise(v)
 
     def _raise(self, record: tuple) -> None:
-        self.broken = "capacity" if record[0] == 2 else "timeout"
+        self.broken = "capacity" if record[0] == ERR_CAPACITY else "timeout"
         raise_recorded(record, self.config.num_gpu_timeout_secs, self.last_m)
 
     def _ctrl_error_view(self) -> torch.Tensor:

@@ -12,7 +12,8 @@ import ctypes
 import re
 from pathlib import Path
 
-__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "DispatchArgs", "CombineArgs", "MAX_RANKS",
+__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
+           "READBACK", "READBACK_WORDS", "MAX_RANKS",
            "MAX_EXPERTS", "MAX_TOPK", "CTRL_BYTES", "CTRL_ERROR_OFFSET", "PHASES"]
 
 _COMMON = Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "common"
@@ -41,6 +42,11 @@ CTRL_BYTES = CONSTANTS["kCtrlBytes"]
 CTRL_ERROR_OFFSET = CONSTANTS["kCtrlError"] * 4      #: byte offset of the error record
 ERR_TIMEOUT = CONSTANTS["kErrTimeout"]
 ERR_CAPACITY = CONSTANTS["kErrCapacity"]
+ERR_BAD_EXPERT = CONSTANTS["kErrBadExpert"]
+COUNTS_EXTRA_WORDS = CONSTANTS["kCountsExtraWords"]
+#: word offsets of what the layout kernel reports to the host (kReadback*)
+READBACK = {k[len("kReadback"):].lower(): v for k, v in CONSTANTS.items() if k.startswith("kReadback")}
+READBACK_WORDS = READBACK["counts"] + MAX_EXPERTS
 #: phase code -> what the rank was waiting for (names a timeout)
 PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts)",
           CONSTANTS["kPhaseDispatch"]: "dispatch (waiting for peers' tokens)",
@@ -71,6 +77,21 @@ class LayoutIndex:
             setattr(self, name, offset)
             offset += counts[count]
         self.size = offset
+
+
+class NotifyArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::NotifyArgs`` (include/deep_ep/impls/notify.cuh)."""
+    _fields_ = [("topk_idx", ctypes.c_void_p), ("num_tokens", ctypes.c_int), ("num_experts", ctypes.c_int),
+                ("tokens_per_group", ctypes.c_int), ("counts_offset", ctypes.c_int64), ("pos_tok", ctypes.c_void_p),
+                ("pos_pair", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64)]
+
+
+class LayoutArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::LayoutArgs`` (include/deep_ep/impls/layout.cuh)."""
+    _fields_ = [("num_experts", ctypes.c_int), ("alignment", ctypes.c_int), ("counts_offset", ctypes.c_int64),
+                ("layout", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p), ("out_capacity", ctypes.c_int),
+                ("tok_capacity", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("host_out", ctypes.c_void_p),
+                ("seq", ctypes.c_int), ("err_host", ctypes.c_void_p)]
 
 
 class DispatchArgs(ctypes.Structure):

@@ -2,11 +2,13 @@
 
 Flow of one non-cached dispatch (every kernel on the buffer's communication stream):
 
-1. ``deep_ep_notify``  (R [+E] blocks) numbers this rank's tokens per destination rank / expert and
-   writes its count row into every peer's window; its last block signals the peers.
+1. ``deep_ep_notify``  (one warp per group of tokens) numbers this rank's tokens per destination
+   rank and pairs per expert, checks the expert ids, and writes its count row into every peer's
+   window; its last block signals the peers.
 2. ``deep_ep_layout``  (1 block) waits for every peer's counts and writes the handle's layout words.
-3. With ``do_cpu_sync`` the host reads the received row count and allocates exact outputs; without
-   it the outputs are sized for the worst case and nothing waits on the host.
+3. With ``do_cpu_sync`` the layout kernel also writes the received row counts to mapped host memory,
+   which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
+   outputs are sized for the worst case and nothing waits on the host.
 4. ``deep_ep_dispatch`` (num_sms blocks): the send phase moves every token row once per
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
@@ -21,11 +23,10 @@ from typing import Optional
 
 import torch
 
-from ... import jit
 from ...handle import EPHandle
 from ...reference import worst_case_recv_rows
 from .. import outputs
-from .abi import MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutIndex
+from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, LayoutArgs, LayoutIndex, NotifyArgs
 from .modules import LAYOUT_THREADS, THREADS
 from .state import GPUHandleState
 
@@ -91,18 +92,28 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         pos_tok = outputs.empty((T, R), torch.int32, dev, b.comm_stream)
         pos_pair = outputs.empty((T, K), torch.int32, dev, b.comm_stream) if do_expand else None
         stream = b.comm_stream
-        mod.function("deep_ep_notify").launch(
-            R + (E if do_expand else 0), LAYOUT_THREADS,
-            (topk_idx, T, E, jit.i64(layout.counts_offset), pos_tok, pos_pair, transport),
-            smem=4 * L, stream=stream)
-        mod.function("deep_ep_layout").launch(
-            1, LAYOUT_THREADS,
-            (E, A, jit.i64(layout.counts_offset), lay, cumulative_local_expert_recv_stats, out_cap, tok_cap,
-             jit.u64(b.timeout_ns), transport), stream=stream)
+        pairs_per_group = 256
+        groups = max(1, min(b.notify_groups_max, -(-T * K // pairs_per_group)))
+        notify = NotifyArgs(topk_idx=_ptr(topk_idx), num_tokens=T, num_experts=E,
+                            tokens_per_group=max(1, -(-T // groups)), counts_offset=layout.counts_offset,
+                            pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), scratch=b.notify_scratch.data_ptr(),
+                            timeout_ns=b.timeout_ns)
+        mod.function("deep_ep_notify").launch(groups, 32, (notify, transport), smem=4 * (R + E), stream=stream,
+                                              cooperative=b.cooperative)
+        seq = 0
         if do_cpu_sync:
-            head = b.host_read(lay, stream)  # waits for the layout kernel, i.e. every peer's counts
-            b.check_errors()
-            num_out_rows, num_tok_rows = head[0], head[1]
+            b.readback_seq = seq = (b.readback_seq % (2 ** 31 - 1)) + 1
+        layout_args = LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset, layout=lay.data_ptr(),
+                                 cumulative_stats=_ptr(cumulative_local_expert_recv_stats), out_capacity=out_cap,
+                                 tok_capacity=tok_cap, timeout_ns=b.timeout_ns,
+                                 host_out=b.readback.device_ptr if do_cpu_sync else None, seq=seq,
+                                 err_host=b.err_record.device_ptr)
+        mod.function("deep_ep_layout").launch(1, LAYOUT_THREADS, (layout_args, transport), stream=stream)
+        b.last_num_experts, b.last_num_topk = E, K
+        if do_cpu_sync:
+            head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
+            num_out_rows = head[READBACK["out_rows"]]
+            num_tok_rows = head[READBACK["tok_rows"]]
             out_rows = num_out_rows
             tok_capacity = num_tok_rows
         else:
@@ -171,7 +182,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     Lx = LayoutIndex(R, L, E)
     plist = None
     if do_cpu_sync:
-        plist = head[Lx.padded_counts: Lx.padded_counts + L]
+        plist = head[READBACK["counts"]: READBACK["counts"] + L]
     new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, row_map=row_map,
                                recv_topk_idx=out_idx, recv_topk_weights=out_w,
                                num_tok_rows_capacity=tok_capacity)

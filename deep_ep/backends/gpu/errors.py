@@ -15,11 +15,12 @@ import torch
 from ...cuda.driver import ensure_context
 from .abi import ERR_CAPACITY, PHASES
 
-__all__ = ["ErrorRecord", "raise_recorded"]
+__all__ = ["MappedWords", "ErrorRecord", "raise_recorded", "raise_bad_expert"]
 
 
-class ErrorRecord:
-    """Four int32 words of page-locked host memory mapped into ``device``'s address space.
+class MappedWords:
+    """``n`` int32 words of page-locked host memory mapped into ``device``'s address space: kernels
+    write them, the host reads them with no operation on any stream (also under graph replay).
 
     Freed with the buffer (a graph replayed after that is invalid anyway: the window is gone too).
 
@@ -27,25 +28,26 @@ class ErrorRecord:
         RuntimeError: the driver refused the allocation.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, n: int) -> None:
         from cuda.bindings import driver
+        nbytes = 4 * n
         with torch.cuda.device(device):
             torch.cuda.current_stream(device)  # torch's primary context exists
             ensure_context(device.index)
-            err, host = driver.cuMemHostAlloc(16, driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE)
+            err, host = driver.cuMemHostAlloc(nbytes, driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE)
             if int(err) != 0:
-                raise RuntimeError(f"cuMemHostAlloc of the error record failed: {err}")
+                raise RuntimeError(f"cuMemHostAlloc of {nbytes} mapped bytes failed: {err}")
             err, dev = driver.cuMemHostGetDevicePointer(host, 0)
             if int(err) != 0:
                 driver.cuMemFreeHost(host)
-                raise RuntimeError(f"cuMemHostGetDevicePointer of the error record failed: {err}")
+                raise RuntimeError(f"cuMemHostGetDevicePointer failed: {err}")
         self.host_ptr, self.device_ptr = int(host), int(dev)
-        ctypes.memset(self.host_ptr, 0, 16)
-        self.words = (ctypes.c_int32 * 4).from_address(self.host_ptr)
+        ctypes.memset(self.host_ptr, 0, nbytes)
+        self.words = (ctypes.c_int32 * n).from_address(self.host_ptr)
 
-    def read(self) -> tuple:
-        """(code, rank, peer, phase); the kernel writes the code last."""
-        return tuple(self.words)
+    def clear(self) -> None:
+        """Zero every word (no kernel may be writing them)."""
+        ctypes.memset(self.host_ptr, 0, 4 * len(self.words))
 
     def free(self) -> None:
         """Release the memory (the buffer's kernels must have finished)."""
@@ -54,6 +56,27 @@ class ErrorRecord:
             self.words = None
             driver.cuMemFreeHost(self.host_ptr)
             self.host_ptr = self.device_ptr = 0
+
+
+class ErrorRecord(MappedWords):
+    """The four words the data kernels' last block copies an error to (``finish_wait``): code, rank,
+    peer, phase; or, for an out-of-range expert id found without a host sync, code
+    ``kErrBadExpert``, source rank, flat index, id."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, 4)
+
+    def read(self) -> tuple:
+        """(code, rank, peer, phase); the kernel writes the code last."""
+        return tuple(self.words)
+
+
+def raise_bad_expert(source: int, index: int, value: int, num_experts: int, num_topk: int) -> None:
+    """Raise the `ValueError` of an out-of-range expert id found by the kernels (on every rank)."""
+    t, k = divmod(index, num_topk) if num_topk else (index, 0)
+    raise ValueError(f"topk_idx on rank {source} holds expert id {value} at [{t}, {k}]: ids must be in "
+                     f"[0, {num_experts}) or -1 (no selection). Every rank raises this; nothing was sent and "
+                     f"the buffer stays usable")
 
 
 def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: int) -> None:

@@ -10,7 +10,7 @@ control     64 KiB                                      u32 signal counters (one
                                                         round, done-counters (producer and consumer
                                                         phases), error record
                                                         (``include/deep_ep/common/abi.cuh``)
-counts      ``R * (R + MAX_EXPERTS) * 4``, 64 KiB-aligned  the count matrix of the layout stage: row
+counts      ``R * (R + MAX_EXPERTS + 2) * 4``, 64 KiB   the count matrix of the layout stage: row
                                                         ``s`` = tokens per destination rank and pairs
                                                         per expert sent by rank ``s``
 receive     ``2 * R * M * row_stride``                  two halves (consecutive rounds alternate, so
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .abi import CTRL_BYTES, MAX_EXPERTS, MAX_TOPK
+from .abi import COUNTS_EXTRA_WORDS, CTRL_BYTES, MAX_EXPERTS, MAX_TOPK
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # window sizes are rounded up to 2 MiB (NCCL's allocation granularity)
 
@@ -74,7 +74,7 @@ def make_layout(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_t
     if it cannot hold ``num_max_tokens_per_rank`` tokens from every rank)."""
     stride = row_stride(hidden, num_topk, use_fp8_dispatch)
     counts_offset = CTRL_BYTES
-    recv_offset = counts_offset + _align(num_ranks * (num_ranks + MAX_EXPERTS) * 4, 64 * 1024)
+    recv_offset = counts_offset + _align(num_ranks * (num_ranks + MAX_EXPERTS + COUNTS_EXTRA_WORDS) * 4, 64 * 1024)
     half = num_ranks * num_max_tokens_per_rank * stride
     need = _align(recv_offset + 2 * half, BUFFER_ALIGNMENT)
     if num_bytes:

@@ -25,10 +25,29 @@ constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (th
 // ---- error codes (kCtrlError[0]) and the phases a timeout names (kCtrlError[3]) ----------------
 constexpr int kErrTimeout = 1;    // a peer did not arrive in time
 constexpr int kErrCapacity = 2;   // this rank would receive more rows than its outputs hold
+constexpr int kErrBadExpert = 3;  // a rank's topk_idx holds an id outside [-1, num_experts): nothing moved
 constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
 constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
 constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
 constexpr int kPhaseBarrier = 4;   // barrier: waiting for peers
+
+// ---- the count matrix of a dispatch (int32, in every rank's window at counts_offset) -------------
+// Row s, written by source rank s's notify kernel: [R] tokens per destination rank, [E] pairs per
+// expert, then the first out-of-range expert id it found: its flat index t * K + k (-1: none) and
+// its value (clamped to int32).
+constexpr int kCountsExtraWords = 2;
+
+// ---- what the layout kernel reports to the host (int32 words of mapped host memory) ------------
+// Written when the call synchronises with the host: the sequence number last, after the rest.
+constexpr int kReadbackSeq = 0;         // the call's sequence number (the host polls for it)
+constexpr int kReadbackStatus = 1;      // 0, or an error code (kErr*)
+constexpr int kReadbackRank = 2;        // the rank that reports
+constexpr int kReadbackPeer = 3;        // timeout: the missing peer; bad expert id: the source rank
+constexpr int kReadbackDetail = 4;      // timeout: the phase; bad expert id: the flat index t * K + k
+constexpr int kReadbackValue = 5;       // bad expert id: the id
+constexpr int kReadbackOutRows = 6;     // output rows incl. padding
+constexpr int kReadbackTokRows = 7;     // received token rows
+constexpr int kReadbackCounts = 8;      // [L] received pairs per local expert, padded to the alignment
 
 // ---- the layout words of a handle (int32), in order: name, count in R (ranks), L (local experts)
 // and E (experts). LayoutIndex below gives each one's offset.

@@ -1,7 +1,7 @@
 // How a kernel's threads share work: warps striding over items, and block-wide prefix sums.
 #pragma once
 
-#include "types.cuh"
+#include "ptx.cuh"
 
 namespace deep_ep {
 
@@ -58,6 +58,33 @@ __device__ __forceinline__ int block_scan_in_place(int* vals, int n, bool inclus
     }
     __syncthreads();
     return carry;
+}
+
+// A barrier across every block of the grid; all of them must be resident at once (a cooperative
+// launch, or a grid the host keeps small enough). ``count`` and ``generation`` are two int32 words
+// of global memory, zero at first use and left ready for the next barrier. Returns false (in every
+// thread of the block) when the other blocks did not all arrive within ``timeout_ns``.
+__device__ __forceinline__ bool grid_barrier(int* count, int* generation, uint64_t timeout_ns) {
+    __shared__ int arrived;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        arrived = 1;
+        const uint32_t gen = ld_volatile(reinterpret_cast<const uint32_t*>(generation));
+        __threadfence();  // this block's writes before its arrival
+        if (atomicAdd(count, 1) == static_cast<int>(gridDim.x) - 1) {
+            atomicExch(count, 0);          // reset before anyone can leave and arrive again
+            __threadfence();
+            atomicAdd(generation, 1);
+        } else {
+            const uint64_t start = global_timer_ns();
+            while (ld_volatile(reinterpret_cast<const uint32_t*>(generation)) == gen) {
+                if (global_timer_ns() - start > timeout_ns) { arrived = 0; break; }
+            }
+        }
+        __threadfence();  // the other blocks' writes before theirs
+    }
+    __syncthreads();
+    return arrived != 0;
 }
 
 }  // namespace deep_ep

@@ -11,11 +11,36 @@ namespace deep_ep {
 // One block. counts matrix C[s][R + E] (int32) sits at counts_offset of this rank's window.
 // Every sum over the matrix is spread over the block's threads (shared-memory atomics, then block
 // scans): a single thread walking the matrix costs one L2 round trip per entry (~90 us at E = 256).
-__device__ __forceinline__ void layout_impl(int num_experts, int alignment, int64_t counts_offset,
-                                            bool expand, int* __restrict__ layout,
-                                            int* __restrict__ cumulative_stats, int out_capacity,
-                                            int tok_capacity, uint64_t timeout_ns, const comm::LsaTransport& tr) {
-    const int rank = tr.rank, num_ranks = tr.num_ranks;
+struct LayoutArgs {
+    int num_experts, alignment;
+    int64_t counts_offset;      // byte offset of the count matrix in every window
+    int* layout;                // out: the handle's layout words (common/abi.cuh)
+    int* cumulative_stats;      // [L] incremented by the received pairs, or null
+    int out_capacity, tok_capacity;  // rows the outputs hold (do_cpu_sync=False: the worst case)
+    uint64_t timeout_ns;
+    int* host_out;              // mapped host memory for the kReadback* words, or null (no host sync)
+    int seq;                    // this call's sequence number, written last to host_out
+    uint32_t* err_host;         // mapped host error record (an out-of-range expert id is reported there)
+};
+
+// The first source whose notify found an out-of-range expert id (-1: none), with its index and id.
+__device__ __forceinline__ int first_bad_source(const int* C, int R, int row, int cols, int& index, int& value) {
+    __shared__ int s_bad;
+    if (threadIdx.x == 0) s_bad = 0x7fffffff;
+    __syncthreads();
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+        if (__ldcg(C + s * row + cols) >= 0) atomicMin(&s_bad, s);
+    __syncthreads();
+    const int src = s_bad == 0x7fffffff ? -1 : s_bad;
+    index = src >= 0 ? __ldcg(C + src * row + cols) : -1;
+    value = src >= 0 ? __ldcg(C + src * row + cols + 1) : 0;
+    return src;
+}
+
+__device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, const comm::LsaTransport& tr) {
+    const int rank = tr.rank, num_ranks = tr.num_ranks, num_experts = a.num_experts, alignment = a.alignment;
+    int* __restrict__ layout = a.layout;
+    int* __restrict__ cumulative_stats = a.cumulative_stats;
     __shared__ int s_tok[kMaxRanks];       // tokens from each source -> inclusive prefix
     __shared__ int s_pairs[kMaxRanks];     // pairs for this rank's experts from each source -> inclusive prefix
     __shared__ int s_send[kMaxRanks];      // this rank's first token row at each destination
@@ -23,12 +48,17 @@ __device__ __forceinline__ void layout_impl(int num_experts, int alignment, int6
     __shared__ int s_global[kMaxExperts];  // expanded: pairs per global expert -> padded -> exclusive prefix
     __shared__ int s_before[kMaxExperts];  // expanded: pairs per global expert from sources before this rank
     uint8_t* my_window = tr.local();
-    const bool ok = tr.wait_all(kPhaseNotify, timeout_ns);
+    const bool arrived = tr.wait_all(kPhaseNotify, a.timeout_ns);
     const int R = num_ranks, E = num_experts, L = E / R;
     const LayoutIndex ix{R, L, E};
-    const int row = R + E;
-    const int* C = reinterpret_cast<const int*>(my_window + counts_offset);
+    const int row = R + E + kCountsExtraWords;
+    const int* C = reinterpret_cast<const int*>(my_window + a.counts_offset);
     const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+    // Every rank sees the same count matrix, so every rank finds the same bad source and voids the
+    // call: nothing moves anywhere, the epochs stay in step, and the buffer remains usable.
+    int bad_index = -1, bad_value = 0;
+    const int bad_src = arrived ? first_bad_source(C, R, row, R + E, bad_index, bad_value) : -1;
+    const bool ok = arrived && bad_src < 0;
     if (ok) {
         for (int s = tid; s < R; s += nthreads) {
             s_tok[s] = __ldcg(C + s * row + rank);
@@ -98,13 +128,44 @@ __device__ __forceinline__ void layout_impl(int num_experts, int alignment, int6
     __syncthreads();
     // More rows than the outputs allocated for the worst case hold (a peer used a larger
     // num_max_tokens_per_rank): refuse rather than write past them.
-    const bool overflow = ok && (layout[ix.num_out_rows()] > out_capacity || layout[ix.num_tok_rows()] > tok_capacity);
+    const bool overflow = ok && (layout[ix.num_out_rows()] > a.out_capacity || layout[ix.num_tok_rows()] > a.tok_capacity);
     if (overflow && threadIdx.x == 0) comm::record_error(my_window, kErrCapacity, rank, -1, kPhaseNotify);
     if (!ok || overflow) {
         // Every word defined (no rows, zero offsets), so that kernels launched after this one
         // (without a host check in between) index nothing out of bounds.
         __syncthreads();
         for (int i = threadIdx.x; i < ix.size(); i += blockDim.x) layout[i] = 0;
+    }
+    __syncthreads();
+    if (a.host_out != nullptr) {
+        // The host waits for these words (do_cpu_sync): counts first, the sequence number last.
+        volatile int* out = a.host_out;
+        for (int e = tid; e < L; e += nthreads) out[kReadbackCounts + e] = layout[ix.padded_counts() + e];
+        if (tid == 0) {
+            const volatile uint32_t* err = comm::ctrl_of(my_window) + kCtrlError;
+            out[kReadbackStatus] = bad_src >= 0 ? kErrBadExpert : static_cast<int>(err[0]);
+            out[kReadbackRank] = bad_src >= 0 ? rank : static_cast<int>(err[1]);
+            out[kReadbackPeer] = bad_src >= 0 ? bad_src : static_cast<int>(err[2]);
+            out[kReadbackDetail] = bad_src >= 0 ? bad_index : static_cast<int>(err[3]);
+            out[kReadbackValue] = bad_value;
+            out[kReadbackOutRows] = layout[ix.num_out_rows()];
+            out[kReadbackTokRows] = layout[ix.num_tok_rows()];
+        }
+        __syncthreads();
+        if (tid == 0) {
+            __threadfence_system();
+            out[kReadbackSeq] = a.seq;
+            __threadfence_system();
+        }
+    } else if (bad_src >= 0 && a.err_host != nullptr && tid == 0) {
+        // No host sync: reported at the buffer's next call, from the mapped error record (code last).
+        volatile uint32_t* dst = a.err_host;
+        dst[1] = bad_src;
+        dst[2] = bad_index;
+        dst[3] = bad_value;
+        __threadfence_system();
+        dst[0] = kErrBadExpert;
+        __threadfence_system();
     }
     comm::finish_wait(my_window, false);
 }

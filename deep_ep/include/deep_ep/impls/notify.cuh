@@ -1,10 +1,22 @@
-// Notify stage of a dispatch: count what goes where and publish the counts in every peer's window.
+// Notify stage of a dispatch: number what goes where, and publish the counts in every peer's window.
 //
-// notify (grid: R rank-columns [+ E expert-columns when expanding]) on every source rank s:
-//   rank-column d scans s's tokens in order and numbers those going to rank d (pos_tok[t, d]), and
-//   counts s's (token, expert) pairs for each expert of d; expert-column g numbers the tokens
-//   selecting expert g (pos_pair[t, k]). The counts row of s ([R] tokens per rank, [E] pairs per
-//   expert) is written into counts[s] of every peer's window; the last block signals the peers.
+// On source rank s, for every token t and destination rank d it reaches, pos_tok[t, d] is t's
+// index among s's tokens to d (tokens in order); for every (token, slot) pair of an expert e,
+// pos_pair[t, k] is its index among s's pairs for e, in (t, k) order (expanded layout). The data
+// kernel adds where s's rows start at d (send_base / out_base, from the layout kernel).
+//
+// One warp per block; the grid's blocks own consecutive token ranges (groups) and go over their
+// pairs 32 at a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a
+// lane's index is the group's running count plus the lanes before it. Three phases, separated by
+// grid barriers (all blocks are resident: the host launches at most a few small blocks per SM):
+//   A. count: each group's pairs per column (R ranks, then E experts) -> scratch[group][column];
+//   B. prefix: warp g scans column c = g, g + G, ... over the groups (exclusive, in place) and
+//      publishes the column's total in counts[s] of every peer's window;
+//   C. number: each group numbers its pairs again, starting from its prefixes.
+// A token counts once per rank: only its first slot of that rank counts. Expert ids outside
+// [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
+// counts, so that every rank's layout kernel sees it and the call moves nothing (kErrBadExpert).
+// The last block to finish signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -12,78 +24,144 @@
 
 namespace deep_ep {
 
+// Scratch words of a buffer's notify kernel (int32, device memory owned by the host runtime).
+constexpr int kNotifyBarrierCount = 0;  // grid barrier: blocks arrived
+constexpr int kNotifyBarrierGen = 1;    // grid barrier: generation
+constexpr int kNotifyBadIndex = 2;      // smallest flat index of an out-of-range id (INT_MAX: none)
+constexpr int kNotifyGroupCounts = 4;   // [num_groups][R + E] pairs per column and group
+
+struct NotifyArgs {
+    const int64_t* topk_idx;  // [T, K]
+    int num_tokens, num_experts;
+    int tokens_per_group;     // tokens of one group (block)
+    int64_t counts_offset;    // byte offset of the count matrix in every window
+    int* pos_tok;             // [T, R] out: local row of token t at rank d, or -1
+    int* pos_pair;            // [T, K] out (expanded): local row of pair (t, k) at its expert's owner, or -1
+    int* scratch;             // kNotify* words, then the group counts
+    uint64_t timeout_ns;      // for the grid barriers (blocks that never arrive)
+};
+
+// The expert id of flat pair p as a column id: e in [0, E), or -1 when masked or out of range.
+template <int K>
+__device__ __forceinline__ int notify_expert(const NotifyArgs& a, int64_t p, bool& bad) {
+    const int64_t e = __ldg(a.topk_idx + p);
+    bad = e < -1 || e >= a.num_experts;
+    return (e < 0 || e >= a.num_experts) ? -1 : static_cast<int>(e);
+}
+
+// Whether slot k of token t is its first slot whose expert lives on rank d (d >= 0).
+template <int K>
+__device__ __forceinline__ bool notify_first_of_rank(const NotifyArgs& a, int t, int k, int d, int L) {
+    for (int kk = 0; kk < k; ++kk) {
+        const int64_t e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + kk);
+        if (e >= 0 && e < a.num_experts && static_cast<int>(e) / L == d) return false;
+    }
+    return true;
+}
+
+// One pass over this group's pairs, 32 at a time. ``kNumber``: false = count into run[] (phase A),
+// true = write positions (phase C; run[] holds the group's prefixes).
+template <int K, bool kExpand, bool kNumber>
+__device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, int t0, int t1, int* run, int lane) {
+    const int64_t p0 = static_cast<int64_t>(t0) * K, p1 = static_cast<int64_t>(t1) * K;
+    const unsigned lanes_before = (1u << lane) - 1u;
+    for (int64_t base = p0; base < p1; base += 32) {
+        const int64_t p = base + lane;
+        const bool active = p < p1;
+        bool bad = false;
+        const int e = active ? notify_expert<K>(a, p, bad) : -1;
+        const int t = static_cast<int>(p / K), k = static_cast<int>(p % K);
+        const int d = e >= 0 ? e / L : -1;
+        const bool first = d >= 0 && notify_first_of_rank<K>(a, t, k, d, L);
+        if (!kNumber && bad) atomicMin(a.scratch + kNotifyBadIndex, static_cast<int>(p));
+        // rank columns: one count per (token, rank)
+        const int rank_key = first ? d : -1;
+        const unsigned same_rank = __match_any_sync(0xffffffffu, rank_key);
+        const int rank_base = first ? run[d] : 0;
+        // expert columns: one count per (token, slot)
+        const unsigned same_expert = __match_any_sync(0xffffffffu, e);
+        const int expert_base = e >= 0 ? run[R + e] : 0;
+        __syncwarp();
+        if (kNumber) {
+            if (first) a.pos_tok[static_cast<int64_t>(t) * R + d] = rank_base + __popc(same_rank & lanes_before);
+            if (kExpand && active) a.pos_pair[p] = e >= 0 ? expert_base + __popc(same_expert & lanes_before) : -1;
+        }
+        // the lowest lane of each set advances the running counts
+        if (first && (same_rank & lanes_before) == 0u) run[d] = rank_base + __popc(same_rank);
+        if (e >= 0 && (same_expert & lanes_before) == 0u) run[R + e] = expert_base + __popc(same_expert);
+        __syncwarp();
+    }
+}
+
 template <int K, bool kExpand>
-__device__ __forceinline__ void notify_impl(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts,
-                                            int64_t counts_offset, int* __restrict__ pos_tok,
-                                            int* __restrict__ pos_pair, const comm::LsaTransport& tr) {
-    const int num_ranks = tr.num_ranks, rank = tr.rank;
-    const int L = num_experts / num_ranks;
-    const int column = blockIdx.x;
-    const bool is_rank_column = column < num_ranks;
-    const int lo = is_rank_column ? column * L : column - num_ranks;   // first expert of the column
-    const int hi = is_rank_column ? lo + L : lo + 1;
+__device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
+    const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
+    const int cols = R + E;
+    const int lane = static_cast<int>(threadIdx.x), group = static_cast<int>(blockIdx.x);
+    const int num_groups = static_cast<int>(gridDim.x);
+    const int t0 = min(a.num_tokens, group * a.tokens_per_group);
+    const int t1 = min(a.num_tokens, t0 + a.tokens_per_group);
+    int* counts = a.scratch + kNotifyGroupCounts;
+    extern __shared__ int run[];  // [R + E] this group's running counts
+    uint8_t* my_window = tr.local();
 
-    extern __shared__ int pair_counts[];  // [L] for a rank column
-    if (is_rank_column)
-        for (int i = threadIdx.x; i < L; i += blockDim.x) pair_counts[i] = 0;
-    __syncthreads();
+    // ---- A: count
+    for (int c = lane; c < cols; c += 32) run[c] = 0;
+    __syncwarp();
+    notify_pass<K, kExpand, false>(a, R, L, t0, t1, run, lane);
+    for (int c = lane; c < cols; c += 32) counts[static_cast<int64_t>(group) * cols + c] = run[c];
+    bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
-    // Each thread owns a contiguous chunk of tokens, so numbering follows token order.
-    const int chunk = (num_tokens + blockDim.x - 1) / blockDim.x;
-    const int t0 = min(num_tokens, static_cast<int>(threadIdx.x) * chunk), t1 = min(num_tokens, t0 + chunk);
-    // A rank column numbers tokens (a token goes to a rank once); an expert column numbers pairs
-    // (a token that picks the same expert twice makes two pairs, in k order, as the reference does).
-    int mine = 0;
-    for (int t = t0; t < t1; ++t) {
-        int matches = 0;
+    // ---- B: prefix over the groups, column by column; totals to every peer
+    const int row = cols + kCountsExtraWords;
+    const int64_t my_row = a.counts_offset + static_cast<int64_t>(rank) * row * 4;
+    const int per_lane = (num_groups + 31) / 32;
+    for (int c = group; ok && c < cols; c += num_groups) {
+        const int g0 = min(num_groups, lane * per_lane), g1 = min(num_groups, g0 + per_lane);
+        int sum = 0;
+        for (int g = g0; g < g1; ++g) sum += counts[static_cast<int64_t>(g) * cols + c];
+        int inclusive = sum;
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
-            if (e >= lo && e < hi) {
-                ++matches;
-                if (is_rank_column) atomicAdd(&pair_counts[e - lo], 1);
-            }
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, inclusive, o);
+            if (lane >= o) inclusive += n;
         }
-        mine += is_rank_column ? (matches > 0) : matches;
-    }
-    int total;
-    int pos = block_exclusive_scan(mine, &total);
-    for (int t = t0; t < t1; ++t) {
-        if (is_rank_column) {
-            bool hit = false;
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
-                hit |= (e >= lo && e < hi);
-            }
-            pos_tok[static_cast<int64_t>(t) * num_ranks + column] = hit ? pos : -1;
-            pos += hit;
-        } else if (kExpand) {
-#pragma unroll
-            for (int k = 0; k < K; ++k)
-                if (topk_idx[static_cast<int64_t>(t) * K + k] == lo) pos_pair[static_cast<int64_t>(t) * K + k] = pos++;
+        int prefix = inclusive - sum;
+        for (int g = g0; g < g1; ++g) {
+            int* cell = counts + static_cast<int64_t>(g) * cols + c;
+            const int v = *cell;
+            *cell = prefix;
+            prefix += v;
         }
+        const int total = __shfl_sync(0xffffffffu, inclusive, 31);
+        for (int p = lane; p < R; p += 32) tr.put<int>(p, my_row + 4 * c, total);
     }
-    if (kExpand && !is_rank_column) {
-        // Masked (-1) and out-of-range slots get -1 once, from the first expert column.
-        if (column == num_ranks)
-            for (int t = threadIdx.x; t < num_tokens; t += blockDim.x)
-#pragma unroll
-                for (int k = 0; k < K; ++k)
-                    if (topk_idx[static_cast<int64_t>(t) * K + k] < 0 || topk_idx[static_cast<int64_t>(t) * K + k] >= num_experts) pos_pair[static_cast<int64_t>(t) * K + k] = -1;
+    if (ok && group == 0) {
+        const int bad = ld_volatile(reinterpret_cast<const uint32_t*>(a.scratch + kNotifyBadIndex));
+        const bool any = bad != 0x7fffffff;
+        int value = 0;
+        if (any) {
+            const int64_t e = __ldg(a.topk_idx + bad);
+            value = static_cast<int>(max(static_cast<int64_t>(-0x7fffffff), min(e, static_cast<int64_t>(0x7fffffff))));
+        }
+        for (int p = lane; p < R; p += 32) {
+            tr.put<int>(p, my_row + 4 * cols, any ? bad : -1);
+            tr.put<int>(p, my_row + 4 * (cols + 1), value);
+        }
+        if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this block only)
     }
-    __syncthreads();
+    ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns) && ok;
 
-    // Publish this column's counts in counts[rank] of every peer.
-    if (is_rank_column) {
-        const int row = num_ranks + num_experts;
-        const int64_t my_row = counts_offset + static_cast<int64_t>(rank) * row * 4;
-        for (int p = 0; p < num_ranks; ++p) {
-            if (threadIdx.x == 0) tr.put<int>(p, my_row + 4 * column, total);
-            for (int i = threadIdx.x; i < L; i += blockDim.x) tr.put<int>(p, my_row + 4 * (num_ranks + lo + i), pair_counts[i]);
-        }
+    // ---- C: number, from the group's prefixes
+    if (ok) {
+        for (int c = lane; c < cols; c += 32) run[c] = counts[static_cast<int64_t>(group) * cols + c];
+        for (int64_t i = static_cast<int64_t>(t0) * R + lane; i < static_cast<int64_t>(t1) * R; i += 32) a.pos_tok[i] = -1;
+        __syncwarp();
+        notify_pass<K, kExpand, true>(a, R, L, t0, t1, run, lane);
+    } else if (lane == 0) {
+        comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
-    if (comm::last_block(tr.local())) tr.signal_all();
+    if (comm::last_block(my_window)) tr.signal_all();
 }
 
 }  // namespace deep_ep

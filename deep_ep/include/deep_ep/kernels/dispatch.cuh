@@ -11,21 +11,19 @@
 #include "../impls/layout.cuh"
 #include "../impls/notify.cuh"
 
-extern "C" __global__ void __launch_bounds__(EP_LAYOUT_THREADS) deep_ep_notify(
-        const int64_t* topk_idx, int num_tokens, int num_experts, int64_t counts_offset, int* pos_tok, int* pos_pair,
-        deep_ep::comm::TransportArgs transport) {
+// One warp per block, a few blocks per SM at most: the blocks meet at grid barriers (impls/notify.cuh).
+extern "C" __global__ void __launch_bounds__(32) deep_ep_notify(deep_ep::NotifyArgs a,
+                                                                deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(topk_idx, num_tokens, num_experts, counts_offset, pos_tok, pos_pair, tr);
+    deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_LAYOUT_THREADS, 1) deep_ep_layout(
-        int num_experts, int alignment, int64_t counts_offset, int* layout, int* cumulative_stats, int out_capacity,
-        int tok_capacity, uint64_t timeout_ns, deep_ep::comm::TransportArgs transport) {
+extern "C" __global__ void __launch_bounds__(EP_LAYOUT_THREADS, 1) deep_ep_layout(deep_ep::LayoutArgs a,
+                                                                                deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::layout_impl(num_experts, alignment, counts_offset, EP_EXPAND != 0, layout, cumulative_stats, out_capacity,
-                         tok_capacity, timeout_ns, tr);
+    deep_ep::layout_impl(a, EP_EXPAND != 0, tr);
 }
 
 // One kernel per data stage: the send phase, then the receive phase. Blocks that finish sending
