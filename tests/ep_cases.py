@@ -37,6 +37,7 @@ class Case:
     allow_multiple_reduction: bool = True
     apply_dispatch_weights: bool = False
     adversarial: bool = False        # combine inputs from values whose float32 sums depend on the order
+    duplicate_prob: float = 0.0      # tokens whose last slot repeats the expert of their first
     cached: bool = True
     stats: bool = True
     seed: int = 0
@@ -61,6 +62,9 @@ def make_inputs(case: Case):
         scores = torch.rand(T, E, generator=g)
         idx = scores.topk(K, dim=1).indices.to(torch.int64) if T else torch.empty(0, K, dtype=torch.int64)
         mask = torch.rand(T, K, generator=g) < case.mask_prob
+        if case.duplicate_prob:
+            dup = torch.rand(T, generator=g) < case.duplicate_prob
+            idx[dup, K - 1] = idx[dup, 0]
         idx[mask] = -1
         w = torch.rand(T, K, generator=g).float() if case.weights else None
         xs.append(x)

@@ -52,6 +52,8 @@ def _cases(R):
     cases.append(Case(f"R{R}-apply-weights-single", R, tok[1], num_experts=E, num_topk=4, do_expand=True,
                       num_bias=1, combine_weights=False, allow_multiple_reduction=False,
                       apply_dispatch_weights=True, seed=seed + 6))
+    cases.append(Case(f"R{R}-duplicate-experts", R, tok[1], num_experts=E, num_topk=4, do_expand=True, alignment=2,
+                      duplicate_prob=0.5, num_bias=1, seed=seed + 11))
     # combine inputs whose float32 sums depend on the order, in every reduction mode
     for i, (expand, multi, bias) in enumerate(((False, True, 2), (True, True, 2), (True, False, 1),
                                                (False, True, 0))):

@@ -38,6 +38,9 @@ def _cases():
                       apply_dispatch_weights=True, seed=95))
     cases.append(Case("apply-weights-single", 2, [7, 5], num_topk=4, do_expand=True, num_bias=1,
                       combine_weights=False, allow_multiple_reduction=False, apply_dispatch_weights=True, seed=94))
+    for expand in (False, True):     # a token may name an expert twice: one expanded row per slot
+        cases.append(Case(f"duplicates-{'exp' if expand else 'flat'}", 2, [9, 6], num_topk=4, do_expand=expand,
+                          alignment=2, duplicate_prob=0.5, num_bias=1, seed=80 + expand))
     for i, (expand, multi) in enumerate(((False, True), (True, True), (True, False))):
         cases.append(Case(f"order-{'exp' if expand else 'flat'}-{'multi' if multi else 'single'}", 4, [16] * 4,
                           num_topk=6, num_experts=16, do_expand=expand, num_bias=2 - i % 2, mask_prob=0.1,
