@@ -11,7 +11,7 @@ Row moves of any dtype:
 Routing of one rank's tokens:
     slot_owners, last_slot_of_rank
 Handle fields (docs/design.md, "The handle"):
-    expert_prefix_sum, aligned_counts_from_prefix_sum, build_recv_src_metadata, row_sources,
+    expert_prefix_sum, build_recv_src_metadata, row_sources,
     pairs_prefix_sum_per_source, expanded_row_experts
 """
 from __future__ import annotations
@@ -22,8 +22,7 @@ import torch
 
 __all__ = [
     "align_up", "worst_case_recv_tokens", "worst_case_recv_rows", "alloc_recv_sf", "as_bits", "as_rows",
-    "split_x", "slot_owners", "last_slot_of_rank", "expert_prefix_sum", "aligned_counts_from_prefix_sum",
-    "build_recv_src_metadata", "row_sources", "pairs_prefix_sum_per_source", "expanded_row_experts",
+    "split_x", "slot_owners", "last_slot_of_rank", "expert_prefix_sum", "build_recv_src_metadata", "row_sources", "pairs_prefix_sum_per_source", "expanded_row_experts",
 ]
 
 Tensor = torch.Tensor
@@ -124,12 +123,6 @@ def expert_prefix_sum(unaligned: Tensor, expert_alignment: int, do_expand: bool)
     inclusive = torch.cumsum(aligned, 0)
     out = inclusive - aligned + unaligned.to(torch.int64) if do_expand else inclusive
     return out.to(torch.int32)
-
-
-def aligned_counts_from_prefix_sum(psum: Tensor, expert_alignment: int, do_expand: bool) -> Tensor:
-    """The aligned per-expert counts (int64 ``[L]``) back from `expert_prefix_sum`'s result."""
-    ends = align_up(psum.to(torch.int64), expert_alignment) if do_expand else psum.to(torch.int64)
-    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
 def build_recv_src_metadata(src_rank: Tensor, src_token: Tensor, local: Tensor, slot_rows: Optional[Tensor],

@@ -3,6 +3,8 @@ aside): signatures (names, order, defaults: positional calls mean the same), att
 values, EPHandle's field names, the event classes, the module-level functions. The expected lists
 are written from DeepEP V2's deep_ep/buffers/elastic.py, utils/event.py and utils/envs.py."""
 import inspect
+import math
+import os
 
 import pytest
 import torch
@@ -125,6 +127,16 @@ def _attributes_worker(rank, world_size):
     auto = deep_ep.ElasticBuffer(group)
     assert auto.num_allocated_qps == 0 and auto.num_bytes == 0 and auto.sl_idx == 3
     auto.destroy()
+    os.environ["EP_OVERRIDE_RDMA_SL"] = "7"       # the environment overrides sl_idx, as in DeepEP
+    try:
+        overridden = deep_ep.ElasticBuffer(group, sl_idx=1)
+        assert overridden.sl_idx == 7 and overridden.config.sl_idx == 7
+        overridden.destroy()
+        os.environ["EP_OVERRIDE_RDMA_SL"] = "16"
+        with pytest.raises(ValueError, match="EP_OVERRIDE_RDMA_SL must be an RDMA service level"):
+            deep_ep.ElasticBuffer(group)
+    finally:
+        del os.environ["EP_OVERRIDE_RDMA_SL"]
     return values
 
 
@@ -136,3 +148,28 @@ def test_buffer_attributes(tmp_path):
                               num_rdma_ranks=1, num_nvlink_ranks=2, num_allocated_qps=7, allow_hybrid_mode=False,
                               allow_multiple_reduction=True, prefer_overlap_with_compute=False, deterministic=True,
                               explicitly_destroy=True)
+
+
+def test_resource_model():
+    """deep_ep/resources.py on the numbers its docstring derives."""
+    from deep_ep.resources import (DeviceResources, default_num_allocated_qps, expected_ranks_per_token,
+                                   theoretical_num_qps, theoretical_num_sms)
+    h200 = DeviceResources(num_device_sms=132, max_sms=132, nvlink_gbs=450.0)
+    assert expected_ranks_per_token(256, 8, 1) == 1.0 and expected_ranks_per_token(16, 1, 4) == pytest.approx(1.0)
+    assert expected_ranks_per_token(8, 8, 4) == 4.0           # every expert: every rank
+    miss = math.prod((128 - i) / (256 - i) for i in range(8))
+    assert expected_ranks_per_token(256, 8, 2) == pytest.approx(2 * (1 - miss))
+    # R = 2: remote = k / 2, so the write bound is (k + k/2) / (k/2) * 450 / 50 = 27 SMs, rounded to even
+    assert theoretical_num_sms(256, 8, num_ranks=2, resources=h200) == 28
+    k = expected_ranks_per_token(256, 8, 8)
+    remote = k * 7 / 8
+    want = math.ceil(max((1 + remote) / 200, (k + remote) / 50) * 450 / remote)
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200) == want + want % 2
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200, nvlink_gbs=900) > want
+    assert theoretical_num_sms(256, 8, num_ranks=1, resources=h200) == 132          # EP=1: every SM
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200, prefer_overlap_with_compute=False) == 132
+    emulated = DeviceResources(num_device_sms=132, max_sms=16, nvlink_gbs=450.0)
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=emulated) == 16
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=None) == 0              # no SMs (CPU)
+    assert theoretical_num_qps(0, 133) == 0 and theoretical_num_qps(20, 133) == 21 and theoretical_num_qps(20, 9) == 9
+    assert default_num_allocated_qps(h200) == 133 and default_num_allocated_qps(None) == 0
