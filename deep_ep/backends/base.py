@@ -12,10 +12,13 @@ calls a backend with:
   carry ``topk_weights`` (the backward of an expanded dispatch), laid out like the handle's.
 
 The backend launches its work on its communication stream (`get_comm_stream`, or none on CPU; the
-buffer has already made that stream wait for the compute stream or ``previous_event``, and records
-the completion event after the call; outputs are allocated on whatever stream is current) and returns the outputs described by docs/design.md. It must fail with an exception on every rank,
-never hang, when ranks disagree or when a rank would receive more than fits (conditions a single rank
-cannot see).
+buffer has already made that stream wait for the compute stream or ``previous_event`` and for
+``previous_event_before_epilogue``, and records the completion event after the call; outputs are
+allocated on whatever stream is current) and returns the outputs described by docs/design.md. It
+must fail with an exception on every rank, never hang, when ranks disagree or when a rank would
+receive more than fits (conditions a single rank cannot see). Domain sizes come from
+`deep_ep.backends.group_domain_sizes`; the SM and QP counts from `deep_ep.resources`, fed by
+`device_resources`.
 """
 from __future__ import annotations
 
@@ -75,14 +78,6 @@ class Backend(abc.ABC):
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The stream communication kernels run on; ``None`` when there are no streams (CPU)."""
         return None
-
-    def get_logical_domain_size(self) -> tuple:
-        """``(scale-out ranks, scale-up ranks)`` as the algorithms see them. Default: one domain."""
-        return 1, self.config.num_ranks
-
-    def get_physical_domain_size(self) -> tuple:
-        """``(scale-out ranks, scale-up ranks)`` of the hardware. Default: one domain."""
-        return 1, self.config.num_ranks
 
     def device_resources(self) -> Optional[DeviceResources]:
         """The device's SM count and link rates for `deep_ep.resources` (None: no SMs, e.g. CPU)."""
