@@ -51,7 +51,7 @@ from .shapes import align_up, alloc_recv_sf, as_bits, as_rows, split_x, worst_ca
 
 __all__ = [
     "ReferenceDispatch", "reference_dispatch", "reference_combine", "local_expert_counts",
-    "check_dispatch", "check_combine",
+    "check_dispatch", "check_combine", "HANDLE_VALUE_FIELDS", "HANDLE_TENSOR_FIELDS",
 ]
 
 Tensor = torch.Tensor
@@ -376,12 +376,13 @@ def _assert_optional(name: str, actual: Optional[Tensor], expected: Optional[Ten
     _assert_equal(name, actual, expected)
 
 
-_HANDLE_VALUES = ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_recv_tokens",
-                  "num_expanded_tokens", "num_recv_tokens_per_expert_list", "num_ranks", "rank", "hidden",
-                  "do_cpu_sync", "num_topk", "num_tokens")
-_HANDLE_TENSORS = ("topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
-                   "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx",
-                   "recv_topk_weights")
+#: The handle's fields `check_dispatch` compares: host values, then tensors (or None).
+HANDLE_VALUE_FIELDS = ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank",
+                       "num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list", "num_ranks",
+                       "rank", "hidden", "do_cpu_sync", "num_topk", "num_tokens")
+HANDLE_TENSOR_FIELDS = ("topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                        "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx",
+                        "recv_topk_weights")
 
 
 def check_dispatch(actual: Sequence, expected: ReferenceDispatch, *, do_zero_padding: bool = True,
@@ -413,11 +414,11 @@ def check_dispatch(actual: Sequence, expected: ReferenceDispatch, *, do_zero_pad
     if not check_handle:
         return
     eh = expected.handle
-    for name in _HANDLE_VALUES:
+    for name in HANDLE_VALUE_FIELDS:
         if getattr(handle, name) != getattr(eh, name):
             raise AssertionError(where + f"handle.{name} = {getattr(handle, name)!r}, "
                                  f"expected {getattr(eh, name)!r}")
-    for name in _HANDLE_TENSORS:
+    for name in HANDLE_TENSOR_FIELDS:
         _assert_optional(where + f"handle.{name}", getattr(handle, name), getattr(eh, name))
 
 
