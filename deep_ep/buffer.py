@@ -339,10 +339,9 @@ class ElasticBuffer:
             join.wait(compute_raw, comm_raw)
             return outputs, EventOverlap()
         compute = torch.cuda.current_stream()
-        if previous_event is not None:
-            if cuda_event_of(previous_event) is not None:
-                comm.wait_event(cuda_event_of(previous_event))
-        else:
+        if cuda_event_of(previous_event) is not None:
+            comm.wait_event(cuda_event_of(previous_event))
+        else:   # no event (or one that holds nothing, as a synchronous call's): order after the caller's stream
             comm.wait_stream(compute)
         if cuda_event_of(previous_event_before_epilogue) is not None:
             comm.wait_event(cuda_event_of(previous_event_before_epilogue))
