@@ -1,15 +1,16 @@
 """deep_ep: expert-parallel dispatch/combine for Mixture-of-Experts models.
 
-The API follows DeepEP V2: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
-`topk_idx_t`. `deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and
-routing generators (imported on first use).
+The API is DeepEP V2's: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
+`EventHandle`, `topk_idx_t`, `get_physical_domain_size`, `get_logical_domain_size`.
+`deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and routing
+generators (both imported on first use).
 """
 from __future__ import annotations
 
 import importlib
 
-from .buffer import ElasticBuffer, topk_idx_t
-from .event import EventOverlap
+from .buffer import ElasticBuffer, get_logical_domain_size, get_physical_domain_size, topk_idx_t
+from .event import EventHandle, EventOverlap
 from .handle import EPHandle
 
 try:
@@ -18,7 +19,8 @@ try:
 except Exception:  # not installed (run from a source tree)
     __version__ = "0.1.0"
 
-__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "topk_idx_t", "routing", "reference", "__version__"]
+__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "get_physical_domain_size",
+           "get_logical_domain_size", "routing", "reference", "__version__"]
 
 
 def __getattr__(name: str):

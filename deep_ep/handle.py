@@ -1,42 +1,59 @@
-"""`EPHandle`: the routing metadata of one dispatch.
+"""`EPHandle`: the routing metadata of one dispatch, with DeepEP V2's field names and meanings.
 
-A handle is made by `ElasticBuffer.dispatch` on every rank. It is what `combine` needs to send the
-expert outputs back, and it can be passed back to `dispatch(handle=...)` to repeat the same layout
-with new data (a *cached* dispatch: no routing input, no host synchronisation).
+A handle is made by `ElasticBuffer.dispatch` on every rank. `combine` needs it to send the expert
+outputs back, and `dispatch(handle=...)` repeats its layout with new data (a *cached* dispatch: no
+routing input, no host synchronisation; the handle is returned as it is).
 
-Field meanings are fixed by docs/design.md ("The handle"); they are restated here:
+Notation: ``R`` ranks, ``E`` experts, ``L = E / R`` local experts, ``K`` top-k, ``M`` =
+``num_max_tokens_per_rank``, ``A`` = ``expert_alignment``, ``T`` tokens dispatched by this rank.
+Tensors live on the buffer's device. The full contract is docs/design.md, "The handle".
 
-Configuration (host values)
-    buffer_id                int   id of the `ElasticBuffer` that made the handle (-1: made by
-                                   `deep_ep.reference`, belongs to no buffer)
+DeepEP's fields (same names, same meanings)
+    do_expand                bool  expanded layout (one row per (token, local expert)) or not
+    num_experts              int   E
+    expert_alignment         int   A: per-expert row counts are padded up to a multiple of A
+    num_max_tokens_per_rank  int   M of the dispatch (0 = not given; only with a CPU sync)
+    num_sms                  int   SMs the dispatch used, reused by combine (0 on CPU)
+    topk_idx                 int64 [T, K]  the routing; a copy exactly when ``do_handle_copy``,
+                                   else the caller's tensor itself
+    num_recv_tokens          int   received tokens (a token once per destination rank); without
+                                   CPU sync the worst case ``R * M``
+    num_expanded_tokens      int   rows of an expanded receive, padding included; without CPU
+                                   sync the worst case ``R * M * min(K, L) + L * (A - 1)``, aligned
+    num_recv_tokens_per_expert_list  list[int]  received pairs per local expert, aligned up to A;
+                                   ``[]`` without CPU sync
+    psum_num_recv_tokens_per_scaleup_rank  int32 [R]  inclusive prefix sum over source ranks of
+                                   received tokens (both layouts); the last element is the true
+                                   number of received tokens
+    psum_num_recv_tokens_per_expert  int32 [L]  non-expanded: inclusive prefix sum of the aligned
+                                   counts; expanded: aligned count of the experts before i plus the
+                                   unaligned count of i (`deep_ep.shapes.expert_prefix_sum`)
+    num_unaligned_recv_tokens_per_expert  int32 [L]  received pairs per local expert (both layouts)
+    recv_src_metadata        int32 [num_recv_tokens, K + 2]  one row per received token, in the
+                                   non-expanded received order (source rank, then source token):
+                                   col 0 ``src_rank * M + src_token``; col 1 ``src_rank * K + k``
+                                   with ``k`` the token's last top-k slot local to this rank; cols
+                                   2.. the expanded row of each slot (-1 where not local, and always
+                                   -1 in the non-expanded layout). Rows past the true count: -1.
+    dst_buffer_slot_idx      int32  where this rank's tokens landed: non-expanded ``[T, R]``, the
+                                   row of token t at rank d (-1: not sent there); expanded
+                                   ``[T, K]``, the row of slot (t, k) at the owner of its expert (-1)
+    token_metadata_at_forward, channel_linked_list  None (DeepEP's hybrid scale-out mode only)
+
+deep_ep's own fields
+    buffer_id                int   the `ElasticBuffer` that made it (-1: `deep_ep.reference`)
     num_ranks, rank          int   group size and this rank
-    num_experts, num_topk    int   E and K of the dispatch
     hidden                   int   H, channels per token
-    do_expand                bool  expanded (one row per (token, local expert)) layout or not
-    expert_alignment         int   A, per-expert groups are padded to a multiple of A
-    num_max_tokens_per_rank  int   M used to size ``do_cpu_sync=False`` outputs (0 = not given)
-    num_tokens               int   T_s, tokens this rank sent
+    do_cpu_sync              bool  whether the dispatch waited for the counts on the host
+    recv_topk_weights        float32 [num_expanded_tokens] or None  expanded layout: the dispatch's
+                                   weight of every row (0 on padding), for
+                                   ``combine(apply_dispatch_weights=True)``; None otherwise
+    backend_state            backend-private (GPU: `deep_ep.backends.gpu.GPUHandleState`)
 
-Receive side (this rank as destination; tensors on the buffer's device)
-    num_recv_tokens              int or None  received rows including padding (None when the
-                                              dispatch ran with ``do_cpu_sync=False``)
-    num_recv_tokens_gpu          [1] int32    the same count, always on the device
-    rank_prefix_sum              [R] int32    inclusive prefix sum over source ranks of received
-                                              tokens (non-expanded rows / expanded pairs, unpadded)
-    num_recv_tokens_per_expert   [L] int32    received pairs per local expert, padded up to A
-    num_recv_tokens_per_expert_list  list[int] or None  host copy (None without CPU sync)
-    recv_src_rank, recv_src_token    [rows] int32   source of every allocated row, -1 on padding
-                                              rows and rows past the true count
-    recv_topk_weights            [rows] float32 or None  expanded mode only: the per-row weights
-                                              combine applies
-
-Send side (this rank as source)
-    send_pos   non-expanded: [T_s, R] int32, the row of token t at rank d (-1 if not sent there);
-               expanded: [T_s, K] int32, the row of pair (t, k) at the owner of its expert (-1)
-    topk_idx   [T_s, K] int64, the routing that made the handle
-
-Backend state
-    backend_state  backend-private (GPU: `deep_ep.backends.gpu.GPUHandleState`), None elsewhere
+Derived views (properties, computed from the fields above): ``num_topk``, ``num_tokens``,
+``num_local_experts``, ``num_recv_rows``, ``recv_src_rank`` / ``recv_src_token`` (source of every
+receive row), ``rank_prefix_sum`` (received pairs per source rank in the expanded layout),
+``device``.
 """
 from __future__ import annotations
 
@@ -46,6 +63,8 @@ from typing import Optional
 
 import torch
 
+from . import shapes
+
 __all__ = ["EPHandle"]
 
 
@@ -53,34 +72,46 @@ __all__ = ["EPHandle"]
 class EPHandle:
     """Routing metadata of one dispatch; see the module docstring for every field."""
 
-    # configuration
+    # DeepEP's fields
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    topk_idx: torch.Tensor
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_unaligned_recv_tokens_per_expert: torch.Tensor
+    recv_src_metadata: torch.Tensor
+    dst_buffer_slot_idx: torch.Tensor
+    # deep_ep's own fields
     buffer_id: int
     num_ranks: int
     rank: int
-    num_experts: int
-    num_topk: int
     hidden: int
-    do_expand: bool
-    expert_alignment: int
-    num_max_tokens_per_rank: int
-    num_tokens: int
-    # receive side
-    num_recv_tokens: Optional[int]
-    num_recv_tokens_gpu: torch.Tensor
-    rank_prefix_sum: torch.Tensor
-    num_recv_tokens_per_expert: torch.Tensor
-    num_recv_tokens_per_expert_list: Optional[list]
-    recv_src_rank: torch.Tensor
-    recv_src_token: torch.Tensor
-    # send side
-    send_pos: torch.Tensor
-    topk_idx: torch.Tensor
+    do_cpu_sync: bool
     recv_topk_weights: Optional[torch.Tensor] = None
     #: backend-private state a cached dispatch or combine needs (GPU: layout words, per-token rows);
     #: ``None`` for the CPU backend and the reference. Cloned with the handle when it has ``clone()``.
     backend_state: Optional[object] = None
+    #: DeepEP's hybrid (scale-out) mode only; always None here.
+    token_metadata_at_forward: Optional[torch.Tensor] = None
+    channel_linked_list: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def num_topk(self) -> int:
+        """K, the columns of ``topk_idx``."""
+        return int(self.topk_idx.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the tokens this rank dispatched (rows of ``topk_idx``)."""
+        return int(self.topk_idx.shape[0])
+
     @property
     def num_local_experts(self) -> int:
         """L = num_experts / num_ranks."""
@@ -88,21 +119,36 @@ class EPHandle:
 
     @property
     def num_recv_rows(self) -> int:
-        """Rows of the receive tensors as allocated (true count, or the worst case without CPU sync).
-
-        This is the number of rows `combine` expects in its ``x``.
-        """
-        return int(self.recv_src_rank.shape[0])
+        """Rows of the receive tensors (``num_expanded_tokens`` expanded, ``num_recv_tokens`` otherwise):
+        the rows `combine` expects in its ``x``."""
+        return self.num_expanded_tokens if self.do_expand else self.num_recv_tokens
 
     @property
-    def do_cpu_sync(self) -> bool:
-        """Whether the dispatch that made the handle synchronised with the host."""
-        return self.num_recv_tokens is not None
+    def recv_src_rank(self) -> torch.Tensor:
+        """int32 ``[num_recv_rows]``: the source rank of every receive row (-1 on padding rows and rows
+        past the true count)."""
+        return shapes.row_sources(self.recv_src_metadata, self.num_recv_rows, self.num_max_tokens_per_rank,
+                                  self.do_expand)[0]
+
+    @property
+    def recv_src_token(self) -> torch.Tensor:
+        """int32 ``[num_recv_rows]``: the source token (on its rank) of every receive row (-1 likewise)."""
+        return shapes.row_sources(self.recv_src_metadata, self.num_recv_rows, self.num_max_tokens_per_rank,
+                                  self.do_expand)[1]
+
+    @property
+    def rank_prefix_sum(self) -> torch.Tensor:
+        """int32 ``[R]``: inclusive prefix sum over source ranks of what was received: tokens
+        (non-expanded; ``psum_num_recv_tokens_per_scaleup_rank``) or (token, expert) pairs, the unpadded
+        rows (expanded)."""
+        if not self.do_expand:
+            return self.psum_num_recv_tokens_per_scaleup_rank
+        return shapes.pairs_prefix_sum_per_source(self.recv_src_metadata, self.num_ranks)
 
     @property
     def device(self) -> torch.device:
         """The device of the handle's tensors (the buffer's device)."""
-        return self.send_pos.device
+        return self.topk_idx.device
 
     # ------------------------------------------------------------------ checks
     def check_matches(self, *, buffer_id: int, num_ranks: int, rank: int, device: torch.device,

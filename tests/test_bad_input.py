@@ -22,16 +22,18 @@ FP8 = torch.float8_e4m3fn
 class _Ctx:
     """Good inputs of this rank plus a few handles, from which each table row derives a bad call."""
 
-    def __init__(self, buf, other_buf, rank):
+    def __init__(self, buf, other_buf, single_buf, rank):
         from deep_ep.reference import reference_dispatch
         g = torch.Generator().manual_seed(17 + rank)
-        self.buf, self.other_buf, self.rank = buf, other_buf, rank
+        self.buf, self.other_buf, self.single_buf, self.rank = buf, other_buf, single_buf, rank
         self.x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         self.idx = torch.rand(T, E, generator=g).topk(K, 1).indices
         self.w = torch.rand(T, K, generator=g)
         self.handle = buf.dispatch(self.x, self.idx, self.w, num_experts=E)[3]
         self.xhandle = buf.dispatch(self.x, self.idx, self.w, num_experts=E, do_expand=True,
                                     expert_alignment=4)[3]
+        self.xhandle_nw = buf.dispatch(self.x, self.idx, num_experts=E, do_expand=True)[3]
+        self.single_handle = single_buf.dispatch(self.x, self.idx, self.w, num_experts=E, do_expand=True)[3]
         skewed = torch.zeros(T, K, dtype=torch.int64)          # every token to expert 0 only
         skewed[:, 1:] = -1
         self.skewed_handle = buf.dispatch(self.x, skewed, num_experts=E)[3]
@@ -119,6 +121,11 @@ BAD_INPUTS = [
      "expert_alignment must be <= 2147483647"),
     ("num_sms negative", lambda c: c.dispatch(num_sms=-1), ValueError, "num_sms must be >= 0"),
     ("previous_event wrong type", lambda c: c.dispatch(previous_event=object()), TypeError, "EventOverlap"),
+    ("previous_event_before_epilogue wrong type", lambda c: c.dispatch(previous_event_before_epilogue=1),
+     TypeError, "previous_event_before_epilogue must be None, an EventHandle"),
+    ("num_qps negative", lambda c: c.dispatch(num_qps=-1), ValueError, "num_qps must be >= 0"),
+    ("num_qps above the allocated", lambda c: c.dispatch(num_qps=1), ValueError,
+     "num_qps=1 exceeds the buffer's num_allocated_qps=0"),
     ("do_expand not bool", lambda c: c.dispatch(do_expand="yes"), TypeError, "do_expand must be a bool"),
     ("do_cpu_sync not bool", lambda c: c.dispatch(do_cpu_sync=1), TypeError, "do_cpu_sync must be a bool"),
     ("stats int64", lambda c: c.dispatch(cumulative_local_expert_recv_stats=torch.zeros(E // 2, dtype=torch.int64)),
@@ -147,6 +154,9 @@ BAD_INPUTS = [
      ValueError, "expert_alignment=8 does not match"),
     ("handle with do_cpu_sync", lambda c: c.dispatch(topk_idx=None, topk_weights=None, num_experts=None,
                                                      handle=c.handle, do_cpu_sync=True), ValueError, "never synchronises"),
+    ("cached topk_weights wrong shape", lambda c: c.dispatch(topk_idx=None, topk_weights=c.w[:, :2], num_experts=None,
+                                                             handle=c.handle),
+     ValueError, r"topk_weights must have shape \[6, 4\]"),
     ("expanded cached dispatch of a flat handle",
      lambda c: c.dispatch(topk_idx=None, topk_weights=None, num_experts=None, handle=c.handle, do_expand=True),
      ValueError, "non-expanded dispatch"),
@@ -173,6 +183,18 @@ BAD_INPUTS = [
     ("bias int", lambda c: c.combine(bias=3), TypeError, "bias must be None, a tensor or a tuple"),
     ("bias non-contiguous", lambda c: c.combine(bias=_noncontig((T, H), torch.bfloat16)), ValueError, "contiguous"),
     ("combine num_sms float", lambda c: c.combine(num_sms=1.0), TypeError, "num_sms must be an int"),
+    ("combine num_qps above the allocated", lambda c: c.combine(num_qps=3), ValueError, "num_allocated_qps=0"),
+    ("combine apply_dispatch_weights not bool", lambda c: c.combine(apply_dispatch_weights=1), TypeError,
+     "apply_dispatch_weights must be a bool"),
+    ("combine apply_dispatch_weights, flat handle", lambda c: c.combine(apply_dispatch_weights=True), ValueError,
+     "needs an expanded handle"),
+    ("combine apply_dispatch_weights without dispatch weights",
+     lambda c: c.combine(x=torch.zeros(c.xhandle_nw.num_recv_rows, H, dtype=torch.bfloat16), handle=c.xhandle_nw,
+                         apply_dispatch_weights=True), ValueError, "whose dispatch had topk_weights"),
+    ("expanded combine weights without multiple reduction",
+     lambda c: c.single_buf.combine(torch.zeros(c.single_handle.num_recv_rows, H, dtype=torch.bfloat16),
+                                    c.single_handle, topk_weights=torch.zeros(c.single_handle.num_recv_rows)),
+     ValueError, "allow_multiple_reduction=True"),
     # ---- constructor, sizes, topology
     ("ctor negative max tokens", lambda c: _new_buffer(c, num_max_tokens_per_rank=-1), ValueError, ">= 0"),
     ("ctor hidden str", lambda c: _new_buffer(c, hidden="7168"), TypeError, "hidden must be an int"),
@@ -183,10 +205,31 @@ BAD_INPUTS = [
     ("ctor fp8 hidden", lambda c: _new_buffer(c, hidden=100, use_fp8_dispatch=True), ValueError, "multiple of 128"),
     ("ctor num_bytes negative", lambda c: _new_buffer(c, -5), ValueError, "num_bytes must be >= 0"),
     ("ctor bad group", lambda c: __import__("deep_ep").ElasticBuffer(object()), TypeError, "ProcessGroup"),
+    ("ctor sl_idx 16", lambda c: _new_buffer(c, sl_idx=16), ValueError, "sl_idx must be <= 15"),
+    ("ctor num_cpu_bytes unaligned", lambda c: _new_buffer(c, num_cpu_bytes=4096), ValueError, "multiple of 2 MiB"),
+    ("ctor num_allocated_qps negative", lambda c: _new_buffer(c, num_allocated_qps=-1), ValueError,
+     "num_allocated_qps must be >= 0"),
+    ("ctor num_allocated_qps float", lambda c: _new_buffer(c, num_allocated_qps=2.0), TypeError,
+     "num_allocated_qps must be an int"),
     ("size hint negative", lambda c: c.buf.get_buffer_size_hint(dist.group.WORLD, -1, H), ValueError, ">= 0"),
     ("size hint fp8 hidden", lambda c: c.buf.get_buffer_size_hint(dist.group.WORLD, M, 100, 0, True),
      ValueError, "multiple of 128"),
     ("theoretical sms zero experts", lambda c: c.buf.get_theoretical_num_sms(0, 8), ValueError, ">= 1"),
+    ("theoretical sms experts not divisible", lambda c: c.buf.get_theoretical_num_sms(7, 2), ValueError, "divisible"),
+    ("theoretical sms top-k above experts", lambda c: c.buf.get_theoretical_num_sms(8, 9), ValueError,
+     "num_topk must be <= 8"),
+    ("theoretical sms scale-out top-k", lambda c: c.buf.get_theoretical_num_sms(8, 2, 1), ValueError,
+     "num_scaleout_topk is reserved"),
+    ("theoretical sms read rate zero", lambda c: c.buf.get_theoretical_num_sms(8, 2, sm_read_gbs=0), ValueError,
+     "sm_read_gbs must be > 0"),
+    ("theoretical sms nvlink negative", lambda c: c.buf.get_theoretical_num_sms(8, 2, nvlink_gbs=-1), ValueError,
+     "nvlink_gbs must be >= 0"),
+    ("theoretical qps negative", lambda c: c.buf.get_theoretical_num_qps(-1), ValueError, "num_sms must be >= 0"),
+    ("barrier flag int", lambda c: c.buf.barrier(with_cpu_sync=1), TypeError, "with_cpu_sync must be a bool"),
+    ("logical domain flag int", lambda c: __import__("deep_ep").get_logical_domain_size(dist.group.WORLD, 1),
+     TypeError, "allow_hybrid_mode must be a bool"),
+    ("physical domain bad group", lambda c: __import__("deep_ep").get_physical_domain_size(3), TypeError,
+     "ProcessGroup"),
 ]
 
 
@@ -226,7 +269,8 @@ def _worker(rank, world_size):
     from deep_ep import ElasticBuffer
     buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=M, hidden=512, num_topk=8)
     other = ElasticBuffer(dist.group.WORLD)
-    c = _Ctx(buf, other, rank)
+    single = ElasticBuffer(dist.group.WORLD, allow_multiple_reduction=False)
+    c = _Ctx(buf, other, single, rank)
     calls = []
     for name in ("dispatch", "combine", "barrier"):
         real = getattr(buf._backend, name)
@@ -257,6 +301,7 @@ def _worker(rank, world_size):
             call()
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
     other.destroy()
+    single.destroy()
 
 
 def test_bad_input_table(tmp_path):

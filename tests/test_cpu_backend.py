@@ -41,6 +41,26 @@ def _cases(R):
     cases.append(Case(f"R{R}-one-rank-only", R, tok[2], num_experts=E, num_topk=2, seed=seed + 2))
     cases.append(Case(f"R{R}-unmasked-k8", R, [7] * R, num_experts=E, num_topk=min(8, E), mask_prob=0.0,
                       do_expand=True, alignment=3, num_bias=1, seed=seed + 3))
+    # expanded combine: one reduction pass (a buffer with allow_multiple_reduction=False), and the
+    # fused dispatch weighting in both reduction modes
+    cases.append(Case(f"R{R}-single-reduction", R, tok[0], num_experts=E, num_topk=4, do_expand=True,
+                      alignment=2, num_bias=2, combine_weights=False, allow_multiple_reduction=False,
+                      seed=seed + 4))
+    cases.append(Case(f"R{R}-apply-weights", R, tok[1], num_experts=E, num_topk=4, do_expand=True,
+                      alignment=4, num_bias=1, apply_dispatch_weights=True, do_cpu_sync=False, max_tokens=12,
+                      seed=seed + 5))
+    cases.append(Case(f"R{R}-apply-weights-single", R, tok[1], num_experts=E, num_topk=4, do_expand=True,
+                      num_bias=1, combine_weights=False, allow_multiple_reduction=False,
+                      apply_dispatch_weights=True, seed=seed + 6))
+    cases.append(Case(f"R{R}-duplicate-experts", R, tok[1], num_experts=E, num_topk=4, do_expand=True, alignment=2,
+                      duplicate_prob=0.5, num_bias=1, seed=seed + 11))
+    # combine inputs whose float32 sums depend on the order, in every reduction mode
+    for i, (expand, multi, bias) in enumerate(((False, True, 2), (True, True, 2), (True, False, 1),
+                                               (False, True, 0))):
+        cases.append(Case(f"R{R}-order-{'exp' if expand else 'flat'}-{'multi' if multi else 'single'}-b{bias}",
+                          R, [12] * R, hidden=128, num_topk=min(6, E), num_experts=E, do_expand=expand,
+                          num_bias=bias, mask_prob=0.1, combine_weights=multi, allow_multiple_reduction=multi,
+                          adversarial=True, cached=False, seed=seed + 7 + i))
     return cases
 
 
@@ -66,7 +86,7 @@ def _run_case(buf, case, rank):
                              use_tma_aligned_col_major_sf=case.col_major_sf)
     check_dispatch(out, ref[rank], do_zero_padding=case.zero_padding)
     check_against_loop({rank: out}, xs, idxs, ws, E, case.do_expand, case.alignment,
-                       zero_padding=case.zero_padding)
+                       zero_padding=case.zero_padding, num_max_tokens_per_rank=case.max_tokens or BUFFER_MAX_TOKENS)
     handle = out[3]
     assert handle.buffer_id == buf.buffer_id
     if stats is not None:
@@ -75,39 +95,49 @@ def _run_case(buf, case, rank):
     # combine (unspecified rows of the inputs are NaN)
     valid = [r.handle.recv_src_rank >= 0 for r in ref]
     ys, tws, biases = make_combine_inputs(case, [v.numel() for v in valid], valid)
-    got = buf.combine(ys[rank], handle, topk_weights=tws[rank] if tws else None, bias=biases[rank])
-    want = reference_combine(ys, [r.handle for r in ref], tws, biases)[rank]
+    flags = dict(allow_multiple_reduction=case.allow_multiple_reduction,
+                 apply_dispatch_weights=case.apply_dispatch_weights)
+    got = buf.combine(ys[rank], handle, topk_weights=tws[rank] if tws else None, bias=biases[rank],
+                      apply_dispatch_weights=case.apply_dispatch_weights)
+    want = reference_combine(ys, [r.handle for r in ref], tws, biases, **flags)[rank]
     check_combine(got, want, rank=rank)
-    loop = loop_combine(ys, [r.handle for r in ref], tws, biases, ranks=[rank])[rank]
+    loop = loop_combine(ys, [r.handle for r in ref], tws, biases, ranks=[rank], **flags)[rank]
     assert bits_equal(got[0], loop[0]) and bits_equal(got[1], loop[1])
     assert not torch.isnan(got[0].float()).any()
 
     # cached dispatch: new data, same layout, no routing input
     if case.cached:
-        out2 = check_cached_dispatch(buf, case, rank, handle, idxs, ws, E, M, seed_offset=7777)
+        out2 = check_cached_dispatch(buf, case, rank, handle, idxs, ws, E, M, seed_offset=7777,
+                                     with_weights=case.seed % 2 == 0)
         assert out2[3] is handle
-        # and the async path with a previous event, as a context manager
-        with buf.combine(ys[rank], handle, bias=biases[rank], previous_event=out2[4],
-                         async_with_compute_stream=True)[2] as ev:
-            assert isinstance(ev, EventOverlap)
+        # and the async path with a previous event (a captured one, or a dispatch's), as a context manager
+        previous = buf.capture() if case.seed % 2 else out2[4]
+        with buf.combine(ys[rank], handle, bias=biases[rank], previous_event=previous,
+                         async_with_compute_stream=True, apply_dispatch_weights=case.apply_dispatch_weights)[2] as ev:
+            assert isinstance(ev, EventOverlap) and ev.event is not None
 
 
 def _worker(rank, world_size, case_names):
-    from deep_ep import ElasticBuffer
-    buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=BUFFER_MAX_TOKENS, hidden=512, num_topk=8)
+    from deep_ep import ElasticBuffer, EventHandle
+    bufs = {flag: ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=BUFFER_MAX_TOKENS, hidden=512,
+                                num_topk=8, allow_multiple_reduction=flag) for flag in (True, False)}
+    buf = bufs[True]
     assert buf.get_logical_domain_size() == (1, world_size)
     assert buf.get_physical_domain_size() == (1, world_size)
     assert buf.get_comm_stream() is None and buf.get_theoretical_num_sms(16, 4) == 0
-    with buf.capture():
-        pass
+    assert buf.get_theoretical_num_qps(0) == 0 and buf.num_allocated_qps == 0
+    event = buf.capture()
+    assert isinstance(event, EventHandle) and event.event is None
+    event.current_stream_wait()
     for case in _cases(world_size):
         if case_names and case.name not in case_names:
             continue
         try:
-            _run_case(buf, case, rank)
+            _run_case(bufs[case.allow_multiple_reduction], case, rank)
         except Exception as exc:
             raise AssertionError(f"case {case.name}, rank {rank}: {exc}\n{traceback.format_exc()}") from None
     buf.barrier()
+    bufs[False].destroy()
     buf.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         buf.barrier()

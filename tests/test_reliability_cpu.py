@@ -50,15 +50,17 @@ def _random_case(rng: random.Random, world_size: int, it: int) -> Case:
     x_format = rng.choice(["bf16", "bf16", "fp8", "fp8_ue8m0"])
     do_expand = rng.random() < 0.4
     E = world_size * rng.choice([1, 2, 4])
+    weights = rng.random() < 0.7
     return Case(
         name=f"stress-{it}", num_ranks=world_size,
         num_tokens=[rng.choice([0, rng.randint(1, M_STRESS), M_STRESS]) for _ in range(world_size)],
         hidden=128 if x_format == "bf16" else rng.choice([128, 512]), num_topk=rng.randint(1, min(4, E)),
         num_experts=E, x_format=x_format, col_major_sf=rng.random() < 0.5, do_expand=do_expand,
         alignment=rng.choice([1, 1, 2, 8]) if do_expand else 1, zero_padding=rng.random() < 0.7,
-        weights=rng.random() < 0.7, mask_prob=rng.choice([0.0, 0.3, 0.9, 1.0]),
+        weights=weights, mask_prob=rng.choice([0.0, 0.3, 0.9, 1.0]),
         do_cpu_sync=rng.random() < 0.6, max_tokens=rng.choice([0, M_STRESS]), num_bias=rng.randint(0, 2),
-        combine_weights=rng.random() < 0.5, cached=rng.random() < 0.4, seed=it)
+        combine_weights=rng.random() < 0.5, cached=rng.random() < 0.4,
+        apply_dispatch_weights=do_expand and weights and rng.random() < 0.3, seed=it)
 
 
 def _stress_worker(rank, world_size, iters, seed):
@@ -90,11 +92,15 @@ def _stress_worker(rank, world_size, iters, seed):
         handle = out[3]
         valid = [r.handle.recv_src_rank >= 0 for r in ref]
         ys, tws, biases = make_combine_inputs(case, [v.numel() for v in valid], valid)
-        got = buf.combine(ys[rank], handle, topk_weights=tws[rank] if tws else None, bias=biases[rank])
-        check_combine(got, reference_combine(ys, [r.handle for r in ref], tws, biases)[rank], rank=rank)
+        apply = case.apply_dispatch_weights
+        got = buf.combine(ys[rank], handle, topk_weights=tws[rank] if tws else None, bias=biases[rank],
+                          apply_dispatch_weights=apply)
+        want = reference_combine(ys, [r.handle for r in ref], tws, biases, apply_dispatch_weights=apply)[rank]
+        check_combine(got, want, rank=rank)
         calls += 2
-        if case.cached:     # cached dispatch with new data, then combine again
-            check_cached_dispatch(buf, case, rank, handle, idxs, ws, E, M, seed_offset=10**6)
+        if case.cached:     # cached dispatch with new data (and weights, every third time), then combine again
+            check_cached_dispatch(buf, case, rank, handle, idxs, ws, E, M, seed_offset=10**6,
+                                  with_weights=it % 3 == 0)
             got2 = buf.combine(ys[rank], handle, bias=biases[rank])
             check_combine(got2, reference_combine(ys, [r.handle for r in ref], None, biases)[rank], rank=rank)
             calls += 2
@@ -265,7 +271,7 @@ def _capacity_worker(rank, world_size):
     # a handle whose routing was changed on one rank: the row counts no longer match across ranks
     bad = handle.clone()
     if rank == 0:
-        bad.send_pos[bad.send_pos >= 0] = -1
+        bad.topk_idx[bad.topk_idx >= 0] = -1
     y = r[0].clone()
     with pytest.raises(RuntimeError, match="handles do not match across ranks"):
         buf.combine(y, bad)
@@ -298,7 +304,7 @@ def _lifecycle_worker(rank, world_size):
     buf.destroy()
     assert buf.is_destroyed
     for call in (lambda: buf.dispatch(x, idx, num_experts=E), lambda: buf.combine(x, None), buf.barrier,
-                 buf.get_comm_stream, buf.capture, buf.get_logical_domain_size,
+                 buf.get_comm_stream, buf.get_logical_domain_size, lambda: buf.get_theoretical_num_qps(1),
                  buf.get_physical_domain_size, lambda: buf.get_theoretical_num_sms(E, K)):
         with pytest.raises(RuntimeError, match=f"ElasticBuffer #{buf.buffer_id} was destroyed"):
             call()

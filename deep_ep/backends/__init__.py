@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from .base import Backend, BufferConfig
 
-__all__ = ["Backend", "BufferConfig", "make_backend", "is_cpu_group", "group_rank_and_size"]
+__all__ = ["Backend", "BufferConfig", "make_backend", "is_cpu_group", "group_rank_and_size",
+           "group_domain_sizes"]
 
 
 def group_rank_and_size(group) -> tuple:
@@ -21,6 +22,18 @@ def group_rank_and_size(group) -> tuple:
     except AttributeError as exc:
         raise TypeError(f"group must be a torch.distributed ProcessGroup or an emulated group with "
                         f"rank() and size(), got {type(group).__name__}") from exc
+
+
+def group_domain_sizes(group, allow_hybrid_mode: bool = True) -> tuple:
+    """``((scale-out, scale-up) physical, (scale-out, scale-up) logical)`` rank counts of ``group``.
+
+    Every group deep_ep runs on today is one scale-up domain (gloo on CPU; NVLink / LSA on the GPU:
+    a group spanning several NVLink domains cannot create a GPU buffer until the scale-out path
+    exists), so both are ``(1, R)``; ``allow_hybrid_mode`` only matters with several domains.
+    """
+    del allow_hybrid_mode
+    _, size = group_rank_and_size(group)
+    return (1, size), (1, size)
 
 
 def _backend_name(group) -> str:

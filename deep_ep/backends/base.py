@@ -8,24 +8,28 @@ calls a backend with:
 * ``topk_idx`` int64 ``[T, K]`` (values in ``[-1, E)``) and optional float32 ``topk_weights``, or a
   validated ``handle`` (an `EPHandle` made by this backend's buffer on this rank) for a cached dispatch;
 * ``bias`` as a tuple of 0, 1 or 2 bf16 ``[T, H]`` tensors;
-* every flag already resolved to a concrete value (no ``None`` defaults left).
+* every flag already resolved to a concrete value (no ``None`` defaults left); a cached dispatch may
+  carry ``topk_weights`` (the backward of an expanded dispatch), laid out like the handle's.
 
 The backend launches its work on its communication stream (`get_comm_stream`, or none on CPU; the
-buffer has already made that stream wait for the compute stream or ``previous_event``, and records
-the completion event after the call; outputs are allocated on whatever stream is current) and returns the outputs described by docs/design.md. It must fail with an exception on every rank,
-never hang, when ranks disagree or when a rank would receive more than fits (conditions a single rank
-cannot see).
+buffer has already made that stream wait for the compute stream or ``previous_event`` and for
+``previous_event_before_epilogue``, and records the completion event after the call; outputs are
+allocated on whatever stream is current) and returns the outputs described by docs/design.md. It
+must fail with an exception on every rank, never hang, when ranks disagree or when a rank would
+receive more than fits (conditions a single rank cannot see). Domain sizes come from
+`deep_ep.backends.group_domain_sizes`; the SM and QP counts from `deep_ep.resources`, fed by
+`device_resources`.
 """
 from __future__ import annotations
 
 import abc
-import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..handle import EPHandle
+from ..resources import DeviceResources
 
 __all__ = ["BufferConfig", "Backend"]
 
@@ -49,6 +53,9 @@ class BufferConfig:
     num_gpu_timeout_secs: float
     num_cpu_timeout_secs: float
     explicitly_destroy: bool
+    num_cpu_bytes: int = 0
+    sl_idx: int = 3
+    num_allocated_qps: int = 0
 
 
 class Backend(abc.ABC):
@@ -72,27 +79,15 @@ class Backend(abc.ABC):
         """The stream communication kernels run on; ``None`` when there are no streams (CPU)."""
         return None
 
-    def get_logical_domain_size(self) -> tuple:
-        """``(scale-out ranks, scale-up ranks)`` as the algorithms see them. Default: one domain."""
-        return 1, self.config.num_ranks
-
-    def get_physical_domain_size(self) -> tuple:
-        """``(scale-out ranks, scale-up ranks)`` of the hardware. Default: one domain."""
-        return 1, self.config.num_ranks
-
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
-        """SMs a dispatch/combine should use (0: the backend has no SMs, e.g. CPU)."""
-        del num_experts, num_topk
-        return 0
-
-    def capture(self):
-        """Context manager around CUDA-graph capture of dispatch/combine (default: nothing)."""
-        return contextlib.nullcontext()
+    def device_resources(self) -> Optional[DeviceResources]:
+        """The device's SM count and link rates for `deep_ep.resources` (None: no SMs, e.g. CPU)."""
+        return None
 
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod
     def barrier(self) -> None:
-        """Block until every rank of the group reached the barrier."""
+        """Block until every rank of the group reached the barrier, with this rank's communication
+        finished (the strongest of DeepEP's barrier variants: the buffer accepts their flags)."""
 
     @abc.abstractmethod
     def dispatch(self, data: torch.Tensor, sf: Optional[torch.Tensor],
@@ -103,7 +98,7 @@ class Backend(abc.ABC):
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor]) -> tuple:
         """Dispatch (docs/design.md "Semantics of dispatch and combine").
 
-        With ``handle`` given (cached dispatch) ``topk_idx``/``topk_weights`` are None and the layout
+        With ``handle`` given (cached dispatch) ``topk_idx`` is None, ``topk_weights`` optional, and the layout
         flags (``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``do_expand``, and
         ``do_cpu_sync`` = ``handle.do_cpu_sync``, which here only says how the handle's outputs were
         sized) equal the handle's; a cached dispatch never waits for the host. ``num_max_tokens_per_rank`` is 0 when unknown (only allowed with
@@ -111,20 +106,26 @@ class Backend(abc.ABC):
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``; ``recv_x`` is a tensor for bf16
-            input, the tuple ``(recv_data, recv_sf)`` for FP8 input; for a cached dispatch ``handle``
-            is the handle given (or its copy).
+            input, the tuple ``(recv_data, recv_sf)`` for FP8 input; ``recv_topk_idx`` None in the
+            expanded layout; ``recv_topk_weights`` None without ``topk_weights``; for a cached
+            dispatch ``handle`` is the handle given. ``handle.num_sms`` is the SM count used.
         """
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple, *, num_sms: int) -> tuple:
-        """Combine (docs/design.md "Combine").
+                bias: tuple, *, num_sms: int, apply_dispatch_weights: bool = False) -> tuple:
+        """Combine (docs/design.md "Combine"), in `deep_ep.reference`'s order with the buffer's
+        ``allow_multiple_reduction`` (``config``).
 
         Args:
             x: bf16 ``[handle.num_recv_rows, handle.hidden]``.
             handle: made by this backend's dispatch on this rank.
-            topk_weights: None, float32 ``[rows, K]`` (non-expanded) or ``[rows]`` (expanded).
+            topk_weights: None, float32 ``[rows, K]`` (non-expanded) or ``[rows]`` (expanded; only
+                with ``allow_multiple_reduction``).
             bias: tuple of 0-2 bf16 ``[handle.num_tokens, hidden]`` tensors.
+            num_sms: resolved SM count (``handle.num_sms`` when the caller passed 0).
+            apply_dispatch_weights: expanded handles with dispatch weights only: multiply each row by
+                ``handle.recv_topk_weights`` before reducing.
 
         Returns:
             ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None)``.
