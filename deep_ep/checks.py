@@ -324,7 +324,9 @@ def validate_dispatch(buf, x, topk_idx, topk_weights, stats, num_experts, num_ma
         if not do_cpu_sync and num_max_tokens_per_rank == 0:
             raise ValueError("do_cpu_sync=False sizes outputs for the worst case and needs "
                              "num_max_tokens_per_rank (> 0), in the buffer or in this call")
-        if dev.type == "cpu" or do_cpu_sync:
+        if dev.type == "cpu":
+            # GPU tensors: the notify kernel checks every id and every rank raises the same ValueError
+            # (with a host sync at once, else at the buffer's next call), without a host round trip here.
             check_topk_values(topk_idx, num_experts)
     if num_max_tokens_per_rank and T > num_max_tokens_per_rank:
         raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")

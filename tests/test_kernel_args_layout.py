@@ -57,7 +57,7 @@ def test_layout_words_match_the_device_index():
     ix = abi.LayoutIndex(R, L, E)
     assert device == [getattr(ix, n) for n in names] + [ix.size]
     assert names[:4] == ["num_out_rows", "num_tok_rows", "tok_prefix", "rank_prefix_sum"]
-    assert ix.size == 2 + 3 * R + 3 * L + E
+    assert ix.size == 2 + 3 * R + 4 * L + E
 
 
 def test_shared_constants_parse_from_the_header():

@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 
-from ... import jit
+from ... import jit, resources
 from ...cuda.streams import StreamJoin, new_stream, release_stream
+from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window as wl
 from .abi import CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, MAX_EXPERTS, READBACK, READBACK_WORDS
@@ -44,6 +45,7 @@ __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", 
 # timeout; it cost nothing measurable on the H200 (docs/performance.md). Not for emulated ranks,
 # whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
 COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
+NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
 
 
 class GPUBackend(Backend):
@@ -86,7 +88,7 @@ class GPUBackend(Backend):
         self.num_device_sms = props.multi_processor_count
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
         self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
-        self._default_sms = self.get_theoretical_num_sms(1, 1)  # the model ignores experts and top-k
+        self._default_sms: dict = {}     # (experts, top-k) -> SMs of a call with num_sms=0
         self.cooperative = COOPERATIVE and not self.emulated
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
@@ -120,10 +122,21 @@ class GPUBackend(Backend):
         """The dedicated stream every kernel of this buffer runs on (`deep_ep.cuda.streams`)."""
         return self.comm_stream
 
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
-        """SMs per dispatch/combine from the bandwidth model (`window.theoretical_num_sms`),
-        capped for emulated ranks so that all of them fit on the device."""
-        return min(wl.theoretical_num_sms(num_experts, num_topk, self.num_ranks, self.num_device_sms), self._sm_limit)
+    def device_resources(self) -> DeviceResources:
+        """The device's SMs (those one rank may use: emulated ranks share the device) and its NVLink
+        rate per direction (H200 NVLink 4: 450 GB/s, the datasheet's)."""
+        return DeviceResources(num_device_sms=self.num_device_sms, max_sms=self._sm_limit,
+                               nvlink_gbs=NVLINK_GBPS if self.num_ranks > 1 else 0.0)
+
+    def default_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """SMs of a call that passed ``num_sms=0`` (`deep_ep.resources.theoretical_num_sms`)."""
+        key = (num_experts, num_topk)
+        n = self._default_sms.get(key)
+        if n is None:
+            n = self._default_sms[key] = max(1, resources.theoretical_num_sms(
+                num_experts, num_topk, num_ranks=self.num_ranks, resources=self.device_resources(),
+                prefer_overlap_with_compute=self.config.prefer_overlap_with_compute))
+        return n
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -160,8 +173,9 @@ class GPUBackend(Backend):
     def dispatch(self, data, sf, topk_idx, topk_weights, **kwargs):
         return run_dispatch(self, data, sf, topk_idx, topk_weights, **kwargs)
 
-    def combine(self, x, handle, topk_weights, bias, *, num_sms):
-        return run_combine(self, x, handle, topk_weights, bias, num_sms=num_sms)
+    def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
+        return run_combine(self, x, handle, topk_weights, bias, num_sms=num_sms,
+                           apply_dispatch_weights=apply_dispatch_weights)
 
     # ------------------------------------------------------------------ helpers for the primitives
     def layout(self, hidden: int) -> wl.WindowLayout:
@@ -202,11 +216,11 @@ class GPUBackend(Backend):
             self._ready_modules[(kind, structure)] = mod
         return mod
 
-    def num_sms(self, num_sms: int) -> int:
+    def num_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every
         emulated rank's blocks fit on the device at once."""
         limit = self._sm_limit
-        n = num_sms or self._default_sms
+        n = num_sms or self.default_num_sms(num_experts, num_topk)
         if n < 1:
             raise ValueError(f"num_sms must be >= 1, got {n}")
         if n > limit:

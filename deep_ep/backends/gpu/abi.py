@@ -101,8 +101,8 @@ class DispatchArgs(ctypes.Structure):
                 ("pos_tok", ctypes.c_void_p), ("pos_pair", ctypes.c_void_p),
                 ("out_x", ctypes.c_void_p), ("out_sf", ctypes.c_void_p), ("sf_ld", ctypes.c_int),
                 ("out_topk_idx", ctypes.c_void_p), ("out_weights", ctypes.c_void_p),
-                ("out_src_rank", ctypes.c_void_p), ("out_src_token", ctypes.c_void_p),
-                ("row_map", ctypes.c_void_p), ("out_capacity", ctypes.c_int), ("layout", ctypes.c_void_p),
+                ("src_meta", ctypes.c_void_p), ("max_tokens", ctypes.c_int), ("out_capacity", ctypes.c_int),
+                ("tok_capacity", ctypes.c_int), ("layout", ctypes.c_void_p),
                 ("num_experts", ctypes.c_int), ("alignment", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
                 ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
@@ -111,9 +111,9 @@ class DispatchArgs(ctypes.Structure):
 class CombineArgs(ctypes.Structure):
     """Host mirror of ``deep_ep::CombineArgs`` (include/deep_ep/impls/combine_args.cuh)."""
     _fields_ = [("y", ctypes.c_void_p), ("weights_in", ctypes.c_void_p), ("recv_weights", ctypes.c_void_p),
-                ("row_map", ctypes.c_void_p), ("layout", ctypes.c_void_p), ("pos_tok", ctypes.c_void_p),
+                ("src_meta", ctypes.c_void_p), ("layout", ctypes.c_void_p), ("pos_tok", ctypes.c_void_p),
                 ("pos_pair", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("num_tokens", ctypes.c_int),
                 ("bias0", ctypes.c_void_p), ("bias1", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("out_weights", ctypes.c_void_p), ("num_experts", ctypes.c_int),
+                ("out_weights", ctypes.c_void_p), ("num_experts", ctypes.c_int), ("apply_weights", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
                 ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]

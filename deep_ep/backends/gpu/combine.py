@@ -15,29 +15,35 @@ from .state import GPUHandleState
 __all__ = ["run_combine"]
 
 
-def run_combine(b, x, handle, topk_weights, bias, *, num_sms):
+def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
     """`Backend.combine` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
     dev = b.device
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+    if handle.do_expand and not b.config.allow_multiple_reduction:
+        raise NotImplementedError(
+            "combine of an expanded handle with allow_multiple_reduction=False (one reduction of every "
+            "(token, expert) row at the source) is not implemented on the GPU yet: create the buffer with "
+            "allow_multiple_reduction=True (the default), or use the CPU backend")
     b.raise_if_broken()
     T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
     layout = b.layout(H)
-    n_sms = b.num_sms(num_sms)
+    n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("combine", (H, K, bool(handle.do_expand)))
     out = outputs.empty((T, H), torch.bfloat16, dev, b.comm_stream)
     out_w = outputs.empty((T, K), torch.float32, dev, b.comm_stream) if topk_weights is not None else None
     bias0 = bias[0] if len(bias) > 0 else None
     bias1 = bias[1] if len(bias) > 1 else None
-    key = ("combine", H, K, n_sms, handle.topk_idx.data_ptr(), _ptr(handle.recv_topk_weights))
+    key = ("combine", H, K, n_sms, bool(apply_dispatch_weights), handle.topk_idx.data_ptr(),
+           _ptr(handle.recv_topk_weights), state.src_meta.data_ptr())
     prepared = state.launches.get(key)
     if prepared is None:
         args = CombineArgs(
             recv_weights=_ptr(handle.recv_topk_weights),
-            row_map=_ptr(state.row_map), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
+            src_meta=_ptr(state.src_meta), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
             pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
-            num_experts=E,
+            num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
             timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr)
         prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(

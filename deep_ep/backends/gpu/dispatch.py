@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ...handle import EPHandle
-from ...reference import worst_case_recv_rows
+from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
 from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, LayoutArgs, LayoutIndex, NotifyArgs
 from .modules import LAYOUT_THREADS, THREADS
@@ -77,7 +77,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
                          f"(num_max_tokens_per_rank)")
     b.last_m = m
-    n_sms = b.num_sms(num_sms)
+    n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
     transport = b.transport_args
 
@@ -87,7 +87,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         big = 2 ** 31 - 1
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
-        tok_cap = big if do_cpu_sync else R * m
+        tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
         lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev, b.comm_stream)
         pos_tok = outputs.empty((T, R), torch.int32, dev, b.comm_stream)
         pos_pair = outputs.empty((T, K), torch.int32, dev, b.comm_stream) if do_expand else None
@@ -131,40 +131,35 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev, b.comm_stream).t()[:out_rows]
         else:
             out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev, b.comm_stream)
+    out_w = None
+    if topk_weights is not None:
+        out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.comm_stream)
     if not cached:
-        if do_expand:
-            out_idx = outputs.empty(out_rows, torch.int64, dev, b.comm_stream)
-            out_w = outputs.empty(out_rows, torch.float32, dev, b.comm_stream)
-            row_map = outputs.empty((tok_capacity, K), torch.int32, dev, b.comm_stream)
-        else:
-            out_idx = outputs.empty((out_rows, K), torch.int64, dev, b.comm_stream)
-            out_w = outputs.empty((out_rows, K), torch.float32, dev, b.comm_stream) if topk_weights is not None else None
-            row_map = None
-        src_rank = outputs.empty(out_rows, torch.int32, dev, b.comm_stream)
-        src_token = outputs.empty(out_rows, torch.int32, dev, b.comm_stream)
+        out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.comm_stream)
+        src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.comm_stream)
     else:
-        out_idx, out_w, row_map = state.recv_topk_idx, state.recv_topk_weights, state.row_map
-        src_rank, src_token = handle.recv_src_rank, handle.recv_src_token
+        out_idx, src_meta = state.recv_topk_idx, state.src_meta
 
     out_sf_ptr = out_sf.data_ptr() if out_sf is not None and out_sf.numel() else None
     prepared = None
     if cached:
-        # The handle's prepared launch: only the per-call pointers change.
-        # The handle-level tensors the launch reads are part of the key: a handle rebuilt with
-        # other tensors (dataclasses.replace) shares this state but must not reuse the pointers.
+        # The handle's prepared launch: only the per-call pointers change. The handle-level tensors
+        # the launch reads are part of the key: a handle rebuilt with other tensors
+        # (dataclasses.replace) shares this state but must not reuse the pointers.
         key = ("dispatch", data_bytes, num_sf, K, n_sms, bool(do_zero_padding), sf_ld,
-               topk_idx.data_ptr(), src_rank.data_ptr(), src_token.data_ptr())
+               topk_idx.data_ptr(), src_meta.data_ptr())
         prepared = state.launches.get(key)
         if prepared is not None:
             a = prepared.args[0]
             a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
+            a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
     if prepared is None:
         args = DispatchArgs(
             x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
             pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x), out_sf=out_sf_ptr, sf_ld=sf_ld,
-            out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), out_src_rank=_ptr(src_rank),
-            out_src_token=_ptr(src_token), row_map=_ptr(row_map), out_capacity=out_rows, layout=lay.data_ptr(),
-            num_experts=E, alignment=A,
+            out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), src_meta=_ptr(src_meta),
+            max_tokens=num_max_tokens_per_rank, out_capacity=out_rows, tok_capacity=int(src_meta.shape[0]),
+            layout=lay.data_ptr(), num_experts=E, alignment=A,
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
             timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr)
         fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
@@ -176,23 +171,27 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
 
     recv_x = out_x if sf is None else (out_x, out_sf)
     if cached:
-        # design.md: the handle's weights in the expanded layout, None otherwise.
-        return recv_x, out_idx, (handle.recv_topk_weights if do_expand else None), handle
+        return recv_x, out_idx, out_w, handle
 
     Lx = LayoutIndex(R, L, E)
-    plist = None
     if do_cpu_sync:
-        plist = head[READBACK["counts"]: READBACK["counts"] + L]
-    new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, row_map=row_map,
-                               recv_topk_idx=out_idx, recv_topk_weights=out_w,
-                               num_tok_rows_capacity=tok_capacity)
+        counts = head[READBACK["counts"]: READBACK["counts"] + L]
+        num_recv_tokens, num_expanded_tokens = num_tok_rows, sum(counts)
+    else:
+        counts = []
+        num_recv_tokens = worst_case_recv_tokens(R, m)
+        num_expanded_tokens = worst_case_recv_rows(R, m, K, L, A, True)
+    new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, recv_topk_idx=out_idx,
+                               src_meta=src_meta)
     new_handle = EPHandle(
-        buffer_id=b.config.buffer_id, num_ranks=R, rank=rank, num_experts=E, num_topk=K, hidden=H,
-        do_expand=do_expand, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank, num_tokens=T,
-        num_recv_tokens=num_out_rows, num_recv_tokens_gpu=lay[0:1],
-        rank_prefix_sum=lay[Lx.rank_prefix_sum: Lx.rank_prefix_sum + R],
-        num_recv_tokens_per_expert=lay[Lx.padded_counts: Lx.padded_counts + L],
-        num_recv_tokens_per_expert_list=plist, recv_src_rank=src_rank, recv_src_token=src_token,
-        send_pos=pos_pair if do_expand else pos_tok, topk_idx=topk_idx,
+        do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
+        num_sms=n_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
+        num_recv_tokens=num_recv_tokens, num_expanded_tokens=num_expanded_tokens,
+        num_recv_tokens_per_expert_list=counts,
+        psum_num_recv_tokens_per_scaleup_rank=lay[Lx.tok_prefix: Lx.tok_prefix + R],
+        psum_num_recv_tokens_per_expert=lay[Lx.psum_expert: Lx.psum_expert + L],
+        num_unaligned_recv_tokens_per_expert=lay[Lx.raw_counts: Lx.raw_counts + L],
+        recv_src_metadata=src_meta, dst_buffer_slot_idx=pos_pair if do_expand else pos_tok,
+        buffer_id=b.config.buffer_id, num_ranks=R, rank=rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
     return recv_x, out_idx, out_w, new_handle

@@ -1,4 +1,4 @@
-"""Layout of the symmetric window the GPU kernels use, and the SM-count model.
+"""Layout of the symmetric window the GPU kernels use, and the buffer-size hint.
 
 Every rank's window has the same layout (offsets are identical on all ranks, so a kernel can address
 a peer's region through the peer's base pointer):
@@ -20,9 +20,9 @@ receive     ``2 * R * M * row_stride``                  two halves (consecutive 
 ==========  ==========================================  ==============================================
 
 ``M`` is ``num_max_tokens_per_rank``. A row must hold either a dispatched token (data, scale factors,
-a metadata trailer of ``4 + 12 K`` bytes) or a staged combine row (``H`` fp32 values in the expanded
-layout, ``H`` bf16 otherwise, plus ``K`` fp32 weights), so
-``row_stride = max(align16(data + sf) + align16(4 + 12 K), align16(4 H) + align16(4 K))``.
+a metadata trailer of ``4 + 12 K`` bytes) or a staged combine row (``H`` bf16 values in both
+layouts, plus ``K`` fp32 weights), so
+``row_stride = max(align16(data + sf) + align16(4 + 12 K), align16(2 H) + align16(4 K))``.
 """
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ from .abi import COUNTS_EXTRA_WORDS, CTRL_BYTES, MAX_EXPERTS, MAX_TOPK
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # window sizes are rounded up to 2 MiB (NCCL's allocation granularity)
 
-# Bandwidth model constants for get_theoretical_num_sms (H200, measured: see docs/performance.md).
-SM_COPY_BANDWIDTH_GBPS = 28.0       # one SM's share of the device copy rate (3670 GB/s / 132 SMs)
-NVLINK_BANDWIDTH_GBPS = 450.0       # H200 NVLink 4, per direction per GPU (datasheet)
-HBM_BANDWIDTH_GBPS = 3670.0         # device copy bandwidth measured on the H200 (read + write)
 
 
 def _align(x: int, a: int) -> int:
@@ -64,7 +60,7 @@ def row_stride(hidden: int, num_topk: int, use_fp8_dispatch: bool) -> int:
     data = hidden * (1 if use_fp8_dispatch else 2)
     sf = (hidden // 128) * 4 if use_fp8_dispatch else 0
     dispatch_row = _align(data + sf, 16) + _align(4 + 12 * k, 16)
-    combine_row = _align(4 * hidden, 16) + _align(4 * k, 16)
+    combine_row = _align(2 * hidden, 16) + _align(4 * k, 16)
     return max(dispatch_row, combine_row)
 
 
@@ -91,8 +87,12 @@ def make_layout(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_t
 
 
 def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                     use_fp8_dispatch: bool = False) -> int:
+                     use_fp8_dispatch: bool = False, *, allow_hybrid_mode: bool = True,
+                     allow_multiple_reduction: bool = True) -> int:
     """Bytes of symmetric window one rank needs (a multiple of 2 MiB); see the module docstring.
+
+    ``allow_hybrid_mode`` and ``allow_multiple_reduction`` do not change the size yet: every group is
+    one NVLink domain, and the GPU combine always sends one row per (token, rank).
 
     Raises:
         ValueError: non-positive sizes.
@@ -101,19 +101,3 @@ def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, 
         raise ValueError(f"need num_ranks, num_max_tokens_per_rank and hidden > 0, got "
                          f"{num_ranks}, {num_max_tokens_per_rank}, {hidden}")
     return make_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).num_bytes
-
-
-def theoretical_num_sms(num_experts: int, num_topk: int, num_ranks: int, num_device_sms: int = 132) -> int:
-    """SMs a dispatch or combine needs to reach its bandwidth roof (an even number, at least 2).
-
-    Model: a rank moves, per token, one row to each destination rank it selects. With ``R`` ranks in
-    the NVLink domain, a fraction ``(R - 1) / R`` of those rows crosses NVLink and the rest is a local
-    HBM copy. The roof is NVLink's per-direction bandwidth when ``R > 1`` and the device copy bandwidth
-    when ``R == 1``; one SM copies about `SM_COPY_BANDWIDTH_GBPS`. The SM count is the roof over the
-    per-SM rate, rounded up to an even number and capped by the device's SM count.
-    """
-    del num_experts, num_topk  # the roof does not depend on them: every selected row moves once
-    roof = HBM_BANDWIDTH_GBPS if num_ranks <= 1 else NVLINK_BANDWIDTH_GBPS
-    sms = int(-(-roof // SM_COPY_BANDWIDTH_GBPS))
-    sms += sms % 2
-    return max(2, min(num_device_sms, sms))

@@ -60,7 +60,8 @@ constexpr int kReadbackCounts = 8;      // [L] received pairs per local expert, 
     X(padded_counts, L)      /* [L] the same, padded to the alignment */                            \
     X(expert_start, L)       /* [L] first output row of each local expert */                        \
     X(send_base, R)          /* [R] this rank's first token row at each destination */              \
-    X(out_base, E)           /* [E] expanded: this rank's first output row per global expert */
+    X(out_base, E)           /* [E] expanded: this rank's first output row per global expert */     \
+    X(psum_expert, L)        /* [L] the handle's psum_num_recv_tokens_per_expert (DeepEP's meaning) */
 
 // Offsets (int32 words) inside a handle's layout tensor: `ix.tok_prefix()` and so on, `ix.size()`.
 struct LayoutIndex {

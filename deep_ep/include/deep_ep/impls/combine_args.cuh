@@ -1,6 +1,9 @@
 // Combine: the kernels' argument struct and the layout of a staged row in a rank's window.
 //
-// Window row: [values: kHidden bf16 (non-expanded) or kHidden fp32 (expanded)][float weight[K] at kWeightOffset]
+// Window row (both layouts): [values: kHidden bf16][float weight[K] at kWeightOffset]. A non-expanded
+// row holds the expert output the destination computed for the token; an expanded row the
+// destination's partial: the fp32 sum of the token's rows for its experts, in top-k slot order,
+// rounded to bf16 (what DeepEP's "multiple reduction" sends).
 #pragma once
 
 #include "../common/abi.cuh"
@@ -12,15 +15,15 @@ template <int kHidden, int K, bool kExpand>
 struct CombineRow {
     static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
     static constexpr int kVecs = kHidden / 8;                      // 8 elements per 16-byte bf16 vector
-    static constexpr int kValueBytes = kExpand ? kHidden * 4 : kHidden * 2;
+    static constexpr int kValueBytes = kHidden * 2;
     static constexpr int kWeightOffset = (kValueBytes + 15) / 16 * 16;
 };
 
 struct CombineArgs {
     const __nv_bfloat16* y;           // [rows, H] expert outputs on this rank (as a destination)
     const float* weights_in;          // non-expanded [rows, K]; expanded [rows]; or null
-    const float* recv_weights;        // expanded: [rows] dispatch weights of the handle
-    const int* row_map;               // expanded: [tok rows, K]
+    const float* recv_weights;        // expanded, with apply_weights: [rows] the handle's dispatch weights
+    const int* src_meta;              // expanded: [tok rows, K + 2] the handle's recv_src_metadata (cols 2..: rows)
     const int* layout;                // this rank's layout words (as a destination)
     // this rank as the source
     const int* pos_tok;               // [T, R] absolute token rows at each destination
@@ -32,6 +35,7 @@ struct CombineArgs {
     __nv_bfloat16* out;               // [T, H]
     float* out_weights;               // [T, K] or null
     int num_experts;
+    int apply_weights;                // expanded: multiply each row by its dispatch weight first (opt-in)
     int64_t recv_offset, half_bytes;
     int row_stride;
     uint64_t timeout_ns;

@@ -38,26 +38,31 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int half = comm::current_half(my_window);
     const int first = ok ? global_warp : a.num_tokens;
     for (int t = first; t < a.num_tokens; t += num_warps) {
-        int my_row = next_row;
+        const int my_row = next_row;
         int my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(next_expert, static_cast<int64_t>(a.num_experts))));
         if (my_expert >= a.num_experts) my_expert = -1;  // int32: 64-bit division would be a call
         const int pair = next_pair;
         fetch_token_routing<K, kExpand>(a, R, t + num_warps, lane, next_row, next_expert, next_pair);
+        // Lanes < K: slot lane's owner rank (-1: masked) and whether it is that rank's last slot.
+        const int owner = (lane < K && my_expert >= 0) ? my_expert / L : -1;
+        const unsigned same_owner = __match_any_sync(0xffffffffu, lane < K ? owner : -2 - lane);
+        const bool last = owner >= 0 && 31 - __clz(same_owner) == lane;
+        const bool silent_slot = __popc(__ballot_sync(0xffffffffu, last)) < K;
         int my_pair = -1;
-        float my_pair_w = 0.0f;
-        if (kExpand && lane < K && my_expert >= 0 && my_expert / L == rank) {
+        float my_pair_w = 1.0f;
+        if (kExpand && owner == rank) {
             my_pair = pair;
-            if (my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
+            if (a.apply_weights && my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
         // kUnroll vectors per lane per step: several independent 16-byte loads in flight per source.
         constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, 4>();
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             float acc[kUnroll][8];
+            init_from_biases<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
-            for (int d = 0; d < R; ++d) {
+            for (int k = 0; k < K; ++k) {
+                const int d = __shfl_sync(0xffffffffu, owner, k);
+                if (!__shfl_sync(0xffffffffu, last, k)) continue;
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
                 if (row < 0) continue;
                 if (d == rank && !kExpand) {
@@ -66,52 +71,40 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
                     load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
                     add_bf16_chunk(v, acc);
                 } else if (d == rank) {
-                    // This rank's own pairs, weighted, straight into the sum (expanded results match
-                    // the reference within rounding: the order differs from its k = 0..K-1 sum).
+                    // This rank's partial: its slots' rows summed in slot order from +0.0, rounded to bf16.
+                    float part[kUnroll][8];
+                    zero_chunk(part);
 #pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        const int out = __shfl_sync(0xffffffffu, my_pair, k);
-                        const float w = __shfl_sync(0xffffffffu, my_pair_w, k);
+                    for (int kk = 0; kk < K; ++kk) {
+                        const int out = __shfl_sync(0xffffffffu, my_pair, kk);
+                        const float w = __shfl_sync(0xffffffffu, my_pair_w, kk);
                         if (out < 0) continue;
                         const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden);
                         int4 v[kUnroll];
                         load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
-                        add_weighted_bf16_chunk(v, w, acc);
+                        if (a.apply_weights) add_weighted_bf16_chunk(v, w, part);
+                        else add_bf16_chunk(v, part);
                     }
-                } else if (!kExpand) {
+                    add_rounded_chunk(part, acc);
+                } else {
                     int4 v[kUnroll];
                     tr.get_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
                     add_bf16_chunk(v, acc);
-                } else {
-                    const int64_t src = comm::row_offset(a, half, row);
-                    float4 lo[kUnroll], hi[kUnroll];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < Row::kVecs) {
-                            lo[u] = tr.get<float4>(d, src + 32 * static_cast<int64_t>(i));
-                            hi[u] = tr.get<float4>(d, src + 32 * static_cast<int64_t>(i) + 16);
-                        }
-                    }
-                    add_f32_chunk(lo, hi, acc);
                 }
             }
-            add_biases_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
+            finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
         }
         if (a.out_weights != nullptr) {
+            // Slot k's weight is its owner's (0 where masked).
             float w = 0.0f;
-            for (int d = 0; d < R; ++d) {
-                const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
-                if (row < 0 || lane >= K) continue;
-                if (kExpand) {
-                    const bool mine = my_expert >= 0 && my_expert / L == d;
-                    if (!mine) continue;
-                    if (d == rank) w += my_pair >= 0 ? a.weights_in[my_pair] : 0.0f;
-                    else w += tr.get<float>(d, comm::row_offset(a, half, row) + Row::kWeightOffset + 4 * lane);
-                } else if (d == rank) {
-                    w += a.weights_in[static_cast<int64_t>(row) * K + lane];
-                } else {
-                    w += tr.get<float>(d, comm::row_offset(a, half, row) + Row::kWeightOffset + 4 * lane);
+            const int d = owner;
+            const int row_at_d = __shfl_sync(0xffffffffu, my_row, d >= 0 && d < 32 ? d : 0);
+            if (d >= 0) {
+                const int row = d < 32 ? row_at_d : a.pos_tok[static_cast<int64_t>(t) * R + d];
+                if (row >= 0) {
+                    if (d == rank) w = kExpand ? (my_pair >= 0 ? a.weights_in[my_pair] : 0.0f)
+                                               : a.weights_in[static_cast<int64_t>(row) * K + lane];
+                    else w = tr.get<float>(d, comm::row_offset(a, half, row) + Row::kWeightOffset + 4 * lane);
                 }
             }
             if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = w;

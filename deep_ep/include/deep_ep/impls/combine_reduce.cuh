@@ -1,7 +1,14 @@
-// The arithmetic of combine: how a token's rows are summed, in fp32, and rounded once to bf16.
-// Summation order (what the results' bits depend on): the rows of destination ranks d = 0, 1, ...
-// in order, then bias 0, then bias 1; expanded rows are staged by each destination as the fp32 sum
-// of its weighted pairs.
+// The arithmetic of combine: the order of the fp32 additions that a token's result depends on, bit
+// for bit the order of deep_ep.reference (DeepEP V2's):
+//   acc = fp32(bias 0) + fp32(bias 1)            (or fp32(bias 0), or +0.0 without biases);
+//   for each top-k slot k in order: if k is the last slot of its rank d, acc += fp32(partial of d),
+//   where a rank's partial is its row (non-expanded) or bf16(the fp32 sum, from +0.0, of its slots'
+//   rows in slot order) (expanded); a slot that contributes nothing adds +0.0;
+//   result = bf16(acc), rounded to nearest even.
+// Adding +0.0 changes nothing but a running -0.0, and a running value that is not -0.0 never
+// becomes -0.0 again, so the kernels add that +0.0 once, at the end, when any slot was silent.
+// Weighted rows (apply_dispatch_weights) are the product rounded to fp32, then added: no fused
+// multiply-add, which would round once instead of twice.
 #pragma once
 
 #include "../common/copy.cuh"
@@ -10,7 +17,7 @@
 
 namespace deep_ep {
 
-// acc[u][q] += the 8 bf16 values of v[u] (fp32, in this order: the reference's summation).
+// acc[u][q] += the 8 bf16 values of v[u] (fp32).
 template <int kUnroll>
 __device__ __forceinline__ void add_bf16_chunk(const int4 (&v)[kUnroll], float (&acc)[kUnroll][8]) {
 #pragma unroll
@@ -18,21 +25,11 @@ __device__ __forceinline__ void add_bf16_chunk(const int4 (&v)[kUnroll], float (
         float f[8];
         bf16x8_to_f32(v[u], f);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
+        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
     }
 }
 
-// acc[u][q] += fp32 staged values (an expanded destination's partial sum: 8 floats per vector).
-template <int kUnroll>
-__device__ __forceinline__ void add_f32_chunk(const float4 (&lo)[kUnroll], const float4 (&hi)[kUnroll], float (&acc)[kUnroll][8]) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-        acc[u][0] += lo[u].x; acc[u][1] += lo[u].y; acc[u][2] += lo[u].z; acc[u][3] += lo[u].w;
-        acc[u][4] += hi[u].x; acc[u][5] += hi[u].y; acc[u][6] += hi[u].z; acc[u][7] += hi[u].w;
-    }
-}
-
-// acc[u][q] = fma(w, bf16 value, acc[u][q]): a weighted expanded row.
+// acc[u][q] += w * value, the product rounded first.
 template <int kUnroll>
 __device__ __forceinline__ void add_weighted_bf16_chunk(const int4 (&v)[kUnroll], float w, float (&acc)[kUnroll][8]) {
 #pragma unroll
@@ -40,29 +37,58 @@ __device__ __forceinline__ void add_weighted_bf16_chunk(const int4 (&v)[kUnroll]
         float f[8];
         bf16x8_to_f32(v[u], f);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] = fmaf(w, f[q], acc[u][q]);
+        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, f[q]));
     }
 }
 
-// The end of a token's sum, chunk by chunk: add bias 0 and bias 1 (when given) in fp32 and store the
-// row rounded to bf16.
+template <int kUnroll>
+__device__ __forceinline__ void zero_chunk(float (&acc)[kUnroll][8]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+}
+
+// acc += fp32(bf16(part)): a partial rounded to bf16, as it would travel, then added.
+template <int kUnroll>
+__device__ __forceinline__ void add_rounded_chunk(const float (&part)[kUnroll][8], float (&acc)[kUnroll][8]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        float f[8];
+        bf16x8_to_f32(f32_to_bf16x8(part[u]), f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+    }
+}
+
+// acc = the biases' fp32 sum for token t (chunk ``base`` of its row), or +0.0.
 template <int kHidden, int kUnroll, int kVecs>
-__device__ __forceinline__ void add_biases_and_store(const CombineArgs& a, int t, int base, int lane, float (&acc)[kUnroll][8]) {
+__device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, int base, int lane, float (&acc)[kUnroll][8]) {
+    const __nv_bfloat16* b0 = EP_TEST_DEFECT == kDefectMissingBias ? nullptr : a.bias0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        float f0[8], f1[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) f0[q] = f1[q] = 0.0f;
+        if (i < kVecs && b0 != nullptr) bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(b0 + static_cast<int64_t>(t) * kHidden) + i), f0);
+        if (i < kVecs && a.bias1 != nullptr) bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * kHidden) + i), f1);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = (b0 != nullptr && a.bias1 != nullptr) ? __fadd_rn(f0[q], f1[q]) : (b0 != nullptr ? f0[q] : f1[q]);
+    }
+}
+
+// The end of a token's sum, chunk by chunk: the +0.0 of silent slots, then the row rounded to bf16.
+template <int kHidden, int kUnroll, int kVecs>
+__device__ __forceinline__ void finish_and_store(const CombineArgs& a, int t, int base, int lane, bool silent_slot,
+                                                 float (&acc)[kUnroll][8]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
         if (i >= kVecs) continue;
-        float f[8];
-        if (a.bias0 != nullptr && EP_TEST_DEFECT != kDefectMissingBias) {
-            bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * kHidden) + i), f);
+        if (silent_slot)
 #pragma unroll
-            for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
-        }
-        if (a.bias1 != nullptr) {
-            bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * kHidden) + i), f);
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc[u][q] += f[q];
-        }
+            for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], 0.0f);
         store_row_vec(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden) + i, f32_to_bf16x8(acc[u]));
     }
 }

@@ -1,8 +1,8 @@
 // Combine, send phase (num_sms blocks) on destination d: the rows that came from peers are staged in
-// d's own window at the row index they arrived at (non-expanded: the bf16 row; expanded: the fp32
-// sum of the token's rows for d's experts, weighted by the dispatch weights), with the top-k
-// weights to reduce in a trailer. Rows from d itself stay in the caller's tensor. The last block
-// signals every peer.
+// d's own window at the row index they arrived at (non-expanded: the bf16 row; expanded: d's partial,
+// the fp32 sum of the token's rows for d's experts in slot order, rounded to bf16, see
+// combine_reduce.cuh), with the top-k weights to reduce in a trailer. Rows from d itself stay in the
+// caller's tensor. The last block signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -35,27 +35,25 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const co
             for (int i = lane; i < Row::kVecs; i += 32) st_cg(d4 + i, ld_nc(src + i));
             if (lane < K) dst_w[lane] = a.weights_in != nullptr ? a.weights_in[static_cast<int64_t>(j) * K + lane] : 0.0f;
         } else {
-            const int my_out = lane < K ? a.row_map[static_cast<int64_t>(j) * K + lane] : -1;
-            const float my_w = my_out >= 0 ? a.recv_weights[my_out] : 0.0f;
-            float4* d4 = reinterpret_cast<float4*>(dst);
+            const int my_out = lane < K ? a.src_meta[static_cast<int64_t>(j) * (K + 2) + 2 + lane] : -1;
+            const float my_w = (a.apply_weights && my_out >= 0) ? a.recv_weights[my_out] : 1.0f;
+            int4* d4 = reinterpret_cast<int4*>(dst);
             // All lanes iterate together (the shuffles need the whole warp); lanes past the row idle.
             for (int base = 0; base < Row::kVecs; base += 32) {
                 const int i = base + lane;
                 const bool active = i < Row::kVecs;
-                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                float part[1][8] = {{0, 0, 0, 0, 0, 0, 0, 0}};
 #pragma unroll
                 for (int k = 0; k < K; ++k) {
                     const int out = __shfl_sync(0xffffffffu, my_out, k);
                     const float w = __shfl_sync(0xffffffffu, my_w, k);
                     if (out < 0 || !active) continue;
-                    float f[8];
-                    bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden) + i), f);
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(w, f[q], acc[q]);
+                    const int4 v[1] = {ld_nc(reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden) + i)};
+                    if (a.apply_weights) add_weighted_bf16_chunk(v, w, part);
+                    else add_bf16_chunk(v, part);
                 }
                 if (!active) continue;
-                __stcg(d4 + 2 * i, make_float4(acc[0], acc[1], acc[2], acc[3]));
-                __stcg(d4 + 2 * i + 1, make_float4(acc[4], acc[5], acc[6], acc[7]));
+                st_cg(d4 + i, f32_to_bf16x8(part[0]));
             }
             if (lane < K) dst_w[lane] = (a.weights_in != nullptr && my_out >= 0) ? a.weights_in[my_out] : 0.0f;
         }

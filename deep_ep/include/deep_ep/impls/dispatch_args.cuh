@@ -3,6 +3,8 @@
 //
 // Window row (row_stride bytes): [data: kDataBytes][scale factors: kNumSF * 4]
 //   [meta at kMetaOffset: int src_token, int out_row[K], int local_idx[K], float weight[K]]
+// The metadata travels with a dispatch that computes a layout; a cached dispatch sends the data,
+// the scale factors and, when it is given topk_weights, the weights.
 #pragma once
 
 #include "../common/abi.cuh"
@@ -32,12 +34,14 @@ struct DispatchArgs {
     uint8_t* out_x;                // [rows, kDataBytes]
     int* out_sf;                   // row-major [rows, kNumSF] or column-major [kNumSF, sf_ld]
     int sf_ld;                     // 0: row-major; else leading dimension of the column-major layout
-    int64_t* out_topk_idx;         // non-expanded [rows, K]; expanded [rows]
-    float* out_weights;            // non-expanded [rows, K]; expanded [rows]; may be null (non-expanded)
-    int* out_src_rank;             // [rows]
-    int* out_src_token;            // [rows]
-    int* row_map;                  // expanded: [tok_rows capacity, K] output rows of each token row
+    int64_t* out_topk_idx;         // non-expanded [rows, K] local expert ids; null in the expanded layout
+    float* out_weights;            // non-expanded [rows, K]; expanded [rows]; null without topk_weights
+    int* src_meta;                 // [tok_capacity, K + 2] the handle's recv_src_metadata: col 0 src_rank * M +
+                                   // src_token, col 1 src_rank * K + the token's last local slot, cols 2..
+                                   // the expanded row of each slot (-1: not local, or non-expanded)
+    int max_tokens;                // M of the global source index (col 0)
     int out_capacity;              // rows allocated in the outputs
+    int tok_capacity;              // token rows allocated in src_meta
     const int* layout;             // LayoutIndex words
     int num_experts, alignment;
     int64_t recv_offset, half_bytes;   // receive region: two halves of half_bytes
@@ -52,7 +56,20 @@ __device__ __forceinline__ void store_sf(const DispatchArgs& a, int row, int i, 
     else a.out_sf[static_cast<int64_t>(i) * a.sf_ld + row] = v;
 }
 
-// Test-only defects (EP_TEST_DEFECT, common.cuh); each folds away in a normal build.
+// Row ``j`` of recv_src_metadata for a token of source rank ``s``: lanes < K give their slot's
+// expanded row (-1 where not local); ``local_mask`` has bit k set for the token's local slots.
+template <int K>
+__device__ __forceinline__ void write_src_meta(const DispatchArgs& a, int j, int s, int src_token, unsigned local_mask,
+                                               int slot_row, int lane) {
+    int* row = a.src_meta + static_cast<int64_t>(j) * (K + 2);
+    if (lane == 0) {
+        row[0] = s * a.max_tokens + src_token;
+        row[1] = local_mask != 0u ? s * K + (31 - __clz(local_mask)) : -1;
+    }
+    if (lane < K) row[2 + lane] = slot_row;
+}
+
+// Test-only defects (EP_TEST_DEFECT, common/defects.cuh); each folds away in a normal build.
 __device__ __forceinline__ bool defect_drops_row(int row) { return EP_TEST_DEFECT == kDefectDroppedRow && (row & 63) == 63; }
 __device__ __forceinline__ int defect_row(int row) {
     return (EP_TEST_DEFECT == kDefectWrongRow && row % 61 == 7) ? (row ^ 1) : row;  // odd rows: row - 1 stays in bounds

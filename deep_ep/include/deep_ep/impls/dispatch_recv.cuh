@@ -33,7 +33,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             const uint8_t* row = my_window + comm::row_offset(a, half, j);
             const int* meta = reinterpret_cast<const int*>(row + Row::kMetaOffset);
             int out_row = -1;
-            if (kExpand && lane < K) out_row = kCached ? a.row_map[static_cast<int64_t>(j) * K + lane] : __ldcg(meta + 1 + lane);
+            if (kExpand && lane < K) out_row = kCached ? a.src_meta[static_cast<int64_t>(j) * (K + 2) + 2 + lane] : __ldcg(meta + 1 + lane);
             const int defect_expert = (EP_TEST_DEFECT == kDefectSkippedExpert && !kCached && lane < K) ? __ldcg(meta + 1 + K + lane) : -1;
             const int4* src = reinterpret_cast<const int4*>(row);
             for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
@@ -64,24 +64,16 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
                     for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, out, i, __ldcg(row_sf + i));
                 }
             }
+            const float weight = (a.out_weights != nullptr && lane < K) ? __ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane) : 0.0f;
+            if (!kExpand) {
+                if (!kCached && lane < K) a.out_topk_idx[static_cast<int64_t>(j) * K + lane] = __ldcg(meta + 1 + K + lane);
+                if (a.out_weights != nullptr && lane < K) a.out_weights[static_cast<int64_t>(j) * K + lane] = defect_weight(weight, lane);
+            } else if (a.out_weights != nullptr && out_row >= 0) {
+                a.out_weights[out_row] = defect_weight(weight, lane);
+            }
             if (!kCached) {
-                const int src_token = __ldcg(meta);
-                if (!kExpand) {
-                    if (lane < K) {
-                        a.out_topk_idx[static_cast<int64_t>(j) * K + lane] = __ldcg(meta + 1 + K + lane);
-                        if (a.out_weights != nullptr)
-                            a.out_weights[static_cast<int64_t>(j) * K + lane] = defect_weight(__ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane), lane);
-                    }
-                    if (lane == 0) { a.out_src_rank[j] = s; a.out_src_token[j] = src_token; }
-                } else if (lane < K) {
-                    a.row_map[static_cast<int64_t>(j) * K + lane] = out_row;
-                    if (out_row >= 0) {
-                        a.out_topk_idx[out_row] = __ldcg(meta + 1 + K + lane);
-                        a.out_weights[out_row] = defect_weight(__ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane), lane);
-                        a.out_src_rank[out_row] = s;
-                        a.out_src_token[out_row] = src_token;
-                    }
-                }
+                const bool local = lane < K && __ldcg(meta + 1 + K + lane) >= 0;
+                write_src_meta<K>(a, j, s, __ldcg(meta), __ballot_sync(0xffffffffu, local), out_row, lane);
             }
         }
         // Expanded: padding rows of every local expert.
@@ -96,31 +88,23 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
                     for (int v = lane; v < Row::kVecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
                     for (int q = lane; q < kNumSF; q += 32) store_sf<kDataBytes, kNumSF>(a, row, q, 0);
                 }
-                if (!kCached && lane == 0) {
-                    a.out_topk_idx[row] = -1;
-                    a.out_weights[row] = 0.0f;
-                    a.out_src_rank[row] = -1;
-                    a.out_src_token[row] = -1;
-                }
+                if (a.out_weights != nullptr && lane == 0) a.out_weights[row] = 0.0f;
             }
         }
-        // Rows past the true count (outputs sized for the worst case): metadata only.
-        if (!kCached) {
-            const int num_out_rows = a.layout[ix.num_out_rows()];
-            const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
-            for (int r = num_out_rows + tid; r < a.out_capacity; r += nthreads) {
-                if (kExpand) {
-                    a.out_topk_idx[r] = -1;
-                    a.out_weights[r] = 0.0f;
-                } else {
-                    for (int k = 0; k < K; ++k) a.out_topk_idx[static_cast<int64_t>(r) * K + k] = -1;
-                    if (a.out_weights != nullptr)
-                        for (int k = 0; k < K; ++k) a.out_weights[static_cast<int64_t>(r) * K + k] = 0.0f;
-                }
-                a.out_src_rank[r] = -1;
-                a.out_src_token[r] = -1;
+        // Rows past the true count (outputs sized for the worst case): ids -1, weights 0, metadata -1.
+        const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+        const int num_out_rows = a.layout[ix.num_out_rows()];
+        for (int r = num_out_rows + tid; r < a.out_capacity; r += nthreads) {
+            if (!kCached && !kExpand)
+                for (int k = 0; k < K; ++k) a.out_topk_idx[static_cast<int64_t>(r) * K + k] = -1;
+            if (a.out_weights != nullptr) {
+                if (kExpand) a.out_weights[r] = 0.0f;
+                else for (int k = 0; k < K; ++k) a.out_weights[static_cast<int64_t>(r) * K + k] = 0.0f;
             }
         }
+        if (!kCached)
+            for (int64_t i = static_cast<int64_t>(num_tok_rows) * (K + 2) + tid; i < static_cast<int64_t>(a.tok_capacity) * (K + 2); i += nthreads)
+                a.src_meta[i] = -1;
     }
     comm::finish_wait(my_window, true, a.err_host);
 }

@@ -116,39 +116,36 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
         }
 
         // ---- scale factors and metadata ----
+        const bool with_weights = a.topk_weights != nullptr;
+        const float my_weight = (with_weights && lane < K) ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
         for (int d = 0; d < R; ++d) {
             const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
             if (row < 0) continue;
+            const bool local = lane < K && my_expert >= 0 && my_expert / L == d;
             if (d != rank) {
                 const int64_t dst = comm::row_offset(a, half, row);
 #pragma unroll
                 for (int j = 0; j < kSFPerLane; ++j)
                     if (lane + 32 * j < kNumSF) tr.put<int>(d, dst + kDataBytes + 4 * (lane + 32 * j), my_sf[j]);
+                const int64_t meta = dst + Row::kMetaOffset;  // int src_token, out_row[K], local_idx[K]; float weight[K]
                 if (!kCached) {
-                    const int64_t meta = dst + Row::kMetaOffset;  // int src_token, out_row[K], local_idx[K]; float weight[K]
                     if (lane == 0) tr.put<int>(d, meta, t);
                     if (lane < K) {
-                        const bool local = my_expert >= 0 && my_expert / L == d;
                         tr.put<int>(d, meta + 4 * (1 + lane), (kExpand && local) ? my_pair_row : -1);
                         tr.put<int>(d, meta + 4 * (1 + K + lane), local ? static_cast<int>(my_expert - d * L) : -1);
-                        tr.put<float>(d, meta + 4 * (1 + 2 * K + lane),
-                                      local ? (a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 1.0f) : 0.0f);
                     }
                 }
+                if ((!kCached || with_weights) && lane < K)
+                    tr.put<float>(d, meta + 4 * (1 + 2 * K + lane), local ? my_weight : 0.0f);
             } else if (!kExpand) {
 #pragma unroll
                 for (int j = 0; j < kSFPerLane; ++j)
                     if (lane + 32 * j < kNumSF && !defect_stale_sf<kCached>(row)) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
-                if (!kCached) {
-                    if (lane < K) {
-                        const bool local = my_expert >= 0 && my_expert / L == rank;
-                        a.out_topk_idx[static_cast<int64_t>(row) * K + lane] = local ? my_expert - rank * L : -1;
-                        if (a.out_weights != nullptr)
-                            a.out_weights[static_cast<int64_t>(row) * K + lane] =
-                                local ? defect_weight(a.topk_weights[static_cast<int64_t>(t) * K + lane], lane) : 0.0f;
-                    }
-                    if (lane == 0) { a.out_src_rank[row] = rank; a.out_src_token[row] = t; }
-                }
+                if (!kCached && lane < K)
+                    a.out_topk_idx[static_cast<int64_t>(row) * K + lane] = local ? my_expert - rank * L : -1;
+                if (a.out_weights != nullptr && lane < K)
+                    a.out_weights[static_cast<int64_t>(row) * K + lane] = local ? defect_weight(my_weight, lane) : 0.0f;
+                if (!kCached) write_src_meta<K>(a, row, rank, t, __ballot_sync(0xffffffffu, local), -1, lane);
             } else {
                 for (int k = 0; k < K; ++k) {
                     const int e = __shfl_sync(0xffffffffu, my_expert, k);
@@ -158,16 +155,8 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
                     for (int j = 0; j < kSFPerLane; ++j)
                         if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, out, lane + 32 * j, my_sf[j]);
                 }
-                if (!kCached && lane < K) {
-                    const bool local = my_expert >= 0 && my_expert / L == rank;
-                    a.row_map[static_cast<int64_t>(row) * K + lane] = local ? my_pair_row : -1;
-                    if (local) {
-                        a.out_topk_idx[my_pair_row] = my_expert - rank * L;
-                        a.out_weights[my_pair_row] = defect_weight(a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 1.0f, lane);
-                        a.out_src_rank[my_pair_row] = rank;
-                        a.out_src_token[my_pair_row] = t;
-                    }
-                }
+                if (a.out_weights != nullptr && local) a.out_weights[my_pair_row] = defect_weight(my_weight, lane);
+                if (!kCached) write_src_meta<K>(a, row, rank, t, __ballot_sync(0xffffffffu, local), local ? my_pair_row : -1, lane);
             }
         }
         cur = next;  // after a warp's last token, values never loaded: the loop ends before any use

@@ -113,7 +113,11 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
             layout[ix.tok_prefix() + s] = s_tok[s];
             layout[ix.rank_prefix_sum() + s] = expand ? s_pairs[s] : s_tok[s];
         }
-        for (int e = tid; e < L; e += nthreads) layout[ix.expert_start() + e] = s_local[e];
+        for (int e = tid; e < L; e += nthreads) {
+            layout[ix.expert_start() + e] = s_local[e];
+            // non-expanded: inclusive prefix of the padded counts; expanded: start plus unpadded count
+            layout[ix.psum_expert() + e] = s_local[e] + (expand ? layout[ix.raw_counts() + e] : layout[ix.padded_counts() + e]);
+        }
         // Expanded: first output row of this source's pairs for every global expert g (owner d).
         if (expand)
             for (int g = tid; g < E; g += nthreads) {
