@@ -13,13 +13,13 @@ from typing import Optional, Sequence
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """The top-level parser with its subcommands."""
-    from . import bench  # noqa: WPS433
+    from .bench.cli import add_arguments  # noqa: WPS433
 
     parser = argparse.ArgumentParser(
         prog=prog, description="deep_ep: expert-parallel dispatch/combine for Mixture-of-Experts.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    bench.add_arguments(sub.add_parser(
+    add_arguments(sub.add_parser(
         "bench", help="benchmark and check dispatch + combine (CPU gloo ranks, or the GPU path)"))
     return parser
 
@@ -29,9 +29,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prog = "python -m deep_ep" if sys.argv and sys.argv[0].endswith("__main__.py") else None
     args = build_parser(prog).parse_args(argv)
     if args.command == "bench":
-        from . import bench  # noqa: WPS433
+        from .bench.cli import main as bench_main  # noqa: WPS433
 
-        return bench.main(args)
+        return bench_main(args)
     raise AssertionError(args.command)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from deep_ep.bench_gpu import graph_time_us, single_rank_nccl_group
+from deep_ep.bench.gpu_timing import graph_time_us, single_rank_nccl_group
 
 
 def _us(fn, n: int = 2000) -> float:

@@ -4,7 +4,7 @@ Each variant adds defines to the kernel modules (the tunables in include/deep_ep
 EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING) or sets THREADS, the threads
 per block of the data kernels (`deep_ep.backends.gpu.THREADS`). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
-copy floor (`deep_ep.bench_gpu.copy_floor_us`), and whether the outputs equal the default build's
+copy floor (`deep_ep.bench.gpu_timing.copy_floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which).
 
 Usage: python tools/tune_gpu.py [--tokens 4096,128] [--iters 50] [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import deep_ep
 from deep_ep.backends import gpu
-from deep_ep.bench_gpu import copy_floor_us, graph_time_us, single_rank_nccl_group
+from deep_ep.bench.gpu_timing import copy_floor_us, graph_time_us, single_rank_nccl_group
 
 DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "THREADS=256", "THREADS=256,SEND_UNROLL=16",
                     "THREADS=1024,SEND_UNROLL=4,COMBINE_UNROLL=2", "THREADS=1024,SEND_UNROLL=4",
