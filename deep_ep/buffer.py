@@ -222,7 +222,7 @@ class ElasticBuffer:
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes of communication window one rank needs, rounded up to 2 MiB.
 
-        GPU groups: `deep_ep.backends.window_layout.buffer_size_hint` (both flags passed on). CPU
+        GPU groups: `deep_ep.backends.gpu.window.buffer_size_hint` (both flags passed on). CPU
         (gloo) groups: the staging memory of one dispatch, send and receive buffers of ``R * M``
         packed rows each (data, FP8 scale factors, ``num_topk`` ids and weights, a source index).
 

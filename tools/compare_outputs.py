@@ -71,8 +71,9 @@ def _run_rank(group, rank: int, dev, results: dict, tag: str) -> None:
         _flat("dispatch.recv_x", recv_x, out)
         _flat("dispatch.recv_idx", recv_idx, out)
         _flat("dispatch.recv_w", recv_w, out)
-        for f in ("rank_prefix_sum", "num_recv_tokens_per_expert", "recv_src_rank", "recv_src_token", "send_pos"):
-            _flat(f"handle.{f}", getattr(handle, f), out)
+        for f in ("rank_prefix_sum", "num_recv_tokens_per_expert", "recv_src_rank", "recv_src_token", "send_pos",
+                  "recv_src_metadata", "dst_buffer_slot_idx", "psum_num_recv_tokens_per_expert"):
+            _flat(f"handle.{f}", getattr(handle, f, None), out)   # the fields a tree has
         cached = buf.dispatch(x, handle=handle)
         _flat("cached.recv_x", cached[0], out)
         data = recv_x[0].float() if fp8 else recv_x.float()
@@ -94,7 +95,10 @@ def dump(path: str) -> None:
     results: dict = {}
     group4 = EmulatedGroup(4, device=dev)       # before the process uses CUDA otherwise
     group4.run(lambda g: _run_rank(g, g.rank(), dev, results, "emulated4"))
-    from deep_ep.bench_gpu import single_rank_nccl_group
+    try:
+        from deep_ep.bench.gpu_timing import single_rank_nccl_group
+    except ImportError:  # an older tree
+        from deep_ep.bench_gpu import single_rank_nccl_group
     _run_rank(single_rank_nccl_group(dev), 0, dev, results, "ep1")
     torch.save(results, path)
     print(f"dumped {sum(len(v) for v in results.values())} tensors of {len(results)} calls to {path}")

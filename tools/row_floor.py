@@ -1,7 +1,7 @@
 """What a row move costs on this GPU without the library around it: the attribution of the gap
 between a dispatch/combine kernel and the copy floor (issue 5's "what limits it").
 
-Times, from CUDA graphs of 10 calls each (`deep_ep.bench_gpu.graph_time_us`, as the bench and
+Times, from CUDA graphs of 10 calls each (`deep_ep.bench.gpu_timing.graph_time_us`, as the bench and
 tools/tune_gpu.py time the library's kernels), on rows of ``--hidden`` bf16 values:
 * ``copy``: torch's device-to-device copy of all rows (the bench's floor, `copy_floor_us`);
 * ``index_select``: torch's row gather with a random permutation;
@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from deep_ep import jit
-from deep_ep.bench_gpu import copy_floor_us, graph_time_us
+from deep_ep.bench.gpu_timing import copy_floor_us, graph_time_us
 
 SOURCE = r"""
 #include <cuda/std/cstdint>

@@ -71,7 +71,7 @@ class Backend(abc.ABC):
     def device(self) -> torch.device:
         """Device every tensor given to / returned by this backend lives on."""
 
-    #: `deep_ep.streams.StreamJoin` ordering the comm stream with the caller's stream on the
+    #: `deep_ep.cuda.streams.StreamJoin` ordering the comm stream with the caller's stream on the
     #: synchronous path, or None (CPU; the buffer then uses torch's stream objects).
     stream_join = None
 

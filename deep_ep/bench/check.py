@@ -191,8 +191,8 @@ class Checker:
 
         ``cpu_sync=False``: compared with the reference's worst-case-sized outputs (received rows past
         the true count are unspecified and not compared). ``cached``: a dispatch with ``handle=``; its
-        handle is the one it was given (not compared again), and a non-expanded cached dispatch may
-        return None weights (documented: the routing is the handle's)."""
+        handle is the one it was given (not compared again), and, given no topk_weights (the bench
+        gives none), it returns None weights in both layouts, as DeepEP."""
         call = self._begin(when, call)
         exp = self.expected.dispatch if cpu_sync else self.expected.dispatch_no_sync
         recv_x, recv_idx, recv_w, handle = result[:4]
@@ -208,8 +208,10 @@ class Checker:
         elif sf is not None:
             self.tensor(call, "recv_x scale factors", sf, exp_sf, rows=valid)
         self.tensor(call, "recv_topk_idx", recv_idx, exp.recv_topk_idx)
-        if not (cached and not self.cfg.expand and recv_w is None):
+        if not cached:
             self.tensor(call, "recv_topk_weights", recv_w, exp.recv_topk_weights)
+        elif recv_w is not None:
+            self._add(call, "recv_topk_weights", note="a cached dispatch without topk_weights must return None")
         if not cached:
             self.handle(call, handle, exp.handle)
 

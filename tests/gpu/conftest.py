@@ -13,5 +13,5 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 @pytest.fixture(scope="session")
 def nccl_group():
     """A one-rank NCCL process group on GPU 0: torch's own communicator, as a user's job has."""
-    from deep_ep.bench_gpu import single_rank_nccl_group
+    from deep_ep.bench.gpu_timing import single_rank_nccl_group
     yield single_rank_nccl_group(torch.device("cuda", 0))
