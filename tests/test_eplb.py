@@ -258,3 +258,43 @@ def test_packing_never_worse_than_greedy_then_lpt():
     greedy = np.take_along_axis(w / counts, slots, 1).reshape(20, G, -1).sum(2).max(1)
     _, best = packing.balance(w, M, G, w.sum(1) / G)
     assert (best <= greedy * (1 + 1e-12)).all() and (best < greedy * 0.999).any()
+
+
+def test_bench_call_shapes():
+    """The calls the bench makes: one layer planned with keywords, a ReplicaMap from [1, ...]
+    plan tensors, map returning int64 physical ids of the input's shape."""
+    R, E, redundant = 4, 32, 8
+    weight = torch.randint(0, 1000, (1, E))
+    plan = rebalance_experts(weight, E + redundant, num_groups=1, num_nodes=1, num_gpus=R)
+    assert [tuple(t.shape) for t in plan] == [(1, E + redundant), (1, E, redundant + 1), (1, E)]
+    topk_idx = torch.randint(-1, E, (100, 8))
+    physical = ReplicaMap(*plan).map(topk_idx)
+    assert physical.dtype == torch.int64 and physical.shape == topk_idx.shape
+    assert torch.equal(plan[0][0][physical[topk_idx >= 0]], topk_idx[topk_idx >= 0])
+    assert torch.equal(ReplicaMap(*(t[0] for t in plan)).map(topk_idx), physical)
+
+
+def test_device_hash_matches_spec_with_host_compiler(tmp_path):
+    """The kernel's hash function, compiled for the host, gives replica_hash's values (a check of
+    the device code's constants and integer semantics on machines without a GPU)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    header = Path(eplb.__file__).parents[1] / "include" / "deep_ep" / "impls" / "eplb_map.cuh"
+    text = header.read_text()
+    start = text.index("__device__ __forceinline__ uint32_t eplb_replica_hash")
+    body = text[start:text.index("\n}\n", start) + 3]
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.cat([torch.randint(0, 2**32, (64,), generator=g), torch.tensor([0, 2**32 - 1])])
+    experts = torch.randint(0, 2**20, (tokens.numel(),), generator=g)
+    pairs = ", ".join(f"{{{t}u, {e}u}}" for t, e in zip(tokens.tolist(), experts.tolist()))
+    src = tmp_path / "hash.cpp"
+    src.write_text("#include <cstdint>\n#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
+                   + body + f"\nint main() {{ uint32_t in[][2] = {{{pairs}}};\n"
+                   "for (auto& p : in) std::printf(\"%u\\n\", eplb_replica_hash(p[0], p[1])); }\n")
+    subprocess.run([cxx, "-O1", "-o", str(tmp_path / "hash"), str(src)], check=True)
+    got = [int(v) for v in subprocess.run([str(tmp_path / "hash")], check=True, capture_output=True).stdout.split()]
+    assert got == replica_hash(tokens, experts).tolist()

@@ -10,29 +10,30 @@ problems.
 
 How a problem is solved (``balance``):
 
-1. Replica counts come from candidate families; each candidate is packed (step 2) and the best
-   packing wins:
+1. Replica counts come from candidate families; every candidate is packed (step 2) and searched
+   for a few rounds, and the best one per problem is then searched to the end:
 
    A. *greedy*: split the expert with the highest per-replica load, ``M - X`` times (the classical
-      rule; it minimises the largest replica);
-   B. *greedy, k splits*: the same rule stopped after ``k`` splits, the remaining slots given to
-      the coldest experts (their replicas carry almost nothing: in effect, empty slots). With a
-      fixed number of slots per GPU, splitting a hot expert ``G + 1`` times, say, forces two of its
-      replicas onto one GPU; stopping earlier avoids that. Also *split to fit*: experts in
-      decreasing load, each split into the fewest replicas that fit into the largest remaining
-      gaps below the target;
-   C. *around the target*: for the hottest few experts, every combination of
-      ``floor(w/T), ceil(w/T), ceil(w/T) + 1`` replicas (``T`` the target load of a GPU), the rest
-      of the slots to the coldest experts. This finds counts such as "hot expert 6 replicas,
-      the next three 2 each" that neither greedy rule reaches.
+      rule; it minimises the largest replica), and the same rule stopped after three quarters of
+      the splits, the remaining slots given to the coldest experts (their replicas carry almost
+      nothing: in effect, empty slots). With a fixed number of slots per GPU, splitting a hot
+      expert ``G + 1`` times, say, forces two of its replicas onto one GPU; stopping earlier
+      avoids that.
+   B. the greedy rule stopped after other numbers of splits (up to 9 values), and *split to fit*:
+      experts in decreasing load, each split into the fewest replicas that fit into the largest
+      remaining gaps below the target (and below the target + 2%);
+   C. *around the target*: for the hottest few experts, every combination of ``b, b + 1, b + 2``
+      replicas with ``b = max(1, floor(w / T))`` (``T`` the target load of a GPU), the rest of the
+      slots to the coldest experts. This finds counts such as "hot expert 6 replicas, the next
+      ones 2 and 3" that neither greedy rule reaches.
 
-   B and C only run for problems that A left above ``target * (1 + tol)``.
-2. Packing (``_pack``): longest-processing-time first (each replica, largest first, onto the least
-   loaded GPU that still has a free slot), then local search: pair the heaviest GPU with the
-   lightest, the second heaviest with the second lightest, ..., and in each pair swap the two
-   replicas that lower the pair's maximum the most; when no pair improves, try the heaviest GPU
-   against every GPU; stop when nothing improves or the maximum is within ``tol`` of the target.
-   A swap never raises the maximum, so the result is never worse than plain LPT.
+   B runs only for problems that A left above ``target * (1 + tol)``, C only for those B left.
+2. Packing: longest-processing-time first (each replica, largest first, onto the least loaded
+   GPU that still has a free slot; split to fit places its own), then local search: pair the
+   heaviest GPU with the lightest, the second heaviest with the second lightest, ..., and in each
+   pair swap the two replicas that lower the pair's maximum the most; when no pair improves, try
+   the heaviest GPU against every GPU; stop when nothing improves or the maximum is within
+   ``tol`` of the target. A swap never raises the maximum.
 
 Guarantees: every expert gets at least one replica, every GPU exactly ``S`` slots, replica counts
 sum to ``M``; the result is never worse than replicate-greedily-then-LPT (candidate A); it is
@@ -47,9 +48,9 @@ import numpy as np
 __all__ = ["balance", "pack_fixed"]
 
 #: Relative distance to the target below which a problem counts as solved.
-DEFAULT_TOL = 1e-3
+DEFAULT_TOL = 5e-3
 #: Work limit of stage C: candidates x slots summed over its problems.
-_STAGE_C_BUDGET = 2_000_000
+_STAGE_C_BUDGET = 300_000
 #: Local-search rounds given to each candidate before the best one per problem is searched to the end.
 SCREEN_ROUNDS = 4
 
@@ -140,7 +141,8 @@ def _improve(slot_load: np.ndarray, slot_expert: np.ndarray, stop: np.ndarray, r
         return
     H = G // 2
     active = np.arange(B)
-    # Each round strictly improves every problem it touches; the bound only guards against float noise.
+    # A round lowers the sorted GPU loads of every problem it changes, so the search ends; the cap
+    # bounds its time.
     for _ in range(8 * G + 64 if rounds is None else rounds):
         if active.size == 0:
             return
@@ -242,9 +244,8 @@ def _target_counts(w: np.ndarray, spare: int, target: np.ndarray, m: int):
     order = np.argsort(-w, axis=1, kind="stable")
     top = order[:, :m]
     x = np.take_along_axis(w, top, 1) / np.maximum(target, 1e-300)[:, None]
-    base = np.maximum(np.floor(x), 1)
-    choices = np.stack([base, np.maximum(np.ceil(x), 1), np.maximum(np.ceil(x), 1) + 1], axis=-1)
-    choices = np.minimum(choices, spare + 1).astype(np.int64)            # [B, m, 3]
+    base = np.maximum(np.floor(x), 1)[..., None]
+    choices = np.minimum(base + np.arange(3), spare + 1).astype(np.int64)  # [B, m, 3]
     combos = np.array(list(itertools.product(range(3), repeat=m)), dtype=np.int64)  # [C, m]
     picked = choices[:, np.arange(m)[None, :], combos]                   # [B, C, m]
     used = (picked - 1).sum(axis=2)
@@ -316,13 +317,12 @@ def balance(w: np.ndarray, M: int, G: int, target: np.ndarray, tol: float | None
     hard = polish(everyone)
     if hard.size and spare > 0:
         ks = sorted(set(np.linspace(0, spare, min(9, spare + 1)).round().astype(int).tolist()) - set(first_ks))
-        if ks:
-            idx = np.repeat(hard, len(ks))
-            counts = np.stack([_counts_from_picks(picks[hard], k, coldest[hard], X) for k in ks],
-                              axis=1).reshape(-1, X)
-            consider(idx, counts)
-        for slack in (1.0, 1.02):
-            consider(hard, *_split_fit(w[hard], M, G, target[hard] * slack))
+        idx = np.repeat(hard, len(ks))
+        counts = np.stack([_counts_from_picks(picks[hard], k, coldest[hard], X) for k in ks], axis=1).reshape(-1, X)
+        slots = _lpt_slots(w[idx], counts, G, S)
+        both = np.concatenate([hard, hard])
+        fit_counts, fit_slots = _split_fit(w[both], M, G, np.concatenate([target[hard], target[hard] * 1.02]))
+        consider(np.concatenate([idx, both]), np.concatenate([counts, fit_counts]), np.concatenate([slots, fit_slots]))
         hard = polish(hard)
     if hard.size and spare > 0:
         for m in range(min(4, X), 0, -1):
