@@ -184,9 +184,9 @@ class ReplicaMap:
         valid = (idx >= 0) & (idx < self.num_logical_experts)
         expert = torch.where(valid, idx, torch.zeros_like(idx))
         token = (torch.arange(T, dtype=torch.int64) + token_offset).unsqueeze(1).expand(T, K)
-        count = self._count[index][expert]
+        count = self._count[index].take(expert)
         replica = replica_hash(token, expert) % count
-        physical = self._l2p[index][expert, replica]
+        physical = self._l2p[index].take(expert * self.max_replicas + replica)
         return torch.where(valid, physical, torch.full_like(physical, -1)).to(topk_idx.device)
 
     def _map_gpu(self, topk_idx: torch.Tensor, index: int, token_offset: int, out) -> torch.Tensor:
