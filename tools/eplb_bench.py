@@ -9,7 +9,8 @@ and after the hierarchical one; for the hierarchical policy also the best balanc
 allows (`deep_ep.eplb.hierarchy_bound`, exact) and the ratio to it; for comparison the plain greedy
 (split the hottest per-replica expert, then largest-first packing, no search) under the same
 hierarchy; and the planning time of all layers (``time.perf_counter``, min and median of
-``--repeats`` runs).
+``--repeats`` runs, and the least CPU time of the process, which a machine shared with other work
+does not inflate).
 
 ``--gpu``: also the device time of ``ReplicaMap.map`` for ``--tokens`` x ``--topk`` ids on the
 current GPU, replayed from a CUDA graph of 10 calls (as the bench times kernels), beside a copy of
@@ -69,12 +70,15 @@ def greedy_baseline(w: torch.Tensor, N: int, groups: int, nodes: int, G: int) ->
 
 
 def timed(fn, repeats: int):
-    times, out = [], None
+    """``(result, min wall ms, median wall ms, min CPU ms)``: wall time by time.perf_counter; the
+    process's CPU time beside it shows what a machine shared with other work adds."""
+    times, cpu, out = [], [], None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
         times.append((time.perf_counter() - t) * 1e3)
-    return out, min(times), statistics.median(times)
+        cpu.append((time.process_time() - c) * 1e3)
+    return out, min(times), statistics.median(times), min(cpu)
 
 
 def stats(t: torch.Tensor) -> str:
@@ -85,18 +89,19 @@ def report(w: torch.Tensor, G: int, N: int, nodes: int, groups: int, repeats: in
     L, E = w.shape
     print(f"\n{E} experts, {G} GPUs, {N} slots ({N - E} redundant, {N // G} per GPU), {L} layers")
     print(f"  before (E/G experts per GPU, no replicas)   max/mean {stats(ratio(static_gpu_loads(w, G)))}")
-    plan, tmin, tmed = timed(lambda: rebalance_experts(w, N, groups, 1, G), repeats)
+    plan, tmin, tmed, tcpu = timed(lambda: rebalance_experts(w, N, groups, 1, G), repeats)
     r = ratio(gpu_loads(w, plan[0], plan[2], G))
     print(f"  global policy (num_nodes=1)                 max/mean {stats(r)}  "
-          f"(layers <= 1.05: {int((r <= 1.05).sum())}/{L}); planning {tmin:.1f} ms (median {tmed:.1f})")
+          f"(layers <= 1.05: {int((r <= 1.05).sum())}/{L})")
+    print(f"    planning {L} layers: {tmin:.1f} ms (median {tmed:.1f}; CPU time {tcpu:.1f})")
     if groups % nodes == 0 and nodes > 1:
-        plan, tmin, tmed = timed(lambda: rebalance_experts(w, N, groups, nodes, G), repeats)
+        plan, tmin, tmed, tcpu = timed(lambda: rebalance_experts(w, N, groups, nodes, G), repeats)
         r = ratio(gpu_loads(w, plan[0], plan[2], G))
         bound = hierarchy_bound(w, groups, nodes)
         greedy = greedy_baseline(w, N, groups, nodes, G)
         print(f"  hierarchy bound ({groups} groups on {nodes} nodes)     max/mean {stats(bound)}")
-        print(f"  hierarchical policy                         max/mean {stats(r)}; planning {tmin:.1f} ms "
-              f"(median {tmed:.1f})")
+        print(f"  hierarchical policy                         max/mean {stats(r)}")
+        print(f"    planning {L} layers: {tmin:.1f} ms (median {tmed:.1f}; CPU time {tcpu:.1f})")
         print(f"    / bound                                   {stats(r / bound)}  "
               f"(layers within 10%: {int((r / bound <= 1.10).sum())}/{L})")
         print(f"    greedy replicate-then-pack / bound        {stats(greedy / bound)}  "

@@ -198,7 +198,7 @@ def _finish(w, counts, slot_expert, G, S, stop, rounds):
 
 
 def _split_fit(w: np.ndarray, M: int, G: int, target: np.ndarray):
-    """Candidate family B2 (see the module docstring): ``(counts [B, X], slot_expert [B, M])``."""
+    """Split to fit (family B of the module docstring): ``(counts [B, X], slot_expert [B, M])``."""
     B, X = w.shape
     S = M // G
     rows = np.arange(B)
@@ -239,7 +239,7 @@ def _split_fit(w: np.ndarray, M: int, G: int, target: np.ndarray):
 
 
 def _target_counts(w: np.ndarray, spare: int, target: np.ndarray, m: int):
-    """Candidate family C: ``(problem index [N], counts [N, X])`` around ``w / target``."""
+    """Family C of the module docstring: ``(problem index [N], counts [N, X])`` around ``w / target``."""
     B, X = w.shape
     order = np.argsort(-w, axis=1, kind="stable")
     top = order[:, :m]
