@@ -182,6 +182,9 @@ def _weights(rank, world):
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
     with pytest.raises(RuntimeError, match="nothing prepared"):
         placement.switch()
+    # the same placement: local copies only, no exchange called
+    same = weights_module.move_expert_weights(got, new, new)
+    assert all(torch.equal(same[k], got[k]) and same[k] is not got[k] for k in got)
     # and back again, from the replicated placement
     back = weights_module.move_expert_weights(got, new, old)
     for k in saved:

@@ -122,6 +122,8 @@ def _schedule(src: np.ndarray, s_old: int, s_new: int, rank: int, world: int) ->
         "s_new": s_new,
         "local_dst": t(q[local] - rank * s_new), "local_src": t(src[local] - rank * s_old),
         "send_rows": t(src[send_q] - rank * s_old), "recv_dst": t(recv_q - rank * s_new),
+        # The same on every rank: when no slot crosses ranks, nobody calls the exchange.
+        "exchange": bool((dst_rank != src_rank).any()),
         "send_split": np.bincount(dst_rank[send_q], minlength=world).tolist(),
         "recv_split": np.bincount(src_rank[recv_q], minlength=world).tolist(),
     }
@@ -188,8 +190,9 @@ def move_expert_weights(tensors: dict, old_physical_to_logical: torch.Tensor,
             raise ExpertMoveError(f"moving expert weights failed on some rank before exchanging {name!r}; "
                                   "the old tensors are unchanged") from failure
         recv = torch.empty((sum(plan["recv_split"]), send.shape[1]), dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(recv, send, output_split_sizes=plan["recv_split"],
-                               input_split_sizes=plan["send_split"], group=group)
+        if plan["exchange"]:
+            dist.all_to_all_single(recv, send, output_split_sizes=plan["recv_split"],
+                                   input_split_sizes=plan["send_split"], group=group)
         try:
             staged[name] = _unpack(name, t, out, recv, plan)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the vote
