@@ -43,5 +43,5 @@ def test_readme_program_runs_twice_at_once(tmp_path):
                 job.communicate()
     for job, out in zip(jobs, outs):
         assert job.returncode == 0, out[-3000:]
-        for rank in (0, 1):
-            assert re.search(rf"^rank {rank}: received \d+ tokens; combine checked$", out, flags=re.M), out[-3000:]
+        for rank in (0, 1):  # (the two ranks share the pipe: a line's newline may follow the other's line)
+            assert re.search(rf"rank {rank}: received \d+ tokens; combine checked", out), out[-3000:]
