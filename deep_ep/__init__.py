@@ -3,7 +3,7 @@
 The API is DeepEP V2's: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
 `EventHandle`, `topk_idx_t`, `get_physical_domain_size`, `get_logical_domain_size`.
 `deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and routing
-generators (both imported on first use).
+generators; `deep_ep.eplb` expert load balancing (imported on first use).
 """
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from .handle import EPHandle
 
 try:
     from importlib.metadata import version as _version
-    __version__ = _version("deep_ep")
+    __version__ = _version("deep-ep-nvrtc")   # the distribution; the import name is deep_ep
 except Exception:  # not installed (run from a source tree)
     __version__ = "0.1.0"
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "get_physical_domain_size",
-           "get_logical_domain_size", "routing", "reference", "__version__"]
+           "get_logical_domain_size", "routing", "reference", "eplb", "__version__"]
 
 
 def __getattr__(name: str):
     # Submodules loaded lazily, so that importing deep_ep stays light.
-    if name in ("routing", "reference"):
+    if name in ("routing", "reference", "eplb"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'deep_ep' has no attribute {name!r}")

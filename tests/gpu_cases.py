@@ -10,23 +10,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from deep_ep import reference as ref
+
 
 def case_seed(*parts) -> int:
     """A seed of its own for each case: CRC-32 of the parts' text (case name, parameters, test id).
     Cases never share inputs, so an output left unwritten cannot hold a previous case's correct
     values; the same case always draws the same inputs (a failure reproduces)."""
     return zlib.crc32("/".join(str(p) for p in parts).encode())
-
-
-def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Every element within bf16 rounding of an fp32 sum taken in another order:
-    ``|a - e| <= 2**-7 * |e| + 1e-3`` (about two bf16 ulps), no NaN. Both bf16, same shape."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.bfloat16, \
-        (what, actual.shape, expected.shape, actual.dtype, expected.dtype)
-    a, e = actual.float(), expected.float()
-    bad = ~((a - e).abs() <= 2 ** -7 * e.abs() + 1e-3)
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
-                           f"{bad.nonzero()[0].tolist()}: {a[tuple(bad.nonzero()[0])]} vs {e[tuple(bad.nonzero()[0])]}")
 
 
 def to_cpu(x):
@@ -48,10 +39,8 @@ def to_cpu(x):
 def handle_to_cpu(h):
     """A copy of handle ``h`` with every tensor on the CPU, ``buffer_id = -1`` (as the reference's) and
     no backend state (nothing is cloned on the device)."""
-    tensors = ("num_recv_tokens_gpu", "rank_prefix_sum", "num_recv_tokens_per_expert", "recv_src_rank",
-               "recv_src_token", "send_pos", "topk_idx", "recv_topk_weights")
     return dataclasses.replace(h, buffer_id=-1, backend_state=None,
-                               **{f: to_cpu(getattr(h, f)) for f in tensors})
+                               **{f: to_cpu(getattr(h, f)) for f in ref.HANDLE_TENSOR_FIELDS})
 
 
 def random_routing(tokens: int, num_experts: int, num_topk: int, g: torch.Generator,

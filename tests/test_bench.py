@@ -23,6 +23,10 @@ from deep_ep.bench import cli, config, eplb as bench_eplb, fp8, progress, report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+if not HAVE_MPL and os.environ.get("DEEP_EP_ALLOW_NO_MATPLOTLIB") != "1":
+    # The plot tests must not pass by skipping: the test extra installs matplotlib.
+    raise ImportError("tests/test_bench.py needs matplotlib (pip install -e '.[test]'); set "
+                      "DEEP_EP_ALLOW_NO_MATPLOTLIB=1 to run the rest without the plot checks")
 SMALL = ["--model", "qwen3-30b-a3b", "--ranks", "2", "--tokens", "48", "--iters", "2"]
 
 
@@ -56,9 +60,8 @@ def test_bench_cpu_default_model_json_and_plot(tmp_path):
     args = ["--ranks", "2", "--tokens", "64", "--iters", "2", "--json", "out.json"]
     if HAVE_MPL:
         args += ["--plot", "out.png"]
-    proc, wall = _run(args, tmp_path)
+    proc, _wall = _run(args, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert wall < 90
     out = proc.stdout
     lines = out.splitlines()
     assert lines[0].startswith("deep_ep bench: deepseek-v3") and lines[1].startswith("runner: cpu/gloo")
@@ -211,7 +214,10 @@ def _defects_fp8_expanded():
             recv_x = (recv_x[0], sf_out)
         if kw.get("handle") is None and self.rank == 1:
             data_out = outputs.empty(tuple(recv_x[0].shape), recv_x[0].dtype, "cpu")
-            keep = idx != 1
+            from deep_ep import shapes
+            experts = shapes.expanded_row_experts(handle.psum_num_recv_tokens_per_expert,
+                                                  handle.num_unaligned_recv_tokens_per_expert, recv_x[0].shape[0])
+            keep = experts != 1
             data_out[keep] = recv_x[0][keep]
             recv_x = (data_out, recv_x[1])
             w = w * 2   # every weight of the expanded rows (slot 0 of each pair)
@@ -591,8 +597,10 @@ def test_checker_detects_every_kind_of_difference(expand, fp8_on):
 
     assert run("dispatch", good) == [] and run("combine", (exp.combined_x, None)) == []
     assert run("dispatch", exp.dispatch_no_sync.as_tuple(), cpu_sync=False) == []
-    cached = (good[0], good[1], good[2] if expand else None, good[3])
-    assert run("dispatch", cached, cached=True) == []       # None weights of a non-expanded cached dispatch
+    cached = (good[0], good[1], None, good[3])
+    assert run("dispatch", cached, cached=True) == []       # a cached dispatch given no weights returns None
+    (m,) = run("dispatch", good, cached=True)
+    assert m.output == "recv_topk_weights" and "must return None" in m.note
 
     data = good[0][0] if fp8_on else good[0]
     bad_data = data.clone()
@@ -603,10 +611,10 @@ def test_checker_detects_every_kind_of_difference(expand, fp8_on):
     assert (m.rank, m.call, m.output, m.count, m.first_rows) == (1, "first x", "recv_x", 2, [2, 5])
     assert str(m) == f"rank 1, first x: recv_x: 2 of {exp.dispatch.num_valid_rows} rows differ, first rows 2, 5"
     handle = good[3].clone()
-    handle.recv_src_token[0] += 1
+    handle.recv_src_metadata[0, 0] += 1
     handle.num_recv_tokens += 1
     names = {m.output for m in run("dispatch", (*good[:3], handle))}
-    assert names == {"handle.recv_src_token", "handle.num_recv_tokens"}
+    assert names == {"handle.recv_src_metadata", "handle.num_recv_tokens"}
     handle = good[3].clone()
     handle.num_recv_tokens_per_expert_list = torch.tensor(handle.num_recv_tokens_per_expert_list)
     (m,) = run("dispatch", (*good[:3], handle))
@@ -616,7 +624,7 @@ def test_checker_detects_every_kind_of_difference(expand, fp8_on):
     if fp8_on:
         sf = good[0][1].clone()
         sf.view(torch.uint8)[3, 0] ^= 1
-        (m,) = run("dispatch", ((good[0][0], sf), *good[1:]), cached=True)
+        (m,) = run("dispatch", ((good[0][0], sf), good[1], None, good[3]), cached=True)
         assert m.output == "recv_x scale factors" and m.first_rows == [3]
     off = exp.combined_x.clone()
     off.view(torch.int16)[4, 1] += 1                           # one ulp

@@ -218,8 +218,7 @@ def test_launch_overhead_with_fake_driver(monkeypatch):
     us = (time.perf_counter() - t0) / n * 1e6
     print(f"\nlaunch path CPU time (fake driver): {us:.2f} us/launch")
     assert len(calls) == n + 1
-    assert calls[-1][1:8] == (4, 1, 1, 256, 1, 1, 0)
-    assert us < 50
+    assert calls[-1][1:8] == (4, 1, 1, 256, 1, 1, 0)   # (timings are reported, never asserted)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +227,9 @@ def test_launch_overhead_with_fake_driver(monkeypatch):
 
 @pytest.mark.parametrize("version", [OLDEST_NCCL, NEWEST_NCCL, "environment"])
 def test_nccl_device_api_kernel_compiles(version, request):
-    """The NCCL device API probe and the library's own NCCL module (the LSA peer pointer table of
-    deep_ep.comm.nccl) compile against each release's headers; the second build is a disk hit."""
+    """The NCCL device API probe and the library's own NCCL module (the device-communicator layout
+    probe of deep_ep.comm.devcomm) compile against each release's headers; the second build is a disk
+    hit."""
     inc = _nccl_include(version, request)
     found = jit.nccl_header_version(inc)
     if version == "environment":
@@ -237,9 +237,9 @@ def test_nccl_device_api_kernel_compiles(version, request):
             pytest.skip(f"the environment's NCCL ({found}) is one of the releases compiled above")
     else:
         assert found == nccl_wheels.version_code(version)
-    from deep_ep.comm.nccl import _LSA_SOURCE
-    lsa = jit.build("deep_ep_lsa_pointers", _LSA_SOURCE, use_nccl=True, nccl_include_dir=inc)
-    assert lsa.kernel_names() == ["deep_ep_lsa_pointers"]
+    from deep_ep.comm.devcomm import PROBE_SOURCE
+    probe = jit.build("deep_ep_devcomm_probe", PROBE_SOURCE, use_nccl=True, nccl_include_dir=inc)
+    assert probe.cubin[:4] == b"\x7fELF"
     src = (KERNELS / "nccl_device_api.cu").read_text()
     t0 = time.perf_counter()
     mod = jit.build("nccl_device_api", src, use_nccl=True, nccl_include_dir=inc)

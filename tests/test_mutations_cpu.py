@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from deep_ep import shapes
 import torch.distributed as dist
 
 from proc_utils import run_gloo_ranks
@@ -90,6 +92,9 @@ class Defect:
         expand = handle.do_expand
         valid = handle.recv_src_rank >= 0          # rows that hold a token (not padding, not past the count)
         n = int(data.shape[0])
+        # the local expert of every row: the ids (non-expanded) or the handle's per-expert counts (expanded)
+        row_experts = recv_idx if not expand else shapes.expanded_row_experts(
+            handle.psum_num_recv_tokens_per_expert, handle.num_unaligned_recv_tokens_per_expert, n)
         if self.number == 1 and not expand:        # dropped row
             rows = self._rows(n, valid, "drop")
             self._set_rows(data, rows, _unwritten_like(data[rows]))
@@ -106,7 +111,7 @@ class Defect:
                 L, r = handle.num_local_experts, handle.rank
                 rows = (valid & (handle.recv_src_rank == r)).nonzero().flatten()
                 tok = handle.recv_src_token[rows].long()
-                first = handle.topk_idx[tok, 0] == recv_idx[rows] + r * L
+                first = handle.topk_idx[tok, 0] == row_experts[rows] + r * L
                 rows = rows[first]
                 self._set_rows(recv_w, rows, recv_w[rows] * 2)
         elif self.number == 5 and sf is not None:  # stale scale factors of a cached dispatch
@@ -120,7 +125,7 @@ class Defect:
                     else _unwritten_like(sf[rows])
                 self._set_rows(sf, rows, stale)
         elif self.number == 6 and expand:          # local expert 1 receives no rows
-            rows = (valid & (recv_idx == 1)).nonzero().flatten()
+            rows = (valid & (row_experts == 1)).nonzero().flatten()
             self._set_rows(data, rows, _unwritten_like(data[rows]))
         return out
 

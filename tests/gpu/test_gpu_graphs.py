@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
-from gpu_cases import assert_close_bf16, case_seed, handle_to_cpu, random_routing, to_cpu  # noqa: E402
+from gpu_cases import case_seed, handle_to_cpu, random_routing, to_cpu  # noqa: E402
 from deep_ep import reference as ref  # noqa: E402
 from deep_ep.backends import outputs  # noqa: E402
 
@@ -94,15 +94,12 @@ class _Graph:
         exp = ref.reference_dispatch([x], [self.idx], [self.w], EXPERTS, do_expand=self.expand,
                                      expert_alignment=8 if self.expand else 1,
                                      num_max_tokens_per_rank=256)[0]
-        # design.md: a cached dispatch returns no weights (non-expanded) or the handle's (expanded)
-        want = dataclasses.replace(exp, recv_topk_weights=exp.recv_topk_weights if self.expand else None)
-        ref.check_dispatch((to_cpu(self.recv_x), self.recv_idx.cpu(), to_cpu(self.recv_w),
+        # a cached dispatch given no topk_weights returns no weights (DeepEP)
+        want = dataclasses.replace(exp, recv_topk_weights=None)
+        ref.check_dispatch((to_cpu(self.recv_x), to_cpu(self.recv_idx), to_cpu(self.recv_w),
                             handle_to_cpu(self.handle)), want)
         comb = ref.reference_combine([y], [exp.handle], None, [bias])[0][0]
-        if self.expand:
-            assert_close_bf16(self.out.cpu(), comb, f"combine, {self.tokens} tokens")
-        else:  # one rank, non-expanded: one row plus the bias, bit for bit
-            ref.check_combine((self.out.cpu(), None), (comb, None))
+        ref.check_combine((self.out.cpu(), None), (comb, None))   # bit for bit, both layouts
 
 
 @pytest.mark.parametrize("expand, fp8", [(False, False), (True, False), (False, True)],

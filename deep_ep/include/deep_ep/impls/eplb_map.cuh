@@ -7,7 +7,7 @@
 // cannot raise, and dispatch treats -1 as "no expert".
 #pragma once
 
-#include "../common.cuh"
+#include "../common/types.cuh"
 
 namespace deep_ep {
 
