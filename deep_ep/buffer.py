@@ -296,6 +296,7 @@ class ElasticBuffer:
             TypeError: a non-bool flag. RuntimeError: destroyed buffer, or a recorded GPU error.
         """
         self._alive()
+        self._backend.calls += 1
         for name, v in (("use_comm_stream", use_comm_stream), ("with_cpu_sync", with_cpu_sync),
                         ("sequential", sequential)):
             checks.check_bool(name, v)
@@ -414,6 +415,7 @@ class ElasticBuffer:
             configuration or receives that would not fit.
         """
         self._alive()
+        self._backend.calls += 1   # every call counts, a refused one too (ranks that disagree are found)
         args = checks.validate_dispatch(
             self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
             num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event,
@@ -460,6 +462,7 @@ class ElasticBuffer:
             RuntimeError: destroyed buffer; or, on every rank, handles that do not match across ranks.
         """
         self._alive()
+        self._backend.calls += 1
         bias_t = checks.validate_combine(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                          previous_event_before_epilogue, async_with_compute_stream,
                                          allocate_on_comm_stream, apply_dispatch_weights)

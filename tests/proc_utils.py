@@ -53,6 +53,7 @@ def _entry(fn, rank, world_size, init_file, queue, args):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
         result = fn(rank, world_size, *args)
+        dist.barrier()   # leave together: a rank tearing gloo down while a peer still talks can abort
         dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent

@@ -71,6 +71,11 @@ class Backend(abc.ABC):
     def device(self) -> torch.device:
         """Device every tensor given to / returned by this backend lives on."""
 
+    #: Collective calls (dispatch, combine, barrier) this rank's buffer has been asked to make, the
+    #: refused ones included; counted by the buffer, sent with every exchange, so that a rank that
+    #: skipped or repeated a call is found at the next one (docs/design.md, "Ranks that disagree").
+    calls = 0
+
     #: `deep_ep.cuda.streams.StreamJoin` ordering the comm stream with the caller's stream on the
     #: synchronous path, or None (CPU; the buffer then uses torch's stream objects).
     stream_join = None

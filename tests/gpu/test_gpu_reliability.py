@@ -82,6 +82,54 @@ def test_rank_skipping_a_call_times_out():
     group.run(body)
 
 
+def test_a_refused_then_retried_dispatch_is_named_on_every_rank():
+    """Rank 1's arguments are refused (it raises before communicating) and it calls again: it is a call
+    ahead of rank 0. The call number travels with every signal, so both ranks' layout kernels see the
+    other's and both raise a RuntimeError naming the ranks and their calls at once (the GPU timeout
+    is 3 s; a TimeoutError would mean the pairing went unnoticed), and the buffer is unusable."""
+    group, dev, x, idx = _two_ranks()
+
+    def body(g):
+        buf = _short_timeout_buffer(g)
+        try:
+            buf.dispatch(x, idx, num_experts=EXPERTS)                    # call 1 everywhere
+            if g.rank() == 1:
+                with pytest.raises(TypeError, match="topk_idx must have dtype"):
+                    buf.dispatch(x, idx.to(torch.int32), num_experts=EXPERTS)   # call 2, refused
+            with pytest.raises(RuntimeError, match=r"rank \d is at call #\d+ of this buffer, rank \d at call #\d+"):
+                buf.dispatch(x, idx, num_experts=EXPERTS)                # rank 0: call 2, rank 1: call 3
+            with pytest.raises(RuntimeError, match="no longer usable"):
+                buf.dispatch(x, idx, num_experts=EXPERTS)
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
+
+
+def test_a_refused_then_retried_combine_is_named_at_the_next_call():
+    """The same for a combine, whose kernels do not synchronise with the host: each rank's kernel
+    records the other's call number, and the next call on every rank (here a barrier) raises it."""
+    group, dev, x, idx = _two_ranks()
+
+    def body(g):
+        buf = _short_timeout_buffer(g)
+        try:
+            _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
+            y = torch.randn((handle.num_recv_rows, HIDDEN), device=dev).to(torch.bfloat16)
+            if g.rank() == 1:
+                with pytest.raises(TypeError, match="x must have dtype"):
+                    buf.combine(y.float(), handle)                       # call 2, refused
+            buf.combine(y, handle)
+            with pytest.raises(RuntimeError, match="at call #"):
+                buf.barrier()
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
+
+
 def test_async_timeout_reaches_the_next_call():
     """A combine whose peer never arrives times out on the GPU with no host wait in the call; the
     kernel copies its error record to mapped host memory, and the rank's next call (a cached

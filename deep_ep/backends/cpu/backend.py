@@ -31,7 +31,7 @@ class CPUBackend(Backend):
         return torch.device("cpu")
 
     def barrier(self) -> None:
-        self.comm.barrier()
+        self.comm.barrier(self.calls)
 
     def destroy(self) -> None:
         """Drop the process group: a destroyed buffer must not keep the group (and its gloo threads)
@@ -49,10 +49,10 @@ class CPUBackend(Backend):
             num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, handle=handle,
             do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
             do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, call=self.calls)
 
     def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
         del num_sms
         return combine_impl.combine(self.comm, x, handle, topk_weights, bias,
                                     allow_multiple_reduction=self.config.allow_multiple_reduction,
-                                    apply_dispatch_weights=apply_dispatch_weights)
+                                    apply_dispatch_weights=apply_dispatch_weights, call=self.calls)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 __all__ = ["Collectives", "HEADER_FIELDS"]
 
 # Header fields (int64). The ones in _AGREE must be equal on every rank.
-OP, E, H, K, XKIND, NSF, EXPAND, ALIGN, M, SYNC, HASW, T, REDUCE = range(13)
-HEADER_FIELDS = 13
+OP, E, H, K, XKIND, NSF, EXPAND, ALIGN, M, SYNC, HASW, T, REDUCE, SEQ = range(14)
+HEADER_FIELDS = 14
 _AGREE = {OP: "operation", E: "num_experts", H: "hidden", K: "num_topk",
           XKIND: "x format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 sf)",
           NSF: "number of scale factors", EXPAND: "do_expand", ALIGN: "expert_alignment",
@@ -64,12 +64,13 @@ class Collectives:
         """A `RuntimeError` naming this rank (raised by every rank for conditions they all see)."""
         return RuntimeError(f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): {msg}")
 
-    def begin(self, op: str) -> None:
-        """Start call ``op``: refuse if an earlier failure broke the group, stamp the arrival."""
+    def begin(self, op: str, call: int) -> None:
+        """Start ``op``, this rank's call number ``call`` of the buffer (counted by the buffer, refused
+        calls included): refuse if an earlier failure broke the group, stamp the arrival."""
         if self._broken is not None:
             raise self.error(f"this buffer can no longer communicate after an earlier failure "
                              f"({self._broken}); destroy it and the process group, and start again")
-        self.calls += 1
+        self.calls = call
         self._op = op
         store = self._store()
         if store is not None:
@@ -163,9 +164,9 @@ class Collectives:
         self.all_to_all(phase, out, flat.expand(R, -1).contiguous(), [1] * R, [1] * R)
         return out.view(R, *t.shape)
 
-    def barrier(self) -> None:
-        """A gloo barrier bounded by ``num_cpu_timeout_secs``."""
-        self.begin("barrier")
+    def barrier(self, call: int) -> None:
+        """A gloo barrier bounded by ``num_cpu_timeout_secs`` (call number ``call``)."""
+        self.begin("barrier", call)
         opts = dist.BarrierOptions()
         opts.timeout = self._timeout
         try:
@@ -180,11 +181,21 @@ class Collectives:
         disagree on a configuration field."""
         R = self.num_ranks
         header = torch.zeros(HEADER_FIELDS + 2 * R, dtype=torch.int64)
+        fields = list(fields)
+        fields[SEQ] = self.calls
         header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64)
         header[HEADER_FIELDS:HEADER_FIELDS + R] = send_counts
         if expect_counts is not None:
             header[HEADER_FIELDS + R:] = expect_counts
         headers = self.all_gather(header, "header exchange")
+        seqs = headers[:, SEQ]
+        if (seqs != seqs[0]).any():
+            ops = ["dispatch" if v == OP_DISPATCH else "combine" for v in headers[:, OP].tolist()]
+            where = ", ".join(f"rank {p} at call #{n} ({op})" for p, (n, op) in enumerate(zip(seqs.tolist(), ops)))
+            self._broken = "ranks at different calls"
+            raise self.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or repeated "
+                             f"a call (a call refused for bad arguments counts on the rank that refused it). Every "
+                             f"rank raises this; the buffer is no longer usable (destroy it on every rank)")
         for i, name in _AGREE.items():
             col = headers[:, i]
             if (col != col[0]).any():

@@ -68,9 +68,10 @@ def _destination_rows(h, x, topk_weights, multi: bool, apply_dispatch_weights: b
 
 
 def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bool,
-            apply_dispatch_weights: bool):
-    """One combine on this rank (`deep_ep.backends.base.Backend.combine`)."""
-    comm.begin("combine")
+            apply_dispatch_weights: bool, call: int):
+    """One combine on this rank (`deep_ep.backends.base.Backend.combine`); ``call``: this rank's call
+    number."""
+    comm.begin("combine", call)
     R = comm.num_ranks
     h = handle
     T, H, K = h.num_tokens, h.hidden, h.num_topk

@@ -85,10 +85,10 @@ def _send_positions(counts, pair_counts, hit, topk_idx, rank, num_local_experts,
 
 def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
              expert_alignment, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-             use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+             use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats, call: int):
     """One dispatch on this rank (`deep_ep.backends.base.Backend.dispatch`); ``comm`` is the buffer's
-    `Collectives`."""
-    comm.begin("dispatch")
+    `Collectives`, ``call`` this rank's call number."""
+    comm.begin("dispatch", call)
     R, r = comm.num_ranks, comm.rank
     cached = handle is not None
     if cached:

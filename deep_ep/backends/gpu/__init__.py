@@ -28,7 +28,8 @@ from ...cuda.streams import StreamJoin, new_stream, release_stream
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window as wl
-from .abi import CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, MAX_EXPERTS, READBACK, READBACK_WORDS
+from .abi import (CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
+                  call_tag)
 from .combine import run_combine
 from .dispatch import run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
@@ -108,6 +109,7 @@ class GPUBackend(Backend):
         self.broken: Optional[str] = None
         self.last_m = 0
         self.last_num_experts = self.last_num_topk = 0   # of the last dispatch (for async error messages)
+        self.launched_call = 0   # the call number of the last kernels launched (an async error is theirs)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
@@ -155,8 +157,8 @@ class GPUBackend(Backend):
         self.raise_if_broken()
         mod = self.module("barrier", ())
         mod.function("deep_ep_barrier").launch(
-            1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr)),
-            stream=stream_handle)
+            1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr),
+                     call_tag(self.calls, 4)), stream=stream_handle)
 
     def destroy(self) -> None:
         """Wait for this rank's kernels, release the window (collective for NCCL) and the stream."""
@@ -190,6 +192,7 @@ class GPUBackend(Backend):
         """Launch a dispatch/combine kernel on the comm stream; a cooperative launch the device
         refuses (its blocks cannot all be resident: MPS or green contexts with fewer SMs) becomes a
         LaunchError that says which ``num_sms`` to lower."""
+        self.launched_call = self.calls
         try:
             prepared.launch(self.comm_handle)
         except jit.LaunchError as exc:
@@ -320,8 +323,8 @@ class GPUBackend(Backend):
             self._raise(v)
 
     def _raise(self, record: tuple) -> None:
-        self.broken = "capacity" if record[0] == ERR_CAPACITY else "timeout"
-        raise_recorded(record, self.config.num_gpu_timeout_secs, self.last_m)
+        self.broken = {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls"}.get(record[0], "timeout")
+        raise_recorded(record, self.config.num_gpu_timeout_secs, self.last_m, self.launched_call)
 
     def _ctrl_error_view(self) -> torch.Tensor:
         if self._ctrl_error is None:

@@ -12,7 +12,7 @@ import ctypes
 import re
 from pathlib import Path
 
-__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
+__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "CallTag", "call_tag", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
            "READBACK", "READBACK_WORDS", "MAX_RANKS",
            "MAX_EXPERTS", "MAX_TOPK", "CTRL_BYTES", "CTRL_ERROR_OFFSET", "PHASES"]
 
@@ -43,6 +43,7 @@ CTRL_ERROR_OFFSET = CONSTANTS["kCtrlError"] * 4      #: byte offset of the error
 ERR_TIMEOUT = CONSTANTS["kErrTimeout"]
 ERR_CAPACITY = CONSTANTS["kErrCapacity"]
 ERR_BAD_EXPERT = CONSTANTS["kErrBadExpert"]
+ERR_MISMATCH = CONSTANTS["kErrMismatch"]
 COUNTS_EXTRA_WORDS = CONSTANTS["kCountsExtraWords"]
 #: word offsets of what the layout kernel reports to the host (kReadback*)
 READBACK = {k[len("kReadback"):].lower(): v for k, v in CONSTANTS.items() if k.startswith("kReadback")}
@@ -79,11 +80,24 @@ class LayoutIndex:
         self.size = offset
 
 
+class CallTag(ctypes.Structure):
+    """Host mirror of ``deep_ep::comm::CallTag`` (include/deep_ep/comm/window.cuh): a call's number and
+    the fingerprint of its configuration, compared between ranks at every exchange."""
+    _fields_ = [("seq", ctypes.c_uint32), ("fingerprint", ctypes.c_uint32)]
+
+
+def call_tag(seq: int, *config) -> CallTag:
+    """The tag of call ``seq`` whose configuration is the integers ``config`` (the same on every rank
+    for calls that belong together; Python's tuple hash of ints is the same in every process)."""
+    return CallTag(seq & 0xFFFFFFFF, hash(config) & 0xFFFFFFFF)
+
+
 class NotifyArgs(ctypes.Structure):
     """Host mirror of ``deep_ep::NotifyArgs`` (include/deep_ep/impls/notify.cuh)."""
     _fields_ = [("topk_idx", ctypes.c_void_p), ("num_tokens", ctypes.c_int), ("num_experts", ctypes.c_int),
                 ("tokens_per_group", ctypes.c_int), ("counts_offset", ctypes.c_int64), ("pos_tok", ctypes.c_void_p),
-                ("pos_pair", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64)]
+                ("pos_pair", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64),
+                ("tag", CallTag)]
 
 
 class LayoutArgs(ctypes.Structure):
@@ -91,7 +105,7 @@ class LayoutArgs(ctypes.Structure):
     _fields_ = [("num_experts", ctypes.c_int), ("alignment", ctypes.c_int), ("counts_offset", ctypes.c_int64),
                 ("layout", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p), ("out_capacity", ctypes.c_int),
                 ("tok_capacity", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("host_out", ctypes.c_void_p),
-                ("seq", ctypes.c_int), ("err_host", ctypes.c_void_p)]
+                ("seq", ctypes.c_int), ("err_host", ctypes.c_void_p), ("tag", CallTag)]
 
 
 class DispatchArgs(ctypes.Structure):
@@ -105,7 +119,8 @@ class DispatchArgs(ctypes.Structure):
                 ("tok_capacity", ctypes.c_int), ("layout", ctypes.c_void_p),
                 ("num_experts", ctypes.c_int), ("alignment", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
-                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p),
+                ("tag", CallTag)]
 
 
 class CombineArgs(ctypes.Structure):
@@ -116,4 +131,5 @@ class CombineArgs(ctypes.Structure):
                 ("bias0", ctypes.c_void_p), ("bias1", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("out_weights", ctypes.c_void_p), ("num_experts", ctypes.c_int), ("apply_weights", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
-                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
+                ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p),
+                ("tag", CallTag)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import outputs
-from .abi import CombineArgs
+from .abi import CombineArgs, call_tag
 from .dispatch import _ptr
 from .modules import THREADS
 from .state import GPUHandleState
@@ -35,6 +35,8 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     out_w = outputs.empty((T, K), torch.float32, dev, b.comm_stream) if topk_weights is not None else None
     bias0 = bias[0] if len(bias) > 0 else None
     bias1 = bias[1] if len(bias) > 1 else None
+    tag = call_tag(b.calls, 3, H, K, int(bool(handle.do_expand)), E, topk_weights is not None,
+                   int(bool(apply_dispatch_weights)))
     key = ("combine", H, K, n_sms, bool(apply_dispatch_weights), handle.topk_idx.data_ptr(),
            _ptr(handle.recv_topk_weights), state.src_meta.data_ptr())
     prepared = state.launches.get(key)
@@ -45,11 +47,12 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
             pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
             num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr)
+            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
         prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(
             n_sms, THREADS, (args, b.transport_args), device=dev.index, cooperative=b.cooperative)
     a = prepared.args[0]  # the per-call pointers
     a.y, a.weights_in, a.bias0, a.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
     a.out, a.out_weights = _ptr(out), _ptr(out_w)
+    a.tag = tag
     b.launch_data(prepared, n_sms)
     return out, out_w

@@ -26,7 +26,7 @@ import torch
 from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
-from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, LayoutArgs, LayoutIndex, NotifyArgs
+from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, LayoutIndex, NotifyArgs
 from .modules import LAYOUT_THREADS, THREADS
 from .state import GPUHandleState
 
@@ -82,6 +82,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     transport = b.transport_args
 
     b.raise_if_broken()
+    # What every rank's call must agree on (sent with every signal, comm/window.cuh).
+    tag = call_tag(b.calls, 2 if cached else 1, data_bytes, num_sf, K, int(bool(do_expand)), A, E,
+                   topk_weights is not None, int(bool(do_cpu_sync)), 0 if do_cpu_sync else m)
     if not cached:
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout kernel refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
@@ -97,7 +100,8 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         notify = NotifyArgs(topk_idx=_ptr(topk_idx), num_tokens=T, num_experts=E,
                             tokens_per_group=max(1, -(-T // groups)), counts_offset=layout.counts_offset,
                             pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), scratch=b.notify_scratch.data_ptr(),
-                            timeout_ns=b.timeout_ns)
+                            timeout_ns=b.timeout_ns, tag=tag)
+        b.launched_call = b.calls
         mod.function("deep_ep_notify").launch(groups, 32, (notify, transport), smem=4 * (R + E), stream=stream,
                                               cooperative=b.cooperative)
         seq = 0
@@ -107,7 +111,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                                  cumulative_stats=_ptr(cumulative_local_expert_recv_stats), out_capacity=out_cap,
                                  tok_capacity=tok_cap, timeout_ns=b.timeout_ns,
                                  host_out=b.readback.device_ptr if do_cpu_sync else None, seq=seq,
-                                 err_host=b.err_record.device_ptr)
+                                 err_host=b.err_record.device_ptr, tag=tag)
         mod.function("deep_ep_layout").launch(1, LAYOUT_THREADS, (layout_args, transport), stream=stream)
         b.last_num_experts, b.last_num_topk = E, K
         if do_cpu_sync:
@@ -153,6 +157,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             a = prepared.args[0]
             a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
             a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
+            a.tag = tag
     if prepared is None:
         args = DispatchArgs(
             x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
@@ -161,7 +166,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             max_tokens=num_max_tokens_per_rank, out_capacity=out_rows, tok_capacity=int(src_meta.shape[0]),
             layout=lay.data_ptr(), num_experts=E, alignment=A,
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr)
+            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
         fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
         prepared = fn.prepare(n_sms, THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
                               cooperative=b.cooperative)

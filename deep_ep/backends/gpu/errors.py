@@ -13,7 +13,7 @@ import ctypes
 import torch
 
 from ...cuda.driver import ensure_context
-from .abi import ERR_CAPACITY, PHASES
+from .abi import ERR_CAPACITY, ERR_MISMATCH, PHASES
 
 __all__ = ["MappedWords", "ErrorRecord", "raise_recorded", "raise_bad_expert"]
 
@@ -79,13 +79,26 @@ def raise_bad_expert(source: int, index: int, value: int, num_experts: int, num_
                      f"the buffer stays usable")
 
 
-def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: int) -> None:
+def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: int, calls: int = 0) -> None:
     """Raise the exception for a recorded (code, rank, peer, phase); the caller marks the buffer broken.
+    ``calls``: this rank's call count (a mismatch record holds the peer's in its phase word).
 
     Raises:
-        RuntimeError: a receive that would not fit (code 2). TimeoutError: a peer did not arrive.
+        RuntimeError: a receive that would not fit (code 2), or ranks at different calls / disagreeing
+        on the call (code 4). TimeoutError: a peer did not arrive.
     """
     code, rank, peer, phase = record
+    if code == ERR_MISMATCH:
+        theirs = phase & 0xFFFFFFFF
+        if theirs != calls & 0xFFFFFFFF:
+            what = (f"rank {rank} is at call #{calls} of this buffer, rank {peer} at call #{theirs}: a rank "
+                    f"skipped or repeated a call (a call refused for bad arguments counts on the rank that "
+                    f"refused it)")
+        else:
+            what = (f"ranks {rank} and {peer} are both at call #{calls} but disagree on it (the operation, or "
+                    f"its configuration: experts, hidden, top-k, FP8, layout, alignment, weights, do_cpu_sync)")
+        raise RuntimeError(f"deep_ep: {what}. Every rank of the call raises this; the buffer is no longer "
+                           f"usable (destroy it and create a new one on every rank)")
     if code == ERR_CAPACITY:
         raise RuntimeError(
             f"deep_ep: rank {rank} would receive more rows than its do_cpu_sync=False outputs hold "

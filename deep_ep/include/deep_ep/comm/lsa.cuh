@@ -3,7 +3,8 @@
 // slice of one allocation. Kernels reach peers only through this object:
 //   put / put_chunk   store a value / a warp's row chunk into a peer's window (at a byte offset),
 //   get / get_chunk   coherent load from a peer's window,
-//   signal_all        tell every peer that this rank's writes into their windows are complete,
+//   signal_all        tell every peer that this rank's writes into their windows are complete (with
+//                     the call's tag, window.cuh),
 //   wait_all          wait until every peer has signalled this round, with a timeout that records
 //                     rank, peer and phase.
 // A transport over RDMA (NCCL GIN) implements the same operations: a put becomes a GIN put from
@@ -42,10 +43,17 @@ struct LsaTransport {
     // Called by the last block of a producer phase (see `last_block`): tell every peer that this
     // rank's writes into their windows are complete. Release semantics at system scope make every
     // write this GPU issued before visible to a peer that observes the increment with acquire.
-    __device__ __forceinline__ void signal_all() const {
+    // The call's tag goes first, into the slot of this rank's epoch parity (a peer runs at most one
+    // call ahead, so two slots never overwrite a tag not yet read); the release increment orders it.
+    __device__ __forceinline__ void signal_all(CallTag tag) const {
         __threadfence_system();
-        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
+        const int slot = static_cast<int>(ld_volatile(ctrl_of(local()) + kCtrlEpoch) & 1u);
+        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+            uint32_t* t = tag_words(bases[p], slot, rank);
+            t[0] = tag.seq;
+            t[1] = tag.fingerprint;
             red_release_sys_add(ctrl_of(bases[p]) + kCtrlArrive + rank, 1u);
+        }
     }
 
     // Wait (every block that calls it) until each peer has signalled `epoch + 1` times, where

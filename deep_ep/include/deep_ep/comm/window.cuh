@@ -13,6 +13,14 @@
 
 namespace deep_ep::comm {
 
+// A call's identity, sent with every signal: its number on the rank (every public call counts,
+// refused ones too) and a fingerprint of its configuration. After a wait every rank compares its
+// peers' with its own, so a rank that skipped or repeated a call, or that disagrees on the call, is
+// found at the next exchange instead of pairing with the wrong call or waiting for a timeout.
+struct CallTag {
+    uint32_t seq, fingerprint;
+};
+
 __device__ __forceinline__ uint32_t* ctrl_of(uint8_t* window) { return reinterpret_cast<uint32_t*>(window); }
 
 // Record an error (the first one wins) in this rank's control region.
@@ -37,6 +45,43 @@ __device__ __forceinline__ int current_half(uint8_t* my_window) {
 // The number of signals from each peer the next wait expects (this rank's epoch + 1).
 __device__ __forceinline__ uint32_t wait_target(uint8_t* my_window) {
     return ld_volatile(ctrl_of(my_window) + kCtrlEpoch) + 1u;
+}
+
+// The tag words peer ``peer`` writes into a window for a signal sent at epoch parity ``slot``.
+__device__ __forceinline__ uint32_t* tag_words(uint8_t* window, int slot, int peer) {
+    return ctrl_of(window) + kCtrlTag + (slot * kMaxRanks + peer) * 2;
+}
+
+// After a wait (every thread of the block calls it): the first peer whose tag differs from ``mine``
+// (-1: none), with its tag. A rank that skipped or repeated a call sees a peer's differing tag, and
+// that peer sees its: every rank of a mismatched exchange finds one.
+__device__ __forceinline__ int find_tag_mismatch(uint8_t* my_window, int num_ranks, CallTag mine, CallTag& theirs) {
+    __shared__ int s_peer;
+    if (threadIdx.x == 0) s_peer = 0x7fffffff;
+    __syncthreads();
+    const int slot = static_cast<int>(ld_volatile(ctrl_of(my_window) + kCtrlEpoch) & 1u);
+    for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+        const uint32_t* t = tag_words(my_window, slot, p);
+        if (ld_volatile(t) != mine.seq || ld_volatile(t + 1) != mine.fingerprint) atomicMin(&s_peer, p);
+    }
+    __syncthreads();
+    const int peer = s_peer == 0x7fffffff ? -1 : s_peer;
+    if (peer >= 0) {
+        const uint32_t* t = tag_words(my_window, slot, peer);
+        theirs = CallTag{ld_volatile(t), ld_volatile(t + 1)};
+    }
+    __syncthreads();  // s_peer is read before any later call resets it
+    return peer;
+}
+
+// After the wait of a data or barrier kernel (every thread of the block calls it): a peer whose tag
+// differs is recorded as an error (kErrMismatch: this rank, that peer, and its call number in the
+// phase word), and the caller moves nothing.
+__device__ __forceinline__ bool check_tags(uint8_t* my_window, int rank, int num_ranks, CallTag mine) {
+    CallTag theirs{0u, 0u};
+    const int peer = find_tag_mismatch(my_window, num_ranks, mine, theirs);
+    if (peer >= 0 && threadIdx.x == 0) record_error(my_window, kErrMismatch, rank, peer, static_cast<int>(theirs.seq));
+    return peer < 0;
 }
 
 // Byte offset of row ``row`` of receive half ``half`` in every rank's window (layout:

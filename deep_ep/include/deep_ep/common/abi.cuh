@@ -21,11 +21,14 @@ constexpr int kCtrlRound = kMaxRanks + 1;    // data rounds completed (selects t
 constexpr int kCtrlDone = kMaxRanks + 2;     // blocks that finished a producer phase (send, notify)
 constexpr int kCtrlDoneWait = kMaxRanks + 3; // blocks that finished a consumer phase (finish_wait)
 constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (the first error wins)
+constexpr int kCtrlTag = kMaxRanks + 8;      // [2][kMaxRanks][2]: each peer's (call number, fingerprint)
+                                             // of its last signal, in the slot of its epoch's parity
 
 // ---- error codes (kCtrlError[0]) and the phases a timeout names (kCtrlError[3]) ----------------
 constexpr int kErrTimeout = 1;    // a peer did not arrive in time
 constexpr int kErrCapacity = 2;   // this rank would receive more rows than its outputs hold
 constexpr int kErrBadExpert = 3;  // a rank's topk_idx holds an id outside [-1, num_experts): nothing moved
+constexpr int kErrMismatch = 4;   // ranks are at different calls of the buffer, or disagree on the call
 constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
 constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
 constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
@@ -42,8 +45,10 @@ constexpr int kCountsExtraWords = 2;
 constexpr int kReadbackSeq = 0;         // the call's sequence number (the host polls for it)
 constexpr int kReadbackStatus = 1;      // 0, or an error code (kErr*)
 constexpr int kReadbackRank = 2;        // the rank that reports
-constexpr int kReadbackPeer = 3;        // timeout: the missing peer; bad expert id: the source rank
-constexpr int kReadbackDetail = 4;      // timeout: the phase; bad expert id: the flat index t * K + k
+constexpr int kReadbackPeer = 3;        // timeout: the missing peer; bad expert id: the source rank;
+                                        // mismatch: the first peer that differs
+constexpr int kReadbackDetail = 4;      // timeout: the phase; bad expert id: the flat index t * K + k;
+                                        // mismatch: that peer's call number
 constexpr int kReadbackValue = 5;       // bad expert id: the id
 constexpr int kReadbackOutRows = 6;     // output rows incl. padding
 constexpr int kReadbackTokRows = 7;     // received token rows

@@ -7,9 +7,10 @@
 
 namespace deep_ep {
 
-__device__ __forceinline__ void barrier_impl(const comm::LsaTransport& tr, uint64_t timeout_ns, uint32_t* err_host) {
-    if (comm::last_block(tr.local())) tr.signal_all();
-    tr.wait_all(kPhaseBarrier, timeout_ns);
+__device__ __forceinline__ void barrier_impl(const comm::LsaTransport& tr, uint64_t timeout_ns, uint32_t* err_host,
+                                             comm::CallTag tag) {
+    if (comm::last_block(tr.local())) tr.signal_all(tag);
+    if (tr.wait_all(kPhaseBarrier, timeout_ns)) comm::check_tags(tr.local(), tr.rank, tr.num_ranks, tag);
     comm::finish_wait(tr.local(), false, err_host);
 }
 

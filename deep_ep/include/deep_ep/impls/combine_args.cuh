@@ -7,6 +7,7 @@
 #pragma once
 
 #include "../common/abi.cuh"
+#include "../comm/window.cuh"
 #include "../common/defects.cuh"
 
 namespace deep_ep {
@@ -40,6 +41,7 @@ struct CombineArgs {
     int row_stride;
     uint64_t timeout_ns;
     uint32_t* err_host;               // mapped host memory for the error record (finish_wait), or null
+    comm::CallTag tag;                // this call's number and fingerprint (comm/window.cuh)
 };
 
 }  // namespace deep_ep

@@ -34,7 +34,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     int next_row = -1, next_pair = -1;
     int64_t next_expert = -1;
     fetch_token_routing<K, kExpand>(a, R, global_warp, lane, next_row, next_expert, next_pair);
-    const bool ok = tr.wait_all(kPhaseCombine, a.timeout_ns);
+    const bool ok = tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag);
     const int half = comm::current_half(my_window);
     const int first = ok ? global_warp : a.num_tokens;
     for (int t = first; t < a.num_tokens; t += num_warps) {

@@ -58,7 +58,7 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const co
             if (lane < K) dst_w[lane] = (a.weights_in != nullptr && my_out >= 0) ? a.weights_in[my_out] : 0.0f;
         }
     }
-    if (comm::last_block(my_window)) tr.signal_all();
+    if (comm::last_block(my_window)) tr.signal_all(a.tag);
 }
 
 }  // namespace deep_ep

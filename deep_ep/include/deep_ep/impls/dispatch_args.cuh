@@ -8,6 +8,7 @@
 #pragma once
 
 #include "../common/abi.cuh"
+#include "../comm/window.cuh"
 #include "../common/defects.cuh"
 
 namespace deep_ep {
@@ -48,6 +49,7 @@ struct DispatchArgs {
     int row_stride;
     uint64_t timeout_ns;
     uint32_t* err_host;            // mapped host memory for the error record (finish_wait), or null
+    comm::CallTag tag;             // this call's number and fingerprint (comm/window.cuh)
 };
 
 template <int kDataBytes, int kNumSF>

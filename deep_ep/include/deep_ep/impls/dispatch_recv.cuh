@@ -22,7 +22,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
     const int num_tok_rows = a.layout[ix.num_tok_rows()];
     const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
     const int self_end = a.layout[ix.tok_prefix() + rank];
-    const bool ok = tr.wait_all(kPhaseDispatch, a.timeout_ns);
+    const bool ok = tr.wait_all(kPhaseDispatch, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag);
     const int half = comm::current_half(my_window);
 
     if (ok) {

@@ -161,7 +161,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
         }
         cur = next;  // after a warp's last token, values never loaded: the loop ends before any use
     }
-    if (comm::last_block(my_window)) tr.signal_all();
+    if (comm::last_block(my_window)) tr.signal_all(a.tag);
 }
 
 }  // namespace deep_ep

@@ -19,8 +19,9 @@ struct LayoutArgs {
     int out_capacity, tok_capacity;  // rows the outputs hold (do_cpu_sync=False: the worst case)
     uint64_t timeout_ns;
     int* host_out;              // mapped host memory for the kReadback* words, or null (no host sync)
-    int seq;                    // this call's sequence number, written last to host_out
+    int seq;                    // this call's readback sequence number, written last to host_out
     uint32_t* err_host;         // mapped host error record (an out-of-range expert id is reported there)
+    comm::CallTag tag;          // this call's number and fingerprint, compared with every peer's
 };
 
 // The first source whose notify found an out-of-range expert id (-1: none), with its index and id.
@@ -48,7 +49,9 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
     __shared__ int s_global[kMaxExperts];  // expanded: pairs per global expert -> padded -> exclusive prefix
     __shared__ int s_before[kMaxExperts];  // expanded: pairs per global expert from sources before this rank
     uint8_t* my_window = tr.local();
-    const bool arrived = tr.wait_all(kPhaseNotify, a.timeout_ns);
+    // A peer at another call, or disagreeing on this one: recorded as an error on every rank (each
+    // sees a differing tag), nothing moves, and the buffer is no longer usable.
+    const bool arrived = tr.wait_all(kPhaseNotify, a.timeout_ns) && comm::check_tags(my_window, rank, num_ranks, a.tag);
     const int R = num_ranks, E = num_experts, L = E / R;
     const LayoutIndex ix{R, L, E};
     const int row = R + E + kCountsExtraWords;

@@ -39,6 +39,7 @@ struct NotifyArgs {
     int* pos_pair;            // [T, K] out (expanded): local row of pair (t, k) at its expert's owner, or -1
     int* scratch;             // kNotify* words, then the group counts
     uint64_t timeout_ns;      // for the grid barriers (blocks that never arrive)
+    comm::CallTag tag;        // this call's number and fingerprint, sent with the counts' signal
 };
 
 // The expert id of flat pair p as a column id: e in [0, E), or -1 when masked or out of range.
@@ -161,7 +162,7 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
     } else if (lane == 0) {
         comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
-    if (comm::last_block(my_window)) tr.signal_all();
+    if (comm::last_block(my_window)) tr.signal_all(a.tag);
 }
 
 }  // namespace deep_ep
