@@ -334,6 +334,13 @@ class ElasticBuffer:
             # when the buffer's device is current: a raw default-stream handle (0) means the null
             # stream of the current context.
             compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
+            if self._backend.runs_on_caller_stream:
+                # NCCL-backed: the kernels go straight to the caller's stream (no join needed).
+                self._backend.call_stream = compute_raw
+                try:
+                    return fn(), EventOverlap()
+                finally:
+                    self._backend.call_stream = None
             comm_raw = comm.cuda_stream
             join.wait(comm_raw, compute_raw)
             outputs = fn()

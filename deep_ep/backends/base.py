@@ -76,6 +76,9 @@ class Backend(abc.ABC):
     #: skipped or repeated a call is found at the next one (docs/design.md, "Ranks that disagree").
     calls = 0
 
+    #: GPU backends: a synchronous call may run on the caller's stream (`call_stream` set by the buffer).
+    runs_on_caller_stream = False
+
     #: `deep_ep.cuda.streams.StreamJoin` ordering the comm stream with the caller's stream on the
     #: synchronous path, or None (CPU; the buffer then uses torch's stream objects).
     stream_join = None

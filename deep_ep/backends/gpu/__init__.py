@@ -93,6 +93,12 @@ class GPUBackend(Backend):
         self.cooperative = COOPERATIVE and not self.emulated
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
+        # A synchronous call on an NCCL-backed buffer runs on the caller's stream (`ElasticBuffer` sets
+        # `call_stream` around it): the same order as a join to the communication stream and back,
+        # without the four driver calls. Emulated ranks always use their own stream: a kernel spinning
+        # for its peers must not hold up the rank's other work.
+        self.runs_on_caller_stream = not self.emulated
+        self.call_stream: Optional[int] = None
         self.stream_join = StreamJoin(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
@@ -121,8 +127,28 @@ class GPUBackend(Backend):
         return self._device
 
     def get_comm_stream(self):
-        """The dedicated stream every kernel of this buffer runs on (`deep_ep.cuda.streams`)."""
+        """The buffer's dedicated communication stream (`deep_ep.cuda.streams`): where its kernels run,
+        except those of a synchronous call, which run on the caller's stream (`call_stream`)."""
         return self.comm_stream
+
+    @property
+    def launch_stream(self) -> int:
+        """The raw stream the current call's kernels go to."""
+        return self.comm_handle if self.call_stream is None else self.call_stream
+
+    @property
+    def fill_stream(self):
+        """Where poisoned outputs are filled (`deep_ep.backends.outputs`): the stream their kernels run
+        on (None: the current stream, which is the caller's)."""
+        return self.comm_stream if self.call_stream is None else None
+
+    def drain(self) -> None:
+        """Wait for every kernel of this rank's buffer: the communication stream, and, for calls that
+        ran on the caller's stream, the device (NCCL-backed buffers only; emulated ranks never do)."""
+        if self.runs_on_caller_stream:
+            torch.cuda.synchronize(self._device)
+        else:
+            self.comm_stream.synchronize()
 
     def device_resources(self) -> DeviceResources:
         """The device's SMs (those one rank may use: emulated ranks share the device) and its NVLink
@@ -147,7 +173,7 @@ class GPUBackend(Backend):
         Raises:
             TimeoutError / RuntimeError: see `check_errors`.
         """
-        self.comm_stream.synchronize()
+        self.drain()
         self.check_errors()
         self.transport.host_barrier()
 
@@ -164,7 +190,7 @@ class GPUBackend(Backend):
         """Wait for this rank's kernels, release the window (collective for NCCL) and the stream."""
         if not self._destroyed:
             self._destroyed = True
-            self.comm_stream.synchronize()  # not device-wide: other emulated ranks may still be running
+            self.drain()  # emulated ranks: only this rank's stream (other ranks may still be running)
             self.transport.destroy()
             release_stream(self.comm_stream)
             self.stream_join.destroy()
@@ -194,7 +220,7 @@ class GPUBackend(Backend):
         LaunchError that says which ``num_sms`` to lower."""
         self.launched_call = self.calls
         try:
-            prepared.launch(self.comm_handle)
+            prepared.launch(self.launch_stream)
         except jit.LaunchError as exc:
             if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
                 # Kernels of this call may already be queued (notify, layout) and the peers wait for
@@ -314,6 +340,8 @@ class GPUBackend(Backend):
         if self.broken is not None:
             raise RuntimeError(f"deep_ep: this buffer is no longer usable after an earlier GPU error "
                                f"({self.broken}); destroy it and create a new one")
+        if self.err_record.words[0] == 0:   # the common case: one read of mapped memory
+            return
         v = self.err_record.read()
         if v[0] == ERR_BAD_EXPERT:
             # Found by an earlier call without a host sync; every rank voided that call alike.

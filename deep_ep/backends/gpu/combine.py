@@ -31,8 +31,8 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     layout = b.layout(H)
     n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("combine", (H, K, bool(handle.do_expand)))
-    out = outputs.empty((T, H), torch.bfloat16, dev, b.comm_stream)
-    out_w = outputs.empty((T, K), torch.float32, dev, b.comm_stream) if topk_weights is not None else None
+    out = outputs.empty((T, H), torch.bfloat16, dev, b.fill_stream)
+    out_w = outputs.empty((T, K), torch.float32, dev, b.fill_stream) if topk_weights is not None else None
     bias0 = bias[0] if len(bias) > 0 else None
     bias1 = bias[1] if len(bias) > 1 else None
     tag = call_tag(b.calls, 3, H, K, int(bool(handle.do_expand)), E, topk_weights is not None,

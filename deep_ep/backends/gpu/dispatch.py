@@ -91,10 +91,10 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         big = 2 ** 31 - 1
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
-        lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev, b.comm_stream)
-        pos_tok = outputs.empty((T, R), torch.int32, dev, b.comm_stream)
-        pos_pair = outputs.empty((T, K), torch.int32, dev, b.comm_stream) if do_expand else None
-        stream = b.comm_stream
+        lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev, b.fill_stream)
+        pos_tok = outputs.empty((T, R), torch.int32, dev, b.fill_stream)
+        pos_pair = outputs.empty((T, K), torch.int32, dev, b.fill_stream) if do_expand else None
+        stream = b.launch_stream
         pairs_per_group = 256
         groups = max(1, min(b.notify_groups_max, -(-T * K // pairs_per_group)))
         notify = NotifyArgs(topk_idx=_ptr(topk_idx), num_tokens=T, num_experts=E,
@@ -127,20 +127,20 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         out_rows = handle.num_recv_rows
 
     # outputs
-    out_x = outputs.empty((out_rows, H), data.dtype, dev, b.comm_stream)
+    out_x = outputs.empty((out_rows, H), data.dtype, dev, b.fill_stream)
     out_sf, sf_ld = None, 0
     if sf is not None:
         if use_tma_aligned_col_major_sf:
             sf_ld = (out_rows + 3) // 4 * 4
-            out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev, b.comm_stream).t()[:out_rows]
+            out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev, b.fill_stream).t()[:out_rows]
         else:
-            out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev, b.comm_stream)
+            out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev, b.fill_stream)
     out_w = None
     if topk_weights is not None:
-        out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.comm_stream)
+        out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
     if not cached:
-        out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.comm_stream)
-        src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.comm_stream)
+        out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.fill_stream)
+        src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream)
     else:
         out_idx, src_meta = state.recv_topk_idx, state.src_meta
 
