@@ -2,7 +2,9 @@
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench summary (default); extra (CUDA graphs, cached calls, stream semantics,
-#          GPU reliability);
+#          GPU reliability, EPLB, autograd operators where present);
+#          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2 and 4 emulated ranks;
+#                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
@@ -41,9 +43,14 @@ for step in $steps; do
         --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     extra)
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
-      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py \
-        tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_reliability.py -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
-        2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
+      files="tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
+             tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py"
+      [ -f tests/gpu/test_gpu_ops.py ] && files="$files tests/gpu/test_gpu_ops.py"
+      timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
+        ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
+    compat)
+      timeout ${COMPAT_TIMEOUT:-300} python3 -m pytest -q tests/gpu/test_gpu_deepep_compat.py -p no:cacheprovider \
+        --junitxml="$OUT/gpu_compat.xml" 2>&1 | tee "$OUT/gpu_compat.log" | tail -30 ;;
     bench)
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
@@ -65,6 +72,7 @@ for step in $steps; do
       pb bench_ep1_fp8 python3 -m deep_ep bench --iters 10 --fp8
       pb bench_ep1_decode python3 -m deep_ep bench --iters 20 --tokens 128
       pb bench_ep8_emulated python3 -m deep_ep bench --virtual-ranks 8 --iters 5
+      pb bench_ep1_bias_eplb python3 -m deep_ep bench --iters 5 --bias 2 --eplb 32 --routing zipf
       if [ "${PERF_SWEEPS:-1}" = 1 ]; then
       echo "--- bench_ep1_sm_sweep"
       timeout 300 python3 -m deep_ep bench --iters 10 --sm-sweep 8,16,24,32,48,64,96,132 \

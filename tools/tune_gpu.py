@@ -1,8 +1,9 @@
 """Build-time variants of the data kernels, timed side by side on one GPU (EP=1 through NCCL).
 
-Each variant adds defines to the kernel modules (the tunables in include/deep_ep/common.cuh:
-EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING) or sets THREADS, the threads
-per block of the data kernels (`deep_ep.backends.gpu.THREADS`). For every variant and batch
+Each variant adds build-time tunables to the kernel modules (`deep_ep.backends.gpu.modules.TUNABLES`,
+passed as ``DEEP_EP_KERNEL_DEFINES``: EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_LOAD_NO_L1,
+EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads per block of the data kernels
+(`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 copy floor (`deep_ep.bench.gpu_timing.copy_floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which).
@@ -10,12 +11,14 @@ bit for bit (they must: the variants change how bytes move, not which).
 Usage: python tools/tune_gpu.py [--tokens 4096,128] [--iters 50] [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 
 import deep_ep
 from deep_ep.backends import gpu
+from deep_ep.backends.gpu import modules
 from deep_ep.bench.gpu_timing import copy_floor_us, graph_time_us, single_rank_nccl_group
 
 DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "THREADS=256", "THREADS=256,SEND_UNROLL=16",
@@ -44,7 +47,7 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
     sizes = [int(t) for t in a.tokens.split(",")]
-    base_dispatch, base_combine, base_threads = gpu.dispatch_defines, gpu.combine_defines, gpu.THREADS
+    base_threads, base_defines = modules.THREADS, os.environ.get("DEEP_EP_KERNEL_DEFINES", "")
     base_cooperative = gpu.COOPERATIVE
     inputs = {}
     for T in sizes:
@@ -58,10 +61,9 @@ def main() -> None:
     reference = {}
     for text in a.variants.split(";"):
         extra = parse_variant(text)
-        gpu.THREADS = extra.pop("EP_THREADS", base_threads)  # threads per block of the data kernels
+        modules.THREADS = extra.pop("EP_THREADS", base_threads)  # threads per block of the data kernels
         gpu.COOPERATIVE = bool(extra.pop("EP_COOPERATIVE", base_cooperative))  # host side: launch kind
-        gpu.dispatch_defines = lambda *s, _e=extra: {**base_dispatch(*s), **_e}
-        gpu.combine_defines = lambda *s, _e=extra: {**base_combine(*s), **_e}
+        os.environ["DEEP_EP_KERNEL_DEFINES"] = ",".join(f"{k}={v}" for k, v in extra.items())
         buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(sizes), hidden=a.hidden,
                                     num_topk=a.topk, explicitly_destroy=True)
         try:
@@ -80,7 +82,8 @@ def main() -> None:
                       f"{'yes' if same else 'NO'}", flush=True)
         finally:
             buf.destroy()
-    gpu.dispatch_defines, gpu.combine_defines, gpu.THREADS = base_dispatch, base_combine, base_threads
+    modules.THREADS, gpu.COOPERATIVE = base_threads, base_cooperative
+    os.environ["DEEP_EP_KERNEL_DEFINES"] = base_defines
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ import torch
 from .. import outputs
 from .abi import CombineArgs, call_tag
 from .dispatch import _ptr
-from .modules import THREADS
+from . import modules
 from .state import GPUHandleState
 
 __all__ = ["run_combine"]
@@ -49,7 +49,7 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
             timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
         prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(
-            n_sms, THREADS, (args, b.transport_args), device=dev.index, cooperative=b.cooperative)
+            n_sms, modules.THREADS, (args, b.transport_args), device=dev.index, cooperative=b.cooperative)
     a = prepared.args[0]  # the per-call pointers
     a.y, a.weights_in, a.bias0, a.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
     a.out, a.out_weights = _ptr(out), _ptr(out_w)

@@ -27,7 +27,8 @@ from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
 from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, LayoutIndex, NotifyArgs
-from .modules import LAYOUT_THREADS, THREADS
+from . import modules
+from .modules import LAYOUT_THREADS
 from .state import GPUHandleState
 
 __all__ = ["run_dispatch"]
@@ -168,7 +169,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
             timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
         fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
-        prepared = fn.prepare(n_sms, THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
+        prepared = fn.prepare(n_sms, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
                               cooperative=b.cooperative)
         if cached:
             state.launches[key] = prepared
