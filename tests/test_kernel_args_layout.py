@@ -96,3 +96,18 @@ def test_devcomm_layout_probe(name, inc, monkeypatch):
         assert (size, magic, ver) == (layout.requirements_size, 0xCAFEBEEF, layout.version)
     else:
         assert layout.requirements == bytes(layout.requirements_size) and not layout.properties
+
+
+def test_every_readback_word_the_host_reads_is_named_in_the_header():
+    """The host reads the layout kernel's report by name (``READBACK["out_rows"]``): every name it uses
+    is one the header's kReadback* constants give, at the header's index."""
+    import re
+    from pathlib import Path
+
+    from deep_ep.backends.gpu.abi import CONSTANTS, READBACK
+
+    src = "".join(p.read_text() for p in (Path(__file__).parents[1] / "deep_ep" / "backends" / "gpu").glob("*.py"))
+    used = set(re.findall(r'READBACK\["(\w+)"\]', src))
+    assert used and used <= set(READBACK), sorted(used - set(READBACK))
+    assert READBACK["out_rows"] == CONSTANTS["kReadbackOutRows"]
+    assert READBACK["tok_rows"] == CONSTANTS["kReadbackTokRows"]

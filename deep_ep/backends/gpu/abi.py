@@ -46,7 +46,9 @@ ERR_BAD_EXPERT = CONSTANTS["kErrBadExpert"]
 ERR_MISMATCH = CONSTANTS["kErrMismatch"]
 COUNTS_EXTRA_WORDS = CONSTANTS["kCountsExtraWords"]
 #: word offsets of what the layout kernel reports to the host (kReadback*)
-READBACK = {k[len("kReadback"):].lower(): v for k, v in CONSTANTS.items() if k.startswith("kReadback")}
+#: readback word name ("out_rows" for kReadbackOutRows) -> index
+READBACK = {re.sub(r"(?<!^)(?=[A-Z])", "_", k[len("kReadback"):]).lower(): v
+            for k, v in CONSTANTS.items() if k.startswith("kReadback")}
 READBACK_WORDS = READBACK["counts"] + MAX_EXPERTS
 #: phase code -> what the rank was waiting for (names a timeout)
 PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts)",
