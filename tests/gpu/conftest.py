@@ -10,6 +10,18 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test of this folder needs a CUDA device: skipped without one (a file that forgets its own
+    skip mark is covered too)."""
+    if torch.cuda.is_available():
+        return
+    mark = pytest.mark.skip(reason="needs a CUDA device")
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        if os.path.abspath(str(item.path)).startswith(here + os.sep):
+            item.add_marker(mark)
+
+
 @pytest.fixture(scope="session")
 def nccl_group():
     """A one-rank NCCL process group on GPU 0: torch's own communicator, as a user's job has."""

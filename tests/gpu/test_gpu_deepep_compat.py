@@ -12,6 +12,8 @@ from deepep_cases import enumerate_ep_modes, run_ep_modes
 M, H, K, E = 10, 128, 4, 16
 NUM_MODES = len(list(enumerate_ep_modes()))
 
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
 
 def _buffer(group):
     from deep_ep import ElasticBuffer
