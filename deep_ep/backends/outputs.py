@@ -36,16 +36,19 @@ def empty(shape, dtype: torch.dtype, device, stream=None) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)``, poisoned under `poisoned`.
 
     ``stream``: where the kernels that write the tensor run (the GPU backend's communication
-    stream): the poison is filled there, so it is ordered before them whatever the current stream
-    is doing (the buffer orders that stream after the caller's before it allocates).
+    stream): it waits for the poison fill, which runs on the current stream, so the fill is ordered
+    before the kernels and a read on the current stream before them sees poison. (Under `poisoned`
+    only: the communication stream then also waits for the caller's work queued before the call.)
     """
     t = torch.empty(shape, dtype=dtype, device=device)
     if _depth:
-        if stream is None:
-            fill_poison(t)
-        else:
-            with torch.cuda.stream(stream):
-                fill_poison(t)
+        # Filled on the current stream, the tensor's own (a reader there before the kernels wrote
+        # it sees the poison); the kernels' stream then waits for the fill.
+        fill_poison(t)
+        if stream is not None:
+            current = torch.cuda.current_stream(t.device)
+            if stream != current:
+                stream.wait_stream(current)
     return t
 
 

@@ -32,9 +32,10 @@ FIRST_ROWS_SHOWN = 5
 _ROW_INDEXED = {"recv_x", "recv_x scale factors", "recv_topk_idx", "recv_topk_weights", "combined_x",
                 "handle.recv_src_rank", "handle.recv_src_token", "handle.send_pos", "handle.topk_idx",
                 "handle.recv_topk_weights"}
-# Handle fields not compared: the id of the buffer that made it (the reference's is -1) and the
+# Handle fields not compared: the id of the buffer that made it (the reference's is -1), the SM count
+# the backend resolved for the launch (a resource, not a result; the reference records 0) and the
 # backend's private state.
-_HANDLE_SKIP = {"buffer_id", "backend_state"}
+_HANDLE_SKIP = {"buffer_id", "num_sms", "backend_state"}
 
 
 @dataclasses.dataclass
