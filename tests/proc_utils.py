@@ -46,14 +46,15 @@ def case_log(line: str) -> None:
             f.write(line + "\n")
 
 
-def _entry(fn, rank, world_size, init_file, queue, args):
+def _entry(fn, rank, world_size, init_file, queue, args, leave_together=True):
     """Process body: init gloo, run ``fn``, report ``(rank, 'ok', result)`` or the traceback."""
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
         result = fn(rank, world_size, *args)
-        dist.barrier()   # leave together: a rank tearing gloo down while a peer still talks can abort
+        if leave_together:
+            dist.barrier()   # a rank tearing gloo down while a peer still talks can abort
         dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -61,17 +62,18 @@ def _entry(fn, rank, world_size, init_file, queue, args):
         raise
 
 
-def run_gloo_ranks(fn, world_size, tmp_path, *args, deadline=120.0):
+def run_gloo_ranks(fn, world_size, tmp_path, *args, deadline=120.0, leave_together=True):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes, each in a gloo process
     group (initialised before ``fn``, destroyed after); returns ``fn``'s results by rank. ``fn``
     must be a module-level function (spawn pickles it).
 
     Fails (and kills the processes) if any rank raises, exits non-zero or is still running after
-    ``deadline`` seconds."""
+    ``deadline`` seconds. ``leave_together``: the ranks meet in a gloo barrier after ``fn`` (False for
+    tests whose ranks leave the process group unusable on purpose)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     init = tmp_path / f"init-{fn.__name__}-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(init), queue, args))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(init), queue, args, leave_together))
              for r in range(world_size)]
     for p in procs:
         p.start()

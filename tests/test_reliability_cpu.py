@@ -194,7 +194,8 @@ def _skip_worker(rank, world_size, skipper, op):
                                                            reason="long run only"))])
 def test_rank_skipping_a_call_times_out_with_names(world_size, skipper, op, tmp_path):
     t0 = time.monotonic()
-    res = run_gloo_ranks(_skip_worker, world_size, tmp_path, skipper, op, deadline=45)
+    res = run_gloo_ranks(_skip_worker, world_size, tmp_path, skipper, op, deadline=45,
+                         leave_together=False)
     total = time.monotonic() - t0
     for rank, r in res.items():
         if rank == skipper:
