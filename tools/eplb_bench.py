@@ -109,7 +109,7 @@ def report(w: torch.Tensor, G: int, N: int, nodes: int, groups: int, repeats: in
 
 
 def gpu_report(tokens: int, topk: int, experts: int, N: int, G: int) -> None:
-    from deep_ep.bench_gpu import graph_time_us
+    from deep_ep.bench.gpu_timing import graph_time_us
     dev = torch.device("cuda", torch.cuda.current_device())
     w = zipf_popularity_loads(1, experts, 1.2, 0)
     rmap = ReplicaMap(*rebalance_experts(w, N, 1, 1, G), device=dev)
