@@ -3,7 +3,7 @@
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench summary (default); extra (CUDA graphs, cached calls, stream semantics,
 #          GPU reliability, EPLB, autograd operators where present);
-#          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2 and 4 emulated ranks;
+#          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2, 4 and 8 emulated ranks;
 #                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,

@@ -1,5 +1,5 @@
 """DeepEP V2's test of ElasticBuffer (tests/deepep_cases.py: every check of its tests/elastic/test_ep.py, all
-144 modes) on the GPU backend: one rank on real NCCL, and 2 and 4 emulated ranks on one GPU.
+144 modes) on the GPU backend: one rank on real NCCL, and 2, 4 and 8 emulated ranks on one GPU.
 
 ``DEEP_EP_DEEPEP_MODES=stride`` runs every stride-th mode on emulated ranks (default 1: all of them)."""
 import os
@@ -38,7 +38,7 @@ def test_ep1_real_nccl(nccl_group, do_cpu_sync):
     assert _body(nccl_group, 2 if do_cpu_sync else 3, None) == NUM_MODES
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_emulated(num_ranks):
     from deep_ep.emulated import EmulatedGroup
     stride = int(os.environ.get("DEEP_EP_DEEPEP_MODES", "1"))
