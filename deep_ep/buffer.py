@@ -334,18 +334,23 @@ class ElasticBuffer:
             # when the buffer's device is current: a raw default-stream handle (0) means the null
             # stream of the current context.
             compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
-            if self._backend.runs_on_caller_stream:
-                # NCCL-backed: the kernels go straight to the caller's stream (no join needed).
-                self._backend.call_stream = compute_raw
+            backend = self._backend
+            if backend.runs_on_caller_stream:
+                # NCCL-backed: the kernels go straight to the caller's stream (no join needed), after
+                # the previous call's kernels if those ran on another stream.
+                backend.enter_caller_stream(compute_raw)
                 try:
                     return fn(), EventOverlap()
                 finally:
-                    self._backend.call_stream = None
+                    backend.leave_caller_stream(compute_raw)
             comm_raw = comm.cuda_stream
+            backend.enter_comm_stream()
             join.wait(comm_raw, compute_raw)
             outputs = fn()
             join.wait(compute_raw, comm_raw)
+            backend.leave_comm_stream()
             return outputs, EventOverlap()
+        self._backend.enter_comm_stream()
         compute = torch.cuda.current_stream()
         if cuda_event_of(previous_event) is not None:
             comm.wait_event(cuda_event_of(previous_event))
@@ -355,6 +360,7 @@ class ElasticBuffer:
             comm.wait_event(cuda_event_of(previous_event_before_epilogue))
         with (torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()):
             outputs = fn()
+        self._backend.leave_comm_stream()
         done = EventHandle(comm)
         if allocate_on_comm_stream:
             for t in _collect_tensors(outputs):

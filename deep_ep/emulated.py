@@ -75,7 +75,11 @@ class EmulatedGroup:
         if not torch.cuda.is_available():
             raise RuntimeError("emulated ranks run on a CUDA device; none is available")
         self.num_ranks = num_ranks
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device) if device is not None else torch.device("cuda")
+        if device.type != "cuda":
+            raise ValueError(f"emulated ranks run on a CUDA device, got {device}")
+        # "cuda" without an index: the current device (the backends need the index)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.timeout_secs = timeout_secs
         self._barrier = threading.Barrier(num_ranks, timeout=timeout_secs)
         self._lock = threading.Lock()

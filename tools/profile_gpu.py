@@ -37,7 +37,7 @@ def _us(fn, n: int = 2000) -> float:
 def host_pieces(buf, dev, a) -> None:
     """(0) The host time of a cached dispatch and a combine at the decode size, and of the pieces
     they are made of, each timed alone (so the pieces need not add up exactly)."""
-    from deep_ep import jit
+    from deep_ep import checks, jit
     T = a.decode_tokens
     x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
@@ -57,8 +57,20 @@ def host_pieces(buf, dev, a) -> None:
         ("cached FP8 dispatch, fp32 scales (whole call)", lambda: buf.dispatch(x8, handle=handle8)),
         ("cached FP8 dispatch, col-major scales (whole call)", lambda: buf.dispatch(
             x8, handle=handle8, use_tma_aligned_col_major_sf=True)),
-        ("buffer._validate_dispatch (cached)", lambda: buf._validate_dispatch(
-            x, None, None, None, None, None, None, 0, None, False, False, handle, True, None, False, False, False)),
+        ("full dispatch, no CPU sync (whole call)", lambda: buf.dispatch(
+            x, idx, num_experts=a.experts, do_cpu_sync=False, num_max_tokens_per_rank=T)),
+        ("full dispatch, CPU sync (whole call, waits for the device)", lambda: buf.dispatch(
+            x, idx, num_experts=a.experts)),
+        ("checks.validate_dispatch (full)", lambda: checks.validate_dispatch(
+            buf, x, idx, None, None, a.experts, T, None, 0, 0, None, None, False, False, None, True, False,
+            False, False, False)),
+        ("backend.dispatch (full, no CPU sync, no stream logic)", lambda: backend.dispatch(
+            x, None, idx, None, num_experts=a.experts, num_max_tokens_per_rank=T, expert_alignment=1,
+            num_sms=0, handle=None, do_handle_copy=True, do_cpu_sync=False, do_expand=False,
+            do_zero_padding=False, use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)),
+        ("checks.validate_dispatch (cached)", lambda: checks.validate_dispatch(
+            buf, x, None, None, None, None, None, None, 0, 0, None, None, False, False, handle, True, None,
+            False, False, False)),
         ("backend.dispatch (cached, no stream logic)", lambda: backend.dispatch(
             x, None, None, None, num_experts=None, num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
             expert_alignment=None, num_sms=0, handle=handle, do_handle_copy=True, do_cpu_sync=False,
@@ -74,7 +86,7 @@ def host_pieces(buf, dev, a) -> None:
         ("StreamJoin.wait (driver record + wait, used instead)", lambda: backend.stream_join.wait(
             comm.cuda_stream, compute.cuda_stream)),
         ("torch._C._cuda_getCurrentRawStream", lambda: torch._C._cuda_getCurrentRawStream(dev.index)),
-        ("backend._module lookup", lambda: backend._module("dispatch", (a.hidden * 2, 0, a.topk, False))),
+        ("backend.module lookup", lambda: backend.module("dispatch", (a.hidden * 2, 0, a.topk, False))),
         ("backend.check_errors()", backend.check_errors),
     ]
     print(f"===== host cost of the pieces of a cached call (T={T}, hidden {a.hidden}), microseconds")

@@ -83,6 +83,22 @@ class Backend(abc.ABC):
     #: synchronous path, or None (CPU; the buffer then uses torch's stream objects).
     stream_join = None
 
+    # Ordering of consecutive calls whose kernels run on different streams (GPU backends; the
+    # buffer brackets each call with these, see `deep_ep.backends.gpu.GPUBackend`).
+    def enter_caller_stream(self, stream: int) -> None:
+        """Before a synchronous call on the caller's raw stream ``stream``."""
+        self.call_stream = stream
+
+    def leave_caller_stream(self, stream: int) -> None:
+        """After it."""
+        self.call_stream = None
+
+    def enter_comm_stream(self) -> None:
+        """Before a call on the communication stream."""
+
+    def leave_comm_stream(self) -> None:
+        """After it."""
+
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The stream communication kernels run on; ``None`` when there are no streams (CPU)."""
         return None

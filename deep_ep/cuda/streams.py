@@ -117,6 +117,38 @@ class StreamJoin:
         if int(err) != 0:
             raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
 
+    def record(self, producer: int) -> None:
+        """Record this object's event on the raw stream ``producer`` (for a later `wait_recorded`).
+
+        Raises:
+            RuntimeError: the driver refused the record.
+        """
+        from .driver import enter_context, leave_context
+
+        previous = enter_context(self._index)
+        try:
+            (err,) = self._driver.cuEventRecord(self._event, producer)
+        finally:
+            leave_context(previous)
+        if int(err) != 0:
+            raise RuntimeError(f"recording a CUDA event on cuda:{self._index} failed: {err}")
+
+    def wait_recorded(self, waiter: int) -> None:
+        """The raw stream ``waiter`` waits for the work that preceded the last `record`.
+
+        Raises:
+            RuntimeError: the driver refused the wait.
+        """
+        from .driver import enter_context, leave_context
+
+        previous = enter_context(self._index)
+        try:
+            (err,) = self._driver.cuStreamWaitEvent(waiter, self._event, 0)
+        finally:
+            leave_context(previous)
+        if int(err) != 0:
+            raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
+
     def destroy(self) -> None:
         """Release the event (a wait already queued stays valid)."""
         if self._event is not None:

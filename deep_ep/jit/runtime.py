@@ -115,7 +115,7 @@ class Function:
         self._smem_limit[device] = smem
 
     def launch(self, grid, block, args=(), *, smem: int = 0, stream=None, cooperative: bool = False,
-               cluster: tuple | None = None) -> None:
+               cluster: tuple | None = None, device: int | None = None) -> None:
         """Launch the kernel asynchronously.
 
         Args:
@@ -131,6 +131,8 @@ class Function:
                 or a raw ``CUstream`` handle as int.
             cooperative: launch cooperatively (grid-wide sync allowed).
             cluster: thread-block cluster dimensions (int or tuple), Hopper+.
+            device: the CUDA device index the stream belongs to (default: the stream's own device,
+                or the current device for a raw handle).
 
         Raises:
             LaunchError: no GPU, load failure or launch failure (names kernel, grid, block, args).
@@ -139,7 +141,8 @@ class Function:
         if not self._handles and cuda_device_count() == 0:
             raise LaunchError(f"cannot launch {self.module.name}:{self.name}: no CUDA device is present "
                               "(deep_ep.jit compiles without a GPU, but loading and launching need one)")
-        device, hstream = _resolve_stream(stream)
+        resolved, hstream = _resolve_stream(stream)
+        device = resolved if device is None else int(device)
         h = self._handles.get(device)
         if h is None:
             h = self.handle(device)

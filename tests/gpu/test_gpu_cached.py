@@ -158,3 +158,23 @@ def test_call_with_another_current_device(buf):
             # the calls launched on GPU 0 without changing the caller's current device
             assert torch.cuda.current_device() == 1
             assert torch.empty(1, device="cuda").device.index == 1
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["non-expanded", "expanded"])
+def test_cached_dispatch_counts_into_the_stats(buf, expand):
+    """``cumulative_local_expert_recv_stats`` is incremented by every dispatch, cached ones included
+    (as on the CPU backend), from a non-zero start."""
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(case_seed("cached-stats", expand))
+    idx, w = _routing(g), torch.rand((TOKENS, TOPK), generator=g)
+    x = torch.randn((TOKENS, HIDDEN), generator=g).to(torch.bfloat16)
+    start = torch.randint(0, 1000, (EXPERTS,), generator=g, dtype=torch.int32)
+    stats = start.to(dev)
+    kw = dict(do_expand=expand, expert_alignment=4 if expand else 1)
+    exp = ref.reference_dispatch([x], [idx], [w], EXPERTS, num_max_tokens_per_rank=TOKENS, **kw)
+    counts = ref.local_expert_counts(exp)[0]
+    handle = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev), num_experts=EXPERTS,
+                          cumulative_local_expert_recv_stats=stats, **kw)[3]
+    assert torch.equal(stats.cpu(), start + counts), "a fresh dispatch adds its counts"
+    buf.dispatch(x.to(dev), handle=handle, cumulative_local_expert_recv_stats=stats)
+    assert torch.equal(stats.cpu(), start + 2 * counts), "a cached dispatch adds the handle's counts"

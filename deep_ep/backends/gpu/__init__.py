@@ -100,6 +100,11 @@ class GPUBackend(Backend):
         self.runs_on_caller_stream = not self.emulated
         self.call_stream: Optional[int] = None
         self.stream_join = StreamJoin(self._device)
+        # Where the previous call's kernels went (raw stream; None: unknown, e.g. captured in a graph)
+        # and an event recorded after them when that was a caller's stream: a call on another stream
+        # is ordered after them, as DeepEP's calls are by sharing one communication stream.
+        self._last_stream: Optional[int] = None
+        self._call_done = StreamJoin(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
@@ -141,6 +146,38 @@ class GPUBackend(Backend):
         """Where poisoned outputs are filled (`deep_ep.backends.outputs`): the stream their kernels run
         on (None: the current stream, which is the caller's)."""
         return self.comm_stream if self.call_stream is None else None
+
+    def enter_caller_stream(self, stream: int) -> None:
+        """Before a synchronous call whose kernels go to the caller's raw stream ``stream``: order
+        them after the previous call's kernels when those ran on another stream (an asynchronous
+        call's communication stream, or another caller stream)."""
+        last = self._last_stream
+        if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
+            if last == self.comm_handle:
+                self.stream_join.wait(stream, last)     # only this buffer's kernels are queued there
+            else:
+                self._call_done.wait_recorded(stream)
+        self.call_stream = stream
+
+    def leave_caller_stream(self, stream: int) -> None:
+        """After such a call: remember where its kernels went."""
+        self.call_stream = None
+        if torch.cuda.is_current_stream_capturing():
+            self._last_stream = None    # torch.cuda.graph synchronises the device before a capture
+        else:
+            self._call_done.record(stream)
+            self._last_stream = stream
+
+    def enter_comm_stream(self) -> None:
+        """Before a call on the communication stream: ordered after the previous call when that ran
+        on a caller's stream (the end of its kernels, not later work on that stream)."""
+        last = self._last_stream
+        if last is not None and last != self.comm_handle and not torch.cuda.is_current_stream_capturing():
+            self._call_done.wait_recorded(self.comm_handle)
+
+    def leave_comm_stream(self) -> None:
+        """After a call on the communication stream."""
+        self._last_stream = None if torch.cuda.is_current_stream_capturing() else self.comm_handle
 
     def drain(self) -> None:
         """Wait for every kernel of this rank's buffer: the communication stream, and, for calls that
@@ -184,7 +221,7 @@ class GPUBackend(Backend):
         mod = self.module("barrier", ())
         mod.function("deep_ep_barrier").launch(
             1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr),
-                     call_tag(self.calls, 4)), stream=stream_handle)
+                     call_tag(self.calls, 4)), stream=stream_handle, device=self._device.index)
 
     def destroy(self) -> None:
         """Wait for this rank's kernels, release the window (collective for NCCL) and the stream."""
@@ -194,6 +231,7 @@ class GPUBackend(Backend):
             self.transport.destroy()
             release_stream(self.comm_stream)
             self.stream_join.destroy()
+            self._call_done.destroy()
             self.err_record.free()
             self.readback.free()
 
@@ -206,12 +244,14 @@ class GPUBackend(Backend):
                            apply_dispatch_weights=apply_dispatch_weights)
 
     # ------------------------------------------------------------------ helpers for the primitives
-    def layout(self, hidden: int) -> wl.WindowLayout:
-        """The window's layout for rows of ``hidden`` channels (computed once per hidden size)."""
-        layout = self._layouts.get(hidden)
+    def layout(self, stride: int) -> wl.WindowLayout:
+        """The window's layout for rows of ``stride`` bytes (`window.dispatch_row_stride`,
+        `window.combine_row_stride`; computed once per stride). Every rank of a call computes the same
+        stride: the call's configuration is part of its tag."""
+        layout = self._layouts.get(stride)
         if layout is None:
-            layout = self._layouts[hidden] = wl.make_layout(self.num_ranks, 0, hidden, self.config.num_topk,
-                                                            False, self.transport.num_bytes)
+            layout = self._layouts[stride] = wl.make_layout(self.num_ranks, 0, 0, self.config.num_topk, False,
+                                                            self.transport.num_bytes, stride=stride)
         return layout
 
     def launch_data(self, prepared, n_sms: int) -> None:

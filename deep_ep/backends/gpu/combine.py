@@ -10,6 +10,7 @@ from .. import outputs
 from .abi import CombineArgs, call_tag
 from .dispatch import _ptr
 from . import modules
+from . import window as wl
 from .state import GPUHandleState
 
 __all__ = ["run_combine"]
@@ -28,7 +29,7 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
             "allow_multiple_reduction=True (the default), or use the CPU backend")
     b.raise_if_broken()
     T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
-    layout = b.layout(H)
+    layout = b.layout(wl.combine_row_stride(H, b.config.num_topk))
     n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("combine", (H, K, bool(handle.do_expand)))
     out = outputs.empty((T, H), torch.bfloat16, dev, b.fill_stream)

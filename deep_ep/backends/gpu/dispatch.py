@@ -18,6 +18,8 @@ Rounds alternate between the two halves of the receive region (see `window`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 from typing import Optional
 
@@ -28,6 +30,7 @@ from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
 from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, LayoutIndex, NotifyArgs
 from . import modules
+from . import window as wl
 from .modules import LAYOUT_THREADS
 from .state import GPUHandleState
 
@@ -67,7 +70,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     if data_bytes % 16:
         raise ValueError(f"a token row must be a multiple of 16 bytes on the GPU; got hidden={H} "
                          f"({data.dtype}): use a hidden size that is a multiple of 8 (bf16) / 16 (fp8)")
-    layout = b.layout(H)
+    layout = b.layout(wl.dispatch_row_stride(data_bytes, num_sf, b.config.num_topk))
     cap_tok_rows = layout.rows_per_half
     m = num_max_tokens_per_rank or (cap_tok_rows // R)
     if R * m > cap_tok_rows:
@@ -104,7 +107,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                             timeout_ns=b.timeout_ns, tag=tag)
         b.launched_call = b.calls
         mod.function("deep_ep_notify").launch(groups, 32, (notify, transport), smem=4 * (R + E), stream=stream,
-                                              cooperative=b.cooperative)
+                                              cooperative=b.cooperative, device=dev.index)
         seq = 0
         if do_cpu_sync:
             b.readback_seq = seq = (b.readback_seq % (2 ** 31 - 1)) + 1
@@ -113,7 +116,8 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                                  tok_capacity=tok_cap, timeout_ns=b.timeout_ns,
                                  host_out=b.readback.device_ptr if do_cpu_sync else None, seq=seq,
                                  err_host=b.err_record.device_ptr, tag=tag)
-        mod.function("deep_ep_layout").launch(1, LAYOUT_THREADS, (layout_args, transport), stream=stream)
+        mod.function("deep_ep_layout").launch(1, LAYOUT_THREADS, (layout_args, transport), stream=stream,
+                                              device=dev.index)
         b.last_num_experts, b.last_num_topk = E, K
         if do_cpu_sync:
             head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
@@ -177,6 +181,13 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
 
     recv_x = out_x if sf is None else (out_x, out_sf)
     if cached:
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            # The layout kernel counts a fresh dispatch; a cached one adds the handle's counts here, on
+            # the stream its kernels ran on.
+            Lc = LayoutIndex(R, L, E)
+            with contextlib.nullcontext() if b.fill_stream is None else torch.cuda.stream(b.fill_stream):
+                stats.add_(lay[Lc.raw_counts: Lc.raw_counts + L])
         return recv_x, out_idx, out_w, handle
 
     Lx = LayoutIndex(R, L, E)

@@ -54,21 +54,32 @@ class WindowLayout:
         return self.half_bytes // self.row_stride if self.row_stride else 0
 
 
+def dispatch_row_stride(data_bytes: int, num_sf: int, num_topk: int) -> int:
+    """Bytes of a dispatched token's window row: ``data_bytes`` of data, ``num_sf`` 4-byte scale
+    factors, the metadata trailer. ``num_topk=0`` assumes `MAX_TOPK`."""
+    return _align(data_bytes + 4 * num_sf, 16) + _align(4 + 12 * (num_topk or MAX_TOPK), 16)
+
+
+def combine_row_stride(hidden: int, num_topk: int) -> int:
+    """Bytes of a staged combine row: ``hidden`` bf16 values and the top-k weights."""
+    return _align(2 * hidden, 16) + _align(4 * (num_topk or MAX_TOPK), 16)
+
+
 def row_stride(hidden: int, num_topk: int, use_fp8_dispatch: bool) -> int:
-    """Bytes of one window row (see the module docstring). ``num_topk=0`` assumes `MAX_TOPK`."""
-    k = num_topk or MAX_TOPK
+    """Bytes of the largest row a buffer for ``hidden`` needs (see the module docstring): a buffer
+    sized with it holds ``num_max_tokens_per_rank`` rows of every kind from every rank. Each call lays
+    its rows out at its own kind's stride (`dispatch_row_stride`, `combine_row_stride`)."""
     data = hidden * (1 if use_fp8_dispatch else 2)
-    sf = (hidden // 128) * 4 if use_fp8_dispatch else 0
-    dispatch_row = _align(data + sf, 16) + _align(4 + 12 * k, 16)
-    combine_row = _align(2 * hidden, 16) + _align(4 * k, 16)
-    return max(dispatch_row, combine_row)
+    sf = hidden // 128 if use_fp8_dispatch else 0
+    return max(dispatch_row_stride(data, sf, num_topk), combine_row_stride(hidden, num_topk))
 
 
 def make_layout(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                use_fp8_dispatch: bool = False, num_bytes: int = 0) -> WindowLayout:
+                use_fp8_dispatch: bool = False, num_bytes: int = 0, stride: int = 0) -> WindowLayout:
     """The layout for a buffer; with ``num_bytes`` given, a window of that size (raises `ValueError`
-    if it cannot hold ``num_max_tokens_per_rank`` tokens from every rank)."""
-    stride = row_stride(hidden, num_topk, use_fp8_dispatch)
+    if it cannot hold ``num_max_tokens_per_rank`` tokens from every rank). ``stride``: the row stride
+    (default: `row_stride` of ``hidden``)."""
+    stride = stride or row_stride(hidden, num_topk, use_fp8_dispatch)
     counts_offset = CTRL_BYTES
     recv_offset = counts_offset + _align(num_ranks * (num_ranks + MAX_EXPERTS + COUNTS_EXTRA_WORDS) * 4, 64 * 1024)
     half = num_ranks * num_max_tokens_per_rank * stride

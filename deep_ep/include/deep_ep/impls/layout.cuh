@@ -101,7 +101,6 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
             const int padded = (raw + alignment - 1) / alignment * alignment;
             layout[ix.raw_counts() + e] = raw;
             layout[ix.padded_counts() + e] = padded;
-            if (cumulative_stats != nullptr) cumulative_stats[e] += raw;
             s_local[e] = padded;
         }
         for (int d = tid; d < R; d += nthreads) layout[ix.send_base() + d] = s_send[d];
@@ -144,6 +143,9 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
         for (int i = threadIdx.x; i < ix.size(); i += blockDim.x) layout[i] = 0;
     }
     __syncthreads();
+    // Only a call that moves its rows counts them (a voided or refused one leaves the stats alone).
+    if (ok && !overflow && cumulative_stats != nullptr)
+        for (int e = tid; e < L; e += nthreads) cumulative_stats[e] += layout[ix.raw_counts() + e];
     if (a.host_out != nullptr) {
         // The host waits for these words (do_cpu_sync): counts first, the sequence number last.
         volatile int* out = a.host_out;
