@@ -1,4 +1,4 @@
-"""Autograd formulas of the custom operators (registered on import).
+"""Autograd formulas of the custom operators (`register` installs them; `deep_ep.ops` calls it).
 
 Dispatch copies rows and weights; combine sums rows (in float32, rounded once to bf16) and copies
 weights back. The formulas follow (docs/training.md derives them):
@@ -25,7 +25,7 @@ import torch
 
 from .library import cached_dispatch_op, combine_op
 
-__all__ = []
+__all__ = ["register"]
 
 _BF16 = torch.bfloat16
 
@@ -148,6 +148,15 @@ def _combine_grad(ctx, grad_out, grad_combined_w):
     return tuple(grads)
 
 
-torch.library.register_autograd("deep_ep::dispatch", _dispatch_grad, setup_context=_dispatch_setup)
-torch.library.register_autograd("deep_ep::cached_dispatch", _cached_grad, setup_context=_cached_setup)
-torch.library.register_autograd("deep_ep::combine", _combine_grad, setup_context=_combine_setup)
+_registered = False
+
+
+def register() -> None:
+    """Install the formulas on the three operators (once per process)."""
+    global _registered
+    if _registered:
+        return
+    torch.library.register_autograd("deep_ep::dispatch", _dispatch_grad, setup_context=_dispatch_setup)
+    torch.library.register_autograd("deep_ep::cached_dispatch", _cached_grad, setup_context=_cached_setup)
+    torch.library.register_autograd("deep_ep::combine", _combine_grad, setup_context=_combine_setup)
+    _registered = True

@@ -10,9 +10,10 @@ from torch import Tensor
 
 from ..buffer import ElasticBuffer
 from ..handle import EPHandle
-from . import autograd as _autograd  # noqa: F401  (registers the autograd formulas)
-from . import registry
+from . import autograd, registry
 from .library import cached_dispatch_op, combine_op, dispatch_op
+
+autograd.register()
 
 __all__ = ["Handle", "dispatch", "combine", "ep_handle"]
 
