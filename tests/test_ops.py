@@ -8,7 +8,7 @@ FP8, masked slots, duplicate experts, a rank without tokens):
   `outputs.poisoned`), and rows that hold no data are zero;
 * dispatch (fresh and cached): the gradient of ``x`` equals `deep_ep.reference.reference_combine` of
   the received rows' gradients bit for bit, and autograd through a dense float32 equivalent (every
-  token's copies summed) within the bf16 rounding bound; the gradient of ``topk_weights`` equals the
+  token's copies summed) within the bf16 rounding bound (3 unit roundoffs of the sum of |terms|); the gradient of ``topk_weights`` equals the
   dense one exactly (a pure gather);
 * combine: the gradients of ``x``, ``topk_weights`` and both biases equal autograd through a dense
   equivalent exactly (each is a gather of the output gradient), rows without data get zero; with
@@ -123,7 +123,7 @@ def upstream_rows(case: Case, eh, recv_idx, dense_g, dense_q, gen: torch.Generat
 def dense_x_grad(case: Case, idx_all: torch.Tensor, dense_g: torch.Tensor, R: int) -> tuple:
     """Autograd through the dense equivalent of a dispatch: every copy of a token (one per
     destination rank, or one per selected slot) multiplied by its upstream gradient and summed.
-    Returns ``(gradient, sum of |terms|, number of terms)``, float32 ``[N, H]``, ``[N, H]``, ``[N]``."""
+    Returns ``(gradient, sum of |terms|)``, float32 ``[N, H]`` each."""
     L = case.num_experts // R
     N, H = idx_all.shape[0], case.hidden
     x = torch.zeros((N, H), requires_grad=True)
@@ -136,8 +136,7 @@ def dense_x_grad(case: Case, idx_all: torch.Tensor, dense_g: torch.Tensor, R: in
         copies = torch.stack([(owner == d).any(1) for d in range(R)]).float()   # [R, N]
         (x.unsqueeze(0) * dense_g * copies.unsqueeze(2)).sum().backward()
         bound = (dense_g.abs() * copies.unsqueeze(2)).sum(0)
-        copies = copies.t()
-    return x.grad, bound, copies.sum(1)
+    return x.grad, bound
 
 
 def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int) -> None:
@@ -195,11 +194,12 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int) 
         ys = [p[0].to(BF16) for p in per_rank]
         want_x = reference_combine(ys, ref_handles)[rank][0]
         assert bits_equal(x.grad.cpu(), want_x), f"{case.name} {step}: x gradient vs reference_combine"
-        # and the dense float32 equivalent, within the bf16 roundings (each term, each rank's partial,
-        # the result: at most (terms + 2) half-ulps of the sum of |terms|)
-        dense, bound, terms = dense_x_grad(case, idx_all, dense_g, R)
+        # and the dense float32 equivalent, within the bf16 roundings (unit roundoff u = 2^-8): each
+        # term's, each rank's partial's and the result's, at most 3u of the sum of |terms| (plus the
+        # float32 additions, far below)
+        dense, bound = dense_x_grad(case, idx_all, dense_g, R)
         err = (x.grad.cpu().float() - dense[lo:hi]).abs()
-        limit = (terms[lo:hi].unsqueeze(1) + 2) * 2.0 ** -9 * bound[lo:hi] + 1e-30
+        limit = (3 * 2.0 ** -8 + 2.0 ** -20) * bound[lo:hi] + 1e-30
         assert (err <= limit).all(), f"{case.name} {step}: x gradient vs dense, max excess {(err - limit).max()}"
     del out, recv_x, recv_idx, recv_w, handle, loss
     gc.collect()
@@ -327,14 +327,14 @@ def fp8_cases(R: int) -> list:
 def _grads_rank(rank, R):
     import torch.distributed as dist
     import deep_ep
-    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=MAX_TOKENS)
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=60, num_max_tokens_per_rank=MAX_TOKENS)
     for i, case in enumerate(cases(R) + fp8_cases(R)):
         if not case.apply_dispatch_weights:
             check_dispatch_grads(buf, case, rank, R, torch.device("cpu"), seed=900 + i)
         if case.x_format == "bf16":
             check_combine_grads(buf, case, rank, R, torch.device("cpu"), seed=950 + i)
     # a buffer that reduces expanded rows in one pass: combine's x gradient is the same
-    single = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=MAX_TOKENS, allow_multiple_reduction=False)
+    single = deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=60, num_max_tokens_per_rank=MAX_TOKENS, allow_multiple_reduction=False)
     case = dataclasses.replace(cases(R)[2], name=f"R{R}-single-reduction", combine_weights=False)
     check_combine_grads(single, case, rank, R, torch.device("cpu"), seed=990)
     dist.barrier()
