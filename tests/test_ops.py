@@ -5,7 +5,8 @@ all ranks locally. Checked, for each case (both layouts, with and without a host
 FP8, masked slots, duplicate experts, a rank without tokens):
 
 * forward: the operators' outputs equal `deep_ep.reference` bit for bit (computed under
-  `outputs.poisoned`), and rows that hold no data are zero;
+  `outputs.poisoned`), rows that hold no data are zero, and ``cumulative_local_expert_recv_stats``
+  counts the received pairs of fresh and cached dispatches;
 * dispatch (fresh and cached): the gradient of ``x`` equals `deep_ep.reference.reference_combine` of
   the received rows' gradients bit for bit, and autograd through a dense float32 equivalent (every
   token's copies summed) within the bf16 rounding bound (3 unit roundoffs of the sum of |terms|); the gradient of ``topk_weights`` equals the
@@ -139,8 +140,10 @@ def dense_x_grad(case: Case, idx_all: torch.Tensor, dense_g: torch.Tensor, R: in
     return x.grad, bound
 
 
-def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int) -> None:
-    """Forward and gradients of a fresh ``ops.dispatch`` and of a cached one with its handle."""
+def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int, check_leaks: bool = True) -> None:
+    """Forward and gradients of a fresh ``ops.dispatch`` and of a cached one with its handle.
+    ``check_leaks``: no handle may be alive at the end (the process's only rank: not with emulated
+    ranks, which share the registry)."""
     from deep_ep import ops
     from deep_ep.backends import outputs
     from deep_ep.reference import reference_combine
@@ -151,6 +154,7 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int) 
     ref_handles = [r.handle for r in refs]
     idx_all = torch.cat(idxs)
     handle = None
+    stats = torch.full((case.num_experts // R,), 3, dtype=torch.int32, device=device)
     for step in ("fresh", "cached"):
         if step == "cached":
             xs, _, ws = make_inputs(dataclasses.replace(case, seed=case.seed + 77))
@@ -164,11 +168,12 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int) 
                 out = ops.dispatch(buf, x, idxs[rank].to(device), w, num_experts=case.num_experts,
                                    num_max_tokens_per_rank=case.max_tokens or None, expert_alignment=case.alignment,
                                    do_cpu_sync=case.do_cpu_sync, do_expand=case.do_expand,
-                                   use_tma_aligned_col_major_sf=case.col_major_sf)
+                                   use_tma_aligned_col_major_sf=case.col_major_sf,
+                                   cumulative_local_expert_recv_stats=stats)
                 handle = out[3]
             else:
-                out = ops.dispatch(buf, x, topk_weights=w, handle=handle,
-                                   use_tma_aligned_col_major_sf=case.col_major_sf)
+                out = ops.dispatch(buf, x, topk_weights=w, handle=handle, use_tma_aligned_col_major_sf=case.col_major_sf,
+                                   cumulative_local_expert_recv_stats=stats)
                 assert out[3] is handle
         check_forward(out, refs[rank], device)
         recv_x, recv_idx, recv_w = out[:3]
@@ -201,14 +206,17 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int) 
         err = (x.grad.cpu().float() - dense[lo:hi]).abs()
         limit = (3 * 2.0 ** -8 + 2.0 ** -20) * bound[lo:hi] + 1e-30
         assert (err <= limit).all(), f"{case.name} {step}: x gradient vs dense, max excess {(err - limit).max()}"
+    # both dispatches counted their received pairs per local expert
+    assert torch.equal(stats.cpu(), 3 + 2 * ref_handles[rank].num_unaligned_recv_tokens_per_expert), case.name
     del out, recv_x, recv_idx, recv_w, handle, loss
     gc.collect()
-    assert ops.num_live_handles() == 0, "handles must not outlive their tensors"
+    assert not check_leaks or ops.num_live_handles() == 0, "handles must not outlive their tensors"
 
 
-def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int) -> None:
+def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int, check_leaks: bool = True) -> None:
     """Forward and gradients of ``ops.combine`` (x, topk_weights, two biases; or the dispatch weights
-    with ``apply_dispatch_weights``) on the layout of a fresh dispatch."""
+    with ``apply_dispatch_weights``) on the layout of a fresh dispatch (``check_leaks`` as in
+    `check_dispatch_grads`)."""
     from deep_ep import ops
     from deep_ep.backends import outputs
     from deep_ep.reference import reference_combine
@@ -282,7 +290,7 @@ def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int) -
         assert (err <= 2.0 ** -20 * scale[lo:hi] + 1e-30).all(), f"{case.name}: dispatch weights gradient"
     del combined, cw, loss, handle, recv_w
     gc.collect()
-    assert ops.num_live_handles() == 0
+    assert not check_leaks or ops.num_live_handles() == 0, "handles must not outlive their tensors"
 
 
 def dispatch_weight_grads(refs, ys, u16, case: Case, R: int) -> tuple:

@@ -82,20 +82,25 @@ def explain(fn, inputs) -> tuple:
     return report.graph_count, report.graph_break_count, [str(r.reason) for r in report.break_reasons]
 
 
-def check_compiled(fn, inputs, backend: str, exact_outputs: bool = True) -> None:
+def check_compiled(fn, inputs, backend: str, tolerance: float = 0.0) -> None:
     """``fn`` compiles with ``fullgraph=True`` as one graph without a break, and the compiled function's
-    outputs and input gradients equal eager ones (bit for bit; with ``exact_outputs=False`` the first
-    output, a loss summed in another order by a fusing backend, within float32 rounding)."""
+    outputs and input gradients equal eager ones: bit for bit with ``tolerance=0`` (but for the first
+    output, a loss, which a fusing backend may sum in another order: float32 rounding), else within
+    ``tolerance`` of each tensor's largest element (a backend that fuses the arithmetic around the
+    operators rounds it differently)."""
     from ep_cases import bits_equal
     graphs, breaks, reasons = explain(fn, inputs)
     assert (graphs, breaks) == (1, 0), f"{graphs} graphs, {breaks} breaks: {reasons}"
     eager = run_with_grads(fn, inputs)
     compiled = run_with_grads(torch.compile(fn, fullgraph=True, backend=backend), inputs)
     for i, (a, b) in enumerate(zip(compiled, eager)):
-        if i == 0 and not exact_outputs:
+        a, b = a.cpu(), b.cpu()
+        if tolerance:
+            assert (a.float() - b.float()).abs().max() <= tolerance * b.float().abs().max(), i
+        elif i == 0:
             assert torch.allclose(a, b, rtol=1e-5), (i, a, b)
         else:
-            assert bits_equal(a.cpu(), b.cpu()), f"output {i} differs between compiled and eager"
+            assert bits_equal(a, b), f"output {i} differs between compiled and eager"
 
 
 def moe_function(layer, target):
@@ -234,7 +239,8 @@ def moe_configurations() -> list:
     ]
 
 
-def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, num_tokens: list, seed: int) -> None:
+def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, num_tokens: list, seed: int,
+                    output_units: float = 3, gradient_fraction: float = 2.0 ** -6) -> None:
     """`MoELayer` on this rank against `DenseMoE` on every rank's tokens, same parameters.
 
     Tolerances: the two compute the same bf16 and float32 operations on the same values, except that
@@ -242,7 +248,9 @@ def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, nu
     another order; with bf16's unit roundoff u = 2^-8, the partials' roundings cost at most u of the
     sum of the terms' magnitudes and each side's final rounding u of the output: 3u of the sum of
     |terms| in all. A gradient is a few products of such values with the same bf16 roundings on both
-    sides: we allow 2^-6 (4u) of its largest element.
+    sides: we allow 2^-6 (4u) of its largest element. (``output_units`` and ``gradient_fraction`` set
+    these two; a GPU, whose bf16 matrix products round differently from the CPU's dense model, needs
+    more.)
 
     ``all_reduce(t)`` sums a tensor over the ranks in place (the replicated gate's gradient).
     """
@@ -281,7 +289,7 @@ def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, nu
         y = moe.expert_mlp(xb[tok], params["w1"][e], params["w2"][e], params["w3"][e] if "w3" in params else None)
         terms.index_add_(0, tok, (y.float() * want_w[tok, slot].detach().unsqueeze(1)).abs())
     err = (out.detach().cpu().float() - dense_out.detach()[lo:hi].float()).abs()
-    limit = 3 * 2.0 ** -8 * terms[lo:hi] + 1e-30
+    limit = output_units * 2.0 ** -8 * terms[lo:hi] + 1e-30
     assert (err <= limit).all(), f"{name}: output, max excess {(err - limit).max()}"
     L = E // R
     local = slice(rank * L, (rank + 1) * L)
@@ -295,7 +303,7 @@ def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, nu
             continue
         assert got is not None and want.abs().max() > 0, f"{name}: {what} has no gradient"
         err = (got.cpu() - want).abs().max()
-        assert err <= 2.0 ** -6 * want.abs().max(), f"{name}: {what} gradient off by {err} (max {want.abs().max()})"
+        assert err <= gradient_fraction * want.abs().max(), f"{name}: {what} gradient off by {err} (max {want.abs().max()})"
 
 
 def _moe_rank(rank, R):

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import shapes
 from . import registry
 
-__all__ = ["dispatch_op", "cached_dispatch_op", "combine_op", "recv_shape_rows"]
+__all__ = ["dispatch_op", "cached_dispatch_op", "combine_op", "recv_shape_rows", "prepare_backward_modules"]
 
 
 def _placeholder(dtype: torch.dtype, device) -> Tensor:
@@ -67,6 +67,22 @@ def _outputs(handle, recv_x, recv_idx, recv_w, device):
             _own(recv_w, handle) if recv_w is not None else _placeholder(torch.float32, device))
 
 
+def prepare_backward_modules(buf, hidden: int, num_topk: int, do_expand: bool) -> None:
+    """Emulated ranks: load now the kernel modules a backward pass will need (a combine, a BF16
+    cached dispatch of this structure).
+
+    Emulated ranks load a module collectively, at a host barrier every rank thread reaches (see
+    `deep_ep.emulated`). Autograd runs the backward of CUDA tensors in one engine thread per device,
+    for every rank in turn, so a first load there would wait at that barrier for ranks whose backward
+    is queued behind it. The forward runs in the ranks' own threads and calls this at the same point
+    on every rank; once a module is loaded this is a lookup. A no-op for other backends."""
+    backend = getattr(buf, "_backend", None)
+    if not getattr(backend, "emulated", False) or not hasattr(backend, "module"):
+        return
+    backend.module("combine", (hidden, num_topk, bool(do_expand)))
+    backend.module("dispatch", (2 * hidden, 0, num_topk, bool(do_expand)))
+
+
 def recv_shape_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_experts: int,
                     expert_alignment: int, do_expand: bool) -> int:
     """Rows of a dispatch without host synchronisation (the worst case of docs/design.md)."""
@@ -104,6 +120,7 @@ def dispatch_op(buffer_id: int, x: Tensor, sf: Optional[Tensor], topk_idx: Tenso
     psum_num_recv_tokens_per_expert, num_unaligned_recv_tokens_per_expert)`` (placeholders where a
     mode has no such output; the last two int32 ``[L]`` on the buffer's device, copies of the handle's)."""
     buf = registry.find_buffer(buffer_id)
+    prepare_backward_modules(buf, x.shape[1], topk_idx.shape[1], do_expand)
     recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(
         x if sf is None else (x, sf), topk_idx, topk_weights, num_experts=num_experts,
         num_max_tokens_per_rank=num_max_tokens_per_rank or None, expert_alignment=expert_alignment,
