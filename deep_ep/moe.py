@@ -200,6 +200,8 @@ class MoELayer(nn.Module):
         use_grouped_mm: see `grouped_expert_mlp`.
 
     ``forward(x [T, H]) -> [T, H]`` in ``x``'s dtype (collective: every rank calls it together).
+    ``correction_bias`` (a buffer, zeros) is DeepSeek-V3's selection bias; the layer never updates it
+    (its load-balancing update is the training loop's business).
 
     Raises:
         ValueError: experts not divisible by the ranks, an unknown gate, ``fuse_gate_weights`` without

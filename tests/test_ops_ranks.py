@@ -13,7 +13,8 @@ layer (deep_ep.moe) against its dense single-process equivalent; CPU backend ove
 * `deep_ep.moe.MoELayer` on 2 and 4 ranks against `deep_ep.moe.DenseMoE` with the same parameters
   and tokens: outputs, input gradients and every parameter gradient (the gate's summed over ranks),
   for both gates, both layouts, alignment, no host sync, fused gate weights, grouped GEMM and the
-  loop over experts.
+  loop over experts;
+* examples/train_moe.py on 2 ranks: the loss goes down and follows the dense model's.
 
 The helpers take a buffer and a device, so tests/gpu/test_gpu_ops.py runs them on the H200.
 """
@@ -197,6 +198,7 @@ def check_bad_input(buf, other, rank: int, device) -> None:
         (TypeError, lambda: ops.dispatch(buf, x, handle=ops.ep_handle(handle))),
         (ValueError, lambda: ops.dispatch(other, x, handle=handle)),
         (ValueError, lambda: ops.dispatch(buf, x, idx, handle=handle)),
+        (ValueError, lambda: ops.dispatch(buf, x, idx, w, num_experts=E, do_cpu_sync=False, num_max_tokens_per_rank=0)),
         (TypeError, lambda: ops.combine(buf, rows, ops.ep_handle(handle))),
         (ValueError, lambda: ops.combine(other, rows, handle)),
         (ValueError, lambda: ops.combine(buf, rows[1:], handle)),
@@ -322,3 +324,18 @@ def _moe_rank(rank, R):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_moe_layer_matches_dense(tmp_path, num_ranks):
     assert run_gloo_ranks(_moe_rank, num_ranks, tmp_path, deadline=300) == {r: True for r in range(num_ranks)}
+
+
+# ---------------------------------------------------------------------------------------------- the example
+def test_training_example_cpu():
+    """examples/train_moe.py (2 spawned gloo ranks, 300 steps): the loss goes down and matches the
+    dense model's within the example's tolerance (it exits 0 only then)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe.py")], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "went down" in proc.stdout and "within the tolerance" in proc.stdout, proc.stdout

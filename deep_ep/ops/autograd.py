@@ -129,7 +129,7 @@ def _combine_grad(ctx, grad_out, grad_combined_w):
     if need_b0:
         grads[4] = g
     if need_b1:
-        grads[5] = g
+        grads[5] = g.clone() if need_b0 else g    # two inputs, two gradient tensors
     if need_x or need_w or need_dw:
         weights = _weights_grad(grad_combined_w, (ctx.num_tokens, ctx.num_topk), ctx.device) if need_w else None
         g_rows, _, _, g_w = cached_dispatch_op(ctx.buffer_id, token, g, None, weights, ctx.rows, ctx.num_topk,

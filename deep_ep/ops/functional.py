@@ -125,7 +125,8 @@ def dispatch(buffer: ElasticBuffer, x: Union[Tensor, tuple], topk_idx: Optional[
     Raises:
         TypeError, ValueError: bad arguments (those of `ElasticBuffer.dispatch`, raised by it before
         any communication; here: FP8 data that requires grad, a ``handle`` of another buffer,
-        expanded weights that require grad on a buffer without multiple reduction).
+        expanded weights that require grad on a buffer without multiple reduction,
+        ``do_cpu_sync=False`` without ``num_max_tokens_per_rank``).
         RuntimeError: as `ElasticBuffer.dispatch`.
     """
     _check_buffer(buffer)
@@ -142,6 +143,9 @@ def dispatch(buffer: ElasticBuffer, x: Union[Tensor, tuple], topk_idx: Optional[
         num_max_tokens_per_rank = buffer.config.num_max_tokens_per_rank
     expert_alignment = 1 if expert_alignment is None else expert_alignment
     do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+    if not do_cpu_sync and not num_max_tokens_per_rank:
+        raise ValueError("do_cpu_sync=False sizes outputs for the worst case and needs num_max_tokens_per_rank "
+                         "(> 0), in the buffer or in this call")
     _check_weights_grad(buffer, do_expand, topk_weights)
     recv_data, recv_sf, recv_idx, recv_w, token, psum, counts = dispatch_op(
         buffer.buffer_id, data, sf, topk_idx, topk_weights, buffer.num_ranks, num_experts, num_max_tokens_per_rank,
