@@ -199,6 +199,8 @@ def check_bad_input(buf, other, rank: int, device) -> None:
         (ValueError, lambda: ops.dispatch(other, x, handle=handle)),
         (ValueError, lambda: ops.dispatch(buf, x, idx, handle=handle)),
         (ValueError, lambda: ops.dispatch(buf, x, idx, w, num_experts=E, do_cpu_sync=False, num_max_tokens_per_rank=0)),
+        (TypeError, lambda: ops.dispatch(buf, x, idx, w, num_experts=E, cumulative_local_expert_recv_stats=torch.zeros(
+            E // 2, dtype=torch.int64, device=device))),
         (TypeError, lambda: ops.combine(buf, rows, ops.ep_handle(handle))),
         (ValueError, lambda: ops.combine(other, rows, handle)),
         (ValueError, lambda: ops.combine(buf, rows[1:], handle)),

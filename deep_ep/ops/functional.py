@@ -87,6 +87,15 @@ def _split(x) -> tuple:
     return x, None
 
 
+def _check_stats(stats, num_local_experts: int) -> None:
+    # the operators leave the counting to the caller's tensor (an in-place add the compiler sees),
+    # so the buffer never gets to check it
+    if stats is not None and (not isinstance(stats, Tensor) or stats.dtype != torch.int32
+                              or tuple(stats.shape) != (num_local_experts,)):
+        raise TypeError(f"cumulative_local_expert_recv_stats must be an int32 tensor [{num_local_experts}] "
+                        f"(one count per local expert)")
+
+
 def _check_weights_grad(buffer, do_expand: bool, topk_weights) -> None:
     if do_expand and not buffer.allow_multiple_reduction and topk_weights is not None \
             and topk_weights.requires_grad and torch.is_grad_enabled():
@@ -126,7 +135,7 @@ def dispatch(buffer: ElasticBuffer, x: Union[Tensor, tuple], topk_idx: Optional[
         TypeError, ValueError: bad arguments (those of `ElasticBuffer.dispatch`, raised by it before
         any communication; here: FP8 data that requires grad, a ``handle`` of another buffer,
         expanded weights that require grad on a buffer without multiple reduction,
-        ``do_cpu_sync=False`` without ``num_max_tokens_per_rank``).
+        ``do_cpu_sync=False`` without ``num_max_tokens_per_rank``, stats that are not int32 ``[L]``).
         RuntimeError: as `ElasticBuffer.dispatch`.
     """
     _check_buffer(buffer)
@@ -147,6 +156,7 @@ def dispatch(buffer: ElasticBuffer, x: Union[Tensor, tuple], topk_idx: Optional[
         raise ValueError("do_cpu_sync=False sizes outputs for the worst case and needs num_max_tokens_per_rank "
                          "(> 0), in the buffer or in this call")
     _check_weights_grad(buffer, do_expand, topk_weights)
+    _check_stats(cumulative_local_expert_recv_stats, num_experts // buffer.num_ranks)
     recv_data, recv_sf, recv_idx, recv_w, token, psum, counts = dispatch_op(
         buffer.buffer_id, data, sf, topk_idx, topk_weights, buffer.num_ranks, num_experts, num_max_tokens_per_rank,
         expert_alignment, num_sms, do_cpu_sync, do_expand, use_tma_aligned_col_major_sf)
@@ -178,6 +188,7 @@ def _cached_dispatch(buffer, data, sf, topk_idx, topk_weights, handle, num_exper
     if do_expand and not handle.do_expand:
         raise ValueError("do_expand=True, but the handle was made by a non-expanded dispatch")
     _check_weights_grad(buffer, handle.do_expand, topk_weights)
+    _check_stats(stats, handle.num_experts // buffer.num_ranks)
     recv_data, recv_sf, recv_idx, recv_w = cached_dispatch_op(
         buffer.buffer_id, handle.token, data, sf, topk_weights, handle.num_recv_rows, handle.num_topk, num_sms,
         handle.do_expand, col_major)
