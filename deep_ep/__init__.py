@@ -3,7 +3,9 @@
 The API is DeepEP V2's: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
 `EventHandle`, `topk_idx_t`, `get_physical_domain_size`, `get_logical_domain_size`.
 `deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and routing
-generators; `deep_ep.eplb` expert load balancing (imported on first use).
+generators; `deep_ep.eplb` expert load balancing; `deep_ep.ops` differentiable dispatch / combine
+(torch.library operators that torch.compile traces); `deep_ep.moe` a reference MoE layer built on
+them (each imported on first use).
 """
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ except Exception:  # not installed (run from a source tree)
     __version__ = "0.1.0"
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "get_physical_domain_size",
-           "get_logical_domain_size", "routing", "reference", "eplb", "__version__"]
+           "get_logical_domain_size", "routing", "reference", "eplb", "ops", "moe", "__version__"]
 
 
 def __getattr__(name: str):
     # Submodules loaded lazily, so that importing deep_ep stays light.
-    if name in ("routing", "reference", "eplb"):
+    if name in ("routing", "reference", "eplb", "ops", "moe"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'deep_ep' has no attribute {name!r}")
