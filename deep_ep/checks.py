@@ -8,8 +8,8 @@ was expected and what was given:
 * `ValueError` - a wrong shape, device, layout (non-contiguous), value (expert id out of range, more
   tokens than ``num_max_tokens_per_rank``, ...) or a handle of another buffer / configuration.
 
-Value checks on ``topk_idx`` (``-1 <= id < num_experts``) read the tensor: always done for CPU
-tensors; for GPU tensors only when the call synchronises with the host anyway (``do_cpu_sync``).
+Value checks on ``topk_idx`` (``-1 <= id < num_experts``) read the tensor for CPU tensors only; on
+GPU tensors the kernels check the ids (every rank raises the same `ValueError`, docs/troubleshooting.md).
 """
 from __future__ import annotations
 
