@@ -4,9 +4,11 @@ fails the test instead of blocking the run)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
 import traceback
 
@@ -57,11 +59,9 @@ def _entry(fn, rank, world_size, init_file, queue, args, leave_together=True):
             dist.barrier()   # a rank tearing gloo down while a peer still talks can abort
         # Drop every reference to the process group the body left behind (buffers, handles, autograd
         # graphs) before the group goes: one destructed at interpreter teardown can abort the process.
-        import gc
-        import sys as _sys
         gc.collect()
-        if "deep_ep.buffer" in _sys.modules:
-            _sys.modules["deep_ep.buffer"]._release_live_buffers()
+        if "deep_ep.buffer" in sys.modules:
+            sys.modules["deep_ep.buffer"]._release_live_buffers()
         dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent

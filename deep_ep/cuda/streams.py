@@ -97,6 +97,22 @@ class StreamJoin:
         if int(err) != 0:
             raise RuntimeError(f"cuEventCreate on cuda:{index} failed: {err}")
 
+    def _driver_calls(self, what: str, *calls) -> None:
+        """Run ``(function, args)`` driver calls in order in this device's context, stopping at the
+        first that fails; raises ``RuntimeError`` naming ``what``."""
+        from .driver import enter_context, leave_context
+
+        previous = enter_context(self._index)  # a thread that never used CUDA has no current context
+        try:
+            for fn, args in calls:
+                (err,) = fn(*args)
+                if int(err) != 0:
+                    break
+        finally:
+            leave_context(previous)
+        if int(err) != 0:
+            raise RuntimeError(f"{what} on cuda:{self._index} failed: {err}")
+
     def wait(self, waiter: int, producer: int) -> None:
         """``waiter`` (raw CUstream) waits for everything queued on ``producer`` so far. Both are
         streams of this object's device; a handle of 0 is that device's null stream.
@@ -104,18 +120,9 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record or the wait.
         """
-        from .driver import enter_context, leave_context
-
-        previous = enter_context(self._index)  # a thread that never used CUDA has no current context
         d = self._driver
-        try:
-            (err,) = d.cuEventRecord(self._event, producer)
-            if int(err) == 0:
-                (err,) = d.cuStreamWaitEvent(waiter, self._event, 0)
-        finally:
-            leave_context(previous)
-        if int(err) != 0:
-            raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
+        self._driver_calls("ordering CUDA streams", (d.cuEventRecord, (self._event, producer)),
+                           (d.cuStreamWaitEvent, (waiter, self._event, 0)))
 
     def record(self, producer: int) -> None:
         """Record this object's event on the raw stream ``producer`` (for a later `wait_recorded`).
@@ -123,15 +130,7 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record.
         """
-        from .driver import enter_context, leave_context
-
-        previous = enter_context(self._index)
-        try:
-            (err,) = self._driver.cuEventRecord(self._event, producer)
-        finally:
-            leave_context(previous)
-        if int(err) != 0:
-            raise RuntimeError(f"recording a CUDA event on cuda:{self._index} failed: {err}")
+        self._driver_calls("recording a CUDA event", (self._driver.cuEventRecord, (self._event, producer)))
 
     def wait_recorded(self, waiter: int) -> None:
         """The raw stream ``waiter`` waits for the work that preceded the last `record`.
@@ -139,15 +138,7 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the wait.
         """
-        from .driver import enter_context, leave_context
-
-        previous = enter_context(self._index)
-        try:
-            (err,) = self._driver.cuStreamWaitEvent(waiter, self._event, 0)
-        finally:
-            leave_context(previous)
-        if int(err) != 0:
-            raise RuntimeError(f"ordering CUDA streams on cuda:{self._index} failed: {err}")
+        self._driver_calls("ordering CUDA streams", (self._driver.cuStreamWaitEvent, (waiter, self._event, 0)))
 
     def destroy(self) -> None:
         """Release the event (a wait already queued stays valid)."""
