@@ -73,6 +73,15 @@ def reference(case: Case, xs, idxs, ws, max_tokens: int):
                               num_max_tokens_per_rank=max_tokens, use_tma_aligned_col_major_sf=case.col_major_sf)
 
 
+def settle(device) -> None:
+    """Before a host read of a backward pass's results: wait for the current stream. Emulated GPU
+    ranks run every rank's backward in autograd's one engine thread; a rank that read a gradient
+    with a pageable copy while a peer's backward was still queued would wait inside the driver,
+    holding up the engine thread's launches for that peer (see deep_ep.emulated)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
 def to(x, device):
     """A copy of ``x`` (a tensor, an FP8 tuple or None) on ``device``."""
     if isinstance(x, tuple):
@@ -188,6 +197,7 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int, 
             loss = loss + (data.float() * rows_g.to(device)).sum()
         with outputs.poisoned():
             loss.backward()
+        settle(device)
         # topk_weights: a pure gather, exact
         valid = idx_all >= 0
         lo, hi = offsets(case)[rank], offsets(case)[rank + 1]
@@ -263,6 +273,7 @@ def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int, c
         loss = loss + (cw * V[lo:hi].to(device)).sum()
     with outputs.poisoned():
         loss.backward()
+    settle(device)
     # dense equivalent: every row of a token added to the token's output; autograd gives each row
     # the output gradient of its token (bf16, as the output is), rows without data nothing
     g, slot, valid = global_rows(ops.ep_handle(handle), case)

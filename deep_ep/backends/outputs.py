@@ -17,6 +17,7 @@ import torch
 __all__ = ["empty", "fill_poison", "poisoned", "is_poisoning"]
 
 _lock = threading.Lock()
+_joins = threading.local()   # per thread: device index -> StreamJoin (the poison path's stream order)
 _depth = 0          # nesting of `poisoned` (process-wide: emulated ranks run in threads)
 
 
@@ -48,8 +49,22 @@ def empty(shape, dtype: torch.dtype, device, stream=None) -> torch.Tensor:
         if stream is not None:
             current = torch.cuda.current_stream(t.device)
             if stream != current:
-                stream.wait_stream(current)
+                _join(t.device).wait(stream.cuda_stream, current.cuda_stream)
     return t
+
+
+def _join(device: torch.device):
+    """This thread's reused event for ordering the fill before the kernels' stream. Not a fresh
+    ``torch.cuda.Event`` per call: creating an event blocks while another thread of the process waits
+    in a copy to pageable memory, and with emulated ranks that copy can wait for the kernels this
+    thread is about to queue (autograd runs every rank's backward in one engine thread)."""
+    from ..cuda.streams import StreamJoin
+    table = getattr(_joins, "by_device", None)
+    if table is None:
+        table = _joins.by_device = {}
+    if device.index not in table:
+        table[device.index] = StreamJoin(device)
+    return table[device.index]
 
 
 @contextlib.contextmanager

@@ -35,10 +35,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HIDDEN_MAX, TOPK_MAX = 512, 4
 
 
-def _buffer(group, **kwargs):
+def _buffer(group, num_max_tokens_per_rank: int = grads.MAX_TOKENS):
     import deep_ep
-    return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=grads.MAX_TOKENS, hidden=HIDDEN_MAX,
-                                 num_topk=TOPK_MAX, **kwargs)
+    return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=HIDDEN_MAX,
+                                 num_topk=TOPK_MAX)
 
 
 def _gradient_cases(rank, R, buf, device, check_leaks):
@@ -78,11 +78,12 @@ def test_gradients_emulated(num_ranks):
 
 def test_compile_inductor_ep1(nccl_group):
     from deep_ep import moe
-    buf = _buffer(nccl_group)
+    T = 40
+    buf = _buffer(nccl_group, num_max_tokens_per_rank=T)
     device = torch.device("cuda", 0)
     try:
         E, H, K = 8, 64, 3
-        x, idx, w, b = ranks.routing_inputs(0, 40, H, E, K, device)
+        x, idx, w, b = ranks.routing_inputs(0, T, H, E, K, device)
         for do_expand, sync, A in ranks.compile_configurations():
             ranks.check_compiled(ranks.ops_function(buf, idx, E, do_expand, sync, A), (x, w, b), "inductor")
         params = moe.moe_parameters(H, 32, E, generator=torch.Generator().manual_seed(5), device=device)
