@@ -94,6 +94,39 @@ def host_pieces(buf, dev, a) -> None:
         print(f"  {name:55s} {_us(f):8.2f}")
 
 
+def call_profiles(buf, dev, a) -> None:
+    """(1') cProfile of each kind of call at the decode size, 200 calls each: where the host time goes,
+    by own time and by cumulative time."""
+    T = a.decode_tokens
+    x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
+    w = torch.rand((T, a.topk), device=dev)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=a.experts)
+    y = recv_x.clone()
+    calls = [
+        ("full dispatch, no CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
+                                                             num_max_tokens_per_rank=T)),
+        ("full dispatch, CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts)),
+        ("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
+        ("combine", lambda: buf.combine(y, handle, topk_weights=recv_w)),
+    ]
+    for name, f in calls:
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            f()
+        pr.disable()
+        torch.cuda.synchronize()
+        for key, n in (("tottime", 22), ("cumulative", 30)):
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats(key).print_stats(n)
+            print(f"===== {name}: cProfile of 200 calls, by {key}")
+            print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -103,13 +136,17 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--host-only", action="store_true", help="only (0): the host cost of the pieces")
+    p.add_argument("--host-profile", action="store_true",
+                   help="only (0) and the cProfile of each call kind at the decode size (full dispatch included)")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
     buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=a.tokens, hidden=a.hidden,
                                 num_topk=a.topk, explicitly_destroy=True)
     host_pieces(buf, dev, a)
-    if a.host_only:
+    if a.host_profile:
+        call_profiles(buf, dev, a)
+    if a.host_only or a.host_profile:
         buf.destroy()
         dist.destroy_process_group()
         return
