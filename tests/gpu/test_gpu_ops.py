@@ -35,10 +35,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HIDDEN_MAX, TOPK_MAX = 512, 4
 
 
-def _buffer(group, num_max_tokens_per_rank: int = grads.MAX_TOKENS):
+# a rank that waits for a peer which never comes reports it within this many seconds (not the default 100)
+TIMEOUT = float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20"))
+
+
+def _buffer(group, num_max_tokens_per_rank: int = grads.MAX_TOKENS, **kwargs):
     import deep_ep
     return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=HIDDEN_MAX,
-                                 num_topk=TOPK_MAX)
+                                 num_topk=TOPK_MAX, num_gpu_timeout_secs=TIMEOUT, num_cpu_timeout_secs=TIMEOUT,
+                                 **kwargs)
 
 
 def _gradient_cases(rank, R, buf, device, check_leaks):
@@ -136,7 +141,8 @@ def test_moe_layer_emulated(num_ranks):
     def body(rank_group):
         import deep_ep
         rank = rank_group.rank()
-        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=24, hidden=32, num_topk=3)
+        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=24, hidden=32, num_topk=3,
+                                    num_gpu_timeout_secs=TIMEOUT, num_cpu_timeout_secs=TIMEOUT)
         try:
             for i, config in enumerate(ranks.moe_configurations()):
                 ranks.check_moe_layer(buf, rank, num_ranks, config, group.device, lambda t: reduce(rank, t), tokens,
