@@ -105,7 +105,7 @@ _GPU_TOLERANCES = dict(output_units=8, gradient_fraction=2.0 ** -5)
 
 
 def test_moe_layer_ep1(nccl_group):
-    buf = _buffer(nccl_group)
+    buf = _buffer(nccl_group, num_max_tokens_per_rank=24)
     try:
         for i, config in enumerate(ranks.moe_configurations()):
             ranks.check_moe_layer(buf, 0, 1, config, torch.device("cuda", 0), lambda t: None, [24], seed=40 + i,
