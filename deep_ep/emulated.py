@@ -37,11 +37,19 @@ Constraints:
   and passed all 14 with 32.
 * Both variables are read when CUDA initialises: `EmulatedGroup` sets them when CUDA is not
   initialised yet, and raises a clear error when it is too late (`ensure_cuda_settings`).
+* A copy to pageable host memory (``t.cpu()``, ``t.item()``, ``t.tolist()``) of a result that is not
+  ready waits inside the CUDA driver, and while it waits other threads' CUDA calls can stall: if
+  the result depends on a peer rank whose thread has not queued its kernels yet, the ranks then wait
+  on each other until a GPU timeout. A rank reads its results on the host after `wait_for_stream`
+  (which polls an event and holds nothing); deep_ep's own host reads do the same. Seen on the H200
+  when autograd's one engine thread ran the ranks' backward passes one after another, so that ranks
+  ran further apart than in a forward pass.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -49,7 +57,7 @@ import torch
 from .comm.emulated import EmulatedTransport, EmulatedWindowSet
 from .cuda.streams import new_stream, release_stream
 
-__all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "ensure_cuda_settings"]
+__all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "ensure_cuda_settings", "wait_for_stream"]
 
 MAX_CONNECTIONS = 32  # the most CUDA_DEVICE_MAX_CONNECTIONS allows
 
@@ -179,6 +187,28 @@ class EmulatedGroup:
                 raise ValueError(f"rank {rank} creates a buffer of {num_bytes} bytes, but another rank created "
                                  f"buffer #{idx} with {ws.num_bytes}: every rank must pass the same size")
             return ws
+
+
+def wait_for_stream(stream: Optional[torch.cuda.Stream] = None, timeout_secs: float = 300.0) -> None:
+    """Wait on the host until the work queued so far on ``stream`` (default: the current stream) is
+    done, by polling an event, never inside a blocking driver call (see the module's notes: with
+    emulated ranks a blocking wait can stall the peers' threads).
+
+    Args:
+        stream: a CUDA stream; None for the current stream of the current device.
+        timeout_secs: how long to wait, seconds.
+
+    Raises:
+        TimeoutError: the work did not finish within ``timeout_secs``.
+    """
+    stream = torch.cuda.current_stream() if stream is None else stream
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + timeout_secs
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"deep_ep.emulated: the stream's work did not finish within {timeout_secs} s")
+        time.sleep(5e-5)
 
 
 def ensure_cuda_settings(num_ranks: int) -> None:

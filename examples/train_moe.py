@@ -182,14 +182,16 @@ class ThreadAllReduce:
         self.slots = [None] * group.num_ranks
 
     def for_rank(self, rank: int):
+        from deep_ep.emulated import wait_for_stream
+
         def all_reduce(t: torch.Tensor) -> None:
-            torch.cuda.current_stream().synchronize()     # t is complete before a peer reads it
+            wait_for_stream()     # t is complete before a peer reads it (polled: see deep_ep.emulated)
             self.slots[rank] = t
             self.group.barrier()
             total = self.slots[0].clone()
             for other in self.slots[1:]:
                 total += other
-            torch.cuda.current_stream().synchronize()     # read every peer's t before any is overwritten
+            wait_for_stream()     # every peer's t was read before any is overwritten
             self.group.barrier()
             t.copy_(total)
         return all_reduce

@@ -74,12 +74,13 @@ def reference(case: Case, xs, idxs, ws, max_tokens: int):
 
 
 def settle(device) -> None:
-    """Before a host read of a backward pass's results: wait for the current stream. Emulated GPU
-    ranks run every rank's backward in autograd's one engine thread; a rank that read a gradient
-    with a pageable copy while a peer's backward was still queued would wait inside the driver,
-    holding up the engine thread's launches for that peer (see deep_ep.emulated)."""
+    """Before a host read of GPU results: wait for the current stream by polling an event. With
+    emulated GPU ranks a pageable copy of a result that is not ready waits inside the driver and can
+    stall the CUDA calls of the peers' threads, and of autograd's one engine thread that runs every
+    rank's backward (see deep_ep.emulated)."""
     if torch.device(device).type == "cuda":
-        torch.cuda.current_stream().synchronize()
+        from deep_ep.emulated import wait_for_stream
+        wait_for_stream()
 
 
 def to(x, device):
@@ -94,6 +95,7 @@ def check_forward(out, ref, device) -> None:
     from deep_ep import ops
     from deep_ep.reference import check_dispatch
     recv_x, recv_idx, recv_w, handle = out
+    settle(device)
     cpu = (to(recv_x, "cpu"), to(recv_idx, "cpu"), to(recv_w, "cpu"))
     eh = ops.ep_handle(handle)
     check_dispatch((*cpu, eh), ref, check_handle=False)
@@ -264,6 +266,7 @@ def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int, c
     want = reference_combine(ys, [r.handle for r in refs], tws if with_tw else None,
                              [b or None for b in biases], allow_multiple_reduction=buf.allow_multiple_reduction,
                              apply_dispatch_weights=apply_w)[rank]
+    settle(device)
     assert bits_equal(combined.cpu(), want[0]), f"{case.name}: combined_x"
     assert (cw is None) == (not with_tw) and (cw is None or bits_equal(cw.cpu(), want[1])), f"{case.name}: cw"
 

@@ -279,3 +279,21 @@ def test_allocate_on_comm_stream_synchronous(setup, op):
         out = st.call(op, a, allocate_on_comm_stream=True)
     result = out[0].clone()             # used on the current stream right after the call
     st.check(op, (result,) + tuple(out[1:]), a, a.new)
+
+
+@needs_gpu
+def test_emulated_wait_for_stream_waits_and_times_out():
+    """`deep_ep.emulated.wait_for_stream` returns only once the stream's work is done (a spinning
+    kernel's copy is visible after it), and raises TimeoutError when the work outlasts the limit."""
+    from deep_ep.emulated import wait_for_stream
+    stream = torch.cuda.Stream()
+    src = torch.arange(1024, dtype=torch.int32, device="cuda")
+    dst = torch.full_like(src, -7)
+    torch.cuda.current_stream().synchronize()
+    spin_then_copy(dst, src, stream)
+    wait_for_stream(stream)
+    assert torch.equal(dst.cpu(), src.cpu())
+    spin_then_copy(dst, src, stream, ms=300)
+    with pytest.raises(TimeoutError):
+        wait_for_stream(stream, timeout_secs=0.01)
+    wait_for_stream(stream)
