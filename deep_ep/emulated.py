@@ -37,13 +37,14 @@ Constraints:
   and passed all 14 with 32.
 * Both variables are read when CUDA initialises: `EmulatedGroup` sets them when CUDA is not
   initialised yet, and raises a clear error when it is too late (`ensure_cuda_settings`).
-* A copy to pageable host memory (``t.cpu()``, ``t.item()``, ``t.tolist()``) of a result that is not
-  ready waits inside the CUDA driver, and while it waits other threads' CUDA calls can stall: if
-  the result depends on a peer rank whose thread has not queued its kernels yet, the ranks then wait
-  on each other until a GPU timeout. A rank reads its results on the host after `wait_for_stream`
-  (which polls an event and holds nothing); deep_ep's own host reads do the same. Seen on the H200
-  when autograd's one engine thread ran the ranks' backward passes one after another, so that ranks
-  ran further apart than in a forward pass.
+* A synchronous copy between host and device (``t.cpu()``, ``t.item()``, ``t.tolist()``,
+  ``cpu_tensor.to("cuda")``) waits for the stream inside the CUDA driver, and while it waits other
+  threads' CUDA calls can stall: if the stream's work needs a peer rank whose thread has not queued
+  its kernels yet, the ranks can wait on each other until a GPU timeout. Wait with
+  `wait_for_stream` first (it polls an event), then copy; deep_ep's own host reads poll too. This
+  rule is inferred from hangs on the H200 (a thread blocked recording an event while another waited
+  in such a copy), seen when autograd's one engine thread ran the ranks' backward passes one after
+  another, so that the ranks ran further apart than in a forward pass.
 """
 from __future__ import annotations
 
@@ -190,25 +191,38 @@ class EmulatedGroup:
 
 
 def wait_for_stream(stream: Optional[torch.cuda.Stream] = None, timeout_secs: float = 300.0) -> None:
-    """Wait on the host until the work queued so far on ``stream`` (default: the current stream) is
-    done, by polling an event, never inside a blocking driver call (see the module's notes: with
-    emulated ranks a blocking wait can stall the peers' threads).
+    """Wait on the host until the work queued so far on ``stream`` is done, by polling an event,
+    never inside a blocking driver call (see the module's notes: with emulated ranks a blocking wait
+    can stall the peers' threads). The event is reused per thread and device.
 
     Args:
-        stream: a CUDA stream; None for the current stream of the current device.
-        timeout_secs: how long to wait, seconds.
+        stream: a CUDA stream; None (the default) for the current stream of the current device.
+        timeout_secs: how long to wait, seconds (default 300).
 
     Raises:
         TimeoutError: the work did not finish within ``timeout_secs``.
+        RuntimeError: called while a CUDA graph is being captured on the current stream (captured
+            work cannot be waited on).
     """
     stream = torch.cuda.current_stream() if stream is None else stream
-    done = torch.cuda.Event()
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("deep_ep.emulated.wait_for_stream: a CUDA graph is being captured on the current stream")
+    events = getattr(_wait_events, "by_device", None)
+    if events is None:
+        events = _wait_events.by_device = {}
+    index = stream.device.index
+    if index not in events:
+        events[index] = torch.cuda.Event()
+    done = events[index]
     done.record(stream)
     deadline = time.monotonic() + timeout_secs
     while not done.query():
         if time.monotonic() > deadline:
             raise TimeoutError(f"deep_ep.emulated: the stream's work did not finish within {timeout_secs} s")
         time.sleep(5e-5)
+
+
+_wait_events = threading.local()   # per thread: device index -> the event wait_for_stream reuses
 
 
 def ensure_cuda_settings(num_ranks: int) -> None:

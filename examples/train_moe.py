@@ -10,7 +10,7 @@ process; the two loss curves must agree step by step within a tolerance, and the
 
     python examples/train_moe.py                      # 2 CPU ranks over gloo (spawned here)
     python examples/train_moe.py --ranks 4 --compile  # 4 ranks, the layer under torch.compile
-    python examples/train_moe.py --gpu-emulated 4     # 4 emulated ranks on one GPU
+    python examples/train_moe.py --gpu-emulated 2     # 2 emulated ranks on one GPU
 
 Exit status 0 when both checks pass, 1 otherwise.
 """
@@ -99,6 +99,9 @@ def train_rank(args, buffer, rank: int, num_ranks: int, all_reduce, device) -> l
         optimizer.step()
         total = loss.detach().clone()
         all_reduce(total)
+        if total.is_cuda:
+            from deep_ep.emulated import wait_for_stream
+            wait_for_stream()      # a host read waits by polling (see deep_ep.emulated)
         losses.append(float(total))
     return losses
 

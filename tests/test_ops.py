@@ -74,13 +74,13 @@ def reference(case: Case, xs, idxs, ws, max_tokens: int):
 
 
 def settle(device) -> None:
-    """Before a host read of GPU results: wait for the current stream by polling an event. With
-    emulated GPU ranks a pageable copy of a result that is not ready waits inside the driver and can
-    stall the CUDA calls of the peers' threads, and of autograd's one engine thread that runs every
-    rank's backward (see deep_ep.emulated)."""
+    """Before a host read of GPU results, or a copy from host memory while GPU work is queued: wait
+    for the current stream of ``device`` by polling an event. With emulated GPU ranks a synchronous
+    copy waits for the stream inside the driver, which may stall the CUDA calls of the peers' threads
+    and of autograd's one engine thread that runs every rank's backward (see deep_ep.emulated)."""
     if torch.device(device).type == "cuda":
         from deep_ep.emulated import wait_for_stream
-        wait_for_stream()
+        wait_for_stream(torch.cuda.current_stream(device))
 
 
 def to(x, device):
@@ -241,6 +241,7 @@ def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int, c
         buf, to(xs[rank], device), idxs[rank].to(device), w, num_experts=case.num_experts,
         num_max_tokens_per_rank=case.max_tokens or None, expert_alignment=case.alignment,
         do_cpu_sync=case.do_cpu_sync, do_expand=case.do_expand)
+    settle(device)   # the copies to the device below would wait for the dispatch inside the driver
     gen = torch.Generator().manual_seed(seed)
     N, H, K = offsets(case)[-1], case.hidden, case.num_topk
     lo, hi = offsets(case)[rank], offsets(case)[rank + 1]

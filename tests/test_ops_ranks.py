@@ -273,8 +273,9 @@ def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, nu
     layer = moe.MoELayer(buf, {k: v.to(device) for k, v in params.items()}, K, **config)
 
     x = xs[rank].to(device, copy=True).requires_grad_(True)
+    target = targets[rank].to(device, copy=True)   # before the layer's kernels are queued (emulated ranks)
     out = layer(x)
-    ((out - targets[rank].to(device, copy=True)) ** 2).sum().backward()
+    ((out - target) ** 2).sum().backward()
     for p in layer.replicated_parameters():
         all_reduce(p.grad)
     x_all = torch.cat(xs).requires_grad_(True)

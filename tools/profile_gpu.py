@@ -5,6 +5,8 @@ device time from torch.profiler, for the DeepSeek-V3 shapes and a decode batch, 
 cached dispatch and combine replayed from CUDA graphs (no host work in the loop).
 
 Usage: python tools/profile_gpu.py [--tokens 4096] [--decode-tokens 128] [--iters 50]
+       [--host-only: only (0)] [--host-profile: (0), then a cProfile of each call kind at the decode
+       size: full dispatch with and without CPU sync, cached dispatch, combine]
 """
 import argparse
 import cProfile
@@ -124,7 +126,9 @@ def call_profiles(buf, dev, a) -> None:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats(key).print_stats(n)
             print(f"===== {name}: cProfile of 200 calls, by {key}")
-            print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))
+            lines = s.getvalue().splitlines()
+            start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+            print("\n".join(line for line in lines[start:] if line.strip()))
 
 
 def main() -> None:

@@ -54,10 +54,11 @@ def empty(shape, dtype: torch.dtype, device, stream=None) -> torch.Tensor:
 
 
 def _join(device: torch.device):
-    """This thread's reused event for ordering the fill before the kernels' stream. Not a fresh
-    ``torch.cuda.Event`` per call: creating an event blocks while another thread of the process waits
-    in a copy to pageable memory, and with emulated ranks that copy can wait for the kernels this
-    thread is about to queue (autograd runs every rank's backward in one engine thread)."""
+    """This thread's reused event for ordering the fill before the kernels' stream (created at the
+    thread's first poisoned allocation, released with the thread). Not a fresh ``torch.cuda.Event``
+    per call: recording a fresh event was seen to block while another thread of the process waited in
+    a copy to pageable memory, and with emulated ranks that copy can wait for the kernels this thread
+    is about to queue (autograd runs every rank's backward in one engine thread)."""
     from ..cuda.streams import StreamJoin
     table = getattr(_joins, "by_device", None)
     if table is None:

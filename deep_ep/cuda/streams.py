@@ -145,3 +145,11 @@ class StreamJoin:
         if self._event is not None:
             self._driver.cuEventDestroy(self._event)
             self._event = None
+
+    def __del__(self) -> None:
+        # Owners destroy their joins explicitly; a thread's own join (the poison path of
+        # deep_ep.backends.outputs) goes with the thread.
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+            pass

@@ -121,11 +121,12 @@ class _ThreadSum:
         self.group, self.slots = group, [None] * group.num_ranks
 
     def __call__(self, rank: int, t: torch.Tensor) -> None:
-        torch.cuda.current_stream().synchronize()
+        from deep_ep.emulated import wait_for_stream
+        wait_for_stream()          # polled, not a blocking driver wait (see deep_ep.emulated)
         self.slots[rank] = t
         self.group.barrier()
         total = sum(s.clone() for s in self.slots)
-        torch.cuda.current_stream().synchronize()
+        wait_for_stream()
         self.group.barrier()
         t.copy_(total)
 

@@ -16,6 +16,9 @@ sees the new values; one that is not reads the old ones. On one rank (NCCL group
 - ``allocate_on_comm_stream``: outputs allocated on the communication stream are right and usable on
   the current stream after the wait (synchronous and asynchronous calls).
 
+The same kernel checks `deep_ep.emulated.wait_for_stream`: it returns only once a stream's work is
+done, and times out while it is not.
+
 A control test first shows that the spin kernel opens such a window at all. Every element is
 compared with `deep_ep.reference`; outputs are poisoned (`deep_ep.backends.outputs.poisoned`)
 wherever the poison fill is ordered before the kernels (not when it would be queued behind a spin on
