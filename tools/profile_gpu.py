@@ -36,6 +36,25 @@ def _us(fn, n: int = 2000) -> float:
     return statistics.median(rounds)
 
 
+def _arg_structs(T: int):
+    """The three argument structs a fresh dispatch builds, with plausible values."""
+    from deep_ep.backends.gpu.abi import DispatchArgs, LayoutArgs, NotifyArgs, call_tag
+    tag = call_tag(1, 14336, 0, 8, 0, 1, 256, 1, 1, 0)
+    return (NotifyArgs(topk_idx=1, num_tokens=T, num_experts=256, tokens_per_group=4, counts_offset=64, pos_tok=2,
+                       pos_pair=None, scratch=3, timeout_ns=10 ** 11, tag=tag),
+            LayoutArgs(num_experts=256, alignment=1, counts_offset=64, layout=4, cumulative_stats=None,
+                       out_capacity=T, tok_capacity=T, timeout_ns=10 ** 11, host_out=5, seq=1, err_host=6, tag=tag),
+            DispatchArgs(x=1, sf=None, topk_idx=2, topk_weights=None, num_tokens=T, pos_tok=3, pos_pair=None,
+                         out_x=4, out_sf=None, sf_ld=0, out_topk_idx=5, out_weights=None, src_meta=6, max_tokens=T,
+                         out_capacity=T, tok_capacity=T, layout=7, num_experts=256, alignment=1, recv_offset=0,
+                         half_bytes=1 << 20, row_stride=14400, timeout_ns=10 ** 11, err_host=8, tag=tag))
+
+
+def _layout_views(handle):
+    lay = handle.backend_state.layout
+    return lay[0:8], lay[8:16], lay[16:24], lay[24:32], lay[32:40]
+
+
 def host_pieces(buf, dev, a) -> None:
     """(0) The host time of a cached dispatch and a combine at the decode size, and of the pieces
     they are made of, each timed alone (so the pieces need not add up exactly)."""
@@ -79,6 +98,10 @@ def host_pieces(buf, dev, a) -> None:
             do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False,
             cumulative_local_expert_recv_stats=None)),
         ("empty kernel launch (jit Function.launch, 2 args)", lambda: fn.launch(1, 32, (1, None), stream=comm)),
+        ("empty kernel launch, cooperative (as the notify kernel)", lambda: fn.launch(
+            1, 32, (1, None), stream=comm, cooperative=True)),
+        ("NotifyArgs + LayoutArgs + DispatchArgs construction", lambda: _arg_structs(T)),
+        ("the handle's five layout views (tensor slices)", lambda: _layout_views(handle)),
         ("torch.empty [T, hidden] bf16", lambda: torch.empty((T, a.hidden), dtype=torch.bfloat16, device=dev)),
         ("torch.cuda.current_stream()", torch.cuda.current_stream),
         ("comm.wait_stream(compute)", lambda: comm.wait_stream(compute)),
