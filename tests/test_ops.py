@@ -90,15 +90,36 @@ def to(x, device):
     return None if x is None else x.to(device, copy=True)
 
 
-def check_forward(out, ref, device) -> None:
-    """``ops.dispatch``'s outputs against the reference (bit for bit), rows without data zero."""
+def recorded_gpu_error(buf) -> str:
+    """The error a GPU kernel of ``buf``'s rank recorded (a call without host sync reports it only
+    at the next call), as the message the next call would raise; "" when there is none or on CPU."""
+    backend = getattr(buf, "_backend", None)
+    if buf is None or not hasattr(backend, "read_error"):
+        return ""
+    record = backend.read_error()
+    if record is None:
+        return ""
+    from deep_ep.backends.gpu.errors import raise_recorded
+    try:
+        raise_recorded(record, backend.config.num_gpu_timeout_secs, backend.last_m, backend.launched_call)
+    except Exception as exc:  # noqa: BLE001 - turned into text for the assertion message
+        return f" (the GPU recorded: {type(exc).__name__}: {exc})"
+    return f" (the GPU recorded {record})"
+
+
+def check_forward(out, ref, device, buf=None) -> None:
+    """``ops.dispatch``'s outputs against the reference (bit for bit), rows without data zero; a
+    failure also names the error the rank's kernels recorded, if any (``buf`` given)."""
     from deep_ep import ops
     from deep_ep.reference import check_dispatch
     recv_x, recv_idx, recv_w, handle = out
     settle(device)
     cpu = (to(recv_x, "cpu"), to(recv_idx, "cpu"), to(recv_w, "cpu"))
     eh = ops.ep_handle(handle)
-    check_dispatch((*cpu, eh), ref, check_handle=False)
+    try:
+        check_dispatch((*cpu, eh), ref, check_handle=False)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}{recorded_gpu_error(buf)}") from exc
     data = cpu[0][0] if isinstance(cpu[0], tuple) else cpu[0]
     valid = row_sources(eh)[0] >= 0
     assert data.shape[0] == valid.numel()
@@ -186,7 +207,7 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int, 
                 out = ops.dispatch(buf, x, topk_weights=w, handle=handle, use_tma_aligned_col_major_sf=case.col_major_sf,
                                    cumulative_local_expert_recv_stats=stats)
                 assert out[3] is handle
-        check_forward(out, refs[rank], device)
+        check_forward(out, refs[rank], device, buf)
         recv_x, recv_idx, recv_w = out[:3]
         gen = torch.Generator().manual_seed(seed + (step == "cached"))
         dense_g, dense_q = dense_upstream(case, gen, R)
@@ -204,13 +225,13 @@ def check_dispatch_grads(buf, case: Case, rank: int, R: int, device, seed: int, 
         valid = idx_all >= 0
         lo, hi = offsets(case)[rank], offsets(case)[rank + 1]
         want_w = torch.where(valid, dense_q, 0.0)[lo:hi]
-        assert bits_equal(w.grad.cpu(), want_w), f"{case.name} {step}: topk_weights gradient"
+        assert bits_equal(w.grad.cpu(), want_w), f"{case.name} {step}: topk_weights gradient{recorded_gpu_error(buf)}"
         if fp8:
             continue
         # x: the reference's combine of the rows' bf16 gradients, exactly
         ys = [p[0].to(BF16) for p in per_rank]
         want_x = reference_combine(ys, ref_handles)[rank][0]
-        assert bits_equal(x.grad.cpu(), want_x), f"{case.name} {step}: x gradient vs reference_combine"
+        assert bits_equal(x.grad.cpu(), want_x), f"{case.name} {step}: x gradient vs reference_combine{recorded_gpu_error(buf)}"
         # and the dense float32 equivalent, within the bf16 roundings (unit roundoff u = 2^-8): each
         # term's, each rank's partial's and the result's, at most 3u of the sum of |terms| (plus the
         # float32 additions, far below)
@@ -268,7 +289,7 @@ def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int, c
                              [b or None for b in biases], allow_multiple_reduction=buf.allow_multiple_reduction,
                              apply_dispatch_weights=apply_w)[rank]
     settle(device)
-    assert bits_equal(combined.cpu(), want[0]), f"{case.name}: combined_x"
+    assert bits_equal(combined.cpu(), want[0]), f"{case.name}: combined_x{recorded_gpu_error(buf)}"
     assert (cw is None) == (not with_tw) and (cw is None or bits_equal(cw.cpu(), want[1])), f"{case.name}: cw"
 
     U, V = torch.randn((N, H), generator=gen), torch.randn((N, K), generator=gen)
@@ -289,7 +310,7 @@ def check_combine_grads(buf, case: Case, rank: int, R: int, device, seed: int, c
         dense_out = torch.zeros((N, H)).index_add(0, g[valid], y_dense[valid])
         (dense_out * u16).sum().backward()
         want_gy = y_dense.grad
-    assert bits_equal(y.grad.cpu(), want_gy.to(BF16)), f"{case.name}: x gradient"
+    assert bits_equal(y.grad.cpu(), want_gy.to(BF16)), f"{case.name}: x gradient{recorded_gpu_error(buf)}"
     for b in bias:
         assert bits_equal(b.grad.cpu(), U[lo:hi].to(BF16)), f"{case.name}: bias gradient"
     if with_tw:
