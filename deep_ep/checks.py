@@ -14,11 +14,11 @@ GPU tensors the kernels check the ids (every rank raises the same `ValueError`, 
 from __future__ import annotations
 
 import math
-import time
 from typing import Optional, Union
 
 import torch
 
+from .cuda.streams import poll_event
 from .event import EventHandle, EventOverlap
 from .handle import EPHandle
 
@@ -141,8 +141,7 @@ def _min_max(t: torch.Tensor) -> tuple:
     host.copy_(pair, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    while not done.query():
-        time.sleep(2e-5)
+    poll_event(done)
     lo, hi = host.tolist()
     return int(lo), int(hi)
 

@@ -50,13 +50,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
 
 from .comm.emulated import EmulatedTransport, EmulatedWindowSet
-from .cuda.streams import new_stream, release_stream
+from .cuda.streams import new_stream, poll_event, release_stream
 
 __all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "ensure_cuda_settings", "wait_for_stream"]
 
@@ -215,11 +214,8 @@ def wait_for_stream(stream: Optional[torch.cuda.Stream] = None, timeout_secs: fl
         events[index] = torch.cuda.Event()
     done = events[index]
     done.record(stream)
-    deadline = time.monotonic() + timeout_secs
-    while not done.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"deep_ep.emulated: the stream's work did not finish within {timeout_secs} s")
-        time.sleep(5e-5)
+    if not poll_event(done, timeout_secs):
+        raise TimeoutError(f"deep_ep.emulated: the stream's work did not finish within {timeout_secs} s")
 
 
 _wait_events = threading.local()   # per thread: device index -> the event wait_for_stream reuses

@@ -90,3 +90,21 @@ def test_nothing_is_recorded_or_waited_for_under_graph_capture(backend, monkeypa
     _sync_call(backend, S1)
     _comm_call(backend)
     assert backend.log == [] and backend._last_stream is None
+
+
+def test_poll_event_waits_and_times_out():
+    """`deep_ep.cuda.streams.poll_event` returns True once the event completes (polled, without a
+    GPU: a fake event), and False when the time limit passes first."""
+    from deep_ep.cuda.streams import poll_event
+
+    class Event:
+        def __init__(self, done_after):
+            self.queries, self.done_after = 0, done_after
+
+        def query(self):
+            self.queries += 1
+            return self.queries > self.done_after
+
+    ev = Event(done_after=5)
+    assert poll_event(ev) is True and ev.queries == 6
+    assert poll_event(Event(done_after=10 ** 9), timeout_secs=0.01) is False

@@ -9,10 +9,12 @@ with the CUDA driver, non-blocking with respect to the legacy default stream, an
 from __future__ import annotations
 
 import threading
+import time
+from typing import Optional
 
 import torch
 
-__all__ = ["new_stream", "release_stream", "StreamJoin"]
+__all__ = ["new_stream", "release_stream", "StreamJoin", "poll_event"]
 
 _lock = threading.RLock()  # re-entrant: a garbage-collected owner may release a stream inside new_stream
 _free: dict = {}   # device index -> streams released by their owner, ready for reuse
@@ -153,3 +155,25 @@ class StreamJoin:
             self.destroy()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
             pass
+
+
+def poll_event(event, timeout_secs: Optional[float] = None) -> bool:
+    """Wait on the host for a recorded ``event`` (a `torch.cuda.Event`) by polling ``query()``,
+    never inside a blocking driver call: a blocking wait (``synchronize()``, a copy to pageable
+    memory) can hold up other threads' CUDA calls while it waits, and with emulated ranks those may
+    be the calls the awaited work depends on.
+
+    Args:
+        event: the recorded event.
+        timeout_secs: give up after this many seconds; None (the default) waits for as long as it takes.
+
+    Returns:
+        True once the event completed; False when ``timeout_secs`` passed first (the caller raises
+        its own error, naming what it waited for).
+    """
+    deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+    while not event.query():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(2e-5)
+    return True

@@ -62,9 +62,16 @@ def test_gradients_ep1(nccl_group):
         buf.destroy()
 
 
+def _run_ranks(group, body) -> None:
+    """``body`` on every emulated rank (each returns True); then no operator handle outlives its tensors."""
+    from deep_ep import ops
+    assert group.run(body) == [True] * group.num_ranks
+    gc.collect()
+    assert ops.num_live_handles() == 0
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_gradients_emulated(num_ranks):
-    from deep_ep import ops
     from deep_ep.emulated import EmulatedGroup
     group = EmulatedGroup(num_ranks)
 
@@ -76,9 +83,7 @@ def test_gradients_emulated(num_ranks):
             buf.destroy()
         return True
 
-    assert group.run(body) == [True] * num_ranks
-    gc.collect()
-    assert ops.num_live_handles() == 0
+    _run_ranks(group, body)
 
 
 def test_compile_inductor_ep1(nccl_group):
@@ -133,7 +138,6 @@ class _ThreadSum:
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_moe_layer_emulated(num_ranks):
-    from deep_ep import ops
     from deep_ep.emulated import EmulatedGroup
     group = EmulatedGroup(num_ranks)
     reduce = _ThreadSum(group)
@@ -152,9 +156,7 @@ def test_moe_layer_emulated(num_ranks):
             buf.destroy()
         return True
 
-    assert group.run(body) == [True] * num_ranks
-    gc.collect()
-    assert ops.num_live_handles() == 0
+    _run_ranks(group, body)
 
 
 def test_training_example_emulated():

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ... import jit, resources
-from ...cuda.streams import StreamJoin, new_stream, release_stream
+from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window as wl
@@ -316,12 +316,9 @@ class GPUBackend(Backend):
             dst.copy_(t, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        deadline = time.monotonic() + self.config.num_cpu_timeout_secs
-        while not ev.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
-                                   f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
-            time.sleep(2e-5)
+        if not poll_event(ev, self.config.num_cpu_timeout_secs):
+            raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
+                               f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         return dst.tolist()
 
     def wait_readback(self, seq: int, num_experts: int, num_topk: int) -> list:
