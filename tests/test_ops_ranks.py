@@ -259,7 +259,7 @@ def check_moe_layer(buf, rank: int, R: int, config: dict, device, all_reduce, nu
     ``all_reduce(t)`` sums a tensor over the ranks in place (the replicated gate's gradient).
     """
     from deep_ep import moe
-    E, H, F, K = 4 * R, 32, 16, 3
+    E, H, F, K = 4 * max(R, 2), 32, 16, 3    # 8 experts at least: the V3 gate picks 3 from 2 of 4 groups
     config = dict(config)
     activation = config.pop("activation")
     params = moe.moe_parameters(H, F, E, activation=activation, generator=torch.Generator().manual_seed(seed))
