@@ -1,0 +1,145 @@
+"""One eager call at a time, traced: where the wall time of a dispatch / combine goes (EP=1, one GPU).
+
+For each call kind (full dispatch with and without CPU sync, cached dispatch, combine) at the given
+size: a few warm calls, then ``--calls`` calls, each after a device sync, under torch.profiler (CPU
+and CUDA). Prints, per call, every host-side event inside it (torch ops, CUDA runtime and driver
+calls) and every kernel and copy it queued, with its start relative to the call's start and its
+duration, in microseconds; then the medians per kind. Then a cProfile of each kind (50 calls,
+synchronised), by cumulative time. Writes the Chrome trace to ``--trace`` if given.
+
+Usage: python tools/trace_calls.py [--tokens 4096] [--calls 3] [--trace trace.json]
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from deep_ep.bench.gpu_timing import single_rank_nccl_group
+
+
+def _calls(buf, a, dev):
+    T = a.tokens
+    x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
+    w = torch.rand((T, a.topk), device=dev)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=a.experts)
+    y = recv_x.clone()
+    return [
+        ("full dispatch, CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts)),
+        ("full dispatch, no CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
+                                                             num_max_tokens_per_rank=T)),
+        ("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
+        ("combine", lambda: buf.combine(y, handle, topk_weights=recv_w)),
+    ]
+
+
+def _timeline(trace: dict, names: list) -> None:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    calls = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("call ")),
+                   key=lambda e: e["ts"])
+    launches = {}
+    for e in events:
+        corr = e.get("args", {}).get("correlation")
+        if corr is not None and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            launches[corr] = e
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    per_kind: dict = {}
+    for c in calls:
+        t0, t1 = c["ts"], c["ts"] + c["dur"]
+        kind = c["name"].split(": ", 1)[1]
+        print(f"--- {c['name']}  host {c['dur']:.1f} us")
+        inside = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")
+                  and t0 <= e["ts"] <= t1 and e.get("tid") == c.get("tid")]
+        for e in sorted(inside, key=lambda e: e["ts"]):
+            print(f"    host   +{e['ts'] - t0:8.1f}  {e['dur']:8.1f}  {e.get('cat')[:12]:12s} {e['name'][:70]}")
+        mine = []
+        for e in device:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            if launch is not None and t0 <= launch["ts"] <= t1:
+                mine.append(e)
+        end = t1
+        for e in sorted(mine, key=lambda e: e["ts"]):
+            end = max(end, e["ts"] + e["dur"])
+            print(f"    device +{e['ts'] - t0:8.1f}  {e['dur']:8.1f}  {e.get('cat')[:12]:12s} {e['name'][:70]}")
+        print(f"    last device work ends at +{end - t0:.1f} us")
+        per_kind.setdefault(kind, []).append((c["dur"], end - t0))
+    print("===== medians per call kind: host time, end of its last device work (us, from the call's start)")
+    for kind in names:
+        v = per_kind.get(kind, [])
+        if v:
+            print(f"  {kind:30s} host {statistics.median(h for h, _ in v):8.1f}   "
+                  f"device done {statistics.median(d for _, d in v):8.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--trace", default="")
+    a = p.parse_args()
+    dev = torch.device("cuda", 0)
+    group = single_rank_nccl_group(dev)
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=a.tokens, hidden=a.hidden, num_topk=a.topk,
+                                explicitly_destroy=True)
+    calls = _calls(buf, a, dev)
+    for _, f in calls:
+        for _ in range(5):
+            f()
+    torch.cuda.synchronize()
+    # Plain synchronised wall time per call, without any profiler.
+    print(f"===== T={a.tokens}: synchronised calls, no profiler (median of 20, us): host / until the device is done")
+    for name, f in calls:
+        hs, ss = [], []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            hs.append((t1 - t0) * 1e6)
+            ss.append((t2 - t0) * 1e6)
+        print(f"  {name:30s} {statistics.median(hs):8.1f} {statistics.median(ss):8.1f}")
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for name, f in calls:
+            for i in range(a.calls):
+                torch.cuda.synchronize()
+                with record_function(f"call {i}: {name}"):
+                    f()
+                torch.cuda.synchronize()
+    path = a.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+        _timeline(json.load(fh), [n for n, _ in calls])
+    for name, f in calls:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            f()
+            torch.cuda.synchronize()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(35)
+        lines = s.getvalue().splitlines()
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+        print(f"===== {name}: cProfile of 50 synchronised calls, by cumulative time")
+        print("\n".join(line for line in lines[start:] if line.strip()))
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
