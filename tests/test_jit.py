@@ -580,9 +580,10 @@ def test_launch_restores_the_callers_context(monkeypatch):
 
 
 def test_prepared_cooperative_launch(monkeypatch):
-    """`Function.prepare(..., cooperative=True)` launches through cuLaunchCooperativeKernel with the
-    same grid, block and parameters; a refusal (grid too large to be resident at
-    once) is a LaunchError naming the launch kind (fake driver)."""
+    """`Function.prepare(..., cooperative=True)` and `Function.launch(..., cooperative=True)` (no
+    cluster) launch through cuLaunchCooperativeKernel with the same grid, block and parameters; a
+    refusal (grid too large to be resident at once) is a LaunchError naming the launch kind (fake
+    driver)."""
     import ctypes
 
     from deep_ep.cuda import driver as cuda_driver
@@ -613,9 +614,16 @@ def test_prepared_cooperative_launch(monkeypatch):
     assert state["coop"][0][4] == ctypes.addressof(coop._table)
     f.prepare(132, 512, (ctypes.c_int(1),), device=0).launch(7)
     assert len(state["plain"]) == 1 and len(state["coop"]) == 1
+    # Function.launch(cooperative=True) without a cluster: the same entry point, the packed table
+    monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, stream))
+    f.launch(66, 256, (None, None, 1.0, 0), stream=9, cooperative=True)
+    assert len(state["plain"]) == 1 and state["coop"][-1][:4] == (66, 256, 0, 9)
+    assert isinstance(state["coop"][-1][4], int) and state["coop"][-1][4] != 0
     state["refuse"] = True
     with pytest.raises(jit.LaunchError, match="cooperative=True"):
         coop.launch(7)
+    with pytest.raises(jit.LaunchError, match="cooperative=True"):
+        f.launch(66, 256, (None, None, 1.0, 0), stream=9, cooperative=True)
 
 
 def test_backend_rewords_a_refused_cooperative_launch():

@@ -159,8 +159,13 @@ class Function:
             self._set_smem(device, h, smem)
         buf, params = pack_args(plan_for(self._plans, args), args)  # buf: keeps the parameter memory alive
         d = _drv()
-        if not cooperative and cluster is None:
-            (err,) = d.cuLaunchKernel(h, gx, gy, gz, bx, by, bz, smem, hstream, params, 0)
+        if cluster is None:
+            # The plain entry points: cuLaunchKernelEx needs launch-config objects built per call,
+            # tens of microseconds of host time through the Python bindings.
+            if cooperative:
+                (err,) = d.cuLaunchCooperativeKernel(h, gx, gy, gz, bx, by, bz, smem, hstream, params)
+            else:
+                (err,) = d.cuLaunchKernel(h, gx, gy, gz, bx, by, bz, smem, hstream, params, 0)
         else:
             err = self._launch_ex(h, (gx, gy, gz), (bx, by, bz), smem, hstream, params, cooperative, cluster)
         if int(err) != 0:
