@@ -60,6 +60,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     if E > MAX_EXPERTS:
         raise ValueError(f"num_experts={E} exceeds the {MAX_EXPERTS} experts a window has room for")
     L = E // R
+    ix = LayoutIndex(R, L, E)
     T, H = int(data.shape[0]), int(data.shape[1])
     K = int(topk_idx.shape[1])
     if K > (b.config.num_topk or MAX_TOPK):
@@ -95,7 +96,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         big = 2 ** 31 - 1
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
-        lay = outputs.empty(LayoutIndex(R, L, E).size, torch.int32, dev, b.fill_stream)
+        lay = outputs.empty(ix.size, torch.int32, dev, b.fill_stream)
         pos_tok = outputs.empty((T, R), torch.int32, dev, b.fill_stream)
         pos_pair = outputs.empty((T, K), torch.int32, dev, b.fill_stream) if do_expand else None
         stream = b.launch_stream
@@ -185,12 +186,11 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         if stats is not None:
             # The layout kernel counts a fresh dispatch; a cached one adds the handle's counts here, on
             # the stream its kernels ran on.
-            Lc = LayoutIndex(R, L, E)
             with contextlib.nullcontext() if b.fill_stream is None else torch.cuda.stream(b.fill_stream):
-                stats.add_(lay[Lc.raw_counts: Lc.raw_counts + L])
+                stats.add_(lay[ix.raw_counts: ix.raw_counts + L])
         return recv_x, out_idx, out_w, handle
 
-    Lx = LayoutIndex(R, L, E)
+    Lx = ix
     if do_cpu_sync:
         counts = head[READBACK["counts"]: READBACK["counts"] + L]
         num_recv_tokens, num_expanded_tokens = num_tok_rows, sum(counts)
