@@ -5,9 +5,9 @@ size: a few warm calls, then ``--calls`` calls, each after a device sync, under 
 and CUDA). Prints, per call, every host-side event inside it (torch ops, CUDA runtime and driver
 calls) and every kernel and copy it queued, with its start relative to the call's start and its
 duration, in microseconds; then the medians per kind. Then a cProfile of each kind (50 calls,
-synchronised), by cumulative time. Writes the Chrome trace to ``--trace`` if given.
+synchronised), by cumulative time, with --cprofile. Writes the Chrome trace to ``--trace`` if given.
 
-Usage: python tools/trace_calls.py [--tokens 4096] [--calls 3] [--trace trace.json]
+Usage: python tools/trace_calls.py [--tokens 4096] [--calls 3] [--trace trace.json] [--cprofile]
 """
 import argparse
 import cProfile
@@ -46,32 +46,25 @@ def _timeline(trace: dict, names: list) -> None:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     calls = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("call ")),
                    key=lambda e: e["ts"])
-    launches = {}
-    for e in events:
-        corr = e.get("args", {}).get("correlation")
-        if corr is not None and e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            launches[corr] = e
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     per_kind: dict = {}
-    for c in calls:
+    for i, c in enumerate(calls):
+        # Calls are separated by device syncs: a call's device work is what runs before the next starts.
         t0, t1 = c["ts"], c["ts"] + c["dur"]
+        t_next = calls[i + 1]["ts"] if i + 1 < len(calls) else float("inf")
         kind = c["name"].split(": ", 1)[1]
         print(f"--- {c['name']}  host {c['dur']:.1f} us")
-        inside = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")
-                  and t0 <= e["ts"] <= t1 and e.get("tid") == c.get("tid")]
+        inside = [e for e in events if t0 <= e["ts"] <= t1 and e.get("tid") == c.get("tid") and (
+            e.get("cat") in ("cuda_runtime", "cuda_driver") or (e.get("cat") == "cpu_op" and e["dur"] >= 3))]
         for e in sorted(inside, key=lambda e: e["ts"]):
-            print(f"    host   +{e['ts'] - t0:8.1f}  {e['dur']:8.1f}  {e.get('cat')[:12]:12s} {e['name'][:70]}")
-        mine = []
-        for e in device:
-            launch = launches.get(e.get("args", {}).get("correlation"))
-            if launch is not None and t0 <= launch["ts"] <= t1:
-                mine.append(e)
-        end = t1
-        for e in sorted(mine, key=lambda e: e["ts"]):
-            end = max(end, e["ts"] + e["dur"])
-            print(f"    device +{e['ts'] - t0:8.1f}  {e['dur']:8.1f}  {e.get('cat')[:12]:12s} {e['name'][:70]}")
-        print(f"    last device work ends at +{end - t0:.1f} us")
-        per_kind.setdefault(kind, []).append((c["dur"], end - t0))
+            print(f"  h +{e['ts'] - t0:7.1f} {e['dur']:7.1f} {e.get('cat')[:8]:8s} {e['name'][:60]}")
+        end = None
+        for e in sorted((e for e in device if t0 <= e["ts"] < t_next), key=lambda e: e["ts"]):
+            end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+            print(f"  d +{e['ts'] - t0:7.1f} {e['dur']:7.1f} {e.get('cat')[:8]:8s} {e['name'][:60]}")
+        if end is not None:
+            print(f"  last device work ends at +{end - t0:.1f} us")
+            per_kind.setdefault(kind, []).append((c["dur"], end - t0))
     print("===== medians per call kind: host time, end of its last device work (us, from the call's start)")
     for kind in names:
         v = per_kind.get(kind, [])
@@ -87,7 +80,8 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--calls", type=int, default=3)
-    p.add_argument("--trace", default="")
+    p.add_argument("--trace", default="", help="where to write the Chrome trace (default: a temporary file)")
+    p.add_argument("--cprofile", action="store_true", help="also a cProfile of each call kind")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
@@ -124,6 +118,10 @@ def main() -> None:
     prof.export_chrome_trace(path)
     with open(path) as fh:
         _timeline(json.load(fh), [n for n, _ in calls])
+    if not a.cprofile:
+        buf.destroy()
+        dist.destroy_process_group()
+        return
     for name, f in calls:
         pr = cProfile.Profile()
         pr.enable()
