@@ -108,3 +108,27 @@ def test_poll_event_waits_and_times_out():
     ev = Event(done_after=5)
     assert poll_event(ev) is True and ev.queries == 6
     assert poll_event(Event(done_after=10 ** 9), timeout_secs=0.01) is False
+
+
+def test_spin_until_spins_then_sleeps(monkeypatch):
+    """`deep_ep.cuda.streams.spin_until` polls without sleeping (yielding the GIL with
+    os.sched_yield) for its spin window, then sleeps between polls; it gives up at the time limit."""
+    from deep_ep.cuda import streams
+
+    calls = {"yield": 0, "sleep": 0}
+    monkeypatch.setattr(streams.os, "sched_yield", lambda: calls.__setitem__("yield", calls["yield"] + 1))
+    real_sleep = streams.time.sleep
+
+    def sleep(s):
+        calls["sleep"] += 1
+        real_sleep(s)
+    monkeypatch.setattr(streams.time, "sleep", sleep)
+    polls = iter(range(10 ** 9))
+    assert streams.spin_until(lambda: next(polls) >= 200) is True
+    assert calls["yield"] > 0 and calls["sleep"] == 0       # a short wait never sleeps
+    monkeypatch.setattr(streams, "SPIN_SECS", 0.0)
+    polls = iter(range(10 ** 9))
+    assert streams.spin_until(lambda: next(polls) >= 200) is True
+    assert calls["sleep"] > 0                               # past the spin window it sleeps
+    assert streams.spin_until(lambda: False, timeout_secs=0.01) is False
+    assert streams.spin_until(lambda: True, timeout_secs=0.0) is True

@@ -8,13 +8,14 @@ with the CUDA driver, non-blocking with respect to the legacy default stream, an
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Optional
 
 import torch
 
-__all__ = ["new_stream", "release_stream", "StreamJoin", "poll_event"]
+__all__ = ["new_stream", "release_stream", "StreamJoin", "poll_event", "spin_until"]
 
 _lock = threading.RLock()  # re-entrant: a garbage-collected owner may release a stream inside new_stream
 _free: dict = {}   # device index -> streams released by their owner, ready for reuse
@@ -157,9 +158,50 @@ class StreamJoin:
             pass
 
 
+# How a host wait polls (`spin_until`): spinning, with os.sched_yield() every few polls (it releases
+# the GIL for other threads, e.g. emulated ranks, and has no timer slack), for SPIN_SECS; then with
+# sleeps of SLEEP_SECS, so that a long wait does not hold a core. A sleep, even time.sleep(0), lasts
+# the kernel's timer slack (50 us by default on Linux): a wait that sleeps from the start sees a
+# short kernel finish tens of microseconds late.
+SPIN_SECS = 2e-3
+SLEEP_SECS = 5e-5
+_YIELD_EVERY = 16
+
+
+def spin_until(done, timeout_secs: Optional[float] = None) -> bool:
+    """Call ``done()`` until it returns true: spinning first (`SPIN_SECS`, yielding the GIL every few
+    calls), then with short sleeps (`SLEEP_SECS`).
+
+    Args:
+        done: a no-argument callable, cheap (a read of mapped memory, an event query).
+        timeout_secs: give up after this many seconds; None (the default) waits for as long as it takes.
+
+    Returns:
+        True once ``done()`` returned true; False when ``timeout_secs`` passed first.
+    """
+    if done():
+        return True
+    start = time.monotonic()
+    spin_end = start + SPIN_SECS
+    deadline = None if timeout_secs is None else start + timeout_secs
+    polls = 0
+    while not done():
+        polls += 1
+        if polls % _YIELD_EVERY:
+            continue
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            return False
+        if now < spin_end:
+            os.sched_yield()
+        else:
+            time.sleep(SLEEP_SECS)
+    return True
+
+
 def poll_event(event, timeout_secs: Optional[float] = None) -> bool:
-    """Wait on the host for a recorded ``event`` (a `torch.cuda.Event`) by polling ``query()``,
-    never inside a blocking driver call: a blocking wait (``synchronize()``, a copy to pageable
+    """Wait on the host for a recorded ``event`` (a `torch.cuda.Event`) by polling ``query()``
+    (`spin_until`), never inside a blocking driver call: a blocking wait (``synchronize()``, a copy to pageable
     memory) can hold up other threads' CUDA calls while it waits, and with emulated ranks those may
     be the calls the awaited work depends on.
 
@@ -171,9 +213,4 @@ def poll_event(event, timeout_secs: Optional[float] = None) -> bool:
         True once the event completed; False when ``timeout_secs`` passed first (the caller raises
         its own error, naming what it waited for).
     """
-    deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
-    while not event.query():
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        time.sleep(2e-5)
-    return True
+    return spin_until(event.query, timeout_secs)

@@ -18,13 +18,12 @@ group, or one allocation shared by ranks emulated on one GPU; kernels are built 
 from __future__ import annotations
 
 import os
-import time
 from typing import Optional
 
 import torch
 
 from ... import jit, resources
-from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream
+from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, spin_until
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window as wl
@@ -122,6 +121,10 @@ class GPUBackend(Backend):
         self.last_num_experts = self.last_num_topk = 0   # of the last dispatch (for async error messages)
         self.launched_call = 0   # the call number of the last kernels launched (an async error is theirs)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
+        # Prepared launches of fresh dispatches (`dispatch.run_dispatch`): notify and layout per
+        # (module structure, experts); the data kernel per (module structure, SMs, zero padding).
+        self.fresh_launches: dict = {}
+        self.fresh_data_launches: dict = {}
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
 
@@ -324,8 +327,9 @@ class GPUBackend(Backend):
     def wait_readback(self, seq: int, num_experts: int, num_topk: int) -> list:
         """The layout kernel's report of call ``seq`` (the kReadback* words), once it is written.
 
-        The host spins on mapped memory (no copy, no event, no sleep: a sleep costs tens of
-        microseconds of wake-up), yielding the GIL now and then for other ranks' threads.
+        The host spins on mapped memory (no copy, no event; `deep_ep.cuda.streams.spin_until`: no
+        sleep for the first milliseconds, since a sleep lasts the OS's timer slack, tens of
+        microseconds), yielding the GIL now and then for other ranks' threads.
 
         Raises:
             ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
@@ -334,19 +338,10 @@ class GPUBackend(Backend):
         """
         words = self.readback.words
         seq_word = READBACK["seq"]
-        deadline = None
-        spins = 0
-        while words[seq_word] != seq:
-            spins += 1
-            if spins & 255 == 0:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.config.num_cpu_timeout_secs
-                elif now > deadline:
-                    raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
-                                       f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
-                time.sleep(0)
-        report = list(words)
+        if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs):
+            raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
+                               f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
+        report = words[:READBACK["counts"] + num_experts // self.num_ranks]   # the header, then L counts
         status = report[READBACK["status"]]
         if status == ERR_BAD_EXPERT:
             raise_bad_expert(report[READBACK["peer"]], report[READBACK["detail"]], report[READBACK["value"]],
