@@ -614,6 +614,15 @@ def test_prepared_cooperative_launch(monkeypatch):
     assert state["coop"][0][4] == ctypes.addressof(coop._table)
     f.prepare(132, 512, (ctypes.c_int(1),), device=0).launch(7)
     assert len(state["plain"]) == 1 and len(state["coop"]) == 1
+    # dynamic shared memory and a grid given at launch (the notify kernel's: both vary with the call)
+    sized = f.prepare(8, 32, (ctypes.c_int(1),), device=0, cooperative=True, smem=1028)
+    sized.launch(5, grid=3)
+    sized.launch(5)
+    assert state["coop"][-2][:4] == (3, 32, 1028, 5) and state["coop"][-1][:4] == (8, 32, 1028, 5)
+    sized.update(0, ctypes.c_int(42))       # in place: the launch table still points at the argument
+    assert sized.args[0].value == 42 and sized._table[0] == ctypes.addressof(sized.args[0])
+    with pytest.raises(TypeError):
+        sized.update(0, ctypes.c_int64(1))
     # Function.launch(cooperative=True) without a cluster: the same entry point, the packed table
     monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, stream))
     f.launch(66, 256, (None, None, 1.0, 0), stream=9, cooperative=True)

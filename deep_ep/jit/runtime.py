@@ -175,7 +175,7 @@ class Function:
         del buf
 
     def prepare(self, grid: int, block: int, args: tuple, *, device: int,
-                cooperative: bool = False) -> "PreparedLaunch":
+                cooperative: bool = False, smem: int = 0) -> "PreparedLaunch":
         """A launch of this kernel with fixed grid and block whose argument storage is ``args``.
 
         Args:
@@ -189,6 +189,7 @@ class Function:
                 if all its blocks can be resident at once, and refuses it otherwise
                 (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``, raised as `LaunchError`) instead of
                 letting blocks that wait for each other stall.
+            smem: dynamic shared memory bytes per block; above 48 KB the function's limit is raised.
 
         Raises:
             LaunchError: no GPU, or the kernel could not be loaded.
@@ -197,8 +198,14 @@ class Function:
         for a in args:
             if not isinstance(a, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
                 raise TypeError(f"{self.name}: prepared launches take ctypes objects, got {type(a).__name__}")
-        return PreparedLaunch(self, self.handle(device), device, int(grid), int(block), tuple(args),
-                              bool(cooperative))
+        h = self.handle(device)
+        if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
+            previous = enter_context(device)
+            try:
+                self._set_smem(device, h, smem)
+            finally:
+                leave_context(previous)
+        return PreparedLaunch(self, h, device, int(grid), int(block), tuple(args), bool(cooperative), int(smem))
 
     def _launch_ex(self, h, grid, block, smem, hstream, params, cooperative, cluster):
         d = _drv()
@@ -233,35 +240,49 @@ class PreparedLaunch:
     Not thread-safe (one owner updates the arguments).
     """
 
-    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_cooperative", "_table")
+    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_cooperative", "_smem", "_table")
 
     def __init__(self, function: Function, h, device: int, grid: int, block: int, args: tuple,
-                 cooperative: bool = False) -> None:
+                 cooperative: bool = False, smem: int = 0) -> None:
         self.function, self.args = function, args
         self._h, self._device, self._grid, self._block = h, device, grid, block
-        self._cooperative = cooperative
+        self._cooperative, self._smem = cooperative, smem
         self._table = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
 
-    def launch(self, hstream: int) -> None:
-        """Launch on the raw ``CUstream`` handle ``hstream`` (an int) of this launch's device.
+    def update(self, index: int, value) -> None:
+        """Copy ``value`` (a ctypes object of argument ``index``'s type) into that argument's storage.
+
+        Raises:
+            TypeError: ``value`` is not of the argument's type.
+        """
+        dst = self.args[index]
+        if type(value) is not type(dst):
+            raise TypeError(f"{self.function.name}: argument {index} is a {type(dst).__name__}, "
+                            f"got {type(value).__name__}")
+        ctypes.memmove(ctypes.addressof(dst), ctypes.addressof(value), ctypes.sizeof(dst))
+
+    def launch(self, hstream: int, grid: int = 0) -> None:
+        """Launch on the raw ``CUstream`` handle ``hstream`` (an int) of this launch's device, with
+        ``grid`` blocks when given (> 0), else the prepared grid.
 
         Raises:
             LaunchError: the driver refused the launch.
         """
+        grid = grid or self._grid
         previous = enter_context(self._device)
         try:
             d = _drv()
             if self._cooperative:
-                (err,) = d.cuLaunchCooperativeKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
+                (err,) = d.cuLaunchCooperativeKernel(self._h, grid, 1, 1, self._block, 1, 1, self._smem, hstream,
                                                      ctypes.addressof(self._table))
             else:
-                (err,) = d.cuLaunchKernel(self._h, self._grid, 1, 1, self._block, 1, 1, 0, hstream,
+                (err,) = d.cuLaunchKernel(self._h, grid, 1, 1, self._block, 1, 1, self._smem, hstream,
                                           ctypes.addressof(self._table), 0)
         finally:
             leave_context(previous)
         if int(err) != 0:
             raise LaunchError(f"launch of {self.function.module.name}:{self.function.name} failed "
-                              f"({_err_name(err)}); grid={self._grid} block={self._block} "
+                              f"({_err_name(err)}); grid={grid} block={self._block} smem={self._smem} "
                               f"cooperative={self._cooperative} args={_summarize(self.args)} (prepared)")
 
 

@@ -83,7 +83,8 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                          f"(num_max_tokens_per_rank)")
     b.last_m = m
     n_sms = b.num_sms(num_sms, E, K)
-    mod = b.module("dispatch", (data_bytes, num_sf, K, bool(do_expand)))
+    structure = (data_bytes, num_sf, K, bool(do_expand))
+    mod = b.module("dispatch", structure)
     transport = b.transport_args
 
     b.raise_if_broken()
@@ -96,29 +97,40 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         big = 2 ** 31 - 1
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
-        lay = outputs.empty(ix.size, torch.int32, dev, b.fill_stream)
-        pos_tok = outputs.empty((T, R), torch.int32, dev, b.fill_stream)
-        pos_pair = outputs.empty((T, K), torch.int32, dev, b.fill_stream) if do_expand else None
+        # The handle's int32 words in one allocation: layout words, then pos_tok [T, R], then
+        # (expanded) pos_pair [T, K].
+        words = outputs.empty(ix.size + T * R + (T * K if do_expand else 0), torch.int32, dev, b.fill_stream)
+        lay = words[:ix.size]
+        pos_tok = words[ix.size: ix.size + T * R].view(T, R)
+        pos_pair = words[ix.size + T * R:].view(T, K) if do_expand else None
         stream = b.launch_stream
         pairs_per_group = 256
         groups = max(1, min(b.notify_groups_max, -(-T * K // pairs_per_group)))
-        notify = NotifyArgs(topk_idx=_ptr(topk_idx), num_tokens=T, num_experts=E,
-                            tokens_per_group=max(1, -(-T // groups)), counts_offset=layout.counts_offset,
-                            pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), scratch=b.notify_scratch.data_ptr(),
-                            timeout_ns=b.timeout_ns, tag=tag)
+        # The notify and layout launches are prepared once per module and expert count (their
+        # argument structs are copied in each call; the notify grid is given at launch).
+        fresh = b.fresh_launches.get((structure, E))
+        if fresh is None:
+            fresh = b.fresh_launches[(structure, E)] = (
+                mod.function("deep_ep_notify").prepare(1, 32, (NotifyArgs(), transport), device=dev.index,
+                                                       cooperative=b.cooperative, smem=4 * (R + E)),
+                mod.function("deep_ep_layout").prepare(1, LAYOUT_THREADS, (LayoutArgs(), transport),
+                                                       device=dev.index))
+        notify_launch, layout_launch = fresh
+        notify_launch.update(0, NotifyArgs(
+            topk_idx=_ptr(topk_idx), num_tokens=T, num_experts=E, tokens_per_group=max(1, -(-T // groups)),
+            counts_offset=layout.counts_offset, pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair),
+            scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag))
         b.launched_call = b.calls
-        mod.function("deep_ep_notify").launch(groups, 32, (notify, transport), smem=4 * (R + E), stream=stream,
-                                              cooperative=b.cooperative, device=dev.index)
+        notify_launch.launch(stream, groups)
         seq = 0
         if do_cpu_sync:
             b.readback_seq = seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-        layout_args = LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset, layout=lay.data_ptr(),
-                                 cumulative_stats=_ptr(cumulative_local_expert_recv_stats), out_capacity=out_cap,
-                                 tok_capacity=tok_cap, timeout_ns=b.timeout_ns,
-                                 host_out=b.readback.device_ptr if do_cpu_sync else None, seq=seq,
-                                 err_host=b.err_record.device_ptr, tag=tag)
-        mod.function("deep_ep_layout").launch(1, LAYOUT_THREADS, (layout_args, transport), stream=stream,
-                                              device=dev.index)
+        layout_launch.update(0, LayoutArgs(
+            num_experts=E, alignment=A, counts_offset=layout.counts_offset, layout=lay.data_ptr(),
+            cumulative_stats=_ptr(cumulative_local_expert_recv_stats), out_capacity=out_cap, tok_capacity=tok_cap,
+            timeout_ns=b.timeout_ns, host_out=b.readback.device_ptr if do_cpu_sync else None, seq=seq,
+            err_host=b.err_record.device_ptr, tag=tag))
+        layout_launch.launch(stream)
         b.last_num_experts, b.last_num_topk = E, K
         if do_cpu_sync:
             head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
@@ -173,11 +185,21 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             layout=lay.data_ptr(), num_experts=E, alignment=A,
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
             timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-        fn = mod.function("deep_ep_dispatch_cached" if cached else "deep_ep_dispatch")
-        prepared = fn.prepare(n_sms, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
-                              cooperative=b.cooperative)
         if cached:
-            state.launches[key] = prepared
+            fn = mod.function("deep_ep_dispatch_cached")
+            prepared = state.launches[key] = fn.prepare(
+                n_sms, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
+                cooperative=b.cooperative)
+        else:
+            # A fresh dispatch: one prepared launch per module, SM count and padding flag, whose
+            # arguments are copied in each call.
+            fresh_key = (structure, n_sms, bool(do_zero_padding))
+            prepared = b.fresh_data_launches.get(fresh_key)
+            if prepared is None:
+                prepared = b.fresh_data_launches[fresh_key] = mod.function("deep_ep_dispatch").prepare(
+                    n_sms, modules.THREADS, (DispatchArgs(), transport, ctypes.c_int(int(do_zero_padding))),
+                    device=dev.index, cooperative=b.cooperative)
+            prepared.update(0, args)
     b.launch_data(prepared, n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
