@@ -132,6 +132,11 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             err_host=b.err_record.device_ptr, tag=tag))
         layout_launch.launch(stream)
         b.last_num_experts, b.last_num_topk = E, K
+        # Host work that needs no counts, done while the device numbers the tokens (before the
+        # host waits for the counts with do_cpu_sync): the handle's copy of topk_idx and its views.
+        handle_topk = topk_idx.clone() if do_handle_copy else topk_idx
+        views = (lay[ix.tok_prefix: ix.tok_prefix + R], lay[ix.psum_expert: ix.psum_expert + L],
+                 lay[ix.raw_counts: ix.raw_counts + L])
         if do_cpu_sync:
             head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
             num_out_rows = head[READBACK["out_rows"]]
@@ -212,7 +217,6 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                 stats.add_(lay[ix.raw_counts: ix.raw_counts + L])
         return recv_x, out_idx, out_w, handle
 
-    Lx = ix
     if do_cpu_sync:
         counts = head[READBACK["counts"]: READBACK["counts"] + L]
         num_recv_tokens, num_expanded_tokens = num_tok_rows, sum(counts)
@@ -224,12 +228,11 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                                src_meta=src_meta)
     new_handle = EPHandle(
         do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
-        num_sms=n_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
+        num_sms=n_sms, topk_idx=handle_topk,
         num_recv_tokens=num_recv_tokens, num_expanded_tokens=num_expanded_tokens,
         num_recv_tokens_per_expert_list=counts,
-        psum_num_recv_tokens_per_scaleup_rank=lay[Lx.tok_prefix: Lx.tok_prefix + R],
-        psum_num_recv_tokens_per_expert=lay[Lx.psum_expert: Lx.psum_expert + L],
-        num_unaligned_recv_tokens_per_expert=lay[Lx.raw_counts: Lx.raw_counts + L],
+        psum_num_recv_tokens_per_scaleup_rank=views[0], psum_num_recv_tokens_per_expert=views[1],
+        num_unaligned_recv_tokens_per_expert=views[2],
         recv_src_metadata=src_meta, dst_buffer_slot_idx=pos_pair if do_expand else pos_tok,
         buffer_id=b.config.buffer_id, num_ranks=R, rank=rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
