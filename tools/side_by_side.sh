@@ -2,6 +2,9 @@
 # Old tree vs this tree on one GPU, in one run: outputs bit for bit (tools/compare_outputs.py) and the
 # bench's numbers, alternating old / new so that drift of the card shows as spread, not as a gain.
 # Usage: OLD=<path of an old checkout> bash tools/side_by_side.sh [rounds]   (logs under $OUT)
+# Make the old tree from a commit, inside the repository so that it travels to a GPU machine (an
+# ignored folder, e.g. listed in .git/info/exclude, named in the device tool's carry), and record the commit:
+#   rm -rf .trees/old && mkdir -p .trees/old && git archive <commit> | tar x -C .trees/old && echo <commit> > .trees/old/COMMIT
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 NEW=$PWD
@@ -10,6 +13,7 @@ ROUNDS=${1:-2}
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
 export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$NEW/.jitcache}
+echo "=== old tree: commit $(cat "$OLD/COMMIT" 2>/dev/null || echo unknown)"
 echo "=== outputs $(date -u +%H:%M:%S)"
 (cd "$OLD" && PYTHONPATH=$OLD timeout 300 python3 "$NEW/tools/compare_outputs.py" dump "$OUT/outputs_old.pt") 2>&1 | tail -3
 PYTHONPATH=$NEW timeout 300 python3 tools/compare_outputs.py dump "$OUT/outputs_new.pt" 2>&1 | tail -3
@@ -20,6 +24,7 @@ for r in $(seq 1 "$ROUNDS"); do
     echo "=== bench $tree round $r $(date -u +%H:%M:%S)"
     (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m deep_ep bench --iters 10 ${BENCH_ARGS:-}) \
       > "$OUT/bench_${tree}_$r.log" 2>&1
-    grep -E "^(floor|rank 0|check|Traceback|[A-Za-z]+Error)" "$OUT/bench_${tree}_$r.log"
+    grep -E "^(floor|rank 0|call |full dispatch|cached dispatch|combine |plain torch|check|Traceback|[A-Za-z]+Error)" \
+      "$OUT/bench_${tree}_$r.log"
   done
 done
