@@ -123,12 +123,17 @@ def test_spin_until_spins_then_sleeps(monkeypatch):
         calls["sleep"] += 1
         real_sleep(s)
     monkeypatch.setattr(streams.time, "sleep", sleep)
+    monkeypatch.setattr(streams, "SPIN_SECS", 10.0)        # a window no loaded machine outlasts
     polls = iter(range(10 ** 9))
     assert streams.spin_until(lambda: next(polls) >= 200) is True
     assert calls["yield"] > 0 and calls["sleep"] == 0       # a short wait never sleeps
+    polls = iter(range(10 ** 9))
+    assert streams.spin_until(lambda: next(polls) >= 200, spin_secs=0.0) is True
+    assert calls["sleep"] > 0                               # past the spin window it sleeps
     monkeypatch.setattr(streams, "SPIN_SECS", 0.0)
+    calls["sleep"] = 0
     polls = iter(range(10 ** 9))
     assert streams.spin_until(lambda: next(polls) >= 200) is True
-    assert calls["sleep"] > 0                               # past the spin window it sleeps
+    assert calls["sleep"] > 0
     assert streams.spin_until(lambda: False, timeout_secs=0.01) is False
     assert streams.spin_until(lambda: True, timeout_secs=0.0) is True

@@ -27,6 +27,7 @@ from deep_ep.bench.gpu_timing import single_rank_nccl_group
 
 
 def _calls(buf, a, dev):
+    """The four call kinds at the given size, as ``(name, no-argument callable)``."""
     T = a.tokens
     x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
@@ -43,6 +44,8 @@ def _calls(buf, a, dev):
 
 
 def _timeline(trace: dict, names: list) -> None:
+    """Print each ``call i: <kind>`` range of the Chrome trace with its host events and device work,
+    then the medians per kind of ``names``."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     calls = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("call ")),
                    key=lambda e: e["ts"])
@@ -74,6 +77,7 @@ def _timeline(trace: dict, names: list) -> None:
 
 
 def main() -> None:
+    """Parse the arguments, time and trace each call kind, print the results."""
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
@@ -114,10 +118,11 @@ def main() -> None:
                 with record_function(f"call {i}: {name}"):
                     f()
                 torch.cuda.synchronize()
-    path = a.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as fh:
-        _timeline(json.load(fh), [n for n, _ in calls])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.trace or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            _timeline(json.load(fh), [n for n, _ in calls])
     if not a.cprofile:
         buf.destroy()
         dist.destroy_process_group()

@@ -159,22 +159,26 @@ class StreamJoin:
 
 
 # How a host wait polls (`spin_until`): spinning, with os.sched_yield() every few polls (it releases
-# the GIL for other threads, e.g. emulated ranks, and has no timer slack), for SPIN_SECS; then with
-# sleeps of SLEEP_SECS, so that a long wait does not hold a core. A sleep, even time.sleep(0), lasts
-# the kernel's timer slack (50 us by default on Linux): a wait that sleeps from the start sees a
-# short kernel finish tens of microseconds late.
+# the GIL and has no timer slack), for up to SPIN_SECS; then with sleeps of SLEEP_SECS, so that a
+# long wait does not hold a core. A sleep, even time.sleep(0), lasts the kernel's timer slack (50 us
+# by default on Linux): a wait that sleeps from the start sees a short kernel finish tens of
+# microseconds late. A spinning thread takes the GIL back sooner than a sleeping one, which slows
+# other Python threads that need it (emulated ranks' threads queueing their kernels): such waits
+# pass spin_secs=0.
 SPIN_SECS = 2e-3
-SLEEP_SECS = 5e-5
+SLEEP_SECS = 2e-5
 _YIELD_EVERY = 16
 
 
-def spin_until(done, timeout_secs: Optional[float] = None) -> bool:
-    """Call ``done()`` until it returns true: spinning first (`SPIN_SECS`, yielding the GIL every few
-    calls), then with short sleeps (`SLEEP_SECS`).
+def spin_until(done, timeout_secs: Optional[float] = None, spin_secs: Optional[float] = None) -> bool:
+    """Call ``done()`` until it returns true: spinning first (``spin_secs``, yielding the GIL every
+    few calls), then with short sleeps (`SLEEP_SECS`).
 
     Args:
         done: a no-argument callable, cheap (a read of mapped memory, an event query).
         timeout_secs: give up after this many seconds; None (the default) waits for as long as it takes.
+        spin_secs: how long to spin before sleeping between polls; None (the default): `SPIN_SECS`;
+            0: sleep from the start (other threads of the process get the GIL sooner).
 
     Returns:
         True once ``done()`` returned true; False when ``timeout_secs`` passed first.
@@ -182,7 +186,7 @@ def spin_until(done, timeout_secs: Optional[float] = None) -> bool:
     if done():
         return True
     start = time.monotonic()
-    spin_end = start + SPIN_SECS
+    spin_end = start + (SPIN_SECS if spin_secs is None else spin_secs)
     deadline = None if timeout_secs is None else start + timeout_secs
     polls = 0
     while not done():
@@ -199,7 +203,7 @@ def spin_until(done, timeout_secs: Optional[float] = None) -> bool:
     return True
 
 
-def poll_event(event, timeout_secs: Optional[float] = None) -> bool:
+def poll_event(event, timeout_secs: Optional[float] = None, spin_secs: Optional[float] = 0.0) -> bool:
     """Wait on the host for a recorded ``event`` (a `torch.cuda.Event`) by polling ``query()``
     (`spin_until`), never inside a blocking driver call: a blocking wait (``synchronize()``, a copy to pageable
     memory) can hold up other threads' CUDA calls while it waits, and with emulated ranks those may
@@ -208,9 +212,11 @@ def poll_event(event, timeout_secs: Optional[float] = None) -> bool:
     Args:
         event: the recorded event.
         timeout_secs: give up after this many seconds; None (the default) waits for as long as it takes.
+        spin_secs: as for `spin_until`; by default 0 (sleep between queries from the start: a query
+            takes the driver's lock, which other threads' CUDA calls need too).
 
     Returns:
         True once the event completed; False when ``timeout_secs`` passed first (the caller raises
         its own error, naming what it waited for).
     """
-    return spin_until(event.query, timeout_secs)
+    return spin_until(event.query, timeout_secs, spin_secs)

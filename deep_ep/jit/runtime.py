@@ -1,9 +1,10 @@
 """Loading cubins and launching kernels with the CUDA driver API (``cuda.bindings.driver``).
 
 `Module` holds a cubin and loads it per device on first use; `Function` is one of its kernels, and
-`Function.launch` packs the arguments (`deep_ep.jit.args`) and calls ``cuLaunchKernel`` in the
-device's primary context (`deep_ep.cuda.driver`), restoring the caller's context afterwards.
-`PreparedLaunch` is a launch packed once, for calls repeated with the same shape.
+`Function.launch` packs the arguments (`deep_ep.jit.args`) and calls ``cuLaunchKernel`` (or
+``cuLaunchCooperativeKernel``, or ``cuLaunchKernelEx`` for clusters) in the device's primary context
+(`deep_ep.cuda.driver`), restoring the caller's context afterwards. `PreparedLaunch` is a launch
+packed once, for calls repeated with the same shape.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class Function:
 
     def prepare(self, grid: int, block: int, args: tuple, *, device: int,
                 cooperative: bool = False, smem: int = 0) -> "PreparedLaunch":
-        """A launch of this kernel with fixed grid and block whose argument storage is ``args``.
+        """A launch of this kernel with a block size and default grid whose argument storage is ``args``.
 
         Args:
             grid, block: blocks and threads per block (1-D).

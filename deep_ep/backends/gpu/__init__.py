@@ -319,7 +319,7 @@ class GPUBackend(Backend):
             dst.copy_(t, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        if not poll_event(ev, self.config.num_cpu_timeout_secs):
+        if not poll_event(ev, self.config.num_cpu_timeout_secs, 0.0 if self.emulated else None):
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         return dst.tolist()
@@ -329,7 +329,8 @@ class GPUBackend(Backend):
 
         The host spins on mapped memory (no copy, no event; `deep_ep.cuda.streams.spin_until`: no
         sleep for the first milliseconds, since a sleep lasts the OS's timer slack, tens of
-        microseconds), yielding the GIL now and then for other ranks' threads.
+        microseconds), yielding the GIL now and then; with emulated ranks it sleeps between polls
+        from the start, so that the other ranks' threads get the GIL.
 
         Raises:
             ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
@@ -338,7 +339,9 @@ class GPUBackend(Backend):
         """
         words = self.readback.words
         seq_word = READBACK["seq"]
-        if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs):
+        # Emulated ranks: the peers' threads need the GIL to queue the kernels this wait depends on.
+        if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs,
+                          0.0 if self.emulated else None):
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         report = words[:READBACK["counts"] + num_experts // self.num_ranks]   # the header, then L counts

@@ -37,6 +37,11 @@ from .state import GPUHandleState
 __all__ = ["run_dispatch"]
 
 
+def _align_words(n: int) -> int:
+    """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
+    return (n + 31) // 32 * 32
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
@@ -98,11 +103,13 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
         # The handle's int32 words in one allocation: layout words, then pos_tok [T, R], then
-        # (expanded) pos_pair [T, K].
-        words = outputs.empty(ix.size + T * R + (T * K if do_expand else 0), torch.int32, dev, b.fill_stream)
+        # (expanded) pos_pair [T, K], each starting on a 128-byte boundary as a tensor of its own would.
+        at_tok = _align_words(ix.size)
+        at_pair = _align_words(at_tok + T * R)
+        words = outputs.empty(at_pair + (T * K if do_expand else 0), torch.int32, dev, b.fill_stream)
         lay = words[:ix.size]
-        pos_tok = words[ix.size: ix.size + T * R].view(T, R)
-        pos_pair = words[ix.size + T * R:].view(T, K) if do_expand else None
+        pos_tok = words[at_tok: at_tok + T * R].view(T, R)
+        pos_pair = words[at_pair:].view(T, K) if do_expand else None
         stream = b.launch_stream
         pairs_per_group = 256
         groups = max(1, min(b.notify_groups_max, -(-T * K // pairs_per_group)))
@@ -139,12 +146,10 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                  lay[ix.raw_counts: ix.raw_counts + L])
         if do_cpu_sync:
             head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
-            num_out_rows = head[READBACK["out_rows"]]
-            num_tok_rows = head[READBACK["tok_rows"]]
-            out_rows = num_out_rows
-            tok_capacity = num_tok_rows
+            out_rows = head[READBACK["out_rows"]]
+            num_tok_rows = tok_capacity = head[READBACK["tok_rows"]]
         else:
-            out_rows, tok_capacity, num_out_rows = out_cap, tok_cap, None
+            out_rows, tok_capacity = out_cap, tok_cap
     else:
         lay, pos_tok, pos_pair = state.layout, state.pos_tok, state.pos_pair
         out_rows = handle.num_recv_rows
