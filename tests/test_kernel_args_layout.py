@@ -58,6 +58,8 @@ def test_layout_words_match_the_device_index():
     assert device == [getattr(ix, n) for n in names] + [ix.size]
     assert names[:4] == ["num_out_rows", "num_tok_rows", "tok_prefix", "rank_prefix_sum"]
     assert ix.size == 2 + 3 * R + 4 * L + E
+    cached = abi.layout_index(R, L, E)    # what a dispatch uses: the same offsets, made once per shape
+    assert cached is abi.layout_index(R, L, E) and vars(cached) == vars(ix)
 
 
 def test_shared_constants_parse_from_the_header():

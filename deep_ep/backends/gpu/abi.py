@@ -9,10 +9,11 @@ checks them against the compiler's own offsets.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from pathlib import Path
 
-__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "CallTag", "call_tag", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
+__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "layout_index", "CallTag", "call_tag", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
            "READBACK", "READBACK_WORDS", "MAX_RANKS",
            "MAX_EXPERTS", "MAX_TOPK", "CTRL_BYTES", "CTRL_ERROR_OFFSET", "PHASES"]
 
@@ -80,6 +81,13 @@ class LayoutIndex:
             setattr(self, name, offset)
             offset += counts[count]
         self.size = offset
+
+
+@functools.lru_cache(maxsize=64)
+def layout_index(R: int, L: int, E: int) -> LayoutIndex:
+    """`LayoutIndex` for ``R`` ranks, ``L`` local experts, ``E`` experts, made once per shape (every
+    dispatch needs one; treat it as read-only)."""
+    return LayoutIndex(R, L, E)
 
 
 class CallTag(ctypes.Structure):

@@ -28,7 +28,7 @@ import torch
 from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
-from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, LayoutIndex, NotifyArgs
+from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, NotifyArgs, layout_index
 from . import modules
 from . import window as wl
 from .modules import LAYOUT_THREADS
@@ -65,7 +65,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     if E > MAX_EXPERTS:
         raise ValueError(f"num_experts={E} exceeds the {MAX_EXPERTS} experts a window has room for")
     L = E // R
-    ix = LayoutIndex(R, L, E)
+    ix = layout_index(R, L, E)
     T, H = int(data.shape[0]), int(data.shape[1])
     K = int(topk_idx.shape[1])
     if K > (b.config.num_topk or MAX_TOPK):
