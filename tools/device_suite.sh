@@ -11,6 +11,10 @@
 #                leaves out the SM sweeps and the profile)
 #          coop (plain launches instead of cooperative: GPU suite with DEEP_EP_COOPERATIVE=0, then tools/tune_gpu.py)
 #          floor (tools/row_floor.py: bare row gathers, empty kernels and grid barriers against the copy floor)
+#          trace (tools/trace_calls.py: each call kind once at a time under torch.profiler, the host events and
+#                 kernels of each call against its start, and a cProfile of each kind; $OUT/trace.log)
+#          hostprof (tools/profile_gpu.py --host-profile: the host cost of each piece of a call, and a cProfile
+#                    of each call kind at the decode size; $OUT/host_profile.log)
 #          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
 #                  subset and the bench's check, the clean build must pass both; one line per defect)
 #          summary (last: $OUT/summary.txt, the run's record: card, driver, torch, NCCL, commit, date,
@@ -105,6 +109,12 @@ for step in $steps; do
         2>&1 | tee "$OUT/coop_tune.log" | tail -15 ;;
     floor)  # what a bare row move costs (tools/row_floor.py): the attribution of the gap to the copy floor
       timeout ${FLOOR_TIMEOUT:-200} python3 tools/row_floor.py 2>&1 | tee "$OUT/row_floor.log" | tail -30 ;;
+    trace)  # no Chrome trace under $OUT: it is larger than what comes back from the device
+      timeout ${TRACE_TIMEOUT:-200} python3 tools/trace_calls.py --calls 2 --cprofile > "$OUT/trace.log" 2>&1
+      grep -v "^  h " "$OUT/trace.log" | grep -E "^(=====|  [a-z].*[0-9]$|--- call 1|  d |  last)" | head -80 ;;
+    hostprof)
+      timeout ${HOSTPROF_TIMEOUT:-200} python3 tools/profile_gpu.py --host-profile > "$OUT/host_profile.log" 2>&1
+      grep -A30 "===== host cost" "$OUT/host_profile.log" ;;
     mutate)  # MUTATE_BUDGET seconds for all its runs (each prints its time); MUTATE_BENCH_ARGS e.g. "--tokens 1024"
       timeout $(( ${MUTATE_BUDGET:-360} + 60 )) python3 tools/mutation_check.py --out "$OUT/mutation" \
         --budget ${MUTATE_BUDGET:-360} --bench-args "${MUTATE_BENCH_ARGS:-}" 2>&1 | tee "$OUT/mutation.log" | grep -E "^(clean build|defect|mutation check|  all runs|Traceback)" ;;
