@@ -119,23 +119,37 @@ def host_pieces(buf, dev, a) -> None:
         print(f"  {name:55s} {_us(f):8.2f}")
 
 
-def call_profiles(buf, dev, a) -> None:
-    """(1') cProfile of each kind of call at the decode size, 200 calls each: where the host time goes,
-    by own time and by cumulative time."""
-    T = a.decode_tokens
+def call_kinds(buf, dev, T: int, a) -> list:
+    """The four kinds of call at ``T`` tokens (``a``: hidden, experts, topk), as ``(name, no-argument
+    callable)``: full dispatch with and without CPU sync, cached dispatch, combine."""
     x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
     w = torch.rand((T, a.topk), device=dev)
     recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=a.experts)
     y = recv_x.clone()
-    calls = [
+    return [
+        ("full dispatch, CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts)),
         ("full dispatch, no CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
                                                              num_max_tokens_per_rank=T)),
-        ("full dispatch, CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts)),
         ("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
         ("combine", lambda: buf.combine(y, handle, topk_weights=recv_w)),
     ]
-    for name, f in calls:
+
+
+def print_profile(pr: cProfile.Profile, title: str, key: str, n: int) -> None:
+    """Print the ``n`` top rows of ``pr`` sorted by ``key`` under a ``===== title`` line."""
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats(key).print_stats(n)
+    print(f"===== {title}")
+    lines = s.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    print("\n".join(line for line in lines[start:] if line.strip()))
+
+
+def call_profiles(buf, dev, a) -> None:
+    """(1') cProfile of each kind of call at the decode size, 200 calls each: where the host time goes,
+    by own time and by cumulative time."""
+    for name, f in call_kinds(buf, dev, a.decode_tokens, a):
         for _ in range(5):
             f()
         torch.cuda.synchronize()
@@ -146,12 +160,7 @@ def call_profiles(buf, dev, a) -> None:
         pr.disable()
         torch.cuda.synchronize()
         for key, n in (("tottime", 22), ("cumulative", 30)):
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats(key).print_stats(n)
-            print(f"===== {name}: cProfile of 200 calls, by {key}")
-            lines = s.getvalue().splitlines()
-            start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
-            print("\n".join(line for line in lines[start:] if line.strip()))
+            print_profile(pr, f"{name}: cProfile of 200 calls, by {key}", key, n)
 
 
 def main() -> None:

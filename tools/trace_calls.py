@@ -11,10 +11,8 @@ Usage: python tools/trace_calls.py [--tokens 4096] [--calls 3] [--trace trace.js
 """
 import argparse
 import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import tempfile
 import time
@@ -24,23 +22,7 @@ import torch.distributed as dist
 
 import deep_ep
 from deep_ep.bench.gpu_timing import single_rank_nccl_group
-
-
-def _calls(buf, a, dev):
-    """The four call kinds at the given size, as ``(name, no-argument callable)``."""
-    T = a.tokens
-    x = torch.randn((T, a.hidden), device=dev).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(a.experts, device=dev)[:a.topk] for _ in range(T)])
-    w = torch.rand((T, a.topk), device=dev)
-    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=a.experts)
-    y = recv_x.clone()
-    return [
-        ("full dispatch, CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts)),
-        ("full dispatch, no CPU sync", lambda: buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
-                                                             num_max_tokens_per_rank=T)),
-        ("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
-        ("combine", lambda: buf.combine(y, handle, topk_weights=recv_w)),
-    ]
+from profile_gpu import call_kinds, print_profile   # tools/ is the script's directory
 
 
 def _timeline(trace: dict, names: list) -> None:
@@ -91,7 +73,7 @@ def main() -> None:
     group = single_rank_nccl_group(dev)
     buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=a.tokens, hidden=a.hidden, num_topk=a.topk,
                                 explicitly_destroy=True)
-    calls = _calls(buf, a, dev)
+    calls = call_kinds(buf, dev, a.tokens, a)
     for _, f in calls:
         for _ in range(5):
             f()
@@ -123,23 +105,15 @@ def main() -> None:
         prof.export_chrome_trace(path)
         with open(path) as fh:
             _timeline(json.load(fh), [n for n, _ in calls])
-    if not a.cprofile:
-        buf.destroy()
-        dist.destroy_process_group()
-        return
-    for name, f in calls:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(50):
-            f()
-            torch.cuda.synchronize()
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(35)
-        lines = s.getvalue().splitlines()
-        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
-        print(f"===== {name}: cProfile of 50 synchronised calls, by cumulative time")
-        print("\n".join(line for line in lines[start:] if line.strip()))
+    if a.cprofile:
+        for name, f in calls:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(50):
+                f()
+                torch.cuda.synchronize()
+            pr.disable()
+            print_profile(pr, f"{name}: cProfile of 50 synchronised calls, by cumulative time", "cumulative", 35)
     buf.destroy()
     dist.destroy_process_group()
 
