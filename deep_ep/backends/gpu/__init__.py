@@ -90,6 +90,9 @@ class GPUBackend(Backend):
         self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
         self._default_sms: dict = {}     # (experts, top-k) -> SMs of a call with num_sms=0
         self.cooperative = COOPERATIVE and not self.emulated
+        # Host waits (`deep_ep.cuda.streams.spin_until`): emulated ranks sleep between polls from the
+        # start, since the peers' threads need the GIL to queue the kernels a wait depends on.
+        self.spin_secs: Optional[float] = 0.0 if self.emulated else None
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
         # A synchronous call on an NCCL-backed buffer runs on the caller's stream (`ElasticBuffer` sets
@@ -319,7 +322,7 @@ class GPUBackend(Backend):
             dst.copy_(t, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        if not poll_event(ev, self.config.num_cpu_timeout_secs, 0.0 if self.emulated else None):
+        if not poll_event(ev, self.config.num_cpu_timeout_secs, self.spin_secs):
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         return dst.tolist()
@@ -339,9 +342,7 @@ class GPUBackend(Backend):
         """
         words = self.readback.words
         seq_word = READBACK["seq"]
-        # Emulated ranks: the peers' threads need the GIL to queue the kernels this wait depends on.
-        if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs,
-                          0.0 if self.emulated else None):
+        if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs, self.spin_secs):
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         report = words[:READBACK["counts"] + num_experts // self.num_ranks]   # the header, then L counts
