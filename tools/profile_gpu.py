@@ -10,6 +10,7 @@ Usage: python tools/profile_gpu.py [--tokens 4096] [--decode-tokens 128] [--iter
 """
 import argparse
 import cProfile
+import ctypes
 import io
 import pstats
 import statistics
@@ -114,9 +115,28 @@ def host_pieces(buf, dev, a) -> None:
         ("backend.module lookup", lambda: backend.module("dispatch", (a.hidden * 2, 0, a.topk, False))),
         ("backend.check_errors()", backend.check_errors),
     ]
+    from deep_ep.cuda import driver as cuda_driver
+    whole = [(name, f) for name, f in pieces if "(whole call" in name]
+    prepared = fn.prepare(1, 32, (ctypes.c_int(1), ctypes.c_void_p()), device=dev.index)
+    pieces += [
+        ("prepared launch of the empty kernel", lambda: prepared.launch(comm.cuda_stream)),
+        ("enter_context + leave_context (already current)", lambda: cuda_driver.leave_context(
+            cuda_driver.enter_context(dev.index))),
+    ]
     print(f"===== host cost of the pieces of a cached call (T={T}, hidden {a.hidden}), microseconds")
+    fast = cuda_driver.fast_calls() is not None
+    print(f"  (driver calls on the per-call path: {'ctypes (fast_calls)' if fast else 'cuda.bindings'})")
     for name, f in pieces:
         print(f"  {name:55s} {_us(f):8.2f}")
+    if fast:   # the same calls with every driver call through cuda.bindings, then the direct path again
+        cuda_driver.set_fast_calls(False)
+        print("  --- driver calls through cuda.bindings (DEEP_EP_FAST_DRIVER_CALLS=0):")
+        for name, f in whole + pieces[-2:]:
+            print(f"  {name:55s} {_us(f):8.2f}")
+        cuda_driver.set_fast_calls(True)
+        print("  --- the direct path again:")
+        for name, f in whole[:2]:
+            print(f"  {name:55s} {_us(f):8.2f}")
 
 
 def call_kinds(buf, dev, T: int, a) -> list:

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .driver import enter_context, error_name, event_record, leave_context, stream_wait_event
+
 __all__ = ["new_stream", "release_stream", "StreamJoin", "poll_event", "spin_until"]
 
 _lock = threading.RLock()  # re-entrant: a garbage-collected owner may release a stream inside new_stream
@@ -99,22 +101,22 @@ class StreamJoin:
             err, self._event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         if int(err) != 0:
             raise RuntimeError(f"cuEventCreate on cuda:{index} failed: {err}")
+        self._raw = int(self._event)
 
     def _driver_calls(self, what: str, *calls) -> None:
-        """Run ``(function, args)`` driver calls in order in this device's context, stopping at the
-        first that fails; raises ``RuntimeError`` naming ``what``."""
-        from .driver import enter_context, leave_context
-
+        """Run ``(function, args)`` calls (`deep_ep.cuda.driver`'s, returning an int ``CUresult``) in
+        order in this device's context, stopping at the first that fails; raises ``RuntimeError``
+        naming ``what``."""
         previous = enter_context(self._index)  # a thread that never used CUDA has no current context
         try:
             for fn, args in calls:
-                (err,) = fn(*args)
-                if int(err) != 0:
+                err = fn(*args)
+                if err != 0:
                     break
         finally:
             leave_context(previous)
-        if int(err) != 0:
-            raise RuntimeError(f"{what} on cuda:{self._index} failed: {err}")
+        if err != 0:
+            raise RuntimeError(f"{what} on cuda:{self._index} failed: {error_name(err)}")
 
     def wait(self, waiter: int, producer: int) -> None:
         """``waiter`` (raw CUstream) waits for everything queued on ``producer`` so far. Both are
@@ -123,9 +125,8 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record or the wait.
         """
-        d = self._driver
-        self._driver_calls("ordering CUDA streams", (d.cuEventRecord, (self._event, producer)),
-                           (d.cuStreamWaitEvent, (waiter, self._event, 0)))
+        self._driver_calls("ordering CUDA streams", (event_record, (self._raw, producer)),
+                           (stream_wait_event, (waiter, self._raw)))
 
     def record(self, producer: int) -> None:
         """Record this object's event on the raw stream ``producer`` (for a later `wait_recorded`).
@@ -133,7 +134,7 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record.
         """
-        self._driver_calls("recording a CUDA event", (self._driver.cuEventRecord, (self._event, producer)))
+        self._driver_calls("recording a CUDA event", (event_record, (self._raw, producer)))
 
     def wait_recorded(self, waiter: int) -> None:
         """The raw stream ``waiter`` waits for the work that preceded the last `record`.
@@ -141,13 +142,13 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the wait.
         """
-        self._driver_calls("ordering CUDA streams", (self._driver.cuStreamWaitEvent, (waiter, self._event, 0)))
+        self._driver_calls("ordering CUDA streams", (stream_wait_event, (waiter, self._raw)))
 
     def destroy(self) -> None:
         """Release the event (a wait already queued stays valid)."""
         if self._event is not None:
             self._driver.cuEventDestroy(self._event)
-            self._event = None
+            self._event, self._raw = None, 0
 
     def __del__(self) -> None:
         # Owners destroy their joins explicitly; a thread's own join (the poison path of

@@ -13,7 +13,7 @@ import ctypes
 import threading
 
 from ..cuda.driver import DriverError, device_count as cuda_device_count, driver as _drv, enter_context, \
-    error_name as _err_name, leave_context
+    error_name as _err_name, launch_kernel, leave_context
 from .args import pack_args, plan_for, summarize as _summarize
 
 __all__ = ["Module", "Function", "PreparedLaunch", "LaunchError", "cuda_device_count"]
@@ -160,9 +160,11 @@ class Function:
             self._set_smem(device, h, smem)
         buf, params = pack_args(plan_for(self._plans, args), args)  # buf: keeps the parameter memory alive
         d = _drv()
-        if cluster is None:
-            # The plain entry points: cuLaunchKernelEx needs launch-config objects built per call,
-            # tens of microseconds of host time through the Python bindings.
+        if cluster is None and gy == gz == by == bz == 1 and isinstance(params, int):
+            # The plain entry points (cuLaunchKernelEx needs launch-config objects built per call,
+            # tens of microseconds of host time through the Python bindings), 1-D: the direct path.
+            err = launch_kernel(h, gx, bx, smem, hstream, params, cooperative)
+        elif cluster is None:
             if cooperative:
                 (err,) = d.cuLaunchCooperativeKernel(h, gx, gy, gz, bx, by, bz, smem, hstream, params)
             else:
@@ -241,7 +243,8 @@ class PreparedLaunch:
     Not thread-safe (one owner updates the arguments).
     """
 
-    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_cooperative", "_smem", "_table")
+    __slots__ = ("function", "args", "_h", "_device", "_grid", "_block", "_cooperative", "_smem", "_table",
+                 "_params")
 
     def __init__(self, function: Function, h, device: int, grid: int, block: int, args: tuple,
                  cooperative: bool = False, smem: int = 0) -> None:
@@ -249,6 +252,7 @@ class PreparedLaunch:
         self._h, self._device, self._grid, self._block = h, device, grid, block
         self._cooperative, self._smem = cooperative, smem
         self._table = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
+        self._params = ctypes.addressof(self._table)
 
     def update(self, index: int, value) -> None:
         """Copy ``value`` (a ctypes object of argument ``index``'s type) into that argument's storage.
@@ -272,16 +276,10 @@ class PreparedLaunch:
         grid = grid or self._grid
         previous = enter_context(self._device)
         try:
-            d = _drv()
-            if self._cooperative:
-                (err,) = d.cuLaunchCooperativeKernel(self._h, grid, 1, 1, self._block, 1, 1, self._smem, hstream,
-                                                     ctypes.addressof(self._table))
-            else:
-                (err,) = d.cuLaunchKernel(self._h, grid, 1, 1, self._block, 1, 1, self._smem, hstream,
-                                          ctypes.addressof(self._table), 0)
+            err = launch_kernel(self._h, grid, self._block, self._smem, hstream, self._params, self._cooperative)
         finally:
             leave_context(previous)
-        if int(err) != 0:
+        if err != 0:
             raise LaunchError(f"launch of {self.function.module.name}:{self.function.name} failed "
                               f"({_err_name(err)}); grid={grid} block={self._block} smem={self._smem} "
                               f"cooperative={self._cooperative} args={_summarize(self.args)} (prepared)")
