@@ -19,8 +19,8 @@ Rounds alternate between the two halves of the receive region (see `window`).
 from __future__ import annotations
 
 import contextlib
-
 import ctypes
+import functools
 from typing import Optional
 
 import torch
@@ -40,6 +40,31 @@ __all__ = ["run_dispatch"]
 def _align_words(n: int) -> int:
     """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
     return (n + 31) // 32 * 32
+
+
+@functools.lru_cache(maxsize=256)
+def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool) -> tuple:
+    """How a fresh dispatch's int32 words are laid out and split, so that two ``split_with_sizes``
+    calls make every view of them: ``(total words, outer split sizes, inner split sizes, inner
+    indices of tok_prefix, psum_expert, raw_counts)``.
+
+    The outer split: the layout words (padded to 128 bytes), pos_tok ``[T * R]``, padding, pos_pair
+    ``[T * K]`` (empty unless expanded); each starts on a 128-byte boundary. The inner split cuts the
+    layout piece into the three ranges the handle shows and the words between them."""
+    at_tok = _align_words(ix.size)
+    at_pair = _align_words(at_tok + T * R)
+    total = at_pair + (T * K if expanded else 0)
+    outer = (at_tok, T * R, at_pair - at_tok - T * R, total - at_pair)
+    inner, where, pos = [], [], 0
+    for start, n in sorted([(ix.tok_prefix, R), (ix.psum_expert, L), (ix.raw_counts, L)]):
+        if start > pos:
+            inner.append(start - pos)
+        where.append((start, len(inner)))
+        inner.append(n)
+        pos = start + n
+    inner.append(at_tok - pos)
+    order = dict(where)
+    return total, outer, tuple(inner), (order[ix.tok_prefix], order[ix.psum_expert], order[ix.raw_counts])
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -103,47 +128,49 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
         # The handle's int32 words in one allocation: layout words, then pos_tok [T, R], then
-        # (expanded) pos_pair [T, K], each starting on a 128-byte boundary as a tensor of its own would.
-        at_tok = _align_words(ix.size)
-        at_pair = _align_words(at_tok + T * R)
-        words = outputs.empty(at_pair + (T * K if do_expand else 0), torch.int32, dev, b.fill_stream)
-        lay = words[:ix.size]
-        pos_tok = words[at_tok: at_tok + T * R].view(T, R)
-        pos_pair = words[at_pair:].view(T, K) if do_expand else None
+        # (expanded) pos_pair [T, K], each starting on a 128-byte boundary as a tensor of its own would;
+        # its views made by two splits (`_word_views`).
+        total, outer, inner, at = _word_views(ix, R, L, T, K, bool(do_expand))
+        lay, pos_tok, _, pos_pair = outputs.empty(total, torch.int32, dev, b.fill_stream).split_with_sizes(outer)
+        pos_tok = pos_tok.view(T, R)
+        pos_pair = pos_pair.view(T, K) if do_expand else None
+        pieces = lay.split_with_sizes(inner)
+        views = (pieces[at[0]], pieces[at[1]], pieces[at[2]])
         stream = b.launch_stream
         pairs_per_group = 256
         groups = max(1, min(b.notify_groups_max, -(-T * K // pairs_per_group)))
-        # The notify and layout launches are prepared once per module and expert count (their
-        # argument structs are copied in each call; the notify grid is given at launch).
+        # The notify and layout launches are prepared once per module and expert count, with the
+        # arguments that stay the same; each call sets the rest in place (the notify grid is given
+        # at launch).
         fresh = b.fresh_launches.get((structure, E))
         if fresh is None:
             fresh = b.fresh_launches[(structure, E)] = (
-                mod.function("deep_ep_notify").prepare(1, 32, (NotifyArgs(), transport), device=dev.index,
-                                                       cooperative=b.cooperative, smem=4 * (R + E)),
-                mod.function("deep_ep_layout").prepare(1, LAYOUT_THREADS, (LayoutArgs(), transport),
-                                                       device=dev.index))
+                mod.function("deep_ep_notify").prepare(
+                    1, 32, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
+                                       scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns), transport),
+                    device=dev.index, cooperative=b.cooperative, smem=4 * (R + E)),
+                mod.function("deep_ep_layout").prepare(
+                    1, LAYOUT_THREADS, (LayoutArgs(num_experts=E, counts_offset=layout.counts_offset,
+                                                   timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr),
+                                        transport), device=dev.index))
         notify_launch, layout_launch = fresh
-        notify_launch.update(0, NotifyArgs(
-            topk_idx=_ptr(topk_idx), num_tokens=T, num_experts=E, tokens_per_group=max(1, -(-T // groups)),
-            counts_offset=layout.counts_offset, pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair),
-            scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag))
+        na = notify_launch.args[0]
+        na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, max(1, -(-T // groups))
+        na.pos_tok, na.pos_pair, na.tag = _ptr(pos_tok), _ptr(pos_pair), tag
         b.launched_call = b.calls
         notify_launch.launch(stream, groups)
         seq = 0
         if do_cpu_sync:
             b.readback_seq = seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-        layout_launch.update(0, LayoutArgs(
-            num_experts=E, alignment=A, counts_offset=layout.counts_offset, layout=lay.data_ptr(),
-            cumulative_stats=_ptr(cumulative_local_expert_recv_stats), out_capacity=out_cap, tok_capacity=tok_cap,
-            timeout_ns=b.timeout_ns, host_out=b.readback.device_ptr if do_cpu_sync else None, seq=seq,
-            err_host=b.err_record.device_ptr, tag=tag))
+        la = layout_launch.args[0]
+        la.alignment, la.layout, la.cumulative_stats = A, lay.data_ptr(), _ptr(cumulative_local_expert_recv_stats)
+        la.out_capacity, la.tok_capacity = out_cap, tok_cap
+        la.host_out, la.seq, la.tag = (b.readback.device_ptr if do_cpu_sync else None), seq, tag
         layout_launch.launch(stream)
         b.last_num_experts, b.last_num_topk = E, K
         # Host work that needs no counts, done while the device numbers the tokens (before the
-        # host waits for the counts with do_cpu_sync): the handle's copy of topk_idx and its views.
+        # host waits for the counts with do_cpu_sync): the handle's copy of topk_idx.
         handle_topk = topk_idx.clone() if do_handle_copy else topk_idx
-        views = (lay[ix.tok_prefix: ix.tok_prefix + R], lay[ix.psum_expert: ix.psum_expert + L],
-                 lay[ix.raw_counts: ix.raw_counts + L])
         if do_cpu_sync:
             head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
             out_rows = head[READBACK["out_rows"]]
@@ -186,6 +213,24 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
             a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
             a.tag = tag
+    if prepared is None and not cached:
+        # A fresh dispatch: one prepared launch per module, SM count and padding flag, with the
+        # arguments that stay the same; each call sets the rest in place.
+        fresh_key = (structure, n_sms, bool(do_zero_padding))
+        prepared = b.fresh_data_launches.get(fresh_key)
+        if prepared is None:
+            prepared = b.fresh_data_launches[fresh_key] = mod.function("deep_ep_dispatch").prepare(
+                n_sms, modules.THREADS,
+                (DispatchArgs(recv_offset=layout.recv_offset, half_bytes=layout.half_bytes,
+                              row_stride=layout.row_stride, timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr),
+                 transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
+        a = prepared.args[0]
+        a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
+            _ptr(topk_weights), T
+        a.pos_tok, a.pos_pair, a.out_x, a.out_sf, a.sf_ld = _ptr(pos_tok), _ptr(pos_pair), _ptr(out_x), out_sf_ptr, sf_ld
+        a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), _ptr(src_meta)
+        a.max_tokens, a.out_capacity, a.tok_capacity = num_max_tokens_per_rank, out_rows, int(src_meta.shape[0])
+        a.layout, a.num_experts, a.alignment, a.tag = lay.data_ptr(), E, A, tag
     if prepared is None:
         args = DispatchArgs(
             x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
@@ -195,21 +240,10 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             layout=lay.data_ptr(), num_experts=E, alignment=A,
             recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
             timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-        if cached:
-            fn = mod.function("deep_ep_dispatch_cached")
-            prepared = state.launches[key] = fn.prepare(
-                n_sms, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
-                cooperative=b.cooperative)
-        else:
-            # A fresh dispatch: one prepared launch per module, SM count and padding flag, whose
-            # arguments are copied in each call.
-            fresh_key = (structure, n_sms, bool(do_zero_padding))
-            prepared = b.fresh_data_launches.get(fresh_key)
-            if prepared is None:
-                prepared = b.fresh_data_launches[fresh_key] = mod.function("deep_ep_dispatch").prepare(
-                    n_sms, modules.THREADS, (DispatchArgs(), transport, ctypes.c_int(int(do_zero_padding))),
-                    device=dev.index, cooperative=b.cooperative)
-            prepared.update(0, args)
+        fn = mod.function("deep_ep_dispatch_cached")
+        prepared = state.launches[key] = fn.prepare(
+            n_sms, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
+            cooperative=b.cooperative)
     b.launch_data(prepared, n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
