@@ -310,7 +310,7 @@ class ElasticBuffer:
 
     # ------------------------------------------------------------------ stream / event layer
     def _run(self, fn, previous_event, previous_event_before_epilogue, async_with_compute_stream: bool,
-             allocate_on_comm_stream: bool, inputs: list):
+             allocate_on_comm_stream: bool, inputs: tuple):
         """Run ``fn`` (the backend call) with DeepEP's stream semantics; returns ``(outputs, event)``.
 
         GPU: the communication stream waits for ``previous_event`` (or for the current compute stream)
@@ -436,8 +436,7 @@ class ElasticBuffer:
             do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
         data, sf = args.pop("data"), args.pop("sf")
         # Kept alive for the communication stream in async mode (with a handle: its tensors too).
-        inputs = [t for t in (data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)
-                  if t is not None]
+        inputs = (data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)   # Nones allowed
         outputs, event = self._run(lambda: self._backend.dispatch(data, sf, topk_idx, topk_weights, **args),
                                    previous_event, previous_event_before_epilogue, async_with_compute_stream,
                                    allocate_on_comm_stream, inputs)
@@ -480,7 +479,7 @@ class ElasticBuffer:
                                          previous_event_before_epilogue, async_with_compute_stream,
                                          allocate_on_comm_stream, apply_dispatch_weights)
         num_sms = num_sms or handle.num_sms
-        inputs = [t for t in (x, topk_weights, handle) + bias_t if t is not None]
+        inputs = (x, topk_weights, handle) + bias_t
         (combined_x, combined_w), event = self._run(
             lambda: self._backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms,
                                           apply_dispatch_weights=apply_dispatch_weights),

@@ -104,7 +104,8 @@ def call_tag(seq: int, *config) -> CallTag:
 
 class NotifyArgs(ctypes.Structure):
     """Host mirror of ``deep_ep::NotifyArgs`` (include/deep_ep/impls/notify.cuh)."""
-    _fields_ = [("topk_idx", ctypes.c_void_p), ("num_tokens", ctypes.c_int), ("num_experts", ctypes.c_int),
+    _fields_ = [("topk_idx", ctypes.c_void_p), ("topk_copy", ctypes.c_void_p), ("num_tokens", ctypes.c_int),
+                ("num_experts", ctypes.c_int),
                 ("tokens_per_group", ctypes.c_int), ("counts_offset", ctypes.c_int64), ("pos_tok", ctypes.c_void_p),
                 ("pos_pair", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64),
                 ("tag", CallTag)]

@@ -3,8 +3,8 @@
 Flow of one non-cached dispatch (every kernel on the buffer's communication stream):
 
 1. ``deep_ep_notify``  (one warp per group of tokens) numbers this rank's tokens per destination
-   rank and pairs per expert, checks the expert ids, and writes its count row into every peer's
-   window; its last block signals the peers.
+   rank and pairs per expert, checks the expert ids, copies them for the handle (``do_handle_copy``),
+   and writes its count row into every peer's window; its last block signals the peers.
 2. ``deep_ep_layout``  (1 block) waits for every peer's counts and writes the handle's layout words.
 3. With ``do_cpu_sync`` the layout kernel also writes the received row counts to mapped host memory,
    which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
@@ -43,18 +43,20 @@ def _align_words(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool) -> tuple:
+def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> tuple:
     """How a fresh dispatch's int32 words are laid out and split, so that two ``split_with_sizes``
     calls make every view of them: ``(total words, outer split sizes, inner split sizes, inner
     indices of tok_prefix, psum_expert, raw_counts)``.
 
-    The outer split: the layout words (padded to 128 bytes), pos_tok ``[T * R]``, padding, pos_pair
-    ``[T * K]`` (empty unless expanded); each starts on a 128-byte boundary. The inner split cuts the
-    layout piece into the three ranges the handle shows and the words between them."""
-    at_tok = _align_words(ix.size)
-    at_pair = _align_words(at_tok + T * R)
-    total = at_pair + (T * K if expanded else 0)
-    outer = (at_tok, T * R, at_pair - at_tok - T * R, total - at_pair)
+    The outer split: the layout words, pos_tok ``[T * R]``, pos_pair ``[T * K]`` (empty unless
+    expanded), recv_src_metadata ``[meta_rows * (K + 2)]`` (without CPU sync, whose receive is sized
+    before the call; else empty), each starting on a 128-byte boundary, with the padding after each
+    as a piece of its own. The inner split cuts the layout piece into the three ranges the handle
+    shows and the words between them."""
+    outer, at = [], 0
+    for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2)):
+        outer += [n, _align_words(at + n) - at - n]
+        at = _align_words(at + n)
     inner, where, pos = [], [], 0
     for start, n in sorted([(ix.tok_prefix, R), (ix.psum_expert, L), (ix.raw_counts, L)]):
         if start > pos:
@@ -62,9 +64,9 @@ def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool) -> tuple:
         where.append((start, len(inner)))
         inner.append(n)
         pos = start + n
-    inner.append(at_tok - pos)
+    inner.append(ix.size - pos)
     order = dict(where)
-    return total, outer, tuple(inner), (order[ix.tok_prefix], order[ix.psum_expert], order[ix.raw_counts])
+    return at, tuple(outer), tuple(inner), (order[ix.tok_prefix], order[ix.psum_expert], order[ix.raw_counts])
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -127,13 +129,16 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         big = 2 ** 31 - 1
         out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
         tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
-        # The handle's int32 words in one allocation: layout words, then pos_tok [T, R], then
-        # (expanded) pos_pair [T, K], each starting on a 128-byte boundary as a tensor of its own would;
-        # its views made by two splits (`_word_views`).
-        total, outer, inner, at = _word_views(ix, R, L, T, K, bool(do_expand))
-        lay, pos_tok, _, pos_pair = outputs.empty(total, torch.int32, dev, b.fill_stream).split_with_sizes(outer)
+        # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded)
+        # pos_pair [T, K], (no CPU sync) recv_src_metadata, each starting on a 128-byte boundary as
+        # a tensor of its own would; its views made by two splits (`_word_views`).
+        meta_rows = 0 if do_cpu_sync else tok_cap
+        total, outer, inner, at = _word_views(ix, R, L, T, K, bool(do_expand), meta_rows)
+        lay, _, pos_tok, _, pos_pair, _, src_meta, _ = outputs.empty(
+            total, torch.int32, dev, b.fill_stream).split_with_sizes(outer)
         pos_tok = pos_tok.view(T, R)
         pos_pair = pos_pair.view(T, K) if do_expand else None
+        src_meta = None if do_cpu_sync else src_meta.view(meta_rows, K + 2)
         pieces = lay.split_with_sizes(inner)
         views = (pieces[at[0]], pieces[at[1]], pieces[at[2]])
         stream = b.launch_stream
@@ -154,8 +159,11 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                                                    timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr),
                                         transport), device=dev.index))
         notify_launch, layout_launch = fresh
+        # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
+        handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
         na = notify_launch.args[0]
         na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, max(1, -(-T // groups))
+        na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
         na.pos_tok, na.pos_pair, na.tag = _ptr(pos_tok), _ptr(pos_pair), tag
         b.launched_call = b.calls
         notify_launch.launch(stream, groups)
@@ -168,9 +176,6 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         la.host_out, la.seq, la.tag = (b.readback.device_ptr if do_cpu_sync else None), seq, tag
         layout_launch.launch(stream)
         b.last_num_experts, b.last_num_topk = E, K
-        # Host work that needs no counts, done while the device numbers the tokens (before the
-        # host waits for the counts with do_cpu_sync): the handle's copy of topk_idx.
-        handle_topk = topk_idx.clone() if do_handle_copy else topk_idx
         if do_cpu_sync:
             head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
             out_rows = head[READBACK["out_rows"]]
@@ -195,7 +200,8 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
     if not cached:
         out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.fill_stream)
-        src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream)
+        if src_meta is None:
+            src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream)
     else:
         out_idx, src_meta = state.recv_topk_idx, state.src_meta
 

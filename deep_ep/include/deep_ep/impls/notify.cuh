@@ -16,7 +16,8 @@
 // A token counts once per rank: only its first slot of that rank counts. Expert ids outside
 // [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
 // counts, so that every rank's layout kernel sees it and the call moves nothing (kErrBadExpert).
-// The last block to finish signals every peer.
+// With ``topk_copy``, phase A also copies the group's ids there (the handle's copy of the routing,
+// without a copy of its own on the host's side). The last block to finish signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -32,6 +33,7 @@ constexpr int kNotifyGroupCounts = 4;   // [num_groups][R + E] pairs per column 
 
 struct NotifyArgs {
     const int64_t* topk_idx;  // [T, K]
+    int64_t* topk_copy;       // [T, K] out: a copy of topk_idx for the handle, or null
     int num_tokens, num_experts;
     int tokens_per_group;     // tokens of one group (block)
     int64_t counts_offset;    // byte offset of the count matrix in every window
@@ -110,6 +112,10 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
     for (int c = lane; c < cols; c += 32) run[c] = 0;
     __syncwarp();
     notify_pass<K, kExpand, false>(a, R, L, t0, t1, run, lane);
+    if (a.topk_copy != nullptr) {
+        for (int64_t p = static_cast<int64_t>(t0) * K + lane; p < static_cast<int64_t>(t1) * K; p += 32)
+            a.topk_copy[p] = __ldg(a.topk_idx + p);
+    }
     for (int c = lane; c < cols; c += 32) counts[static_cast<int64_t>(group) * cols + c] = run[c];
     bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
