@@ -229,8 +229,21 @@ def check_sms_args(num_ranks, num_experts, num_topk, num_scaleout_topk, rdma_gbs
     check_number("sm_write_gbs", sm_write_gbs)
 
 
+def _all_bools(*values) -> bool:
+    """Whether every value is a bool (the common case, tested at once; a failure is then reported by
+    the per-argument checks)."""
+    for v in values:
+        if v is not True and v is not False:
+            return False
+    return True
+
+
 def _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                           async_with_compute_stream, allocate_on_comm_stream) -> None:
+    if (type(num_sms) is int and 0 <= num_sms <= INT32_MAX and num_qps == 0 and type(num_qps) is int
+            and previous_event is None and previous_event_before_epilogue is None
+            and _all_bools(async_with_compute_stream, allocate_on_comm_stream)):
+        return   # the defaults: every rule below holds
     check_int("num_sms", num_sms, minimum=0)
     check_int("num_qps", num_qps, minimum=0)
     if num_qps > buf.num_allocated_qps:
@@ -257,16 +270,18 @@ def validate_dispatch(buf, x, topk_idx, topk_weights, stats, num_experts, num_ma
     dev, cfg = buf.device, buf.config
     _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                           async_with_compute_stream, allocate_on_comm_stream)
-    for name, v in (("do_handle_copy", do_handle_copy), ("do_expand", do_expand),
-                    ("do_zero_padding", do_zero_padding),
-                    ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
-        check_bool(name, v)
+    if not _all_bools(do_handle_copy, do_expand, do_zero_padding, use_tma_aligned_col_major_sf):
+        for name, v in (("do_handle_copy", do_handle_copy), ("do_expand", do_expand),
+                        ("do_zero_padding", do_zero_padding),
+                        ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
+            check_bool(name, v)
     if do_cpu_sync is not None:
         check_bool("do_cpu_sync", do_cpu_sync)
-    for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-                    ("expert_alignment", expert_alignment)):
-        if v is not None:
-            check_int(name, v, minimum=1 if name != "num_max_tokens_per_rank" else 0)
+    if num_experts is not None or num_max_tokens_per_rank is not None or expert_alignment is not None:
+        for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                        ("expert_alignment", expert_alignment)):
+            if v is not None:
+                check_int(name, v, minimum=1 if name != "num_max_tokens_per_rank" else 0)
     data, sf = check_x(x, dev)
     T, H = data.shape
 
