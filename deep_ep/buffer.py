@@ -372,7 +372,7 @@ class ElasticBuffer:
         # outputs after the caller drops them.
         for t in _collect_tensors(inputs) + ([] if allocate_on_comm_stream else _collect_tensors(outputs)):
             t.record_stream(comm)
-        return outputs, EventOverlap(done, extra_tensors=(tuple(inputs), outputs))
+        return outputs, EventOverlap(done, extra_tensors=(tuple(t for t in inputs if t is not None), outputs))
 
     # ------------------------------------------------------------------ dispatch and combine
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,

@@ -240,7 +240,7 @@ def _all_bools(*values) -> bool:
 
 def _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                           async_with_compute_stream, allocate_on_comm_stream) -> None:
-    if (type(num_sms) is int and 0 <= num_sms <= INT32_MAX and num_qps == 0 and type(num_qps) is int
+    if (type(num_sms) is int and 0 <= num_sms <= INT32_MAX and type(num_qps) is int and num_qps == 0
             and previous_event is None and previous_event_before_epilogue is None
             and _all_bools(async_with_compute_stream, allocate_on_comm_stream)):
         return   # the defaults: every rule below holds

@@ -51,9 +51,10 @@ deep_ep's own fields
     backend_state            backend-private (GPU: `deep_ep.backends.gpu.GPUHandleState`)
 
 On the GPU backend the three int32 layout tensors (the two prefix sums and the unaligned counts),
-``dst_buffer_slot_idx`` and, for a dispatch without CPU sync, ``recv_src_metadata`` are views of one
-allocation (each starts on a 128-byte boundary): keeping any of them keeps all of them; ``.clone()``
-one to keep it alone.
+``dst_buffer_slot_idx`` and, for a dispatch without CPU sync, ``recv_src_metadata`` (sized for the
+worst case) are views of one allocation (the layout words, ``dst_buffer_slot_idx`` and
+``recv_src_metadata`` each start on a 128-byte boundary; the layout tensors are ranges inside the
+layout words): keeping any of them keeps all of them; ``.clone()`` one to keep it alone.
 
 Derived views (properties, computed from the fields above): ``num_topk``, ``num_tokens``,
 ``num_local_experts``, ``num_recv_rows``, ``recv_src_rank`` / ``recv_src_token`` (source of every

@@ -14,8 +14,8 @@ import threading
 from typing import Optional
 
 __all__ = ["DriverError", "driver", "error_name", "device_count", "primary_context", "ensure_context",
-           "enter_context", "leave_context", "FastCalls", "fast_calls", "launch_kernel", "event_record",
-           "stream_wait_event"]
+           "enter_context", "leave_context", "FastCalls", "fast_calls", "set_fast_calls", "launch_kernel",
+           "event_record", "stream_wait_event"]
 
 
 class DriverError(RuntimeError):
@@ -147,8 +147,10 @@ def leave_context(previous) -> None:
 
 # ============================================================================ the per-call path
 class FastCalls:
-    """The per-call driver entry points as ctypes function pointers (``cuGetProcAddress``, the legacy
-    default stream's variants, as the bindings use): each returns the ``CUresult`` as an int.
+    """The per-call driver entry points as ctypes function pointers (``cuGetProcAddress``: the legacy
+    default stream's variants, or the per-thread ones when the bindings use those): each returns the
+    ``CUresult`` as an int. Arguments are not range-checked (ctypes wraps an out-of-range unsigned):
+    callers pass values they have checked.
 
     Handles are ints: a ``CUfunction``, ``CUstream``, ``CUevent`` or ``CUcontext`` of the bindings
     converts with ``int()``. ctypes releases the GIL during each call.
@@ -204,13 +206,26 @@ _fast: Optional[FastCalls] = None
 _fast_state = "unset"      # "unset", "on" or "off"
 
 
+#: The ABI version the prototypes of `FastCalls` describe (CUDA 12.0's; these entry points have not
+#: changed since), asked of ``cuGetProcAddress`` so that a later versioned variant is never picked.
+ABI_VERSION = 12000
+
+
+def _per_thread_default_stream() -> bool:
+    """Whether ``cuda.bindings`` uses the per-thread default stream (its environment switch): the
+    direct path then asks for the same variants, so that stream 0 means the same stream on both."""
+    return os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
+
+
 def _bindings_lookup(name: str) -> int:
     d = driver()
     err, version = d.cuDriverGetVersion()
     if int(err) != 0:
         return 0
-    flags = d.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
-    result = d.cuGetProcAddress(name.encode(), int(version), flags)
+    flags = d.CUdriverProcAddress_flags
+    flag = (flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if _per_thread_default_stream()
+            else flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM)
+    result = d.cuGetProcAddress(name.encode(), min(int(version), ABI_VERSION), flag)
     if int(result[0]) != 0:
         return 0
     return int(result[1] or 0)
@@ -231,7 +246,7 @@ def fast_calls() -> Optional[FastCalls]:
                         fast = None
                 _fast = fast
                 _fast_state = "on" if fast is not None else "off"
-    return _fast
+    return _fast if _fast_state == "on" else None
 
 
 def set_fast_calls(enabled: bool) -> None:

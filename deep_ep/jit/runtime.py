@@ -160,7 +160,8 @@ class Function:
             self._set_smem(device, h, smem)
         buf, params = pack_args(plan_for(self._plans, args), args)  # buf: keeps the parameter memory alive
         d = _drv()
-        if cluster is None and gy == gz == by == bz == 1 and isinstance(params, int):
+        if (cluster is None and gy == gz == by == bz == 1 and type(smem) is int
+                and 0 < gx < 2 ** 31 and 0 < bx < 2 ** 31 and 0 <= smem < 2 ** 31):
             # The plain entry points (cuLaunchKernelEx needs launch-config objects built per call,
             # tens of microseconds of host time through the Python bindings), 1-D: the direct path.
             err = launch_kernel(h, gx, bx, smem, hstream, params, cooperative)
