@@ -15,9 +15,11 @@ export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=
 export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$NEW/.jitcache}
 echo "=== old tree: commit $(cat "$OLD/COMMIT" 2>/dev/null || echo unknown)"
 echo "=== outputs $(date -u +%H:%M:%S)"
-(cd "$OLD" && PYTHONPATH=$OLD timeout 300 python3 "$NEW/tools/compare_outputs.py" dump "$OUT/outputs_old.pt") 2>&1 | tail -3
-PYTHONPATH=$NEW timeout 300 python3 tools/compare_outputs.py dump "$OUT/outputs_new.pt" 2>&1 | tail -3
-PYTHONPATH=$NEW python3 tools/compare_outputs.py compare "$OUT/outputs_old.pt" "$OUT/outputs_new.pt" 2>&1 | tail -12
+# The dumps stay outside $OUT: at the bench's shapes they are larger than what comes back from a device.
+DUMPS=${DUMPS:-/tmp/deep_ep_side_by_side}; mkdir -p "$DUMPS"
+(cd "$OLD" && PYTHONPATH=$OLD timeout 300 python3 "$NEW/tools/compare_outputs.py" dump "$DUMPS/outputs_old.pt") 2>&1 | tail -3
+PYTHONPATH=$NEW timeout 300 python3 tools/compare_outputs.py dump "$DUMPS/outputs_new.pt" 2>&1 | tail -3
+PYTHONPATH=$NEW python3 tools/compare_outputs.py compare "$DUMPS/outputs_old.pt" "$DUMPS/outputs_new.pt" 2>&1 | tail -12
 for r in $(seq 1 "$ROUNDS"); do
   for tree in old new; do
     dir=$OLD; [ "$tree" = new ] && dir=$NEW
