@@ -219,7 +219,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
             a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
             a.tag = tag
-    if prepared is None and not cached:
+    if not cached:
         # A fresh dispatch: one prepared launch per module, SM count and padding flag, with the
         # arguments that stay the same; each call sets the rest in place.
         fresh_key = (structure, n_sms, bool(do_zero_padding))
@@ -237,7 +237,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), _ptr(src_meta)
         a.max_tokens, a.out_capacity, a.tok_capacity = num_max_tokens_per_rank, out_rows, int(src_meta.shape[0])
         a.layout, a.num_experts, a.alignment, a.tag = lay.data_ptr(), E, A, tag
-    if prepared is None:
+    elif prepared is None:   # the handle's first cached dispatch with this key
         args = DispatchArgs(
             x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
             pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x), out_sf=out_sf_ptr, sf_ld=sf_ld,
