@@ -13,6 +13,7 @@
 #          floor (tools/row_floor.py: bare row gathers, empty kernels and grid barriers against the copy floor)
 #          trace (tools/trace_calls.py: each call kind once at a time under torch.profiler, the host events and
 #                 kernels of each call against its start, and a cProfile of each kind; $OUT/trace.log)
+#          notify (tools/sweep_notify.py: the notify kernel's time per grouping, outputs compared; $OUT/notify_sweep.log)
 #          hostprof (tools/profile_gpu.py --host-profile: the host cost of each piece of a call, and a cProfile
 #                    of each call kind at the decode size; $OUT/host_profile.log)
 #          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
@@ -112,6 +113,8 @@ for step in $steps; do
     trace)  # no Chrome trace under $OUT: it is larger than what comes back from the device
       timeout ${TRACE_TIMEOUT:-200} python3 tools/trace_calls.py --calls 2 --cprofile > "$OUT/trace.log" 2>&1
       grep -v "^  h " "$OUT/trace.log" | grep -E "^(=====|  [a-z].*[0-9]$|--- call 1|  d |  last)" | head -80 ;;
+    notify)
+      timeout ${NOTIFY_TIMEOUT:-200} python3 tools/sweep_notify.py ${NOTIFY_ARGS:-} 2>&1 | tee "$OUT/notify_sweep.log" | tail -40 ;;
     hostprof)
       timeout ${HOSTPROF_TIMEOUT:-200} python3 tools/profile_gpu.py --host-profile > "$OUT/host_profile.log" 2>&1
       grep -A30 "===== host cost" "$OUT/host_profile.log" ;;

@@ -46,6 +46,9 @@ __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", 
 # whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
 COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
 NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
+# The notify kernel's grid cap, in one-warp blocks per SM (for emulated ranks, per rank and SM
+# divided by the ranks): every block is resident at once (it has grid barriers).
+NOTIFY_BLOCKS_PER_SM = 4
 
 
 class GPUBackend(Backend):
@@ -112,12 +115,6 @@ class GPUBackend(Backend):
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
         self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout kernel's report (do_cpu_sync)
         self.readback_seq = 0
-        # The notify kernel's scratch: barrier words, the smallest bad index (INT_MAX: none), group counts.
-        self.notify_groups_max = max(1, 4 * self.num_device_sms // (self.num_ranks if self.emulated else 1))
-        self.notify_scratch = torch.zeros(4 + self.notify_groups_max * (self.num_ranks + MAX_EXPERTS),
-                                          dtype=torch.int32, device=self._device)
-        self.notify_scratch[2] = 2 ** 31 - 1
-        torch.cuda.current_stream(self._device).synchronize()
         self._ctrl_error: Optional[torch.Tensor] = None
         self.broken: Optional[str] = None
         self.last_m = 0
@@ -128,8 +125,25 @@ class GPUBackend(Backend):
         # (module structure, experts); the data kernel per (module structure, SMs, zero padding).
         self.fresh_launches: dict = {}
         self.fresh_data_launches: dict = {}
+        self.set_notify_groups_max(max(1, NOTIFY_BLOCKS_PER_SM * self.num_device_sms //
+                                       (self.num_ranks if self.emulated else 1)))
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
+
+    def set_notify_groups_max(self, groups_max: int) -> None:
+        """Cap the notify kernel's grid at ``groups_max`` groups (one-warp blocks, all resident at
+        once: emulated ranks share the device). Waits for the device, then allocates the kernel's
+        scratch (barrier words, the smallest bad index, INT_MAX for none, and ``groups_max`` rows of
+        group counts) and drops the prepared notify launches, which point at the old scratch."""
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self.notify_groups_max = groups_max
+        self.notify_scratch = torch.zeros(4 + groups_max * (self.num_ranks + MAX_EXPERTS), dtype=torch.int32,
+                                          device=self._device)
+        self.notify_scratch[2] = 2 ** 31 - 1
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+        self.fresh_launches.clear()
 
     # ------------------------------------------------------------------ properties
     @property

@@ -34,7 +34,12 @@ from . import window as wl
 from .modules import LAYOUT_THREADS
 from .state import GPUHandleState
 
-__all__ = ["run_dispatch"]
+__all__ = ["run_dispatch", "NOTIFY_PAIRS_PER_GROUP", "notify_groups"]
+
+# (token, slot) pairs one notify group (a one-warp block) numbers, at most: its two passes go over
+# them 32 at a time, one chain of dependent loads each, so fewer pairs per group mean a shorter
+# kernel, up to the backend's cap on groups (`GPUBackend.notify_groups_max`).
+NOTIFY_PAIRS_PER_GROUP = 256
 
 
 def _align_words(n: int) -> int:
@@ -67,6 +72,12 @@ def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: i
     inner.append(ix.size - pos)
     order = dict(where)
     return at, tuple(outer), tuple(inner), (order[ix.tok_prefix], order[ix.psum_expert], order[ix.raw_counts])
+
+
+def notify_groups(T: int, K: int, groups_max: int) -> int:
+    """Groups (blocks) of the notify kernel for ``T`` tokens of top-``K``: enough for at most
+    `NOTIFY_PAIRS_PER_GROUP` pairs each, between 1 and ``groups_max``."""
+    return max(1, min(groups_max, -(-T * K // NOTIFY_PAIRS_PER_GROUP)))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -142,8 +153,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         pieces = lay.split_with_sizes(inner)
         views = (pieces[at[0]], pieces[at[1]], pieces[at[2]])
         stream = b.launch_stream
-        pairs_per_group = 256
-        groups = max(1, min(b.notify_groups_max, -(-T * K // pairs_per_group)))
+        groups = notify_groups(T, K, b.notify_groups_max)
         # The notify and layout launches are prepared once per module and expert count, with the
         # arguments that stay the same; each call sets the rest in place (the notify grid is given
         # at launch).
