@@ -1,13 +1,14 @@
 """The notify kernel's grouping, swept on one GPU (EP=1 through NCCL).
 
-For each token count, grid cap (one-warp blocks per SM) and pairs-per-group value: the groups it
+For each token count, grid cap (groups at most) and pairs-per-group value: the groups it
 gives, the device time of ``deep_ep_notify`` and ``deep_ep_layout`` (torch.profiler, median over
 ``--calls`` full dispatches without CPU sync), and the time of a synchronised full dispatch with
 CPU sync (median). Every setting's outputs and handle (numbering, layout words, the handle's copy
-of the routing) are compared bit for bit with those of the library's default grouping.
+of the routing), allocated poisoned, are compared bit for bit with those of the library's default
+grouping; the names of those that differ are printed.
 
-Usage: python tools/sweep_notify.py [--tokens 128,4096] [--pairs 16,32,64,128,256]
-       [--blocks-per-sm 4,8,16] [--calls 20] [--hidden 7168] [--experts 256] [--topk 8]
+Usage: python tools/sweep_notify.py [--tokens 128,4096] [--pairs 16,32,64,128,256,512]
+       [--caps 64,128,256,528] [--calls 20] [--hidden 7168] [--experts 256] [--topk 8]
 """
 import argparse
 import json
@@ -19,13 +20,21 @@ import time
 import torch
 
 import deep_ep
+from deep_ep.backends import outputs
 from deep_ep.backends.gpu import NOTIFY_BLOCKS_PER_SM
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
 from deep_ep.bench.gpu_timing import single_rank_nccl_group, spin_up
 
 
-def _snapshot(out) -> list:
-    recv_x, recv_idx, recv_w, handle, _ = out
+NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "pos_tok", "layout words", "handle topk_idx",
+         "recv_src_metadata")
+
+
+def _snapshot(call) -> list:
+    """The outputs and handle tensors of ``call()``, every output allocated poisoned (words no
+    kernel writes compare equal)."""
+    with outputs.poisoned():
+        recv_x, recv_idx, recv_w, handle, _ = call()
     return [t.clone() for t in (recv_x, recv_idx, recv_w, handle.dst_buffer_slot_idx, handle.backend_state.layout,
                                 handle.topk_idx, handle.recv_src_metadata)]
 
@@ -59,8 +68,8 @@ def _call_us(fn, calls: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="128,4096")
-    p.add_argument("--pairs", default="16,32,64,128,256")
-    p.add_argument("--blocks-per-sm", default="4,8,16")
+    p.add_argument("--pairs", default="16,32,64,128,256,512")
+    p.add_argument("--caps", default="64,128,256,528")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
@@ -74,7 +83,7 @@ def main() -> None:
     default_pairs, default_cap = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, backend.notify_groups_max
     print(f"default: {default_pairs} pairs per group, at most {default_cap} groups "
           f"({NOTIFY_BLOCKS_PER_SM} per SM, {backend.num_device_sms} SMs)")
-    print(f"{'tokens':>6} {'per SM':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'layout us':>9} "
+    print(f"{'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'layout us':>9} "
           f"{'call us':>8}  same")
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
@@ -90,26 +99,26 @@ def main() -> None:
 
         gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
         backend.set_notify_groups_max(default_cap)
-        want = _snapshot(sync_call())
+        want = _snapshot(sync_call)
         seen = set()
-        for per_sm in (int(v) for v in a.blocks_per_sm.split(",")):
-            backend.set_notify_groups_max(per_sm * backend.num_device_sms)
+        for cap in (int(v) for v in a.caps.split(",")):
+            backend.set_notify_groups_max(cap)
             for pairs in (int(v) for v in a.pairs.split(",")):
                 gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = pairs
                 groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max)
                 if groups in seen:
                     continue
                 seen.add(groups)
-                got = _snapshot(sync_call())
-                same = all(torch.equal(u, v) for u, v in zip(want, got))
+                got = _snapshot(sync_call)
+                differ = [n for n, u, v in zip(NAMES, want, got) if not torch.equal(u, v)]
                 for _ in range(3):
                     no_sync_call()
                 spin_up()
                 k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify", "deep_ep_layout"))
                 spin_up()
                 call = _call_us(sync_call, a.calls)
-                print(f"{T:6d} {per_sm:6d} {pairs:5d} {groups:6d} {k['deep_ep_notify']:9.1f} "
-                      f"{k['deep_ep_layout']:9.1f} {call:8.1f}  {'yes' if same else 'NO: outputs differ'}", flush=True)
+                print(f"{T:6d} {cap:6d} {pairs:5d} {groups:6d} {k['deep_ep_notify']:9.1f} "
+                      f"{k['deep_ep_layout']:9.1f} {call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}", flush=True)
     gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
     backend.set_notify_groups_max(default_cap)
     buf.destroy()

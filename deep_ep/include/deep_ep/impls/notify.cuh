@@ -5,13 +5,13 @@
 // pos_pair[t, k] is its index among s's pairs for e, in (t, k) order (expanded layout). The data
 // kernel adds where s's rows start at d (send_base / out_base, from the layout kernel).
 //
-// One warp per block; the grid's blocks own consecutive token ranges (groups) and go over their
-// pairs 32 at a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a
+// One warp per block; the grid's blocks own consecutive token ranges (groups), stage their ids in
+// shared memory (a tile of whole tokens at a time) and go over their pairs 32 at a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a
 // lane's index is the group's running count plus the lanes before it. Three phases, separated by
 // grid barriers (all blocks are resident: the host launches at most a few small blocks per SM):
 //   A. count: each group's pairs per column (R ranks, then E experts) -> scratch[group][column];
-//   B. prefix: warp g scans column c = g, g + G, ... over the groups (exclusive, in place) and
-//      publishes the column's total in counts[s] of every peer's window;
+//   B. prefix: warp g scans columns c = g, g + G, ... over the groups (exclusive, in place; a few
+//      columns at once) and publishes each column's total in counts[s] of every peer's window;
 //   C. number: each group numbers its pairs again, starting from its prefixes.
 // A token counts once per rank: only its first slot of that rank counts. Expert ids outside
 // [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
@@ -44,39 +44,51 @@ struct NotifyArgs {
     comm::CallTag tag;        // this call's number and fingerprint, sent with the counts' signal
 };
 
-// The expert id of flat pair p as a column id: e in [0, E), or -1 when masked or out of range.
-template <int K>
-__device__ __forceinline__ int notify_expert(const NotifyArgs& a, int64_t p, bool& bad) {
-    const int64_t e = __ldg(a.topk_idx + p);
-    bad = e < -1 || e >= a.num_experts;
-    return (e < 0 || e >= a.num_experts) ? -1 : static_cast<int>(e);
-}
+// A group's expert ids go through shared memory a tile at a time: one load of every id in flight
+// at once, instead of one global-memory round trip per 32 pairs and pass. A tile holds whole tokens
+// (a slot's earlier slots are in the same tile).
+constexpr int kNotifyTilePairs = 1024;
 
-// Whether slot k of token t is its first slot whose expert lives on rank d (d >= 0).
-template <int K>
-__device__ __forceinline__ bool notify_first_of_rank(const NotifyArgs& a, int t, int k, int d, int L) {
-    for (int kk = 0; kk < k; ++kk) {
-        const int64_t e = __ldg(a.topk_idx + static_cast<int64_t>(t) * K + kk);
-        if (e >= 0 && e < a.num_experts && static_cast<int>(e) / L == d) return false;
+// Stage the ids of tokens [t0, t1) (at most kNotifyTilePairs / K of them) into ids[] as column ids:
+// e in [0, E), or -1 when masked or out of range. ``kFirst`` (phase A): also note the smallest flat
+// index of an out-of-range id and write the handle's copy of the ids (``topk_copy``).
+template <int K, bool kFirst>
+__device__ __forceinline__ void notify_stage(const NotifyArgs& a, int t0, int t1, int* ids, int lane) {
+    const int64_t p0 = static_cast<int64_t>(t0) * K;
+    const int n = (t1 - t0) * K;
+    __syncwarp();
+#pragma unroll 8
+    for (int i = lane; i < n; i += 32) {
+        const int64_t e = __ldg(a.topk_idx + p0 + i);
+        const bool in_range = e >= 0 && e < a.num_experts;
+        ids[i] = in_range ? static_cast<int>(e) : -1;
+        if (kFirst) {
+            if (e < -1 || e >= a.num_experts) atomicMin(a.scratch + kNotifyBadIndex, static_cast<int>(p0 + i));
+            if (a.topk_copy != nullptr) a.topk_copy[p0 + i] = e;
+        }
     }
-    return true;
+    __syncwarp();
 }
 
-// One pass over this group's pairs, 32 at a time. ``kNumber``: false = count into run[] (phase A),
-// true = write positions (phase C; run[] holds the group's prefixes).
+// One pass over the staged tokens [t0, t1), 32 pairs at a time. ``kNumber``: false = count into
+// run[] (phase A), true = write positions (phase C; run[] holds the group's prefixes).
 template <int K, bool kExpand, bool kNumber>
-__device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, int t0, int t1, int* run, int lane) {
-    const int64_t p0 = static_cast<int64_t>(t0) * K, p1 = static_cast<int64_t>(t1) * K;
+__device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, int t0, int t1, const int* ids,
+                                            int* run, int lane) {
+    const int n = (t1 - t0) * K;
     const unsigned lanes_before = (1u << lane) - 1u;
-    for (int64_t base = p0; base < p1; base += 32) {
-        const int64_t p = base + lane;
-        const bool active = p < p1;
-        bool bad = false;
-        const int e = active ? notify_expert<K>(a, p, bad) : -1;
-        const int t = static_cast<int>(p / K), k = static_cast<int>(p % K);
+    for (int base = 0; base < n; base += 32) {
+        const int i = base + lane;
+        const bool active = i < n;
+        const int e = active ? ids[i] : -1;
+        const int tl = i / K, k = i - tl * K;
         const int d = e >= 0 ? e / L : -1;
-        const bool first = d >= 0 && notify_first_of_rank<K>(a, t, k, d, L);
-        if (!kNumber && bad) atomicMin(a.scratch + kNotifyBadIndex, static_cast<int>(p));
+        // A token counts once per rank: only its first slot of that rank counts.
+        bool first = d >= 0;
+        for (int kk = 0; first && kk < k; ++kk) {
+            const int ek = ids[tl * K + kk];
+            first = !(ek >= 0 && ek / L == d);
+        }
         // rank columns: one count per (token, rank)
         const int rank_key = first ? d : -1;
         const unsigned same_rank = __match_any_sync(0xffffffffu, rank_key);
@@ -86,13 +98,62 @@ __device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, i
         const int expert_base = e >= 0 ? run[R + e] : 0;
         __syncwarp();
         if (kNumber) {
+            const int t = t0 + tl;
             if (first) a.pos_tok[static_cast<int64_t>(t) * R + d] = rank_base + __popc(same_rank & lanes_before);
-            if (kExpand && active) a.pos_pair[p] = e >= 0 ? expert_base + __popc(same_expert & lanes_before) : -1;
+            if (kExpand && active)
+                a.pos_pair[static_cast<int64_t>(t) * K + k] = e >= 0 ? expert_base + __popc(same_expert & lanes_before) : -1;
         }
         // the lowest lane of each set advances the running counts
         if (first && (same_rank & lanes_before) == 0u) run[d] = rank_base + __popc(same_rank);
         if (e >= 0 && (same_expert & lanes_before) == 0u) run[R + e] = expert_base + __popc(same_expert);
         __syncwarp();
+    }
+}
+
+// Phase B for up to kNotifyColumnsAtOnce columns c0, c0 + G, ... of one warp: the loads of every
+// column are in flight together (one round trip, not one per column), then each column's
+// exclusive prefix over the groups is written back in place and its total returned in totals[j].
+constexpr int kNotifyColumnsAtOnce = 4;
+
+__device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int num_groups, int c0, int lane,
+                                                      int* totals) {
+    const int per_lane = (num_groups + 31) / 32;
+    const int g0 = min(num_groups, lane * per_lane), g1 = min(num_groups, g0 + per_lane);
+    int sum[kNotifyColumnsAtOnce];
+#pragma unroll
+    for (int j = 0; j < kNotifyColumnsAtOnce; ++j) sum[j] = 0;
+#pragma unroll 4
+    for (int g = g0; g < g1; ++g) {
+#pragma unroll
+        for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
+            const int c = c0 + j * num_groups;
+            if (c < cols) sum[j] += __ldcg(counts + static_cast<int64_t>(g) * cols + c);
+        }
+    }
+    int prefix[kNotifyColumnsAtOnce];
+#pragma unroll
+    for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
+        int inclusive = sum[j];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+            if (lane >= o) inclusive += v;
+        }
+        prefix[j] = inclusive - sum[j];
+        totals[j] = __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+#pragma unroll 4
+    for (int g = g0; g < g1; ++g) {
+#pragma unroll
+        for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
+            const int c = c0 + j * num_groups;
+            if (c < cols) {
+                int* cell = counts + static_cast<int64_t>(g) * cols + c;
+                const int v = __ldcg(cell);
+                *cell = prefix[j];
+                prefix[j] += v;
+            }
+        }
     }
 }
 
@@ -104,17 +165,19 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
     const int num_groups = static_cast<int>(gridDim.x);
     const int t0 = min(a.num_tokens, group * a.tokens_per_group);
     const int t1 = min(a.num_tokens, t0 + a.tokens_per_group);
+    constexpr int kTileTokens = kNotifyTilePairs / K;
+    const bool one_tile = t1 - t0 <= kTileTokens;   // the tile staged in phase A is still there in phase C
     int* counts = a.scratch + kNotifyGroupCounts;
     extern __shared__ int run[];  // [R + E] this group's running counts
+    __shared__ int ids[kTileTokens * K];
     uint8_t* my_window = tr.local();
 
-    // ---- A: count
+    // ---- A: count (and stage / copy the ids)
     for (int c = lane; c < cols; c += 32) run[c] = 0;
-    __syncwarp();
-    notify_pass<K, kExpand, false>(a, R, L, t0, t1, run, lane);
-    if (a.topk_copy != nullptr) {
-        for (int64_t p = static_cast<int64_t>(t0) * K + lane; p < static_cast<int64_t>(t1) * K; p += 32)
-            a.topk_copy[p] = __ldg(a.topk_idx + p);
+    for (int s = t0; s < t1; s += kTileTokens) {
+        const int e = min(t1, s + kTileTokens);
+        notify_stage<K, true>(a, s, e, ids, lane);
+        notify_pass<K, kExpand, false>(a, R, L, s, e, ids, run, lane);
     }
     for (int c = lane; c < cols; c += 32) counts[static_cast<int64_t>(group) * cols + c] = run[c];
     bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
@@ -122,26 +185,15 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
     // ---- B: prefix over the groups, column by column; totals to every peer
     const int row = cols + kCountsExtraWords;
     const int64_t my_row = a.counts_offset + static_cast<int64_t>(rank) * row * 4;
-    const int per_lane = (num_groups + 31) / 32;
-    for (int c = group; ok && c < cols; c += num_groups) {
-        const int g0 = min(num_groups, lane * per_lane), g1 = min(num_groups, g0 + per_lane);
-        int sum = 0;
-        for (int g = g0; g < g1; ++g) sum += counts[static_cast<int64_t>(g) * cols + c];
-        int inclusive = sum;
+    for (int c0 = group; ok && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
+        int totals[kNotifyColumnsAtOnce];
+        notify_prefix_columns(counts, cols, num_groups, c0, lane, totals);
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, inclusive, o);
-            if (lane >= o) inclusive += n;
+        for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
+            const int c = c0 + j * num_groups;
+            if (c < cols)
+                for (int p = lane; p < R; p += 32) tr.put<int>(p, my_row + 4 * c, totals[j]);
         }
-        int prefix = inclusive - sum;
-        for (int g = g0; g < g1; ++g) {
-            int* cell = counts + static_cast<int64_t>(g) * cols + c;
-            const int v = *cell;
-            *cell = prefix;
-            prefix += v;
-        }
-        const int total = __shfl_sync(0xffffffffu, inclusive, 31);
-        for (int p = lane; p < R; p += 32) tr.put<int>(p, my_row + 4 * c, total);
     }
     if (ok && group == 0) {
         const int bad = ld_volatile(reinterpret_cast<const uint32_t*>(a.scratch + kNotifyBadIndex));
@@ -161,10 +213,14 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
 
     // ---- C: number, from the group's prefixes
     if (ok) {
-        for (int c = lane; c < cols; c += 32) run[c] = counts[static_cast<int64_t>(group) * cols + c];
+        for (int c = lane; c < cols; c += 32) run[c] = __ldcg(counts + static_cast<int64_t>(group) * cols + c);
         for (int64_t i = static_cast<int64_t>(t0) * R + lane; i < static_cast<int64_t>(t1) * R; i += 32) a.pos_tok[i] = -1;
         __syncwarp();
-        notify_pass<K, kExpand, true>(a, R, L, t0, t1, run, lane);
+        for (int s = t0; s < t1; s += kTileTokens) {
+            const int e = min(t1, s + kTileTokens);
+            if (!one_tile) notify_stage<K, false>(a, s, e, ids, lane);
+            notify_pass<K, kExpand, true>(a, R, L, s, e, ids, run, lane);
+        }
     } else if (lane == 0) {
         comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
