@@ -21,7 +21,7 @@ import torch
 
 import deep_ep
 from deep_ep.backends import outputs
-from deep_ep.backends.gpu import NOTIFY_BLOCKS_PER_SM
+from deep_ep.backends.gpu import NOTIFY_GROUPS_PER_SM
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
 from deep_ep.bench.gpu_timing import single_rank_nccl_group, spin_up
 
@@ -82,7 +82,7 @@ def main() -> None:
     backend = buf._backend
     default_pairs, default_cap = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, backend.notify_groups_max
     print(f"default: {default_pairs} pairs per group, at most {default_cap} groups "
-          f"({NOTIFY_BLOCKS_PER_SM} per SM, {backend.num_device_sms} SMs)")
+          f"({NOTIFY_GROUPS_PER_SM} per SM, {backend.num_device_sms} SMs)")
     print(f"{'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'layout us':>9} "
           f"{'call us':>8}  same")
     for T in tokens:

@@ -30,7 +30,7 @@ from . import window as wl
 from .abi import (CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
                   call_tag)
 from .combine import run_combine
-from .dispatch import run_dispatch
+from .dispatch import NOTIFY_WARPS, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
 from .modules import (THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines, kernel_source,
                       load_module, num_modules_built, test_defect_defines, tunable_defines)
@@ -46,9 +46,9 @@ __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", 
 # whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
 COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
 NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
-# The notify kernel's grid cap, in one-warp blocks per SM (for emulated ranks, per rank and SM
-# divided by the ranks): every block is resident at once (it has grid barriers).
-NOTIFY_BLOCKS_PER_SM = 4
+# The notify kernel's grid cap, in groups (warps) per SM (for emulated ranks divided by the ranks):
+# every block is resident at once (it has grid barriers).
+NOTIFY_GROUPS_PER_SM = 8
 
 
 class GPUBackend(Backend):
@@ -125,20 +125,22 @@ class GPUBackend(Backend):
         # (module structure, experts); the data kernel per (module structure, SMs, zero padding).
         self.fresh_launches: dict = {}
         self.fresh_data_launches: dict = {}
-        self.set_notify_groups_max(max(1, NOTIFY_BLOCKS_PER_SM * self.num_device_sms //
+        self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
                                        (self.num_ranks if self.emulated else 1)))
         self._layouts: dict = {}         # hidden -> WindowLayout
         self._destroyed = False
 
     def set_notify_groups_max(self, groups_max: int) -> None:
-        """Cap the notify kernel's grid at ``groups_max`` groups (one-warp blocks, all resident at
-        once: emulated ranks share the device). Waits for the device, then allocates the kernel's
-        scratch (barrier words, the smallest bad index, INT_MAX for none, and ``groups_max`` rows of
-        group counts) and drops the prepared notify launches, which point at the old scratch."""
+        """Cap the notify kernel's grid at ``groups_max`` groups (warps; rounded down to whole blocks
+        of `dispatch.NOTIFY_WARPS`, at least one block), all resident at once: emulated ranks share
+        the device. Waits for the device, then allocates the kernel's scratch (barrier words, the
+        smallest bad index, INT_MAX for none, and a row of counts per block) and drops the prepared
+        notify launches, which point at the old scratch."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        self.notify_groups_max = groups_max
-        self.notify_scratch = torch.zeros(4 + groups_max * (self.num_ranks + MAX_EXPERTS), dtype=torch.int32,
+        blocks = max(1, groups_max // NOTIFY_WARPS)
+        self.notify_groups_max = blocks * NOTIFY_WARPS
+        self.notify_scratch = torch.zeros(4 + blocks * (self.num_ranks + MAX_EXPERTS), dtype=torch.int32,
                                           device=self._device)
         self.notify_scratch[2] = 2 ** 31 - 1
         if self._device.type == "cuda":

@@ -28,7 +28,7 @@ import torch
 from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
-from .abi import MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, NotifyArgs, layout_index
+from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, NotifyArgs, layout_index
 from . import modules
 from . import window as wl
 from .modules import LAYOUT_THREADS
@@ -36,10 +36,11 @@ from .state import GPUHandleState
 
 __all__ = ["run_dispatch", "NOTIFY_PAIRS_PER_GROUP", "notify_groups"]
 
-# (token, slot) pairs one notify group (a one-warp block) numbers, at most: its two passes go over
-# them 32 at a time, one chain of dependent loads each, so fewer pairs per group mean a shorter
-# kernel, up to the backend's cap on groups (`GPUBackend.notify_groups_max`).
-NOTIFY_PAIRS_PER_GROUP = 256
+# (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
+# at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
+# (`GPUBackend.notify_groups_max`), past which the grid barriers cost more than they save.
+NOTIFY_PAIRS_PER_GROUP = 32
+NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 
 
 def _align_words(n: int) -> int:
@@ -75,9 +76,10 @@ def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: i
 
 
 def notify_groups(T: int, K: int, groups_max: int) -> int:
-    """Groups (blocks) of the notify kernel for ``T`` tokens of top-``K``: enough for at most
-    `NOTIFY_PAIRS_PER_GROUP` pairs each, between 1 and ``groups_max``."""
-    return max(1, min(groups_max, -(-T * K // NOTIFY_PAIRS_PER_GROUP)))
+    """Groups (warps) of the notify kernel for ``T`` tokens of top-``K``: enough for at most
+    `NOTIFY_PAIRS_PER_GROUP` pairs each, at most ``groups_max``, in whole blocks of `NOTIFY_WARPS`."""
+    groups = max(1, min(groups_max, -(-T * K // NOTIFY_PAIRS_PER_GROUP)))
+    return -(-groups // NOTIFY_WARPS) * NOTIFY_WARPS
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -161,9 +163,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         if fresh is None:
             fresh = b.fresh_launches[(structure, E)] = (
                 mod.function("deep_ep_notify").prepare(
-                    1, 32, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
+                    1, 32 * NOTIFY_WARPS, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
                                        scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns), transport),
-                    device=dev.index, cooperative=b.cooperative, smem=4 * (R + E)),
+                    device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E)),
                 mod.function("deep_ep_layout").prepare(
                     1, LAYOUT_THREADS, (LayoutArgs(num_experts=E, counts_offset=layout.counts_offset,
                                                    timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr),
@@ -176,7 +178,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
         na.pos_tok, na.pos_pair, na.tag = _ptr(pos_tok), _ptr(pos_pair), tag
         b.launched_call = b.calls
-        notify_launch.launch(stream, groups)
+        notify_launch.launch(stream, groups // NOTIFY_WARPS)
         seq = 0
         if do_cpu_sync:
             b.readback_seq = seq = (b.readback_seq % (2 ** 31 - 1)) + 1

@@ -40,6 +40,11 @@ constexpr int kPhaseBarrier = 4;   // barrier: waiting for peers
 // its value (clamped to int32).
 constexpr int kCountsExtraWords = 2;
 
+// ---- the notify kernel's blocks ------------------------------------------------------------------
+// Warps (groups of tokens) per block: the grid barriers' atomics are one per block, and a block sums
+// its warps' counts in shared memory before the grid-wide prefix.
+constexpr int kNotifyWarps = 8;
+
 // ---- what the layout kernel reports to the host (int32 words of mapped host memory) ------------
 // Written when the call synchronises with the host: the sequence number last, after the rest.
 constexpr int kReadbackSeq = 0;         // the call's sequence number (the host polls for it)

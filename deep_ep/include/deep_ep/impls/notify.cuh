@@ -5,14 +5,17 @@
 // pos_pair[t, k] is its index among s's pairs for e, in (t, k) order (expanded layout). The data
 // kernel adds where s's rows start at d (send_base / out_base, from the layout kernel).
 //
-// One warp per block; the grid's blocks own consecutive token ranges (groups), stage their ids in
-// shared memory (a tile of whole tokens at a time) and go over their pairs 32 at a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a
-// lane's index is the group's running count plus the lanes before it. Three phases, separated by
-// grid barriers (all blocks are resident: the host launches at most a few small blocks per SM):
-//   A. count: each group's pairs per column (R ranks, then E experts) -> scratch[group][column];
-//   B. prefix: warp g scans columns c = g, g + G, ... over the groups (exclusive, in place; a few
+// Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
+// stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
+// a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's
+// index is the group's running count plus the lanes before it. Three phases, separated by grid
+// barriers (all blocks are resident: the host launches at most a few warps per SM):
+//   A. count: each group's pairs per column (R ranks, then E experts); the block turns its warps'
+//      counts into prefixes within the block (shared memory) and writes its totals to
+//      scratch[block][column];
+//   B. prefix: warp w scans columns c = w, w + W, ... over the blocks (exclusive, in place; a few
 //      columns at once) and publishes each column's total in counts[s] of every peer's window;
-//   C. number: each group numbers its pairs again, starting from its prefixes.
+//   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
 // A token counts once per rank: only its first slot of that rank counts. Expert ids outside
 // [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
 // counts, so that every rank's layout kernel sees it and the call moves nothing (kErrBadExpert).
@@ -29,7 +32,7 @@ namespace deep_ep {
 constexpr int kNotifyBarrierCount = 0;  // grid barrier: blocks arrived
 constexpr int kNotifyBarrierGen = 1;    // grid barrier: generation
 constexpr int kNotifyBadIndex = 2;      // smallest flat index of an out-of-range id (INT_MAX: none)
-constexpr int kNotifyGroupCounts = 4;   // [num_groups][R + E] pairs per column and group
+constexpr int kNotifyGroupCounts = 4;   // [num_blocks][R + E] pairs per column and block
 
 struct NotifyArgs {
     const int64_t* topk_idx;  // [T, K]
@@ -47,7 +50,7 @@ struct NotifyArgs {
 // A group's expert ids go through shared memory a tile at a time: one load of every id in flight
 // at once, instead of one global-memory round trip per 32 pairs and pass. A tile holds whole tokens
 // (a slot's earlier slots are in the same tile).
-constexpr int kNotifyTilePairs = 1024;
+constexpr int kNotifyTilePairs = 256;
 
 // Stage the ids of tokens [t0, t1) (at most kNotifyTilePairs / K of them) into ids[] as column ids:
 // e in [0, E), or -1 when masked or out of range. ``kFirst`` (phase A): also note the smallest flat
@@ -110,15 +113,16 @@ __device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, i
     }
 }
 
-// Phase B for up to kNotifyColumnsAtOnce columns c0, c0 + G, ... of one warp: the loads of every
-// column are in flight together (one round trip, not one per column), then each column's
-// exclusive prefix over the groups is written back in place and its total returned in totals[j].
+// Phase B for up to kNotifyColumnsAtOnce columns c0, c0 + stride, ... of one warp: the loads of
+// every column are in flight together (one round trip, not one per column), then each column's
+// exclusive prefix over the ``num_rows`` rows (blocks) is written back in place and its total
+// returned in totals[j].
 constexpr int kNotifyColumnsAtOnce = 4;
 
-__device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int num_groups, int c0, int lane,
-                                                      int* totals) {
-    const int per_lane = (num_groups + 31) / 32;
-    const int g0 = min(num_groups, lane * per_lane), g1 = min(num_groups, g0 + per_lane);
+__device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int num_rows, int c0, int stride,
+                                                      int lane, int* totals) {
+    const int per_lane = (num_rows + 31) / 32;
+    const int g0 = min(num_rows, lane * per_lane), g1 = min(num_rows, g0 + per_lane);
     int sum[kNotifyColumnsAtOnce];
 #pragma unroll
     for (int j = 0; j < kNotifyColumnsAtOnce; ++j) sum[j] = 0;
@@ -126,7 +130,7 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
     for (int g = g0; g < g1; ++g) {
 #pragma unroll
         for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
-            const int c = c0 + j * num_groups;
+            const int c = c0 + j * stride;
             if (c < cols) sum[j] += __ldcg(counts + static_cast<int64_t>(g) * cols + c);
         }
     }
@@ -146,7 +150,7 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
     for (int g = g0; g < g1; ++g) {
 #pragma unroll
         for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
-            const int c = c0 + j * num_groups;
+            const int c = c0 + j * stride;
             if (c < cols) {
                 int* cell = counts + static_cast<int64_t>(g) * cols + c;
                 const int v = __ldcg(cell);
@@ -161,33 +165,47 @@ template <int K, bool kExpand>
 __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
     const int cols = R + E;
-    const int lane = static_cast<int>(threadIdx.x), group = static_cast<int>(blockIdx.x);
-    const int num_groups = static_cast<int>(gridDim.x);
+    const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+    const int block = static_cast<int>(blockIdx.x), num_blocks = static_cast<int>(gridDim.x);
+    const int group = block * kNotifyWarps + warp, num_groups = num_blocks * kNotifyWarps;
     const int t0 = min(a.num_tokens, group * a.tokens_per_group);
     const int t1 = min(a.num_tokens, t0 + a.tokens_per_group);
     constexpr int kTileTokens = kNotifyTilePairs / K;
     const bool one_tile = t1 - t0 <= kTileTokens;   // the tile staged in phase A is still there in phase C
-    int* counts = a.scratch + kNotifyGroupCounts;
-    extern __shared__ int run[];  // [R + E] this group's running counts
-    __shared__ int ids[kTileTokens * K];
+    int* counts = a.scratch + kNotifyGroupCounts;  // [num_blocks][cols]
+    extern __shared__ int smem[];                  // [kNotifyWarps][cols]: each warp's running counts
+    int* run = smem + warp * cols;
+    __shared__ int tiles[kNotifyWarps][kTileTokens * K];
+    int* ids = tiles[warp];
     uint8_t* my_window = tr.local();
 
-    // ---- A: count (and stage / copy the ids)
+    // ---- A: count (and stage / copy the ids); then the block's exclusive prefix over its warps in
+    // shared memory, and its totals to the block's row of the scratch
     for (int c = lane; c < cols; c += 32) run[c] = 0;
     for (int s = t0; s < t1; s += kTileTokens) {
         const int e = min(t1, s + kTileTokens);
         notify_stage<K, true>(a, s, e, ids, lane);
         notify_pass<K, kExpand, false>(a, R, L, s, e, ids, run, lane);
     }
-    for (int c = lane; c < cols; c += 32) counts[static_cast<int64_t>(group) * cols + c] = run[c];
+    __syncthreads();
+    for (int c = static_cast<int>(threadIdx.x); c < cols; c += static_cast<int>(blockDim.x)) {
+        int acc = 0;
+#pragma unroll
+        for (int w = 0; w < kNotifyWarps; ++w) {
+            const int v = smem[w * cols + c];
+            smem[w * cols + c] = acc;
+            acc += v;
+        }
+        counts[static_cast<int64_t>(block) * cols + c] = acc;
+    }
     bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
-    // ---- B: prefix over the groups, column by column; totals to every peer
+    // ---- B: prefix over the blocks, column by column (one warp per column); totals to every peer
     const int row = cols + kCountsExtraWords;
     const int64_t my_row = a.counts_offset + static_cast<int64_t>(rank) * row * 4;
     for (int c0 = group; ok && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
         int totals[kNotifyColumnsAtOnce];
-        notify_prefix_columns(counts, cols, num_groups, c0, lane, totals);
+        notify_prefix_columns(counts, cols, num_blocks, c0, num_groups, lane, totals);
 #pragma unroll
         for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
             const int c = c0 + j * num_groups;
@@ -207,13 +225,13 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
             tr.put<int>(p, my_row + 4 * cols, any ? bad : -1);
             tr.put<int>(p, my_row + 4 * (cols + 1), value);
         }
-        if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this block only)
+        if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this warp only)
     }
     ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns) && ok;
 
-    // ---- C: number, from the group's prefixes
+    // ---- C: number, from the block's prefix plus the warp's within the block
     if (ok) {
-        for (int c = lane; c < cols; c += 32) run[c] = __ldcg(counts + static_cast<int64_t>(group) * cols + c);
+        for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
         for (int64_t i = static_cast<int64_t>(t0) * R + lane; i < static_cast<int64_t>(t1) * R; i += 32) a.pos_tok[i] = -1;
         __syncwarp();
         for (int s = t0; s < t1; s += kTileTokens) {

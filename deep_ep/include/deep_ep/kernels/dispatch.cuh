@@ -11,8 +11,9 @@
 #include "../impls/layout.cuh"
 #include "../impls/notify.cuh"
 
-// One warp per block, a few blocks per SM at most: the blocks meet at grid barriers (impls/notify.cuh).
-extern "C" __global__ void __launch_bounds__(32) deep_ep_notify(deep_ep::NotifyArgs a,
+// kNotifyWarps warps (groups) per block, a few warps per SM at most: the blocks meet at grid
+// barriers (impls/notify.cuh).
+extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32) deep_ep_notify(deep_ep::NotifyArgs a,
                                                                 deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
