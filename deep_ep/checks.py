@@ -86,8 +86,12 @@ def check_tensor(name: str, t, *, dtype: Union[torch.dtype, tuple], shape: tuple
         raise TypeError(f"{name} must be a torch.Tensor ({want()} {want_shape()}), got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {want()}, got {_fmt_tensor(t)}")
-    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+    sizes = t.shape
+    if len(sizes) != len(shape):
         raise ValueError(f"{name} must have shape {want_shape()}, got {_fmt_tensor(t)}")
+    for s, n in zip(shape, sizes):
+        if s is not None and s != n:
+            raise ValueError(f"{name} must have shape {want_shape()}, got {_fmt_tensor(t)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the buffer's device), got {_fmt_tensor(t)}")
     if contiguous and not t.is_contiguous():

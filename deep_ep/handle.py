@@ -175,7 +175,7 @@ class EPHandle:
         if self.num_ranks != num_ranks or self.rank != rank:
             raise ValueError(f"{what} was made on rank {self.rank} of {self.num_ranks}, "
                              f"but this is rank {rank} of {num_ranks}")
-        if torch.device(self.device) != torch.device(device):
+        if self.topk_idx.device != (device if isinstance(device, torch.device) else torch.device(device)):
             raise ValueError(f"{what} tensors are on {self.device}, the buffer works on {device}")
 
     # ------------------------------------------------------------------ copies
