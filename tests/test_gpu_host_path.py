@@ -66,7 +66,7 @@ def _backend(log):
     b.timeout_ns, b.cooperative, b.call_stream, b.comm_handle, b.comm_stream = 10 ** 9, True, 0, 5, None
     b.launched_call, b.last_m = 0, 0
     b.notify_groups_max, b.notify_scratch = 32, torch.zeros(16, dtype=torch.int32)
-    b.fresh_launches, b.fresh_data_launches = {}, {}
+    b.fresh_plans = {}
 
     def wait_readback(seq, num_experts, num_topk):
         report = [0] * READBACK_WORDS
@@ -216,3 +216,48 @@ def test_a_reused_handle_launch_carries_only_this_calls_arguments(monkeypatch):
         assert reused[0][:2] == log[0][:2]
         assert reused[0][2] == log[0][2], f"{reused[0][0]}: a reused launch's arguments differ"
         alloc.replay = None
+
+
+def test_every_launch_carries_this_calls_tag(monkeypatch):
+    """The tag of each launch (the call's number and its configuration's fingerprint, which peers
+    compare) is this call's: fresh dispatches with two configurations, then a cached dispatch and a
+    combine, each after other calls."""
+    from deep_ep.backends.gpu.abi import CallTag, CombineArgs, DispatchArgs, LayoutArgs, NotifyArgs, call_tag
+    log = []
+    b = _backend(log)
+    structs = {"deep_ep_notify": NotifyArgs, "deep_ep_layout": LayoutArgs, "deep_ep_dispatch": DispatchArgs,
+               "deep_ep_dispatch_cached": DispatchArgs, "deep_ep_combine": CombineArgs}
+
+    def tags():
+        out = [(name, structs[name].from_buffer_copy(args[0]).tag) for name, _, args in log]
+        log.clear()
+        return [(name, t.seq, t.fingerprint) for name, t in out]
+
+    keep = []
+    for i, call in enumerate(CALLS[:2] * 2):
+        out, inputs = _dispatch(b, **call, seed=10 + i)
+        keep.append((out, inputs))
+        data_bytes = H * 2
+        want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
+                        0 if call["sync"] else M)
+        assert tags() == [(n, want.seq, want.fingerprint) for n in ("deep_ep_notify", "deep_ep_layout",
+                                                                   "deep_ep_dispatch")]
+    handle = keep[0][0][3]
+    g = torch.Generator().manual_seed(3)
+    for weights in (True, False, True):
+        b.calls += 1
+        x = torch.randn(handle.num_tokens, H, generator=g).to(torch.bfloat16)
+        w = torch.rand(handle.num_tokens, K, generator=g) if weights else None
+        gpu_dispatch.run_dispatch(
+            b, x, None, None, w, num_experts=None, num_max_tokens_per_rank=M, expert_alignment=None, num_sms=4,
+            handle=handle, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
+            use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
+        want = call_tag(b.calls, 2, H * 2, 0, K, 0, CALLS[0]["align"], E, weights, 1, 0)
+        assert tags() == [("deep_ep_dispatch_cached", want.seq, want.fingerprint)]
+        b.calls += 1
+        y = torch.randn(handle.num_recv_rows, H, generator=g).to(torch.bfloat16)
+        gpu_combine.run_combine(b, y, handle, torch.rand(handle.num_recv_rows, K, generator=g) if weights else None,
+                                (), num_sms=4)
+        want = call_tag(b.calls, 3, H, K, 0, E, weights, 0)
+        assert tags() == [("deep_ep_combine", want.seq, want.fingerprint)]
+    assert isinstance(want, CallTag)

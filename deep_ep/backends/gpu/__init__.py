@@ -121,10 +121,9 @@ class GPUBackend(Backend):
         self.last_num_experts = self.last_num_topk = 0   # of the last dispatch (for async error messages)
         self.launched_call = 0   # the call number of the last kernels launched (an async error is theirs)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
-        # Prepared launches of fresh dispatches (`dispatch.run_dispatch`): notify and layout per
-        # (module structure, experts); the data kernel per (module structure, SMs, zero padding).
-        self.fresh_launches: dict = {}
-        self.fresh_data_launches: dict = {}
+        # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
+        # it and the three prepared launches.
+        self.fresh_plans: dict = {}
         self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
                                        (self.num_ranks if self.emulated else 1)))
         self._layouts: dict = {}         # hidden -> WindowLayout
@@ -134,8 +133,8 @@ class GPUBackend(Backend):
         """Cap the notify kernel's grid at ``groups_max`` groups (warps; rounded down to whole blocks
         of `dispatch.NOTIFY_WARPS`, at least one block), all resident at once: emulated ranks share
         the device. Waits for the device, then allocates the kernel's scratch (barrier words, the
-        smallest bad index, INT_MAX for none, and a row of counts per block) and drops the prepared
-        notify launches, which point at the old scratch."""
+        smallest bad index, INT_MAX for none, and a row of counts per block) and drops the fresh
+        dispatches' plans, whose notify launches point at the old scratch."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         blocks = max(1, groups_max // NOTIFY_WARPS)
@@ -145,7 +144,7 @@ class GPUBackend(Backend):
         self.notify_scratch[2] = 2 ** 31 - 1
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
-        self.fresh_launches.clear()
+        self.fresh_plans.clear()
 
     # ------------------------------------------------------------------ properties
     @property

@@ -18,42 +18,53 @@ __all__ = ["run_combine"]
 
 def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
     """`Backend.combine` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
-    dev = b.device
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+    has_weights = topk_weights is not None
+    # The handle-level tensors the launch reads are part of the key: a handle rebuilt with other
+    # tensors (dataclasses.replace) shares this state but must not reuse the pointers.
+    key = ("combine", num_sms, bool(apply_dispatch_weights), has_weights, handle.topk_idx.data_ptr(),
+           _ptr(handle.recv_topk_weights), state.src_meta.data_ptr())
+    entry = state.launches.get(key)
+    if entry is None:
+        entry = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)
+    prepared, n_sms = entry
+    b.raise_if_broken()
+    dev = b.device
+    T, H, K = handle.num_tokens, handle.hidden, handle.num_topk
+    out = outputs.empty((T, H), torch.bfloat16, dev, b.fill_stream)
+    out_w = outputs.empty((T, K), torch.float32, dev, b.fill_stream) if has_weights else None
+    a = prepared.args[0]  # the per-call pointers
+    a.y, a.weights_in, a.out, a.out_weights = _ptr(x), _ptr(topk_weights), _ptr(out), _ptr(out_w)
+    a.bias0 = _ptr(bias[0]) if len(bias) > 0 else None
+    a.bias1 = _ptr(bias[1]) if len(bias) > 1 else None
+    a.tag.seq = b.calls & 0xFFFFFFFF
+    b.launch_data(prepared, n_sms)
+    return out, out_w
+
+
+def _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
+    """The handle's prepared combine launch for this key, every argument but the per-call pointers
+    and the call number set; returns ``(launch, SMs)``."""
     if handle.do_expand and not b.config.allow_multiple_reduction:
         raise NotImplementedError(
             "combine of an expanded handle with allow_multiple_reduction=False (one reduction of every "
             "(token, expert) row at the source) is not implemented on the GPU yet: create the buffer with "
             "allow_multiple_reduction=True (the default), or use the CPU backend")
-    b.raise_if_broken()
+    state = handle.backend_state
     T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
     layout = b.layout(wl.combine_row_stride(H, b.config.num_topk))
     n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("combine", (H, K, bool(handle.do_expand)))
-    out = outputs.empty((T, H), torch.bfloat16, dev, b.fill_stream)
-    out_w = outputs.empty((T, K), torch.float32, dev, b.fill_stream) if topk_weights is not None else None
-    bias0 = bias[0] if len(bias) > 0 else None
-    bias1 = bias[1] if len(bias) > 1 else None
-    tag = call_tag(b.calls, 3, H, K, int(bool(handle.do_expand)), E, topk_weights is not None,
-                   int(bool(apply_dispatch_weights)))
-    key = ("combine", H, K, n_sms, bool(apply_dispatch_weights), handle.topk_idx.data_ptr(),
-           _ptr(handle.recv_topk_weights), state.src_meta.data_ptr())
-    prepared = state.launches.get(key)
-    if prepared is None:
-        args = CombineArgs(
-            recv_weights=_ptr(handle.recv_topk_weights),
-            src_meta=_ptr(state.src_meta), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
-            pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
-            num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
-            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-        prepared = state.launches[key] = mod.function("deep_ep_combine").prepare(
-            n_sms, modules.THREADS, (args, b.transport_args), device=dev.index, cooperative=b.cooperative)
-    a = prepared.args[0]  # the per-call pointers
-    a.y, a.weights_in, a.bias0, a.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
-    a.out, a.out_weights = _ptr(out), _ptr(out_w)
-    a.tag = tag
-    b.launch_data(prepared, n_sms)
-    return out, out_w
+    tag = call_tag(0, 3, H, K, int(bool(handle.do_expand)), E, has_weights, int(bool(apply_dispatch_weights)))
+    args = CombineArgs(
+        recv_weights=_ptr(handle.recv_topk_weights),
+        src_meta=_ptr(state.src_meta), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
+        pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
+        num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
+        recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+        timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
+    prepared = mod.function("deep_ep_combine").prepare(
+        n_sms, modules.THREADS, (args, b.transport_args), device=b.device.index, cooperative=b.cooperative)
+    return prepared, n_sms

@@ -86,31 +86,66 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
-                 expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
-                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
-    """`Backend.dispatch` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
-    dev = b.device
-    R, rank = b.num_ranks, b.rank
-    cached = handle is not None
-    if cached:
-        state = handle.backend_state
-        if not isinstance(state, GPUHandleState):
-            raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
-        topk_idx = handle.topk_idx
-        do_expand = handle.do_expand
-        expert_alignment = handle.expert_alignment
-        num_experts = handle.num_experts
-    E, A = num_experts, expert_alignment
+class _FreshPlan:
+    """What a fresh dispatch derives from its configuration (everything but the token count and the
+    tensors): checked once, with its three prepared launches, whose constant arguments are set here
+    and the rest by each call (`GPUBackend.fresh_plans`)."""
+
+    __slots__ = ("E", "A", "L", "K", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows",
+                 "notify", "layout", "data")
+
+    def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
+                 do_expand, do_zero_padding):
+        R = b.num_ranks
+        dev = b.device
+        data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, num_max_tokens_per_rank)
+        self.E, self.A, self.L, self.K, self.H, self.m = E, A, E // R, K, int(data.shape[1]), m
+        self.ix = layout_index(R, E // R, E)
+        self.n_sms = b.num_sms(num_sms, E, K)
+        structure = (data_bytes, num_sf, K, bool(do_expand))
+        mod = b.module("dispatch", structure)
+        # do_cpu_sync=False: outputs are sized now for the worst case; the layout kernel refuses
+        # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
+        big = 2 ** 31 - 1
+        self.out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, self.L, A, do_expand)
+        self.tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
+        self.meta_rows = 0 if do_cpu_sync else self.tok_cap
+        # What every rank's call must agree on (sent with every signal, comm/window.cuh); each call
+        # sets its number (``tag.seq``). Struct fields are copies: one tag serves the three launches.
+        tag = call_tag(0, 1, data_bytes, num_sf, K, int(bool(do_expand)), A, E, has_weights, int(bool(do_cpu_sync)),
+                       0 if do_cpu_sync else m)
+        transport = b.transport_args
+        self.notify = mod.function("deep_ep_notify").prepare(
+            1, 32 * NOTIFY_WARPS, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
+                                              scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag),
+                                   transport),
+            device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E))
+        self.layout = mod.function("deep_ep_layout").prepare(
+            1, LAYOUT_THREADS, (LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset,
+                                           out_capacity=self.out_cap, tok_capacity=self.tok_cap,
+                                           timeout_ns=b.timeout_ns,
+                                           host_out=b.readback.device_ptr if do_cpu_sync else None,
+                                           err_host=b.err_record.device_ptr, tag=tag), transport),
+            device=dev.index)
+        self.data = mod.function("deep_ep_dispatch").prepare(
+            self.n_sms, modules.THREADS,
+            (DispatchArgs(max_tokens=num_max_tokens_per_rank, num_experts=E, alignment=A,
+                          recv_offset=layout.recv_offset, half_bytes=layout.half_bytes,
+                          row_stride=layout.row_stride, timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr,
+                          tag=tag),
+             transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
+
+
+def _check_config(b, data, sf, K, E, num_max_tokens_per_rank) -> tuple:
+    """The GPU-specific limits of a dispatch's configuration; returns ``(data_bytes, num_sf, window
+    layout, M)``."""
+    R = b.num_ranks
     if E > MAX_EXPERTS:
         raise ValueError(f"num_experts={E} exceeds the {MAX_EXPERTS} experts a window has room for")
-    L = E // R
-    ix = layout_index(R, L, E)
-    T, H = int(data.shape[0]), int(data.shape[1])
-    K = int(topk_idx.shape[1])
     if K > (b.config.num_topk or MAX_TOPK):
         raise ValueError(f"top-k {K} exceeds the {b.config.num_topk or MAX_TOPK} the window rows were "
                          f"sized for: create the buffer with num_topk={K}")
+    H = int(data.shape[1])
     data_bytes = H * data.element_size()
     num_sf = 0 if sf is None else int(sf.shape[1])
     if data_bytes % 16:
@@ -123,174 +158,188 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         raise ValueError(f"the window holds {cap_tok_rows} token rows per round, fewer than "
                          f"{R} ranks x num_max_tokens_per_rank={m}: create the buffer with a larger "
                          f"num_bytes (see ElasticBuffer.get_buffer_size_hint)")
-    if T > m:
-        raise ValueError(f"{T} tokens on rank {rank}, more than the {m} per rank the buffer holds "
-                         f"(num_max_tokens_per_rank)")
-    b.last_m = m
-    n_sms = b.num_sms(num_sms, E, K)
-    structure = (data_bytes, num_sf, K, bool(do_expand))
-    mod = b.module("dispatch", structure)
-    transport = b.transport_args
+    return data_bytes, num_sf, layout, m
 
+
+_MAX_PLANS = 64   # configurations kept per buffer (a model has a few; more are re-derived)
+
+
+def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
+                 expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
+                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+    """`Backend.dispatch` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
+    if handle is not None:
+        return _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
+                           use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+    dev = b.device
+    R = b.num_ranks
+    K = int(topk_idx.shape[1])
+    has_weights = topk_weights is not None
+    key = (int(data.shape[1]), data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), K, num_experts,
+           expert_alignment, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
+    plan = b.fresh_plans.get(key)
+    if plan is None:
+        if len(b.fresh_plans) >= _MAX_PLANS:
+            b.fresh_plans.clear()
+        plan = b.fresh_plans[key] = _FreshPlan(b, data, sf, K, num_experts, expert_alignment, num_max_tokens_per_rank,
+                                               num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
+    T, H, E, A, L, ix = int(data.shape[0]), plan.H, plan.E, plan.A, plan.L, plan.ix
+    if T > plan.m:
+        raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.m} per rank the buffer holds "
+                         f"(num_max_tokens_per_rank)")
+    b.last_m = plan.m
     b.raise_if_broken()
-    # What every rank's call must agree on (sent with every signal, comm/window.cuh).
-    tag = call_tag(b.calls, 2 if cached else 1, data_bytes, num_sf, K, int(bool(do_expand)), A, E,
-                   topk_weights is not None, int(bool(do_cpu_sync)), 0 if do_cpu_sync else m)
-    if not cached:
-        # do_cpu_sync=False: outputs are sized now for the worst case; the layout kernel refuses
-        # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
-        big = 2 ** 31 - 1
-        out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, L, A, do_expand)
-        tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
-        # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded)
-        # pos_pair [T, K], (no CPU sync) recv_src_metadata, each starting on a 128-byte boundary as
-        # a tensor of its own would; its views made by two splits (`_word_views`).
-        meta_rows = 0 if do_cpu_sync else tok_cap
-        total, outer, inner, at = _word_views(ix, R, L, T, K, bool(do_expand), meta_rows)
-        lay, _, pos_tok, _, pos_pair, _, src_meta, _ = outputs.empty(
-            total, torch.int32, dev, b.fill_stream).split_with_sizes(outer)
-        pos_tok = pos_tok.view(T, R)
-        pos_pair = pos_pair.view(T, K) if do_expand else None
-        src_meta = None if do_cpu_sync else src_meta.view(meta_rows, K + 2)
-        pieces = lay.split_with_sizes(inner)
-        views = (pieces[at[0]], pieces[at[1]], pieces[at[2]])
-        stream = b.launch_stream
-        groups = notify_groups(T, K, b.notify_groups_max)
-        # The notify and layout launches are prepared once per module and expert count, with the
-        # arguments that stay the same; each call sets the rest in place (the notify grid is given
-        # at launch).
-        fresh = b.fresh_launches.get((structure, E))
-        if fresh is None:
-            fresh = b.fresh_launches[(structure, E)] = (
-                mod.function("deep_ep_notify").prepare(
-                    1, 32 * NOTIFY_WARPS, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
-                                       scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns), transport),
-                    device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E)),
-                mod.function("deep_ep_layout").prepare(
-                    1, LAYOUT_THREADS, (LayoutArgs(num_experts=E, counts_offset=layout.counts_offset,
-                                                   timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr),
-                                        transport), device=dev.index))
-        notify_launch, layout_launch = fresh
-        # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
-        handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
-        na = notify_launch.args[0]
-        na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, max(1, -(-T // groups))
-        na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
-        na.pos_tok, na.pos_pair, na.tag = _ptr(pos_tok), _ptr(pos_pair), tag
-        b.launched_call = b.calls
-        notify_launch.launch(stream, groups // NOTIFY_WARPS)
-        seq = 0
-        if do_cpu_sync:
-            b.readback_seq = seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-        la = layout_launch.args[0]
-        la.alignment, la.layout, la.cumulative_stats = A, lay.data_ptr(), _ptr(cumulative_local_expert_recv_stats)
-        la.out_capacity, la.tok_capacity = out_cap, tok_cap
-        la.host_out, la.seq, la.tag = (b.readback.device_ptr if do_cpu_sync else None), seq, tag
-        layout_launch.launch(stream)
-        b.last_num_experts, b.last_num_topk = E, K
-        if do_cpu_sync:
-            head = b.wait_readback(seq, E, K)   # every peer's counts are in: the layout kernel is done
-            out_rows = head[READBACK["out_rows"]]
-            num_tok_rows = tok_capacity = head[READBACK["tok_rows"]]
-        else:
-            out_rows, tok_capacity = out_cap, tok_cap
+    seq = b.calls & 0xFFFFFFFF
+    # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
+    # [T, K], (no CPU sync) recv_src_metadata, each starting on a 128-byte boundary as a tensor of its
+    # own would; its views made by two splits (`_word_views`).
+    meta_rows = plan.meta_rows
+    total, outer, inner, at = _word_views(ix, R, L, T, K, bool(do_expand), meta_rows)
+    lay, _, pos_tok, _, pos_pair, _, src_meta, _ = outputs.empty(
+        total, torch.int32, dev, b.fill_stream).split_with_sizes(outer)
+    pos_tok = pos_tok.view(T, R)
+    pos_pair = pos_pair.view(T, K) if do_expand else None
+    src_meta = None if do_cpu_sync else src_meta.view(meta_rows, K + 2)
+    pieces = lay.split_with_sizes(inner)
+    stream = b.launch_stream
+    groups = notify_groups(T, K, b.notify_groups_max)
+    # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
+    handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
+    na = plan.notify.args[0]
+    na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, max(1, -(-T // groups))
+    na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
+    na.pos_tok, na.pos_pair = _ptr(pos_tok), _ptr(pos_pair)
+    na.tag.seq = seq
+    b.launched_call = b.calls
+    plan.notify.launch(stream, groups // NOTIFY_WARPS)
+    la = plan.layout.args[0]
+    la.layout, la.cumulative_stats = lay.data_ptr(), _ptr(cumulative_local_expert_recv_stats)
+    if do_cpu_sync:
+        b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
+    la.tag.seq = seq
+    plan.layout.launch(stream)
+    b.last_num_experts, b.last_num_topk = E, K
+    if do_cpu_sync:
+        head = b.wait_readback(la.seq, E, K)   # every peer's counts are in: the layout kernel is done
+        out_rows = head[READBACK["out_rows"]]
+        tok_capacity = head[READBACK["tok_rows"]]
     else:
-        lay, pos_tok, pos_pair = state.layout, state.pos_tok, state.pos_pair
-        out_rows = handle.num_recv_rows
+        out_rows, tok_capacity = plan.out_cap, plan.tok_cap
 
     # outputs
     out_x = outputs.empty((out_rows, H), data.dtype, dev, b.fill_stream)
-    out_sf, sf_ld = None, 0
-    if sf is not None:
-        if use_tma_aligned_col_major_sf:
-            sf_ld = (out_rows + 3) // 4 * 4
-            out_sf = outputs.empty((num_sf, sf_ld), sf.dtype, dev, b.fill_stream).t()[:out_rows]
-        else:
-            out_sf = outputs.empty((out_rows, num_sf), sf.dtype, dev, b.fill_stream)
+    out_sf, sf_ld = _alloc_sf(b, sf, out_rows, use_tma_aligned_col_major_sf)
     out_w = None
-    if topk_weights is not None:
+    if has_weights:
         out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
-    if not cached:
-        out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.fill_stream)
-        if src_meta is None:
-            src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream)
-    else:
-        out_idx, src_meta = state.recv_topk_idx, state.src_meta
-
-    out_sf_ptr = out_sf.data_ptr() if out_sf is not None and out_sf.numel() else None
-    prepared = None
-    if cached:
-        # The handle's prepared launch: only the per-call pointers change. The handle-level tensors
-        # the launch reads are part of the key: a handle rebuilt with other tensors
-        # (dataclasses.replace) shares this state but must not reuse the pointers.
-        key = ("dispatch", data_bytes, num_sf, K, n_sms, bool(do_zero_padding), sf_ld,
-               topk_idx.data_ptr(), src_meta.data_ptr())
-        prepared = state.launches.get(key)
-        if prepared is not None:
-            a = prepared.args[0]
-            a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), out_sf_ptr
-            a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
-            a.tag = tag
-    if not cached:
-        # A fresh dispatch: one prepared launch per module, SM count and padding flag, with the
-        # arguments that stay the same; each call sets the rest in place.
-        fresh_key = (structure, n_sms, bool(do_zero_padding))
-        prepared = b.fresh_data_launches.get(fresh_key)
-        if prepared is None:
-            prepared = b.fresh_data_launches[fresh_key] = mod.function("deep_ep_dispatch").prepare(
-                n_sms, modules.THREADS,
-                (DispatchArgs(recv_offset=layout.recv_offset, half_bytes=layout.half_bytes,
-                              row_stride=layout.row_stride, timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr),
-                 transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
-        a = prepared.args[0]
-        a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
-            _ptr(topk_weights), T
-        a.pos_tok, a.pos_pair, a.out_x, a.out_sf, a.sf_ld = _ptr(pos_tok), _ptr(pos_pair), _ptr(out_x), out_sf_ptr, sf_ld
-        a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), _ptr(src_meta)
-        a.max_tokens, a.out_capacity, a.tok_capacity = num_max_tokens_per_rank, out_rows, int(src_meta.shape[0])
-        a.layout, a.num_experts, a.alignment, a.tag = lay.data_ptr(), E, A, tag
-    elif prepared is None:   # the handle's first cached dispatch with this key
-        args = DispatchArgs(
-            x=_ptr(data), sf=_ptr(sf), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), num_tokens=T,
-            pos_tok=_ptr(pos_tok), pos_pair=_ptr(pos_pair), out_x=_ptr(out_x), out_sf=out_sf_ptr, sf_ld=sf_ld,
-            out_topk_idx=_ptr(out_idx), out_weights=_ptr(out_w), src_meta=_ptr(src_meta),
-            max_tokens=num_max_tokens_per_rank, out_capacity=out_rows, tok_capacity=int(src_meta.shape[0]),
-            layout=lay.data_ptr(), num_experts=E, alignment=A,
-            recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-            timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-        fn = mod.function("deep_ep_dispatch_cached")
-        prepared = state.launches[key] = fn.prepare(
-            n_sms, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))), device=dev.index,
-            cooperative=b.cooperative)
-    b.launch_data(prepared, n_sms)
+    out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.fill_stream)
+    if src_meta is None:
+        src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream)
+    a = plan.data.args[0]
+    a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
+        _ptr(topk_weights), T
+    a.pos_tok, a.pos_pair, a.out_x, a.out_sf, a.sf_ld = _ptr(pos_tok), _ptr(pos_pair), _ptr(out_x), _ptr(out_sf), sf_ld
+    a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), _ptr(src_meta)
+    a.out_capacity, a.tok_capacity, a.layout = out_rows, tok_capacity, lay.data_ptr()
+    a.tag.seq = seq
+    b.launch_data(plan.data, plan.n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
-    if cached:
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            # The layout kernel counts a fresh dispatch; a cached one adds the handle's counts here, on
-            # the stream its kernels ran on.
-            with contextlib.nullcontext() if b.fill_stream is None else torch.cuda.stream(b.fill_stream):
-                stats.add_(lay[ix.raw_counts: ix.raw_counts + L])
-        return recv_x, out_idx, out_w, handle
-
     if do_cpu_sync:
         counts = head[READBACK["counts"]: READBACK["counts"] + L]
-        num_recv_tokens, num_expanded_tokens = num_tok_rows, sum(counts)
+        num_recv_tokens, num_expanded_tokens = tok_capacity, sum(counts)
     else:
         counts = []
-        num_recv_tokens = worst_case_recv_tokens(R, m)
-        num_expanded_tokens = worst_case_recv_rows(R, m, K, L, A, True)
+        num_recv_tokens = worst_case_recv_tokens(R, plan.m)
+        num_expanded_tokens = worst_case_recv_rows(R, plan.m, K, L, A, True)
     new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, recv_topk_idx=out_idx,
                                src_meta=src_meta)
     new_handle = EPHandle(
         do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
-        num_sms=n_sms, topk_idx=handle_topk,
+        num_sms=plan.n_sms, topk_idx=handle_topk,
         num_recv_tokens=num_recv_tokens, num_expanded_tokens=num_expanded_tokens,
         num_recv_tokens_per_expert_list=counts,
-        psum_num_recv_tokens_per_scaleup_rank=views[0], psum_num_recv_tokens_per_expert=views[1],
-        num_unaligned_recv_tokens_per_expert=views[2],
+        psum_num_recv_tokens_per_scaleup_rank=pieces[at[0]], psum_num_recv_tokens_per_expert=pieces[at[1]],
+        num_unaligned_recv_tokens_per_expert=pieces[at[2]],
         recv_src_metadata=src_meta, dst_buffer_slot_idx=pos_pair if do_expand else pos_tok,
-        buffer_id=b.config.buffer_id, num_ranks=R, rank=rank, hidden=H, do_cpu_sync=do_cpu_sync,
+        buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
     return recv_x, out_idx, out_w, new_handle
+
+
+def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
+    """The received scale factors (None without FP8) and their leading dimension (column-major:
+    rows rounded up to 4; else 0)."""
+    if sf is None:
+        return None, 0
+    num_sf = int(sf.shape[1])
+    if col_major:
+        sf_ld = (out_rows + 3) // 4 * 4
+        return outputs.empty((num_sf, sf_ld), sf.dtype, b.device, b.fill_stream).t()[:out_rows], sf_ld
+    return outputs.empty((out_rows, num_sf), sf.dtype, b.device, b.fill_stream), 0
+
+
+def _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, stats):
+    """A cached dispatch: the data kernel only, through the handle's prepared launch (found by a key
+    of what may change between calls with one handle; the first call of a key derives the rest)."""
+    state = handle.backend_state
+    if not isinstance(state, GPUHandleState):
+        raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+    has_weights = topk_weights is not None
+    # The handle-level tensors the launch reads are part of the key: a handle rebuilt with other
+    # tensors (dataclasses.replace) shares this state but must not reuse the pointers.
+    key = ("dispatch", data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_sms,
+           bool(do_zero_padding), bool(col_major_sf), has_weights, handle.topk_idx.data_ptr(), state.src_meta.data_ptr())
+    entry = state.launches.get(key)
+    if entry is None:
+        entry = state.launches[key] = _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding,
+                                                      col_major_sf)
+    prepared, m, K, n_sms = entry
+    b.last_m = m
+    b.raise_if_broken()
+    dev = b.device
+    out_rows = handle.num_recv_rows
+    out_x = outputs.empty((out_rows, int(data.shape[1])), data.dtype, dev, b.fill_stream)
+    out_sf, _ = _alloc_sf(b, sf, out_rows, col_major_sf)
+    out_w = None
+    if has_weights:
+        out_w = outputs.empty(out_rows if handle.do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
+    a = prepared.args[0]
+    a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), _ptr(out_sf)
+    a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
+    a.tag.seq = b.calls & 0xFFFFFFFF
+    b.launch_data(prepared, n_sms)
+    recv_x = out_x if sf is None else (out_x, out_sf)
+    if stats is not None:
+        # The layout kernel counts a fresh dispatch; a cached one adds the handle's counts here, on
+        # the stream its kernels ran on.
+        lay, ix = state.layout, layout_index(handle.num_ranks, handle.num_local_experts, handle.num_experts)
+        with contextlib.nullcontext() if b.fill_stream is None else torch.cuda.stream(b.fill_stream):
+            stats.add_(lay[ix.raw_counts: ix.raw_counts + handle.num_local_experts])
+    return recv_x, state.recv_topk_idx, out_w, handle
+
+
+def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf) -> tuple:
+    """The handle's prepared cached-dispatch launch for this key, every argument but the per-call
+    pointers and the call number set; returns ``(launch, M, K, SMs)``."""
+    state = handle.backend_state
+    E, A, K = handle.num_experts, handle.expert_alignment, handle.num_topk
+    do_expand, do_cpu_sync = bool(handle.do_expand), bool(handle.do_cpu_sync)
+    data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, handle.num_max_tokens_per_rank)
+    n_sms = b.num_sms(num_sms, E, K)
+    mod = b.module("dispatch", (data_bytes, num_sf, K, do_expand))
+    out_rows = handle.num_recv_rows
+    sf_ld = (out_rows + 3) // 4 * 4 if sf is not None and col_major_sf else 0
+    tag = call_tag(0, 2, data_bytes, num_sf, K, int(do_expand), A, E, has_weights, int(do_cpu_sync),
+                   0 if do_cpu_sync else m)
+    args = DispatchArgs(
+        topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=_ptr(state.pos_tok),
+        pos_pair=_ptr(state.pos_pair), sf_ld=sf_ld, out_topk_idx=_ptr(state.recv_topk_idx),
+        src_meta=_ptr(state.src_meta), max_tokens=handle.num_max_tokens_per_rank, out_capacity=out_rows,
+        tok_capacity=int(state.src_meta.shape[0]), layout=state.layout.data_ptr(), num_experts=E, alignment=A,
+        recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
+        timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
+    prepared = mod.function("deep_ep_dispatch_cached").prepare(
+        n_sms, modules.THREADS, (args, b.transport_args, ctypes.c_int(int(do_zero_padding))), device=b.device.index,
+        cooperative=b.cooperative)
+    return prepared, m, K, n_sms
