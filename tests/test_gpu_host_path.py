@@ -234,7 +234,12 @@ def test_every_launch_carries_this_calls_tag(monkeypatch):
         return [(name, t.seq, t.fingerprint) for name, t in out]
 
     keep = []
-    for i, call in enumerate(CALLS[:2] * 2):
+    # Configurations that differ from the one before in one field of the fingerprint each (a plan
+    # found by a key that left the field out would carry the other configuration's fingerprint).
+    base = dict(T=32, weights=True, sync=True, align=1, stats=False)
+    variants = [base, dict(base, weights=False), base, dict(base, sync=False), base, dict(base, align=2), base,
+                dict(base, T=33), *CALLS[:2]]
+    for i, call in enumerate(variants):
         out, inputs = _dispatch(b, **call, seed=10 + i)
         keep.append((out, inputs))
         data_bytes = H * 2
@@ -252,7 +257,7 @@ def test_every_launch_carries_this_calls_tag(monkeypatch):
             b, x, None, None, w, num_experts=None, num_max_tokens_per_rank=M, expert_alignment=None, num_sms=4,
             handle=handle, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
             use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
-        want = call_tag(b.calls, 2, H * 2, 0, K, 0, CALLS[0]["align"], E, weights, 1, 0)
+        want = call_tag(b.calls, 2, H * 2, 0, K, 0, handle.expert_alignment, E, weights, 1, 0)
         assert tags() == [("deep_ep_dispatch_cached", want.seq, want.fingerprint)]
         b.calls += 1
         y = torch.randn(handle.num_recv_rows, H, generator=g).to(torch.bfloat16)
@@ -261,3 +266,31 @@ def test_every_launch_carries_this_calls_tag(monkeypatch):
         want = call_tag(b.calls, 3, H, K, 0, E, weights, 0)
         assert tags() == [("deep_ep_combine", want.seq, want.fingerprint)]
     assert isinstance(want, CallTag)
+
+
+def test_notify_groups_stay_within_the_cap():
+    """The notify grid: whole blocks, enough groups for the pairs at the configured group size, never
+    more than the cap (rounded down to whole blocks, at least one block)."""
+    W, P = gpu_dispatch.NOTIFY_WARPS, gpu_dispatch.NOTIFY_PAIRS_PER_GROUP
+    for T, K, cap in [(1, 1, 8), (0, 8, 64), (128, 8, 1056), (4096, 8, 1056), (16384, 8, 1056), (4096, 8, 100),
+                      (4096, 8, 3), (7, 3, 16)]:
+        g = gpu_dispatch.notify_groups(T, K, cap)
+        assert g % W == 0 and W <= g <= max(W, cap // W * W)
+        assert g == min(max(W, cap // W * W), -(-max(1, -(-T * K // P)) // W) * W)
+
+
+def test_top_k_beyond_the_notify_tile_is_refused():
+    """A top-k larger than the notify kernel's shared-memory tile of ids is a ValueError before any
+    launch (the buffer was made for it: num_topk large enough)."""
+    log = []
+    b = _backend(log)
+    K_big = gpu_dispatch.NOTIFY_TILE_PAIRS + 1
+    b.config = b.config.__class__(**{**b.config.__dict__, "num_topk": K_big})
+    x = torch.randn(4, H).to(torch.bfloat16)
+    idx = torch.zeros(4, K_big, dtype=torch.int64)
+    with pytest.raises(ValueError, match="top-k"):
+        gpu_dispatch.run_dispatch(
+            b, x, None, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=4,
+            handle=None, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
+            use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
+    assert log == []

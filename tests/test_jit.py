@@ -666,6 +666,15 @@ def test_prepared_cooperative_launch(monkeypatch):
             state["coop"].append((gx, bx, smem, stream, params))
             return (720 if state["refuse"] else 0,)
 
+        class CUfunction_attribute:
+            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = "max dynamic"
+
+        @staticmethod
+        def cuFuncSetAttribute(h, attribute, value):
+            state["limits"].append((attribute, value))
+            return (0,)
+
+    state["limits"] = []
     mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
     f = mod.function("axpy")
     f._handles[0] = object()
@@ -684,6 +693,12 @@ def test_prepared_cooperative_launch(monkeypatch):
     sized.launch(5, grid=3)
     sized.launch(5)
     assert state["coop"][-2][:4] == (3, 32, 1028, 5) and state["coop"][-1][:4] == (8, 32, 1028, 5)
+    # The function's limit follows the largest dynamic shared memory asked for, also below 48 KB (with
+    # static shared memory, 40 KB dynamic can be over the 48 KB a block gets without opting in), once.
+    f.prepare(8, 32, (ctypes.c_int(1),), device=0, smem=40 * 1024, cooperative=True).launch(5)
+    f.prepare(8, 32, (ctypes.c_int(1),), device=0, smem=40 * 1024)
+    f.prepare(8, 32, (ctypes.c_int(1),), device=0, smem=1028)
+    assert state["limits"] == [("max dynamic", 1028), ("max dynamic", 40 * 1024)]
     sized.update(0, ctypes.c_int(42))       # in place: the launch table still points at the argument
     assert sized.args[0].value == 42 and sized._table[0] == ctypes.addressof(sized.args[0])
     with pytest.raises(TypeError):

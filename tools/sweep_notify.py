@@ -117,7 +117,7 @@ def main() -> None:
                 k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify", "deep_ep_layout"))
                 spin_up()
                 call = _call_us(sync_call, a.calls)
-                print(f"{T:6d} {cap:6d} {pairs:5d} {groups:6d} {k['deep_ep_notify']:9.1f} "
+                print(f"{T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} {k['deep_ep_notify']:9.1f} "
                       f"{k['deep_ep_layout']:9.1f} {call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}", flush=True)
     gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
     backend.set_notify_groups_max(default_cap)

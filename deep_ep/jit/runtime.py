@@ -107,6 +107,13 @@ class Function:
                     self._handles[device] = h
         return h
 
+    def _needs_smem_limit(self, smem: int, device: int) -> bool:
+        """Whether launching with ``smem`` dynamic bytes needs the function's limit raised first. A
+        block gets 48 KB of static and dynamic shared memory together unless the function opts in,
+        so the limit is raised to every new largest size, not only above 48 KB (a kernel with static
+        shared memory can need it below)."""
+        return smem > 0 and self._smem_limit.get(device, 0) < smem
+
     def _set_smem(self, device: int, h, smem: int) -> None:
         d = _drv()
         (err,) = d.cuFuncSetAttribute(h, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -127,7 +134,8 @@ class Function:
                 ``float`` → float32; ``bool`` → int32 0/1; ``jit.i32/u32/i64/u64/f32/f64/ptr``;
                 ``ctypes.Structure`` or ``bytes``/``bytearray`` → passed by value (at least as
                 large as the kernel's parameter).
-            smem: dynamic shared memory bytes; above 48 KB the function's limit is raised.
+            smem: dynamic shared memory bytes; the function's limit is raised to the largest size
+                asked for (48 KB of static and dynamic shared memory together otherwise).
             stream: None (torch's current stream on the current device), a ``torch.cuda.Stream``,
                 or a raw ``CUstream`` handle as int.
             cooperative: launch cooperatively (grid-wide sync allowed).
@@ -156,7 +164,7 @@ class Function:
     def _launch(self, h, device, hstream, grid, block, args, smem, cooperative, cluster) -> None:
         gx, gy, gz = (grid, 1, 1) if type(grid) is int else _dim3(grid, "grid")
         bx, by, bz = (block, 1, 1) if type(block) is int else _dim3(block, "block")
-        if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
+        if self._needs_smem_limit(smem, device):
             self._set_smem(device, h, smem)
         buf, params = pack_args(plan_for(self._plans, args), args)  # buf: keeps the parameter memory alive
         d = _drv()
@@ -193,7 +201,8 @@ class Function:
                 if all its blocks can be resident at once, and refuses it otherwise
                 (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``, raised as `LaunchError`) instead of
                 letting blocks that wait for each other stall.
-            smem: dynamic shared memory bytes per block; above 48 KB the function's limit is raised.
+            smem: dynamic shared memory bytes per block; the function's limit is raised to the
+                largest size asked for (48 KB of static and dynamic shared memory together otherwise).
 
         Raises:
             LaunchError: no GPU, or the kernel could not be loaded.
@@ -203,7 +212,7 @@ class Function:
             if not isinstance(a, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
                 raise TypeError(f"{self.name}: prepared launches take ctypes objects, got {type(a).__name__}")
         h = self.handle(device)
-        if smem > 48 * 1024 and self._smem_limit.get(device, 0) < smem:
+        if self._needs_smem_limit(smem, device):
             previous = enter_context(device)
             try:
                 self._set_smem(device, h, smem)

@@ -22,10 +22,12 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
-    # The handle-level tensors the launch reads are part of the key: a handle rebuilt with other
-    # tensors (dataclasses.replace) shares this state but must not reuse the pointers.
-    key = ("combine", num_sms, bool(apply_dispatch_weights), has_weights, handle.topk_idx.data_ptr(),
-           _ptr(handle.recv_topk_weights), state.src_meta.data_ptr())
+    # The handle's fields and tensors the launch reads are part of the key: a handle rebuilt with
+    # other values (dataclasses.replace) shares this state but must not reuse them.
+    topk = handle.topk_idx
+    key = ("combine", num_sms, bool(apply_dispatch_weights), has_weights, topk.data_ptr(), tuple(topk.shape),
+           _ptr(handle.recv_topk_weights), state.src_meta.data_ptr(), handle.hidden, handle.num_experts,
+           handle.do_expand)
     entry = state.launches.get(key)
     if entry is None:
         entry = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)

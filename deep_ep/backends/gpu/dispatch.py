@@ -41,6 +41,7 @@ __all__ = ["run_dispatch", "NOTIFY_PAIRS_PER_GROUP", "notify_groups"]
 # (`GPUBackend.notify_groups_max`), past which the grid barriers cost more than they save.
 NOTIFY_PAIRS_PER_GROUP = 32
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
+NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
 
 def _align_words(n: int) -> int:
@@ -78,8 +79,9 @@ def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: i
 def notify_groups(T: int, K: int, groups_max: int) -> int:
     """Groups (warps) of the notify kernel for ``T`` tokens of top-``K``: enough for at most
     `NOTIFY_PAIRS_PER_GROUP` pairs each, at most ``groups_max``, in whole blocks of `NOTIFY_WARPS`."""
-    groups = max(1, min(groups_max, -(-T * K // NOTIFY_PAIRS_PER_GROUP)))
-    return -(-groups // NOTIFY_WARPS) * NOTIFY_WARPS
+    cap = max(NOTIFY_WARPS, groups_max // NOTIFY_WARPS * NOTIFY_WARPS)
+    groups = -(-max(1, -(-T * K // NOTIFY_PAIRS_PER_GROUP)) // NOTIFY_WARPS) * NOTIFY_WARPS
+    return min(groups, cap)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -87,9 +89,10 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 class _FreshPlan:
-    """What a fresh dispatch derives from its configuration (everything but the token count and the
-    tensors): checked once, with its three prepared launches, whose constant arguments are set here
-    and the rest by each call (`GPUBackend.fresh_plans`)."""
+    """What a fresh dispatch derives from its configuration (the key in `run_dispatch`: not the token
+    count, the tensors, ``do_handle_copy`` or the scale factors' layout, which each call handles):
+    checked once, with its three prepared launches, whose constant arguments are set here and the
+    rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "K", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows",
                  "notify", "layout", "data")
@@ -145,6 +148,8 @@ def _check_config(b, data, sf, K, E, num_max_tokens_per_rank) -> tuple:
     if K > (b.config.num_topk or MAX_TOPK):
         raise ValueError(f"top-k {K} exceeds the {b.config.num_topk or MAX_TOPK} the window rows were "
                          f"sized for: create the buffer with num_topk={K}")
+    if K > NOTIFY_TILE_PAIRS:
+        raise ValueError(f"top-k {K} exceeds the {NOTIFY_TILE_PAIRS} the GPU's dispatch supports")
     H = int(data.shape[1])
     data_bytes = H * data.element_size()
     num_sf = 0 if sf is None else int(sf.shape[1])
@@ -286,10 +291,13 @@ def _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
-    # The handle-level tensors the launch reads are part of the key: a handle rebuilt with other
-    # tensors (dataclasses.replace) shares this state but must not reuse the pointers.
+    # The handle's fields and tensors the launch reads are part of the key: a handle rebuilt with
+    # other values (dataclasses.replace) shares this state but must not reuse them.
+    topk = handle.topk_idx
     key = ("dispatch", data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_sms,
-           bool(do_zero_padding), bool(col_major_sf), has_weights, handle.topk_idx.data_ptr(), state.src_meta.data_ptr())
+           bool(do_zero_padding), bool(col_major_sf), has_weights, topk.data_ptr(), tuple(topk.shape),
+           state.src_meta.data_ptr(), handle.hidden, handle.num_experts, handle.expert_alignment,
+           handle.num_max_tokens_per_rank, handle.do_expand, handle.do_cpu_sync, handle.num_recv_rows)
     entry = state.launches.get(key)
     if entry is None:
         entry = state.launches[key] = _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding,

@@ -18,7 +18,7 @@ __all__ = ["THREADS", "LAYOUT_THREADS", "TUNABLES", "TEST_DEFECTS", "kernel_sour
            "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
-LAYOUT_THREADS = 512    # threads of the notify / layout kernels (EP_LAYOUT_THREADS)
+LAYOUT_THREADS = 512    # threads of the layout kernel (EP_LAYOUT_THREADS)
 
 # Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh):
 # they change how bytes move, never which, so the host needs no matching change. Structural defines

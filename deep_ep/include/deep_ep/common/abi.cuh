@@ -44,6 +44,8 @@ constexpr int kCountsExtraWords = 2;
 // Warps (groups of tokens) per block: the grid barriers' atomics are one per block, and a block sums
 // its warps' counts in shared memory before the grid-wide prefix.
 constexpr int kNotifyWarps = 8;
+// (token, slot) pairs of a group's ids in shared memory at a time (whole tokens): top-k at most this.
+constexpr int kNotifyTilePairs = 256;
 
 // ---- what the layout kernel reports to the host (int32 words of mapped host memory) ------------
 // Written when the call synchronises with the host: the sequence number last, after the rest.

@@ -47,10 +47,9 @@ struct NotifyArgs {
     comm::CallTag tag;        // this call's number and fingerprint, sent with the counts' signal
 };
 
-// A group's expert ids go through shared memory a tile at a time: one load of every id in flight
-// at once, instead of one global-memory round trip per 32 pairs and pass. A tile holds whole tokens
-// (a slot's earlier slots are in the same tile).
-constexpr int kNotifyTilePairs = 256;
+// A group's expert ids go through shared memory a tile at a time (kNotifyTilePairs, common/abi.cuh):
+// one load of every id in flight at once, instead of one global-memory round trip per 32 pairs and
+// pass. A tile holds whole tokens (a slot's earlier slots are in the same tile).
 
 // Stage the ids of tokens [t0, t1) (at most kNotifyTilePairs / K of them) into ids[] as column ids:
 // e in [0, E), or -1 when masked or out of range. ``kFirst`` (phase A): also note the smallest flat
@@ -170,6 +169,7 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
     const int group = block * kNotifyWarps + warp, num_groups = num_blocks * kNotifyWarps;
     const int t0 = min(a.num_tokens, group * a.tokens_per_group);
     const int t1 = min(a.num_tokens, t0 + a.tokens_per_group);
+    static_assert(K >= 1 && K <= kNotifyTilePairs, "a tile holds at least one token");
     constexpr int kTileTokens = kNotifyTilePairs / K;
     const bool one_tile = t1 - t0 <= kTileTokens;   // the tile staged in phase A is still there in phase C
     int* counts = a.scratch + kNotifyGroupCounts;  // [num_blocks][cols]
