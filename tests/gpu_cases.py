@@ -107,6 +107,9 @@ _BASE = [
     Case("fp8-fp32-expand-colmajor", fp8="fp32", hidden=512, expand=True, alignment=4, col_major_sf=True),
     Case("hidden2880-top4", hidden=2880, num_topk=4, num_experts=32, tokens=(33, 70)),
     Case("top8-expand", num_topk=8, num_experts=32, expand=True, alignment=16),
+    # The most experts a window holds: the notify kernel's dynamic shared memory (a row of counts per
+    # warp) and its static part exceed 48 KB together.
+    Case("experts1024-top8", num_topk=8, num_experts=1024, tokens=(48, 29)),
 ]
 
 
