@@ -94,7 +94,7 @@ class _FreshPlan:
     checked once, with its three prepared launches, whose constant arguments are set here and the
     rest by each call (`GPUBackend.fresh_plans`)."""
 
-    __slots__ = ("E", "A", "L", "K", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows",
+    __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows",
                  "notify", "layout", "data")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
@@ -102,7 +102,7 @@ class _FreshPlan:
         R = b.num_ranks
         dev = b.device
         data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, num_max_tokens_per_rank)
-        self.E, self.A, self.L, self.K, self.H, self.m = E, A, E // R, K, int(data.shape[1]), m
+        self.E, self.A, self.L, self.H, self.m = E, A, E // R, int(data.shape[1]), m
         self.ix = layout_index(R, E // R, E)
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
@@ -113,10 +113,8 @@ class _FreshPlan:
         self.out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, self.L, A, do_expand)
         self.tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
         self.meta_rows = 0 if do_cpu_sync else self.tok_cap
-        # What every rank's call must agree on (sent with every signal, comm/window.cuh); each call
-        # sets its number (``tag.seq``). Struct fields are copies: one tag serves the three launches.
-        tag = call_tag(0, 1, data_bytes, num_sf, K, int(bool(do_expand)), A, E, has_weights, int(bool(do_cpu_sync)),
-                       0 if do_cpu_sync else m)
+        # Struct fields are copies: one tag serves the three launches (each call sets ``tag.seq``).
+        tag = _dispatch_tag(1, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
         transport = b.transport_args
         self.notify = mod.function("deep_ep_notify").prepare(
             1, 32 * NOTIFY_WARPS, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
@@ -137,6 +135,18 @@ class _FreshPlan:
                           row_stride=layout.row_stride, timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr,
                           tag=tag),
              transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
+
+
+def _dispatch_tag(kind: int, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m):
+    """The tag of a dispatch (``kind`` 1: fresh, 2: cached) with call number 0: what every rank's
+    call must agree on (sent with every signal, comm/window.cuh); each call sets its number."""
+    return call_tag(0, kind, data_bytes, num_sf, K, int(bool(do_expand)), A, E, has_weights, int(bool(do_cpu_sync)),
+                    0 if do_cpu_sync else m)
+
+
+def _sf_ld(out_rows: int) -> int:
+    """Leading dimension of column-major scale factors: the rows rounded up to 4 (TMA alignment)."""
+    return (out_rows + 3) // 4 * 4
 
 
 def _check_config(b, data, sf, K, E, num_max_tokens_per_rank) -> tuple:
@@ -279,7 +289,7 @@ def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
         return None, 0
     num_sf = int(sf.shape[1])
     if col_major:
-        sf_ld = (out_rows + 3) // 4 * 4
+        sf_ld = _sf_ld(out_rows)
         return outputs.empty((num_sf, sf_ld), sf.dtype, b.device, b.fill_stream).t()[:out_rows], sf_ld
     return outputs.empty((out_rows, num_sf), sf.dtype, b.device, b.fill_stream), 0
 
@@ -337,9 +347,8 @@ def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, 
     n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("dispatch", (data_bytes, num_sf, K, do_expand))
     out_rows = handle.num_recv_rows
-    sf_ld = (out_rows + 3) // 4 * 4 if sf is not None and col_major_sf else 0
-    tag = call_tag(0, 2, data_bytes, num_sf, K, int(do_expand), A, E, has_weights, int(do_cpu_sync),
-                   0 if do_cpu_sync else m)
+    sf_ld = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
+    tag = _dispatch_tag(2, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
     args = DispatchArgs(
         topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=_ptr(state.pos_tok),
         pos_pair=_ptr(state.pos_pair), sf_ld=sf_ld, out_topk_idx=_ptr(state.recv_topk_idx),

@@ -38,11 +38,11 @@ struct NotifyArgs {
     const int64_t* topk_idx;  // [T, K]
     int64_t* topk_copy;       // [T, K] out: a copy of topk_idx for the handle, or null
     int num_tokens, num_experts;
-    int tokens_per_group;     // tokens of one group (block)
+    int tokens_per_group;     // tokens of one group (warp)
     int64_t counts_offset;    // byte offset of the count matrix in every window
     int* pos_tok;             // [T, R] out: local row of token t at rank d, or -1
     int* pos_pair;            // [T, K] out (expanded): local row of pair (t, k) at its expert's owner, or -1
-    int* scratch;             // kNotify* words, then the group counts
+    int* scratch;             // kNotify* words, then a row of counts per block
     uint64_t timeout_ns;      // for the grid barriers (blocks that never arrive)
     comm::CallTag tag;        // this call's number and fingerprint, sent with the counts' signal
 };

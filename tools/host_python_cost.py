@@ -1,0 +1,106 @@
+"""The Python cost of a GPU call's host code, without a GPU: the GPU backend's per-call code
+(`deep_ep.backends.gpu.dispatch.run_dispatch`, `combine.run_combine`) and the public argument checks
+(`deep_ep.checks`), on CPU tensors at the DeepSeek-V3 shapes.
+
+The backend is tests/test_gpu_host_path.py's stand-in (fake modules whose launches do nothing, a
+layout report that says every token arrives once); output allocations are handed out again from a
+cache, so neither allocations nor driver calls are in the figures: only the Python and the tensor
+views and objects a call makes. The fresh dispatch's checks leave out the expert-id range check,
+which reads the tensor on CPU only (the GPU's kernels do it). Prints the best of five rounds of 1000
+calls each, in us per call.
+
+Usage: python tools/host_python_cost.py
+"""
+import os
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import test_gpu_host_path as host_path  # noqa: E402
+
+from deep_ep import checks  # noqa: E402
+from deep_ep.backends import outputs  # noqa: E402
+from deep_ep.backends.base import BufferConfig  # noqa: E402
+from deep_ep.backends.gpu import combine as gpu_combine  # noqa: E402
+from deep_ep.backends.gpu import dispatch as gpu_dispatch  # noqa: E402
+
+T, H, E, K = 4096, 7168, 256, 8
+
+
+class _NoLaunch(host_path._Prepared):
+    def launch(self, stream, grid=0):
+        pass
+
+
+def _best_us(fn, rounds: int = 5, n: int = 1000) -> float:
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
+    return best
+
+
+def main() -> None:
+    host_path._Prepared = _NoLaunch
+    b = host_path._backend([])
+    b.config = BufferConfig(buffer_id=0, rank=0, num_ranks=1, num_bytes=1 << 31, num_max_tokens_per_rank=T,
+                            hidden=H, num_topk=K, use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True,
+                            allow_multiple_reduction=True, prefer_overlap_with_compute=True, num_gpu_timeout_secs=100,
+                            num_cpu_timeout_secs=300, explicitly_destroy=False)
+    b.transport = types.SimpleNamespace(num_bytes=1 << 31)
+    b.notify_groups_max, b.last_tokens = 1056, T
+    cache = {}
+
+    def empty(shape, dtype, device, stream=None):
+        t = cache.get((shape, dtype))
+        if t is None:
+            t = cache[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+        return t
+    outputs.empty = empty
+    x = torch.randn(T, H).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+
+    def dispatch(handle=None, sync=True):
+        b.calls += 1
+        return gpu_dispatch.run_dispatch(
+            b, x, None, None if handle else idx, w, num_experts=E, num_max_tokens_per_rank=T, expert_alignment=1,
+            num_sms=24, handle=handle, do_handle_copy=True, do_cpu_sync=sync, do_expand=False, do_zero_padding=False,
+            use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
+    handle = dispatch()[3]
+    y = torch.randn(handle.num_recv_rows, H).to(torch.bfloat16)
+
+    def combine():
+        b.calls += 1
+        return gpu_combine.run_combine(b, y, handle, None, (), num_sms=24)
+    buf = types.SimpleNamespace(device=torch.device("cpu"), config=b.config, num_ranks=1, buffer_id=0, rank_idx=0,
+                                num_allocated_qps=0, allow_multiple_reduction=True)
+    checks.check_topk_values = lambda *a: None
+    rows = [
+        ("backend: full dispatch, CPU sync", lambda: dispatch(sync=True)),
+        ("backend: full dispatch, no CPU sync", lambda: dispatch(sync=False)),
+        ("backend: cached dispatch", lambda: dispatch(handle)),
+        ("backend: combine", combine),
+        ("checks: full dispatch", lambda: checks.validate_dispatch(
+            buf, x, idx, w, None, E, None, None, 0, 0, None, None, False, False, None, True, None, False, False,
+            False)),
+        ("checks: cached dispatch", lambda: checks.validate_dispatch(
+            buf, x, None, w, None, None, None, None, 0, 0, None, None, False, False, handle, True, None, False,
+            False, False)),
+        ("checks: combine", lambda: checks.validate_combine(buf, y, handle, None, None, 0, 0, None, None, False,
+                                                            False, False)),
+    ]
+    print(f"Python per call, us (T={T}, hidden {H}, {E} experts, top-{K}; no allocations, no driver calls)")
+    for name, fn in rows:
+        print(f"  {name:38s} {_best_us(fn):6.1f}")
+
+
+if __name__ == "__main__":
+    main()
