@@ -64,7 +64,7 @@ receive row), ``rank_prefix_sum`` (received pairs per source rank in the expande
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Optional
 
 import torch
@@ -106,6 +106,41 @@ class EPHandle:
     #: DeepEP's hybrid (scale-out) mode only; always None here.
     token_metadata_at_forward: Optional[torch.Tensor] = None
     channel_linked_list: Optional[torch.Tensor] = None
+
+    #: Tensor fields a backend may leave to be made on first access from its ``backend_state``
+    #: (`with_lazy_fields`): they read as any other field, and can be assigned.
+    LAZY_FIELDS = ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                   "num_unaligned_recv_tokens_per_expert", "dst_buffer_slot_idx", "recv_src_metadata")
+
+    @classmethod
+    def with_lazy_fields(cls, backend_state, **values) -> "EPHandle":
+        """A handle with every field of ``values`` set and the `LAZY_FIELDS` missing from it made on
+        first access by ``backend_state.handle_field(name)`` (then kept). For backends whose per-call
+        host time matters: building tensor views costs about a microsecond each, and most calls read
+        none of these fields. Fields with defaults may be left out of ``values``.
+
+        Raises:
+            TypeError: a field without a default that is not lazy is missing, or an unknown name.
+        """
+        unknown = values.keys() - _FIELD_NAMES
+        missing = _REQUIRED_EAGER - values.keys()
+        if unknown or missing:
+            raise TypeError(f"EPHandle.with_lazy_fields: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+        h = cls.__new__(cls)
+        d = h.__dict__
+        d.update(_DEFAULTS)
+        d.update(values)
+        d["backend_state"] = backend_state
+        return h
+
+    def __getattr__(self, name: str):
+        # Only reached for names not set on the instance: a lazy field's first access.
+        if name in EPHandle.LAZY_FIELDS:
+            state = self.__dict__.get("backend_state")
+            if state is not None and hasattr(state, "handle_field"):
+                v = self.__dict__[name] = state.handle_field(name)
+                return v
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -201,3 +236,9 @@ class EPHandle:
             else:
                 parts.append(f"{f.name}={v!r}")
         return "EPHandle(" + ", ".join(parts) + ")"
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(EPHandle))
+_REQUIRED = frozenset(f.name for f in fields(EPHandle) if f.default is MISSING and f.default_factory is MISSING)
+_REQUIRED_EAGER = _REQUIRED - frozenset(EPHandle.LAZY_FIELDS)
+_DEFAULTS = {f.name: f.default for f in fields(EPHandle) if f.default is not MISSING}

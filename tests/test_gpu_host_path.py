@@ -145,28 +145,29 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, monkeypa
         num_sms=4, handle=None, do_handle_copy=True, do_cpu_sync=second["sync"], do_expand=False,
         do_zero_padding=False, use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=st)
     assert alloc.replay == []
-    assert [name for name, _, _ in reused] == ["deep_ep_notify", "deep_ep_layout", "deep_ep_dispatch"]
+    assert [name for name, _, _ in reused] == ["deep_ep_notify", "deep_ep_dispatch"]
     assert [(n, g) for n, g, _ in reused] == [(n, g) for n, g, _ in fresh_log]
     for (name, _, got), (_, _, want) in zip(reused, fresh_log):
         assert got == want, f"{name}: a reused launch's arguments differ from those of a launch prepared for this call"
     del keep
 
 
-def test_word_views_start_on_128_byte_boundaries():
-    """The handle's int32 allocation: every view starts on a 128-byte boundary, the layout words'
-    three views are where the layout index puts them, and nothing overlaps."""
+def test_word_plan_pieces_start_on_128_byte_boundaries():
+    """The handle's int32 allocation: every piece starts on a 128-byte boundary, the layout words'
+    three ranges are where the layout index puts them, and nothing overlaps."""
     from deep_ep.backends.gpu.abi import layout_index
     for R, L, T, expanded, meta in [(1, 256, 4096, False, 0), (8, 32, 100, True, 0), (4, 8, 3, False, 12),
                                     (2, 1, 0, True, 5)]:
         ix = layout_index(R, L, R * L)
-        total, outer, inner, at = gpu_dispatch._word_views(ix, R, L, T, 8, expanded, meta)
-        assert sum(outer) == total and sum(inner) == ix.size and outer[0] == ix.size
-        starts = [sum(outer[:i]) for i in range(0, len(outer), 2)]
-        assert all(s % 32 == 0 for s in starts)
-        assert outer[2] == T * R and outer[4] == (T * 8 if expanded else 0) and outer[6] == meta * 10
-        offsets = [sum(inner[:i]) for i in at]
-        assert offsets == [ix.tok_prefix, ix.psum_expert, ix.raw_counts]
-        assert [inner[i] for i in at] == [R, L, L]
+        p = gpu_dispatch.word_plan(ix, R, L, T, 8, expanded, meta)
+        pieces = [(0, ix.size), (p.pos_tok_at, T * R), (p.pos_pair_at, T * 8 if expanded else 0),
+                  (p.meta_at, meta * 10)]
+        assert all(at % 32 == 0 for at, _ in pieces)
+        for (a0, n0), (a1, _) in zip(pieces, pieces[1:]):
+            assert a0 + n0 <= a1
+        assert pieces[-1][0] + pieces[-1][1] <= p.total and p.total % 32 == 0
+        assert (p.tok_prefix, p.psum_expert, p.raw_counts) == (ix.tok_prefix, ix.psum_expert, ix.raw_counts)
+        assert p.layout_words == ix.size
 
 
 def test_a_reused_handle_launch_carries_only_this_calls_arguments(monkeypatch):
@@ -225,11 +226,13 @@ def test_every_launch_carries_this_calls_tag(monkeypatch):
     from deep_ep.backends.gpu.abi import CallTag, CombineArgs, DispatchArgs, LayoutArgs, NotifyArgs, call_tag
     log = []
     b = _backend(log)
-    structs = {"deep_ep_notify": NotifyArgs, "deep_ep_layout": LayoutArgs, "deep_ep_dispatch": DispatchArgs,
-               "deep_ep_dispatch_cached": DispatchArgs, "deep_ep_combine": CombineArgs}
+    # the argument structs that carry a tag, per kernel (the notify kernel's layout stage has its own)
+    structs = {"deep_ep_notify": (NotifyArgs, LayoutArgs), "deep_ep_dispatch": (DispatchArgs,),
+               "deep_ep_dispatch_cached": (DispatchArgs,), "deep_ep_combine": (CombineArgs,)}
 
     def tags():
-        out = [(name, structs[name].from_buffer_copy(args[0]).tag) for name, _, args in log]
+        out = [(name, struct.from_buffer_copy(args[i]).tag) for name, _, args in log
+               for i, struct in enumerate(structs[name])]
         log.clear()
         return [(name, t.seq, t.fingerprint) for name, t in out]
 
@@ -245,7 +248,7 @@ def test_every_launch_carries_this_calls_tag(monkeypatch):
         data_bytes = H * 2
         want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
                         0 if call["sync"] else M)
-        assert tags() == [(n, want.seq, want.fingerprint) for n in ("deep_ep_notify", "deep_ep_layout",
+        assert tags() == [(n, want.seq, want.fingerprint) for n in ("deep_ep_notify", "deep_ep_notify",
                                                                    "deep_ep_dispatch")]
     handle = keep[0][0][3]
     g = torch.Generator().manual_seed(3)
@@ -294,3 +297,85 @@ def test_top_k_beyond_the_notify_tile_is_refused():
             handle=None, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
             use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
     assert log == []
+
+
+@pytest.mark.parametrize("sync,expand", [(True, False), (False, False), (True, True), (False, True)])
+def test_lazy_handle_fields_are_views_at_the_kernels_addresses(sync, expand):
+    """A GPU dispatch's handle makes its three layout tensors, ``dst_buffer_slot_idx`` and
+    ``recv_src_metadata`` on first access: each is then a view at exactly the address the kernels
+    were given, with its documented shape and dtype; the fields can be assigned, and the handle
+    clones, pickles and `dataclasses.replace`s with every field."""
+    import dataclasses
+    import io
+
+    from deep_ep.backends.gpu.abi import DispatchArgs, NotifyArgs, layout_index
+    log = []
+    b = _backend(log)
+    T = 24
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    b.last_tokens = T * (K if expand else 1)
+    b.calls += 1
+    _, _, _, handle = gpu_dispatch.run_dispatch(
+        b, x, None, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=4,
+        handle=None, do_handle_copy=True, do_cpu_sync=sync, do_expand=expand, do_zero_padding=False,
+        use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
+    assert not set(handle.LAZY_FIELDS) & set(vars(handle))
+    early = torch.load(io.BytesIO(_saved(handle)), weights_only=False)   # pickled before any access
+    assert not set(handle.LAZY_FIELDS) & set(vars(early))
+    for name in handle.LAZY_FIELDS:
+        assert torch.equal(getattr(early, name), getattr(handle, name)), name
+    handle.__dict__ = {k: v for k, v in vars(handle).items() if k not in handle.LAZY_FIELDS}
+    handle.backend_state._views.clear()
+    notify = NotifyArgs.from_buffer_copy(log[0][2][0])
+    data = DispatchArgs.from_buffer_copy(log[1][2][0])
+    state = handle.backend_state
+    ix = layout_index(1, E, E)
+    want = {
+        "psum_num_recv_tokens_per_scaleup_rank": (data.layout + 4 * ix.tok_prefix, (1,)),
+        "psum_num_recv_tokens_per_expert": (data.layout + 4 * ix.psum_expert, (E,)),
+        "num_unaligned_recv_tokens_per_expert": (data.layout + 4 * ix.raw_counts, (E,)),
+        "dst_buffer_slot_idx": (notify.pos_pair, (T, K)) if expand else (notify.pos_tok, (T, 1)),
+        "recv_src_metadata": (data.src_meta, (data.tok_capacity, K + 2)),
+    }
+    for name, (ptr, shape) in want.items():
+        t = getattr(handle, name)
+        assert t.dtype == torch.int32 and tuple(t.shape) == shape and t.data_ptr() == ptr, name
+        assert getattr(handle, name) is t   # made once
+        if not (sync and name == "recv_src_metadata"):
+            assert t.untyped_storage().data_ptr() == state.words.untyped_storage().data_ptr(), name
+    assert state.layout.data_ptr() == data.layout and state.pos_tok.data_ptr() == notify.pos_tok
+    for t in (state.layout, handle.recv_src_metadata, handle.dst_buffer_slot_idx):
+        t.copy_(torch.randint(-1, 50, t.shape, generator=g, dtype=torch.int32))
+    # copies: every field, equal values, storage of their own
+    twin = handle.clone()
+    back = torch.load(io.BytesIO(_saved(handle)), weights_only=False)
+    changed = dataclasses.replace(handle, hidden=H + 8)
+    for other in (twin, back, changed):
+        for name in handle.LAZY_FIELDS:
+            assert torch.equal(getattr(other, name), getattr(handle, name)), name
+    assert twin.recv_src_metadata.data_ptr() != handle.recv_src_metadata.data_ptr()
+    assert torch.equal(twin.backend_state.layout, state.layout) and changed.hidden == H + 8
+    assert "recv_src_metadata=<int32" in repr(handle)
+    # a field assigned (as DeepEP's tests do) reads back as assigned
+    short = handle.recv_src_metadata[:3]
+    handle.recv_src_metadata = short
+    assert handle.recv_src_metadata is short
+    with pytest.raises(AttributeError):
+        handle.no_such_field
+
+
+def _saved(obj) -> bytes:
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_with_lazy_fields_refuses_unknown_or_missing_fields():
+    from deep_ep.handle import EPHandle
+    with pytest.raises(TypeError, match="unknown fields \\['bogus'\\]"):
+        EPHandle.with_lazy_fields(None, bogus=1)
+    with pytest.raises(TypeError, match="missing"):
+        EPHandle.with_lazy_fields(None, do_expand=False)

@@ -26,7 +26,7 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     # other values (dataclasses.replace) shares this state but must not reuse them.
     topk = handle.topk_idx
     key = ("combine", num_sms, bool(apply_dispatch_weights), has_weights, topk.data_ptr(), tuple(topk.shape),
-           _ptr(handle.recv_topk_weights), state.src_meta.data_ptr(), handle.hidden, handle.num_experts,
+           _ptr(handle.recv_topk_weights), state.src_meta_ptr, handle.hidden, handle.num_experts,
            handle.do_expand)
     entry = state.launches.get(key)
     if entry is None:
@@ -62,8 +62,8 @@ def _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
     tag = call_tag(0, 3, H, K, int(bool(handle.do_expand)), E, has_weights, int(bool(apply_dispatch_weights)))
     args = CombineArgs(
         recv_weights=_ptr(handle.recv_topk_weights),
-        src_meta=_ptr(state.src_meta), layout=state.layout.data_ptr(), pos_tok=_ptr(state.pos_tok),
-        pos_pair=_ptr(state.pos_pair), topk_idx=_ptr(handle.topk_idx), num_tokens=T,
+        src_meta=state.src_meta_ptr, layout=state.layout_ptr, pos_tok=state.pos_tok_ptr,
+        pos_pair=state.pos_pair_ptr, topk_idx=_ptr(handle.topk_idx), num_tokens=T,
         num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)

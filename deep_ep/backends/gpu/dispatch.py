@@ -2,18 +2,19 @@
 
 Flow of one non-cached dispatch (every kernel on the buffer's communication stream):
 
-1. ``deep_ep_notify``  (one warp per group of tokens) numbers this rank's tokens per destination
-   rank and pairs per expert, checks the expert ids, copies them for the handle (``do_handle_copy``),
-   and writes its count row into every peer's window; its last block signals the peers.
-2. ``deep_ep_layout``  (1 block) waits for every peer's counts and writes the handle's layout words.
-3. With ``do_cpu_sync`` the layout kernel also writes the received row counts to mapped host memory,
+1. ``deep_ep_notify``  (eight warps per block, a warp per group of tokens) numbers this rank's tokens
+   per destination rank and pairs per expert, checks the expert ids, copies them for the handle
+   (``do_handle_copy``), and writes its count row into every peer's window; its last block signals
+   the peers, then waits for every peer's counts and writes the handle's layout words (the layout
+   stage, in the same kernel).
+2. With ``do_cpu_sync`` the layout stage also writes the received row counts to mapped host memory,
    which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
    outputs are sized for the worst case and nothing waits on the host.
-4. ``deep_ep_dispatch`` (num_sms blocks): the send phase moves every token row once per
+3. ``deep_ep_dispatch`` (num_sms blocks): the send phase moves every token row once per
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
 
-A cached dispatch runs step 4 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
+A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
 Rounds alternate between the two halves of the receive region (see `window`).
 """
 from __future__ import annotations
@@ -28,13 +29,12 @@ import torch
 from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
-from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, call_tag, LayoutArgs, NotifyArgs, layout_index
+from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, LayoutArgs, NotifyArgs, call_tag, layout_index
 from . import modules
 from . import window as wl
-from .modules import LAYOUT_THREADS
-from .state import GPUHandleState
+from .state import GPUHandleState, WordPlan
 
-__all__ = ["run_dispatch", "NOTIFY_PAIRS_PER_GROUP", "notify_groups"]
+__all__ = ["run_dispatch", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -50,30 +50,20 @@ def _align_words(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _word_views(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> tuple:
-    """How a fresh dispatch's int32 words are laid out and split, so that two ``split_with_sizes``
-    calls make every view of them: ``(total words, outer split sizes, inner split sizes, inner
-    indices of tok_prefix, psum_expert, raw_counts)``.
-
-    The outer split: the layout words, pos_tok ``[T * R]``, pos_pair ``[T * K]`` (empty unless
-    expanded), recv_src_metadata ``[meta_rows * (K + 2)]`` (without CPU sync, whose receive is sized
-    before the call; else empty), each starting on a 128-byte boundary, with the padding after each
-    as a piece of its own. The inner split cuts the layout piece into the three ranges the handle
-    shows and the words between them."""
-    outer, at = [], 0
+def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> WordPlan:
+    """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
+    ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
+    2)]`` (without CPU sync, whose receive is sized before the call; else empty), each starting on a
+    128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
+    allocation; the tensor views are made only when read (`GPUHandleState`)."""
+    at = []
+    end = 0
     for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2)):
-        outer += [n, _align_words(at + n) - at - n]
-        at = _align_words(at + n)
-    inner, where, pos = [], [], 0
-    for start, n in sorted([(ix.tok_prefix, R), (ix.psum_expert, L), (ix.raw_counts, L)]):
-        if start > pos:
-            inner.append(start - pos)
-        where.append((start, len(inner)))
-        inner.append(n)
-        pos = start + n
-    inner.append(ix.size - pos)
-    order = dict(where)
-    return at, tuple(outer), tuple(inner), (order[ix.tok_prefix], order[ix.psum_expert], order[ix.raw_counts])
+        at.append(end)
+        end = _align_words(end + n)
+    return WordPlan(total=end, layout_words=ix.size, pos_tok_at=at[1], pos_pair_at=at[2], meta_at=at[3], T=T, R=R,
+                    K=K, L=L, expanded=bool(expanded), meta_rows=meta_rows, tok_prefix=ix.tok_prefix,
+                    psum_expert=ix.psum_expert, raw_counts=ix.raw_counts)
 
 
 def notify_groups(T: int, K: int, groups_max: int) -> int:
@@ -94,8 +84,7 @@ class _FreshPlan:
     checked once, with its three prepared launches, whose constant arguments are set here and the
     rest by each call (`GPUBackend.fresh_plans`)."""
 
-    __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows",
-                 "notify", "layout", "data")
+    __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows", "notify", "data")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -113,21 +102,19 @@ class _FreshPlan:
         self.out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, self.L, A, do_expand)
         self.tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
         self.meta_rows = 0 if do_cpu_sync else self.tok_cap
-        # Struct fields are copies: one tag serves the three launches (each call sets ``tag.seq``).
+        # Struct fields are copies: one tag serves the three structs (each call sets ``tag.seq``).
         tag = _dispatch_tag(1, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
         transport = b.transport_args
         self.notify = mod.function("deep_ep_notify").prepare(
             1, 32 * NOTIFY_WARPS, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
                                               scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag),
+                                   LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset,
+                                              out_capacity=self.out_cap, tok_capacity=self.tok_cap,
+                                              timeout_ns=b.timeout_ns,
+                                              host_out=b.readback.device_ptr if do_cpu_sync else None,
+                                              err_host=b.err_record.device_ptr, tag=tag),
                                    transport),
             device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E))
-        self.layout = mod.function("deep_ep_layout").prepare(
-            1, LAYOUT_THREADS, (LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset,
-                                           out_capacity=self.out_cap, tok_capacity=self.tok_cap,
-                                           timeout_ns=b.timeout_ns,
-                                           host_out=b.readback.device_ptr if do_cpu_sync else None,
-                                           err_host=b.err_record.device_ptr, tag=tag), transport),
-            device=dev.index)
         self.data = mod.function("deep_ep_dispatch").prepare(
             self.n_sms, modules.THREADS,
             (DispatchArgs(max_tokens=num_max_tokens_per_rank, num_experts=E, alignment=A,
@@ -206,36 +193,30 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     b.raise_if_broken()
     seq = b.calls & 0xFFFFFFFF
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
-    # [T, K], (no CPU sync) recv_src_metadata, each starting on a 128-byte boundary as a tensor of its
-    # own would; its views made by two splits (`_word_views`).
+    # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
     meta_rows = plan.meta_rows
-    total, outer, inner, at = _word_views(ix, R, L, T, K, bool(do_expand), meta_rows)
-    lay, _, pos_tok, _, pos_pair, _, src_meta, _ = outputs.empty(
-        total, torch.int32, dev, b.fill_stream).split_with_sizes(outer)
-    pos_tok = pos_tok.view(T, R)
-    pos_pair = pos_pair.view(T, K) if do_expand else None
-    src_meta = None if do_cpu_sync else src_meta.view(meta_rows, K + 2)
-    pieces = lay.split_with_sizes(inner)
+    wp = word_plan(ix, R, L, T, K, bool(do_expand), meta_rows)
+    words = outputs.empty(wp.total, torch.int32, dev, b.fill_stream)
+    lay_ptr = words.data_ptr()
+    pos_tok_ptr = lay_ptr + 4 * wp.pos_tok_at if T * R else None
+    pos_pair_ptr = lay_ptr + 4 * wp.pos_pair_at if do_expand and T * K else None
     stream = b.launch_stream
     groups = notify_groups(T, K, b.notify_groups_max)
     # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
     handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
-    na = plan.notify.args[0]
+    na, la = plan.notify.args[0], plan.notify.args[1]
     na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, max(1, -(-T // groups))
     na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
-    na.pos_tok, na.pos_pair = _ptr(pos_tok), _ptr(pos_pair)
-    na.tag.seq = seq
-    b.launched_call = b.calls
-    plan.notify.launch(stream, groups // NOTIFY_WARPS)
-    la = plan.layout.args[0]
-    la.layout, la.cumulative_stats = lay.data_ptr(), _ptr(cumulative_local_expert_recv_stats)
+    na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
+    la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
     if do_cpu_sync:
         b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-    la.tag.seq = seq
-    plan.layout.launch(stream)
+    na.tag.seq = la.tag.seq = seq
+    b.launched_call = b.calls
+    plan.notify.launch(stream, groups // NOTIFY_WARPS)
     b.last_num_experts, b.last_num_topk = E, K
     if do_cpu_sync:
-        head = b.wait_readback(la.seq, E, K)   # every peer's counts are in: the layout kernel is done
+        head = b.wait_readback(la.seq, E, K)   # every peer's counts are in: the layout is written
         out_rows = head[READBACK["out_rows"]]
         tok_capacity = head[READBACK["tok_rows"]]
     else:
@@ -248,14 +229,16 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     if has_weights:
         out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
     out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.fill_stream)
-    if src_meta is None:
-        src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream)
+    # With CPU sync recv_src_metadata has the exact rows, an allocation of its own; without, its
+    # worst-case rows are a piece of the words.
+    src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream) if do_cpu_sync else None
+    state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
     a = plan.data.args[0]
     a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
         _ptr(topk_weights), T
-    a.pos_tok, a.pos_pair, a.out_x, a.out_sf, a.sf_ld = _ptr(pos_tok), _ptr(pos_pair), _ptr(out_x), _ptr(out_sf), sf_ld
-    a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), _ptr(src_meta)
-    a.out_capacity, a.tok_capacity, a.layout = out_rows, tok_capacity, lay.data_ptr()
+    a.pos_tok, a.pos_pair, a.out_x, a.out_sf, a.sf_ld = pos_tok_ptr, pos_pair_ptr, _ptr(out_x), _ptr(out_sf), sf_ld
+    a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), state.src_meta_ptr
+    a.out_capacity, a.tok_capacity, a.layout = out_rows, tok_capacity, lay_ptr
     a.tag.seq = seq
     b.launch_data(plan.data, plan.n_sms)
 
@@ -267,18 +250,14 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         counts = []
         num_recv_tokens = worst_case_recv_tokens(R, plan.m)
         num_expanded_tokens = worst_case_recv_rows(R, plan.m, K, L, A, True)
-    new_state = GPUHandleState(layout=lay, pos_tok=pos_tok, pos_pair=pos_pair, recv_topk_idx=out_idx,
-                               src_meta=src_meta)
-    new_handle = EPHandle(
-        do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
-        num_sms=plan.n_sms, topk_idx=handle_topk,
-        num_recv_tokens=num_recv_tokens, num_expanded_tokens=num_expanded_tokens,
-        num_recv_tokens_per_expert_list=counts,
-        psum_num_recv_tokens_per_scaleup_rank=pieces[at[0]], psum_num_recv_tokens_per_expert=pieces[at[1]],
-        num_unaligned_recv_tokens_per_expert=pieces[at[2]],
-        recv_src_metadata=src_meta, dst_buffer_slot_idx=pos_pair if do_expand else pos_tok,
+    # The handle's layout tensors, dst_buffer_slot_idx and recv_src_metadata are views of the state,
+    # made when first read (`EPHandle.with_lazy_fields`).
+    new_handle = EPHandle.with_lazy_fields(
+        state, do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
+        num_sms=plan.n_sms, topk_idx=handle_topk, num_recv_tokens=num_recv_tokens,
+        num_expanded_tokens=num_expanded_tokens, num_recv_tokens_per_expert_list=counts,
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
-        recv_topk_weights=out_w if do_expand else None, backend_state=new_state)
+        recv_topk_weights=out_w if do_expand else None)
     return recv_x, out_idx, out_w, new_handle
 
 
@@ -306,7 +285,7 @@ def _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col
     topk = handle.topk_idx
     key = ("dispatch", data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_sms,
            bool(do_zero_padding), bool(col_major_sf), has_weights, topk.data_ptr(), tuple(topk.shape),
-           state.src_meta.data_ptr(), handle.hidden, handle.num_experts, handle.expert_alignment,
+           state.src_meta_ptr, handle.hidden, handle.num_experts, handle.expert_alignment,
            handle.num_max_tokens_per_rank, handle.do_expand, handle.do_cpu_sync, handle.num_recv_rows)
     entry = state.launches.get(key)
     if entry is None:
@@ -350,10 +329,10 @@ def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, 
     sf_ld = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
     tag = _dispatch_tag(2, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
     args = DispatchArgs(
-        topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=_ptr(state.pos_tok),
-        pos_pair=_ptr(state.pos_pair), sf_ld=sf_ld, out_topk_idx=_ptr(state.recv_topk_idx),
-        src_meta=_ptr(state.src_meta), max_tokens=handle.num_max_tokens_per_rank, out_capacity=out_rows,
-        tok_capacity=int(state.src_meta.shape[0]), layout=state.layout.data_ptr(), num_experts=E, alignment=A,
+        topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=state.pos_tok_ptr,
+        pos_pair=state.pos_pair_ptr, sf_ld=sf_ld, out_topk_idx=_ptr(state.recv_topk_idx),
+        src_meta=state.src_meta_ptr, max_tokens=handle.num_max_tokens_per_rank, out_capacity=out_rows,
+        tok_capacity=state.tok_capacity, layout=state.layout_ptr, num_experts=E, alignment=A,
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
     prepared = mod.function("deep_ep_dispatch_cached").prepare(

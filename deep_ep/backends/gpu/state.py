@@ -1,49 +1,147 @@
 """What the GPU kernels need beyond the public fields of an `EPHandle`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields as dc_fields
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["GPUHandleState"]
+__all__ = ["GPUHandleState", "WordPlan"]
 
 
-@dataclass
+class WordPlan(NamedTuple):
+    """Where a fresh dispatch's int32 words hold each piece (one allocation of ``total`` words; offsets
+    in words; every piece starts on a 128-byte boundary). Made by
+    `deep_ep.backends.gpu.dispatch.word_plan`, cached per shape."""
+
+    total: int
+    layout_words: int   # the layout words (common/abi.cuh), at 0
+    pos_tok_at: int     # pos_tok [T, R]
+    pos_pair_at: int    # pos_pair [T, K] (expanded; else an empty piece)
+    meta_at: int        # recv_src_metadata [meta_rows, K + 2] (no CPU sync; else an empty piece)
+    T: int
+    R: int
+    K: int
+    L: int
+    expanded: bool
+    meta_rows: int
+    tok_prefix: int     # the handle's three layout tensors: offsets inside the layout words
+    psum_expert: int
+    raw_counts: int
+
+
 class GPUHandleState:
-    """What the kernels need beyond `EPHandle`'s public fields (device tensors).
+    """What the kernels need beyond `EPHandle`'s public fields (device tensors and their addresses).
 
-    layout:        int32 layout words (common/abi.cuh), this rank as destination and as source
-    pos_tok:       [T, R] int32 token row of each token at each destination (-1: not sent)
-    pos_pair:      [T, K] int32 output row of each (token, expert) pair at its owner (expanded only)
+    words:         the dispatch's one int32 allocation: the layout words (common/abi.cuh, this rank
+                   as destination and as source), pos_tok, pos_pair, and (no CPU sync)
+                   recv_src_metadata, laid out by ``plan`` (`WordPlan`)
     recv_topk_idx: the non-expanded dispatch's recv_topk_idx, returned again by a cached dispatch
-    src_meta:      the handle's recv_src_metadata (its columns 2.. are the expanded rows of every
-                   received token row, which cached dispatch and combine read)
     launches:      prepared kernel launches of cached dispatches and combines with this handle
                    (`jit.PreparedLaunch`, keyed by kernel structure and options; not copied by `clone`):
                    their arguments point at this handle's tensors, so a later call with the handle
                    only updates the per-call pointers (inputs, outputs)
-    """
-    layout: torch.Tensor
-    pos_tok: torch.Tensor
-    pos_pair: Optional[torch.Tensor]
-    recv_topk_idx: Optional[torch.Tensor]
-    src_meta: torch.Tensor
-    launches: dict = field(default_factory=dict, compare=False, repr=False)
 
+    Views (made on first access, then kept): ``layout`` (the layout words), ``pos_tok`` [T, R] int32
+    (token row of each token at each destination, -1: not sent), ``pos_pair`` [T, K] int32 (expanded:
+    output row of each (token, slot) pair at its expert's owner; else None), ``src_meta`` (the
+    handle's recv_src_metadata: its columns 2.. are the expanded rows of every received token row,
+    which cached dispatch and combine read). Their addresses, for the kernels' arguments, are plain
+    ints: ``layout_ptr``, ``pos_tok_ptr``, ``pos_pair_ptr``, ``src_meta_ptr`` (None for an empty or
+    absent piece), and ``tok_capacity`` (rows of ``src_meta``).
+    """
+
+    __slots__ = ("words", "plan", "recv_topk_idx", "launches", "layout_ptr", "pos_tok_ptr", "pos_pair_ptr",
+                 "src_meta_ptr", "tok_capacity", "_src_meta", "_views")
+
+    def __init__(self, words: torch.Tensor, plan: WordPlan, recv_topk_idx: Optional[torch.Tensor],
+                 src_meta: Optional[torch.Tensor], tok_capacity: int):
+        """``src_meta``: recv_src_metadata as a tensor of its own (with CPU sync), or None when it lives
+        in ``words`` (without: ``plan``'s meta piece, ``tok_capacity`` rows)."""
+        self.words, self.plan, self.recv_topk_idx = words, plan, recv_topk_idx
+        self.launches = {}
+        self._src_meta, self._views = src_meta, {}
+        self.tok_capacity = tok_capacity
+        self.layout_ptr = base = words.data_ptr()
+        T, R, K = plan.T, plan.R, plan.K
+        self.pos_tok_ptr = base + 4 * plan.pos_tok_at if T * R else None
+        self.pos_pair_ptr = base + 4 * plan.pos_pair_at if plan.expanded and T * K else None
+        if src_meta is not None:
+            self.src_meta_ptr = src_meta.data_ptr() if src_meta.numel() else None
+        else:
+            self.src_meta_ptr = base + 4 * plan.meta_at if plan.meta_rows else None
+
+    # ------------------------------------------------------------------ views
+    def _view(self, name: str) -> Optional[torch.Tensor]:
+        views = self._views
+        if name in views:
+            return views[name]
+        p, w = self.plan, self.words
+        if name == "layout":
+            v = w[:p.layout_words]
+        elif name == "pos_tok":
+            v = w[p.pos_tok_at: p.pos_tok_at + p.T * p.R].view(p.T, p.R)
+        elif name == "pos_pair":
+            v = w[p.pos_pair_at: p.pos_pair_at + p.T * p.K].view(p.T, p.K) if p.expanded else None
+        elif name == "src_meta":
+            v = self._src_meta if self._src_meta is not None else \
+                w[p.meta_at: p.meta_at + p.meta_rows * (p.K + 2)].view(p.meta_rows, p.K + 2)
+        elif name == "tok_prefix":
+            v = w[p.tok_prefix: p.tok_prefix + p.R]
+        elif name == "psum_expert":
+            v = w[p.psum_expert: p.psum_expert + p.L]
+        elif name == "raw_counts":
+            v = w[p.raw_counts: p.raw_counts + p.L]
+        else:
+            raise AttributeError(name)
+        views[name] = v
+        return v
+
+    @property
+    def layout(self) -> torch.Tensor:
+        return self._view("layout")
+
+    @property
+    def pos_tok(self) -> torch.Tensor:
+        return self._view("pos_tok")
+
+    @property
+    def pos_pair(self) -> Optional[torch.Tensor]:
+        return self._view("pos_pair")
+
+    @property
+    def src_meta(self) -> torch.Tensor:
+        return self._view("src_meta")
+
+    def handle_field(self, name: str) -> torch.Tensor:
+        """The `EPHandle` field ``name`` (one of `EPHandle.LAZY_FIELDS`) as a view of this state: a GPU
+        dispatch's handle makes them on first access (`EPHandle.with_lazy_fields`), so that a call
+        that never reads them never pays for the views."""
+        if name == "psum_num_recv_tokens_per_scaleup_rank":
+            return self._view("tok_prefix")
+        if name == "psum_num_recv_tokens_per_expert":
+            return self._view("psum_expert")
+        if name == "num_unaligned_recv_tokens_per_expert":
+            return self._view("raw_counts")
+        if name == "dst_buffer_slot_idx":
+            return self._view("pos_pair" if self.plan.expanded else "pos_tok")
+        if name == "recv_src_metadata":
+            return self._view("src_meta")
+        raise AttributeError(name)
+
+    # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict:
         """Copies and pickles leave the prepared launches behind (ctypes memory pointing at the
-        original's tensors)."""
-        state = dict(self.__dict__)
-        state["launches"] = {}
-        return state
+        original's tensors), and the views (made again from the copy's tensors)."""
+        return {"words": self.words, "plan": tuple(self.plan), "recv_topk_idx": self.recv_topk_idx,
+                "src_meta": self._src_meta, "tok_capacity": self.tok_capacity}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__init__(state["words"], WordPlan(*state["plan"]), state["recv_topk_idx"], state["src_meta"],
+                      state["tok_capacity"])
 
     def clone(self) -> "GPUHandleState":
         """A copy with every tensor cloned (for `EPHandle.clone`); no launches."""
-        return GPUHandleState(**{f.name: (getattr(self, f.name).clone()
-                                          if isinstance(getattr(self, f.name), torch.Tensor)
-                                          else getattr(self, f.name)) for f in dc_fields(self)
-                                 if f.name != "launches"})
+        return GPUHandleState(self.words.clone(), self.plan,
+                              None if self.recv_topk_idx is None else self.recv_topk_idx.clone(),
+                              None if self._src_meta is None else self._src_meta.clone(), self.tok_capacity)
+
