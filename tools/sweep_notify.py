@@ -1,7 +1,7 @@
 """The notify kernel's grouping, swept on one GPU (EP=1 through NCCL).
 
 For each token count, grid cap (groups at most) and pairs-per-group value: the groups it
-gives, the device time of ``deep_ep_notify`` and ``deep_ep_layout`` (torch.profiler, median over
+gives, the device time of ``deep_ep_notify`` (with its layout stage; torch.profiler, median over
 ``--calls`` full dispatches without CPU sync), and the time of a synchronised full dispatch with
 CPU sync (median). Every setting's outputs and handle (numbering, layout words, the handle's copy
 of the routing), allocated poisoned, are compared bit for bit with those of the library's default
@@ -83,8 +83,7 @@ def main() -> None:
     default_pairs, default_cap = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, backend.notify_groups_max
     print(f"default: {default_pairs} pairs per group, at most {default_cap} groups "
           f"({NOTIFY_GROUPS_PER_SM} per SM, {backend.num_device_sms} SMs)")
-    print(f"{'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'layout us':>9} "
-          f"{'call us':>8}  same")
+    print(f"{'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'call us':>8}  same")
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
         x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
@@ -114,11 +113,11 @@ def main() -> None:
                 for _ in range(3):
                     no_sync_call()
                 spin_up()
-                k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify", "deep_ep_layout"))
+                k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify",))
                 spin_up()
                 call = _call_us(sync_call, a.calls)
                 print(f"{T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} {k['deep_ep_notify']:9.1f} "
-                      f"{k['deep_ep_layout']:9.1f} {call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}", flush=True)
+                      f"{call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}", flush=True)
     gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
     backend.set_notify_groups_max(default_cap)
     buf.destroy()

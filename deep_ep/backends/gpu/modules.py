@@ -13,12 +13,11 @@ import threading
 from ... import jit
 from .abi import TEST_DEFECTS
 
-__all__ = ["THREADS", "LAYOUT_THREADS", "TUNABLES", "TEST_DEFECTS", "kernel_source", "tunable_defines",
+__all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "kernel_source", "tunable_defines",
            "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines", "build_module",
            "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
-LAYOUT_THREADS = 512    # threads of the layout kernel (EP_LAYOUT_THREADS)
 
 # Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh):
 # they change how bytes move, never which, so the host needs no matching change. Structural defines
@@ -75,12 +74,12 @@ def test_defect_defines() -> dict:
 
 
 def _common(transport_nccl: bool) -> dict:
-    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, "EP_LAYOUT_THREADS": LAYOUT_THREADS,
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS,
             **tunable_defines(), **test_defect_defines()}
 
 
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
-    """Defines of the dispatch module (notify, layout and dispatch kernels) for one structure."""
+    """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
             **_common(transport_nccl)}
 

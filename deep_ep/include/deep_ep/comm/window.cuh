@@ -135,31 +135,41 @@ __device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlD
     return is_last;
 }
 
-// After every block of a consumer kernel has waited: the last block advances the epoch and, when
-// ``err_host`` is given (host memory mapped into the device's address space), copies the error
-// record there, so the host sees an error of an asynchronous call at its next call without a copy
-// operation on the stream (also under CUDA-graph replay).
-__device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_round, uint32_t* err_host = nullptr) {
-    if (last_block(my_window, kCtrlDoneWait, false) && threadIdx.x == 0) {
-        uint32_t* ctrl = ctrl_of(my_window);
-        __threadfence();  // every block has arrived: their error records are visible from here on
-        const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
-        const uint32_t code = src[0];
-        // Reductions (no value comes back): the kernel's end makes them visible to the next one.
-        atomicAdd(ctrl + kCtrlEpoch, 1u);
-        if (advance_round) atomicAdd(ctrl + kCtrlRound, 1u);
-        // Only an error is copied: the window's record is never cleared, so while it reads 0 the
-        // host's copy (zeroed at creation) is already right, and a call without an error does not
-        // pay for writes and system-scope fences over PCIe.
-        if (err_host != nullptr && code != 0u) {
-            // rank, peer, phase first, then the code the host tests: never a torn record
-            volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
-            for (int i = 1; i < 4; ++i) dst[i] = src[i];
-            __threadfence_system();
-            dst[0] = code;
-            __threadfence_system();
-        }
+// The end of a wait, by one thread once every block that waited is done: advance the epoch (and
+// the round), and when ``err_host`` is given (host memory mapped into the device's address space),
+// copy the error record there, so the host sees an error of an asynchronous call at its next call
+// without a copy operation on the stream (also under CUDA-graph replay).
+__device__ __forceinline__ void end_wait(uint8_t* my_window, bool advance_round, uint32_t* err_host) {
+    uint32_t* ctrl = ctrl_of(my_window);
+    __threadfence();  // every block has arrived: their error records are visible from here on
+    const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
+    const uint32_t code = src[0];
+    // Reductions (no value comes back): the kernel's end makes them visible to the next one.
+    atomicAdd(ctrl + kCtrlEpoch, 1u);
+    if (advance_round) atomicAdd(ctrl + kCtrlRound, 1u);
+    // Only an error is copied: the window's record is never cleared, so while it reads 0 the
+    // host's copy (zeroed at creation) is already right, and a call without an error does not
+    // pay for writes and system-scope fences over PCIe.
+    if (err_host != nullptr && code != 0u) {
+        // rank, peer, phase first, then the code the host tests: never a torn record
+        volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
+        for (int i = 1; i < 4; ++i) dst[i] = src[i];
+        __threadfence_system();
+        dst[0] = code;
+        __threadfence_system();
     }
+}
+
+// After every block of a consumer kernel has waited: the last block ends the wait (`end_wait`).
+__device__ __forceinline__ void finish_wait(uint8_t* my_window, bool advance_round, uint32_t* err_host = nullptr) {
+    if (last_block(my_window, kCtrlDoneWait, false) && threadIdx.x == 0) end_wait(my_window, advance_round, err_host);
+}
+
+// The same for a wait that one block of its kernel ran alone (the others never waited).
+__device__ __forceinline__ void finish_wait_one_block(uint8_t* my_window, bool advance_round,
+                                                      uint32_t* err_host = nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) end_wait(my_window, advance_round, err_host);
 }
 
 }  // namespace deep_ep::comm

@@ -1,6 +1,6 @@
-// Layout stage of a dispatch (one block): wait for every peer's counts and derive, from the full
-// count matrix, this rank's receive layout and, as a source, where its rows start at every
-// destination (the handle's layout words, common/abi.cuh).
+// Layout stage of a dispatch (one block: the notify kernel's last, kernels/dispatch.cuh): wait for
+// every peer's counts and derive, from the full count matrix, this rank's receive layout and, as a
+// source, where its rows start at every destination (the handle's layout words, common/abi.cuh).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -176,7 +176,7 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
         dst[0] = kErrBadExpert;
         __threadfence_system();
     }
-    comm::finish_wait(my_window, false);
+    comm::finish_wait_one_block(my_window, false);
 }
 
 }  // namespace deep_ep

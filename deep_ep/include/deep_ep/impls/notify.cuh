@@ -20,7 +20,8 @@
 // [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
 // counts, so that every rank's layout kernel sees it and the call moves nothing (kErrBadExpert).
 // With ``topk_copy``, phase A also copies the group's ids there (the handle's copy of the routing,
-// without a copy of its own on the host's side). The last block to finish signals every peer.
+// without a copy of its own on the host's side). The last block to finish signals every peer, and
+// then, in the same kernel, runs the layout stage (impls/layout.cuh): one launch, no kernel boundary.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -160,8 +161,9 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
     }
 }
 
+// Returns true in the threads of the block that finished last (and signalled the peers).
 template <int K, bool kExpand>
-__device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
+__device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
     const int cols = R + E;
     const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
@@ -242,7 +244,9 @@ __device__ __forceinline__ void notify_impl(const NotifyArgs& a, const comm::Lsa
     } else if (lane == 0) {
         comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
-    if (comm::last_block(my_window)) tr.signal_all(a.tag);
+    const bool last = comm::last_block(my_window);
+    if (last) tr.signal_all(a.tag);
+    return last;
 }
 
 }  // namespace deep_ep

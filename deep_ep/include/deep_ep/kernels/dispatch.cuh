@@ -1,7 +1,7 @@
 // Entry points of a dispatch module. The host (deep_ep/backends/gpu/modules.py) compiles this file
 // once per structural configuration, passing it as -D defines: EP_DATA_BYTES (bytes of one token
 // row), EP_NUM_SF (4-byte scale factors per row, 0 for BF16), EP_TOPK, EP_EXPAND (0/1),
-// EP_THREADS / EP_LAYOUT_THREADS (block sizes) and EP_TRANSPORT_NCCL (comm/transport.cuh).
+// EP_THREADS (block size) and EP_TRANSPORT_NCCL (comm/transport.cuh).
 // Token counts, rank counts and buffer sizes are run-time arguments: a new batch size never compiles.
 #pragma once
 
@@ -12,19 +12,13 @@
 #include "../impls/notify.cuh"
 
 // kNotifyWarps warps (groups) per block, a few warps per SM at most: the blocks meet at grid
-// barriers (impls/notify.cuh).
-extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32) deep_ep_notify(deep_ep::NotifyArgs a,
-                                                                deep_ep::comm::TransportArgs transport) {
+// barriers (impls/notify.cuh). The block that finishes last signals the peers, then waits for
+// theirs and writes the layout (impls/layout.cuh) while the other blocks have exited.
+extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep_ep_notify(
+        deep_ep::NotifyArgs a, deep_ep::LayoutArgs layout, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr);
-}
-
-extern "C" __global__ void __launch_bounds__(EP_LAYOUT_THREADS, 1) deep_ep_layout(deep_ep::LayoutArgs a,
-                                                                                deep_ep::comm::TransportArgs transport) {
-    EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::layout_impl(a, EP_EXPAND != 0, tr);
+    if (deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr)) deep_ep::layout_impl(layout, EP_EXPAND != 0, tr);
 }
 
 // One kernel per data stage: the send phase, then the receive phase. Blocks that finish sending
