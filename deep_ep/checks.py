@@ -75,28 +75,31 @@ def check_number(name: str, value, *, positive: bool = True) -> float:
 def check_tensor(name: str, t, *, dtype: Union[torch.dtype, tuple], shape: tuple,
                  device: torch.device, contiguous: bool = True) -> torch.Tensor:
     """Check one tensor argument. ``shape`` entries are ints or None (any size)."""
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-
-    def want() -> str:  # messages are built only on failure: this runs on every call
-        return "/".join(str(d).replace("torch.", "") for d in dtypes)
-
-    def want_shape() -> str:
-        return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    # This runs on every call: the common case is a few comparisons; messages are built on failure.
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor ({want()} {want_shape()}), got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {want()}, got {_fmt_tensor(t)}")
+        raise TypeError(f"{name} must be a torch.Tensor ({_want_dtype(dtype)} {_want_shape(shape)}), "
+                        f"got {type(t).__name__}")
+    if t.dtype is not dtype and not (isinstance(dtype, tuple) and t.dtype in dtype):
+        raise TypeError(f"{name} must have dtype {_want_dtype(dtype)}, got {_fmt_tensor(t)}")
     sizes = t.shape
     if len(sizes) != len(shape):
-        raise ValueError(f"{name} must have shape {want_shape()}, got {_fmt_tensor(t)}")
+        raise ValueError(f"{name} must have shape {_want_shape(shape)}, got {_fmt_tensor(t)}")
     for s, n in zip(shape, sizes):
         if s is not None and s != n:
-            raise ValueError(f"{name} must have shape {want_shape()}, got {_fmt_tensor(t)}")
+            raise ValueError(f"{name} must have shape {_want_shape(shape)}, got {_fmt_tensor(t)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the buffer's device), got {_fmt_tensor(t)}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got {_fmt_tensor(t)} with strides {t.stride()}")
     return t
+
+
+def _want_dtype(dtype) -> str:
+    return "/".join(str(d).replace("torch.", "") for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
+
+
+def _want_shape(shape: tuple) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
 def check_event(name: str, event) -> None:
