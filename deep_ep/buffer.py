@@ -489,11 +489,16 @@ class ElasticBuffer:
 
 
 def _collect_tensors(obj) -> list:
-    """Every tensor inside nested tuples/lists/EPHandles."""
+    """Every tensor inside nested tuples/lists/EPHandles: an EPHandle's fields that are set, and its
+    backend state's tensors (read by the kernels; a state lists them with ``tensors()``, or is a
+    dataclass). A handle's lazy fields (`EPHandle.LAZY_FIELDS`) are views of its state's tensors."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for o in obj for t in _collect_tensors(o)]
-    if hasattr(obj, "__dataclass_fields__"):  # an EPHandle and its backend state (read by the kernels)
+    tensors = getattr(obj, "tensors", None)
+    if callable(tensors) and not isinstance(obj, type):
+        return [t for o in tensors() for t in _collect_tensors(o)]
+    if hasattr(obj, "__dataclass_fields__"):
         return [t for v in vars(obj).values() for t in _collect_tensors(v)]
     return []

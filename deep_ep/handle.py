@@ -140,6 +140,9 @@ class EPHandle:
             if state is not None and hasattr(state, "handle_field"):
                 v = self.__dict__[name] = state.handle_field(name)
                 return v
+            raise AttributeError(f"EPHandle.{name} is made from the handle's backend state on first access, "
+                                 f"but backend_state is now {type(state).__name__}: assign the field, or keep "
+                                 f"the state the dispatch made")
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     # ------------------------------------------------------------------ derived values

@@ -128,6 +128,11 @@ class GPUHandleState:
             return self._view("src_meta")
         raise AttributeError(name)
 
+    def tensors(self) -> list:
+        """The tensors the kernels read (every view of this state is a view of one of them): what a
+        caller keeps alive or records on a stream for the handle (`deep_ep.buffer._collect_tensors`)."""
+        return [t for t in (self.words, self.recv_topk_idx, self._src_meta) if t is not None]
+
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict:
         """Copies and pickles leave the prepared launches behind (ctypes memory pointing at the
