@@ -113,7 +113,7 @@ class GPUBackend(Backend):
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
-        self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout kernel's report (do_cpu_sync)
+        self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout stage's report (do_cpu_sync)
         self.readback_seq = 0
         self._ctrl_error: Optional[torch.Tensor] = None
         self.broken: Optional[str] = None
@@ -344,7 +344,7 @@ class GPUBackend(Backend):
         return dst.tolist()
 
     def wait_readback(self, seq: int, num_experts: int, num_topk: int) -> list:
-        """The layout kernel's report of call ``seq`` (the kReadback* words), once it is written.
+        """The layout stage's report of call ``seq`` (the kReadback* words), once it is written.
 
         The host spins on mapped memory (no copy, no event; `deep_ep.cuda.streams.spin_until`: no
         sleep for the first milliseconds, since a sleep lasts the OS's timer slack, tens of
@@ -354,7 +354,7 @@ class GPUBackend(Backend):
         Raises:
             ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
                 nothing moved, the buffer stays usable).
-            TimeoutError / RuntimeError: the layout kernel recorded a timeout or a capacity error.
+            TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error.
         """
         words = self.readback.words
         seq_word = READBACK["seq"]

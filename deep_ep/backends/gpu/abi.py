@@ -46,7 +46,7 @@ ERR_CAPACITY = CONSTANTS["kErrCapacity"]
 ERR_BAD_EXPERT = CONSTANTS["kErrBadExpert"]
 ERR_MISMATCH = CONSTANTS["kErrMismatch"]
 COUNTS_EXTRA_WORDS = CONSTANTS["kCountsExtraWords"]
-#: word offsets of what the layout kernel reports to the host (kReadback*)
+#: word offsets of what the layout stage reports to the host (kReadback*)
 #: readback word name ("out_rows" for kReadbackOutRows) -> index
 READBACK = {re.sub(r"(?<!^)(?=[A-Z])", "_", k[len("kReadback"):]).lower(): v
             for k, v in CONSTANTS.items() if k.startswith("kReadback")}

@@ -96,7 +96,7 @@ class _FreshPlan:
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
         mod = b.module("dispatch", structure)
-        # do_cpu_sync=False: outputs are sized now for the worst case; the layout kernel refuses
+        # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         big = 2 ** 31 - 1
         self.out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, self.L, A, do_expand)
@@ -308,7 +308,7 @@ def _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col
     b.launch_data(prepared, n_sms)
     recv_x = out_x if sf is None else (out_x, out_sf)
     if stats is not None:
-        # The layout kernel counts a fresh dispatch; a cached one adds the handle's counts here, on
+        # The layout stage counts a fresh dispatch; a cached one adds the handle's counts here, on
         # the stream its kernels ran on.
         lay, ix = state.layout, layout_index(handle.num_ranks, handle.num_local_experts, handle.num_experts)
         with contextlib.nullcontext() if b.fill_stream is None else torch.cuda.stream(b.fill_stream):

@@ -3,7 +3,8 @@
 // this rank's own window only; reaching peers is the transport's job (comm/lsa.cuh).
 //
 // Protocol: every kernel that waits for peers (a consumer phase) ends with `finish_wait`, whose
-// last block advances this rank's epoch; a wait expects every peer to have signalled epoch + 1
+// last block advances this rank's epoch (`finish_wait_one_block` where one block alone waited, as
+// the notify kernel's layout stage does); a wait expects every peer to have signalled epoch + 1
 // times. Data rounds alternate between the two receive halves (the round word), so a round never
 // overwrites rows a peer may still read from the previous one.
 #pragma once

@@ -47,7 +47,7 @@ constexpr int kNotifyWarps = 8;
 // (token, slot) pairs of a group's ids in shared memory at a time (whole tokens): top-k at most this.
 constexpr int kNotifyTilePairs = 256;
 
-// ---- what the layout kernel reports to the host (int32 words of mapped host memory) ------------
+// ---- what the layout stage reports to the host (int32 words of mapped host memory) -------------
 // Written when the call synchronises with the host: the sequence number last, after the rest.
 constexpr int kReadbackSeq = 0;         // the call's sequence number (the host polls for it)
 constexpr int kReadbackStatus = 1;      // 0, or an error code (kErr*)

@@ -18,7 +18,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
     const LayoutIndex ix{R, L, a.num_experts};
-    // The layout was written before this kernel (layout kernel or handle): read during the wait.
+    // The layout was written before this kernel (the notify kernel's layout stage, or the handle): read during the wait.
     const int num_tok_rows = a.layout[ix.num_tok_rows()];
     const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
     const int self_end = a.layout[ix.tok_prefix() + rank];

@@ -38,16 +38,20 @@ __device__ __forceinline__ int first_bad_source(const int* C, int R, int row, in
     return src;
 }
 
-__device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, const comm::LsaTransport& tr) {
+// ``scratch``: 3 R + L + 2 E ints of shared memory that no other thread of the block uses any more
+// (the notify kernel's dynamic shared memory, [kNotifyWarps][R + E] ints, whose counts it no longer
+// needs).
+__device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, const comm::LsaTransport& tr,
+                                            int* scratch) {
     const int rank = tr.rank, num_ranks = tr.num_ranks, num_experts = a.num_experts, alignment = a.alignment;
     int* __restrict__ layout = a.layout;
     int* __restrict__ cumulative_stats = a.cumulative_stats;
-    __shared__ int s_tok[kMaxRanks];       // tokens from each source -> inclusive prefix
-    __shared__ int s_pairs[kMaxRanks];     // pairs for this rank's experts from each source -> inclusive prefix
-    __shared__ int s_send[kMaxRanks];      // this rank's first token row at each destination
-    __shared__ int s_local[kMaxExperts];   // pairs per local expert -> padded -> exclusive prefix
-    __shared__ int s_global[kMaxExperts];  // expanded: pairs per global expert -> padded -> exclusive prefix
-    __shared__ int s_before[kMaxExperts];  // expanded: pairs per global expert from sources before this rank
+    int* s_tok = scratch;                        // [R] tokens from each source -> inclusive prefix
+    int* s_pairs = s_tok + num_ranks;            // [R] pairs for this rank's experts from each source -> inclusive prefix
+    int* s_send = s_pairs + num_ranks;           // [R] this rank's first token row at each destination
+    int* s_local = s_send + num_ranks;           // [L] pairs per local expert -> padded -> exclusive prefix
+    int* s_global = s_local + num_experts / num_ranks;  // [E] expanded: pairs per global expert -> padded -> exclusive prefix
+    int* s_before = s_global + num_experts;      // [E] expanded: pairs per global expert from sources before this rank
     uint8_t* my_window = tr.local();
     // A peer at another call, or disagreeing on this one: recorded as an error on every rank (each
     // sees a differing tag), nothing moves, and the buffer is no longer usable.

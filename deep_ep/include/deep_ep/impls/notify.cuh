@@ -3,7 +3,7 @@
 // On source rank s, for every token t and destination rank d it reaches, pos_tok[t, d] is t's
 // index among s's tokens to d (tokens in order); for every (token, slot) pair of an expert e,
 // pos_pair[t, k] is its index among s's pairs for e, in (t, k) order (expanded layout). The data
-// kernel adds where s's rows start at d (send_base / out_base, from the layout kernel).
+// kernel adds where s's rows start at d (send_base / out_base, from the layout stage).
 //
 // Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
 // stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
@@ -18,7 +18,7 @@
 //   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
 // A token counts once per rank: only its first slot of that rank counts. Expert ids outside
 // [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
-// counts, so that every rank's layout kernel sees it and the call moves nothing (kErrBadExpert).
+// counts, so that every rank's layout stage sees it and the call moves nothing (kErrBadExpert).
 // With ``topk_copy``, phase A also copies the group's ids there (the handle's copy of the routing,
 // without a copy of its own on the host's side). The last block to finish signals every peer, and
 // then, in the same kernel, runs the layout stage (impls/layout.cuh): one launch, no kernel boundary.

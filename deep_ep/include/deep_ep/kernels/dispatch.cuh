@@ -18,7 +18,10 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep
         deep_ep::NotifyArgs a, deep_ep::LayoutArgs layout, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    if (deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr)) deep_ep::layout_impl(layout, EP_EXPAND != 0, tr);
+    // The layout stage's arrays reuse the notify stage's dynamic shared memory ([kNotifyWarps][R + E]
+    // ints, more than the 3 R + L + 2 E it needs): its counts are dead once the block has numbered its tokens.
+    extern __shared__ int smem[];
+    if (deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr)) deep_ep::layout_impl(layout, EP_EXPAND != 0, tr, smem);
 }
 
 // One kernel per data stage: the send phase, then the receive phase. Blocks that finish sending
