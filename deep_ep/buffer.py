@@ -25,7 +25,7 @@ import torch
 from . import checks, resources
 from .backends import BufferConfig, group_domain_sizes, group_rank_and_size, is_cpu_group, make_backend
 from .event import EventHandle, EventOverlap, cuda_event_of
-from .handle import EPHandle
+from .handle import EPHandle, collect_tensors as _collect_tensors
 
 __all__ = ["ElasticBuffer", "topk_idx_t", "get_physical_domain_size", "get_logical_domain_size"]
 
@@ -486,19 +486,3 @@ class ElasticBuffer:
             previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
             inputs)
         return combined_x, combined_w, event
-
-
-def _collect_tensors(obj) -> list:
-    """Every tensor inside nested tuples/lists/EPHandles: an EPHandle's fields that are set, and its
-    backend state's tensors (read by the kernels; a state lists them with ``tensors()``, or is a
-    dataclass). A handle's lazy fields (`EPHandle.LAZY_FIELDS`) are views of its state's tensors."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _collect_tensors(o)]
-    tensors = getattr(obj, "tensors", None)
-    if callable(tensors) and not isinstance(obj, type):
-        return [t for o in tensors() for t in _collect_tensors(o)]
-    if hasattr(obj, "__dataclass_fields__"):
-        return [t for v in vars(obj).values() for t in _collect_tensors(v)]
-    return []

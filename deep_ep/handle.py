@@ -71,7 +71,7 @@ import torch
 
 from . import shapes
 
-__all__ = ["EPHandle"]
+__all__ = ["EPHandle", "collect_tensors"]
 
 
 @dataclass(eq=False)
@@ -245,3 +245,19 @@ _FIELD_NAMES = frozenset(f.name for f in fields(EPHandle))
 _REQUIRED = frozenset(f.name for f in fields(EPHandle) if f.default is MISSING and f.default_factory is MISSING)
 _REQUIRED_EAGER = _REQUIRED - frozenset(EPHandle.LAZY_FIELDS)
 _DEFAULTS = {f.name: f.default for f in fields(EPHandle) if f.default is not MISSING}
+
+
+def collect_tensors(obj) -> list:
+    """Every tensor inside nested tuples / lists / `EPHandle`\ s: a handle's fields that are set, and
+    its backend state's tensors, which the kernels read (a state lists them with ``tensors()``, or is a
+    dataclass); a handle's `EPHandle.LAZY_FIELDS` are views of those. What a buffer keeps alive and
+    records on streams for a call, and what an operator must not return."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in collect_tensors(o)]
+    if callable(getattr(obj, "tensors", None)):
+        return [t for o in obj.tensors() for t in collect_tensors(o)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for v in vars(obj).values() for t in collect_tensors(v)]
+    return []

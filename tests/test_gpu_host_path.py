@@ -383,16 +383,16 @@ def test_with_lazy_fields_refuses_unknown_or_missing_fields():
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_a_handles_tensors_cover_its_state(sync):
-    """What the buffer keeps alive and records on streams for a handle (`_collect_tensors`), and what
+    """What the buffer keeps alive and records on streams for a handle (`collect_tensors`), and what
     the operators compare their outputs with (`ops.registry.handle_tensors`), holds the memory the
     kernels read, including the lazy fields' storage before any was read: an operator then returns a
     copy of ``recv_topk_idx`` (which the handle holds), not the handle's own tensor."""
-    from deep_ep.buffer import _collect_tensors
+    from deep_ep.handle import collect_tensors
     from deep_ep.ops import library
     b = _backend([])
     (_, recv_idx, _, handle), keep = _dispatch(b, 16, weights=True, sync=sync, align=1, stats=False)
     state = handle.backend_state
-    storages = {t.untyped_storage().data_ptr() for t in _collect_tensors(handle)}
+    storages = {t.untyped_storage().data_ptr() for t in collect_tensors(handle)}
     assert state.words.untyped_storage().data_ptr() in storages
     assert recv_idx.untyped_storage().data_ptr() in storages
     assert handle.recv_src_metadata.untyped_storage().data_ptr() in storages

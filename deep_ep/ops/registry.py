@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from .. import buffer as buffer_module
-from ..handle import EPHandle
+from ..handle import EPHandle, collect_tensors
 
 __all__ = ["find_buffer", "new_token", "handle_of", "num_live_handles", "handle_tensors"]
 
@@ -99,4 +99,4 @@ def num_live_handles() -> int:
 def handle_tensors(handle: Optional[EPHandle]) -> list:
     """Every tensor an `EPHandle` holds (its backend state included): an operator must not return
     one of them (an output is the caller's to free or overwrite)."""
-    return buffer_module._collect_tensors(handle) if handle is not None else []
+    return collect_tensors(handle) if handle is not None else []

@@ -130,7 +130,7 @@ class GPUHandleState:
 
     def tensors(self) -> list:
         """The tensors the kernels read (every view of this state is a view of one of them): what a
-        caller keeps alive or records on a stream for the handle (`deep_ep.buffer._collect_tensors`)."""
+        caller keeps alive or records on a stream for the handle (`deep_ep.handle.collect_tensors`)."""
         return [t for t in (self.words, self.recv_topk_idx, self._src_meta) if t is not None]
 
     # ------------------------------------------------------------------ copies
