@@ -248,7 +248,7 @@ _DEFAULTS = {f.name: f.default for f in fields(EPHandle) if f.default is not MIS
 
 
 def collect_tensors(obj) -> list:
-    """Every tensor inside nested tuples / lists / `EPHandle`\ s: a handle's fields that are set, and
+    """Every tensor inside nested tuples, lists and `EPHandle` objects: a handle's fields that are set, and
     its backend state's tensors, which the kernels read (a state lists them with ``tensors()``, or is a
     dataclass); a handle's `EPHandle.LAZY_FIELDS` are views of those. What a buffer keeps alive and
     records on streams for a call, and what an operator must not return."""
