@@ -81,10 +81,11 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class _FreshPlan:
     """What a fresh dispatch derives from its configuration (the key in `run_dispatch`: not the token
     count, the tensors, ``do_handle_copy`` or the scale factors' layout, which each call handles):
-    checked once, with its three prepared launches, whose constant arguments are set here and the
-    rest by each call (`GPUBackend.fresh_plans`)."""
+    checked once, with its two prepared launches (notify with its layout stage, data), whose
+    constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
 
-    __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "meta_rows", "notify", "data")
+    __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
+                 "notify", "data")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -102,6 +103,7 @@ class _FreshPlan:
         self.out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, self.L, A, do_expand)
         self.tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
         self.meta_rows = 0 if do_cpu_sync else self.tok_cap
+        self.expanded_cap = worst_case_recv_rows(R, m, K, self.L, A, True)   # the handle's, without CPU sync
         # Struct fields are copies: one tag serves the three structs (each call sets ``tag.seq``).
         tag = _dispatch_tag(1, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
         transport = b.transport_args
@@ -198,8 +200,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     wp = word_plan(ix, R, L, T, K, bool(do_expand), meta_rows)
     words = outputs.empty(wp.total, torch.int32, dev, b.fill_stream)
     lay_ptr = words.data_ptr()
-    pos_tok_ptr = lay_ptr + 4 * wp.pos_tok_at if T * R else None
-    pos_pair_ptr = lay_ptr + 4 * wp.pos_pair_at if do_expand and T * K else None
+    pos_tok_ptr, pos_pair_ptr, _ = wp.addresses(lay_ptr)
     stream = b.launch_stream
     groups = notify_groups(T, K, b.notify_groups_max)
     # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
@@ -243,18 +244,17 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     b.launch_data(plan.data, plan.n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
+    # Without CPU sync the handle's counts are the worst case (tok_capacity too).
     if do_cpu_sync:
         counts = head[READBACK["counts"]: READBACK["counts"] + L]
-        num_recv_tokens, num_expanded_tokens = tok_capacity, sum(counts)
+        num_expanded_tokens = sum(counts)
     else:
-        counts = []
-        num_recv_tokens = worst_case_recv_tokens(R, plan.m)
-        num_expanded_tokens = worst_case_recv_rows(R, plan.m, K, L, A, True)
+        counts, num_expanded_tokens = [], plan.expanded_cap
     # The handle's layout tensors, dst_buffer_slot_idx and recv_src_metadata are views of the state,
     # made when first read (`EPHandle.with_lazy_fields`).
     new_handle = EPHandle.with_lazy_fields(
         state, do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
-        num_sms=plan.n_sms, topk_idx=handle_topk, num_recv_tokens=num_recv_tokens,
+        num_sms=plan.n_sms, topk_idx=handle_topk, num_recv_tokens=tok_capacity,
         num_expanded_tokens=num_expanded_tokens, num_recv_tokens_per_expert_list=counts,
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None)

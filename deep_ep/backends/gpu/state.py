@@ -28,6 +28,13 @@ class WordPlan(NamedTuple):
     psum_expert: int
     raw_counts: int
 
+    def addresses(self, base: int) -> tuple:
+        """``(pos_tok, pos_pair, recv_src_metadata)`` device addresses in words starting at ``base``;
+        None for an empty or absent piece (as a kernel argument: no tensor)."""
+        return (base + 4 * self.pos_tok_at if self.T * self.R else None,
+                base + 4 * self.pos_pair_at if self.expanded and self.T * self.K else None,
+                base + 4 * self.meta_at if self.meta_rows else None)
+
 
 class GPUHandleState:
     """What the kernels need beyond `EPHandle`'s public fields (device tensors and their addresses).
@@ -61,14 +68,10 @@ class GPUHandleState:
         self.launches = {}
         self._src_meta, self._views = src_meta, {}
         self.tok_capacity = tok_capacity
-        self.layout_ptr = base = words.data_ptr()
-        T, R, K = plan.T, plan.R, plan.K
-        self.pos_tok_ptr = base + 4 * plan.pos_tok_at if T * R else None
-        self.pos_pair_ptr = base + 4 * plan.pos_pair_at if plan.expanded and T * K else None
+        self.layout_ptr = words.data_ptr()
+        self.pos_tok_ptr, self.pos_pair_ptr, self.src_meta_ptr = plan.addresses(self.layout_ptr)
         if src_meta is not None:
             self.src_meta_ptr = src_meta.data_ptr() if src_meta.numel() else None
-        else:
-            self.src_meta_ptr = base + 4 * plan.meta_at if plan.meta_rows else None
 
     # ------------------------------------------------------------------ views
     def _view(self, name: str) -> Optional[torch.Tensor]:
