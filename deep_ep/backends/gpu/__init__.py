@@ -122,7 +122,7 @@ class GPUBackend(Backend):
         self.launched_call = 0   # the call number of the last kernels launched (an async error is theirs)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
-        # it and the three prepared launches.
+        # it and the two prepared launches.
         self.fresh_plans: dict = {}
         self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
                                        (self.num_ranks if self.emulated else 1)))
