@@ -23,6 +23,12 @@ struct LsaTransport {
     // This rank's own window (control region, received rows, staged combine rows).
     __device__ __forceinline__ uint8_t* local() const { return bases[rank]; }
 
+    // Whether the data phases exchange signals. A rank alone stages nothing in any window (its rows
+    // go straight between the caller's tensors), so its dispatch and combine kernels neither signal
+    // nor wait: no grid-wide meeting of their blocks, and the epoch and the arrival count stay
+    // equal (both untouched). The notify kernel and the barrier still exchange.
+    __device__ __forceinline__ bool exchanges() const { return num_ranks > 1; }
+
     template <typename T>
     __device__ __forceinline__ void put(int peer, int64_t offset, T value) const {
         *reinterpret_cast<T*>(bases[peer] + offset) = value;

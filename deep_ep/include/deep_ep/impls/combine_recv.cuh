@@ -34,7 +34,10 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     int next_row = -1, next_pair = -1;
     int64_t next_expert = -1;
     fetch_token_routing<K, kExpand>(a, R, global_warp, lane, next_row, next_expert, next_pair);
-    const bool ok = tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag);
+    // A rank alone sums its own rows only (LsaTransport::exchanges): no wait, and no meeting of the
+    // blocks before the first row moves; only an earlier error voids the call.
+    const bool ok = tr.exchanges() ? tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
+                                   : !comm::has_error(my_window);
     const int half = comm::current_half(my_window);
     const int first = ok ? global_warp : a.num_tokens;
     for (int t = first; t < a.num_tokens; t += num_warps) {
@@ -110,7 +113,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = w;
         }
     }
-    comm::finish_wait(my_window, true, a.err_host);
+    if (tr.exchanges()) comm::finish_wait(my_window, true, a.err_host);
 }
 
 }  // namespace deep_ep

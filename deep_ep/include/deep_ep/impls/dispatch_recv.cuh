@@ -22,7 +22,9 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
     const int num_tok_rows = a.layout[ix.num_tok_rows()];
     const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
     const int self_end = a.layout[ix.tok_prefix() + rank];
-    const bool ok = tr.wait_all(kPhaseDispatch, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag);
+    // A rank alone has no peer rows to wait for (LsaTransport::exchanges): only an earlier error voids the call.
+    const bool ok = tr.exchanges() ? tr.wait_all(kPhaseDispatch, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
+                                   : !comm::has_error(my_window);
     const int half = comm::current_half(my_window);
 
     if (ok) {
@@ -106,7 +108,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             for (int64_t i = static_cast<int64_t>(num_tok_rows) * (K + 2) + tid; i < static_cast<int64_t>(a.tok_capacity) * (K + 2); i += nthreads)
                 a.src_meta[i] = -1;
     }
-    comm::finish_wait(my_window, true, a.err_host);
+    if (tr.exchanges()) comm::finish_wait(my_window, true, a.err_host);
 }
 
 }  // namespace deep_ep

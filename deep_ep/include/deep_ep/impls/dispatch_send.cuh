@@ -2,7 +2,7 @@
 // is read once into registers, chunk by chunk, and stored to every destination: rows for a peer
 // go into the receive half of that peer's window (with the metadata trailer of dispatch_args.cuh);
 // rows for this rank go straight into the output tensors (expanded: once per local expert). The
-// last block to finish signals every peer.
+// last block to finish signals every peer (a rank alone signals nothing: LsaTransport::exchanges).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -161,7 +161,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
         }
         cur = next;  // after a warp's last token, values never loaded: the loop ends before any use
     }
-    if (comm::last_block(my_window)) tr.signal_all(a.tag);
+    if (tr.exchanges() && comm::last_block(my_window)) tr.signal_all(a.tag);
 }
 
 }  // namespace deep_ep

@@ -7,11 +7,11 @@
 #include "../impls/combine_send.cuh"
 
 // Stage the rows that came from peers and signal, then pull and sum every token's rows (all blocks
-// resident at once, as in deep_ep_dispatch).
+// resident at once, as in deep_ep_dispatch). A rank alone has nothing to stage and skips to the sums.
 extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine(
         deep_ep::CombineArgs a, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+    if (tr.exchanges()) deep_ep::combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
     deep_ep::combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
 }
