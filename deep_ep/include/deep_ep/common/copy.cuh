@@ -8,7 +8,8 @@ namespace deep_ep {
 // ---- tunables (defaults; tools/tune_gpu.py builds variants) ------------------------------------
 // 16-byte vectors per lane per chunk when moving a dispatched row (at most; 8 = 4 KiB per warp),
 // and the same for the rows a combine sums (fp32 accumulators: 8 per vector). 0 = balanced: the
-// fewest chunks of at most 8 (send) / 4 (combine) vectors, all of equal size (see row_unroll).
+// fewest chunks of at most 8 vectors (combine: 7, or 4 where more would spill registers, see
+// impls/combine_recv.cuh), all of equal size (see row_unroll).
 #ifndef EP_SEND_UNROLL
 #define EP_SEND_UNROLL 0
 #endif

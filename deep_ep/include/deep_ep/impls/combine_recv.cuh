@@ -1,5 +1,5 @@
-// Combine, receive phase (num_sms blocks) on source s: one warp per token pulls the rows staged
-// for it by every peer (over the transport) and its own rows, sums them (combine_reduce.cuh), adds
+// Combine, receive phase (num_sms blocks) on source s: one warp per token (per part of its row when
+// there are fewer tokens than warps) pulls the rows staged for it by every peer (over the transport) and its own rows, sums them (combine_reduce.cuh), adds
 // the biases and writes bf16; with weights, it also reduces the top-k weights.
 #pragma once
 
@@ -28,24 +28,37 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
 
+    // kUnroll vectors per lane per chunk: several independent 16-byte loads in flight per source.
+    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps; 4 for expanded rows, whose
+    // partial sums need a second set of accumulators, and for rows with a ragged last step, whose
+    // bounds checks need registers too. More spills registers (8 at hidden 4096, 6 at 2880).
+    constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, (kExpand || Row::kVecs % 32 != 0) ? 4 : 7>();
+    constexpr int kChunks = (Row::kVecs + 32 * kUnroll - 1) / (32 * kUnroll);
+    // With fewer tokens than warps (decode), a token's chunks are split over up to kChunks warps, so
+    // that its loads are in flight at once instead of one chunk after another: work item i is part
+    // i % parts of token i / parts. Every element is summed as it would be by one warp.
+    const int parts = min(kChunks, max(1, num_warps / max(1, a.num_tokens)));
+    const int num_items = a.num_tokens * parts;
+
     // The routing of a warp's next token is loaded while it sums the current one (the row
     // addresses depend on it: without the prefetch every token starts with a dependent load);
     // the first token's during the wait (the handle's routing is not written by this kernel).
     int next_row = -1, next_pair = -1;
     int64_t next_expert = -1;
-    fetch_token_routing<K, kExpand>(a, R, global_warp, lane, next_row, next_expert, next_pair);
+    fetch_token_routing<K, kExpand>(a, R, global_warp / parts, lane, next_row, next_expert, next_pair);
     // A rank alone sums its own rows only (LsaTransport::exchanges): no wait, and no meeting of the
     // blocks before the first row moves; only an earlier error voids the call.
     const bool ok = tr.exchanges() ? tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
                                    : !comm::has_error(my_window);
     const int half = comm::current_half(my_window);
-    const int first = ok ? global_warp : a.num_tokens;
-    for (int t = first; t < a.num_tokens; t += num_warps) {
+    const int first = ok ? global_warp : num_items;
+    for (int item = first; item < num_items; item += num_warps) {
+        const int t = item / parts, part = item - t * parts;
         const int my_row = next_row;
         int my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(next_expert, static_cast<int64_t>(a.num_experts))));
         if (my_expert >= a.num_experts) my_expert = -1;  // int32: 64-bit division would be a call
         const int pair = next_pair;
-        fetch_token_routing<K, kExpand>(a, R, t + num_warps, lane, next_row, next_expert, next_pair);
+        fetch_token_routing<K, kExpand>(a, R, (item + num_warps) / parts, lane, next_row, next_expert, next_pair);
         // Lanes < K: slot lane's owner rank (-1: masked) and whether it is that rank's last slot.
         const int owner = (lane < K && my_expert >= 0) ? my_expert / L : -1;
         const unsigned same_owner = __match_any_sync(0xffffffffu, lane < K ? owner : -2 - lane);
@@ -57,9 +70,12 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             my_pair = pair;
             if (a.apply_weights && my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
-        // kUnroll vectors per lane per step: several independent 16-byte loads in flight per source.
-        constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, 4>();
-        for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
+        // This part's chunks of the row (the loop stays over compile-time chunks: bounds known per chunk).
+        const unsigned my_chunks = (1u << ((part + 1) * kChunks / parts)) - (1u << (part * kChunks / parts));
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            if (!(my_chunks >> c & 1u)) continue;
+            const int base = c * 32 * kUnroll;
             float acc[kUnroll][8];
             init_from_biases<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
 #pragma unroll
@@ -97,7 +113,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             }
             finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
         }
-        if (a.out_weights != nullptr) {
+        if (a.out_weights != nullptr && part == 0) {
             // Slot k's weight is its owner's (0 where masked).
             float w = 0.0f;
             const int d = owner;
