@@ -1,4 +1,4 @@
-// Combine, receive phase (num_sms blocks) on source s: one warp per token (per part of its row when
+// Combine, receive phase (num_sms blocks) on source s: one warp per token (per piece of its row when
 // there are fewer tokens than warps) pulls the rows staged for it by every peer (over the transport) and its own rows, sums them (combine_reduce.cuh), adds
 // the biases and writes bf16; with weights, it also reduces the top-k weights.
 #pragma once
@@ -35,17 +35,17 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, (kExpand || Row::kVecs % 32 != 0) ? 4 : 7>();
     constexpr int kChunks = (Row::kVecs + 32 * kUnroll - 1) / (32 * kUnroll);
     // With fewer tokens than warps (decode), a token's chunks are split over up to kChunks warps, so
-    // that its loads are in flight at once instead of one chunk after another: work item i is part
-    // i % parts of token i / parts. Every element is summed as it would be by one warp.
-    const int parts = min(kChunks, max(1, num_warps / max(1, a.num_tokens)));
-    const int num_items = a.num_tokens * parts;
+    // that its loads are in flight at once instead of one chunk after another: work item i is piece
+    // i % pieces of token i / pieces. Every element is summed as it would be by one warp.
+    const int pieces = min(kChunks, max(1, num_warps / max(1, a.num_tokens)));
+    const int num_items = a.num_tokens * pieces;
 
     // The routing of a warp's next token is loaded while it sums the current one (the row
     // addresses depend on it: without the prefetch every token starts with a dependent load);
     // the first token's during the wait (the handle's routing is not written by this kernel).
     int next_row = -1, next_pair = -1;
     int64_t next_expert = -1;
-    fetch_token_routing<K, kExpand>(a, R, global_warp / parts, lane, next_row, next_expert, next_pair);
+    fetch_token_routing<K, kExpand>(a, R, global_warp / pieces, lane, next_row, next_expert, next_pair);
     // A rank alone sums its own rows only (LsaTransport::exchanges): no wait, and no meeting of the
     // blocks before the first row moves; only an earlier error voids the call.
     const bool ok = tr.exchanges() ? tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
@@ -53,12 +53,12 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int half = comm::current_half(my_window);
     const int first = ok ? global_warp : num_items;
     for (int item = first; item < num_items; item += num_warps) {
-        const int t = item / parts, part = item - t * parts;
+        const int t = item / pieces, piece = item - t * pieces;
         const int my_row = next_row;
         int my_expert = static_cast<int>(max(static_cast<int64_t>(-1), min(next_expert, static_cast<int64_t>(a.num_experts))));
         if (my_expert >= a.num_experts) my_expert = -1;  // int32: 64-bit division would be a call
         const int pair = next_pair;
-        fetch_token_routing<K, kExpand>(a, R, (item + num_warps) / parts, lane, next_row, next_expert, next_pair);
+        fetch_token_routing<K, kExpand>(a, R, (item + num_warps) / pieces, lane, next_row, next_expert, next_pair);
         // Lanes < K: slot lane's owner rank (-1: masked) and whether it is that rank's last slot.
         const int owner = (lane < K && my_expert >= 0) ? my_expert / L : -1;
         const unsigned same_owner = __match_any_sync(0xffffffffu, lane < K ? owner : -2 - lane);
@@ -70,12 +70,8 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             my_pair = pair;
             if (a.apply_weights && my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
-        // This part's chunks of the row (the loop stays over compile-time chunks: bounds known per chunk).
-        const unsigned my_chunks = (1u << ((part + 1) * kChunks / parts)) - (1u << (part * kChunks / parts));
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-            if (!(my_chunks >> c & 1u)) continue;
-            const int base = c * 32 * kUnroll;
+        // One chunk of the row: the sum of its vectors, stored.
+        auto sum_chunk = [&](const int base) {
             float acc[kUnroll][8];
             init_from_biases<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
 #pragma unroll
@@ -112,8 +108,17 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
                 }
             }
             finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
+        };
+        if (pieces == 1) {
+            for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) sum_chunk(base);
+        } else {
+            // This piece's chunks, over compile-time chunk indices (each chunk's bounds known).
+            const int c0 = piece * kChunks / pieces, c1 = (piece + 1) * kChunks / pieces;
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c)
+                if (c >= c0 && c < c1) sum_chunk(c * 32 * kUnroll);
         }
-        if (a.out_weights != nullptr && part == 0) {
+        if (a.out_weights != nullptr && piece == 0) {
             // Slot k's weight is its owner's (0 where masked).
             float w = 0.0f;
             const int d = owner;
