@@ -29,10 +29,14 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
 
     // kUnroll vectors per lane per chunk: several independent 16-byte loads in flight per source.
-    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps; 4 for expanded rows, whose
-    // partial sums need a second set of accumulators, and for rows with a ragged last step, whose
-    // bounds checks need registers too. More spills registers (8 at hidden 4096, 6 at 2880).
-    constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, (kExpand || Row::kVecs % 32 != 0) ? 4 : 7>();
+    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps cut into equal chunks (hidden
+    // 7168: 4 x 7); else 4: expanded rows, whose partial sums need a second set of accumulators, rows
+    // with a ragged last step, whose bounds checks need registers too (more spills, e.g. 6 at hidden
+    // 2880), and rows whose chunks of up to 7 would be unequal (hidden 4096: 6 + 6 + 4 was no faster
+    // than 4 x 4 on the H200, and slower at 128 tokens).
+    constexpr int kWide = row_unroll<Row::kVecs, 0, 7>();
+    constexpr bool kWideFits = !kExpand && Row::kVecs % 32 == 0 && (Row::kVecs / 32) % kWide == 0;
+    constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, kWideFits ? 7 : 4>();
     constexpr int kChunks = (Row::kVecs + 32 * kUnroll - 1) / (32 * kUnroll);
     // With fewer tokens than warps (decode), a token's chunks are split over up to kChunks warps, so
     // that its loads are in flight at once instead of one chunk after another: work item i is piece
