@@ -5,8 +5,8 @@ captures ``dispatch(x_static, handle=handle)`` followed by ``combine(y_static, h
 bias=bias_static)``. Before each replay the test copies fresh random data into the static inputs and
 fills the graph's outputs with the poison pattern (`deep_ep.backends.outputs.fill_poison`: what the
 replay leaves unwritten shows); after it, every output element is compared with the reference. Two
-graphs of different batch sizes share one buffer and are replayed interleaved (the device-side round
-counters must stay consistent). Seeds differ per parameter. Skipped without a CUDA device.
+graphs of different batch sizes share one buffer and are replayed interleaved (the handles' layouts
+must not mix; at EP=1 the data kernels leave the device-side round counters alone). Seeds differ per parameter. Skipped without a CUDA device.
 """
 from __future__ import annotations
 

@@ -238,3 +238,26 @@ def test_stress_emulated_ep8_memory_bounded():
         bound = (32 << 20) + 2 * R * len(plans) * 256
         assert rss1 - rss0 < bound, f"host RSS grew by {(rss1 - rss0) >> 20} MiB over the loop (bound {bound >> 20} MiB)"
 
+
+
+def test_capacity_error_at_ep1_reaches_the_next_call(nccl_group):
+    """EP=1 through NCCL, no CPU sync, expanded layout: tokens that name each expert twice need more
+    rows (16 tokens x 8 pairs) than the worst case the outputs were sized for (16 x min(8, 4)
+    experts). The layout stage records a capacity error and copies it to mapped host memory itself (a
+    rank alone has no data-kernel wait that would), so the next call raises it before launching, and
+    the call after that says the buffer is no longer usable."""
+    dev = torch.device("cuda", 0)
+    T, E, K = 16, 4, 8
+    buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=K)
+    try:
+        x = torch.randn((T, HIDDEN), device=dev).to(torch.bfloat16)
+        idx = (torch.arange(K, device=dev) % E).repeat(T, 1).to(deep_ep.topk_idx_t)
+        _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=E, do_cpu_sync=False, do_expand=True)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="more rows than its do_cpu_sync=False outputs hold"):
+            buf.dispatch(x, idx, num_experts=E, do_cpu_sync=False, do_expand=True)
+        with pytest.raises(RuntimeError, match="no longer usable"):
+            buf.dispatch(x, handle=handle)
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()

@@ -53,7 +53,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     // A rank alone sums its own rows only (LsaTransport::exchanges): no wait, and no meeting of the
     // blocks before the first row moves; only an earlier error voids the call.
     const bool ok = tr.exchanges() ? tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
-                                   : !comm::has_error(my_window);
+                                   : __syncthreads_and(!comm::has_error(my_window)) != 0;  // block-uniform, as wait_all's
     const int half = comm::current_half(my_window);
     const int first = ok ? global_warp : num_items;
     for (int item = first; item < num_items; item += num_warps) {

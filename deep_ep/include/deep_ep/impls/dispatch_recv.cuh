@@ -24,7 +24,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
     const int self_end = a.layout[ix.tok_prefix() + rank];
     // A rank alone has no peer rows to wait for (LsaTransport::exchanges): only an earlier error voids the call.
     const bool ok = tr.exchanges() ? tr.wait_all(kPhaseDispatch, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
-                                   : !comm::has_error(my_window);
+                                   : __syncthreads_and(!comm::has_error(my_window)) != 0;  // block-uniform, as wait_all's
     const int half = comm::current_half(my_window);
 
     if (ok) {

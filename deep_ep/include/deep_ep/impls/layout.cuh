@@ -180,7 +180,9 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
         dst[0] = kErrBadExpert;
         __threadfence_system();
     }
-    comm::finish_wait_one_block(my_window, false);
+    // The error record goes to mapped host memory here too (a capacity error of this stage, a timeout
+    // of the notify stage): a rank alone has no data-kernel wait that would copy it (LsaTransport::exchanges).
+    comm::finish_wait_one_block(my_window, false, a.err_host);
 }
 
 }  // namespace deep_ep

@@ -26,7 +26,7 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep
 
 // One kernel per data stage: the send phase, then the receive phase. Blocks that finish sending
 // wait in the receive phase for every peer's signal, including this rank's own, which the last
-// sending block raises. The two phases count finished blocks on separate words (last_block), so a
+// sending block raises (a rank alone skips both: LsaTransport::exchanges). The two phases count finished blocks on separate words (last_block), so a
 // block that leaves its wait early (after a recorded error) cannot disturb the send phase's count.
 // Blocks depend on other blocks of the same kernel, so all must be resident at once: num_sms <= SMs
 // (emulated ranks: the sum over ranks, checked on the host) and nothing else holding SMs forever.
