@@ -128,6 +128,30 @@ class EPHandle:
         d["backend_state"] = backend_state
         return h
 
+    def __setattr__(self, name: str, value) -> None:
+        # An assignment to any field voids what a backend derived from the fields (`launch_memo`).
+        d = self.__dict__
+        if "_launch_memo" in d:
+            del d["_launch_memo"]
+        object.__setattr__(self, name, value)
+
+    def launch_memo(self) -> dict:
+        """A dict in which a backend keeps what it derived from this handle's fields for a kind of call
+        (the GPU backend: its prepared launch), so that the next such call skips re-deriving it. Any
+        assignment to a field of the handle empties it; `dataclasses.replace` and `clone` make
+        handles without it."""
+        d = self.__dict__
+        memo = d.get("_launch_memo")
+        if memo is None:
+            memo = d["_launch_memo"] = {}
+        return memo
+
+    def __getstate__(self) -> dict:
+        # Copies and pickles leave the memo behind: its launches point at this handle's tensors.
+        state = dict(self.__dict__)
+        state.pop("_launch_memo", None)
+        return state
+
     def __getattr__(self, name: str):
         # Only reached for names not set on the instance: a lazy field's first access.
         if name in EPHandle.LAZY_FIELDS:

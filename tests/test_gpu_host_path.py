@@ -210,6 +210,7 @@ def test_a_reused_handle_launch_carries_only_this_calls_arguments(monkeypatch):
         reused = list(log)
         log.clear()
         handle.backend_state.launches.clear()
+        handle.launch_memo().clear()
         b.calls -= 1
         alloc.replay = list(alloc.recorded)
         run(*second)
@@ -217,6 +218,45 @@ def test_a_reused_handle_launch_carries_only_this_calls_arguments(monkeypatch):
         assert reused[0][:2] == log[0][:2]
         assert reused[0][2] == log[0][2], f"{reused[0][0]}: a reused launch's arguments differ"
         alloc.replay = None
+
+
+def test_a_handles_launch_memo_follows_its_fields(monkeypatch):
+    """A cached dispatch and a combine keep their prepared launch in the handle's memo; an assignment
+    to any field of the handle empties it, so the next call derives its launch from the new values
+    (here fewer receive rows: the launch's capacity and the outputs follow), and a handle rebuilt
+    with `dataclasses.replace` starts without it."""
+    import dataclasses
+
+    from deep_ep.backends.gpu.abi import CombineArgs, DispatchArgs
+    log = []
+    b = _backend(log)
+    (_, _, _, handle), _ = _dispatch(b, **CALLS[0], seed=2)
+    T, rows = handle.num_tokens, handle.num_recv_rows
+    g = torch.Generator().manual_seed(6)
+
+    def cached(h):
+        b.calls += 1
+        out = gpu_dispatch.run_cached(b, torch.randn(T, H, generator=g).to(torch.bfloat16), None, None, h, 4,
+                                      False, False, None)
+        return out[0], DispatchArgs.from_buffer_copy(log[-1][2][0])
+
+    def combine(h):
+        b.calls += 1
+        y = torch.randn(h.num_recv_rows, H, generator=g).to(torch.bfloat16)
+        gpu_combine.run_combine(b, y, h, None, (), num_sms=4)
+        return CombineArgs.from_buffer_copy(log[-1][2][0])
+
+    out, args = cached(handle)
+    assert out.shape == (rows, H) and args.out_capacity == rows
+    combine(handle)
+    assert len(handle.launch_memo()) == 2
+    assert "_launch_memo" not in vars(dataclasses.replace(handle, hidden=H))
+    handle.num_recv_tokens = rows - 1
+    assert handle.launch_memo() == {}
+    out, args = cached(handle)
+    assert out.shape == (rows - 1, H) and args.out_capacity == rows - 1
+    combine(handle)
+    assert len(handle.launch_memo()) == 2
 
 
 def test_every_launch_carries_this_calls_tag(monkeypatch):

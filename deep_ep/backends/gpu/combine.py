@@ -22,21 +22,25 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
-    # The handle's fields and tensors the launch reads are part of the key: a handle rebuilt with
-    # other values (dataclasses.replace) shares this state but must not reuse them.
-    topk = handle.topk_idx
-    key = ("combine", num_sms, bool(apply_dispatch_weights), has_weights, topk.data_ptr(), tuple(topk.shape),
-           _ptr(handle.recv_topk_weights), state.src_meta_ptr, handle.hidden, handle.num_experts,
-           handle.do_expand)
-    entry = state.launches.get(key)
+    options = ("combine", num_sms, bool(apply_dispatch_weights), has_weights)
+    memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
+    entry = memo.get(options)
     if entry is None:
-        entry = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)
-    prepared, n_sms = entry
+        # The handle's fields and tensors the launch reads are part of the state's key: a handle
+        # rebuilt with other values (dataclasses.replace) shares this state but must not reuse them.
+        topk = handle.topk_idx
+        key = options + (topk.data_ptr(), tuple(topk.shape), _ptr(handle.recv_topk_weights), state.src_meta_ptr,
+                         handle.hidden, handle.num_experts, handle.do_expand)
+        launch = state.launches.get(key)
+        if launch is None:
+            launch = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)
+        T = handle.num_tokens
+        entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk))
+    prepared, n_sms, out_shape, w_shape = entry
     b.raise_if_broken()
     dev = b.device
-    T, H, K = handle.num_tokens, handle.hidden, handle.num_topk
-    out = outputs.empty((T, H), torch.bfloat16, dev, b.fill_stream)
-    out_w = outputs.empty((T, K), torch.float32, dev, b.fill_stream) if has_weights else None
+    out = outputs.empty(out_shape, torch.bfloat16, dev, b.fill_stream)
+    out_w = outputs.empty(w_shape, torch.float32, dev, b.fill_stream) if has_weights else None
     a = prepared.args[0]  # the per-call pointers
     a.y, a.weights_in, a.out, a.out_weights = _ptr(x), _ptr(topk_weights), _ptr(out), _ptr(out_w)
     a.bias0 = _ptr(bias[0]) if len(bias) > 0 else None

@@ -34,7 +34,7 @@ from . import modules
 from . import window as wl
 from .state import GPUHandleState, WordPlan
 
-__all__ = ["run_dispatch", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "word_plan"]
+__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -173,7 +173,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                  do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
     """`Backend.dispatch` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
     if handle is not None:
-        return _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
+        return run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
                            use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
     dev = b.device
     R = b.num_ranks
@@ -261,6 +261,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     return recv_x, out_idx, out_w, new_handle
 
 
+_NO_SF = (None, 0)
+
+
 def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
     """The received scale factors (None without FP8) and their leading dimension (column-major:
     rows rounded up to 4; else 0)."""
@@ -273,34 +276,38 @@ def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
     return outputs.empty((out_rows, num_sf), sf.dtype, b.device, b.fill_stream), 0
 
 
-def _run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, stats):
+def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, stats):
     """A cached dispatch: the data kernel only, through the handle's prepared launch (found by a key
     of what may change between calls with one handle; the first call of a key derives the rest)."""
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
-    # The handle's fields and tensors the launch reads are part of the key: a handle rebuilt with
-    # other values (dataclasses.replace) shares this state but must not reuse them.
-    topk = handle.topk_idx
-    key = ("dispatch", data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_sms,
-           bool(do_zero_padding), bool(col_major_sf), has_weights, topk.data_ptr(), tuple(topk.shape),
-           state.src_meta_ptr, handle.hidden, handle.num_experts, handle.expert_alignment,
-           handle.num_max_tokens_per_rank, handle.do_expand, handle.do_cpu_sync, handle.num_recv_rows)
-    entry = state.launches.get(key)
+    options = ("dispatch", data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_sms,
+               bool(do_zero_padding), bool(col_major_sf), has_weights)
+    memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
+    entry = memo.get(options)
     if entry is None:
-        entry = state.launches[key] = _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding,
-                                                      col_major_sf)
-    prepared, m, K, n_sms = entry
+        # The handle's fields and tensors the launch reads are part of the state's key: a handle
+        # rebuilt with other values (dataclasses.replace) shares this state but must not reuse them.
+        topk = handle.topk_idx
+        key = options + (topk.data_ptr(), tuple(topk.shape), state.src_meta_ptr, handle.hidden, handle.num_experts,
+                         handle.expert_alignment, handle.num_max_tokens_per_rank, handle.do_expand,
+                         handle.do_cpu_sync, handle.num_recv_rows)
+        launch = state.launches.get(key)
+        if launch is None:
+            launch = state.launches[key] = _prepare_cached(b, data, sf, has_weights, handle, num_sms,
+                                                           do_zero_padding, col_major_sf)
+        rows = handle.num_recv_rows
+        entry = memo[options] = launch + (rows, (rows, int(data.shape[1])),
+                                          rows if handle.do_expand else (rows, launch[2]))
+    prepared, m, K, n_sms, out_rows, x_shape, w_shape = entry
     b.last_m = m
     b.raise_if_broken()
     dev = b.device
-    out_rows = handle.num_recv_rows
-    out_x = outputs.empty((out_rows, int(data.shape[1])), data.dtype, dev, b.fill_stream)
-    out_sf, _ = _alloc_sf(b, sf, out_rows, col_major_sf)
-    out_w = None
-    if has_weights:
-        out_w = outputs.empty(out_rows if handle.do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
+    out_x = outputs.empty(x_shape, data.dtype, dev, b.fill_stream)
+    out_sf, _ = _alloc_sf(b, sf, out_rows, col_major_sf) if sf is not None else _NO_SF
+    out_w = outputs.empty(w_shape, torch.float32, dev, b.fill_stream) if has_weights else None
     a = prepared.args[0]
     a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), _ptr(out_sf)
     a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
