@@ -134,7 +134,14 @@ class StreamJoin:
         Raises:
             RuntimeError: the driver refused the record.
         """
-        self._driver_calls("recording a CUDA event", (event_record, (self._raw, producer)))
+        # Once per synchronous call (after its kernels): the driver call without `_driver_calls`' loop.
+        previous = enter_context(self._index)
+        try:
+            err = event_record(self._raw, producer)
+        finally:
+            leave_context(previous)
+        if err != 0:
+            raise RuntimeError(f"recording a CUDA event on cuda:{self._index} failed: {error_name(err)}")
 
     def wait_recorded(self, waiter: int) -> None:
         """The raw stream ``waiter`` waits for the work that preceded the last `record`.
