@@ -13,7 +13,6 @@ on GPU), then raises `TimeoutError` naming the peer that did not arrive and the 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import os
 import warnings
@@ -22,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from . import checks, resources
+from . import call_streams, checks, resources
 from .backends import BufferConfig, group_domain_sizes, group_rank_and_size, is_cpu_group, make_backend
-from .event import EventHandle, EventOverlap, cuda_event_of
-from .handle import EPHandle, collect_tensors as _collect_tensors
+from .event import EventHandle, EventOverlap
+from .handle import EPHandle
 
 __all__ = ["ElasticBuffer", "topk_idx_t", "get_physical_domain_size", "get_logical_domain_size"]
 
@@ -308,72 +307,6 @@ class ElasticBuffer:
         where the process has no CUDA work, e.g. on CPU)."""
         return EventHandle()
 
-    # ------------------------------------------------------------------ stream / event layer
-    def _run(self, fn, previous_event, previous_event_before_epilogue, async_with_compute_stream: bool,
-             allocate_on_comm_stream: bool, inputs: tuple):
-        """Run ``fn`` (the backend call) with DeepEP's stream semantics; returns ``(outputs, event)``.
-
-        GPU: the communication stream waits for ``previous_event`` (or for the current compute stream)
-        and for ``previous_event_before_epilogue`` (our kernels have no separate epilogue, so both are
-        waited for before the call starts); outputs are allocated on the comm stream if
-        ``allocate_on_comm_stream``; then either the compute stream waits for the communication
-        (synchronous: the event holds nothing) or an `EventOverlap` carrying the completion
-        `EventHandle` is returned (``async_with_compute_stream``) while inputs and outputs are kept
-        alive for the other stream. CPU: calls ``fn``; the event of an asynchronous call is a no-op.
-        """
-        comm = self._backend.get_comm_stream()
-        if comm is None:
-            outputs = fn()
-            return outputs, EventOverlap(EventHandle.completed() if async_with_compute_stream else None)
-        join = self._backend.stream_join
-        if join is not None and previous_event is None and previous_event_before_epilogue is None \
-                and not async_with_compute_stream and not allocate_on_comm_stream \
-                and torch._C._cuda_getDevice() == comm.device_index:
-            # The common synchronous call, on raw handles and reused events (a few us of host time
-            # instead of ~12 with torch's stream and event objects); same ordering as below. Only
-            # when the buffer's device is current: a raw default-stream handle (0) means the null
-            # stream of the current context.
-            compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
-            backend = self._backend
-            if backend.runs_on_caller_stream:
-                # NCCL-backed: the kernels go straight to the caller's stream (no join needed), after
-                # the previous call's kernels if those ran on another stream.
-                backend.enter_caller_stream(compute_raw)
-                try:
-                    return fn(), EventOverlap()
-                finally:
-                    backend.leave_caller_stream(compute_raw)
-            comm_raw = comm.cuda_stream
-            backend.enter_comm_stream()
-            join.wait(comm_raw, compute_raw)
-            outputs = fn()
-            join.wait(compute_raw, comm_raw)
-            backend.leave_comm_stream()
-            return outputs, EventOverlap()
-        self._backend.enter_comm_stream()
-        compute = torch.cuda.current_stream()
-        if cuda_event_of(previous_event) is not None:
-            comm.wait_event(cuda_event_of(previous_event))
-        else:   # no event (or one that holds nothing, as a synchronous call's): order after the caller's stream
-            comm.wait_stream(compute)
-        if cuda_event_of(previous_event_before_epilogue) is not None:
-            comm.wait_event(cuda_event_of(previous_event_before_epilogue))
-        with (torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()):
-            outputs = fn()
-        self._backend.leave_comm_stream()
-        done = EventHandle(comm)
-        if allocate_on_comm_stream:
-            for t in _collect_tensors(outputs):
-                t.record_stream(compute)
-        if not async_with_compute_stream:
-            compute.wait_event(done.event)
-            return outputs, EventOverlap()
-        # Async: the communication stream may still read the inputs (and the handle) and write the
-        # outputs after the caller drops them.
-        for t in _collect_tensors(inputs) + ([] if allocate_on_comm_stream else _collect_tensors(outputs)):
-            t.record_stream(comm)
-        return outputs, EventOverlap(done, extra_tensors=(tuple(t for t in inputs if t is not None), outputs))
-
     # ------------------------------------------------------------------ dispatch and combine
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -428,7 +361,22 @@ class ElasticBuffer:
             configuration or receives that would not fit.
         """
         self._alive()
-        self._backend.calls += 1   # every call counts, a refused one too (ranks that disagree are found)
+        backend = self._backend
+        backend.calls += 1   # every call counts, a refused one too (ranks that disagree are found)
+        # The most common call, a cached bf16 dispatch with every option at its default, is checked in
+        # a few comparisons and goes straight to the backend: the same result as the path below.
+        if (handle is not None and topk_idx is None and cumulative_local_expert_recv_stats is None
+                and num_experts is None and num_max_tokens_per_rank is None and expert_alignment is None
+                and type(num_sms) is int and 0 <= num_sms <= checks.INT32_MAX and type(num_qps) is int
+                and num_qps == 0 and previous_event is None and previous_event_before_epilogue is None
+                and async_with_compute_stream is False and allocate_on_comm_stream is False
+                and (do_handle_copy is True or do_handle_copy is False)
+                and (do_cpu_sync is None or do_cpu_sync is False) and do_expand is False
+                and do_zero_padding is False and use_tma_aligned_col_major_sf is False
+                and checks.plain_cached_dispatch_ok(self, x, topk_weights, handle)):
+            recv_x, recv_idx, recv_w, _ = call_streams.run_plain(backend, backend.cached_dispatch, x, topk_weights,
+                                                                 handle, num_sms)
+            return recv_x, recv_idx, recv_w, handle, EventOverlap()
         args = checks.validate_dispatch(
             self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
             num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event,
@@ -437,9 +385,9 @@ class ElasticBuffer:
         data, sf = args.pop("data"), args.pop("sf")
         # Kept alive for the communication stream in async mode (with a handle: its tensors too).
         inputs = (data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)   # Nones allowed
-        outputs, event = self._run(lambda: self._backend.dispatch(data, sf, topk_idx, topk_weights, **args),
-                                   previous_event, previous_event_before_epilogue, async_with_compute_stream,
-                                   allocate_on_comm_stream, inputs)
+        outputs, event = call_streams.run_call(
+            backend, lambda: backend.dispatch(data, sf, topk_idx, topk_weights, **args), previous_event,
+            previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream, inputs)
         return (*outputs, event)
 
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None, bias=None,
@@ -474,15 +422,24 @@ class ElasticBuffer:
             RuntimeError: destroyed buffer; or, on every rank, handles that do not match across ranks.
         """
         self._alive()
-        self._backend.calls += 1
+        backend = self._backend
+        backend.calls += 1
+        # The most common call, without bias and every option at its default (see dispatch).
+        if (bias is None and type(num_sms) is int and 0 <= num_sms <= checks.INT32_MAX and type(num_qps) is int
+                and num_qps == 0 and previous_event is None and previous_event_before_epilogue is None
+                and async_with_compute_stream is False and allocate_on_comm_stream is False
+                and apply_dispatch_weights is False and checks.plain_combine_ok(self, x, handle, topk_weights)):
+            combined_x, combined_w = call_streams.run_plain(backend, backend.plain_combine, x, handle, topk_weights,
+                                                            num_sms or handle.num_sms)
+            return combined_x, combined_w, EventOverlap()
         bias_t = checks.validate_combine(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                          previous_event_before_epilogue, async_with_compute_stream,
                                          allocate_on_comm_stream, apply_dispatch_weights)
         num_sms = num_sms or handle.num_sms
         inputs = (x, topk_weights, handle) + bias_t
-        (combined_x, combined_w), event = self._run(
-            lambda: self._backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms,
-                                          apply_dispatch_weights=apply_dispatch_weights),
+        (combined_x, combined_w), event = call_streams.run_call(
+            backend, lambda: backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms,
+                                             apply_dispatch_weights=apply_dispatch_weights),
             previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
             inputs)
         return combined_x, combined_w, event

@@ -25,7 +25,7 @@ from .handle import EPHandle
 __all__ = [
     "INT32_MAX", "BUFFER_ALIGNMENT", "check_int", "check_bool", "check_number", "check_tensor", "check_event",
     "check_x", "check_topk_values", "normalise_bias", "check_buffer_args", "check_size_hint_args",
-    "check_sms_args", "validate_dispatch", "validate_combine",
+    "check_sms_args", "plain_cached_dispatch_ok", "plain_combine_ok", "validate_dispatch", "validate_combine",
 ]
 
 INT32_MAX = 2 ** 31 - 1            # sizes and counts travel as int32 (kernel arguments, count tensors)
@@ -268,6 +268,45 @@ def _check_handle(buf, handle, what: str) -> None:
 
 
 # ============================================================================ dispatch and combine
+def plain_cached_dispatch_ok(buf, x, topk_weights, handle) -> bool:
+    """Whether a cached dispatch with bf16 ``x`` whose other arguments are at their defaults (the
+    caller checked those) passes every rule of `validate_dispatch`: the most common call, answered
+    in a few comparisons. False: `validate_dispatch` runs, and says what is wrong if anything is."""
+    if type(handle) is not EPHandle or type(x) is not torch.Tensor or x.dtype is not torch.bfloat16:
+        return False
+    if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
+        return False
+    topk, dev, hidden, m = handle.topk_idx, buf.device, handle.hidden, handle.num_max_tokens_per_rank
+    T = topk.shape[0]
+    if x.shape != (T, hidden) or x.device != dev or topk.device != dev or not x.is_contiguous():
+        return False
+    if (m and T > m) or (buf.config.hidden and hidden > buf.config.hidden):
+        return False
+    return topk_weights is None or _plain_f32(topk_weights, (T, topk.shape[1]), dev)
+
+
+def plain_combine_ok(buf, x, handle, topk_weights) -> bool:
+    """Whether a combine without bias whose other arguments are at their defaults (the caller checked
+    those) passes every rule of `validate_combine` (see `plain_cached_dispatch_ok`)."""
+    if type(handle) is not EPHandle or type(x) is not torch.Tensor or x.dtype is not torch.bfloat16:
+        return False
+    if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
+        return False
+    topk, dev, rows = handle.topk_idx, buf.device, handle.num_recv_rows
+    if x.shape != (rows, handle.hidden) or x.device != dev or topk.device != dev or not x.is_contiguous():
+        return False
+    if topk_weights is None:
+        return True
+    if handle.do_expand:
+        return buf.allow_multiple_reduction and _plain_f32(topk_weights, (rows,), dev)
+    return _plain_f32(topk_weights, (rows, topk.shape[1]), dev)
+
+
+def _plain_f32(t, shape: tuple, device) -> bool:
+    return (type(t) is torch.Tensor and t.dtype is torch.float32 and t.shape == shape and t.device == device
+            and t.is_contiguous())
+
+
 def validate_dispatch(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
                       expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                       async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync,

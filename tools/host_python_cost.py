@@ -1,6 +1,7 @@
 """The Python cost of a GPU call's host code, without a GPU: the GPU backend's per-call code
 (`deep_ep.backends.gpu.dispatch.run_dispatch`, `combine.run_combine`) and the public argument checks
-(`deep_ep.checks`), on CPU tensors at the DeepSeek-V3 shapes.
+(`deep_ep.checks`), and the public calls over both (`ElasticBuffer.dispatch` / `combine`, with no
+streams), on CPU tensors at the DeepSeek-V3 shapes.
 
 The backend is tests/test_gpu_host_path.py's stand-in (fake modules whose launches do nothing, a
 layout report that says every token arrives once); output allocations are handed out again from a
@@ -96,6 +97,16 @@ def main() -> None:
             False, False)),
         ("checks: combine", lambda: checks.validate_combine(buf, y, handle, None, None, 0, 0, None, None, False,
                                                             False, False)),
+    ]
+    # The public calls on that backend (argument checks, the buffer's stream layer with no streams).
+    from deep_ep.buffer import ElasticBuffer
+    pub = ElasticBuffer.__new__(ElasticBuffer)
+    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
+                        allow_multiple_reduction=True, num_allocated_qps=0)
+    b.get_comm_stream = lambda: None
+    rows += [
+        ("public: cached dispatch", lambda: pub.dispatch(x, topk_weights=w, handle=handle)),
+        ("public: combine", lambda: pub.combine(y, handle)),
     ]
     print(f"Python per call, us (T={T}, hidden {H}, {E} experts, top-{K}; no allocations, no driver calls)")
     for name, fn in rows:

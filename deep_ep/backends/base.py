@@ -135,6 +135,18 @@ class Backend(abc.ABC):
             dispatch ``handle`` is the handle given. ``handle.num_sms`` is the SM count used.
         """
 
+    def cached_dispatch(self, data: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: EPHandle,
+                        num_sms: int) -> tuple:
+        """`dispatch` with ``handle`` given, bf16 ``data`` and every other option at its default (no
+        FP8 scale factors, no zero padding, no statistics): the buffer's most common call, already
+        checked (`deep_ep.checks.plain_cached_dispatch_ok`). A backend may serve it on a shorter path."""
+        return self.dispatch(data, None, None, topk_weights, num_experts=handle.num_experts,
+                             num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
+                             expert_alignment=handle.expert_alignment, num_sms=num_sms, handle=handle,
+                             do_handle_copy=True, do_cpu_sync=handle.do_cpu_sync, do_expand=handle.do_expand,
+                             do_zero_padding=False, use_tma_aligned_col_major_sf=False,
+                             cumulative_local_expert_recv_stats=None)
+
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple, *, num_sms: int, apply_dispatch_weights: bool = False) -> tuple:
@@ -154,6 +166,12 @@ class Backend(abc.ABC):
         Returns:
             ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None)``.
         """
+
+    def plain_combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
+                      num_sms: int) -> tuple:
+        """`combine` without bias and without ``apply_dispatch_weights``, already checked
+        (`deep_ep.checks.plain_combine_ok`); ``num_sms`` resolved."""
+        return self.combine(x, handle, topk_weights, (), num_sms=num_sms)
 
     def destroy(self) -> None:
         """Release every resource (windows, communicators, streams). Called once."""

@@ -30,7 +30,7 @@ from . import window as wl
 from .abi import (CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
                   call_tag)
 from .combine import run_combine
-from .dispatch import NOTIFY_WARPS, run_dispatch
+from .dispatch import NOTIFY_WARPS, run_cached, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
 from .modules import (THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines, kernel_source,
                       load_module, num_modules_built, test_defect_defines, tunable_defines)
@@ -260,6 +260,12 @@ class GPUBackend(Backend):
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, data, sf, topk_idx, topk_weights, **kwargs):
         return run_dispatch(self, data, sf, topk_idx, topk_weights, **kwargs)
+
+    def cached_dispatch(self, data, topk_weights, handle, num_sms):
+        return run_cached(self, data, None, topk_weights, handle, num_sms, False, False, None)
+
+    def plain_combine(self, x, handle, topk_weights, num_sms):
+        return run_combine(self, x, handle, topk_weights, (), num_sms=num_sms)
 
     def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
         return run_combine(self, x, handle, topk_weights, bias, num_sms=num_sms,

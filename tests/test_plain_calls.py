@@ -1,0 +1,109 @@
+"""The short path of the most common calls (`deep_ep.checks.plain_cached_dispatch_ok`,
+`plain_combine_ok`): it accepts exactly the valid calls, so that every call it takes would have
+passed the full checks (`validate_dispatch`, `validate_combine`), and every invalid one still gets
+the full checks' error. Checked on CPU tensors with a GPU dispatch's handle (the backend's per-call
+host code with stand-in modules, as in tests/test_gpu_host_path.py) and with the reference's."""
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import test_gpu_host_path as host_path
+from deep_ep import checks
+from deep_ep.handle import EPHandle
+
+H, K = host_path.H, host_path.K
+
+
+class _SubHandle(EPHandle):
+    pass
+
+
+def _buffer(b, **over):
+    values = dict(device=torch.device("cpu"), config=b.config, num_ranks=1, buffer_id=0, rank_idx=0,
+                  num_allocated_qps=0, allow_multiple_reduction=True)
+    values.update(over)
+    return types.SimpleNamespace(**values)
+
+
+def _full_ok(fn) -> bool:
+    try:
+        fn()
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _handles(b):
+    (_, _, _, handle), keep = host_path._dispatch(b, **host_path.CALLS[0], seed=3)
+    sub = _SubHandle.__new__(_SubHandle)
+    sub.__dict__.update(vars(handle))
+    return handle, [("other buffer", dataclasses.replace(handle, buffer_id=7)),
+                    ("other rank", dataclasses.replace(handle, rank=1)),
+                    ("other ranks", dataclasses.replace(handle, num_ranks=2)),
+                    ("subclass", sub), ("not a handle", types.SimpleNamespace(**vars(handle)))], keep
+
+
+def _inputs(T, rows, g):
+    bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)   # noqa: E731
+    return {"x": bf(rows, H), "x float32": torch.randn(rows, H, generator=g), "x wider": bf(rows, H + 8),
+            "x one row more": bf(rows + 1, H), "x strided": bf(H, rows).t(), "x 3-D": bf(1, rows, H),
+            "x a list": bf(rows, H).tolist(), "x fp8 tuple": (bf(rows, H).to(torch.float8_e4m3fn),
+                                                               torch.ones(rows, H // 128)),
+            "x on meta": torch.empty(rows, H, dtype=torch.bfloat16, device="meta")}
+
+
+def _weights(rows, g, expand=False):
+    shape = (rows,) if expand else (rows, K)
+    return {"none": None, "w": torch.rand(*shape, generator=g), "w float64": torch.rand(*shape, generator=g).double(),
+            "w one column more": torch.rand(rows, K + 1, generator=g), "w strided": torch.rand(K, rows, generator=g).t(),
+            "w a list": [0.5] * rows}
+
+
+def test_the_short_path_takes_exactly_the_valid_cached_dispatches():
+    b = host_path._backend([])
+    handle, bad_handles, _keep = _handles(b)
+    buf = _buffer(b)
+    g = torch.Generator().manual_seed(8)
+    T = handle.num_tokens
+    cases = [(xn, x, wn, w, "handle", handle) for xn, x in _inputs(T, T, g).items()
+             for wn, w in _weights(T, g).items()]
+    cases += [("x", cases[0][1], "none", None, hn, h) for hn, h in bad_handles]
+    taken = 0
+    for xn, x, wn, w, hn, h in cases:
+        short = checks.plain_cached_dispatch_ok(buf, x, w, h)
+        full = _full_ok(lambda: checks.validate_dispatch(buf, x, None, w, None, None, None, None, 0, 0, None, None,
+                                                         False, False, h, True, None, False, False, False))
+        if xn == "x fp8 tuple" and full:
+            full = False   # valid, but FP8: the short path is for bf16 only
+        if hn == "subclass" and full:
+            full = False   # valid, but the short path takes EPHandle itself only
+        assert short == full, (xn, wn, hn, short, full)
+        taken += short
+    assert taken == 2   # x with and without weights
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_the_short_path_takes_exactly_the_valid_combines(expand):
+    b = host_path._backend([])
+    handle, bad_handles, _keep = _handles(b)
+    if expand:
+        handle = dataclasses.replace(handle, do_expand=True, num_expanded_tokens=handle.num_recv_tokens)
+    g = torch.Generator().manual_seed(9)
+    rows = handle.num_recv_rows
+    for multiple in (True, False):
+        buf = _buffer(b, allow_multiple_reduction=multiple)
+        cases = [(xn, x, wn, w, "handle", handle) for xn, x in _inputs(handle.num_tokens, rows, g).items()
+                 for wn, w in _weights(rows, g, expand).items()]
+        cases += [("x", cases[0][1], "none", None, hn, h) for hn, h in bad_handles]
+        taken = 0
+        for xn, x, wn, w, hn, h in cases:
+            short = checks.plain_combine_ok(buf, x, h, w)
+            full = _full_ok(lambda: checks.validate_combine(buf, x, h, w, None, 0, 0, None, None, False, False,
+                                                            False))
+            if hn == "subclass" and full:
+                full = False
+            assert short == full, (xn, wn, hn, multiple, short, full)
+            taken += short
+        assert taken == (2 if multiple or not expand else 1)
