@@ -141,6 +141,25 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
 #endif
             finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
         };
+#if EP_COMBINE_COMPACT && EP_COMBINE_SINGLE_UNROLL > 0
+        // One source row and no biases: chunks of up to EP_COMBINE_SINGLE_UNROLL vectors per lane, see
+        // store_single_source_chunk. Not expanded: those kernels have no registers to spare.
+        const bool single = !kExpand && pieces == 1 && num_sources == 1 && a.bias1 == nullptr &&
+                            (EP_TEST_DEFECT == kDefectMissingBias || a.bias0 == nullptr);
+        if (single) {
+            const int single_rank = __shfl_sync(0xffffffffu, source_rank, 0);
+            const int single_row = __shfl_sync(0xffffffffu, source_row, 0);
+            constexpr int kSingle = row_unroll<Row::kVecs, 0, EP_COMBINE_SINGLE_UNROLL>();
+            const int4* local = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(single_row) * kHidden);
+#pragma unroll
+            for (int base = 0; base < Row::kVecs; base += 32 * kSingle) {
+                int4 v[kSingle];
+                if (single_rank == rank) load_chunk<kSingle, Row::kVecs, false>(local, base, lane, v);
+                else tr.get_chunk<kSingle, Row::kVecs>(single_rank, comm::row_offset(a, half, single_row), base, lane, v);
+                store_single_source_chunk<kHidden, kSingle, Row::kVecs>(a, t, base, lane, silent_slot, v);
+            }
+        } else
+#endif
         if (pieces == 1) {
             for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) sum_chunk(base);
         } else {

@@ -115,4 +115,26 @@ __device__ __forceinline__ void finish_and_store(const CombineArgs& a, int t, in
     }
 }
 
+// A token whose sum has one source row and no biases, chunk ``base`` of kUnroll vectors (already
+// loaded in v): per value the same additions as init_from_biases, add_bf16_chunk and
+// finish_and_store make (+0.0, then the value, then the +0.0 of silent slots), one vector at a
+// time, so that only the loads of the chunk occupy registers across it.
+template <int kHidden, int kUnroll, int kVecs>
+__device__ __forceinline__ void store_single_source_chunk(const CombineArgs& a, int t, int base, int lane, bool silent_slot,
+                                                          const int4 (&v)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kVecs) continue;
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            f[q] = __fadd_rn(0.0f, f[q]);
+            if (silent_slot) f[q] = __fadd_rn(f[q], 0.0f);
+        }
+        store_row_vec(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden) + i, f32_to_bf16x8(f));
+    }
+}
+
 }  // namespace deep_ep
