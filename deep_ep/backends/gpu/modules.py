@@ -23,8 +23,8 @@ THREADS = 512           # threads of the data kernels (EP_THREADS)
 # they change how bytes move, never which, so the host needs no matching change. Structural defines
 # (EP_THREADS, EP_TOPK...) are not among them: overriding those would break the host's view of the
 # kernels.
-TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_LOAD_NO_L1", "EP_STORE_STREAMING",
-                      "EP_BLOCK_FENCE"})
+TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
+                      "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE"})
 
 
 def kernel_source(kind: str) -> str:

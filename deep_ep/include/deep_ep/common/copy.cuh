@@ -16,6 +16,17 @@ namespace deep_ep {
 #ifndef EP_COMBINE_UNROLL
 #define EP_COMBINE_UNROLL 0
 #endif
+// 1: combine finds a token's contributing sources once per token (impls/combine_recv.cuh), and each
+// chunk walks only those; 0: each chunk walks all top-k slots. The same sums in the same order.
+#ifndef EP_COMBINE_COMPACT
+#define EP_COMBINE_COMPACT 1
+#endif
+// With EP_COMBINE_COMPACT: vectors per lane per chunk (at most; evened out) for a token whose sum
+// has one source row and no biases, which needs no accumulators across sources, so more of its
+// loads can be in flight at once; 0 = such tokens take the path of every token.
+#ifndef EP_COMBINE_SINGLE_UNROLL
+#define EP_COMBINE_SINGLE_UNROLL 0
+#endif
 
 // Vectors per lane per chunk for a row of kVecs 16-byte vectors: kTunable if it is not 0, else
 // the fewest chunks of at most kMax each, evened out (e.g. 28 vectors per lane and kMax 8: four

@@ -74,45 +74,92 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             my_pair = pair;
             if (a.apply_weights && my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
+#if EP_COMBINE_COMPACT
+        // The token's sources, found once for all its chunks, in slot order (the order of the sum):
+        // the slots that are the last of their owner rank and whose row there exists. Lane j <
+        // num_sources holds the j-th source's owner rank and row; its slot is the set bit of
+        // `sources` with j set bits below it.
+        const int row_at_owner = __shfl_sync(0xffffffffu, my_row, owner >= 0 && owner < 32 ? owner : 0);
+        const int slot_row = !last ? -1 : owner < 32 ? row_at_owner : a.pos_tok[static_cast<int64_t>(t) * R + owner];
+        const unsigned sources = __ballot_sync(0xffffffffu, slot_row >= 0);
+        const int num_sources = __popc(sources);
+        int source_slot = 0;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (((sources >> k) & 1u) != 0 && __popc(sources & ((1u << k) - 1u)) == lane) source_slot = k;
+        const int source_rank = __shfl_sync(0xffffffffu, owner, source_slot);
+        const int source_row = __shfl_sync(0xffffffffu, slot_row, source_slot);
+#endif
+        // acc += chunk `base` of the partial of rank d, whose row for this token is `row` (>= 0).
+        auto add_source = [&](const int d, const int row, const int base, float (&acc)[kUnroll][8]) {
+            if (d == rank && !kExpand) {
+                const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(row) * kHidden);
+                int4 v[kUnroll];
+                load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
+                add_bf16_chunk(v, acc);
+            } else if (d == rank) {
+                // This rank's partial: its slots' rows summed in slot order from +0.0, rounded to bf16.
+                float part[kUnroll][8];
+                zero_chunk(part);
+#pragma unroll
+                for (int kk = 0; kk < K; ++kk) {
+                    const int out = __shfl_sync(0xffffffffu, my_pair, kk);
+                    const float w = __shfl_sync(0xffffffffu, my_pair_w, kk);
+                    if (out < 0) continue;
+                    const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden);
+                    int4 v[kUnroll];
+                    load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
+                    if (a.apply_weights) add_weighted_bf16_chunk(v, w, part);
+                    else add_bf16_chunk(v, part);
+                }
+                add_rounded_chunk(part, acc);
+            } else {
+                int4 v[kUnroll];
+                tr.get_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
+                add_bf16_chunk(v, acc);
+            }
+        };
         // One chunk of the row: the sum of its vectors, stored.
         auto sum_chunk = [&](const int base) {
             float acc[kUnroll][8];
             init_from_biases<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
+#if EP_COMBINE_COMPACT
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                if (j >= num_sources) break;
+                add_source(__shfl_sync(0xffffffffu, source_rank, j), __shfl_sync(0xffffffffu, source_row, j), base, acc);
+            }
+#else
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 const int d = __shfl_sync(0xffffffffu, owner, k);
                 if (!__shfl_sync(0xffffffffu, last, k)) continue;
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
                 if (row < 0) continue;
-                if (d == rank && !kExpand) {
-                    const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(row) * kHidden);
-                    int4 v[kUnroll];
-                    load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
-                    add_bf16_chunk(v, acc);
-                } else if (d == rank) {
-                    // This rank's partial: its slots' rows summed in slot order from +0.0, rounded to bf16.
-                    float part[kUnroll][8];
-                    zero_chunk(part);
-#pragma unroll
-                    for (int kk = 0; kk < K; ++kk) {
-                        const int out = __shfl_sync(0xffffffffu, my_pair, kk);
-                        const float w = __shfl_sync(0xffffffffu, my_pair_w, kk);
-                        if (out < 0) continue;
-                        const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(out) * kHidden);
-                        int4 v[kUnroll];
-                        load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
-                        if (a.apply_weights) add_weighted_bf16_chunk(v, w, part);
-                        else add_bf16_chunk(v, part);
-                    }
-                    add_rounded_chunk(part, acc);
-                } else {
-                    int4 v[kUnroll];
-                    tr.get_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
-                    add_bf16_chunk(v, acc);
-                }
+                add_source(d, row, base, acc);
             }
+#endif
             finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
         };
+#if EP_COMBINE_COMPACT && EP_COMBINE_SINGLE_UNROLL > 0
+        // One source row and no biases: chunks of up to EP_COMBINE_SINGLE_UNROLL vectors per lane, see
+        // store_single_source_chunk. Not expanded: those kernels have no registers to spare.
+        const bool single = !kExpand && pieces == 1 && num_sources == 1 && a.bias1 == nullptr &&
+                            (EP_TEST_DEFECT == kDefectMissingBias || a.bias0 == nullptr);
+        if (single) {
+            const int single_rank = __shfl_sync(0xffffffffu, source_rank, 0);
+            const int single_row = __shfl_sync(0xffffffffu, source_row, 0);
+            constexpr int kSingle = row_unroll<Row::kVecs, 0, EP_COMBINE_SINGLE_UNROLL>();
+            const int4* local = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(single_row) * kHidden);
+#pragma unroll
+            for (int base = 0; base < Row::kVecs; base += 32 * kSingle) {
+                int4 v[kSingle];
+                if (single_rank == rank) load_chunk<kSingle, Row::kVecs, false>(local, base, lane, v);
+                else tr.get_chunk<kSingle, Row::kVecs>(single_rank, comm::row_offset(a, half, single_row), base, lane, v);
+                store_single_source_chunk<kHidden, kSingle, Row::kVecs>(a, t, base, lane, silent_slot, v);
+            }
+        } else
+#endif
         if (pieces == 1) {
             for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) sum_chunk(base);
         } else {

@@ -65,6 +65,27 @@ __device__ __forceinline__ void add_rounded_chunk(const float (&part)[kUnroll][8
 template <int kHidden, int kUnroll, int kVecs>
 __device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, int base, int lane, float (&acc)[kUnroll][8]) {
     const __nv_bfloat16* b0 = EP_TEST_DEFECT == kDefectMissingBias ? nullptr : a.bias0;
+#if EP_COMBINE_COMPACT
+    // Which biases exist is the same for the whole call: one test per chunk, not one per value
+    // (without biases, the common case, the chunk is only zeroed). A single bias is fp32(it),
+    // whichever of the two it is.
+    const __nv_bfloat16* first = b0 != nullptr ? b0 : a.bias1;
+    const __nv_bfloat16* second = b0 != nullptr ? a.bias1 : nullptr;
+    zero_chunk(acc);
+    if (first == nullptr) return;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kVecs) continue;
+        bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(first + static_cast<int64_t>(t) * kHidden) + i), acc[u]);
+        if (second != nullptr) {
+            float f[8];
+            bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(second + static_cast<int64_t>(t) * kHidden) + i), f);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+        }
+    }
+#else
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
@@ -76,6 +97,7 @@ __device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, in
 #pragma unroll
         for (int q = 0; q < 8; ++q) acc[u][q] = (b0 != nullptr && a.bias1 != nullptr) ? __fadd_rn(f0[q], f1[q]) : (b0 != nullptr ? f0[q] : f1[q]);
     }
+#endif
 }
 
 // The end of a token's sum, chunk by chunk: the +0.0 of silent slots, then the row rounded to bf16.
@@ -90,6 +112,28 @@ __device__ __forceinline__ void finish_and_store(const CombineArgs& a, int t, in
 #pragma unroll
             for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], 0.0f);
         store_row_vec(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden) + i, f32_to_bf16x8(acc[u]));
+    }
+}
+
+// A token whose sum has one source row and no biases, chunk ``base`` of kUnroll vectors (already
+// loaded in v): per value the same additions as init_from_biases, add_bf16_chunk and
+// finish_and_store make (+0.0, then the value, then the +0.0 of silent slots), one vector at a
+// time, so that only the loads of the chunk occupy registers across it.
+template <int kHidden, int kUnroll, int kVecs>
+__device__ __forceinline__ void store_single_source_chunk(const CombineArgs& a, int t, int base, int lane, bool silent_slot,
+                                                          const int4 (&v)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= kVecs) continue;
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            f[q] = __fadd_rn(0.0f, f[q]);
+            if (silent_slot) f[q] = __fadd_rn(f[q], 0.0f);
+        }
+        store_row_vec(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden) + i, f32_to_bf16x8(f));
     }
 }
 
