@@ -216,6 +216,12 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     b.launched_call = b.calls
     plan.notify.launch(stream, groups // NOTIFY_WARPS)
     b.last_num_experts, b.last_num_topk = E, K
+    # The data kernel's arguments that do not depend on the counts, set while the notify kernel runs.
+    a = plan.data.args[0]
+    a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
+        _ptr(topk_weights), T
+    a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
+    a.tag.seq = seq
     if do_cpu_sync:
         head = b.wait_readback(la.seq, E, K)   # every peer's counts are in: the layout is written
         out_rows = head[READBACK["out_rows"]]
@@ -234,13 +240,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     # worst-case rows are a piece of the words.
     src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream) if do_cpu_sync else None
     state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
-    a = plan.data.args[0]
-    a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
-        _ptr(topk_weights), T
-    a.pos_tok, a.pos_pair, a.out_x, a.out_sf, a.sf_ld = pos_tok_ptr, pos_pair_ptr, _ptr(out_x), _ptr(out_sf), sf_ld
+    a.out_x, a.out_sf, a.sf_ld = _ptr(out_x), _ptr(out_sf), sf_ld
     a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), state.src_meta_ptr
-    a.out_capacity, a.tok_capacity, a.layout = out_rows, tok_capacity, lay_ptr
-    a.tag.seq = seq
+    a.out_capacity, a.tok_capacity = out_rows, tok_capacity
     b.launch_data(plan.data, plan.n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
