@@ -81,6 +81,7 @@ def run_call(backend, fn, previous_event, previous_event_before_epilogue, async_
         t.record_stream(comm)
     return outputs, EventOverlap(done, extra_tensors=(tuple(t for t in inputs if t is not None), outputs))
 
+
 def run_plain(backend, fn, *args):
     """``fn(*args)`` (a backend call) as a synchronous call without events: `run_call`'s common case,
     with the same stream order, without its closure; returns ``fn``'s outputs."""

@@ -130,16 +130,15 @@ class EPHandle:
 
     def __setattr__(self, name: str, value) -> None:
         # An assignment to any field voids what a backend derived from the fields (`launch_memo`).
-        d = self.__dict__
-        if "_launch_memo" in d:
-            del d["_launch_memo"]
+        self.__dict__.pop("_launch_memo", None)
         object.__setattr__(self, name, value)
 
     def launch_memo(self) -> dict:
         """A dict in which a backend keeps what it derived from this handle's fields for a kind of call
         (the GPU backend: its prepared launch), so that the next such call skips re-deriving it. Any
-        assignment to a field of the handle empties it; `dataclasses.replace` and `clone` make
-        handles without it."""
+        assignment to a field of the handle empties it (a backend also checks what it read from the
+        handle's tensors, which can change in place); copies, pickles, `dataclasses.replace` and
+        `clone` make handles without it."""
         d = self.__dict__
         memo = d.get("_launch_memo")
         if memo is None:

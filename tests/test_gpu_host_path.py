@@ -257,6 +257,16 @@ def test_a_handles_launch_memo_follows_its_fields(monkeypatch):
     assert out.shape == (rows - 1, H) and args.out_capacity == rows - 1
     combine(handle)
     assert len(handle.launch_memo()) == 2
+    # The handle's routing tensor changed in place (no assignment): the launches follow it too.
+    half = handle.topk_idx[:T // 2].clone()
+    handle.topk_idx.set_(half)
+    b.calls += 1
+    gpu_dispatch.run_cached(b, torch.randn(T // 2, H, generator=g).to(torch.bfloat16), None, None, handle, 4,
+                            False, False, None)
+    args = DispatchArgs.from_buffer_copy(log[-1][2][0])
+    assert args.num_tokens == T // 2 and args.topk_idx == half.data_ptr()
+    combined = combine(handle)
+    assert combined.num_tokens == T // 2 and combined.topk_idx == half.data_ptr()
 
 
 def test_every_launch_carries_this_calls_tag(monkeypatch):

@@ -107,3 +107,41 @@ def test_the_short_path_takes_exactly_the_valid_combines(expand):
             assert short == full, (xn, wn, hn, multiple, short, full)
             taken += short
         assert taken == (2 if multiple or not expand else 1)
+
+
+def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkeypatch):
+    """`ElasticBuffer.dispatch` / `combine` (over the stand-in backend, without streams): a plain call
+    skips the full checks and reaches the backend's short entry point; a call with any option set
+    goes through the full checks and the backend's general one. Both return the same things."""
+    from deep_ep.buffer import ElasticBuffer
+    b = host_path._backend([])
+    handle, _bad, _keep = _handles(b)
+    pub = ElasticBuffer.__new__(ElasticBuffer)
+    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
+                        allow_multiple_reduction=True, num_allocated_qps=0)
+    b.get_comm_stream = lambda: None
+    seen = []
+    for module, name in ((checks, "validate_dispatch"), (checks, "validate_combine")):
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name: seen.append(_n) or _f(*a))
+    for name in ("cached_dispatch", "dispatch", "plain_combine", "combine"):
+        monkeypatch.setattr(b, name, lambda *a, _f=getattr(b, name), _n=name, **k: seen.append(_n) or _f(*a, **k))
+    g = torch.Generator().manual_seed(10)
+    T, rows = handle.num_tokens, handle.num_recv_rows
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    y = torch.randn(rows, H, generator=g).to(torch.bfloat16)
+    short = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, do_cpu_sync=False)
+    assert seen == ["cached_dispatch"]
+    seen.clear()
+    full = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, do_zero_padding=True)
+    assert seen == ["validate_dispatch", "dispatch"]
+    for a, c in zip(short, full):
+        assert type(a) is type(c) and (not isinstance(a, torch.Tensor) or a.shape == c.shape)
+    assert short[3] is handle and full[3] is handle and short[1] is full[1]
+    seen.clear()
+    short = pub.combine(y, handle)
+    assert seen == ["plain_combine"]
+    seen.clear()
+    full = pub.combine(y, handle, bias=(None, None))
+    assert seen == ["validate_combine", "combine"]
+    assert short[0].shape == full[0].shape == (T, H) and short[1] is full[1] is None

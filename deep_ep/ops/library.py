@@ -182,7 +182,8 @@ def combine_op(buffer_id: int, token: Tensor, x: Tensor, topk_weights: Optional[
     the handle's layout (the backward's cached dispatch needs it for its shapes)."""
     buf = registry.find_buffer(buffer_id)
     handle = registry.handle_of(token)
-    combined_x, combined_w, _ = buf.combine(x, handle, topk_weights, (bias_0, bias_1), num_sms=num_sms,
+    bias = None if bias_0 is None and bias_1 is None else (bias_0, bias_1)   # None: the buffer's short path
+    combined_x, combined_w, _ = buf.combine(x, handle, topk_weights, bias, num_sms=num_sms,
                                             apply_dispatch_weights=dispatch_weights is not None)
     return combined_x, combined_w if combined_w is not None else _placeholder(torch.float32, x.device)
 

@@ -25,18 +25,19 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     options = ("combine", num_sms, bool(apply_dispatch_weights), has_weights)
     memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
     entry = memo.get(options)
-    if entry is None:
+    topk = handle.topk_idx
+    guard = (topk.data_ptr(), topk.shape, _ptr(handle.recv_topk_weights))   # tensors changed in place
+    if entry is None or entry[-1] != guard:
         # The handle's fields and tensors the launch reads are part of the state's key: a handle
         # rebuilt with other values (dataclasses.replace) shares this state but must not reuse them.
-        topk = handle.topk_idx
         key = options + (topk.data_ptr(), tuple(topk.shape), _ptr(handle.recv_topk_weights), state.src_meta_ptr,
                          handle.hidden, handle.num_experts, handle.do_expand)
         launch = state.launches.get(key)
         if launch is None:
             launch = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)
         T = handle.num_tokens
-        entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk))
-    prepared, n_sms, out_shape, w_shape = entry
+        entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk), guard)
+    prepared, n_sms, out_shape, w_shape, _ = entry
     b.raise_if_broken()
     dev = b.device
     out = outputs.empty(out_shape, torch.bfloat16, dev, b.fill_stream)

@@ -279,8 +279,9 @@ def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
 
 
 def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, stats):
-    """A cached dispatch: the data kernel only, through the handle's prepared launch (found by a key
-    of what may change between calls with one handle; the first call of a key derives the rest)."""
+    """A cached dispatch: the data kernel only, through the handle's prepared launch, found in the
+    handle's memo (`EPHandle.launch_memo`) by the call's options, else in its state by a key of the
+    options and every handle field the launch reads; the first call of a key derives the rest."""
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
@@ -289,10 +290,11 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
                bool(do_zero_padding), bool(col_major_sf), has_weights)
     memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
     entry = memo.get(options)
-    if entry is None:
+    topk = handle.topk_idx
+    guard = (topk.data_ptr(), topk.shape)   # its tensor changed in place (set_, resize_): derive again
+    if entry is None or entry[-1] != guard:
         # The handle's fields and tensors the launch reads are part of the state's key: a handle
         # rebuilt with other values (dataclasses.replace) shares this state but must not reuse them.
-        topk = handle.topk_idx
         key = options + (topk.data_ptr(), tuple(topk.shape), state.src_meta_ptr, handle.hidden, handle.num_experts,
                          handle.expert_alignment, handle.num_max_tokens_per_rank, handle.do_expand,
                          handle.do_cpu_sync, handle.num_recv_rows)
@@ -302,8 +304,8 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
                                                            do_zero_padding, col_major_sf)
         rows = handle.num_recv_rows
         entry = memo[options] = launch + (rows, (rows, int(data.shape[1])),
-                                          rows if handle.do_expand else (rows, launch[2]))
-    prepared, m, K, n_sms, out_rows, x_shape, w_shape = entry
+                                          rows if handle.do_expand else (rows, launch[2]), guard)
+    prepared, m, K, n_sms, out_rows, x_shape, w_shape, _ = entry
     b.last_m = m
     b.raise_if_broken()
     dev = b.device

@@ -46,7 +46,8 @@ class GPUHandleState:
     launches:      prepared kernel launches of cached dispatches and combines with this handle
                    (`jit.PreparedLaunch`, keyed by kernel structure and options; not copied by `clone`):
                    their arguments point at this handle's tensors, so a later call with the handle
-                   only updates the per-call pointers (inputs, outputs)
+                   only updates the per-call pointers (inputs, outputs); the handle's own memo
+                   (`EPHandle.launch_memo`) finds them first, by the call's options alone
 
     Views (made on first access, then kept): ``layout`` (the layout words), ``pos_tok`` [T, R] int32
     (token row of each token at each destination, -1: not sent), ``pos_pair`` [T, K] int32 (expanded:

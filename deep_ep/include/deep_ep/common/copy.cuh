@@ -9,7 +9,8 @@ namespace deep_ep {
 // 16-byte vectors per lane per chunk when moving a dispatched row (at most; 8 = 4 KiB per warp),
 // and the same for the rows a combine sums (fp32 accumulators: 8 per vector). 0 = balanced: the
 // fewest chunks of at most 8 vectors (combine: 7, or 4 where more would spill registers, see
-// impls/combine_recv.cuh), all of equal size (see row_unroll).
+// impls/combine_recv.cuh; a token with one source row and no bias: EP_COMBINE_SINGLE_UNROLL below),
+// all of equal size (see row_unroll).
 #ifndef EP_SEND_UNROLL
 #define EP_SEND_UNROLL 0
 #endif
