@@ -81,3 +81,13 @@ def test_tunable_defines_from_environment(monkeypatch):
         monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", bad)
         with pytest.raises(ValueError, match="DEEP_EP_KERNEL_DEFINES"):
             gpu.tunable_defines()
+
+
+@pytest.mark.parametrize("tunables", [{"EP_COMBINE_COMPACT": 0}, {"EP_COMBINE_SINGLE_UNROLL": 0}],
+                         ids=["slots-per-chunk", "no-single-source-path"])
+def test_the_combines_other_paths_compile(tunables):
+    """The combine's build-time alternatives (each chunk walking every top-k slot; no single-source
+    path) still compile without spills, so that tools/tune_gpu.py can time them against the default."""
+    defines = dict(gpu.combine_defines(4096, 8, False), **tunables)
+    mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=defines, check_spills=True)
+    assert "deep_ep_combine" in mod.kernel_names()
