@@ -2,13 +2,14 @@
 order, same defaults, same outputs; extensions are keyword arguments that are off by default).
 
 Each public method validates its arguments first (`deep_ep.checks`), then runs the backend inside a
-thin stream/event layer. Nothing is communicated before validation passes. Exceptions, all raised
-on the rank that received the bad argument, before any communication: `TypeError` / `ValueError`
-(see `deep_ep.checks`); `RuntimeError` when the buffer was destroyed, or, raised by the backend on
-*every* rank, a condition no single rank can see (ranks disagreeing on the configuration, a
-receive that would not fit). A rank whose peers raised while its own arguments were fine waits in
-the collective until the buffer's timeout (``num_cpu_timeout_secs`` on CPU, ``num_gpu_timeout_secs``
-on GPU), then raises `TimeoutError` naming the peer that did not arrive and the phase.
+thin stream/event layer (`deep_ep.call_streams`). Nothing is communicated before validation passes.
+Exceptions, all raised on the rank that received the bad argument, before any communication:
+`TypeError` / `ValueError` (see `deep_ep.checks`); `RuntimeError` when the buffer was destroyed, or,
+raised by the backend on *every* rank, a condition no single rank can see (ranks disagreeing on the
+configuration, a receive that would not fit). A rank whose peers raised while its own arguments were
+fine waits in the collective until the buffer's timeout (``num_cpu_timeout_secs`` on CPU,
+``num_gpu_timeout_secs`` on GPU), then raises `TimeoutError` naming the peer that did not arrive and
+the phase.
 """
 from __future__ import annotations
 
