@@ -43,13 +43,7 @@ def run_call(backend, fn, previous_event, previous_event_before_epilogue, async_
         # stream of the current context.
         compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
         if backend.runs_on_caller_stream:
-            # NCCL-backed: the kernels go straight to the caller's stream (no join needed), after
-            # the previous call's kernels if those ran on another stream.
-            backend.enter_caller_stream(compute_raw)
-            try:
-                return fn(), EventOverlap()
-            finally:
-                backend.leave_caller_stream(compute_raw)
+            return _on_caller_stream(backend, compute_raw, fn), EventOverlap()
         comm_raw = comm.cuda_stream
         backend.enter_comm_stream()
         join.wait(comm_raw, compute_raw)
@@ -87,10 +81,15 @@ def run_plain(backend, fn, *args):
     with the same stream order, without its closure; returns ``fn``'s outputs."""
     comm = backend.get_comm_stream()
     if comm is not None and backend.runs_on_caller_stream and torch._C._cuda_getDevice() == comm.device_index:
-        compute_raw = torch._C._cuda_getCurrentRawStream(comm.device_index)
-        backend.enter_caller_stream(compute_raw)
-        try:
-            return fn(*args)
-        finally:
-            backend.leave_caller_stream(compute_raw)
+        return _on_caller_stream(backend, torch._C._cuda_getCurrentRawStream(comm.device_index), fn, *args)
     return run_call(backend, lambda: fn(*args), None, None, False, False, args)[0]
+
+
+def _on_caller_stream(backend, compute_raw: int, fn, *args):
+    """``fn(*args)`` with its kernels on the caller's raw stream ``compute_raw`` (NCCL-backed buffers:
+    no join needed), after the previous call's kernels if those ran on another stream."""
+    backend.enter_caller_stream(compute_raw)
+    try:
+        return fn(*args)
+    finally:
+        backend.leave_caller_stream(compute_raw)

@@ -30,8 +30,7 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     if entry is None or entry[-1] != guard:
         # The handle's fields and tensors the launch reads are part of the state's key: a handle
         # rebuilt with other values (dataclasses.replace) shares this state but must not reuse them.
-        key = options + (topk.data_ptr(), tuple(topk.shape), _ptr(handle.recv_topk_weights), state.src_meta_ptr,
-                         handle.hidden, handle.num_experts, handle.do_expand)
+        key = options + guard + (state.src_meta_ptr, handle.hidden, handle.num_experts, handle.do_expand)
         launch = state.launches.get(key)
         if launch is None:
             launch = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)

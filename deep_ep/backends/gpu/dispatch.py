@@ -263,9 +263,6 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     return recv_x, out_idx, out_w, new_handle
 
 
-_NO_SF = (None, 0)
-
-
 def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
     """The received scale factors (None without FP8) and their leading dimension (column-major:
     rows rounded up to 4; else 0)."""
@@ -295,9 +292,9 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
     if entry is None or entry[-1] != guard:
         # The handle's fields and tensors the launch reads are part of the state's key: a handle
         # rebuilt with other values (dataclasses.replace) shares this state but must not reuse them.
-        key = options + (topk.data_ptr(), tuple(topk.shape), state.src_meta_ptr, handle.hidden, handle.num_experts,
-                         handle.expert_alignment, handle.num_max_tokens_per_rank, handle.do_expand,
-                         handle.do_cpu_sync, handle.num_recv_rows)
+        key = options + guard + (state.src_meta_ptr, handle.hidden, handle.num_experts, handle.expert_alignment,
+                                 handle.num_max_tokens_per_rank, handle.do_expand, handle.do_cpu_sync,
+                                 handle.num_recv_rows)
         launch = state.launches.get(key)
         if launch is None:
             launch = state.launches[key] = _prepare_cached(b, data, sf, has_weights, handle, num_sms,
@@ -310,7 +307,7 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
     b.raise_if_broken()
     dev = b.device
     out_x = outputs.empty(x_shape, data.dtype, dev, b.fill_stream)
-    out_sf, _ = _alloc_sf(b, sf, out_rows, col_major_sf) if sf is not None else _NO_SF
+    out_sf, _ = _alloc_sf(b, sf, out_rows, col_major_sf)
     out_w = outputs.empty(w_shape, torch.float32, dev, b.fill_stream) if has_weights else None
     a = prepared.args[0]
     a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), _ptr(out_sf)

@@ -1,6 +1,7 @@
 // Combine, receive phase (num_sms blocks) on source s: one warp per token (per piece of its row when
-// there are fewer tokens than warps) pulls the rows staged for it by every peer (over the transport) and its own rows, sums them (combine_reduce.cuh), adds
-// the biases and writes bf16; with weights, it also reduces the top-k weights.
+// there are fewer tokens than warps) pulls the rows staged for it by every peer (over the
+// transport) and its own rows, sums them (combine_reduce.cuh), adds the biases and writes bf16;
+// with weights, it also reduces the top-k weights.
 #pragma once
 
 #include "../comm/lsa.cuh"
