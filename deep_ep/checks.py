@@ -25,7 +25,7 @@ from .handle import EPHandle
 __all__ = [
     "INT32_MAX", "BUFFER_ALIGNMENT", "check_int", "check_bool", "check_number", "check_tensor", "check_event",
     "check_x", "check_topk_values", "normalise_bias", "check_buffer_args", "check_size_hint_args",
-    "check_sms_args", "plain_cached_dispatch_ok", "plain_combine_ok", "validate_dispatch", "validate_combine",
+    "check_sms_args", "plain_cached_dispatch_ok", "plain_fresh_dispatch_ok", "plain_combine_ok", "validate_dispatch", "validate_combine",
 ]
 
 INT32_MAX = 2 ** 31 - 1            # sizes and counts travel as int32 (kernel arguments, count tensors)
@@ -283,6 +283,34 @@ def plain_cached_dispatch_ok(buf, x, topk_weights, handle) -> bool:
     if (m and T > m) or (buf.config.hidden and hidden > buf.config.hidden):
         return False
     return topk_weights is None or _plain_f32(topk_weights, (T, topk.shape[1]), dev)
+
+
+def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_sync) -> bool:
+    """Whether a fresh dispatch with bf16 ``x``, ``topk_idx`` and ``num_experts`` given, optional
+    ``topk_weights`` and ``do_cpu_sync`` None / True / False, whose other arguments are at their
+    defaults (the caller checked those), passes every rule of `validate_dispatch` (see
+    `plain_cached_dispatch_ok`). CPU tensors: the expert ids are read here as the full checks read
+    them (on a GPU the notify kernel checks them)."""
+    if (type(x) is not torch.Tensor or x.dtype is not torch.bfloat16 or type(topk_idx) is not torch.Tensor
+            or topk_idx.dtype is not topk_idx_t or type(num_experts) is not int):
+        return False
+    dev, cfg, sizes, ks = buf.device, buf.config, x.shape, topk_idx.shape
+    if len(sizes) != 2 or len(ks) != 2 or ks[0] != sizes[0] or x.device != dev or topk_idx.device != dev:
+        return False
+    if not x.is_contiguous() or not topk_idx.is_contiguous():
+        return False
+    T, H, K, m = sizes[0], sizes[1], ks[1], cfg.num_max_tokens_per_rank
+    if K < 1 or (cfg.num_topk and K > cfg.num_topk) or not 1 <= num_experts <= INT32_MAX \
+            or num_experts % buf.num_ranks:
+        return False
+    if (m and T > m) or (not m and do_cpu_sync is False) or (cfg.hidden and H > cfg.hidden):
+        return False
+    if topk_weights is not None and not _plain_f32(topk_weights, (T, K), dev):
+        return False
+    if dev.type == "cpu" and topk_idx.numel():
+        lo, hi = _min_max(topk_idx)
+        return lo >= -1 and hi < num_experts
+    return True
 
 
 def plain_combine_ok(buf, x, handle, topk_weights) -> bool:

@@ -1,7 +1,7 @@
 """The short path of the most common calls (`deep_ep.checks.plain_cached_dispatch_ok`,
-`plain_combine_ok`): it accepts exactly the valid calls, so that every call it takes would have
-passed the full checks (`validate_dispatch`, `validate_combine`), and every invalid one still gets
-the full checks' error. Checked on CPU tensors with a GPU dispatch's handle (the backend's per-call
+`plain_fresh_dispatch_ok`, `plain_combine_ok`): it accepts exactly the valid calls, so that every call
+it takes would have passed the full checks (`validate_dispatch`, `validate_combine`), and every
+invalid one still gets the full checks' error. Checked on CPU tensors with a GPU dispatch's handle (the backend's per-call
 host code with stand-in modules, as in tests/test_gpu_host_path.py) and with the reference's."""
 import dataclasses
 import types
@@ -84,6 +84,50 @@ def test_the_short_path_takes_exactly_the_valid_cached_dispatches():
     assert taken == 2   # x with and without weights
 
 
+def _routings(T, g):
+    E = host_path.E
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    masked = idx.clone()
+    masked[::3, 1:] = -1
+    wide = torch.stack([torch.randperm(E, generator=g)[:K + 1] for _ in range(T)])
+    bad, low = idx.clone(), idx.clone()
+    bad[T // 2, 1] = E
+    low[1, 0] = -2
+    return {"idx": idx, "idx masked": masked, "idx int32": idx.int(), "idx one row more": torch.cat([idx, idx[:1]]),
+            "idx top-k+1": wide, "idx no columns": idx[:, :0], "idx strided": idx.t().contiguous().t(),
+            "idx 1-D": idx[:, 0].contiguous(), "idx a list": idx.tolist(), "idx id E": bad, "idx id -2": low,
+            "idx on meta": torch.empty(T, K, dtype=torch.int64, device="meta")}
+
+
+def test_the_short_path_takes_exactly_the_valid_fresh_dispatches():
+    b = host_path._backend([])
+    g = torch.Generator().manual_seed(11)
+    T = 12
+    xs = {n: x for n, x in _inputs(T, T, g).items() if n in ("x", "x float32", "x strided", "x one row more",
+                                                               "x fp8 tuple", "x 3-D")}
+    ws = {n: w for n, w in _weights(T, g).items() if n in ("none", "w", "w float64", "w strided")}
+    routings = _routings(T, g)
+    taken = 0
+    for buf_name, buf in (("one rank", _buffer(b)), ("two ranks", _buffer(b, num_ranks=2)),
+                          ("no M", _buffer(b, config=dataclasses.replace(b.config, num_max_tokens_per_rank=0))),
+                          ("M 8", _buffer(b, config=dataclasses.replace(b.config, num_max_tokens_per_rank=8))),
+                          ("hidden 128", _buffer(b, config=dataclasses.replace(b.config, hidden=128)))):
+        cases = [(xn, x, "idx", routings["idx"], wn, w, E_, sync) for xn, x in xs.items() for wn, w in ws.items()
+                 for E_ in (host_path.E,) for sync in (None, True, False)]
+        cases += [("x", xs["x"], rn, r, "w", ws["w"], host_path.E, None) for rn, r in routings.items()]
+        cases += [("x", xs["x"], "idx", routings["idx"], "none", None, E_, True)
+                  for E_ in (None, 0, -1, 3, True, 16.0, 2 ** 31, host_path.E * 2)]
+        for xn, x, rn, r, wn, w, E_, sync in cases:
+            short = checks.plain_fresh_dispatch_ok(buf, x, r, w, E_, sync)
+            full = _full_ok(lambda: checks.validate_dispatch(buf, x, r, w, None, E_, None, None, 0, 0, None, None,
+                                                             False, False, None, True, sync, False, False, False))
+            if xn == "x fp8 tuple" and full:
+                full = False   # valid, but FP8: the short path is for bf16 only
+            assert short == full, (buf_name, xn, rn, wn, E_, sync, short, full)
+            taken += short
+    assert taken > 20
+
+
 @pytest.mark.parametrize("expand", [False, True])
 def test_the_short_path_takes_exactly_the_valid_combines(expand):
     b = host_path._backend([])
@@ -123,7 +167,7 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
     seen = []
     for module, name in ((checks, "validate_dispatch"), (checks, "validate_combine")):
         monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name: seen.append(_n) or _f(*a))
-    for name in ("cached_dispatch", "dispatch", "plain_combine", "combine"):
+    for name in ("cached_dispatch", "fresh_dispatch", "dispatch", "plain_combine", "combine"):
         monkeypatch.setattr(b, name, lambda *a, _f=getattr(b, name), _n=name, **k: seen.append(_n) or _f(*a, **k))
     g = torch.Generator().manual_seed(10)
     T, rows = handle.num_tokens, handle.num_recv_rows
@@ -139,6 +183,18 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
         assert type(a) is type(c) and (not isinstance(a, torch.Tensor) or a.shape == c.shape)
     assert short[3] is handle and full[3] is handle and short[1] is full[1]
     seen.clear()
+    idx = torch.stack([torch.randperm(host_path.E, generator=g)[:K] for _ in range(T)])
+    for sync in (None, True, False):
+        b.last_tokens = T
+        short = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync)
+        assert seen == ["fresh_dispatch"], sync
+        seen.clear()
+        full = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync, expert_alignment=1)
+        assert seen == ["validate_dispatch", "dispatch"]
+        seen.clear()
+        for a, c in zip(short[:3], full[:3]):
+            assert a.shape == c.shape and a.dtype == c.dtype
+        assert short[3].num_recv_tokens == full[3].num_recv_tokens and short[3].do_cpu_sync == (sync is not False)
     short = pub.combine(y, handle)
     assert seen == ["plain_combine"]
     seen.clear()

@@ -7,7 +7,7 @@ The backend is tests/test_gpu_host_path.py's stand-in (fake modules whose launch
 layout report that says every token arrives once); output allocations are handed out again from a
 cache, so neither allocations nor driver calls are in the figures: only the Python and the tensor
 views and objects a call makes. The fresh dispatch's checks leave out the expert-id range check,
-which reads the tensor on CPU only (the GPU's kernels do it). Prints the best of five rounds of 1000
+which reads the tensor on CPU only (the GPU's kernels do it), and so does the public full dispatch. Prints the best of five rounds of 1000
 calls each, in us per call.
 
 Usage: python tools/host_python_cost.py
@@ -104,7 +104,10 @@ def main() -> None:
     pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
                         allow_multiple_reduction=True, num_allocated_qps=0)
     b.get_comm_stream = lambda: None
+    checks._min_max = lambda t: (0, 0)   # the short path's read of the ids on CPU (a GPU's kernel checks them)
     rows += [
+        ("public: full dispatch, CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E)),
+        ("public: full dispatch, no CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)),
         ("public: cached dispatch", lambda: pub.dispatch(x, topk_weights=w, handle=handle)),
         ("public: combine", lambda: pub.combine(y, handle)),
     ]
