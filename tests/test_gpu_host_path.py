@@ -464,3 +464,43 @@ def test_a_lazy_field_without_its_state_says_so():
     handle.backend_state = None
     with pytest.raises(AttributeError, match="made from the handle's backend state"):
         handle.psum_num_recv_tokens_per_expert
+
+
+@pytest.mark.parametrize("masked", [0, 3])
+def test_a_single_rank_allocates_its_outputs_before_the_wait(masked, monkeypatch):
+    """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated before
+    the host waits for the layout stage's report, then cut to the rows it reports (fewer when tokens
+    select no expert). The returned tensors and the handle have exactly those rows, the data kernel
+    gets them as its capacities, and the outputs start where the allocations do."""
+    from deep_ep.backends import outputs
+    events = []
+    real_empty = outputs.empty
+
+    def empty(shape, dtype, device, stream=None):
+        events.append(("alloc", shape))
+        return real_empty(shape, dtype, device, stream)
+    monkeypatch.setattr(outputs, "empty", empty)
+    log = []
+    b = _backend(log)
+    T = 24
+    wait = b.wait_readback
+
+    def wait_readback(seq, num_experts, num_topk):
+        events.append(("wait", None))
+        report = wait(seq, num_experts, num_topk)
+        report[READBACK["out_rows"]] = report[READBACK["tok_rows"]] = T - masked
+        return report
+    b.wait_readback = wait_readback
+    (recv_x, recv_idx, recv_w, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
+    rows = T - masked
+    assert recv_x.shape == (rows, H) and recv_idx.shape == (rows, K) and recv_w.shape == (rows, K)
+    assert handle.num_recv_tokens == rows and handle.recv_src_metadata.shape == (rows, K + 2)
+    for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
+        assert t.is_contiguous()
+    kinds = [k for k, _ in events]
+    assert kinds.index("wait") == len(kinds) - 1   # every allocation before the wait, none after
+    assert [s for k, s in events if k == "alloc"][-4:] == [(T, H), (T, K), (T, K), (T, K + 2)]
+    data = b.fresh_plans[next(iter(b.fresh_plans))].data.args[0]
+    assert (data.out_capacity, data.tok_capacity) == (rows, rows)
+    assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
+    assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()

@@ -35,8 +35,8 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
         if launch is None:
             launch = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)
         T = handle.num_tokens
-        entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk), guard)
-    prepared, n_sms, out_shape, w_shape, _ = entry
+        entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk), launch[0].args[0].tag, guard)
+    prepared, n_sms, out_shape, w_shape, tag, _ = entry
     b.raise_if_broken()
     dev = b.device
     out = outputs.empty(out_shape, torch.bfloat16, dev, b.fill_stream)
@@ -45,7 +45,7 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
     a.y, a.weights_in, a.out, a.out_weights = _ptr(x), _ptr(topk_weights), _ptr(out), _ptr(out_w)
     a.bias0 = _ptr(bias[0]) if len(bias) > 0 else None
     a.bias1 = _ptr(bias[1]) if len(bias) > 1 else None
-    a.tag.seq = b.calls & 0xFFFFFFFF
+    tag.seq = b.calls & 0xFFFFFFFF   # a view into the arguments (memo)
     b.launch_data(prepared, n_sms)
     return out, out_w
 

@@ -75,7 +75,9 @@ def notify_groups(T: int, K: int, groups_max: int) -> int:
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None or t.numel() == 0 else t.data_ptr()
+    """A kernel argument's address: None for no tensor. An empty tensor's address goes as it is (None
+    when torch gave it none): the kernels touch no element of it, since its counts are zero."""
+    return None if t is None else t.data_ptr() or None
 
 
 class _FreshPlan:
@@ -85,7 +87,7 @@ class _FreshPlan:
     constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "notify", "data")
+                 "notify", "data", "per_tokens", "tags")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -94,6 +96,7 @@ class _FreshPlan:
         data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, num_max_tokens_per_rank)
         self.E, self.A, self.L, self.H, self.m = E, A, E // R, int(data.shape[1]), m
         self.ix = layout_index(R, E // R, E)
+        self.per_tokens = {}   # (tokens, notify groups cap) -> (word plan, notify blocks, tokens per group)
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
         mod = b.module("dispatch", structure)
@@ -124,6 +127,8 @@ class _FreshPlan:
                           row_stride=layout.row_stride, timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr,
                           tag=tag),
              transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
+        # the three structs' tags, as views into their arguments (a ctypes field read makes a new view)
+        self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
 
 
 def _dispatch_tag(kind: int, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m):
@@ -196,49 +201,58 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     seq = b.calls & 0xFFFFFFFF
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
-    meta_rows = plan.meta_rows
-    wp = word_plan(ix, R, L, T, K, bool(do_expand), meta_rows)
+    per_t = plan.per_tokens.get((T, b.notify_groups_max))
+    if per_t is None:
+        if len(plan.per_tokens) >= _MAX_PLANS:
+            plan.per_tokens.clear()
+        wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows)
+        groups = notify_groups(T, K, b.notify_groups_max)
+        per_t = plan.per_tokens[(T, b.notify_groups_max)] = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
+    wp, notify_blocks, tokens_per_group = per_t
     words = outputs.empty(wp.total, torch.int32, dev, b.fill_stream)
+    # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
+    handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
     lay_ptr = words.data_ptr()
     pos_tok_ptr, pos_pair_ptr, _ = wp.addresses(lay_ptr)
     stream = b.launch_stream
-    groups = notify_groups(T, K, b.notify_groups_max)
-    # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
-    handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
     na, la = plan.notify.args[0], plan.notify.args[1]
-    na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, max(1, -(-T // groups))
+    na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, tokens_per_group
     na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
     na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
     la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
     if do_cpu_sync:
         b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-    na.tag.seq = la.tag.seq = seq
+    notify_tag, layout_tag, data_tag = plan.tags
+    notify_tag.seq = layout_tag.seq = data_tag.seq = seq
     b.launched_call = b.calls
-    plan.notify.launch(stream, groups // NOTIFY_WARPS)
+    plan.notify.launch(stream, notify_blocks)
     b.last_num_experts, b.last_num_topk = E, K
     # The data kernel's arguments that do not depend on the counts, set while the notify kernel runs.
     a = plan.data.args[0]
     a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
         _ptr(topk_weights), T
     a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
-    a.tag.seq = seq
     if do_cpu_sync:
+        # A rank alone receives its own tokens only, at most T rows (non-expanded): its outputs are
+        # allocated while the notify kernel runs, then cut to the rows the layout stage reports (all
+        # T unless a token selects no expert). Elsewhere the exact rows are known only after the wait.
+        early = _alloc_outputs(b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf) \
+            if R == 1 and not do_expand and (sf is None or not use_tma_aligned_col_major_sf) else None
         head = b.wait_readback(la.seq, E, K)   # every peer's counts are in: the layout is written
         out_rows = head[READBACK["out_rows"]]
         tok_capacity = head[READBACK["tok_rows"]]
+        if early is None or out_rows > T or tok_capacity > T:
+            early = _alloc_outputs(b, data, sf, out_rows, K, has_weights, do_expand, tok_capacity,
+                                   use_tma_aligned_col_major_sf)
+        elif out_rows < T or tok_capacity < T:
+            early = tuple(None if t is None else t[:n] for t, n in zip(early[:4], (out_rows,) * 4)) + \
+                (early[4][:tok_capacity], early[5])
+        out_x, out_sf, out_w, out_idx, src_meta, sf_ld = early
     else:
         out_rows, tok_capacity = plan.out_cap, plan.tok_cap
-
-    # outputs
-    out_x = outputs.empty((out_rows, H), data.dtype, dev, b.fill_stream)
-    out_sf, sf_ld = _alloc_sf(b, sf, out_rows, use_tma_aligned_col_major_sf)
-    out_w = None
-    if has_weights:
-        out_w = outputs.empty(out_rows if do_expand else (out_rows, K), torch.float32, dev, b.fill_stream)
-    out_idx = None if do_expand else outputs.empty((out_rows, K), torch.int64, dev, b.fill_stream)
-    # With CPU sync recv_src_metadata has the exact rows, an allocation of its own; without, its
-    # worst-case rows are a piece of the words.
-    src_meta = outputs.empty((tok_capacity, K + 2), torch.int32, dev, b.fill_stream) if do_cpu_sync else None
+        # recv_src_metadata's worst-case rows are a piece of the words
+        out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
+            b, data, sf, out_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
     state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
     a.out_x, a.out_sf, a.sf_ld = _ptr(out_x), _ptr(out_sf), sf_ld
     a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), state.src_meta_ptr
@@ -261,6 +275,21 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None)
     return recv_x, out_idx, out_w, new_handle
+
+
+def _alloc_outputs(b, data, sf, out_rows: int, K: int, has_weights: bool, expanded: bool,
+                   meta_rows: Optional[int], col_major: bool) -> tuple:
+    """A fresh dispatch's outputs for ``out_rows`` rows: ``(recv_x, scale factors, weights,
+    recv_topk_idx, recv_src_metadata, sf leading dimension)``; weights None without ``has_weights``,
+    recv_topk_idx None when expanded, recv_src_metadata (``meta_rows`` rows) None when ``meta_rows``
+    is None (without CPU sync it is a piece of the handle's words)."""
+    dev, fill = b.device, b.fill_stream
+    out_x = outputs.empty((out_rows, int(data.shape[1])), data.dtype, dev, fill)
+    out_sf, sf_ld = _alloc_sf(b, sf, out_rows, col_major)
+    out_w = outputs.empty(out_rows if expanded else (out_rows, K), torch.float32, dev, fill) if has_weights else None
+    out_idx = None if expanded else outputs.empty((out_rows, K), torch.int64, dev, fill)
+    src_meta = None if meta_rows is None else outputs.empty((meta_rows, K + 2), torch.int32, dev, fill)
+    return out_x, out_sf, out_w, out_idx, src_meta, sf_ld
 
 
 def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
@@ -301,8 +330,9 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
                                                            do_zero_padding, col_major_sf)
         rows = handle.num_recv_rows
         entry = memo[options] = launch + (rows, (rows, int(data.shape[1])),
-                                          rows if handle.do_expand else (rows, launch[2]), guard)
-    prepared, m, K, n_sms, out_rows, x_shape, w_shape, _ = entry
+                                          rows if handle.do_expand else (rows, launch[2]), launch[0].args[0].tag,
+                                          guard)
+    prepared, m, K, n_sms, out_rows, x_shape, w_shape, tag, _ = entry
     b.last_m = m
     b.raise_if_broken()
     dev = b.device
@@ -312,7 +342,7 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
     a = prepared.args[0]
     a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), _ptr(out_sf)
     a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
-    a.tag.seq = b.calls & 0xFFFFFFFF
+    tag.seq = b.calls & 0xFFFFFFFF
     b.launch_data(prepared, n_sms)
     recv_x = out_x if sf is None else (out_x, out_sf)
     if stats is not None:
