@@ -121,10 +121,14 @@ def dispatch_op(buffer_id: int, x: Tensor, sf: Optional[Tensor], topk_idx: Tenso
     mode has no such output; the last two int32 ``[L]`` on the buffer's device, copies of the handle's)."""
     buf = registry.find_buffer(buffer_id)
     prepare_backward_modules(buf, x.shape[1], topk_idx.shape[1], do_expand)
+    # Options at their defaults are passed as such (the buffer's M, alignment 1; zero padding only
+    # matters in the expanded layout, the only one with padding rows): the call may then take the
+    # buffer's short path, with the same result.
     recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(
         x if sf is None else (x, sf), topk_idx, topk_weights, num_experts=num_experts,
-        num_max_tokens_per_rank=num_max_tokens_per_rank or None, expert_alignment=expert_alignment,
-        num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=True,
+        num_max_tokens_per_rank=None if num_max_tokens_per_rank in (0, buf.config.num_max_tokens_per_rank)
+        else num_max_tokens_per_rank, expert_alignment=None if expert_alignment == 1 else expert_alignment,
+        num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_expand,
         use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
     outs = _outputs(handle, recv_x, recv_idx, recv_w, x.device)
     return (*outs, registry.new_token(handle), handle.psum_num_recv_tokens_per_expert.clone(),
@@ -159,8 +163,8 @@ def cached_dispatch_op(buffer_id: int, token: Tensor, x: Tensor, sf: Optional[Te
     buf = registry.find_buffer(buffer_id)
     handle = registry.handle_of(token)
     recv_x, recv_idx, recv_w, _, _ = buf.dispatch(
-        x if sf is None else (x, sf), None, topk_weights, num_sms=num_sms, handle=handle, do_zero_padding=True,
-        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
+        x if sf is None else (x, sf), None, topk_weights, num_sms=num_sms, handle=handle,
+        do_zero_padding=bool(handle.do_expand), use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
     return _outputs(handle, recv_x, recv_idx, recv_w, x.device)
 
 
