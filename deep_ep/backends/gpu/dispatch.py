@@ -75,8 +75,9 @@ def notify_groups(T: int, K: int, groups_max: int) -> int:
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    """A kernel argument's address: None for no tensor. An empty tensor's address goes as it is (None
-    when torch gave it none): the kernels touch no element of it, since its counts are zero."""
+    """A kernel argument's address: None for no tensor or an empty one (torch reports address 0 for
+    any tensor without elements, a view into a larger storage too; the kernels would not touch one
+    anyway, since its counts are zero)."""
     return None if t is None else t.data_ptr() or None
 
 
