@@ -2,13 +2,18 @@
 
 Each variant adds build-time tunables to the kernel modules (`deep_ep.backends.gpu.modules.TUNABLES`,
 passed as ``DEEP_EP_KERNEL_DEFINES``: EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_COMBINE_COMPACT,
-EP_COMBINE_SINGLE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
+EP_COMBINE_SINGLE_UNROLL, EP_COMBINE_SINGLE_BF16X2, EP_COMBINE_SINGLE_PREFETCH, EP_BF16_SHIFT,
+EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
 per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 copy floor (`deep_ep.bench.gpu_timing.copy_floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which).
 
-Usage: python tools/tune_gpu.py [--tokens 4096,128] [--iters 50] [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
+The shapes are a model preset's (`deep_ep.routing.MODEL_PRESETS`, as the bench's ``--model``;
+default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's.
+
+Usage: python tools/tune_gpu.py [--model qwen3-235b-a22b] [--tokens 4096,128] [--iters 50]
+       [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
 """
 import argparse
 import os
@@ -17,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
+from deep_ep import routing
 from deep_ep.backends import gpu
 from deep_ep.backends.gpu import modules
 from deep_ep.bench.gpu_timing import copy_floor_us, graph_time_us, single_rank_nccl_group
@@ -38,12 +44,17 @@ def parse_variant(text: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="4096,128")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--model", default="deepseek-v3", choices=sorted(routing.MODEL_PRESETS))
+    p.add_argument("--hidden", type=int, default=None, help="default: the model's")
+    p.add_argument("--experts", type=int, default=None, help="default: the model's")
+    p.add_argument("--topk", type=int, default=None, help="default: the model's")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--variants", default=";".join(DEFAULT_VARIANTS), help="';'-separated; '' = default build")
     a = p.parse_args()
+    preset = routing.get_preset(a.model)
+    a.hidden = a.hidden or preset.hidden
+    a.experts = a.experts or preset.num_experts
+    a.topk = a.topk or preset.top_k
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
     sizes = [int(t) for t in a.tokens.split(",")]
