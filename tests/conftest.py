@@ -16,7 +16,7 @@ import pytest
 
 # Test files that call jit.build(use_nccl=True) without naming an include dir (in process or in a
 # subprocess they start).
-_USES_ENVIRONMENT_NCCL = {"test_jit.py", "test_jit_cache_faults.py"}
+_USES_ENVIRONMENT_NCCL = {"test_jit.py", "test_jit_cache_faults.py", "test_kernels_compile.py"}
 
 
 @pytest.fixture(scope="session", autouse=True)
