@@ -136,6 +136,21 @@ __device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlD
     return is_last;
 }
 
+// Copy this rank's error record ``src`` (its code already read: ``code``) to mapped host memory.
+// Only an error is copied: the window's record is never cleared, so while it reads 0 the host's
+// copy (zeroed at creation) is already right, and a call without an error does not pay for writes
+// and system-scope fences over PCIe.
+__device__ __forceinline__ void error_to_host(const volatile uint32_t* src, uint32_t code, uint32_t* err_host) {
+    if (err_host != nullptr && code != 0u) {
+        // rank, peer, phase first, then the code the host tests: never a torn record
+        volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
+        for (int i = 1; i < 4; ++i) dst[i] = src[i];
+        __threadfence_system();
+        dst[0] = code;
+        __threadfence_system();
+    }
+}
+
 // The end of a wait, by one thread once every block that waited is done: advance the epoch (and
 // the round), and when ``err_host`` is given (host memory mapped into the device's address space),
 // copy the error record there, so the host sees an error of an asynchronous call at its next call
@@ -148,17 +163,7 @@ __device__ __forceinline__ void end_wait(uint8_t* my_window, bool advance_round,
     // Reductions (no value comes back): the kernel's end makes them visible to the next one.
     atomicAdd(ctrl + kCtrlEpoch, 1u);
     if (advance_round) atomicAdd(ctrl + kCtrlRound, 1u);
-    // Only an error is copied: the window's record is never cleared, so while it reads 0 the
-    // host's copy (zeroed at creation) is already right, and a call without an error does not
-    // pay for writes and system-scope fences over PCIe.
-    if (err_host != nullptr && code != 0u) {
-        // rank, peer, phase first, then the code the host tests: never a torn record
-        volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(err_host);
-        for (int i = 1; i < 4; ++i) dst[i] = src[i];
-        __threadfence_system();
-        dst[0] = code;
-        __threadfence_system();
-    }
+    error_to_host(src, code, err_host);
 }
 
 // After every block of a consumer kernel has waited: the last block ends the wait (`end_wait`).

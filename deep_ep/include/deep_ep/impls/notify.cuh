@@ -162,7 +162,10 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
 }
 
 // Returns true in the threads of the block that finished last (and signalled the peers).
-template <int K, bool kExpand>
+// ``kAlone``: the rank is alone (EP_NOTIFY_SINGLE_RANK, a rank count of 1): the caller finishes
+// (notify_alone, with nothing to signal) and this returns false. A grid of one block then meets at
+// no grid barrier: its phase A totals are the column totals, published at once, and its prefix is 0.
+template <int K, bool kExpand, bool kAlone = false>
 __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
     const int cols = R + E;
@@ -180,6 +183,7 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     __shared__ int tiles[kNotifyWarps][kTileTokens * K];
     int* ids = tiles[warp];
     uint8_t* my_window = tr.local();
+    const bool single = kAlone && num_blocks == 1;
 
     // ---- A: count (and stage / copy the ids); then the block's exclusive prefix over its warps in
     // shared memory, and its totals to the block's row of the scratch
@@ -198,14 +202,17 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
             smem[w * cols + c] = acc;
             acc += v;
         }
-        counts[static_cast<int64_t>(block) * cols + c] = acc;
+        if (single) tr.put<int>(rank, a.counts_offset + 4 * c, acc);  // rank 0's row
+        else counts[static_cast<int64_t>(block) * cols + c] = acc;
     }
-    bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
+    // One block: the __syncthreads above already ordered every warp's ids (and bad index) before
+    // what follows, and the next reader of the totals is this block's layout stage.
+    bool ok = single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
     // ---- B: prefix over the blocks, column by column (one warp per column); totals to every peer
     const int row = cols + kCountsExtraWords;
     const int64_t my_row = a.counts_offset + static_cast<int64_t>(rank) * row * 4;
-    for (int c0 = group; ok && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
+    for (int c0 = group; ok && !single && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
         int totals[kNotifyColumnsAtOnce];
         notify_prefix_columns(counts, cols, num_blocks, c0, num_groups, lane, totals);
 #pragma unroll
@@ -229,11 +236,12 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
         }
         if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this warp only)
     }
-    ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns) && ok;
+    ok = (single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns)) && ok;
 
     // ---- C: number, from the block's prefix plus the warp's within the block
     if (ok) {
-        for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
+        if (!single)
+            for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
         for (int64_t i = static_cast<int64_t>(t0) * R + lane; i < static_cast<int64_t>(t1) * R; i += 32) a.pos_tok[i] = -1;
         __syncwarp();
         for (int s = t0; s < t1; s += kTileTokens) {
@@ -244,6 +252,7 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     } else if (lane == 0) {
         comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
+    if (kAlone) return false;
     const bool last = comm::last_block(my_window);
     if (last) tr.signal_all(a.tag);
     return last;
