@@ -103,3 +103,13 @@ def test_the_combines_other_paths_compile(hidden, tunables):
     defines = dict(gpu.combine_defines(hidden, 8, False), **tunables)
     mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=defines, check_spills=True)
     assert "deep_ep_combine" in mod.kernel_names()
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["plain", "expanded"])
+def test_the_notify_kernels_general_end_compiles(expand):
+    """The notify kernel without its single-rank path (EP_NOTIFY_SINGLE_RANK=0: a rank alone signals
+    and waits on itself as before) still compiles without spills, so that tools/sweep_notify.py can
+    time it against the default."""
+    defines = dict(gpu.dispatch_defines(14336, 0, 8, expand), EP_NOTIFY_SINGLE_RANK=0)
+    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
+    assert "deep_ep_notify" in mod.kernel_names()

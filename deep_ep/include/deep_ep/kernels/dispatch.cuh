@@ -9,11 +9,14 @@
 #include "../impls/dispatch_recv.cuh"
 #include "../impls/dispatch_send.cuh"
 #include "../impls/layout.cuh"
+#include "../impls/layout_alone.cuh"
 #include "../impls/notify.cuh"
 
 // kNotifyWarps warps (groups) per block, a few warps per SM at most: the blocks meet at grid
 // barriers (impls/notify.cuh). The block that finishes last signals the peers, then waits for
-// theirs and writes the layout (impls/layout.cuh) while the other blocks have exited.
+// theirs and writes the layout (impls/layout.cuh) while the other blocks have exited. A rank alone
+// (EP_NOTIFY_SINGLE_RANK) exchanges nothing: its layout is written by the grid's last block while
+// the others still number, and its host report by the block that finishes last (impls/layout_alone.cuh).
 extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep_ep_notify(
         deep_ep::NotifyArgs a, deep_ep::LayoutArgs layout, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
@@ -21,6 +24,13 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep
     // The layout stage's arrays reuse the notify stage's dynamic shared memory ([kNotifyWarps][R + E]
     // ints, more than the 3 R + L + 2 E it needs): its counts are dead once the block has numbered its tokens.
     extern __shared__ int smem[];
+#if EP_NOTIFY_SINGLE_RANK
+    if (tr.num_ranks == 1) {
+        deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0, true>(a, tr);
+        deep_ep::notify_alone_end(layout, EP_EXPAND != 0, tr, smem);
+        return;
+    }
+#endif
     if (deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr)) deep_ep::layout_impl(layout, EP_EXPAND != 0, tr, smem);
 }
 
