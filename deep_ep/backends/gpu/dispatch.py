@@ -40,6 +40,10 @@ __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_group
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
 # (`GPUBackend.notify_groups_max`), past which the grid barriers cost more than they save.
 NOTIFY_PAIRS_PER_GROUP = 32
+# A rank alone (the notify kernel's EP_NOTIFY_SINGLE_RANK path) numbers up to this many pairs in one
+# block, which then meets at no grid barrier (two of them, ~1-2 us each, cost more than the few extra
+# passes of its warps: 1024 pairs are 4 passes of 32 per warp and phase).
+NOTIFY_ONE_BLOCK_PAIRS = 1024
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
@@ -66,9 +70,13 @@ def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int
                     psum_expert=ix.psum_expert, raw_counts=ix.raw_counts)
 
 
-def notify_groups(T: int, K: int, groups_max: int) -> int:
+def notify_groups(T: int, K: int, groups_max: int, alone: bool = False) -> int:
     """Groups (warps) of the notify kernel for ``T`` tokens of top-``K``: enough for at most
-    `NOTIFY_PAIRS_PER_GROUP` pairs each, at most ``groups_max``, in whole blocks of `NOTIFY_WARPS`."""
+    `NOTIFY_PAIRS_PER_GROUP` pairs each, at most ``groups_max``, in whole blocks of `NOTIFY_WARPS`.
+    ``alone`` (a rank alone whose kernel skips the grid barriers of a one-block grid): one block
+    for at most `NOTIFY_ONE_BLOCK_PAIRS` pairs."""
+    if alone and T * K <= NOTIFY_ONE_BLOCK_PAIRS:
+        return NOTIFY_WARPS
     cap = max(NOTIFY_WARPS, groups_max // NOTIFY_WARPS * NOTIFY_WARPS)
     groups = -(-max(1, -(-T * K // NOTIFY_PAIRS_PER_GROUP)) // NOTIFY_WARPS) * NOTIFY_WARPS
     return min(groups, cap)
@@ -88,7 +96,7 @@ class _FreshPlan:
     constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "notify", "data", "per_tokens", "tags")
+                 "alone", "notify", "data", "per_tokens", "tags")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -101,6 +109,8 @@ class _FreshPlan:
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
         mod = b.module("dispatch", structure)
+        # Built with the single-rank path of the notify kernel (the default): `notify_groups`' ``alone``.
+        self.alone = R == 1 and modules.tunable_defines().get("EP_NOTIFY_SINGLE_RANK", 1) != 0
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         big = 2 ** 31 - 1
@@ -207,7 +217,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
         wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows)
-        groups = notify_groups(T, K, b.notify_groups_max)
+        groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
         per_t = plan.per_tokens[(T, b.notify_groups_max)] = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
     wp, notify_blocks, tokens_per_group = per_t
     words = outputs.empty(wp.total, torch.int32, dev, b.fill_stream)
