@@ -330,6 +330,9 @@ def test_notify_groups_stay_within_the_cap():
         g = gpu_dispatch.notify_groups(T, K, cap)
         assert g % W == 0 and W <= g <= max(W, cap // W * W)
         assert g == min(max(W, cap // W * W), -(-max(1, -(-T * K // P)) // W) * W)
+        # a rank alone: one block for few pairs (no grid barrier), else the same grid
+        one = gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS
+        assert gpu_dispatch.notify_groups(T, K, cap, True) == (W if T * K <= one else g)
 
 
 def test_top_k_beyond_the_notify_tile_is_refused():

@@ -1,14 +1,19 @@
-"""The notify kernel's grouping, swept on one GPU (EP=1 through NCCL).
+"""The notify kernel's grouping and build-time variants, swept on one GPU (EP=1 through NCCL).
 
-For each token count, grid cap (groups at most) and pairs-per-group value: the groups it
-gives, the device time of ``deep_ep_notify`` (with its layout stage; torch.profiler, median over
-``--calls`` full dispatches without CPU sync), and the time of a synchronised full dispatch with
-CPU sync (median). Every setting's outputs and handle (numbering, layout words, the handle's copy
-of the routing), allocated poisoned, are compared bit for bit with those of the library's default
-grouping; the names of those that differ are printed.
+For each build-time variant (``--variants``, ';'-separated; each a comma list of tunables without
+the ``EP_`` prefix, e.g. ``NOTIFY_SINGLE_RANK=0``, passed as ``DEEP_EP_KERNEL_DEFINES`` as
+tools/tune_gpu.py does; '' is the default build), token count, grid cap (groups at most) and
+pairs-per-group value: the groups it gives, the device time of ``deep_ep_notify`` (with its layout
+stage; torch.profiler, median over ``--calls`` full dispatches without CPU sync), and the time of a
+synchronised full dispatch with CPU sync (median). Every setting's outputs and handle (numbering,
+layout words, the handle's copy of the routing, the host's readback of the counts, the cumulative
+stats), allocated poisoned, with and without CPU sync and in the expanded layout, are compared bit
+for bit with those of the default build's default grouping; the names of those that differ are
+printed.
 
 Usage: python tools/sweep_notify.py [--tokens 128,4096] [--pairs 16,32,64,128,256,512]
        [--caps 64,128,256,528] [--calls 20] [--hidden 7168] [--experts 256] [--topk 8]
+       [--variants ";NOTIFY_SINGLE_RANK=0"] [--one-block-pairs N]
 """
 import argparse
 import json
@@ -18,25 +23,55 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 import deep_ep
 from deep_ep.backends import outputs
 from deep_ep.backends.gpu import NOTIFY_GROUPS_PER_SM
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
+from deep_ep.backends.gpu import modules
 from deep_ep.bench.gpu_timing import single_rank_nccl_group, spin_up
+from tune_gpu import parse_variant
 
 
-NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "pos_tok", "layout words", "handle topk_idx",
-         "recv_src_metadata")
+NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "dst_buffer_slot_idx", "layout words", "handle topk_idx",
+         "recv_src_metadata", "handle words (layout, pos_tok, pos_pair, metadata)", "readback", "stats")
+MODES = ("sync", "no sync", "expanded")   # the calls compared: see `_snapshots`
 
 
 def _snapshot(call) -> list:
-    """The outputs and handle tensors of ``call()``, every output allocated poisoned (words no
-    kernel writes compare equal)."""
+    """The outputs and handle tensors of ``call()`` (which returns them and its cumulative stats),
+    every output allocated poisoned (words no kernel writes compare equal)."""
     with outputs.poisoned():
-        recv_x, recv_idx, recv_w, handle, _ = call()
-    return [t.clone() for t in (recv_x, recv_idx, recv_w, handle.dst_buffer_slot_idx, handle.backend_state.layout,
-                                handle.topk_idx, handle.recv_src_metadata)]
+        (recv_x, recv_idx, recv_w, handle, _), stats = call()
+    readback = torch.tensor([handle.num_recv_tokens, handle.num_expanded_tokens,
+                             *handle.num_recv_tokens_per_expert_list], dtype=torch.int64)
+    return [None if t is None else t.clone()
+            for t in (recv_x, recv_idx, recv_w, handle.dst_buffer_slot_idx, handle.backend_state.layout,
+                      handle.topk_idx, handle.recv_src_metadata, handle.backend_state.words, readback, stats)]
+
+
+def _snapshots(buf, x, idx, w, experts: int) -> dict:
+    """`_snapshot` of a dispatch with CPU sync, one without (worst-case outputs; no readback), and an
+    expanded one with an alignment of 4 (pos_pair, padding), each with fresh cumulative stats."""
+    T = int(x.shape[0])
+    kwargs = {"sync": {}, "no sync": {"do_cpu_sync": False, "num_max_tokens_per_rank": T},
+              "expanded": {"do_expand": True, "expert_alignment": 4}}
+
+    def call(kw):
+        stats = torch.zeros(experts, dtype=torch.int32, device=x.device)
+        return buf.dispatch(x, idx, w, num_experts=experts, cumulative_local_expert_recv_stats=stats, **kw), stats
+    return {m: _snapshot(lambda: call(kwargs[m])) for m in MODES}
+
+
+def _differ(want: dict, got: dict) -> list:
+    """``"mode: name"`` of every tensor that differs between two `_snapshots`."""
+    out = []
+    for m in MODES:
+        for n, u, v in zip(NAMES, want[m], got[m]):
+            if (u is None) != (v is None) or (u is not None and not (u.shape == v.shape and torch.equal(u, v))):
+                out.append(f"{m}: {n}")
+    return out
 
 
 def _kernel_medians(fn, calls: int, names: tuple) -> dict:
@@ -74,53 +109,87 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--variants", default="", help="';'-separated build-time variants; '' = default build")
+    p.add_argument("--one-block-pairs", type=int, default=gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS,
+                   help="pairs a rank alone numbers in one block (0: never one block)")
     a = p.parse_args()
     tokens = [int(v) for v in a.tokens.split(",")]
+    variants = a.variants.split(";")
+    base = modules.tunable_defines()   # DEEP_EP_KERNEL_DEFINES as given: every variant adds to it
+    for text in variants:   # a malformed variant fails before anything runs
+        unknown = set(parse_variant(text)) - modules.TUNABLES
+        if unknown:
+            raise SystemExit(f"--variants: {sorted(unknown)} are not tunables of {sorted(modules.TUNABLES)}")
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
-    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=a.hidden, num_topk=a.topk)
-    backend = buf._backend
-    default_pairs, default_cap = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, backend.notify_groups_max
-    print(f"default: {default_pairs} pairs per group, at most {default_cap} groups "
-          f"({NOTIFY_GROUPS_PER_SM} per SM, {backend.num_device_sms} SMs)")
-    print(f"{'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'call us':>8}  same")
+    base_defines = os.environ.get("DEEP_EP_KERNEL_DEFINES", "")
+    default_pairs, default_one_block = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, a.one_block_pairs
+    inputs = {}
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
         x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
         idx = torch.stack([torch.randperm(a.experts, device=dev, generator=g)[:a.topk] for _ in range(T)])
         w = torch.rand((T, a.topk), device=dev, generator=g)
+        inputs[T] = (x, idx, w)
 
-        def sync_call():
-            return buf.dispatch(x, idx, w, num_experts=a.experts)
+    def new_buffer(defines: dict):
+        os.environ["DEEP_EP_KERNEL_DEFINES"] = ",".join(f"{k}={v}" for k, v in defines.items())
+        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=a.hidden, num_topk=a.topk,
+                                     explicitly_destroy=True)
 
-        def no_sync_call():
-            return buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False, num_max_tokens_per_rank=T)
+    # The reference: the default build's default grouping (one-block rule included).
+    gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = default_one_block
+    buf = new_buffer(base)
+    default_cap = buf._backend.notify_groups_max
+    print(f"default: {default_pairs} pairs per group, at most {default_cap} groups "
+          f"({NOTIFY_GROUPS_PER_SM} per SM, {buf._backend.num_device_sms} SMs); a rank alone: one block "
+          f"for at most {default_one_block} pairs")
+    try:
+        reference = {T: _snapshots(buf, *inputs[T], a.experts) for T in tokens}
+    finally:
+        buf.destroy()
+    print(f"{'variant':28s} {'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'call us':>8}  same")
+    for text in variants:
+        buf = new_buffer(dict(base, **parse_variant(text)))
+        backend = buf._backend
+        alone = backend.num_ranks == 1 and modules.tunable_defines().get("EP_NOTIFY_SINGLE_RANK", 1) != 0
+        try:
+            for T in tokens:
+                x, idx, w = inputs[T]
 
-        gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
-        backend.set_notify_groups_max(default_cap)
-        want = _snapshot(sync_call)
-        seen = set()
-        for cap in (int(v) for v in a.caps.split(",")):
-            backend.set_notify_groups_max(cap)
-            for pairs in (int(v) for v in a.pairs.split(",")):
-                gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = pairs
-                groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max)
-                if groups in seen:
-                    continue
-                seen.add(groups)
-                got = _snapshot(sync_call)
-                differ = [n for n, u, v in zip(NAMES, want, got) if not torch.equal(u, v)]
-                for _ in range(3):
-                    no_sync_call()
-                spin_up()
-                k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify",))
-                spin_up()
-                call = _call_us(sync_call, a.calls)
-                print(f"{T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} {k['deep_ep_notify']:9.1f} "
-                      f"{call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}", flush=True)
-    gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
-    backend.set_notify_groups_max(default_cap)
-    buf.destroy()
+                def sync_call():
+                    return buf.dispatch(x, idx, w, num_experts=a.experts)
+
+                def no_sync_call():
+                    return buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
+                                        num_max_tokens_per_rank=T)
+
+                seen = set()
+                # the default grouping first, then the sweep (the one-block rule only in the first)
+                settings = [(default_cap, default_pairs, default_one_block)]
+                settings += [(int(c), int(q), 0) for c in a.caps.split(",") for q in a.pairs.split(",")]
+                for cap, pairs, one_block in settings:
+                    backend.set_notify_groups_max(cap)
+                    gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = pairs, one_block
+                    groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max, alone)
+                    if groups in seen:
+                        continue
+                    seen.add(groups)
+                    differ = _differ(reference[T], _snapshots(buf, x, idx, w, a.experts))
+                    for _ in range(3):
+                        no_sync_call()
+                    spin_up()
+                    k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify",))
+                    spin_up()
+                    call = _call_us(sync_call, a.calls)
+                    print(f"{text or '(default)':28s} {T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} "
+                          f"{k['deep_ep_notify']:9.1f} {call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}",
+                          flush=True)
+        finally:
+            gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = default_pairs, default_one_block
+            buf.destroy()
+    os.environ["DEEP_EP_KERNEL_DEFINES"] = base_defines
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
