@@ -205,8 +205,9 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
         if (single) tr.put<int>(rank, a.counts_offset + 4 * c, acc);  // rank 0's row
         else counts[static_cast<int64_t>(block) * cols + c] = acc;
     }
-    // One block: the __syncthreads above already ordered every warp's ids (and bad index) before
-    // what follows, and the next reader of the totals is this block's layout stage.
+    // One block: the block meets (as a grid barrier starts) so that each warp reads the prefixes the
+    // loop above wrote into its counts; the next reader of the totals is this block's layout stage.
+    if (single) __syncthreads();
     bool ok = single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
     // ---- B: prefix over the blocks, column by column (one warp per column); totals to every peer
