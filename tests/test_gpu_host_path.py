@@ -507,3 +507,13 @@ def test_a_single_rank_allocates_its_outputs_before_the_wait(masked, monkeypatch
     assert (data.out_capacity, data.tok_capacity) == (rows, rows)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
+
+
+def test_the_hosts_notify_default_is_the_kernels():
+    """The host's default for EP_NOTIFY_SINGLE_RANK (which sets the notify grid of a rank alone) is the
+    #define's default in the kernel source."""
+    import pathlib
+    import re
+    from deep_ep.backends.gpu import modules
+    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/layout_alone.cuh").read_text()
+    assert int(re.search(r"#define EP_NOTIFY_SINGLE_RANK (\d+)", src).group(1)) == modules.NOTIFY_SINGLE_RANK_DEFAULT

@@ -152,7 +152,7 @@ def main() -> None:
     for text in variants:
         buf = new_buffer(dict(base, **parse_variant(text)))
         backend = buf._backend
-        alone = backend.num_ranks == 1 and modules.tunable_defines().get("EP_NOTIFY_SINGLE_RANK", 1) != 0
+        alone = backend.num_ranks == 1 and modules.notify_single_rank()
         try:
             for T in tokens:
                 x, idx, w = inputs[T]

@@ -109,8 +109,8 @@ class _FreshPlan:
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
         mod = b.module("dispatch", structure)
-        # Built with the single-rank path of the notify kernel (the default): `notify_groups`' ``alone``.
-        self.alone = R == 1 and modules.tunable_defines().get("EP_NOTIFY_SINGLE_RANK", 1) != 0
+        # Built with the single-rank end of the notify kernel: `notify_groups`' ``alone``.
+        self.alone = R == 1 and modules.notify_single_rank()
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         big = 2 ** 31 - 1

@@ -13,9 +13,9 @@ import threading
 from ... import jit
 from .abi import TEST_DEFECTS
 
-__all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "kernel_source", "tunable_defines",
-           "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines", "build_module",
-           "load_module", "num_modules_built"]
+__all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", "kernel_source",
+           "notify_single_rank", "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines",
+           "barrier_defines", "build_module", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
@@ -35,6 +35,17 @@ def kernel_source(kind: str) -> str:
     if kind not in ("dispatch", "combine", "barrier"):
         raise ValueError(f"unknown kernel module kind {kind!r}")
     return f"#include <deep_ep/kernels/{kind}.cuh>\n"
+
+
+# EP_NOTIFY_SINGLE_RANK when DEEP_EP_KERNEL_DEFINES does not set it: the #define's default in
+# impls/layout_alone.cuh (tests/test_gpu_host_path.py holds the two equal). The host's notify grid
+# for a rank alone follows it (`dispatch.notify_groups`).
+NOTIFY_SINGLE_RANK_DEFAULT = 0
+
+
+def notify_single_rank() -> bool:
+    """Whether the notify kernels are built with their single-rank end (EP_NOTIFY_SINGLE_RANK)."""
+    return tunable_defines().get("EP_NOTIFY_SINGLE_RANK", NOTIFY_SINGLE_RANK_DEFAULT) != 0
 
 
 def tunable_defines() -> dict:
