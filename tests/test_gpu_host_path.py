@@ -517,3 +517,20 @@ def test_the_hosts_notify_default_is_the_kernels():
     from deep_ep.backends.gpu import modules
     src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/layout_alone.cuh").read_text()
     assert int(re.search(r"#define EP_NOTIFY_SINGLE_RANK (\d+)", src).group(1)) == modules.NOTIFY_SINGLE_RANK_DEFAULT
+
+
+def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
+    """A fresh dispatch's notify grid is kept per token count, and follows the settings that
+    tools/sweep_notify.py changes between calls (the cap on groups, the pairs per group)."""
+    log = []
+    b = _backend(log)
+    b.notify_groups_max = 64
+    W = gpu_dispatch.NOTIFY_WARPS
+    T = 48
+    for pairs, cap in ((32, 64), (8, 64), (8, 16), (32, 64)):
+        monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", pairs)
+        b.notify_groups_max = cap
+        log.clear()
+        _dispatch(b, T, weights=False, sync=False, align=1, stats=False)
+        grids = [grid for name, grid, _ in log if name == "deep_ep_notify"]
+        assert grids == [gpu_dispatch.notify_groups(T, K, cap) // W], (pairs, cap, grids)

@@ -105,7 +105,10 @@ class _FreshPlan:
         data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, num_max_tokens_per_rank)
         self.E, self.A, self.L, self.H, self.m = E, A, E // R, int(data.shape[1]), m
         self.ix = layout_index(R, E // R, E)
-        self.per_tokens = {}   # (tokens, notify groups cap) -> (word plan, notify blocks, tokens per group)
+        # (tokens, the notify grid's settings) -> (word plan, notify blocks, tokens per group); the
+        # settings: the backend's cap on groups and this module's grouping constants (which
+        # tools/sweep_notify.py changes between calls)
+        self.per_tokens = {}
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
         mod = b.module("dispatch", structure)
@@ -212,13 +215,14 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     seq = b.calls & 0xFFFFFFFF
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
-    per_t = plan.per_tokens.get((T, b.notify_groups_max))
+    grid_key = (T, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS)
+    per_t = plan.per_tokens.get(grid_key)
     if per_t is None:
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
         wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows)
         groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
-        per_t = plan.per_tokens[(T, b.notify_groups_max)] = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
+        per_t = plan.per_tokens[grid_key] = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
     wp, notify_blocks, tokens_per_group = per_t
     words = outputs.empty(wp.total, torch.int32, dev, b.fill_stream)
     # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
