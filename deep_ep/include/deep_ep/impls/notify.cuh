@@ -163,8 +163,9 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
 
 // Returns true in the threads of the block that finished last (and signalled the peers).
 // ``kAlone``: the rank is alone (EP_NOTIFY_SINGLE_RANK, a rank count of 1): the caller finishes
-// (notify_alone, with nothing to signal) and this returns false. A grid of one block then meets at
-// no grid barrier: its phase A totals are the column totals, published at once, and its prefix is 0.
+// (notify_alone_end in impls/layout_alone.cuh, with nothing to signal) and this returns false. A
+// grid of one block then meets at no grid barrier: its phase A totals are the column totals,
+// published at once, and its prefix is 0.
 template <int K, bool kExpand, bool kAlone = false>
 __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
