@@ -260,7 +260,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             early = _alloc_outputs(b, data, sf, out_rows, K, has_weights, do_expand, tok_capacity,
                                    use_tma_aligned_col_major_sf)
         elif out_rows < T or tok_capacity < T:
-            early = tuple(None if t is None else t[:n] for t, n in zip(early[:4], (out_rows,) * 4)) + \
+            early = tuple(None if t is None else t[:out_rows] for t in early[:4]) + \
                 (early[4][:tok_capacity], early[5])
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = early
     else:
