@@ -433,6 +433,10 @@ def test_call_stats_rows_and_calls_table_from_fake_timings():
     full = next(line for line in lines if line.startswith("full dispatch (CPU sync)"))
     assert full.split()[4:] == ["400.0", "(20.00x)", "40.0", "(2.00x)", "n/a", "50.0", "(2.50x)"]
     assert lines[-1] == "plain torch at EP=1: permute 337.0 us (16.85x), weighted un-permute 90.0 us (3.00x)"
+    ref = report.format_calls(row, floors, {"torch_permute_us": 337.0, "torch_unpermute_us": 90.0,
+                                            "host_ref_alloc_us": 2.54, "host_ref_launch_us": 4.06})
+    assert ref.splitlines()[-1] == ("host reference (this process, for the host column): a cached torch.empty "
+                                    "2.5 us, a torch kernel launch 4.1 us")
     # No floor (CPU): plain numbers.
     cpu_text = report.format_calls(report.rank_row(cfg, res, None), None, None)
     assert "no floor on CPU" in cpu_text and "x)" not in cpu_text
@@ -523,6 +527,9 @@ def test_gpu_runner_pass_with_cpu_stand_ins(skip_row, monkeypatch, tmp_path, cap
     text = report.format_report(result)
     assert "plain torch at EP=1: permute 30.0 us (3.00x), weighted un-permute 20.0 us (2.00x)" in text
     assert "floor (D2D copy with the same HBM traffic): dispatch 10.0 us, combine 10.0 us" in text
+    # the host's yardstick, measured in the same process (here on the CPU stand-in)
+    assert result["baselines"]["host_ref_alloc_us"] > 0 and result["baselines"]["host_ref_launch_us"] > 0
+    assert "host reference (this process, for the host column): a cached torch.empty" in text
     graph_checks = [c for c in result["check"]["checked"] if c["when"] == "graph-replay"]
     assert [c["call"] for c in graph_checks] == ["cached dispatch", "combine"]
     if skip_row is None:

@@ -29,7 +29,7 @@ for r in $(seq 1 "$ROUNDS"); do
     echo "=== bench $tree round $r $(date -u +%H:%M:%S)"
     (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m deep_ep bench --iters 10 ${BENCH_ARGS:-}) \
       > "$OUT/bench_${tree}_$r.log" 2>&1
-    grep -E "^(floor|rank 0|call |full dispatch|cached dispatch|combine |plain torch|check|Traceback|[A-Za-z]+Error)" \
+    grep -E "^(floor|rank 0|call |full dispatch|cached dispatch|combine |plain torch|host reference|check|Traceback|[A-Za-z]+Error)" \
       "$OUT/bench_${tree}_$r.log"
   done
 done

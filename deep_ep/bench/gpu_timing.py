@@ -17,7 +17,7 @@ from .config import BenchConfig, token_copies
 
 __all__ = ["CudaClock", "time_events", "single_rank_nccl_group", "spin_up", "capture_calls",
            "time_graph", "graph_time_us", "copy_floor_us", "torch_baselines_us",
-           "nvlink_floor_and_all_to_all_us"]
+           "host_reference_us", "nvlink_floor_and_all_to_all_us"]
 
 
 class CudaClock:
@@ -194,6 +194,31 @@ def torch_baselines_us(cfg: BenchConfig, inputs: Dict[str, Any], device, iters: 
         return out.to(torch.bfloat16)
     return {"torch_permute_us": statistics.median(time_events(permute, iters, 2)) * 1e6,
             "torch_unpermute_us": statistics.median(time_events(unpermute, iters, 2)) * 1e6}
+
+
+def host_reference_us(device, calls: int = 200, rounds: int = 5) -> Dict[str, float]:
+    """How fast this process's host is, in us per call (best of ``rounds`` rounds of ``calls``): an
+    allocation from torch's caching allocator (``torch.empty`` of a DeepSeek-V3 batch, 58.7 MB of bf16)
+    and a torch kernel launch (an in-place add on one element). A call's host time depends on the
+    host as much as on the code (the device's host was seen to run the same code 1.2-1.7x slower from
+    one process to the next), so these two give its host times a yardstick measured alongside."""
+    t = torch.zeros(1, device=device)
+
+    def best(fn) -> float:
+        for _ in range(20):
+            fn()
+        out = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out = min(out, (time.perf_counter() - t0) / calls * 1e6)
+        return out
+    ref = {"host_ref_alloc_us": best(lambda: torch.empty((4096, 7168), dtype=torch.bfloat16, device=device)),
+           "host_ref_launch_us": best(lambda: t.add_(1))}
+    if t.is_cuda:
+        torch.cuda.synchronize(device)
+    return ref
 
 
 def nvlink_floor_and_all_to_all_us(cfg: BenchConfig, inputs, rank: int, device) -> Dict[str, float]:

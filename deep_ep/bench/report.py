@@ -239,6 +239,9 @@ def format_calls(row: Dict[str, Any], floors: Optional[Dict[str, float]] = None,
             return f"{us:.1f} us" + (f" ({us / floor:.2f}x)" if floor else "")
         lines.append(f"plain torch at EP=1: permute {with_ratio(b['torch_permute_us'], floors.get('dispatch'))}, "
                      f"weighted un-permute {with_ratio(b['torch_unpermute_us'], floors.get('combine'))}")
+    if "host_ref_alloc_us" in b:
+        lines.append(f"host reference (this process, for the host column): a cached torch.empty "
+                     f"{b['host_ref_alloc_us']:.1f} us, a torch kernel launch {b['host_ref_launch_us']:.1f} us")
     return "\n".join(lines)
 
 

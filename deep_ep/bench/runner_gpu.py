@@ -27,7 +27,7 @@ import torch
 from .check import poison_in_place, reference_outputs
 from .config import BenchConfig, Workload, floor_rows
 from .gpu_timing import (CudaClock, capture_calls, copy_floor_us, nvlink_floor_and_all_to_all_us,
-                         single_rank_nccl_group, time_graph, torch_baselines_us)
+                         host_reference_us, single_rank_nccl_group, time_graph, torch_baselines_us)
 from .progress import Progress
 from .report import rank_row
 from .session import CALLS, RankSession
@@ -142,6 +142,7 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     floors = {"dispatch": copy_floor_us(int(rows_moved * run_cfg.dispatch_bytes_per_token), device),
               "combine": copy_floor_us(int(rows_moved * run_cfg.combine_bytes_per_token), device)}
     baselines = torch_baselines_us(run_cfg, inputs[0], device) if R == 1 else {}
+    baselines.update(host_reference_us(device))
     if gs.multiprocess:
         baselines.update(nvlink_floor_and_all_to_all_us(run_cfg, inputs, gs.rank, device))
     del inputs
