@@ -2,7 +2,8 @@
 # Old tree vs this tree on one GPU, in one run: outputs bit for bit (tools/compare_outputs.py) and the
 # bench's numbers, alternating old / new so that drift of the card shows as spread, not as a gain.
 # Usage: OLD=<path of an old checkout> bash tools/side_by_side.sh [rounds]   (logs under $OUT)
-#   SKIP_OUTPUTS=1 leaves out the output comparison (benches only); BENCH_ARGS are passed to each bench.
+#   SKIP_OUTPUTS=1 leaves out the output comparison (benches only); BENCH_ARGS are passed to each bench;
+#   PIN_CPU=<cpu list> runs every bench under taskset on those CPUs (the same ones for both trees).
 # Make the old tree from a commit, inside the repository so that it travels to a GPU machine (an
 # ignored folder, e.g. listed in .git/info/exclude, named in the device tool's carry), and record the commit:
 #   rm -rf .trees/old && mkdir -p .trees/old && git archive <commit> | tar x -C .trees/old && echo <commit> > .trees/old/COMMIT
@@ -27,7 +28,8 @@ for r in $(seq 1 "$ROUNDS"); do
   for tree in old new; do
     dir=$OLD; [ "$tree" = new ] && dir=$NEW
     echo "=== bench $tree round $r $(date -u +%H:%M:%S)"
-    (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m deep_ep bench --iters 10 ${BENCH_ARGS:-}) \
+    pin=""; [ -n "${PIN_CPU:-}" ] && pin="taskset -c $PIN_CPU"
+    (cd "$dir" && PYTHONPATH=$dir timeout 200 $pin python3 -m deep_ep bench --iters 10 ${BENCH_ARGS:-}) \
       > "$OUT/bench_${tree}_$r.log" 2>&1
     grep -E "^(floor|rank 0|call |full dispatch|cached dispatch|combine |plain torch|host reference|check|Traceback|[A-Za-z]+Error)" \
       "$OUT/bench_${tree}_$r.log"
