@@ -534,3 +534,36 @@ def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
         _dispatch(b, T, weights=False, sync=False, align=1, stats=False)
         grids = [grid for name, grid, _ in log if name == "deep_ep_notify"]
         assert grids == [gpu_dispatch.notify_groups(T, K, cap) // W], (pairs, cap, grids)
+
+
+def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
+    """Fewer SMs than the device has (MPS, a green context): the device refuses the notify kernel's
+    cooperative launch. The dispatch starts again with half the grid until it fits, keeps that cap
+    for later calls, and returns what a dispatch with that grid returns."""
+    from deep_ep import jit
+    log = []
+    b = _backend(log)
+    b.notify_groups_max = 64
+    fits = 2   # blocks the stand-in device holds at once
+    launch = _Prepared.launch
+
+    def cooperative(self, stream, grid=0):
+        if self.name == "deep_ep_notify" and (grid or self.grid) > fits:
+            raise jit.LaunchError("launch of deep_ep_dispatch:deep_ep_notify failed "
+                                  "(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)")
+        launch(self, stream, grid)
+    monkeypatch.setattr(_Prepared, "launch", cooperative)
+    T = 64   # 256 pairs: 8 blocks of 8 groups at 4 pairs each
+    monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", 4)
+    (recv_x, _, _, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
+    notify = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]
+    assert [g for g, _ in notify] == [fits] and b.notify_groups_max == fits * gpu_dispatch.NOTIFY_WARPS
+    tokens_per_group = gpu_dispatch.NotifyArgs.from_buffer_copy(notify[0][1][0]).tokens_per_group
+    assert tokens_per_group == -(-T // (fits * gpu_dispatch.NOTIFY_WARPS))
+    assert recv_x.shape == (T, H) and handle.num_recv_tokens == T
+    log.clear()
+    _dispatch(b, T, weights=True, sync=True, align=1, stats=False)   # the lower cap stays
+    assert [grid for name, grid, _ in log if name == "deep_ep_notify"] == [fits]
+    fits = 0
+    with pytest.raises(jit.LaunchError, match="not even one block fits"):
+        _dispatch(b, T, weights=True, sync=True, align=1, stats=False)

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ... import jit
 from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
@@ -187,13 +188,43 @@ def _check_config(b, data, sf, K, E, num_max_tokens_per_rank) -> tuple:
 _MAX_PLANS = 64   # configurations kept per buffer (a model has a few; more are re-derived)
 
 
+class _NotifyRefused(Exception):
+    """The device refused the notify kernel's cooperative launch (`run_dispatch` retries)."""
+
+
 def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
                  do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
-    """`Backend.dispatch` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
+    """`Backend.dispatch` on the GPU backend ``b`` (see `deep_ep.backends.base`).
+
+    A fresh dispatch whose notify kernel the device refuses to launch cooperatively (its blocks
+    cannot all be resident: fewer SMs than the device has, under MPS or a green context) is started
+    again with half the grid: nothing of the call was queued yet, and any grid numbers the same."""
     if handle is not None:
         return run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
                            use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+    while True:
+        try:
+            return _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                              expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+                              use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+        except _NotifyRefused as refused:
+            blocks = refused.args[0]
+            capturing = b.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if blocks <= 1 or capturing:
+                why = ("during CUDA-graph capture the grid cannot be lowered: make one fresh dispatch before "
+                       "capturing" if blocks > 1 else "not even one block fits")
+                raise jit.LaunchError(f"rank {b.rank}: the device cannot hold the {blocks} blocks of the notify "
+                                      f"kernel at once (fewer SMs available, e.g. under MPS or a green context); "
+                                      f"{why}") from refused.__cause__
+            b.set_notify_groups_max((blocks // 2) * NOTIFY_WARPS)   # later calls keep the lower cap
+
+
+def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
+               num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf,
+               cumulative_local_expert_recv_stats):
+    """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` (its argument: the refused grid, in
+    blocks) when the notify kernel's cooperative launch is refused."""
     dev = b.device
     R = b.num_ranks
     K = int(topk_idx.shape[1])
@@ -240,7 +271,12 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
     b.launched_call = b.calls
-    plan.notify.launch(stream, notify_blocks)
+    try:
+        plan.notify.launch(stream, notify_blocks)
+    except jit.LaunchError as exc:
+        if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+            raise _NotifyRefused(notify_blocks) from exc
+        raise
     b.last_num_experts, b.last_num_topk = E, K
     # The data kernel's arguments that do not depend on the counts, set while the notify kernel runs.
     a = plan.data.args[0]
