@@ -55,6 +55,11 @@ def main() -> None:
     a.hidden = a.hidden or preset.hidden
     a.experts = a.experts or preset.num_experts
     a.topk = a.topk or preset.top_k
+    for text in a.variants.split(";"):   # a malformed variant fails before anything runs
+        unknown = set(parse_variant(text)) - modules.TUNABLES - {"EP_THREADS", "EP_COOPERATIVE"}
+        if unknown:
+            raise SystemExit(f"--variants: {sorted(unknown)} are not tunables of {sorted(modules.TUNABLES)} "
+                             f"(nor THREADS / COOPERATIVE)")
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
     sizes = [int(t) for t in a.tokens.split(",")]
