@@ -151,8 +151,8 @@ class Backend(abc.ABC):
                        num_experts: int, num_sms: int, do_handle_copy: bool, do_cpu_sync: bool) -> tuple:
         """`dispatch` without a handle, with bf16 ``data`` and every option not named here at its
         default (the buffer's ``num_max_tokens_per_rank``, alignment 1, no FP8, not expanded, no
-        statistics), already checked (`deep_ep.checks.plain_fresh_dispatch_ok`). A backend may serve
-        it on a shorter path."""
+        statistics), already checked (`deep_ep.checks.plain_fresh_dispatch_ok`). Returns what
+        `dispatch` returns. A backend may serve it on a shorter path."""
         return self.dispatch(data, None, topk_idx, topk_weights, num_experts=num_experts,
                              num_max_tokens_per_rank=self.config.num_max_tokens_per_rank, expert_alignment=1,
                              num_sms=num_sms, handle=None, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
