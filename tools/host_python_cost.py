@@ -14,7 +14,6 @@ Usage: python tools/host_python_cost.py
 """
 import os
 import sys
-import time
 import types
 
 import torch
@@ -27,6 +26,7 @@ from deep_ep.backends import outputs  # noqa: E402
 from deep_ep.backends.base import BufferConfig  # noqa: E402
 from deep_ep.backends.gpu import combine as gpu_combine  # noqa: E402
 from deep_ep.backends.gpu import dispatch as gpu_dispatch  # noqa: E402
+from deep_ep.bench.gpu_timing import best_host_us  # noqa: E402
 
 T, H, E, K = 4096, 7168, 256, 8
 
@@ -36,16 +36,8 @@ class _NoLaunch(host_path._Prepared):
         pass
 
 
-def _best_us(fn, rounds: int = 5, n: int = 1000) -> float:
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
-    return best
+def _best_us(fn) -> float:
+    return best_host_us(fn, calls=1000, rounds=5, warmup=200)
 
 
 def main() -> None:

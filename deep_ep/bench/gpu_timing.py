@@ -17,7 +17,7 @@ from .config import BenchConfig, token_copies
 
 __all__ = ["CudaClock", "time_events", "single_rank_nccl_group", "spin_up", "capture_calls",
            "time_graph", "graph_time_us", "copy_floor_us", "torch_baselines_us",
-           "host_reference_us", "nvlink_floor_and_all_to_all_us"]
+           "best_host_us", "host_reference_us", "nvlink_floor_and_all_to_all_us"]
 
 
 class CudaClock:
@@ -196,6 +196,20 @@ def torch_baselines_us(cfg: BenchConfig, inputs: Dict[str, Any], device, iters: 
             "torch_unpermute_us": statistics.median(time_events(unpermute, iters, 2)) * 1e6}
 
 
+def best_host_us(fn: Callable[[], Any], calls: int = 200, rounds: int = 5, warmup: int = 20) -> float:
+    """Host (wall) time of one ``fn()`` in us: the best of ``rounds`` rounds of ``calls`` calls each,
+    after ``warmup`` calls (the best round: the one least disturbed by the rest of the machine)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
 def host_reference_us(device, calls: int = 200, rounds: int = 5) -> Dict[str, float]:
     """How fast this process's host is, in us per call (best of ``rounds`` rounds of ``calls``): an
     allocation from torch's caching allocator (``torch.empty`` of a DeepSeek-V3 batch, 58.7 MB of bf16)
@@ -203,19 +217,9 @@ def host_reference_us(device, calls: int = 200, rounds: int = 5) -> Dict[str, fl
     host as much as on the code (the device's host was seen to run the same code 1.2-1.7x slower from
     one process to the next), so these two give its host times a yardstick measured alongside."""
     t = torch.zeros(1, device=device)
-
-    def best(fn) -> float:
-        for _ in range(20):
-            fn()
-        out = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            out = min(out, (time.perf_counter() - t0) / calls * 1e6)
-        return out
-    ref = {"host_ref_alloc_us": best(lambda: torch.empty((4096, 7168), dtype=torch.bfloat16, device=device)),
-           "host_ref_launch_us": best(lambda: t.add_(1))}
+    ref = {"host_ref_alloc_us": best_host_us(lambda: torch.empty((4096, 7168), dtype=torch.bfloat16, device=device),
+                                             calls, rounds),
+           "host_ref_launch_us": best_host_us(lambda: t.add_(1), calls, rounds)}
     if t.is_cuda:
         torch.cuda.synchronize(device)
     return ref
