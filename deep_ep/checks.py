@@ -25,7 +25,8 @@ from .handle import EPHandle
 __all__ = [
     "INT32_MAX", "BUFFER_ALIGNMENT", "check_int", "check_bool", "check_number", "check_tensor", "check_event",
     "check_x", "check_topk_values", "normalise_bias", "check_buffer_args", "check_size_hint_args",
-    "check_sms_args", "plain_cached_dispatch_ok", "plain_fresh_dispatch_ok", "plain_combine_ok", "validate_dispatch", "validate_combine",
+    "check_sms_args", "plain_cached_dispatch_ok", "plain_fresh_dispatch_ok", "plain_combine_ok",
+    "validate_dispatch", "validate_combine",
 ]
 
 INT32_MAX = 2 ** 31 - 1            # sizes and counts travel as int32 (kernel arguments, count tensors)

@@ -4,7 +4,8 @@ A kernel that gives up waiting for a peer, or that finds more rows than the outp
 (code, rank, peer, phase) in its window's control region (``comm/window.cuh``); the last block of a
 data kernel that waited, and the notify kernel's layout stage, also copy a recorded error to
 page-locked host memory mapped into the device (`ErrorRecord`), so the host sees an asynchronous
-call's error at its next call without any operation on the stream. `raise_recorded` turns a record into the exception users see.
+call's error at its next call without any operation on the stream. `raise_recorded` turns a record
+into the exception users see.
 """
 from __future__ import annotations
 
