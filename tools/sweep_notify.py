@@ -31,7 +31,7 @@ from deep_ep.backends.gpu import NOTIFY_GROUPS_PER_SM
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
 from deep_ep.backends.gpu import modules
 from deep_ep.bench.gpu_timing import single_rank_nccl_group, spin_up
-from tune_gpu import parse_variant
+from tune_gpu import bit_equal, parse_variant
 
 
 NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "dst_buffer_slot_idx", "layout words", "handle topk_idx",
@@ -69,7 +69,7 @@ def _differ(want: dict, got: dict) -> list:
     out = []
     for m in MODES:
         for n, u, v in zip(NAMES, want[m], got[m]):
-            if (u is None) != (v is None) or (u is not None and not (u.shape == v.shape and torch.equal(u, v))):
+            if (u is None) != (v is None) or (u is not None and not bit_equal(u, v)):
                 out.append(f"{m}: {n}")
     return out
 

@@ -1,0 +1,29 @@
+"""Helpers of the device tools (tools/) that run on CPU too."""
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+from tune_gpu import bit_equal, parse_variant  # noqa: E402
+
+
+def test_bit_equal_compares_bytes_so_poison_equals_itself():
+    """The test poison of a float output is all-ones bytes, a NaN: the variant sweeps compare outputs
+    byte for byte, so untouched poisoned rows match while torch.equal says they differ."""
+    a = torch.empty(3, 4, dtype=torch.bfloat16)
+    a.view(torch.uint8).fill_(0xFF)
+    b = a.clone()
+    assert not torch.equal(a, b) and bit_equal(a, b)
+    b[1, 2] = 1.0
+    assert not bit_equal(a, b)
+    assert not bit_equal(a, a.view(4, 3)) and not bit_equal(a, a.view(torch.int16))
+    assert not bit_equal(a.t(), b.t().contiguous())
+    assert bit_equal(torch.empty(0, 7), torch.empty(0, 7))
+    c = torch.randn(5, 6)
+    assert bit_equal(c.t(), c.t().contiguous())
+
+
+def test_parse_variant():
+    assert parse_variant("send_unroll=16, LOAD_NO_L1=1") == {"EP_SEND_UNROLL": 16, "EP_LOAD_NO_L1": 1}
+    assert parse_variant("") == {}
