@@ -470,19 +470,26 @@ def test_a_lazy_field_without_its_state_says_so():
 
 
 @pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_allocates_its_outputs_before_the_wait(masked, monkeypatch):
-    """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated before
-    the host waits for the layout stage's report, then cut to the rows it reports (fewer when tokens
-    select no expert). The returned tensors and the handle have exactly those rows, the data kernel
-    gets them as its capacities, and the outputs start where the allocations do."""
+def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
+    """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
+    rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
+    more) before the host waits for the layout stage's report; the outputs are then cut to the rows
+    it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
+    those rows and start where the kernel writes."""
     from deep_ep.backends import outputs
     events = []
     real_empty = outputs.empty
+    real_launch = _Prepared.launch
 
     def empty(shape, dtype, device, stream=None):
         events.append(("alloc", shape))
         return real_empty(shape, dtype, device, stream)
+
+    def launch(self, stream, grid=0):
+        events.append((self.name, None))
+        real_launch(self, stream, grid)
     monkeypatch.setattr(outputs, "empty", empty)
+    monkeypatch.setattr(_Prepared, "launch", launch)
     log = []
     b = _backend(log)
     T = 24
@@ -501,10 +508,12 @@ def test_a_single_rank_allocates_its_outputs_before_the_wait(masked, monkeypatch
     for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
         assert t.is_contiguous()
     kinds = [k for k, _ in events]
-    assert kinds.index("wait") == len(kinds) - 1   # every allocation before the wait, none after
+    assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
+    assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
     assert [s for k, s in events if k == "alloc"][-4:] == [(T, H), (T, K), (T, K), (T, K + 2)]
-    data = b.fresh_plans[next(iter(b.fresh_plans))].data.args[0]
-    assert (data.out_capacity, data.tok_capacity) == (rows, rows)
+    plan = b.fresh_plans[next(iter(b.fresh_plans))]
+    data, layout = plan.data.args[0], plan.notify.args[1]
+    assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
 

@@ -266,8 +266,13 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
     na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
     la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
+    # With CPU sync a rank alone receives its own tokens only, at most T rows (non-expanded): its
+    # outputs are allocated and its data kernel queued while the notify kernel runs, and the layout
+    # stage refuses more than T rows (it cannot count more) before the data kernel could write them.
+    early = do_cpu_sync and R == 1 and not do_expand and (sf is None or not use_tma_aligned_col_major_sf)
     if do_cpu_sync:
         b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
+        la.out_capacity, la.tok_capacity = (T, T) if early else (plan.out_cap, plan.tok_cap)
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
     b.launched_call = b.calls
@@ -283,32 +288,29 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
         _ptr(topk_weights), T
     a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
-    if do_cpu_sync:
-        # A rank alone receives its own tokens only, at most T rows (non-expanded): its outputs are
-        # allocated while the notify kernel runs, then cut to the rows the layout stage reports (all
-        # T unless a token selects no expert). Elsewhere the exact rows are known only after the wait.
-        early = _alloc_outputs(b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf) \
-            if R == 1 and not do_expand and (sf is None or not use_tma_aligned_col_major_sf) else None
-        head = b.wait_readback(la.seq, E, K)   # every peer's counts are in: the layout is written
-        out_rows = head[READBACK["out_rows"]]
-        tok_capacity = head[READBACK["tok_rows"]]
-        if early is None or out_rows > T or tok_capacity > T:
-            early = _alloc_outputs(b, data, sf, out_rows, K, has_weights, do_expand, tok_capacity,
-                                   use_tma_aligned_col_major_sf)
-        elif out_rows < T or tok_capacity < T:
-            early = tuple(None if t is None else t[:out_rows] for t in early[:4]) + \
-                (early[4][:tok_capacity], early[5])
-        out_x, out_sf, out_w, out_idx, src_meta, sf_ld = early
-    else:
-        out_rows, tok_capacity = plan.out_cap, plan.tok_cap
-        # recv_src_metadata's worst-case rows are a piece of the words
+    if early:
+        # The outputs' rows are cut to those the layout stage reports after the wait (all T unless
+        # a token selects no expert); the kernel fills the rows past them as it fills any spare rows.
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
-            b, data, sf, out_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
-    state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
-    a.out_x, a.out_sf, a.sf_ld = _ptr(out_x), _ptr(out_sf), sf_ld
-    a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), state.src_meta_ptr
-    a.out_capacity, a.tok_capacity = out_rows, tok_capacity
-    b.launch_data(plan.data, plan.n_sms)
+            b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf)
+        _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, _ptr(src_meta), T, T)
+        head = b.wait_readback(la.seq, E, K)   # the layout is written
+        out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
+        if out_rows < T or tok_capacity < T:
+            out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows] for t in (out_x, out_sf, out_w, out_idx))
+            src_meta = src_meta[:tok_capacity]
+        state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
+    else:
+        if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
+            head = b.wait_readback(la.seq, E, K)
+            out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
+            meta_rows = tok_capacity
+        else:   # worst-case rows; recv_src_metadata's are a piece of the words
+            out_rows, tok_capacity, meta_rows = plan.out_cap, plan.tok_cap, None
+        out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
+            b, data, sf, out_rows, K, has_weights, do_expand, meta_rows, use_tma_aligned_col_major_sf)
+        state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
+        _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
     # Without CPU sync the handle's counts are the worst case (tok_capacity too).
@@ -326,6 +328,14 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None)
     return recv_x, out_idx, out_w, new_handle
+
+
+def _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, src_meta_ptr, out_rows, tok_capacity) -> None:
+    """Set a fresh dispatch's output arguments in its data kernel's struct ``a`` and launch it."""
+    a.out_x, a.out_sf, a.sf_ld = _ptr(out_x), _ptr(out_sf), sf_ld
+    a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), src_meta_ptr
+    a.out_capacity, a.tok_capacity = out_rows, tok_capacity
+    b.launch_data(plan.data, plan.n_sms)
 
 
 def _alloc_outputs(b, data, sf, out_rows: int, K: int, has_weights: bool, expanded: bool,
