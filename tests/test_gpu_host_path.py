@@ -536,6 +536,7 @@ def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
     b.notify_groups_max = 64
     W = gpu_dispatch.NOTIFY_WARPS
     T = 48
+    monkeypatch.setattr(gpu_dispatch, "NOTIFY_ONE_BLOCK_PAIRS", 0)   # not one block, which a rank alone takes
     for pairs, cap in ((32, 64), (8, 64), (8, 16), (32, 64)):
         monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", pairs)
         b.notify_groups_max = cap
@@ -563,6 +564,7 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
         launch(self, stream, grid)
     monkeypatch.setattr(_Prepared, "launch", cooperative)
     T = 64   # 256 pairs: 8 blocks of 8 groups at 4 pairs each
+    monkeypatch.setattr(gpu_dispatch, "NOTIFY_ONE_BLOCK_PAIRS", 0)   # not one block, which a rank alone takes
     monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", 4)
     (recv_x, _, _, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
     notify = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]

@@ -106,10 +106,10 @@ def test_the_combines_other_paths_compile(hidden, tunables):
 
 
 @pytest.mark.parametrize("expand", [False, True], ids=["plain", "expanded"])
-def test_the_notify_kernels_single_rank_end_compiles(expand):
-    """The notify kernel with its single-rank end (EP_NOTIFY_SINGLE_RANK=1: a rank alone neither
-    signals nor waits on itself; not yet the default) compiles without spills, so that
+def test_the_notify_kernel_without_its_single_rank_end_compiles(expand):
+    """The notify kernel without its single-rank end (EP_NOTIFY_SINGLE_RANK=0: a rank alone signals
+    and waits on itself like any rank; the default is 1) compiles without spills, so that
     tools/sweep_notify.py can time it against the default."""
-    defines = dict(gpu.dispatch_defines(14336, 0, 8, expand), EP_NOTIFY_SINGLE_RANK=1)
+    defines = dict(gpu.dispatch_defines(14336, 0, 8, expand), EP_NOTIFY_SINGLE_RANK=0)
     mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
     assert "deep_ep_notify" in mod.kernel_names()

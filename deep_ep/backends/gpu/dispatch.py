@@ -41,7 +41,7 @@ __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_group
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
 # (`GPUBackend.notify_groups_max`), past which the grid barriers cost more than they save.
 NOTIFY_PAIRS_PER_GROUP = 32
-# A rank alone (the notify kernel's EP_NOTIFY_SINGLE_RANK path) numbers up to this many pairs in one
+# A rank alone (the notify kernel's single-rank end, EP_NOTIFY_SINGLE_RANK) numbers up to this many pairs in one
 # block, which then meets at no grid barrier (two of them, ~1-2 us each, cost more than the few extra
 # passes of its warps: 1024 pairs are 4 passes of 32 per warp and phase).
 NOTIFY_ONE_BLOCK_PAIRS = 1024

@@ -40,7 +40,7 @@ def kernel_source(kind: str) -> str:
 # EP_NOTIFY_SINGLE_RANK when DEEP_EP_KERNEL_DEFINES does not set it: the #define's default in
 # impls/layout_alone.cuh (tests/test_gpu_host_path.py holds the two equal). The host's notify grid
 # for a rank alone follows it (`dispatch.notify_groups`).
-NOTIFY_SINGLE_RANK_DEFAULT = 0
+NOTIFY_SINGLE_RANK_DEFAULT = 1
 
 
 def notify_single_rank() -> bool:

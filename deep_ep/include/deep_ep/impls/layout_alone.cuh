@@ -22,11 +22,11 @@
 #include "layout.cuh"
 
 // EP_NOTIFY_SINGLE_RANK (build-time tunable, timed by tools/sweep_notify.py --variants): 1 = a rank
-// alone takes this end (kernels/dispatch.cuh); 0 = it signals and waits on itself like any rank.
-// The default is 0 until a GPU run has checked and timed this end; the host reads the same default
+// alone takes this end (kernels/dispatch.cuh; the default); 0 = it signals and waits on itself
+// like any rank. The host reads the same default
 // (`deep_ep.backends.gpu.modules.NOTIFY_SINGLE_RANK_DEFAULT`; a test holds the two equal).
 #ifndef EP_NOTIFY_SINGLE_RANK
-#define EP_NOTIFY_SINGLE_RANK 0
+#define EP_NOTIFY_SINGLE_RANK 1
 #endif
 
 namespace deep_ep {
