@@ -365,6 +365,7 @@ class GPUBackend(Backend):
         words = self.readback.words
         seq_word = READBACK["seq"]
         if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs, self.spin_secs):
+            self.broken = "host timeout"   # kernels of this call may still be queued
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         report = words[:READBACK["counts"] + num_experts // self.num_ranks]   # the header, then L counts

@@ -294,15 +294,16 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
             b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf)
         _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, _ptr(src_meta), T, T)
-        head = b.wait_readback(la.seq, E, K)   # the layout is written
+        head = _wait_counts(b, la.seq, E, K, (words, handle_topk, out_x, out_sf, out_w, out_idx, src_meta))
         out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
         if out_rows < T or tok_capacity < T:
-            out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows] for t in (out_x, out_sf, out_w, out_idx))
+            out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
+                                             for t in (out_x, out_sf, out_w, out_idx))
             src_meta = src_meta[:tok_capacity]
         state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
-            head = b.wait_readback(la.seq, E, K)
+            head = _wait_counts(b, la.seq, E, K, (words, handle_topk))
             out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
             meta_rows = tok_capacity
         else:   # worst-case rows; recv_src_metadata's are a piece of the words
@@ -328,6 +329,22 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None)
     return recv_x, out_idx, out_w, new_handle
+
+
+def _wait_counts(b, seq: int, E: int, K: int, queued: tuple) -> list:
+    """``b.wait_readback``; when it raises (an out-of-range expert id, a recorded error, the host's
+    timeout, an interrupt) the kernels queued on the communication stream may still write the
+    tensors of ``queued``, allocated on the caller's stream: the caching allocator must not hand
+    their memory out again before those kernels end (``record_stream``)."""
+    try:
+        return b.wait_readback(seq, E, K)
+    except BaseException:
+        stream = b.fill_stream   # the kernels' stream when it is not the tensors' own, else None
+        if stream is not None:
+            for t in queued:
+                if t is not None and t.is_cuda:
+                    t.record_stream(stream)
+        raise
 
 
 def _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, src_meta_ptr, out_rows, tok_capacity) -> None:
