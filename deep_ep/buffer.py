@@ -358,7 +358,8 @@ class ElasticBuffer:
 
         Raises:
             TypeError, ValueError: invalid arguments (before any communication).
-            RuntimeError: destroyed buffer; or, on every rank, ranks that disagree on the
+            RuntimeError: destroyed buffer; a fresh dispatch with CPU sync during CUDA-graph
+            capture (nothing is queued); or, on every rank, ranks that disagree on the
             configuration or receives that would not fit.
         """
         self._alive()

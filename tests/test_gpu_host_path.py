@@ -573,6 +573,20 @@ def test_a_rank_alones_failed_wait_names_every_tensor_its_kernels_write(monkeypa
     assert len(made) == len(seen) and all(any(t is u for u in seen) for t in made)
 
 
+def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
+    """Under CUDA-graph capture the counts a dispatch with CPU sync waits for are written only at
+    replay: refused before any launch; without CPU sync the dispatch is captured as usual."""
+    log = []
+    b = _backend(log)
+    monkeypatch.setattr(gpu_dispatch, "_capturing", lambda backend: True)
+    seq = b.readback_seq
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        _dispatch(b, 24, weights=True, sync=True, align=1, stats=False)
+    assert log == [] and b.readback_seq == seq
+    _dispatch(b, 24, weights=True, sync=False, align=1, stats=False)
+    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+
+
 def test_the_hosts_notify_default_is_the_kernels():
     """The host's default for EP_NOTIFY_SINGLE_RANK (which sets the notify grid of a rank alone) is the
     #define's default in the kernel source."""

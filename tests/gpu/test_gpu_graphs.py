@@ -125,3 +125,30 @@ def test_create_during_capture_raises(nccl_group):
         with pytest.raises(RuntimeError, match="before capture"):
             with torch.cuda.graph(g, stream=s):
                 deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=16, hidden=HIDDEN, num_topk=TOPK)
+
+
+def test_a_fresh_dispatch_with_cpu_sync_during_capture_raises(nccl_group):
+    """The host of a dispatch with do_cpu_sync=True waits for counts that a captured kernel writes only
+    at replay: refused at once, before anything is queued (not after num_cpu_timeout_secs), and the
+    buffer still works once the capture has ended."""
+    import time
+    dev = torch.device("cuda", 0)
+    buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=16, hidden=HIDDEN, num_topk=TOPK)
+    try:
+        x = torch.randn((16, HIDDEN), device=dev).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOPK] for _ in range(16)])
+        buf.dispatch(x, idx, num_experts=EXPERTS)   # module loads and allocator pools outside capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream(dev)
+        t0 = time.monotonic()
+        with torch.cuda.stream(s):
+            with pytest.raises(RuntimeError, match="cannot be captured"):
+                with torch.cuda.graph(g, stream=s):
+                    buf.dispatch(x, idx, num_experts=EXPERTS)
+        assert time.monotonic() - t0 < 10
+        torch.cuda.synchronize()
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
+        assert handle.num_recv_tokens == 16 and recv_x.shape == (16, HIDDEN)
+    finally:
+        buf.destroy()

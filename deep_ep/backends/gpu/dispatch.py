@@ -210,7 +210,7 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                               use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
         except _NotifyRefused as refused:
             blocks = refused.args[0]
-            capturing = b.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            capturing = _capturing(b)
             if blocks <= 1 or capturing:
                 why = ("during CUDA-graph capture the grid cannot be lowered: make one fresh dispatch before "
                        "capturing" if blocks > 1 else "not even one block fits")
@@ -243,6 +243,11 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
                          f"(num_max_tokens_per_rank)")
     b.last_m = plan.m
     b.raise_if_broken()
+    if do_cpu_sync and _capturing(b):
+        raise RuntimeError("deep_ep: a fresh dispatch with do_cpu_sync=True cannot be captured in a CUDA graph: the "
+                           "host would wait for counts that its kernels write only at replay. Capture a dispatch "
+                           "with do_cpu_sync=False (outputs sized by num_max_tokens_per_rank) or a cached one "
+                           "(handle=...); nothing was queued")
     seq = b.calls & 0xFFFFFFFF
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
@@ -329,6 +334,11 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
         recv_topk_weights=out_w if do_expand else None)
     return recv_x, out_idx, out_w, new_handle
+
+
+def _capturing(b) -> bool:
+    """Whether the current stream of the backend's (CUDA) device is being captured in a CUDA graph."""
+    return b.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _wait_counts(b, seq: int, E: int, K: int, queued: tuple) -> list:
