@@ -261,3 +261,70 @@ def test_capacity_error_at_ep1_reaches_the_next_call(nccl_group):
     finally:
         torch.cuda.synchronize()
         buf.destroy()
+
+
+def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None, idxs=None, ws=None):
+    """A valid dispatch on ``buf`` (outputs poisoned) matches the reference: the buffer is usable."""
+    if xs is None:
+        xs, idxs, ws = _inputs(num_ranks, g)
+    with outputs.poisoned():
+        out = buf.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev), num_experts=EXPERTS)
+    torch.cuda.current_stream().synchronize()
+    exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, num_max_tokens_per_rank=MAX_TOKENS)
+    ref.check_dispatch((to_cpu(out[0]), to_cpu(out[1]), to_cpu(out[2]), handle_to_cpu(out[3])), exp[rank], rank=rank)
+
+
+@pytest.mark.parametrize("cpu_sync", [True, False], ids=["sync", "nosync"])
+def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(nccl_group, cpu_sync):
+    """EP=1 through NCCL: an expert id of num_experts in a GPU topk_idx is found by the notify kernel.
+    With CPU sync the call raises a ValueError naming the id and its place (a rank alone's data kernel
+    was already queued: it moves nothing wrong, and the outputs it writes are kept for its stream);
+    without, the next call raises it. Either way valid calls after it match the reference."""
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(case_seed("bad-expert-ep1", int(cpu_sync)))
+    buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK)
+    try:
+        _check_good_dispatch(buf, dev, g)
+        T = 40
+        x = torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
+        idx = random_routing(T, EXPERTS, TOPK, g, mask_prob=0.0).to(dev)
+        idx[3, 2] = EXPERTS
+        match = rf"expert id {EXPERTS} at \[3, 2\]"
+        if cpu_sync:
+            with pytest.raises(ValueError, match=match):
+                buf.dispatch(x, idx, num_experts=EXPERTS)
+        else:
+            buf.dispatch(x, idx, num_experts=EXPERTS, do_cpu_sync=False, num_max_tokens_per_rank=MAX_TOKENS)
+            torch.cuda.synchronize()
+            with pytest.raises(ValueError, match=match):
+                buf.dispatch(x, idx.clamp(max=EXPERTS - 1), num_experts=EXPERTS)
+        for _ in range(3):
+            _check_good_dispatch(buf, dev, g)
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+
+
+def test_an_out_of_range_expert_id_on_one_emulated_rank_is_named_on_every_rank():
+    """Two emulated ranks, rank 1's topk_idx holds an id of num_experts: every rank's layout stage
+    sees it in the count matrix and raises the same ValueError naming rank 1; nothing moved, and the
+    next valid dispatch of every rank matches the reference."""
+    group, dev, x, idx = _two_ranks()
+    g = torch.Generator().manual_seed(case_seed("bad-expert-ep2", 0))
+    xs, idxs, ws = _inputs(2, g)
+
+    def body(grp):
+        buf = _short_timeout_buffer(grp)
+        try:
+            buf.dispatch(x, idx, num_experts=EXPERTS)
+            bad = idx.clone()
+            if grp.rank() == 1:
+                bad[5, 1] = EXPERTS
+            with pytest.raises(ValueError, match=rf"topk_idx on rank 1 holds expert id {EXPERTS} at \[5, 1\]"):
+                buf.dispatch(x, bad, num_experts=EXPERTS)
+            _check_good_dispatch(buf, dev, None, grp.rank(), 2, xs, idxs, ws)
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
