@@ -86,8 +86,12 @@ def test_a_refused_then_retried_dispatch_is_named_on_every_rank():
     """Rank 1's arguments are refused (it raises before communicating) and it calls again: it is a call
     ahead of rank 0. The call number travels with every signal, so both ranks' layout kernels see the
     other's and both raise a RuntimeError naming the ranks and their calls at once (the GPU timeout
-    is 3 s; a TimeoutError would mean the pairing went unnoticed), and the buffer is unusable."""
+    is 3 s; a TimeoutError would mean the pairing went unnoticed), and the buffer is unusable.
+    The refused argument is made before the ranks start: a rank's first launch of a torch kernel can
+    wait for the whole device (see `deep_ep.emulated`), here for the other rank's notify kernel, which
+    waits for this rank until the GPU timeout."""
     group, dev, x, idx = _two_ranks()
+    idx32 = idx.to(torch.int32)
 
     def body(g):
         buf = _short_timeout_buffer(g)
@@ -95,9 +99,14 @@ def test_a_refused_then_retried_dispatch_is_named_on_every_rank():
             buf.dispatch(x, idx, num_experts=EXPERTS)                    # call 1 everywhere
             if g.rank() == 1:
                 with pytest.raises(TypeError, match="topk_idx must have dtype"):
-                    buf.dispatch(x, idx.to(torch.int32), num_experts=EXPERTS)   # call 2, refused
-            with pytest.raises(RuntimeError, match=r"rank \d is at call #\d+ of this buffer, rank \d at call #\d+"):
+                    buf.dispatch(x, idx32, num_experts=EXPERTS)          # call 2, refused
+            r = g.rank()
+            mine, theirs = (2, 3) if r == 0 else (3, 2)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=rf"rank {r} is at call #{mine} of this buffer, "
+                                                   rf"rank {1 - r} at call #{theirs}"):
                 buf.dispatch(x, idx, num_experts=EXPERTS)                # rank 0: call 2, rank 1: call 3
+            assert time.monotonic() - t0 < 2.5   # found at once, not after the GPU timeout (3 s)
             with pytest.raises(RuntimeError, match="no longer usable"):
                 buf.dispatch(x, idx, num_experts=EXPERTS)
             return None
@@ -117,9 +126,9 @@ def test_a_refused_then_retried_combine_is_named_at_the_next_call():
         try:
             _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
             y = torch.randn((handle.num_recv_rows, HIDDEN), device=dev).to(torch.bfloat16)
-            if g.rank() == 1:
+            if g.rank() == 1:   # a host tensor: no GPU work between the ranks' calls (see above)
                 with pytest.raises(TypeError, match="x must have dtype"):
-                    buf.combine(y.float(), handle)                       # call 2, refused
+                    buf.combine(torch.zeros(tuple(y.shape)), handle)     # call 2, refused
             buf.combine(y, handle)
             with pytest.raises(RuntimeError, match="at call #"):
                 buf.barrier()
