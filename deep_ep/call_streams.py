@@ -47,9 +47,13 @@ def run_call(backend, fn, previous_event, previous_event_before_epilogue, async_
         comm_raw = comm.cuda_stream
         backend.enter_comm_stream()
         join.wait(comm_raw, compute_raw)
-        outputs = fn()
-        join.wait(compute_raw, comm_raw)
-        backend.leave_comm_stream()
+        try:
+            outputs = fn()
+        finally:
+            # Also after a failed call: the caller's stream is ordered after whatever the call queued
+            # (its freed tensors are not reused before those kernels end; a capture stays joined).
+            join.wait(compute_raw, comm_raw)
+            backend.leave_comm_stream()
         return outputs, EventOverlap()
     backend.enter_comm_stream()
     compute = torch.cuda.current_stream()
@@ -59,8 +63,13 @@ def run_call(backend, fn, previous_event, previous_event_before_epilogue, async_
         comm.wait_stream(compute)
     if cuda_event_of(previous_event_before_epilogue) is not None:
         comm.wait_event(cuda_event_of(previous_event_before_epilogue))
-    with (torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()):
-        outputs = fn()
+    try:
+        with (torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()):
+            outputs = fn()
+    except BaseException:
+        compute.wait_stream(comm)   # as above: the caller's stream after whatever the failed call queued
+        backend.leave_comm_stream()
+        raise
     backend.leave_comm_stream()
     done = EventHandle(comm)
     if allocate_on_comm_stream:

@@ -137,3 +137,22 @@ def test_spin_until_spins_then_sleeps(monkeypatch):
     assert calls["sleep"] > 0
     assert streams.spin_until(lambda: False, timeout_secs=0.01) is False
     assert streams.spin_until(lambda: True, timeout_secs=0.0) is True
+
+
+def test_a_failed_call_on_the_communication_stream_still_joins_the_callers_stream(backend, monkeypatch):
+    """A call on the communication stream that raises (after queuing kernels, or refused during a
+    CUDA-graph capture) still orders the caller's stream after that stream: the tensors it drops are
+    not reused before its kernels end, and a capture's fork is joined again."""
+    from deep_ep import call_streams
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: S1, raising=False)
+    backend.get_comm_stream = lambda: SimpleNamespace(cuda_stream=COMM, device_index=0)
+    backend.runs_on_caller_stream = False
+
+    def fails():
+        backend.log.append(("call",))
+        raise RuntimeError("refused")
+    with pytest.raises(RuntimeError, match="refused"):
+        call_streams.run_call(backend, fails, None, None, False, False, ())
+    assert backend.log == [("join", "wait-now", COMM, S1), ("call",), ("join", "wait-now", S1, COMM)]
+    assert backend._last_stream == COMM

@@ -272,12 +272,14 @@ def test_capacity_error_at_ep1_reaches_the_next_call(nccl_group):
         buf.destroy()
 
 
-def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None, idxs=None, ws=None):
-    """A valid dispatch on ``buf`` (outputs poisoned) matches the reference: the buffer is usable."""
+def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None, idxs=None, ws=None, on_dev=None):
+    """A valid dispatch on ``buf`` (outputs poisoned) matches the reference: the buffer is usable.
+    ``on_dev``: this rank's inputs already on the device (emulated ranks copy nothing between calls)."""
     if xs is None:
         xs, idxs, ws = _inputs(num_ranks, g)
+    x, idx, w = on_dev or (xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
     with outputs.poisoned():
-        out = buf.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev), num_experts=EXPERTS)
+        out = buf.dispatch(x, idx, w, num_experts=EXPERTS)
     torch.cuda.current_stream().synchronize()
     exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, num_max_tokens_per_rank=MAX_TOKENS)
     ref.check_dispatch((to_cpu(out[0]), to_cpu(out[1]), to_cpu(out[2]), handle_to_cpu(out[3])), exp[rank], rank=rank)
@@ -321,17 +323,18 @@ def test_an_out_of_range_expert_id_on_one_emulated_rank_is_named_on_every_rank()
     group, dev, x, idx = _two_ranks()
     g = torch.Generator().manual_seed(case_seed("bad-expert-ep2", 0))
     xs, idxs, ws = _inputs(2, g)
+    bad1 = idx.clone()   # made before the ranks start (no GPU work between their calls)
+    bad1[5, 1] = EXPERTS
+    on_dev = [(xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev)) for r in range(2)]
 
     def body(grp):
         buf = _short_timeout_buffer(grp)
         try:
             buf.dispatch(x, idx, num_experts=EXPERTS)
-            bad = idx.clone()
-            if grp.rank() == 1:
-                bad[5, 1] = EXPERTS
+            bad = bad1 if grp.rank() == 1 else idx
             with pytest.raises(ValueError, match=rf"topk_idx on rank 1 holds expert id {EXPERTS} at \[5, 1\]"):
                 buf.dispatch(x, bad, num_experts=EXPERTS)
-            _check_good_dispatch(buf, dev, None, grp.rank(), 2, xs, idxs, ws)
+            _check_good_dispatch(buf, dev, None, grp.rank(), 2, xs, idxs, ws, on_dev[grp.rank()])
             return None
         finally:
             buf.get_comm_stream().synchronize()

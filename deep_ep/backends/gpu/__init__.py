@@ -345,6 +345,7 @@ class GPUBackend(Backend):
             ev = torch.cuda.Event()
             ev.record(stream)
         if not poll_event(ev, self.config.num_cpu_timeout_secs, self.spin_secs):
+            self.broken = "host timeout"
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
         return dst.tolist()
@@ -360,7 +361,8 @@ class GPUBackend(Backend):
         Raises:
             ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
                 nothing moved, the buffer stays usable).
-            TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error.
+            TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error, or
+                the report did not come within ``num_cpu_timeout_secs``; the buffer is then unusable.
         """
         words = self.readback.words
         seq_word = READBACK["seq"]

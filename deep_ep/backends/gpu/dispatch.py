@@ -225,6 +225,11 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
                cumulative_local_expert_recv_stats):
     """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` (its argument: the refused grid, in
     blocks) when the notify kernel's cooperative launch is refused."""
+    if do_cpu_sync and _capturing(b):   # before a new configuration would build or load a module
+        raise RuntimeError("deep_ep: a fresh dispatch with do_cpu_sync=True cannot be captured in a CUDA graph: the "
+                           "host would wait for counts that its kernels write only at replay. Capture a dispatch "
+                           "with do_cpu_sync=False (outputs sized by num_max_tokens_per_rank) or a cached one "
+                           "(handle=...); nothing was queued")
     dev = b.device
     R = b.num_ranks
     K = int(topk_idx.shape[1])
@@ -243,11 +248,6 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
                          f"(num_max_tokens_per_rank)")
     b.last_m = plan.m
     b.raise_if_broken()
-    if do_cpu_sync and _capturing(b):
-        raise RuntimeError("deep_ep: a fresh dispatch with do_cpu_sync=True cannot be captured in a CUDA graph: the "
-                           "host would wait for counts that its kernels write only at replay. Capture a dispatch "
-                           "with do_cpu_sync=False (outputs sized by num_max_tokens_per_rank) or a cached one "
-                           "(handle=...); nothing was queued")
     seq = b.calls & 0xFFFFFFFF
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
@@ -299,7 +299,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
             b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf)
         _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, _ptr(src_meta), T, T)
-        head = _wait_counts(b, la.seq, E, K, (words, handle_topk, out_x, out_sf, out_w, out_idx, src_meta))
+        head = _wait_counts(b, la.seq, E, K, (words, handle_topk, cumulative_local_expert_recv_stats, out_x,
+                                              out_sf, out_w, out_idx, src_meta))
         out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
         if out_rows < T or tok_capacity < T:
             out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
@@ -308,7 +309,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
-            head = _wait_counts(b, la.seq, E, K, (words, handle_topk))
+            head = _wait_counts(b, la.seq, E, K, (words, handle_topk, cumulative_local_expert_recv_stats))
             out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
             meta_rows = tok_capacity
         else:   # worst-case rows; recv_src_metadata's are a piece of the words
@@ -345,10 +346,13 @@ def _wait_counts(b, seq: int, E: int, K: int, queued: tuple) -> list:
     """``b.wait_readback``; when it raises (an out-of-range expert id, a recorded error, the host's
     timeout, an interrupt) the kernels queued on the communication stream may still write the
     tensors of ``queued``, allocated on the caller's stream: the caching allocator must not hand
-    their memory out again before those kernels end (``record_stream``)."""
+    their memory out again before those kernels end (``record_stream``). An interrupt leaves the
+    call's kernels half queued (its peers would wait for the rest): the buffer is then unusable."""
     try:
         return b.wait_readback(seq, E, K)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            b.broken = "interrupted while waiting for the counts"
         stream = b.fill_stream   # the kernels' stream when it is not the tensors' own, else None
         if stream is not None:
             for t in queued:
