@@ -45,11 +45,6 @@ Constraints:
   rule is inferred from hangs on the H200 (a thread blocked recording an event while another waited
   in such a copy), seen when autograd's one engine thread ran the ranks' backward passes one after
   another, so that the ranks ran further apart than in a forward pass.
-* For the same reason, a rank's thread should not launch a torch kernel for the first time in the
-  process while a peer's kernel waits for this rank: in one test, a rank's first int64 -> int32 cast
-  between two collective calls stalled it until the peer's GPU timeout (inferred, as above, from
-  the test failing only when run first in a process; making the tensor before the ranks started is
-  the change, not yet run on a GPU).
 """
 from __future__ import annotations
 

@@ -87,9 +87,9 @@ def test_a_refused_then_retried_dispatch_is_named_on_every_rank():
     ahead of rank 0. The call number travels with every signal, so both ranks' layout kernels see the
     other's and both raise a RuntimeError naming the ranks and their calls at once (the GPU timeout
     is 3 s; a TimeoutError would mean the pairing went unnoticed), and the buffer is unusable.
-    The refused argument is made before the ranks start: a rank's first launch of a torch kernel can
-    wait for the whole device (see `deep_ep.emulated`), here for the other rank's notify kernel, which
-    waits for this rank until the GPU timeout."""
+    The refused argument is made before the ranks start, so that no GPU work of the test's own comes
+    between a rank's calls while the other rank's notify kernel waits for it (run alone, the test
+    once timed out on rank 0 with the cast made between the calls; the cause is not confirmed)."""
     group, dev, x, idx = _two_ranks()
     idx32 = idx.to(torch.int32)
 
@@ -126,7 +126,7 @@ def test_a_refused_then_retried_combine_is_named_at_the_next_call():
         try:
             _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=EXPERTS)
             y = torch.randn((handle.num_recv_rows, HIDDEN), device=dev).to(torch.bfloat16)
-            if g.rank() == 1:   # a host tensor: no GPU work between the ranks' calls (see above)
+            if g.rank() == 1:   # a host tensor: no GPU work between the ranks' calls (see the test above)
                 with pytest.raises(TypeError, match="x must have dtype"):
                     buf.combine(torch.zeros(tuple(y.shape)), handle)     # call 2, refused
             buf.combine(y, handle)
