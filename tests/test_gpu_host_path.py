@@ -518,59 +518,26 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
 
 
-@pytest.mark.parametrize("sync_path", ["early", "general"])
-def test_a_failed_wait_keeps_the_queued_kernels_tensors(sync_path):
-    """When the wait for the counts raises (here an out-of-range expert id), kernels queued on the
-    communication stream may still write the call's tensors (a rank alone's data kernel is queued
-    before the wait): each is kept for that stream (``record_stream``) before the error goes on."""
-    kept = []
+def test_an_interrupted_or_timed_out_wait_for_the_counts_leaves_the_buffer_unusable(monkeypatch):
+    """A wait for the layout stage's report that ends without it (an interrupt, the host's timeout)
+    leaves the call half queued, its peers waiting for the rest: the buffer is marked unusable."""
+    import deep_ep.backends.gpu as gpu_backend
+    b = GPUBackend.__new__(GPUBackend)
+    b.config = types.SimpleNamespace(num_cpu_timeout_secs=1)
+    b.spin_secs, b.rank, b.broken = 0.0, 0, None
+    b.readback = types.SimpleNamespace(words=[0] * READBACK_WORDS)
 
-    class _Tensor:
-        is_cuda = True
-
-        def __init__(self, name):
-            self.name = name
-
-        def record_stream(self, stream):
-            kept.append((self.name, stream))
-
-    b = types.SimpleNamespace(fill_stream="comm")
-
-    def wait_readback(seq, num_experts, num_topk):
-        raise ValueError("topk_idx holds expert id 99")
-    b.wait_readback = wait_readback
-    queued = (_Tensor("words"), None, _Tensor("out_x")) if sync_path == "early" else (_Tensor("words"),)
-    with pytest.raises(ValueError, match="expert id 99"):
-        gpu_dispatch._wait_counts(b, 1, E, K, queued)
-    assert kept == [(t.name, "comm") for t in queued if t is not None]
-    kept.clear()
-    b.fill_stream = None   # the kernels run on the tensors' own stream: nothing to keep
-    with pytest.raises(ValueError):
-        gpu_dispatch._wait_counts(b, 1, E, K, queued)
-    assert kept == []
-
-
-def test_a_rank_alones_failed_wait_names_every_tensor_its_kernels_write(monkeypatch):
-    """The early path passes every tensor its queued notify and data kernels write to the wait."""
-    from deep_ep.backends import outputs
-    made = []
-    real_empty = outputs.empty
-
-    def empty(shape, dtype, device, stream=None):
-        t = real_empty(shape, dtype, device, stream)
-        made.append(t)
-        return t
-    monkeypatch.setattr(outputs, "empty", empty)
-    seen = []
-
-    def wait_counts(b, seq, num_experts, num_topk, queued):
-        seen.extend(t for t in queued if t is not None)
-        raise ValueError("bad id")
-    monkeypatch.setattr(gpu_dispatch, "_wait_counts", wait_counts)
-    b = _backend([])
-    with pytest.raises(ValueError, match="bad id"):
-        _dispatch(b, 24, weights=True, sync=True, align=1, stats=False)
-    assert len(made) == len(seen) and all(any(t is u for u in seen) for t in made)
+    def interrupted(cond, timeout, spin):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gpu_backend, "spin_until", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        b.wait_readback(1, E, K)
+    assert b.broken and "interrupted" in b.broken
+    b.broken = None
+    monkeypatch.setattr(gpu_backend, "spin_until", lambda cond, timeout, spin: False)
+    with pytest.raises(TimeoutError, match="num_cpu_timeout_secs"):
+        b.wait_readback(1, E, K)
+    assert b.broken == "host timeout"
 
 
 def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):

@@ -363,10 +363,17 @@ class GPUBackend(Backend):
                 nothing moved, the buffer stays usable).
             TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error, or
                 the report did not come within ``num_cpu_timeout_secs``; the buffer is then unusable.
+            KeyboardInterrupt: passed on; the buffer is then unusable (its peers wait for the rest
+                of the call).
         """
         words = self.readback.words
         seq_word = READBACK["seq"]
-        if not spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs, self.spin_secs):
+        try:
+            arrived = spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs, self.spin_secs)
+        except KeyboardInterrupt:
+            self.broken = "interrupted while waiting for the counts"   # the call is half queued
+            raise
+        if not arrived:
             self.broken = "host timeout"   # kernels of this call may still be queued
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")

@@ -299,8 +299,9 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
             b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf)
         _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, _ptr(src_meta), T, T)
-        head = _wait_counts(b, la.seq, E, K, (words, handle_topk, cumulative_local_expert_recv_stats, out_x,
-                                              out_sf, out_w, out_idx, src_meta))
+        # If the wait raises, the caller's stream is still ordered after the queued kernels
+        # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
+        head = b.wait_readback(la.seq, E, K)
         out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
         if out_rows < T or tok_capacity < T:
             out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
@@ -309,7 +310,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
-            head = _wait_counts(b, la.seq, E, K, (words, handle_topk, cumulative_local_expert_recv_stats))
+            head = b.wait_readback(la.seq, E, K)
             out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
             meta_rows = tok_capacity
         else:   # worst-case rows; recv_src_metadata's are a piece of the words
@@ -340,25 +341,6 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
 def _capturing(b) -> bool:
     """Whether the current stream of the backend's (CUDA) device is being captured in a CUDA graph."""
     return b.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
-
-
-def _wait_counts(b, seq: int, E: int, K: int, queued: tuple) -> list:
-    """``b.wait_readback``; when it raises (an out-of-range expert id, a recorded error, the host's
-    timeout, an interrupt) the kernels queued on the communication stream may still write the
-    tensors of ``queued``, allocated on the caller's stream: the caching allocator must not hand
-    their memory out again before those kernels end (``record_stream``). An interrupt leaves the
-    call's kernels half queued (its peers would wait for the rest): the buffer is then unusable."""
-    try:
-        return b.wait_readback(seq, E, K)
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt):
-            b.broken = "interrupted while waiting for the counts"
-        stream = b.fill_stream   # the kernels' stream when it is not the tensors' own, else None
-        if stream is not None:
-            for t in queued:
-                if t is not None and t.is_cuda:
-                    t.record_stream(stream)
-        raise
 
 
 def _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, src_meta_ptr, out_rows, tok_capacity) -> None:
