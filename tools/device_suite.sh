@@ -16,8 +16,7 @@
 #          notify (tools/sweep_notify.py: the notify kernel's time per grouping, outputs compared; $OUT/notify_sweep.log)
 #          variants (build-time variants against the default: the notify kernel without its single-rank
 #                    end (EP_NOTIFY_SINGLE_RANK=0), timed and compared bit for bit, and the GPU backend's
-#                    EP=1 tests built with it ($OUT/variant_tests.xml); the combine's
-#                    single-source variants at DeepSeek-V3 and Qwen3-235B-A22B shapes; logs $OUT/variants_*.log)
+#                    EP=1 tests built with it ($OUT/variant_tests.xml); logs $OUT/variants_*.log)
 #          hostprof (tools/profile_gpu.py --host-profile: the host cost of each piece of a call, and a cProfile
 #                    of each call kind at the decode size; $OUT/host_profile.log)
 #          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
@@ -125,12 +124,7 @@ for step in $steps; do
       # the general end at EP=1 (ranks of several use it whatever the build)
       DEEP_EP_KERNEL_DEFINES=EP_NOTIFY_SINGLE_RANK=0 DEEP_EP_CASE_LOG=$OUT/variant_cases.log \
         timeout ${VARIANT_TIMEOUT:-200} python3 -m pytest -q tests/gpu/test_gpu_backend.py -k "ep1" \
-        -p no:cacheprovider --junitxml="$OUT/variant_tests.xml" 2>&1 | tee "$OUT/variant_tests.log" | tail -8
-      combine=";COMBINE_SINGLE_BF16X2=1;COMBINE_SINGLE_BF16X2=1,COMBINE_SINGLE_PREFETCH=1;BF16_SHIFT=1;"
-      for model in deepseek-v3 qwen3-235b-a22b; do
-        timeout ${VARIANT_TIMEOUT:-200} python3 tools/tune_gpu.py --model $model --tokens 4096,128 --iters 50 \
-          --variants "$combine" 2>&1 | tee "$OUT/variants_combine_$model.log" | tail -14
-      done ;;
+        -p no:cacheprovider --junitxml="$OUT/variant_tests.xml" 2>&1 | tee "$OUT/variant_tests.log" | tail -8 ;;
     hostprof)
       timeout ${HOSTPROF_TIMEOUT:-200} python3 tools/profile_gpu.py --host-profile > "$OUT/host_profile.log" 2>&1
       grep -A30 "===== host cost" "$OUT/host_profile.log" ;;

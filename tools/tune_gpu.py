@@ -2,8 +2,7 @@
 
 Each variant adds build-time tunables to the kernel modules (`deep_ep.backends.gpu.modules.TUNABLES`,
 passed as ``DEEP_EP_KERNEL_DEFINES``: EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_COMBINE_COMPACT,
-EP_COMBINE_SINGLE_UNROLL, EP_COMBINE_SINGLE_BF16X2, EP_COMBINE_SINGLE_PREFETCH, EP_BF16_SHIFT,
-EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
+EP_COMBINE_SINGLE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
 per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 copy floor (`deep_ep.bench.gpu_timing.copy_floor_us`), and whether the outputs equal the default build's

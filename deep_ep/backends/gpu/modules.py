@@ -19,13 +19,12 @@ __all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", 
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
-# Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy,math}.cuh, comm/window.cuh)
+# Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh)
 # and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh): they change how bytes
 # move, never which, so the host needs no matching change (but for the notify grid of a rank alone,
 # see `dispatch.notify_groups`). Structural defines (EP_THREADS, EP_TOPK...) are not among them:
 # overriding those would break the host's view of the kernels.
 TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
-                      "EP_COMBINE_SINGLE_BF16X2", "EP_COMBINE_SINGLE_PREFETCH", "EP_BF16_SHIFT",
                       "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK"})
 
 

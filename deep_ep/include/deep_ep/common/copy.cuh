@@ -30,17 +30,6 @@ namespace deep_ep {
 #ifndef EP_COMBINE_SINGLE_UNROLL
 #define EP_COMBINE_SINGLE_UNROLL 8
 #endif
-// 1: such a token's values go out through one bf16x2 multiply-add per pair instead of the fp32
-// round trip (the same bits, see store_single_source_chunk in impls/combine_reduce.cuh).
-#ifndef EP_COMBINE_SINGLE_BF16X2
-#define EP_COMBINE_SINGLE_BF16X2 0
-#endif
-// 1: such a token's next chunk is loaded before its current chunk is stored (two chunks in
-// registers: at hidden 4096 the whole row, 16 vectors per lane, is in flight at once). With the
-// fp32 round trip it spills at hidden 4096 (12 bytes): meant with EP_COMBINE_SINGLE_BF16X2=1.
-#ifndef EP_COMBINE_SINGLE_PREFETCH
-#define EP_COMBINE_SINGLE_PREFETCH 0
-#endif
 
 // Vectors per lane per chunk for a row of kVecs 16-byte vectors: kTunable if it is not 0, else
 // the fewest chunks of at most kMax each, evened out (e.g. 28 vectors per lane and kMax 8: four

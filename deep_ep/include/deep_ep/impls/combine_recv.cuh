@@ -152,30 +152,13 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             const int single_row = __shfl_sync(0xffffffffu, source_row, 0);
             constexpr int kSingle = row_unroll<Row::kVecs, 0, EP_COMBINE_SINGLE_UNROLL>();
             const int4* local = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(single_row) * kHidden);
-            auto load_single = [&](const int base, int4 (&v)[kSingle]) {
-                if (single_rank == rank) load_chunk<kSingle, Row::kVecs, false>(local, base, lane, v);
-                else tr.get_chunk<kSingle, Row::kVecs>(single_rank, comm::row_offset(a, half, single_row), base, lane, v);
-            };
-#if EP_COMBINE_SINGLE_PREFETCH
-            // The next chunk's loads go out before this chunk's stores: the compiler keeps the
-            // source order of loads and stores that may alias, so without this a warp waits for
-            // every chunk's loads in turn, with nothing of the row in flight while it stores.
-            constexpr int kSingleChunks = (Row::kVecs + 32 * kSingle - 1) / (32 * kSingle);
-            int4 v[2][kSingle];
-            load_single(0, v[0]);
-#pragma unroll
-            for (int c = 0; c < kSingleChunks; ++c) {
-                if (c + 1 < kSingleChunks) load_single((c + 1) * 32 * kSingle, v[(c + 1) & 1]);
-                store_single_source_chunk<kHidden, kSingle, Row::kVecs>(a, t, c * 32 * kSingle, lane, silent_slot, v[c & 1]);
-            }
-#else
 #pragma unroll
             for (int base = 0; base < Row::kVecs; base += 32 * kSingle) {
                 int4 v[kSingle];
-                load_single(base, v);
+                if (single_rank == rank) load_chunk<kSingle, Row::kVecs, false>(local, base, lane, v);
+                else tr.get_chunk<kSingle, Row::kVecs>(single_rank, comm::row_offset(a, half, single_row), base, lane, v);
                 store_single_source_chunk<kHidden, kSingle, Row::kVecs>(a, t, base, lane, silent_slot, v);
             }
-#endif
         } else
 #endif
         if (pieces == 1) {

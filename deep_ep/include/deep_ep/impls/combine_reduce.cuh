@@ -126,26 +126,8 @@ __device__ __forceinline__ void store_single_source_chunk(const CombineArgs& a, 
     for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
         if (i >= kVecs) continue;
-#if EP_COMBINE_SINGLE_BF16X2
-        // bf16(fp32(x) + 0.0 [+ 0.0]) is not x itself: -0.0 becomes +0.0 and a NaN the canonical NaN
-        // (so the row cannot be copied as it is), but it is what one bf16x2 multiply-add per pair
-        // of values gives, x * 1.0 + (+0.0), computed exactly before its one rounding (x * 1.0 is x,
-        // and x + 0.0 is exact): x for every other value, subnormals included (bf16 arithmetic
-        // keeps them), +0.0 for -0.0, the canonical NaN for a NaN; the +0.0 of silent slots changes
-        // nothing more. One instruction per pair instead of two widenings, two or four additions
-        // and a narrowing.
-        (void)silent_slot;
-        int4 r;
-        r.x = bf16x2_plus_zero(v[u].x);
-        r.y = bf16x2_plus_zero(v[u].y);
-        r.z = bf16x2_plus_zero(v[u].z);
-        r.w = bf16x2_plus_zero(v[u].w);
-        store_row_vec(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * kHidden) + i, r);
-        continue;
-#endif
         float f[8];
-        if (EP_BF16_SHIFT >= 1) bf16x8_to_f32_by_shifts(v[u], f);
-        else bf16x8_to_f32(v[u], f);
+        bf16x8_to_f32(v[u], f);
 #pragma unroll
         for (int q = 0; q < 8; ++q) {
             f[q] = __fadd_rn(0.0f, f[q]);
