@@ -128,15 +128,18 @@ def host_pieces(buf, dev, a) -> None:
     print(f"  (driver calls on the per-call path: {'ctypes (fast_calls)' if fast else 'cuda.bindings'})")
     for name, f in pieces:
         print(f"  {name:55s} {_us(f):8.2f}")
-    if fast:   # the same calls with every driver call through cuda.bindings, then the direct path again
-        cuda_driver.set_fast_calls(False)
-        print("  --- driver calls through cuda.bindings (DEEP_EP_FAST_DRIVER_CALLS=0):")
+    # The same calls with every driver call through the other path, then the default path again.
+    cuda_driver.set_fast_calls(not fast)
+    if (cuda_driver.fast_calls() is not None) != fast:
+        print("  --- driver calls through " + ("cuda.bindings (DEEP_EP_FAST_DRIVER_CALLS=0):" if fast else
+                                            "ctypes (DEEP_EP_FAST_DRIVER_CALLS=1):"))
         for name, f in whole + pieces[-2:]:
             print(f"  {name:55s} {_us(f):8.2f}")
-        cuda_driver.set_fast_calls(True)
-        print("  --- the direct path again:")
+        cuda_driver.set_fast_calls(fast)
+        print("  --- the default path again:")
         for name, f in whole[:2]:
             print(f"  {name:55s} {_us(f):8.2f}")
+    cuda_driver.set_fast_calls(fast)
 
 
 def call_kinds(buf, dev, T: int, a) -> list:

@@ -208,7 +208,7 @@ class FastCalls:
 
 
 _fast: Optional[FastCalls] = None
-_fast_state = "unset"      # "unset", "on" or "off"
+_fast_state = "unset"      # "unset" (read DEEP_EP_FAST_DRIVER_CALLS), "wanted" (build it), "on" or "off"
 
 
 #: The ABI version the prototypes of `FastCalls` describe (CUDA 12.0's; these entry points have not
@@ -243,14 +243,19 @@ def _bindings_current_context() -> int:
 
 
 def fast_calls() -> Optional[FastCalls]:
-    """The `FastCalls` of this process, or None: turned off (``DEEP_EP_FAST_DRIVER_CALLS=0``), no
-    driver, or an entry point missing (then every call goes through the bindings)."""
+    """The `FastCalls` of this process, or None (every call goes through ``cuda.bindings``, the
+    default). ``DEEP_EP_FAST_DRIVER_CALLS=1`` asks for the ctypes path; it is not used without a
+    driver or with an entry point missing. On the H200's host the bindings were the faster of the
+    two in the one run that compared them call for call (docs/performance.md, fifteenth session)."""
     global _fast, _fast_state
-    if _fast_state == "unset":
+    if _fast_state in ("unset", "wanted"):
         with _init_lock:
             if _fast_state == "unset":
+                wanted = os.environ.get("DEEP_EP_FAST_DRIVER_CALLS", "0") not in ("", "0")
+                _fast_state = "wanted" if wanted else "off"
+            if _fast_state == "wanted":
                 fast = None
-                if os.environ.get("DEEP_EP_FAST_DRIVER_CALLS", "1") not in ("", "0") and device_count() > 0:
+                if device_count() > 0:
                     try:
                         fast = FastCalls(_bindings_lookup, _bindings_current_context)
                     except Exception:  # noqa: BLE001 - an old driver or bindings: the bindings path works
@@ -261,11 +266,11 @@ def fast_calls() -> Optional[FastCalls]:
 
 
 def set_fast_calls(enabled: bool) -> None:
-    """Turn the ctypes path on or off for the rest of the process (tools time the two against each
-    other; on takes effect where `fast_calls` can build it)."""
+    """Turn the ctypes path on or off for the rest of the process, whatever the environment says
+    (tools time the two against each other; on takes effect where `fast_calls` can build it)."""
     global _fast, _fast_state
     with _init_lock:
-        _fast, _fast_state = None, ("unset" if enabled else "off")
+        _fast, _fast_state = None, ("wanted" if enabled else "off")
 
 
 def launch_kernel(function, grid: int, block: int, smem: int, stream: int, params: int,
