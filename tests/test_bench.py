@@ -471,9 +471,12 @@ class _StandInGraph:
 
     def replay(self):
         fresh = self.fn()
-        pairs = [(self.static[0], fresh[0])]
-        if isinstance(fresh[0], tuple):
-            pairs = list(zip(self.static[0], fresh[0]))
+        pairs = []
+        for dst, src in zip(self.static[:3], fresh[:3]):   # received / combined rows, indices, weights
+            if isinstance(src, tuple):
+                pairs += list(zip(dst, src))
+            elif isinstance(src, torch.Tensor):
+                pairs.append((dst, src))
         for dst, src in pairs:
             keep = torch.ones(dst.shape[0], dtype=torch.bool)
             if self.skip_row is not None:
@@ -531,12 +534,18 @@ def test_gpu_runner_pass_with_cpu_stand_ins(skip_row, monkeypatch, tmp_path, cap
     assert result["baselines"]["host_ref_alloc_us"] > 0 and result["baselines"]["host_ref_launch_us"] > 0
     assert "host reference (this process, for the host column): a cached torch.empty" in text
     graph_checks = [c for c in result["check"]["checked"] if c["when"] == "graph-replay"]
-    assert [c["call"] for c in graph_checks] == ["cached dispatch", "combine"]
+    # at EP=1 the full dispatch without CPU sync is replayed from a graph too
+    assert [c["call"] for c in graph_checks] == ["cached dispatch", "combine", "full dispatch (no CPU sync)"]
+    assert row["calls"]["full_dispatch_no_cpu_sync"]["graph_us"] == 12.5
     if skip_row is None:
         assert result["check"]["passed"], result["check"]["failures"]
     else:
+        # every output the replay rewrites was poisoned: the row left alone shows in each
+        rows = row["received_rows"]
         assert result["check"]["failures"] == [
-            f"rank 0, graph-replay cached dispatch: recv_x: 1 of {row['received_rows']} rows differ, first rows 7"]
+            f"rank 0, graph-replay cached dispatch: recv_x: 1 of {rows} rows differ, first rows 7"] + [
+            f"rank 0, graph-replay full dispatch (no CPU sync): {name}: 1 of {rows} rows differ, first rows 7"
+            for name in ("recv_x", "recv_topk_idx", "recv_topk_weights")]
 
 
 def test_check_verdict_text():

@@ -10,8 +10,9 @@ Per rank and pass (`deep_ep.bench.session.RankSession`): the first calls, checke
 (each of full dispatch with / without CPU sync, cached dispatch and combine timed alone, with CUDA
 events and with a device sync before and after); the loop's calls once more, poisoned and checked;
 then, here, each call back to back (no sync between calls) and, except for emulated ranks (their
-threads would capture at the same time), cached dispatch and combine captured in CUDA graphs: timed,
-then one replay with poisoned static outputs checked. Measured in the same run: the floor (a device
+threads would capture at the same time), cached dispatch and combine captured in CUDA graphs (at
+EP=1 also the full dispatch without CPU sync, the serving decode step's call): timed, then one
+replay with poisoned static outputs checked. Measured in the same run: the floor (a device
 copy with the operation's HBM traffic, `deep_ep.bench.gpu_timing.copy_floor_us`) and, at EP=1, plain
 torch's permute / un-permute.
 """
@@ -35,6 +36,9 @@ from .session import CALLS, RankSession
 __all__ = ["GpuSetup", "setup", "run_pass", "legacy_keys"]
 
 GRAPH_CALLS = ("cached_dispatch", "combine")
+#: Also captured when the bench runs one rank (EP=1): several ranks replaying fresh dispatches from
+#: graphs have not been run yet.
+GRAPH_CALLS_EP1 = GRAPH_CALLS + ("full_dispatch_no_cpu_sync",)
 CALLS_PER_GRAPH = 10
 
 
@@ -93,10 +97,10 @@ def _back_to_back(sess: RankSession, n: int) -> None:
     sess.progress.say(f"rank {sess.rank}: back-to-back calls done ({n} of each)")
 
 
-def _graphs(sess: RankSession, iters: int) -> None:
-    """Cached dispatch and combine from CUDA graphs: device time per call, then the outputs of one
-    replay (static outputs poisoned first) compared with the reference."""
-    for name in GRAPH_CALLS:
+def _graphs(sess: RankSession, iters: int, names=GRAPH_CALLS) -> None:
+    """The calls ``names`` from CUDA graphs: device time per call, then the outputs of one replay
+    (static outputs poisoned first) compared with the reference."""
+    for name in names:
         captured = capture_calls(lambda: sess.call(name), CALLS_PER_GRAPH)
         if captured is None:
             continue
@@ -104,8 +108,12 @@ def _graphs(sess: RankSession, iters: int) -> None:
         sess.extra[name]["graph_us"] = time_graph(graph, CALLS_PER_GRAPH, iters, sess.barrier)
         if sess.checker is not None:
             # Only the outputs each call allocates: a cached dispatch returns the handle's own
-            # indices and weights again, which later calls read.
-            poison_in_place(out[0], out[1] if name == "combine" else None)
+            # indices and weights again, which later calls read; a fresh one also writes its
+            # handle's device words.
+            if name == "full_dispatch_no_cpu_sync":
+                poison_in_place(out[0], out[1], out[2], getattr(out[3].backend_state, "words", None))
+            else:
+                poison_in_place(out[0], out[1] if name == "combine" else None)
             graph.replay()
             torch.cuda.synchronize()
             sess.check(name, out, "graph-replay")
@@ -162,7 +170,7 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
             sess.checked_iteration()
             _back_to_back(sess, max(20, cfg.iters))
             if not gs.emulated:
-                _graphs(sess, max(50, cfg.iters))
+                _graphs(sess, max(50, cfg.iters), GRAPH_CALLS_EP1 if R == 1 else GRAPH_CALLS)
             res = sess.result()
             res["num_sms"] = cfg.num_sms or buf.get_theoretical_num_sms(run_cfg.num_experts, cfg.top_k)
             results[rank] = res

@@ -152,3 +152,64 @@ def test_a_fresh_dispatch_with_cpu_sync_during_capture_raises(nccl_group):
         assert handle.num_recv_tokens == 16 and recv_x.shape == (16, HIDDEN)
     finally:
         buf.destroy()
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["nonexpanded", "expanded"])
+def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group, expand):
+    """The serving decode step: a fresh dispatch with ``do_cpu_sync=False`` (outputs sized for the
+    worst case) and a combine on its handle, captured once in a CUDA graph, then replayed with new
+    data and a new routing copied into the static inputs each time (masked slots included). Before
+    each replay every output and the handle's device words are poisoned; after it, the dispatch
+    outputs, the handle's tensors and the combine are compared with the reference of that replay's
+    inputs, element by element."""
+    T, M = 64, 64
+    align = 8 if expand else 1
+    dev = torch.device("cuda", 0)
+    buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=TOPK)
+    try:
+        g = torch.Generator().manual_seed(case_seed("graph-fresh-nosync", expand))
+        x_s = torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
+        idx_s = random_routing(T, EXPERTS, TOPK, g).to(dev)
+        w_s = torch.rand((T, TOPK), generator=g).to(dev)
+
+        def step():
+            recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(
+                x_s, idx_s, w_s, num_experts=EXPERTS, do_cpu_sync=False, num_max_tokens_per_rank=M,
+                do_expand=expand, expert_alignment=align, do_zero_padding=True)
+            return recv_x, recv_idx, recv_w, handle
+
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):   # module loads and the call's plan outside capture
+            _, _, _, h0 = step()
+            buf.combine(torch.zeros((h0.num_recv_rows, HIDDEN), dtype=torch.bfloat16, device=dev), h0)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        torch.cuda.synchronize()
+        rows = h0.num_recv_rows
+        y_s = torch.empty((rows, HIDDEN), dtype=torch.bfloat16, device=dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recv_x, recv_idx, recv_w, handle = step()
+            out, _, _ = buf.combine(y_s, handle)
+        assert handle.num_recv_rows == rows
+        for _ in range(4):
+            x = torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16)
+            idx = random_routing(T, EXPERTS, TOPK, g)
+            w = torch.rand((T, TOPK), generator=g)
+            y = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16)
+            x_s.copy_(x)
+            idx_s.copy_(idx)
+            w_s.copy_(w)
+            y_s.copy_(y)
+            for t in (recv_x, recv_idx, recv_w, out, handle.backend_state.words):
+                if t is not None:
+                    outputs.fill_poison(t)
+            graph.replay()
+            torch.cuda.synchronize()
+            exp = ref.reference_dispatch([x], [idx], [w], EXPERTS, do_expand=expand, expert_alignment=align,
+                                         do_cpu_sync=False, num_max_tokens_per_rank=M)[0]
+            ref.check_dispatch((to_cpu(recv_x), to_cpu(recv_idx), to_cpu(recv_w), handle_to_cpu(handle)), exp)
+            comb = ref.reference_combine([y], [exp.handle])[0][0]
+            ref.check_combine((out.cpu(), None), (comb, None))
+    finally:
+        buf.destroy()
