@@ -477,6 +477,8 @@ class _StandInGraph:
                 pairs += list(zip(dst, src))
             elif isinstance(src, torch.Tensor):
                 pairs.append((dst, src))
+        if len(fresh) == 5 and fresh[3].topk_idx is not self.static[3].topk_idx:
+            self.static[3].topk_idx.copy_(fresh[3].topk_idx)   # a fresh dispatch's copy of the routing
         for dst, src in pairs:
             keep = torch.ones(dst.shape[0], dtype=torch.bool)
             if self.skip_row is not None:

@@ -601,6 +601,40 @@ def test_fast_driver_calls(monkeypatch):
         cuda_driver.FastCalls({k: v for k, v in table.items() if k != "cuEventRecord"}.get)
 
 
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("", False), ("false", False),
+                                       ("1", True), ("true", True), ("ON", True)])
+def test_the_ctypes_driver_path_is_asked_for(value, on, monkeypatch):
+    """The per-call driver calls go through cuda.bindings unless DEEP_EP_FAST_DRIVER_CALLS asks for the
+    ctypes path (1 / true / yes / on); `set_fast_calls` overrides the variable either way, and the
+    path is never on where `FastCalls` cannot be built."""
+    from deep_ep.cuda import driver as cuda_driver
+
+    made = []
+
+    class Fake:
+        def __init__(self, lookup, current_context=None):
+            made.append(self)
+    monkeypatch.setattr(cuda_driver, "FastCalls", Fake)
+    monkeypatch.setattr(cuda_driver, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda_driver, "_fast", None)
+    monkeypatch.setattr(cuda_driver, "_fast_state", "unset")
+    if value is None:
+        monkeypatch.delenv("DEEP_EP_FAST_DRIVER_CALLS", raising=False)
+    else:
+        monkeypatch.setenv("DEEP_EP_FAST_DRIVER_CALLS", value)
+    got = cuda_driver.fast_calls()
+    assert (got is not None) == on and len(made) == int(on)
+    cuda_driver.set_fast_calls(not on)
+    assert (cuda_driver.fast_calls() is not None) == (not on)
+    cuda_driver.set_fast_calls(True)
+
+    def broken(lookup, current_context=None):
+        raise cuda_driver.DriverError("no entry point")
+    monkeypatch.setattr(cuda_driver, "FastCalls", broken)
+    cuda_driver.set_fast_calls(True)
+    assert cuda_driver.fast_calls() is None       # cannot be built: the bindings path
+
+
 def test_launch_restores_the_callers_context(monkeypatch):
     """A launch (plain or prepared) on another device's context restores the caller's afterwards,
     also when the launch fails; nothing is switched when the right context is already current

@@ -1,4 +1,4 @@
-"""Full dispatches (fresh routing, EP=1 through NCCL) in a loop, nothing else: a target for Nsight
+"""Full dispatches (EP=1 through NCCL) in a loop, nothing else: a target for Nsight
 Compute or compute-sanitizer, e.g.
 
     ncu --clock-control none -k regex:deep_ep_notify -s 5 -c 3 --section SpeedOfLight \
@@ -13,6 +13,7 @@ Usage: python tools/dispatch_loop.py [--tokens 4096] [--calls 10] [--hidden 7168
 import argparse
 
 import torch
+import torch.distributed
 
 import deep_ep
 from deep_ep.bench.gpu_timing import single_rank_nccl_group
@@ -31,7 +32,7 @@ def main() -> None:
     group = single_rank_nccl_group(dev)
     g = torch.Generator(device=dev).manual_seed(a.tokens)
     x = torch.randn((a.tokens, a.hidden), device=dev, generator=g).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(a.experts, device=dev, generator=g)[:a.topk] for _ in range(a.tokens)])
+    idx = torch.rand((a.tokens, a.experts), device=dev, generator=g).argsort(1)[:, :a.topk].contiguous()
     w = torch.rand((a.tokens, a.topk), device=dev, generator=g)
     buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=a.tokens, hidden=a.hidden, num_topk=a.topk,
                                 explicitly_destroy=True)
@@ -42,6 +43,7 @@ def main() -> None:
         torch.cuda.synchronize()
     finally:
         buf.destroy()
+        torch.distributed.destroy_process_group()
     print(f"{a.calls} full dispatches of {a.tokens} tokens done")
 
 

@@ -128,7 +128,7 @@ def host_pieces(buf, dev, a) -> None:
     print(f"  (driver calls on the per-call path: {'ctypes (fast_calls)' if fast else 'cuda.bindings'})")
     for name, f in pieces:
         print(f"  {name:55s} {_us(f):8.2f}")
-    # The same calls with every driver call through the other path, then the default path again.
+    # The same calls with every driver call through the other path, then the first path again.
     cuda_driver.set_fast_calls(not fast)
     if (cuda_driver.fast_calls() is not None) != fast:
         print("  --- driver calls through " + ("cuda.bindings (DEEP_EP_FAST_DRIVER_CALLS=0):" if fast else
@@ -136,7 +136,7 @@ def host_pieces(buf, dev, a) -> None:
         for name, f in whole + pieces[-2:]:
             print(f"  {name:55s} {_us(f):8.2f}")
         cuda_driver.set_fast_calls(fast)
-        print("  --- the default path again:")
+        print("  --- the first path again:")
         for name, f in whole[:2]:
             print(f"  {name:55s} {_us(f):8.2f}")
     cuda_driver.set_fast_calls(fast)

@@ -109,9 +109,14 @@ def _graphs(sess: RankSession, iters: int, names=GRAPH_CALLS) -> None:
         if sess.checker is not None:
             # Only the outputs each call allocates: a cached dispatch returns the handle's own
             # indices and weights again, which later calls read; a fresh one also writes its
-            # handle's device words.
+            # handle's device words and its copy of the routing (not the caller's own tensor).
             if name == "full_dispatch_no_cpu_sync":
-                poison_in_place(out[0], out[1], out[2], getattr(out[3].backend_state, "words", None))
+                handle = out[3]
+                state = handle.backend_state   # None on the CPU backend (the tests' stand-in)
+                own_topk = handle.topk_idx is not None and \
+                    handle.topk_idx.data_ptr() != sess.mine["topk_idx"].data_ptr()   # the handle's copy
+                poison_in_place(out[0], out[1], out[2], None if state is None else state.words,
+                                handle.topk_idx if own_topk else None)
             else:
                 poison_in_place(out[0], out[1] if name == "combine" else None)
             graph.replay()

@@ -244,14 +244,14 @@ def _bindings_current_context() -> int:
 
 def fast_calls() -> Optional[FastCalls]:
     """The `FastCalls` of this process, or None (every call goes through ``cuda.bindings``, the
-    default). ``DEEP_EP_FAST_DRIVER_CALLS=1`` asks for the ctypes path; it is not used without a
+    default). ``DEEP_EP_FAST_DRIVER_CALLS=1`` (or true / yes / on) asks for the ctypes path; it is not used without a
     driver or with an entry point missing. On the H200's host the bindings were the faster of the
     two in the one run that compared them call for call (docs/performance.md, fifteenth session)."""
     global _fast, _fast_state
     if _fast_state in ("unset", "wanted"):
         with _init_lock:
             if _fast_state == "unset":
-                wanted = os.environ.get("DEEP_EP_FAST_DRIVER_CALLS", "0") not in ("", "0")
+                wanted = os.environ.get("DEEP_EP_FAST_DRIVER_CALLS", "").strip().lower() in ("1", "true", "yes", "on")
                 _fast_state = "wanted" if wanted else "off"
             if _fast_state == "wanted":
                 fast = None

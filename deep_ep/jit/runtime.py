@@ -171,7 +171,8 @@ class Function:
         if (cluster is None and gy == gz == by == bz == 1 and type(smem) is int
                 and 0 < gx < 2 ** 31 and 0 < bx < 2 ** 31 and 0 <= smem < 2 ** 31):
             # The plain entry points (cuLaunchKernelEx needs launch-config objects built per call,
-            # tens of microseconds of host time through the Python bindings), 1-D: the direct path.
+            # tens of microseconds of host time through the Python bindings), 1-D
+            # (`deep_ep.cuda.driver.launch_kernel`: the bindings, or ctypes when asked for).
             err = launch_kernel(h, gx, bx, smem, hstream, params, cooperative)
         elif cluster is None:
             if cooperative:

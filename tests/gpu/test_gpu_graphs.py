@@ -159,7 +159,7 @@ def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group
     """The serving decode step: a fresh dispatch with ``do_cpu_sync=False`` (outputs sized for the
     worst case) and a combine on its handle, captured once in a CUDA graph, then replayed with new
     data and a new routing copied into the static inputs each time (masked slots included). Before
-    each replay every output and the handle's device words are poisoned; after it, the dispatch
+    each replay every output, the handle's device words and its copy of the routing are poisoned; after it, the dispatch
     outputs, the handle's tensors and the combine are compared with the reference of that replay's
     inputs, element by element."""
     T, M = 64, 64
@@ -201,7 +201,8 @@ def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group
             idx_s.copy_(idx)
             w_s.copy_(w)
             y_s.copy_(y)
-            for t in (recv_x, recv_idx, recv_w, out, handle.backend_state.words):
+            own_topk = handle.topk_idx if handle.topk_idx.data_ptr() != idx_s.data_ptr() else None
+            for t in (recv_x, recv_idx, recv_w, out, handle.backend_state.words, own_topk):
                 if t is not None:
                     outputs.fill_poison(t)
             graph.replay()
