@@ -154,8 +154,9 @@ def test_a_fresh_dispatch_with_cpu_sync_during_capture_raises(nccl_group):
         buf.destroy()
 
 
-@pytest.mark.parametrize("expand", [False, True], ids=["nonexpanded", "expanded"])
-def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group, expand):
+@pytest.mark.parametrize("expand, fp8", [(False, False), (True, False), (False, True)],
+                         ids=["nonexpanded", "expanded", "nonexpanded-fp8"])
+def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group, expand, fp8):
     """The serving decode step: a fresh dispatch with ``do_cpu_sync=False`` (outputs sized for the
     worst case) and a combine on its handle, captured once in a CUDA graph, then replayed with new
     data and a new routing copied into the static inputs each time (masked slots included). Before
@@ -167,8 +168,9 @@ def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group
     dev = torch.device("cuda", 0)
     buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=TOPK)
     try:
-        g = torch.Generator().manual_seed(case_seed("graph-fresh-nosync", expand))
-        x_s = torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
+        g = torch.Generator().manual_seed(case_seed("graph-fresh-nosync", expand, fp8))
+        first = _x(T, fp8, g)
+        x_s = tuple(t.to(dev) for t in first) if fp8 else first.to(dev)
         idx_s = random_routing(T, EXPERTS, TOPK, g).to(dev)
         w_s = torch.rand((T, TOPK), generator=g).to(dev)
 
@@ -193,16 +195,17 @@ def test_a_fresh_dispatch_without_cpu_sync_replays_with_fresh_routing(nccl_group
             out, _, _ = buf.combine(y_s, handle)
         assert handle.num_recv_rows == rows
         for _ in range(4):
-            x = torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16)
+            x = _x(T, fp8, g)
             idx = random_routing(T, EXPERTS, TOPK, g)
             w = torch.rand((T, TOPK), generator=g)
             y = torch.randn((rows, HIDDEN), generator=g).to(torch.bfloat16)
-            x_s.copy_(x)
+            _copy_into(x_s, x)
             idx_s.copy_(idx)
             w_s.copy_(w)
             y_s.copy_(y)
             own_topk = handle.topk_idx if handle.topk_idx.data_ptr() != idx_s.data_ptr() else None
-            for t in (recv_x, recv_idx, recv_w, out, handle.backend_state.words, own_topk):
+            _poison(recv_x)
+            for t in (recv_idx, recv_w, out, handle.backend_state.words, own_topk):
                 if t is not None:
                     outputs.fill_poison(t)
             graph.replay()
