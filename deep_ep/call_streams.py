@@ -89,7 +89,9 @@ def run_plain(backend, fn, *args):
     """``fn(*args)`` (a backend call) as a synchronous call without events: `run_call`'s common case,
     with the same stream order, without its closure; returns ``fn``'s outputs."""
     comm = backend.get_comm_stream()
-    if comm is not None and backend.runs_on_caller_stream and torch._C._cuda_getDevice() == comm.device_index:
+    if comm is None:   # no streams (CPU): `run_call` would call ``fn`` and make an event that holds nothing
+        return fn(*args)
+    if backend.runs_on_caller_stream and torch._C._cuda_getDevice() == comm.device_index:
         return _on_caller_stream(backend, torch._C._cuda_getCurrentRawStream(comm.device_index), fn, *args)
     return run_call(backend, lambda: fn(*args), None, None, False, False, args)[0]
 
