@@ -329,12 +329,12 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         counts, num_expanded_tokens = [], plan.expanded_cap
     # The handle's layout tensors, dst_buffer_slot_idx and recv_src_metadata are views of the state,
     # made when first read (`EPHandle.with_lazy_fields`).
-    new_handle = EPHandle.with_lazy_fields(
-        state, do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
+    new_handle = EPHandle.with_lazy_fields(state, dict(
+        do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
         num_sms=plan.n_sms, topk_idx=handle_topk, num_recv_tokens=tok_capacity,
         num_expanded_tokens=num_expanded_tokens, num_recv_tokens_per_expert_list=counts,
         buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
-        recv_topk_weights=out_w if do_expand else None)
+        recv_topk_weights=out_w if do_expand else None))
     return recv_x, out_idx, out_w, new_handle
 
 
