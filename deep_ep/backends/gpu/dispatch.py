@@ -186,6 +186,8 @@ def _check_config(b, data, sf, K, E, num_max_tokens_per_rank) -> tuple:
 
 
 _MAX_PLANS = 64   # configurations kept per buffer (a model has a few; more are re-derived)
+# Where the layout stage's report (`GPUBackend.wait_readback`) holds what a fresh dispatch reads
+_OUT_ROWS, _TOK_ROWS, _COUNTS = READBACK["out_rows"], READBACK["tok_rows"], READBACK["counts"]
 
 
 class _NotifyRefused(Exception):
@@ -232,9 +234,10 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
                            "(handle=...); nothing was queued")
     dev = b.device
     R = b.num_ranks
-    K = int(topk_idx.shape[1])
+    T, H = data.shape   # (each read of a tensor's shape makes a new torch.Size: read it once)
+    K = topk_idx.shape[1]
     has_weights = topk_weights is not None
-    key = (int(data.shape[1]), data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), K, num_experts,
+    key = (H, data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), K, num_experts,
            expert_alignment, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
     plan = b.fresh_plans.get(key)
     if plan is None:
@@ -242,7 +245,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             b.fresh_plans.clear()
         plan = b.fresh_plans[key] = _FreshPlan(b, data, sf, K, num_experts, expert_alignment, num_max_tokens_per_rank,
                                                num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
-    T, H, E, A, L, ix = int(data.shape[0]), plan.H, plan.E, plan.A, plan.L, plan.ix
+    E, A, L, ix = plan.E, plan.A, plan.L, plan.ix
     if T > plan.m:
         raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.m} per rank the buffer holds "
                          f"(num_max_tokens_per_rank)")
@@ -260,15 +263,18 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
         per_t = plan.per_tokens[grid_key] = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
     wp, notify_blocks, tokens_per_group = per_t
-    words = outputs.empty(wp.total, torch.int32, dev, b.fill_stream)
+    fill = b.fill_stream
+    words = outputs.empty(wp.total, torch.int32, dev, fill)
     # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
-    handle_topk = outputs.empty((T, K), torch.int64, dev, b.fill_stream) if do_handle_copy else topk_idx
+    handle_topk = outputs.empty((T, K), torch.int64, dev, fill) if do_handle_copy else topk_idx
     lay_ptr = words.data_ptr()
     pos_tok_ptr, pos_pair_ptr, _ = wp.addresses(lay_ptr)
+    # `_ptr` written out for the tensors that are always given (a call per address adds up here)
+    topk_ptr = topk_idx.data_ptr() or None
     stream = b.launch_stream
     na, la = plan.notify.args[0], plan.notify.args[1]
-    na.topk_idx, na.num_tokens, na.tokens_per_group = _ptr(topk_idx), T, tokens_per_group
-    na.topk_copy = _ptr(handle_topk) if do_handle_copy else None
+    na.topk_idx, na.num_tokens, na.tokens_per_group = topk_ptr, T, tokens_per_group
+    na.topk_copy = (handle_topk.data_ptr() or None) if do_handle_copy else None
     na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
     la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
     # With CPU sync a rank alone receives its own tokens only, at most T rows (non-expanded): its
@@ -290,7 +296,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     b.last_num_experts, b.last_num_topk = E, K
     # The data kernel's arguments that do not depend on the counts, set while the notify kernel runs.
     a = plan.data.args[0]
-    a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = _ptr(data), _ptr(sf), _ptr(topk_idx), \
+    a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = data.data_ptr() or None, _ptr(sf), topk_ptr, \
         _ptr(topk_weights), T
     a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
     if early:
@@ -302,7 +308,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         # If the wait raises, the caller's stream is still ordered after the queued kernels
         # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
         head = b.wait_readback(la.seq, E, K)
-        out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
+        out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
         if out_rows < T or tok_capacity < T:
             out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
                                              for t in (out_x, out_sf, out_w, out_idx))
@@ -311,7 +317,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
             head = b.wait_readback(la.seq, E, K)
-            out_rows, tok_capacity = head[READBACK["out_rows"]], head[READBACK["tok_rows"]]
+            out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
             meta_rows = tok_capacity
         else:   # worst-case rows; recv_src_metadata's are a piece of the words
             out_rows, tok_capacity, meta_rows = plan.out_cap, plan.tok_cap, None
@@ -323,7 +329,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     recv_x = out_x if sf is None else (out_x, out_sf)
     # Without CPU sync the handle's counts are the worst case (tok_capacity too).
     if do_cpu_sync:
-        counts = head[READBACK["counts"]: READBACK["counts"] + L]
+        counts = head[_COUNTS: _COUNTS + L]
         num_expanded_tokens = sum(counts)
     else:
         counts, num_expanded_tokens = [], plan.expanded_cap
@@ -345,7 +351,7 @@ def _capturing(b) -> bool:
 
 def _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, src_meta_ptr, out_rows, tok_capacity) -> None:
     """Set a fresh dispatch's output arguments in its data kernel's struct ``a`` and launch it."""
-    a.out_x, a.out_sf, a.sf_ld = _ptr(out_x), _ptr(out_sf), sf_ld
+    a.out_x, a.out_sf, a.sf_ld = out_x.data_ptr() or None, _ptr(out_sf), sf_ld
     a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), src_meta_ptr
     a.out_capacity, a.tok_capacity = out_rows, tok_capacity
     b.launch_data(plan.data, plan.n_sms)
@@ -358,8 +364,8 @@ def _alloc_outputs(b, data, sf, out_rows: int, K: int, has_weights: bool, expand
     recv_topk_idx None when expanded, recv_src_metadata (``meta_rows`` rows) None when ``meta_rows``
     is None (without CPU sync it is a piece of the handle's words)."""
     dev, fill = b.device, b.fill_stream
-    out_x = outputs.empty((out_rows, int(data.shape[1])), data.dtype, dev, fill)
-    out_sf, sf_ld = _alloc_sf(b, sf, out_rows, col_major)
+    out_x = outputs.empty((out_rows, data.shape[1]), data.dtype, dev, fill)
+    out_sf, sf_ld = (None, 0) if sf is None else _alloc_sf(b, sf, out_rows, col_major)
     out_w = outputs.empty(out_rows if expanded else (out_rows, K), torch.float32, dev, fill) if has_weights else None
     out_idx = None if expanded else outputs.empty((out_rows, K), torch.int64, dev, fill)
     src_meta = None if meta_rows is None else outputs.empty((meta_rows, K + 2), torch.int32, dev, fill)
