@@ -38,13 +38,16 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
         entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk), launch[0].args[0].tag, guard)
     prepared, n_sms, out_shape, w_shape, tag, _ = entry
     b.raise_if_broken()
-    dev = b.device
-    out = outputs.empty(out_shape, torch.bfloat16, dev, b.fill_stream)
-    out_w = outputs.empty(w_shape, torch.float32, dev, b.fill_stream) if has_weights else None
-    a = prepared.args[0]  # the per-call pointers
-    a.y, a.weights_in, a.out, a.out_weights = _ptr(x), _ptr(topk_weights), _ptr(out), _ptr(out_w)
-    a.bias0 = _ptr(bias[0]) if len(bias) > 0 else None
-    a.bias1 = _ptr(bias[1]) if len(bias) > 1 else None
+    dev, fill = b.device, b.fill_stream
+    out = outputs.empty(out_shape, torch.bfloat16, dev, fill)
+    out_w = outputs.empty(w_shape, torch.float32, dev, fill) if has_weights else None
+    a = prepared.args[0]  # the per-call pointers (`_ptr` written out for the tensors always given)
+    a.y, a.weights_in, a.out, a.out_weights = x.data_ptr() or None, _ptr(topk_weights), out.data_ptr() or None, \
+        _ptr(out_w)
+    if bias:
+        a.bias0, a.bias1 = _ptr(bias[0]), (_ptr(bias[1]) if len(bias) > 1 else None)
+    else:
+        a.bias0 = a.bias1 = None
     tag.seq = b.calls & 0xFFFFFFFF   # a view into the arguments (memo)
     b.launch_data(prepared, n_sms)
     return out, out_w

@@ -415,12 +415,13 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
     prepared, m, K, n_sms, out_rows, x_shape, w_shape, tag, _ = entry
     b.last_m = m
     b.raise_if_broken()
-    dev = b.device
-    out_x = outputs.empty(x_shape, data.dtype, dev, b.fill_stream)
-    out_sf, _ = _alloc_sf(b, sf, out_rows, col_major_sf)
-    out_w = outputs.empty(w_shape, torch.float32, dev, b.fill_stream) if has_weights else None
+    dev, fill = b.device, b.fill_stream
+    out_x = outputs.empty(x_shape, data.dtype, dev, fill)
+    out_sf = None if sf is None else _alloc_sf(b, sf, out_rows, col_major_sf)[0]
+    out_w = outputs.empty(w_shape, torch.float32, dev, fill) if has_weights else None
     a = prepared.args[0]
-    a.x, a.sf, a.out_x, a.out_sf = _ptr(data), _ptr(sf), _ptr(out_x), _ptr(out_sf)
+    # `_ptr` written out for the tensors that are always given (a call per address adds up here)
+    a.x, a.sf, a.out_x, a.out_sf = data.data_ptr() or None, _ptr(sf), out_x.data_ptr() or None, _ptr(out_sf)
     a.topk_weights, a.out_weights = _ptr(topk_weights), _ptr(out_w)
     tag.seq = b.calls & 0xFFFFFFFF
     b.launch_data(prepared, n_sms)
