@@ -114,21 +114,29 @@ class EPHandle:
 
     @classmethod
     def with_lazy_fields(cls, backend_state, values: dict) -> "EPHandle":
-        """A handle with every field of ``values`` (field name -> value) set and the `LAZY_FIELDS`
-        missing from it made on first access by ``backend_state.handle_field(name)`` (then kept). For
-        backends whose per-call host time matters: building tensor views costs about a microsecond
-        each, and most calls read none of these fields. Fields with defaults may be left out of
-        ``values``; every other field must be given (not checked here, on the per-call path: a missing
-        one is an AttributeError when read; tests/test_gpu_host_path.py reads every field of the GPU
-        backend's handles). ``values`` is a dict rather than keyword arguments: passing some fifteen
-        keywords into a classmethod's ``**values`` cost about a microsecond more per handle.
+        """A handle with ``backend_state`` and every field of ``values`` (field name -> value) set, and
+        the `LAZY_FIELDS` missing from it made on first access by ``backend_state.handle_field(name)``
+        (then kept). For backends whose per-call host time matters: building tensor views costs about
+        a microsecond each, and most calls read none of these fields.
+
+        ``values`` becomes the handle's own attribute dict (not copied: pass a fresh one, e.g. a copy
+        of a dict made once per configuration with `field_dict`). It must hold every field but
+        ``backend_state`` and the lazy ones, those with defaults too (not checked here, on the per-call
+        path: a missing one is an AttributeError when read; tests/test_gpu_host_path.py reads every
+        field of the GPU backend's handles). A dict rather than keyword arguments: passing some fifteen
+        keywords into a classmethod's ``**values`` cost about a microsecond more per handle, filling
+        a new handle's dict from them about half of one more.
         """
         h = cls.__new__(cls)
-        d = h.__dict__
-        d.update(_DEFAULTS)
-        d.update(values)
-        d["backend_state"] = backend_state
+        values["backend_state"] = backend_state
+        object.__setattr__(h, "__dict__", values)   # a new handle has no launch memo to void
         return h
+
+    @staticmethod
+    def field_dict(**values) -> dict:
+        """The fields with defaults at their defaults, then ``values``: a dict of every field for
+        `with_lazy_fields` (in the order the fields of a handle made field by field are in)."""
+        return {**_DEFAULTS, **values}
 
     def __setattr__(self, name: str, value) -> None:
         # An assignment to any field voids what a backend derived from the fields (`launch_memo`).

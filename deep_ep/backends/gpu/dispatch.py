@@ -97,7 +97,7 @@ class _FreshPlan:
     constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "alone", "notify", "data", "per_tokens", "tags")
+                 "alone", "notify", "data", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -144,6 +144,13 @@ class _FreshPlan:
              transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
         # the three structs' tags, as views into their arguments (a ctypes field read makes a new view)
         self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
+        # The fields of the handles this configuration makes, each call's own ones at placeholders: a
+        # call copies the dict and sets those (a dict copy is cheaper than building the dict anew).
+        self.handle_fields = EPHandle.field_dict(
+            do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
+            num_sms=self.n_sms, topk_idx=None, num_recv_tokens=0, num_expanded_tokens=0,
+            num_recv_tokens_per_expert_list=None, buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank,
+            hidden=self.H, do_cpu_sync=do_cpu_sync, recv_topk_weights=None)
 
 
 def _dispatch_tag(kind: int, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m):
@@ -245,7 +252,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             b.fresh_plans.clear()
         plan = b.fresh_plans[key] = _FreshPlan(b, data, sf, K, num_experts, expert_alignment, num_max_tokens_per_rank,
                                                num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
-    E, A, L, ix = plan.E, plan.A, plan.L, plan.ix
+    E, L, ix = plan.E, plan.L, plan.ix
     if T > plan.m:
         raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.m} per rank the buffer holds "
                          f"(num_max_tokens_per_rank)")
@@ -334,13 +341,14 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     else:
         counts, num_expanded_tokens = [], plan.expanded_cap
     # The handle's layout tensors, dst_buffer_slot_idx and recv_src_metadata are views of the state,
-    # made when first read (`EPHandle.with_lazy_fields`).
-    new_handle = EPHandle.with_lazy_fields(state, dict(
-        do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
-        num_sms=plan.n_sms, topk_idx=handle_topk, num_recv_tokens=tok_capacity,
-        num_expanded_tokens=num_expanded_tokens, num_recv_tokens_per_expert_list=counts,
-        buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank, hidden=H, do_cpu_sync=do_cpu_sync,
-        recv_topk_weights=out_w if do_expand else None))
+    # made when first read (`EPHandle.with_lazy_fields`); the fields that follow from the
+    # configuration come with the plan.
+    fields = plan.handle_fields.copy()
+    fields["topk_idx"], fields["num_recv_tokens"] = handle_topk, tok_capacity
+    fields["num_expanded_tokens"], fields["num_recv_tokens_per_expert_list"] = num_expanded_tokens, counts
+    if do_expand:
+        fields["recv_topk_weights"] = out_w
+    new_handle = EPHandle.with_lazy_fields(state, fields)
     return recv_x, out_idx, out_w, new_handle
 
 
