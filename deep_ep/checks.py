@@ -83,11 +83,12 @@ def check_tensor(name: str, t, *, dtype: Union[torch.dtype, tuple], shape: tuple
     if t.dtype is not dtype and not (isinstance(dtype, tuple) and t.dtype in dtype):
         raise TypeError(f"{name} must have dtype {_want_dtype(dtype)}, got {_fmt_tensor(t)}")
     sizes = t.shape
-    if len(sizes) != len(shape):
-        raise ValueError(f"{name} must have shape {_want_shape(shape)}, got {_fmt_tensor(t)}")
-    for s, n in zip(shape, sizes):
-        if s is not None and s != n:
+    if sizes != shape:   # equal only when ``shape`` has no wildcards: then nothing is left to compare
+        if len(sizes) != len(shape):
             raise ValueError(f"{name} must have shape {_want_shape(shape)}, got {_fmt_tensor(t)}")
+        for s, n in zip(shape, sizes):
+            if s is not None and s != n:
+                raise ValueError(f"{name} must have shape {_want_shape(shape)}, got {_fmt_tensor(t)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the buffer's device), got {_fmt_tensor(t)}")
     if contiguous and not t.is_contiguous():
@@ -237,20 +238,11 @@ def check_sms_args(num_ranks, num_experts, num_topk, num_scaleout_topk, rdma_gbs
     check_number("sm_write_gbs", sm_write_gbs)
 
 
-def _all_bools(*values) -> bool:
-    """Whether every value is a bool (the common case, tested at once; a failure is then reported by
-    the per-argument checks)."""
-    for v in values:
-        if v is not True and v is not False:
-            return False
-    return True
-
-
 def _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                           async_with_compute_stream, allocate_on_comm_stream) -> None:
     if (type(num_sms) is int and 0 <= num_sms <= INT32_MAX and type(num_qps) is int and num_qps == 0
             and previous_event is None and previous_event_before_epilogue is None
-            and _all_bools(async_with_compute_stream, allocate_on_comm_stream)):
+            and type(async_with_compute_stream) is bool and type(allocate_on_comm_stream) is bool):
         return   # the defaults: every rule below holds
     check_int("num_sms", num_sms, minimum=0)
     check_int("num_qps", num_qps, minimum=0)
@@ -345,18 +337,21 @@ def validate_dispatch(buf, x, topk_idx, topk_weights, stats, num_experts, num_ma
     dev, cfg = buf.device, buf.config
     _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                           async_with_compute_stream, allocate_on_comm_stream)
-    if not _all_bools(do_handle_copy, do_expand, do_zero_padding, use_tma_aligned_col_major_sf):
+    # Every flag a bool is the common case, tested at once (a failure is reported flag by flag).
+    if not (type(do_handle_copy) is bool and type(do_expand) is bool and type(do_zero_padding) is bool
+            and type(use_tma_aligned_col_major_sf) is bool):
         for name, v in (("do_handle_copy", do_handle_copy), ("do_expand", do_expand),
                         ("do_zero_padding", do_zero_padding),
                         ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
             check_bool(name, v)
     if do_cpu_sync is not None:
         check_bool("do_cpu_sync", do_cpu_sync)
-    if num_experts is not None or num_max_tokens_per_rank is not None or expert_alignment is not None:
-        for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-                        ("expert_alignment", expert_alignment)):
-            if v is not None:
-                check_int(name, v, minimum=1 if name != "num_max_tokens_per_rank" else 0)
+    if num_experts is not None:
+        check_int("num_experts", num_experts, minimum=1)
+    if num_max_tokens_per_rank is not None:
+        check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=0)
+    if expert_alignment is not None:
+        check_int("expert_alignment", expert_alignment, minimum=1)
     data, sf = check_x(x, dev)
     T, H = data.shape
 
