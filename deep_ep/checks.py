@@ -270,12 +270,13 @@ def plain_cached_dispatch_ok(buf, x, topk_weights, handle) -> bool:
     if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
         return False
     topk, dev, hidden, m = handle.topk_idx, buf.device, handle.hidden, handle.num_max_tokens_per_rank
-    T = topk.shape[0]
+    routing = topk.shape   # (T, K)
+    T = routing[0]
     if x.shape != (T, hidden) or x.device != dev or topk.device != dev or not x.is_contiguous():
         return False
     if (m and T > m) or (buf.config.hidden and hidden > buf.config.hidden):
         return False
-    return topk_weights is None or _plain_f32(topk_weights, (T, topk.shape[1]), dev)
+    return topk_weights is None or _plain_f32(topk_weights, routing, dev)
 
 
 def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_sync) -> bool:
