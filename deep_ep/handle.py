@@ -123,9 +123,9 @@ class EPHandle:
         of a dict made once per configuration with `field_dict`). It must hold every field but
         ``backend_state`` and the lazy ones, those with defaults too (not checked here, on the per-call
         path: a missing one is an AttributeError when read; tests/test_gpu_host_path.py reads every
-        field of the GPU backend's handles). A dict rather than keyword arguments: passing some fifteen
-        keywords into a classmethod's ``**values`` cost about a microsecond more per handle, filling
-        a new handle's dict from them about half of one more.
+        field of the GPU backend's handles). A dict taken as it is, not keyword arguments: binding some
+        fifteen keywords into a classmethod's ``**values`` cost about a microsecond per handle, and
+        copying them into the new handle's dict about half a microsecond more.
         """
         h = cls.__new__(cls)
         values["backend_state"] = backend_state
