@@ -257,7 +257,11 @@ def _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_
 def _check_handle(buf, handle, what: str) -> None:
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle must be {what}, got {type(handle).__name__}")
-    handle.check_matches(buffer_id=buf.buffer_id, num_ranks=buf.num_ranks, rank=buf.rank_idx, device=buf.device)
+    dev = buf.device
+    if (handle.buffer_id == buf.buffer_id and handle.num_ranks == buf.num_ranks and handle.rank == buf.rank_idx
+            and handle.topk_idx.device == dev):
+        return   # the common case, in a few comparisons (`EPHandle.check_matches` says what is wrong otherwise)
+    handle.check_matches(buffer_id=buf.buffer_id, num_ranks=buf.num_ranks, rank=buf.rank_idx, device=dev)
 
 
 # ============================================================================ dispatch and combine
