@@ -540,6 +540,37 @@ def test_an_interrupted_or_timed_out_wait_for_the_counts_leaves_the_buffer_unusa
     assert b.broken == "host timeout"
 
 
+def test_the_wait_for_the_counts_reads_the_report_or_raises_what_it_records():
+    """`GPUBackend.wait_readback` on mapped words (here host memory, as `MappedWords` lays it out: a
+    ctypes array and an int view of it): once the call's sequence number is there it returns the
+    header and the L counts; a report of an out-of-range id raises the ValueError every rank raises
+    (the buffer stays usable), a recorded timeout the TimeoutError that makes it unusable."""
+    import ctypes
+
+    from deep_ep.backends.gpu.abi import ERR_BAD_EXPERT, ERR_TIMEOUT
+    b = GPUBackend.__new__(GPUBackend)
+    b.config = types.SimpleNamespace(num_cpu_timeout_secs=1, num_gpu_timeout_secs=1, num_max_tokens_per_rank=M)
+    b.spin_secs, b.rank, b.num_ranks, b.broken, b.last_m, b.launched_call = 0.0, 0, 1, None, M, 1
+    words = (ctypes.c_int32 * READBACK_WORDS)()
+    b.readback = types.SimpleNamespace(words=words, ints=memoryview(words).cast("B").cast("i"))
+    counts = [3 * e + 1 for e in range(E)]
+    for e, c in enumerate(counts):
+        words[READBACK["counts"] + e] = c
+    words[READBACK["out_rows"]], words[READBACK["seq"]] = 40, 7
+    report = b.wait_readback(7, E, K)
+    assert report == list(words[:READBACK["counts"] + E]) and report[READBACK["counts"]:] == counts
+    assert report[READBACK["out_rows"]] == 40 and b.broken is None
+    words[READBACK["status"]], words[READBACK["peer"]] = ERR_BAD_EXPERT, 0
+    words[READBACK["detail"]], words[READBACK["value"]] = 2 * K + 1, E + 5
+    with pytest.raises(ValueError, match=rf"expert id {E + 5} at \[2, 1\]"):
+        b.wait_readback(7, E, K)
+    assert b.broken is None
+    words[READBACK["status"]], words[READBACK["rank"]], words[READBACK["peer"]] = ERR_TIMEOUT, 0, 0
+    with pytest.raises(TimeoutError):
+        b.wait_readback(7, E, K)
+    assert b.broken == "timeout"
+
+
 def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
     """Under CUDA-graph capture the counts a dispatch with CPU sync waits for are written only at
     replay: refused before any launch; without CPU sync the dispatch is captured as usual."""

@@ -377,7 +377,7 @@ class GPUBackend(Backend):
             self.broken = "host timeout"   # kernels of this call may still be queued
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
-        report = words[:READBACK["counts"] + num_experts // self.num_ranks]   # the header, then L counts
+        report = self.readback.ints[:READBACK["counts"] + num_experts // self.num_ranks].tolist()   # header, L counts
         status = report[READBACK["status"]]
         if status == ERR_BAD_EXPERT:
             raise_bad_expert(report[READBACK["peer"]], report[READBACK["detail"]], report[READBACK["value"]],

@@ -45,6 +45,10 @@ class MappedWords:
         self.host_ptr, self.device_ptr = int(host), int(dev)
         ctypes.memset(self.host_ptr, 0, nbytes)
         self.words = (ctypes.c_int32 * n).from_address(self.host_ptr)
+        # The same words as a native-int memoryview: a slice of it copies out with ``tolist()`` in
+        # one C loop, about twice as fast as slicing the ctypes array (a few microseconds per call
+        # for the readback's header and counts).
+        self.ints = memoryview(self.words).cast("B").cast("i")
 
     def clear(self) -> None:
         """Zero every word (no kernel may be writing them)."""
@@ -54,7 +58,7 @@ class MappedWords:
         """Release the memory (the buffer's kernels must have finished)."""
         if self.host_ptr:
             from cuda.bindings import driver
-            self.words = None
+            self.words = self.ints = None
             driver.cuMemFreeHost(self.host_ptr)
             self.host_ptr = self.device_ptr = 0
 
