@@ -381,10 +381,8 @@ def _alloc_outputs(b, data, sf, out_rows: int, K: int, has_weights: bool, expand
 
 
 def _alloc_sf(b, sf, out_rows: int, col_major: bool) -> tuple:
-    """The received scale factors (None without FP8) and their leading dimension (column-major:
-    rows rounded up to 4; else 0)."""
-    if sf is None:
-        return None, 0
+    """The received scale factors of an FP8 dispatch (``sf`` given: its callers skip it without FP8)
+    and their leading dimension (column-major: rows rounded up to 4; else 0)."""
     num_sf = int(sf.shape[1])
     if col_major:
         sf_ld = _sf_ld(out_rows)
