@@ -72,6 +72,7 @@ class Case:
     cached: bool = True               # also run a cached dispatch with the handle, fresh x
     col_major_sf: bool = False
     num_sms: int = 8
+    notify_groups_max: int = 0        # the notify kernel's cap on groups (0: the backend's default)
 
     def tokens_of(self, rank: int) -> int:
         return self.tokens[rank % len(self.tokens)]
@@ -113,6 +114,10 @@ _BASE = [
     # The most experts a window holds: the notify kernel's dynamic shared memory (a row of counts per
     # warp) and its static part exceed 48 KB together.
     Case("experts1024-top8", num_topk=8, num_experts=1024, tokens=(48, 29)),
+    # More tokens than one notify block takes: on a rank alone, the token scan over six blocks (the
+    # last one partial) and, with the grid capped at one block, six tokens per thread.
+    Case("bf16-many-tokens", tokens=(1500, 600), mask_prob=0.3, num_sms=16),
+    Case("bf16-many-tokens-one-block", tokens=(1500, 600), mask_prob=0.3, do_cpu_sync=False, notify_groups_max=8),
 ]
 
 

@@ -76,7 +76,7 @@ def _backend(log):
     return b
 
 
-def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0):
+def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0, expand=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = None if handle is not None else torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -86,7 +86,7 @@ def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0):
     b.calls += 1
     out = gpu_dispatch.run_dispatch(
         b, x, None, idx, w, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=align, num_sms=4,
-        handle=handle, do_handle_copy=True, do_cpu_sync=sync, do_expand=False, do_zero_padding=False,
+        handle=handle, do_handle_copy=True, do_cpu_sync=sync, do_expand=expand, do_zero_padding=False,
         use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=st)
     return out, (x, idx, w, st)   # the inputs stay alive: their addresses are not reused
 
@@ -333,6 +333,23 @@ def test_notify_groups_stay_within_the_cap():
         # a rank alone: one block for few pairs (no grid barrier), else the same grid
         one = gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS
         assert gpu_dispatch.notify_groups(T, K, cap, True) == (W if T * K <= one else g)
+
+
+def test_the_token_scan_grid():
+    """A rank alone's token scan: at most `NOTIFY_SCAN_TOKENS_PER_BLOCK` tokens per block until the
+    cap on blocks (whole blocks of the cap on groups, and the scratch's slots), every token in a
+    block, at most 32 per thread; more tokens than that are refused before any launch."""
+    from deep_ep.backends.gpu.abi import CONSTANTS
+    W, S = gpu_dispatch.NOTIFY_WARPS, gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK
+    for T, cap in [(0, 1056), (1, 1056), (128, 1056), (256, 1056), (257, 1056), (4096, 1056), (1500, 8),
+                   (100000, 1056), (4096, 3), (10 ** 6, 10 ** 6)]:
+        blocks, per_block = gpu_dispatch.notify_scan_grid(T, cap)
+        limit = max(1, min(cap // W, CONSTANTS["kNotifyScanMaxBlocks"]))
+        assert 1 <= blocks <= limit and blocks == min(limit, max(1, -(-T // S))), (T, cap)
+        assert blocks * per_block >= T and (blocks - 1) * per_block < max(T, 1), (T, cap)
+        assert per_block <= 32 * 32 * W
+    with pytest.raises(ValueError, match="notify kernel"):
+        gpu_dispatch.notify_scan_grid(32 * 32 * W + 1, W)
 
 
 def test_top_k_beyond_the_notify_tile_is_refused():
@@ -586,13 +603,15 @@ def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
 
 
 def test_the_hosts_notify_default_is_the_kernels():
-    """The host's default for EP_NOTIFY_SINGLE_RANK (which sets the notify grid of a rank alone) is the
-    #define's default in the kernel source."""
+    """The host's defaults for EP_NOTIFY_SINGLE_RANK and EP_NOTIFY_TOKEN_SCAN (which set the notify
+    grid of a rank alone) are the #defines' defaults in the kernel source."""
     import pathlib
     import re
     from deep_ep.backends.gpu import modules
     src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/layout_alone.cuh").read_text()
     assert int(re.search(r"#define EP_NOTIFY_SINGLE_RANK (\d+)", src).group(1)) == modules.NOTIFY_SINGLE_RANK_DEFAULT
+    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/notify_alone.cuh").read_text()
+    assert int(re.search(r"#define EP_NOTIFY_TOKEN_SCAN (\d+)", src).group(1)) == modules.NOTIFY_TOKEN_SCAN_DEFAULT
 
 
 def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
@@ -604,6 +623,7 @@ def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
     W = gpu_dispatch.NOTIFY_WARPS
     T = 48
     monkeypatch.setattr(gpu_dispatch, "NOTIFY_ONE_BLOCK_PAIRS", 0)   # not one block, which a rank alone takes
+    monkeypatch.setattr(gpu_dispatch.modules, "notify_token_scan", lambda: False)   # the general numbering
     for pairs, cap in ((32, 64), (8, 64), (8, 16), (32, 64)):
         monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", pairs)
         b.notify_groups_max = cap
@@ -611,6 +631,28 @@ def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
         _dispatch(b, T, weights=False, sync=False, align=1, stats=False)
         grids = [grid for name, grid, _ in log if name == "deep_ep_notify"]
         assert grids == [gpu_dispatch.notify_groups(T, K, cap) // W], (pairs, cap, grids)
+
+
+def test_the_token_scan_grid_follows_its_settings_between_calls(monkeypatch):
+    """A rank alone's non-expanded dispatch launches the token scan's grid (`notify_scan_grid`), with
+    its tokens per block as the kernel's ``tokens_per_group``, following the tokens per block and the
+    cap between calls; the expanded layout keeps the general grid."""
+    log = []
+    b = _backend(log)
+    T = M
+    for per_block, cap in ((16, 64), (32, 64), (8, 16), (16, 64)):
+        monkeypatch.setattr(gpu_dispatch, "NOTIFY_SCAN_TOKENS_PER_BLOCK", per_block)
+        b.notify_groups_max = cap
+        log.clear()
+        _dispatch(b, T, weights=False, sync=False, align=1, stats=False)
+        launches = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]
+        want = gpu_dispatch.notify_scan_grid(T, cap)
+        assert [g for g, _ in launches] == [want[0]], (per_block, cap, launches)
+        assert gpu_dispatch.NotifyArgs.from_buffer_copy(launches[0][1][0]).tokens_per_group == want[1]
+    log.clear()
+    _dispatch(b, T, weights=False, sync=False, align=4, stats=False, expand=True)
+    assert [grid for name, grid, _ in log if name == "deep_ep_notify"] == \
+        [gpu_dispatch.notify_groups(T, K, 64, True) // gpu_dispatch.NOTIFY_WARPS]
 
 
 def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
@@ -632,6 +674,7 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
     monkeypatch.setattr(_Prepared, "launch", cooperative)
     T = 64   # 256 pairs: 8 blocks of 8 groups at 4 pairs each
     monkeypatch.setattr(gpu_dispatch, "NOTIFY_ONE_BLOCK_PAIRS", 0)   # not one block, which a rank alone takes
+    monkeypatch.setattr(gpu_dispatch.modules, "notify_token_scan", lambda: False)   # the general numbering
     monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", 4)
     (recv_x, _, _, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
     notify = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]

@@ -102,3 +102,12 @@ def test_the_notify_kernel_without_its_single_rank_end_compiles(expand):
     defines = dict(gpu.dispatch_defines(14336, 0, 8, expand), EP_NOTIFY_SINGLE_RANK=0)
     mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
     assert "deep_ep_notify" in mod.kernel_names()
+
+
+def test_the_notify_kernel_without_its_token_scan_compiles():
+    """A rank alone's notify kernel without the token scan (EP_NOTIFY_TOKEN_SCAN=0: the general
+    numbering with the single-rank end, in the non-expanded layout; the default is 1) compiles
+    without spills, so that tools/sweep_notify.py can compare the two bit for bit and time them."""
+    defines = dict(gpu.dispatch_defines(14336, 0, 8, False), EP_NOTIFY_TOKEN_SCAN=0)
+    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
+    assert "deep_ep_notify" in mod.kernel_names()

@@ -3,7 +3,8 @@
 For each build-time variant (``--variants``, ';'-separated; each a comma list of tunables without
 the ``EP_`` prefix, e.g. ``NOTIFY_SINGLE_RANK=0``, passed as ``DEEP_EP_KERNEL_DEFINES`` as
 tools/tune_gpu.py does; '' is the default build), token count, grid cap (groups at most) and
-pairs-per-group value: the groups it gives, the device time of ``deep_ep_notify`` (with its layout
+pairs-per-group value (for a rank alone's token scan, ``--scan-tokens`` instead: its blocks,
+printed negated in the groups column): the groups it gives, the device time of ``deep_ep_notify`` (with its layout
 stage; torch.profiler, median over ``--calls`` full dispatches without CPU sync), and the time of a
 synchronised full dispatch with CPU sync (median). Every setting's outputs and handle (numbering,
 layout words, the handle's copy of the routing, the host's readback of the counts, the cumulative
@@ -13,7 +14,7 @@ printed.
 
 Usage: python tools/sweep_notify.py [--tokens 128,4096] [--pairs 16,32,64,128,256,512]
        [--caps 64,128,256,528] [--calls 20] [--hidden 7168] [--experts 256] [--topk 8]
-       [--variants ";NOTIFY_SINGLE_RANK=0"] [--one-block-pairs N]
+       [--variants ";NOTIFY_SINGLE_RANK=0"] [--one-block-pairs N] [--scan-tokens 128,256,512]
 """
 import argparse
 import json
@@ -112,6 +113,9 @@ def main() -> None:
     p.add_argument("--variants", default="", help="';'-separated build-time variants; '' = default build")
     p.add_argument("--one-block-pairs", type=int, default=gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS,
                    help="pairs a rank alone numbers in one block (0: never one block)")
+    p.add_argument("--scan-tokens", default=str(gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK),
+                   help="tokens per block of a rank alone's token scan (EP_NOTIFY_TOKEN_SCAN), comma list; "
+                        "swept instead of --caps / --pairs where the scan numbers the timed calls")
     a = p.parse_args()
     tokens = [int(v) for v in a.tokens.split(",")]
     variants = a.variants.split(";")
@@ -124,11 +128,15 @@ def main() -> None:
     group = single_rank_nccl_group(dev)
     base_defines = os.environ.get("DEEP_EP_KERNEL_DEFINES", "")
     default_pairs, default_one_block = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, a.one_block_pairs
+    default_scan = gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK
     inputs = {}
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
         x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
         idx = torch.stack([torch.randperm(a.experts, device=dev, generator=g)[:a.topk] for _ in range(T)])
+        # masked slots (-1) and, every 37th token, none at all: rows that are numbered -1 or skipped
+        idx[torch.rand(idx.shape, device=dev, generator=g) < 0.1] = -1
+        idx[::37] = -1
         w = torch.rand((T, a.topk), device=dev, generator=g)
         inputs[T] = (x, idx, w)
 
@@ -153,6 +161,7 @@ def main() -> None:
         buf = new_buffer(dict(base, **parse_variant(text)))
         backend = buf._backend
         alone = backend.num_ranks == 1 and modules.notify_single_rank()
+        scan = backend.num_ranks == 1 and modules.notify_token_scan()   # numbers the timed (non-expanded) calls
         try:
             for T in tokens:
                 x, idx, w = inputs[T]
@@ -165,13 +174,23 @@ def main() -> None:
                                         num_max_tokens_per_rank=T)
 
                 seen = set()
-                # the default grouping first, then the sweep (the one-block rule only in the first)
-                settings = [(default_cap, default_pairs, default_one_block)]
-                settings += [(int(c), int(q), 0) for c in a.caps.split(",") for q in a.pairs.split(",")]
-                for cap, pairs, one_block in settings:
+                # the default grouping first, then the sweep (the one-block rule only in the first);
+                # the token scan's blocks instead of groups where it numbers the timed calls
+                settings = [(default_cap, default_pairs, default_one_block, default_scan)]
+                if scan:
+                    settings += [(default_cap, default_pairs, default_one_block, int(v))
+                                 for v in a.scan_tokens.split(",")]
+                else:
+                    settings += [(int(c), int(q), 0, default_scan) for c in a.caps.split(",")
+                                 for q in a.pairs.split(",")]
+                for cap, pairs, one_block, scan_tokens in settings:
                     backend.set_notify_groups_max(cap)
                     gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = pairs, one_block
-                    groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max, alone)
+                    gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK = scan_tokens
+                    if scan:   # blocks of the scan (printed in the groups column, negated)
+                        groups = -gpu_dispatch.notify_scan_grid(T, backend.notify_groups_max)[0]
+                    else:
+                        groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max, alone)
                     if groups in seen:
                         continue
                     seen.add(groups)
@@ -187,6 +206,7 @@ def main() -> None:
                           flush=True)
         finally:
             gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = default_pairs, default_one_block
+            gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK = default_scan
             buf.destroy()
     os.environ["DEEP_EP_KERNEL_DEFINES"] = base_defines
     dist.destroy_process_group()

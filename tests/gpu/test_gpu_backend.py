@@ -142,6 +142,9 @@ def run_case(case, group_for_rank, dev, seed=None):
         buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=case.hidden,
                                     num_topk=case.num_topk, use_fp8_dispatch=bool(case.fp8),
                                     num_gpu_timeout_secs=float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20")))
+        if case.notify_groups_max and dev.type == "cuda":
+            buf._backend.set_notify_groups_max(case.notify_groups_max)
+
         def sync():  # stream-level: a device-wide sync could wait on another rank's pending kernels
             if dev.type == "cuda":  # (tests/test_mutations_cpu.py runs the cases on the CPU backend)
                 buf.get_comm_stream().synchronize()

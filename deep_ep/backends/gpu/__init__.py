@@ -27,7 +27,7 @@ from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, 
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window as wl
-from .abi import (CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
+from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
                   call_tag)
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_cached, run_dispatch
@@ -140,9 +140,9 @@ class GPUBackend(Backend):
             self.drain()   # this rank's kernels only (emulated ranks never wait for the whole device)
         blocks = max(1, groups_max // NOTIFY_WARPS)
         self.notify_groups_max = blocks * NOTIFY_WARPS
-        self.notify_scratch = torch.zeros(4 + blocks * (self.num_ranks + MAX_EXPERTS), dtype=torch.int32,
-                                          device=self._device)
-        self.notify_scratch[2] = 2 ** 31 - 1
+        self.notify_scratch = torch.zeros(CONSTANTS["kNotifyGroupCounts"] + blocks * (self.num_ranks + MAX_EXPERTS),
+                                          dtype=torch.int32, device=self._device)
+        self.notify_scratch[CONSTANTS["kNotifyBadIndex"]] = 2 ** 31 - 1
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
         self.fresh_plans.clear()

@@ -6,7 +6,8 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    per destination rank and pairs per expert, checks the expert ids, copies them for the handle
    (``do_handle_copy``), and writes its count row into every peer's window; its last block signals
    the peers, then waits for every peer's counts and writes the handle's layout words (the layout
-   stage, in the same kernel).
+   stage, in the same kernel). A rank alone signals nothing; without the expanded layout it only
+   scans its tokens and counts the pairs per expert (`notify_scan_grid`).
 2. With ``do_cpu_sync`` the layout stage also writes the received row counts to mapped host memory,
    which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
    outputs are sized for the worst case and nothing waits on the host.
@@ -35,7 +36,8 @@ from . import modules
 from . import window as wl
 from .state import GPUHandleState, WordPlan
 
-__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "word_plan"]
+__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
+           "notify_scan_grid", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -45,6 +47,9 @@ NOTIFY_PAIRS_PER_GROUP = 32
 # block, which then meets at no grid barrier (two of them, ~1-2 us each, cost more than the few extra
 # passes of its warps: 1024 pairs are 4 passes of 32 per warp and phase).
 NOTIFY_ONE_BLOCK_PAIRS = 1024
+# A rank alone's token scan (EP_NOTIFY_TOKEN_SCAN, non-expanded) gives each block this many tokens
+# at most, one per thread, so that its one pass over the ids is spread over as many SMs.
+NOTIFY_SCAN_TOKENS_PER_BLOCK = 256
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
@@ -83,6 +88,24 @@ def notify_groups(T: int, K: int, groups_max: int, alone: bool = False) -> int:
     return min(groups, cap)
 
 
+def notify_scan_grid(T: int, groups_max: int) -> tuple:
+    """``(blocks, tokens per block)`` of a rank alone's token scan (EP_NOTIFY_TOKEN_SCAN) for ``T``
+    tokens: `NOTIFY_SCAN_TOKENS_PER_BLOCK` tokens per block, at most ``groups_max`` groups' worth of
+    blocks (its blocks must be resident together, as the general kernel's) and the scratch's
+    kNotifyScanMaxBlocks; a thread numbers at most 32 tokens (a bit each).
+
+    Raises:
+        ValueError: more tokens than 32 per thread of the grid allowed.
+    """
+    cap = max(1, min(groups_max // NOTIFY_WARPS, CONSTANTS["kNotifyScanMaxBlocks"]))
+    blocks = min(cap, max(1, -(-T // NOTIFY_SCAN_TOKENS_PER_BLOCK)))
+    per_block = max(1, -(-T // blocks))
+    if per_block > 32 * 32 * NOTIFY_WARPS:
+        raise ValueError(f"{T} tokens exceed the {32 * 32 * NOTIFY_WARPS * cap} a rank alone's notify kernel numbers "
+                         f"on this device")
+    return blocks, per_block
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     """A kernel argument's address: None for no tensor or an empty one (torch reports address 0 for
     any tensor without elements, a view into a larger storage too; the kernels would not touch one
@@ -97,7 +120,7 @@ class _FreshPlan:
     constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "alone", "notify", "data", "per_tokens", "tags", "handle_fields")
+                 "alone", "scan", "notify", "data", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -115,6 +138,8 @@ class _FreshPlan:
         mod = b.module("dispatch", structure)
         # Built with the single-rank end of the notify kernel: `notify_groups`' ``alone``.
         self.alone = R == 1 and modules.notify_single_rank()
+        # ... and, without the expanded layout, with the token scan (`notify_scan_grid`).
+        self.scan = R == 1 and not do_expand and modules.notify_token_scan()
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         big = 2 ** 31 - 1
@@ -261,14 +286,18 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     seq = b.calls & 0xFFFFFFFF
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
-    grid_key = (T, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS)
+    grid_key = (T, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS, NOTIFY_SCAN_TOKENS_PER_BLOCK)
     per_t = plan.per_tokens.get(grid_key)
     if per_t is None:
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
         wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows)
-        groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
-        per_t = plan.per_tokens[grid_key] = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
+        if plan.scan:
+            per_t = (wp,) + notify_scan_grid(T, b.notify_groups_max)
+        else:
+            groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
+            per_t = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
+        plan.per_tokens[grid_key] = per_t
     wp, notify_blocks, tokens_per_group = per_t
     fill = b.fill_stream
     words = outputs.empty(wp.total, torch.int32, dev, fill)

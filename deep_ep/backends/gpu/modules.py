@@ -13,19 +13,20 @@ import threading
 from ... import jit
 from .abi import TEST_DEFECTS
 
-__all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", "kernel_source",
-           "notify_single_rank", "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines",
+__all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", "NOTIFY_TOKEN_SCAN_DEFAULT",
+           "kernel_source", "notify_single_rank", "notify_token_scan", "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines",
            "barrier_defines", "build_module", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
 # Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh)
-# and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh): they change how bytes
-# move, never which, so the host needs no matching change (but for the notify grid of a rank alone,
-# see `dispatch.notify_groups`). Structural defines (EP_THREADS, EP_TOPK...) are not among them:
+# and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh; EP_NOTIFY_TOKEN_SCAN,
+# impls/notify_alone.cuh): they change how bytes move, never which, so the host needs no matching
+# change (but for the notify grid of a rank alone, see `dispatch.notify_groups` and `dispatch.notify_scan_grid`). Structural defines (EP_THREADS, EP_TOPK...) are not among them:
 # overriding those would break the host's view of the kernels.
 TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
-                      "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK"})
+                      "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK",
+                      "EP_NOTIFY_TOKEN_SCAN"})
 
 
 def kernel_source(kind: str) -> str:
@@ -45,6 +46,18 @@ NOTIFY_SINGLE_RANK_DEFAULT = 1
 def notify_single_rank() -> bool:
     """Whether the notify kernels are built with their single-rank end (EP_NOTIFY_SINGLE_RANK)."""
     return tunable_defines().get("EP_NOTIFY_SINGLE_RANK", NOTIFY_SINGLE_RANK_DEFAULT) != 0
+
+
+# EP_NOTIFY_TOKEN_SCAN's default, likewise (impls/notify_alone.cuh; the same test): with the
+# single-rank end, a rank alone in the non-expanded layout numbers its tokens with a token scan,
+# whose grid is `dispatch.notify_scan_grid`.
+NOTIFY_TOKEN_SCAN_DEFAULT = 1
+
+
+def notify_token_scan() -> bool:
+    """Whether a rank alone's notify kernel without the expanded layout is the token scan
+    (EP_NOTIFY_TOKEN_SCAN, which takes effect only with EP_NOTIFY_SINGLE_RANK)."""
+    return notify_single_rank() and tunable_defines().get("EP_NOTIFY_TOKEN_SCAN", NOTIFY_TOKEN_SCAN_DEFAULT) != 0
 
 
 def tunable_defines() -> dict:

@@ -46,6 +46,15 @@ constexpr int kCountsExtraWords = 2;
 constexpr int kNotifyWarps = 8;
 // (token, slot) pairs of a group's ids in shared memory at a time (whole tokens): top-k at most this.
 constexpr int kNotifyTilePairs = 256;
+// Its scratch words (int32 device memory the host allocates zeroed, but for kNotifyBadIndex, and
+// sizes for kNotifyGroupCounts + blocks * (R + kMaxExperts) words); each kernel leaves them as it found them.
+constexpr int kNotifyBarrierCount = 0;  // grid barrier: blocks arrived
+constexpr int kNotifyBarrierGen = 1;    // grid barrier: generation
+constexpr int kNotifyBadIndex = 2;      // smallest flat index of an out-of-range id (INT_MAX: none)
+constexpr int kNotifyScanMaxBlocks = 1024;  // blocks of a rank alone's token scan, at most (impls/notify_alone.cuh)
+constexpr int kNotifyScanHist = 4;      // [kMaxExperts] the token scan's pairs per expert, over the grid
+constexpr int kNotifyScanTotals = kNotifyScanHist + kMaxExperts;  // [kNotifyScanMaxBlocks] its tokens per block, plus one
+constexpr int kNotifyGroupCounts = kNotifyScanTotals + kNotifyScanMaxBlocks;  // [blocks][R + E] pairs per column and block
 
 // ---- what the layout stage reports to the host (int32 words of mapped host memory) -------------
 // Written when the call synchronises with the host: the sequence number last, after the rest.

@@ -29,21 +29,15 @@
 
 namespace deep_ep {
 
-// Scratch words of a buffer's notify kernel (int32, device memory owned by the host runtime).
-constexpr int kNotifyBarrierCount = 0;  // grid barrier: blocks arrived
-constexpr int kNotifyBarrierGen = 1;    // grid barrier: generation
-constexpr int kNotifyBadIndex = 2;      // smallest flat index of an out-of-range id (INT_MAX: none)
-constexpr int kNotifyGroupCounts = 4;   // [num_blocks][R + E] pairs per column and block
-
 struct NotifyArgs {
     const int64_t* topk_idx;  // [T, K]
     int64_t* topk_copy;       // [T, K] out: a copy of topk_idx for the handle, or null
     int num_tokens, num_experts;
-    int tokens_per_group;     // tokens of one group (warp)
+    int tokens_per_group;     // tokens of one group (warp); of one block in impls/notify_alone.cuh
     int64_t counts_offset;    // byte offset of the count matrix in every window
     int* pos_tok;             // [T, R] out: local row of token t at rank d, or -1
     int* pos_pair;            // [T, K] out (expanded): local row of pair (t, k) at its expert's owner, or -1
-    int* scratch;             // kNotify* words, then a row of counts per block
+    int* scratch;             // the kNotify* words of common/abi.cuh, then a row of counts per block
     uint64_t timeout_ns;      // for the grid barriers (blocks that never arrive)
     comm::CallTag tag;        // this call's number and fingerprint, sent with the counts' signal
 };

@@ -11,12 +11,14 @@
 #include "../impls/layout.cuh"
 #include "../impls/layout_alone.cuh"
 #include "../impls/notify.cuh"
+#include "../impls/notify_alone.cuh"
 
 // kNotifyWarps warps (groups) per block, a few warps per SM at most: the blocks meet at grid
 // barriers (impls/notify.cuh). The block that finishes last signals the peers, then waits for
 // theirs and writes the layout (impls/layout.cuh) while the other blocks have exited. A rank alone
 // (EP_NOTIFY_SINGLE_RANK) exchanges nothing: its layout is written by the grid's last block while
-// the others still number, and its host report by the block that finishes last (impls/layout_alone.cuh).
+// the others still number, and its host report by the block that finishes last (impls/layout_alone.cuh);
+// in the non-expanded layout (EP_NOTIFY_TOKEN_SCAN) it only scans its tokens (impls/notify_alone.cuh).
 extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep_ep_notify(
         deep_ep::NotifyArgs a, deep_ep::LayoutArgs layout, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
@@ -26,6 +28,10 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep
     extern __shared__ int smem[];
 #if EP_NOTIFY_SINGLE_RANK
     if (tr.num_ranks == 1) {
+#if EP_NOTIFY_TOKEN_SCAN && !EP_EXPAND
+        deep_ep::notify_alone_scan<EP_TOPK>(a, layout, tr, smem);
+        return;
+#endif
         deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0, true>(a, tr);
         deep_ep::notify_alone_end(layout, EP_EXPAND != 0, tr, smem);
         return;

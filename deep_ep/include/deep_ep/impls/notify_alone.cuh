@@ -1,0 +1,161 @@
+// The notify stage of a rank alone in the non-expanded layout (EP_NOTIFY_TOKEN_SCAN): a token scan
+// and an expert histogram, with no grid barrier.
+//
+// A rank alone sends every token to itself, so of what impls/notify.cuh computes it needs only:
+//   pos_tok[t]   t's index among the tokens that select at least one expert (-1: none), an
+//                exclusive scan over the tokens of one flag each;
+//   counts       the count row [1 + E]: those tokens, then the pairs of each expert (a histogram:
+//                no order within an expert matters in this layout), then the first out-of-range
+//                id (flat index and value), as impls/notify.cuh publishes it.
+// Each block takes a consecutive token range and each thread a consecutive run of it (at most 32
+// tokens: one bit each in a register). One pass over the ids counts, copies them for the handle and
+// checks their range; a block scan of the threads' token counts gives every thread its first row
+// within the block. The block publishes its token total (plus one: zero means not yet) in its
+// slot of the scratch, and adds its histogram (shared memory) to the grid's (global atomics); then
+// it sums the totals of the blocks before it (a look-back over aggregates: every block publishes
+// before it looks, all blocks are resident, so no block waits for one that waits), numbers its
+// tokens, and counts itself done. The block that finishes last writes the count row from the grid's
+// histogram, leaves the scratch words as it found them (zero; the bad index INT_MAX) and runs the
+// layout stage and the host's report (impls/layout_alone.cuh). A grid of one block keeps its
+// histogram in shared memory and touches no scratch word but the bad index.
+// The outputs are the words impls/notify.cuh writes for a rank alone without the expanded layout,
+// so either kernel serves a handle (tools/sweep_notify.py compares them bit for bit).
+#pragma once
+
+#include "layout_alone.cuh"
+
+// EP_NOTIFY_TOKEN_SCAN (build-time tunable, timed by tools/sweep_notify.py --variants): 1 = a rank
+// alone in the non-expanded layout takes this kernel (kernels/dispatch.cuh; the default); 0 = the
+// general numbering of impls/notify.cuh. The host reads the same default to size its grid
+// (`deep_ep.backends.gpu.modules.NOTIFY_TOKEN_SCAN_DEFAULT`; a test holds the two equal).
+#ifndef EP_NOTIFY_TOKEN_SCAN
+#define EP_NOTIFY_TOKEN_SCAN 1
+#endif
+
+namespace deep_ep {
+
+// Every thread of every block. ``a.tokens_per_group`` is the tokens of one block here (at most
+// 32 per thread: the host's grid, `dispatch.notify_scan_grid`). ``smem``: the kernel's dynamic shared
+// memory, at least 2 E ints (the histogram, then the layout stage's arrays).
+template <int K>
+__device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const LayoutArgs& la,
+                                                  const comm::LsaTransport& tr, int* smem) {
+    const int E = a.num_experts;
+    const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+    const int block = static_cast<int>(blockIdx.x), num_blocks = static_cast<int>(gridDim.x);
+    const int b0 = min(a.num_tokens, block * a.tokens_per_group);
+    const int b1 = min(a.num_tokens, b0 + a.tokens_per_group);
+    const int per_thread = (b1 - b0 + nthreads - 1) / nthreads;   // <= 32
+    const int t0 = min(b1, b0 + tid * per_thread), t1 = min(b1, t0 + per_thread);
+    int* hist = smem;   // [E] pairs per expert of this block
+    int* const scratch = a.scratch;
+    __shared__ int s_before;   // tokens of the blocks before this one
+    for (int e = tid; e < E; e += nthreads) hist[e] = 0;
+    __syncthreads();
+
+    // ---- count, copy, check: one pass over the thread's tokens
+    uint32_t sent = 0u;   // bit j: token t0 + j selects an expert
+    for (int t = t0; t < t1; ++t) {
+        const int64_t p0 = static_cast<int64_t>(t) * K;
+        int64_t ids[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) ids[k] = __ldg(a.topk_idx + p0 + k);
+        bool any = false;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t e = ids[k];
+            if (e >= 0 && e < E) {
+                atomicAdd(hist + e, 1);
+                any = true;
+            } else if (e != -1) {
+                atomicMin(scratch + kNotifyBadIndex, static_cast<int>(p0 + k));
+            }
+            if (a.topk_copy != nullptr) a.topk_copy[p0 + k] = e;
+        }
+        sent |= static_cast<uint32_t>(any) << (t - t0);
+    }
+    int block_tokens;
+    const int first_row = block_exclusive_scan(__popc(sent), &block_tokens);   // meets: hist is complete
+
+    // ---- publish the block's total and histogram; sum the totals before it
+    bool ok = true;
+    if (num_blocks > 1) {
+        if (tid == 0) atomicExch(scratch + kNotifyScanTotals + block, block_tokens + 1);
+        for (int e = tid; e < E; e += nthreads) {
+            const int v = hist[e];
+            if (v != 0) atomicAdd(scratch + kNotifyScanHist + e, v);
+        }
+        if (tid < 32) {
+            int before = 0;
+            const uint64_t start = global_timer_ns();
+            for (int b = tid; b < block; b += 32) {
+                const uint32_t* slot = reinterpret_cast<const uint32_t*>(scratch + kNotifyScanTotals + b);
+                uint32_t v;
+                while ((v = ld_volatile(slot)) == 0u) {
+                    if (global_timer_ns() - start > a.timeout_ns) { ok = false; break; }
+                }
+                before += static_cast<int>(v) - 1;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
+            ok = __all_sync(0xffffffffu, ok);
+            if (tid == 0) {
+                s_before = before;
+                if (!ok) comm::record_error(tr.local(), kErrTimeout, tr.rank, tr.rank, kPhaseNotify);
+            }
+        }
+    } else if (tid == 0) {
+        s_before = 0;
+    }
+    __syncthreads();
+
+    // ---- number the thread's tokens
+    int row = s_before + first_row;
+    for (int t = t0; t < t1; ++t) {
+        const bool s = (sent >> (t - t0)) & 1u;
+        a.pos_tok[t] = s ? row : -1;
+        row += s;
+    }
+
+    // ---- the count row, by the last block; the scratch words left as found
+    const bool single = num_blocks == 1;
+    if (!single && !comm::last_block(tr.local(), kCtrlDone, false)) return;
+    if (!single && tid == 0) __threadfence();   // last_block is the release half only
+    __syncthreads();
+    int* C = reinterpret_cast<int*>(tr.local() + la.counts_offset);   // rank 0's row: [1 + E + 2]
+    for (int e = tid; e < E; e += nthreads) {
+        int v = hist[e];
+        if (!single) {
+            v = __ldcg(scratch + kNotifyScanHist + e);
+            scratch[kNotifyScanHist + e] = 0;
+        }
+        C[1 + e] = v;
+    }
+    if (tid < 32) {
+        int total = single && tid == 0 ? block_tokens : 0;   // summed over the warp below
+        for (int b = tid; !single && b < num_blocks; b += 32) {
+            total += __ldcg(scratch + kNotifyScanTotals + b) - 1;
+            scratch[kNotifyScanTotals + b] = 0;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        if (tid == 0) {
+            const int bad = static_cast<int>(ld_volatile(reinterpret_cast<const uint32_t*>(scratch + kNotifyBadIndex)));
+            const bool any = bad != 0x7fffffff;
+            int value = 0;
+            if (any) {
+                const int64_t e = __ldg(a.topk_idx + bad);
+                value = static_cast<int>(max(static_cast<int64_t>(-0x7fffffff), min(e, static_cast<int64_t>(0x7fffffff))));
+            }
+            C[0] = total;
+            C[1 + E] = any ? bad : -1;
+            C[2 + E] = value;
+            scratch[kNotifyBadIndex] = 0x7fffffff;   // for the next call
+        }
+    }
+    __syncthreads();   // the row is written; hist is dead (the layout stage reuses smem)
+    layout_alone(la, false, tr, smem);
+    layout_alone_report(la, tr);
+}
+
+}  // namespace deep_ep
