@@ -283,12 +283,15 @@ def plain_cached_dispatch_ok(buf, x, topk_weights, handle) -> bool:
     return topk_weights is None or _plain_f32(topk_weights, routing, dev)
 
 
-def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_sync) -> bool:
+def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_sync, num_max_tokens_per_rank=None,
+                            expert_alignment=None, stats=None) -> bool:
     """Whether a fresh dispatch with bf16 ``x``, ``topk_idx`` and ``num_experts`` given, optional
-    ``topk_weights`` and ``do_cpu_sync`` None / True / False, whose other arguments are at their
-    defaults (the caller checked those), passes every rule of `validate_dispatch` (see
-    `plain_cached_dispatch_ok`). CPU tensors: the expert ids are read here as the full checks read
-    them (on a GPU the notify kernel checks them)."""
+    ``topk_weights``, ``do_cpu_sync`` None / True / False, ``num_max_tokens_per_rank`` and
+    ``expert_alignment`` None or ints, ``stats`` (``cumulative_local_expert_recv_stats``) None or a
+    tensor, whose other arguments are plain (the caller checked those: bools, no events, no FP8
+    options), passes every rule of `validate_dispatch` (see `plain_cached_dispatch_ok`). CPU
+    tensors: the expert ids are read here as the full checks read them (on a GPU the notify kernel
+    checks them)."""
     if (type(x) is not torch.Tensor or x.dtype is not torch.bfloat16 or type(topk_idx) is not torch.Tensor
             or topk_idx.dtype is not topk_idx_t or type(num_experts) is not int):
         return False
@@ -301,9 +304,19 @@ def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_
     if K < 1 or (cfg.num_topk and K > cfg.num_topk) or not 1 <= num_experts <= INT32_MAX \
             or num_experts % buf.num_ranks:
         return False
+    if num_max_tokens_per_rank is not None:
+        if type(num_max_tokens_per_rank) is not int or not 0 <= num_max_tokens_per_rank <= INT32_MAX \
+                or (m and num_max_tokens_per_rank > m):
+            return False
+        m = num_max_tokens_per_rank
+    if expert_alignment is not None and (type(expert_alignment) is not int or not 1 <= expert_alignment <= INT32_MAX):
+        return False
     if (m and T > m) or (not m and do_cpu_sync is False) or (cfg.hidden and H > cfg.hidden):
         return False
     if topk_weights is not None and not _plain_f32(topk_weights, (T, K), dev):
+        return False
+    if stats is not None and not (type(stats) is torch.Tensor and stats.dtype is torch.int32 and stats.device == dev
+                                  and stats.shape == (num_experts // buf.num_ranks,) and stats.is_contiguous()):
         return False
     if dev.type == "cpu" and topk_idx.numel():
         lo, hi = _min_max(topk_idx)

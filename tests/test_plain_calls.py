@@ -117,15 +117,27 @@ def test_the_short_path_takes_exactly_the_valid_fresh_dispatches():
         cases += [("x", xs["x"], rn, r, "w", ws["w"], host_path.E, None) for rn, r in routings.items()]
         cases += [("x", xs["x"], "idx", routings["idx"], "none", None, E_, True)
                   for E_ in (None, 0, -1, 3, True, 16.0, 2 ** 31, host_path.E * 2)]
-        for xn, x, rn, r, wn, w, E_, sync in cases:
-            short = checks.plain_fresh_dispatch_ok(buf, x, r, w, E_, sync)
-            full = _full_ok(lambda: checks.validate_dispatch(buf, x, r, w, None, E_, None, None, 0, 0, None, None,
+        cases = [c + (None, None, "none") for c in cases]
+        # the per-call sizes, the alignment and the statistics, which the short path takes too
+        stats = {"none": None, "stats": torch.zeros(host_path.E, dtype=torch.int32),
+                 "stats int64": torch.zeros(host_path.E, dtype=torch.int64),
+                 "stats one more": torch.zeros(host_path.E + 1, dtype=torch.int32),
+                 "stats strided": torch.zeros(2 * host_path.E, dtype=torch.int32)[::2], "stats a list": [0] * 16}
+        cases += [("x", xs["x"], "idx", routings["idx"], "w", ws["w"], host_path.E, sync, M_, A_, "none")
+                  for sync in (None, False) for M_ in (None, 0, 8, 12, 11, 64, 65, -1, True, 12.0, 2 ** 31)
+                  for A_ in (None, 1, 128, 0, -1, True, 2.0, 2 ** 31)]
+        cases += [("x", xs["x"], "idx", routings["idx"], "w", ws["w"], host_path.E, None, None, None, sn)
+                  for sn in stats]
+        for xn, x, rn, r, wn, w, E_, sync, M_, A_, sn in cases:
+            st = stats[sn]
+            short = checks.plain_fresh_dispatch_ok(buf, x, r, w, E_, sync, M_, A_, st)
+            full = _full_ok(lambda: checks.validate_dispatch(buf, x, r, w, st, E_, M_, A_, 0, 0, None, None,
                                                              False, False, None, True, sync, False, False, False))
             if xn == "x fp8 tuple" and full:
                 full = False   # valid, but FP8: the short path is for bf16 only
-            assert short == full, (buf_name, xn, rn, wn, E_, sync, short, full)
+            assert short == full, (buf_name, xn, rn, wn, E_, sync, M_, A_, sn, short, full)
             taken += short
-    assert taken > 20
+    assert taken > 60
 
 
 @pytest.mark.parametrize("expand", [False, True])
@@ -189,8 +201,17 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
         short = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync)
         assert seen == ["fresh_dispatch", "dispatch"], sync   # the backend's own entry, without the full checks
         seen.clear()
-        full = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync, expert_alignment=1)
+        full = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync, use_tma_aligned_col_major_sf=True)
         assert seen == ["validate_dispatch", "dispatch"]
+        seen.clear()
+        # explicit sizes and options take the short path too, with the same result
+        b.last_tokens = T
+        given = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync, expert_alignment=1,
+                             num_max_tokens_per_rank=b.config.num_max_tokens_per_rank, do_zero_padding=False,
+                             do_expand=False)
+        assert seen == ["fresh_dispatch", "dispatch"], sync
+        for a, c in zip(given[:3], short[:3]):
+            assert a.shape == c.shape and a.dtype == c.dtype
         seen.clear()
         for a, c in zip(short[:3], full[:3]):
             assert a.shape == c.shape and a.dtype == c.dtype
@@ -201,3 +222,39 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
     full = pub.combine(y, handle, bias=(None, None))
     assert seen == ["validate_combine", "combine"]
     assert short[0].shape == full[0].shape == (T, H) and short[1] is full[1] is None
+
+
+def test_the_short_fresh_path_passes_the_backend_what_the_full_checks_pass(monkeypatch):
+    """A fresh dispatch with explicit sizes, alignment, layout options and statistics reaches the
+    backend's `dispatch` with the same arguments by the short path as by the full checks (a call with
+    an option only the full path takes: ``use_tma_aligned_col_major_sf``, which bf16 data ignores)."""
+    from deep_ep.buffer import ElasticBuffer
+    b = host_path._backend([])
+    pub = ElasticBuffer.__new__(ElasticBuffer)
+    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
+                        allow_multiple_reduction=True, num_allocated_qps=0)
+    b.get_comm_stream = lambda: None
+    calls = []
+    real = b.dispatch
+    monkeypatch.setattr(b, "dispatch", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    g = torch.Generator().manual_seed(12)
+    T = 16
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(host_path.E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    for options in (dict(), dict(num_max_tokens_per_rank=32, expert_alignment=4, do_expand=True, do_zero_padding=True),
+                    dict(num_max_tokens_per_rank=T, do_cpu_sync=False), dict(expert_alignment=2, do_expand=False)):
+        got = []
+        stats = torch.zeros(host_path.E, dtype=torch.int32)
+        for extra in ({}, {"use_tma_aligned_col_major_sf": True}):
+            calls.clear()
+            b.last_tokens = T
+            pub.dispatch(x, idx, w, num_experts=host_path.E, cumulative_local_expert_recv_stats=stats,
+                         **options, **extra)
+            (args, kwargs), = calls
+            kwargs = dict(kwargs, use_tma_aligned_col_major_sf=False)
+            got.append((args, kwargs))
+        (a1, k1), (a2, k2) = got
+        assert all(u is v for u, v in zip(a1, a2)) and k1.keys() == k2.keys(), options
+        for name in k1:
+            assert k1[name] is k2[name] or k1[name] == k2[name], (options, name, k1[name], k2[name])

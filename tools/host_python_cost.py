@@ -100,6 +100,10 @@ def main() -> None:
     rows += [
         ("public: full dispatch, CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E)),
         ("public: full dispatch, no CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)),
+        # as the bench and DeepEP's tests call it: the sizes and the alignment given
+        ("public: full dispatch, sizes given", lambda: pub.dispatch(
+            x, idx, w, num_experts=E, num_max_tokens_per_rank=T, expert_alignment=1, do_expand=False,
+            do_zero_padding=False)),
         ("public: cached dispatch", lambda: pub.dispatch(x, topk_weights=w, handle=handle)),
         ("public: combine", lambda: pub.combine(y, handle)),
     ]

@@ -148,16 +148,19 @@ class Backend(abc.ABC):
                              cumulative_local_expert_recv_stats=None)
 
     def fresh_dispatch(self, data: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                       num_experts: int, num_sms: int, do_handle_copy: bool, do_cpu_sync: bool) -> tuple:
-        """`dispatch` without a handle, with bf16 ``data`` and every option not named here at its
-        default (the buffer's ``num_max_tokens_per_rank``, alignment 1, no FP8, not expanded, no
-        statistics), already checked (`deep_ep.checks.plain_fresh_dispatch_ok`). Returns what
-        `dispatch` returns. A backend may serve it on a shorter path."""
+                       num_experts: int, num_sms: int, do_handle_copy: bool, do_cpu_sync: bool,
+                       num_max_tokens_per_rank: int, expert_alignment: int, do_expand: bool, do_zero_padding: bool,
+                       cumulative_local_expert_recv_stats: Optional[torch.Tensor]) -> tuple:
+        """`dispatch` without a handle, with bf16 ``data`` and no FP8 option, every argument
+        resolved (``num_max_tokens_per_rank`` the call's or the buffer's, ``expert_alignment`` >= 1)
+        and already checked (`deep_ep.checks.plain_fresh_dispatch_ok`). Returns what `dispatch`
+        returns. A backend may serve it on a shorter path."""
         return self.dispatch(data, None, topk_idx, topk_weights, num_experts=num_experts,
-                             num_max_tokens_per_rank=self.config.num_max_tokens_per_rank, expert_alignment=1,
+                             num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
                              num_sms=num_sms, handle=None, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
-                             do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False,
-                             cumulative_local_expert_recv_stats=None)
+                             do_expand=do_expand, do_zero_padding=do_zero_padding,
+                             use_tma_aligned_col_major_sf=False,
+                             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
