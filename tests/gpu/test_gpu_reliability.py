@@ -272,45 +272,53 @@ def test_capacity_error_at_ep1_reaches_the_next_call(nccl_group):
         buf.destroy()
 
 
-def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None, idxs=None, ws=None, on_dev=None):
+def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None, idxs=None, ws=None, on_dev=None,
+                         max_tokens: int = MAX_TOKENS):
     """A valid dispatch on ``buf`` (outputs poisoned) matches the reference: the buffer is usable.
-    ``on_dev``: this rank's inputs already on the device (emulated ranks copy nothing between calls)."""
+    ``on_dev``: this rank's inputs already on the device (emulated ranks copy nothing between calls);
+    ``max_tokens``: the buffer's num_max_tokens_per_rank (a field of the handle)."""
     if xs is None:
         xs, idxs, ws = _inputs(num_ranks, g)
     x, idx, w = on_dev or (xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
     with outputs.poisoned():
         out = buf.dispatch(x, idx, w, num_experts=EXPERTS)
     torch.cuda.current_stream().synchronize()
-    exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, num_max_tokens_per_rank=MAX_TOKENS)
+    exp = ref.reference_dispatch(xs, idxs, ws, EXPERTS, num_max_tokens_per_rank=max_tokens)
     ref.check_dispatch((to_cpu(out[0]), to_cpu(out[1]), to_cpu(out[2]), handle_to_cpu(out[3])), exp[rank], rank=rank)
 
 
+@pytest.mark.parametrize("T", [40, 1500], ids=["one-block", "six-blocks"])
 @pytest.mark.parametrize("cpu_sync", [True, False], ids=["sync", "nosync"])
-def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(nccl_group, cpu_sync):
+def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(nccl_group, cpu_sync, T):
     """EP=1 through NCCL: an expert id of num_experts in a GPU topk_idx is found by the notify kernel.
     With CPU sync the call raises a ValueError naming the id and its place (a rank alone's data kernel
     was already queued: it moves nothing wrong, and the outputs it writes are kept for its stream);
-    without, the next call raises it. Either way valid calls after it match the reference."""
+    without, the next call raises it. Either way valid calls after it match the reference. With 1500
+    tokens the rank alone's token scan runs six blocks, two of which find a bad id (the first in
+    token order is named; the word that holds it is left ready for the next call)."""
     dev = torch.device("cuda", 0)
-    g = torch.Generator().manual_seed(case_seed("bad-expert-ep1", int(cpu_sync)))
-    buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK)
+    g = torch.Generator().manual_seed(case_seed("bad-expert-ep1", int(cpu_sync), T))
+    M = max(MAX_TOKENS, T)
+    buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=TOPK)
     try:
-        _check_good_dispatch(buf, dev, g)
-        T = 40
+        _check_good_dispatch(buf, dev, g, max_tokens=M)
         x = torch.randn((T, HIDDEN), generator=g).to(torch.bfloat16).to(dev)
         idx = random_routing(T, EXPERTS, TOPK, g, mask_prob=0.0).to(dev)
-        idx[3, 2] = EXPERTS
-        match = rf"expert id {EXPERTS} at \[3, 2\]"
+        where = (3, 2) if T == 40 else (700, 1)
+        if T > 40:
+            idx[1300, 3] = -2   # a later block's, not named
+        idx[where] = EXPERTS
+        match = rf"expert id {EXPERTS} at \[{where[0]}, {where[1]}\]"
         if cpu_sync:
             with pytest.raises(ValueError, match=match):
                 buf.dispatch(x, idx, num_experts=EXPERTS)
         else:
-            buf.dispatch(x, idx, num_experts=EXPERTS, do_cpu_sync=False, num_max_tokens_per_rank=MAX_TOKENS)
+            buf.dispatch(x, idx, num_experts=EXPERTS, do_cpu_sync=False, num_max_tokens_per_rank=T)
             torch.cuda.synchronize()
             with pytest.raises(ValueError, match=match):
-                buf.dispatch(x, idx.clamp(max=EXPERTS - 1), num_experts=EXPERTS)
+                buf.dispatch(x, idx.clamp(min=-1, max=EXPERTS - 1), num_experts=EXPERTS)
         for _ in range(3):
-            _check_good_dispatch(buf, dev, g)
+            _check_good_dispatch(buf, dev, g, max_tokens=M)
     finally:
         torch.cuda.synchronize()
         buf.destroy()

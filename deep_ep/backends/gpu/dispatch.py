@@ -92,18 +92,11 @@ def notify_scan_grid(T: int, groups_max: int) -> tuple:
     """``(blocks, tokens per block)`` of a rank alone's token scan (EP_NOTIFY_TOKEN_SCAN) for ``T``
     tokens: `NOTIFY_SCAN_TOKENS_PER_BLOCK` tokens per block, at most ``groups_max`` groups' worth of
     blocks (its blocks must be resident together, as the general kernel's) and the scratch's
-    kNotifyScanMaxBlocks; a thread numbers at most 32 tokens (a bit each).
-
-    Raises:
-        ValueError: more tokens than 32 per thread of the grid allowed.
-    """
+    kNotifyScanMaxBlocks; past that, more tokens per block (a thread reads the ids of those past
+    its first 32 twice)."""
     cap = max(1, min(groups_max // NOTIFY_WARPS, CONSTANTS["kNotifyScanMaxBlocks"]))
     blocks = min(cap, max(1, -(-T // NOTIFY_SCAN_TOKENS_PER_BLOCK)))
-    per_block = max(1, -(-T // blocks))
-    if per_block > 32 * 32 * NOTIFY_WARPS:
-        raise ValueError(f"{T} tokens exceed the {32 * 32 * NOTIFY_WARPS * cap} a rank alone's notify kernel numbers "
-                         f"on this device")
-    return blocks, per_block
+    return blocks, max(1, -(-T // blocks))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:

@@ -7,8 +7,8 @@
 //   counts       the count row [1 + E]: those tokens, then the pairs of each expert (a histogram:
 //                no order within an expert matters in this layout), then the first out-of-range
 //                id (flat index and value), as impls/notify.cuh publishes it.
-// Each block takes a consecutive token range and each thread a consecutive run of it (at most 32
-// tokens: one bit each in a register). One pass over the ids counts, copies them for the handle and
+// Each block takes a consecutive token range and each thread a consecutive run of it (the first 32
+// tokens noted as a bit each in a register; past them, read again to number them). One pass over the ids counts, copies them for the handle and
 // checks their range; a block scan of the threads' token counts gives every thread its first row
 // within the block. The block publishes its token total (plus one: zero means not yet) in its
 // slot of the scratch, and adds its histogram (shared memory) to the grid's (global atomics); then
@@ -34,8 +34,36 @@
 
 namespace deep_ep {
 
-// Every thread of every block. ``a.tokens_per_group`` is the tokens of one block here (at most
-// 32 per thread: the host's grid, `dispatch.notify_scan_grid`). ``smem``: the kernel's dynamic shared
+// Whether token ``t`` selects an expert (an id in [0, E)). ``kCount``: also count its pairs into
+// ``hist`` (shared memory), note the flat index of an out-of-range id (one outside [-1, E)) and copy
+// its ids for the handle. The ids are loaded 16 at a time (a top-k of up to 256 without spills).
+template <int K, bool kCount>
+__device__ __forceinline__ bool notify_alone_token(const NotifyArgs& a, int E, int t, int* hist) {
+    constexpr int kChunk = K < 16 ? K : 16;
+    const int64_t p0 = static_cast<int64_t>(t) * K;
+    bool any = false;
+#pragma unroll 1
+    for (int k0 = 0; k0 < K; k0 += kChunk) {
+        int64_t ids[kChunk];
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) ids[k] = k0 + k < K ? __ldg(a.topk_idx + p0 + k0 + k) : -1;
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) {
+            const int64_t e = ids[k];
+            const bool in_range = e >= 0 && e < E;
+            any |= in_range;
+            if (kCount && k0 + k < K) {
+                if (in_range) atomicAdd(hist + e, 1);
+                else if (e != -1) atomicMin(a.scratch + kNotifyBadIndex, static_cast<int>(p0 + k0 + k));
+                if (a.topk_copy != nullptr) a.topk_copy[p0 + k0 + k] = e;
+            }
+        }
+    }
+    return any;
+}
+
+// Every thread of every block. ``a.tokens_per_group`` is the tokens of one block here (the host's
+// grid, `dispatch.notify_scan_grid`). ``smem``: the kernel's dynamic shared
 // memory, at least 2 E ints (the histogram, then the layout stage's arrays).
 template <int K>
 __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const LayoutArgs& la,
@@ -54,28 +82,15 @@ __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const Lay
     __syncthreads();
 
     // ---- count, copy, check: one pass over the thread's tokens
-    uint32_t sent = 0u;   // bit j: token t0 + j selects an expert
+    uint32_t sent = 0u;   // bit j: token t0 + j selects an expert (the first 32 of the run)
+    int my_tokens = 0;    // the run's tokens that select an expert
     for (int t = t0; t < t1; ++t) {
-        const int64_t p0 = static_cast<int64_t>(t) * K;
-        int64_t ids[K];
-#pragma unroll
-        for (int k = 0; k < K; ++k) ids[k] = __ldg(a.topk_idx + p0 + k);
-        bool any = false;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t e = ids[k];
-            if (e >= 0 && e < E) {
-                atomicAdd(hist + e, 1);
-                any = true;
-            } else if (e != -1) {
-                atomicMin(scratch + kNotifyBadIndex, static_cast<int>(p0 + k));
-            }
-            if (a.topk_copy != nullptr) a.topk_copy[p0 + k] = e;
-        }
-        sent |= static_cast<uint32_t>(any) << (t - t0);
+        const bool any = notify_alone_token<K, true>(a, E, t, hist);
+        if (t - t0 < 32) sent |= static_cast<uint32_t>(any) << (t - t0);
+        my_tokens += any;
     }
     int block_tokens;
-    const int first_row = block_exclusive_scan(__popc(sent), &block_tokens);   // meets: hist is complete
+    const int first_row = block_exclusive_scan(my_tokens, &block_tokens);   // meets: hist is complete
 
     // ---- publish the block's total and histogram; sum the totals before it
     bool ok = true;
@@ -88,13 +103,13 @@ __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const Lay
         if (tid < 32) {
             int before = 0;
             const uint64_t start = global_timer_ns();
-            for (int b = tid; b < block; b += 32) {
+            for (int b = tid; ok && b < block; b += 32) {
                 const uint32_t* slot = reinterpret_cast<const uint32_t*>(scratch + kNotifyScanTotals + b);
                 uint32_t v;
                 while ((v = ld_volatile(slot)) == 0u) {
                     if (global_timer_ns() - start > a.timeout_ns) { ok = false; break; }
                 }
-                before += static_cast<int>(v) - 1;
+                if (ok) before += static_cast<int>(v) - 1;
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
@@ -109,10 +124,10 @@ __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const Lay
     }
     __syncthreads();
 
-    // ---- number the thread's tokens
+    // ---- number the thread's tokens (past 32 of them, reading their ids again)
     int row = s_before + first_row;
     for (int t = t0; t < t1; ++t) {
-        const bool s = (sent >> (t - t0)) & 1u;
+        const bool s = t - t0 < 32 ? ((sent >> (t - t0)) & 1u) != 0u : notify_alone_token<K, false>(a, E, t, hist);
         a.pos_tok[t] = s ? row : -1;
         row += s;
     }
