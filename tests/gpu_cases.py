@@ -101,6 +101,8 @@ _BASE = [
     Case("bf16-noweights-bias2", weights=False, num_bias=2),
     Case("bf16-nosync", do_cpu_sync=False, num_bias=1),
     Case("bf16-expand-nosync", expand=True, alignment=8, do_cpu_sync=False),
+    # little padding: a rank alone with CPU sync allocates its expanded outputs before its counts
+    Case("bf16-expand-align2", expand=True, alignment=2, mask_prob=0.3),
     Case("bf16-empty-rank", tokens=(0, 50, 17)),
     Case("bf16-all-masked", mask_prob=1.0),
     # About one token in seven selects no expert: fewer rows than tokens even on a rank alone, whose

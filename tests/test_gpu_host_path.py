@@ -70,8 +70,10 @@ def _backend(log):
 
     def wait_readback(seq, num_experts, num_topk):
         report = [0] * READBACK_WORDS
-        report[READBACK["out_rows"]] = report[READBACK["tok_rows"]] = b.last_tokens
+        report[READBACK["out_rows"]] = b.last_tokens
+        report[READBACK["tok_rows"]] = b.last_tokens if b.last_tok_rows is None else b.last_tok_rows
         return report
+    b.last_tok_rows = None   # token rows to report, if not the rows (expanded: fewer)
     b.wait_readback = wait_readback
     return b
 
@@ -383,7 +385,7 @@ def test_lazy_handle_fields_are_views_at_the_kernels_addresses(sync, expand):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    b.last_tokens = T * (K if expand else 1)
+    b.last_tokens, b.last_tok_rows = T * (K if expand else 1), T
     b.calls += 1
     _, _, _, handle = gpu_dispatch.run_dispatch(
         b, x, None, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=4,
@@ -525,12 +527,85 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     kinds = [k for k, _ in events]
     assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
     assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
-    assert [s for k, s in events if k == "alloc"][-4:] == [(T, H), (T, K), (T, K), (T, K + 2)]
+    # the outputs (recv_src_metadata lives in the handle's words, their first allocation)
+    assert [s for k, s in events if k == "alloc"][-3:] == [(T, H), (T, K), (T, K)]
+    words = handle.backend_state.words
+    meta = handle.recv_src_metadata
+    assert meta.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
+    assert words.data_ptr() < meta.data_ptr() < words.data_ptr() + 4 * words.numel()
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
     data, layout = plan.data.args[0], plan.notify.args[1]
     assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
+
+
+def test_early_rows_bound_what_a_rank_alone_can_receive():
+    """The rows a rank alone's outputs are allocated for before its counts: T non-expanded; expanded,
+    the pairs with each expert padded to the alignment, which holds every routing (checked here by
+    the padded counts of random routings with masked slots and repeated experts), or None (wait
+    for the counts) when that padding exceeds an eighth of the pairs."""
+    g = torch.Generator().manual_seed(5)
+    assert gpu_dispatch.early_rows(37, 8, 256, 128, False) == 37
+    assert gpu_dispatch.early_rows(4096, 8, 256, 1, True) == 4096 * 8
+    assert gpu_dispatch.early_rows(4096, 8, 256, 128, True) is None   # 256 * 127 rows of padding
+    assert gpu_dispatch.early_rows(4096, 8, 256, 16, True) == -(-(4096 * 8 + 256 * 15) // 16) * 16
+    for T, K_, E_, A in [(64, 4, 16, 1), (64, 4, 16, 2), (300, 8, 256, 4), (5, 3, 2, 1), (0, 4, 16, 1)]:
+        rows = gpu_dispatch.early_rows(T, K_, E_, A, True)
+        if rows is None:
+            continue
+        assert rows % A == 0
+        for _ in range(20):
+            idx = torch.randint(-1, E_, (T, K_), generator=g)
+            counts = torch.bincount(idx[idx >= 0], minlength=E_)
+            assert int(((counts + A - 1) // A * A).sum()) <= rows, (T, K_, E_, A)
+
+
+@pytest.mark.parametrize("align", [1, 2, 64])
+def test_a_single_rank_expanded_with_cpu_sync_queues_its_data_kernel_when_the_padding_is_small(align, monkeypatch):
+    """Expanded, with CPU sync: a rank alone queues its data kernel before the wait, its outputs (and
+    the layout stage's capacity) `early_rows` rows, then cut to the reported rows; with more padding
+    than that allows (alignment 64 here) it waits for the counts first, and allocates exact outputs."""
+    from deep_ep.backends import outputs
+    events = []
+    real_empty, real_launch = outputs.empty, _Prepared.launch
+
+    def empty(shape, dtype, device, stream=None):
+        events.append(("alloc", shape))
+        return real_empty(shape, dtype, device, stream)
+
+    def launch(self, stream, grid=0):
+        events.append((self.name, None))
+        real_launch(self, stream, grid)
+    monkeypatch.setattr(outputs, "empty", empty)
+    monkeypatch.setattr(_Prepared, "launch", launch)
+    b = _backend([])
+    T = 24
+    reported = 50   # rows the stand-in layout stage reports
+    wait = b.wait_readback
+
+    def wait_readback(seq, num_experts, num_topk):
+        events.append(("wait", None))
+        report = wait(seq, num_experts, num_topk)
+        report[READBACK["out_rows"]], report[READBACK["tok_rows"]] = reported, T - 2
+        return report
+    b.wait_readback = wait_readback
+    (recv_x, recv_idx, recv_w, handle), keep = _dispatch(b, T, weights=True, sync=True, align=align, stats=False,
+                                                         expand=True)
+    assert recv_idx is None and recv_x.shape == (reported, H) and recv_w.shape == (reported,)
+    assert handle.recv_src_metadata.shape == (T - 2, K + 2)
+    kinds = [k for k, _ in events]
+    rows = gpu_dispatch.early_rows(T, K, E, align, True)
+    plan = b.fresh_plans[next(iter(b.fresh_plans))]
+    data, layout = plan.data.args[0], plan.notify.args[1]
+    if rows is None:
+        assert kinds.index("wait") < kinds.index("deep_ep_dispatch")
+        assert (data.out_capacity, data.tok_capacity) == (reported, T - 2)
+    else:
+        assert kinds[-2:] == ["deep_ep_dispatch", "wait"]
+        assert (data.out_capacity, data.tok_capacity) == (rows, T) == (layout.out_capacity, layout.tok_capacity)
+        assert (H and (rows, H)) in [s for k, s in events if k == "alloc"]
+    assert data.out_x == recv_x.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
 
 
 def test_an_interrupted_or_timed_out_wait_for_the_counts_leaves_the_buffer_unusable(monkeypatch):

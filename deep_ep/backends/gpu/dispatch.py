@@ -37,7 +37,7 @@ from . import window as wl
 from .state import GPUHandleState, WordPlan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
-           "notify_scan_grid", "word_plan"]
+           "notify_scan_grid", "early_rows", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -63,7 +63,8 @@ def _align_words(n: int) -> int:
 def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> WordPlan:
     """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
     ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
-    2)]`` (without CPU sync, whose receive is sized before the call; else empty), each starting on a
+    2)]`` (where its rows are known before the call: without CPU sync the worst case, and T for a
+    rank alone's non-expanded call with CPU sync; else empty), each starting on a
     128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
     allocation; the tensor views are made only when read (`GPUHandleState`)."""
     at = []
@@ -99,6 +100,27 @@ def notify_scan_grid(T: int, groups_max: int) -> tuple:
     return blocks, max(1, -(-T // blocks))
 
 
+# The most rows a rank alone's expanded outputs are allocated for ahead of its counts, past its
+# (token, slot) pairs: an eighth more (the padding of its experts to the alignment, at most A - 1
+# rows each, must fit in it); with more padding the outputs wait for the exact counts.
+EARLY_EXPANDED_SLACK = 8
+
+
+def early_rows(T: int, K: int, E: int, A: int, expanded: bool) -> Optional[int]:
+    """Rows a rank alone's outputs are allocated for before its counts are known (a dispatch with
+    CPU sync, which cuts them to the reported rows afterwards), or None to wait for the counts.
+    Non-expanded: T (each token at most once). Expanded: the pairs, ``T * K`` at most, with every
+    expert that can receive one padded up to the alignment ``A``, when that padding is at most
+    1 / `EARLY_EXPANDED_SLACK` of the pairs (none for ``A = 1``)."""
+    if not expanded:
+        return T
+    pairs = T * K
+    padding = min(E, pairs) * (A - 1)
+    if padding * EARLY_EXPANDED_SLACK > pairs:
+        return None
+    return -(-(pairs + padding) // A) * A
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     """A kernel argument's address: None for no tensor or an empty one (torch reports address 0 for
     any tensor without elements, a view into a larger storage too; the kernels would not touch one
@@ -113,7 +135,7 @@ class _FreshPlan:
     constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "alone", "scan", "notify", "data", "per_tokens", "tags", "handle_fields")
+                 "alone", "scan", "early", "notify", "data", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -133,6 +155,8 @@ class _FreshPlan:
         self.alone = R == 1 and modules.notify_single_rank()
         # ... and, without the expanded layout, with the token scan (`notify_scan_grid`).
         self.scan = R == 1 and not do_expand and modules.notify_token_scan()
+        # A rank alone with CPU sync queues its data kernel before the wait (`early_rows`).
+        self.early = R == 1 and bool(do_cpu_sync)
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         big = 2 ** 31 - 1
@@ -277,27 +301,35 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     b.last_m = plan.m
     b.raise_if_broken()
     seq = b.calls & 0xFFFFFFFF
+    # With CPU sync a rank alone receives its own tokens only: its outputs are allocated for a bound
+    # on their rows (`early_rows`) and its data kernel queued while the notify kernel runs, and the
+    # layout stage refuses more rows than that before the data kernel could write them. Not for
+    # column-major scale factors, whose layout depends on the exact rows.
+    early = plan.early and (sf is None or not use_tma_aligned_col_major_sf)
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
-    # [T, K], (no CPU sync) recv_src_metadata (`word_plan`); the kernels get addresses inside it.
-    grid_key = (T, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS, NOTIFY_SCAN_TOKENS_PER_BLOCK)
+    # [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the worst
+    # case; early: T) (`word_plan`); the kernels get addresses inside it.
+    grid_key = (T, early, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
+                NOTIFY_SCAN_TOKENS_PER_BLOCK)
     per_t = plan.per_tokens.get(grid_key)
     if per_t is None:
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
-        wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows)
+        rows = early_rows(T, K, E, plan.A, bool(do_expand)) if early else None
+        wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T)
         if plan.scan:
-            per_t = (wp,) + notify_scan_grid(T, b.notify_groups_max)
+            per_t = (wp,) + notify_scan_grid(T, b.notify_groups_max) + (rows,)
         else:
             groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
-            per_t = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)))
+            per_t = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)), rows)
         plan.per_tokens[grid_key] = per_t
-    wp, notify_blocks, tokens_per_group = per_t
+    wp, notify_blocks, tokens_per_group, early_out_rows = per_t
     fill = b.fill_stream
     words = outputs.empty(wp.total, torch.int32, dev, fill)
     # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
     handle_topk = outputs.empty((T, K), torch.int64, dev, fill) if do_handle_copy else topk_idx
     lay_ptr = words.data_ptr()
-    pos_tok_ptr, pos_pair_ptr, _ = wp.addresses(lay_ptr)
+    pos_tok_ptr, pos_pair_ptr, meta_ptr = wp.addresses(lay_ptr)
     # `_ptr` written out for the tensors that are always given (a call per address adds up here)
     topk_ptr = topk_idx.data_ptr() or None
     stream = b.launch_stream
@@ -306,13 +338,10 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     na.topk_copy = (handle_topk.data_ptr() or None) if do_handle_copy else None
     na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
     la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
-    # With CPU sync a rank alone receives its own tokens only, at most T rows (non-expanded): its
-    # outputs are allocated and its data kernel queued while the notify kernel runs, and the layout
-    # stage refuses more than T rows (it cannot count more) before the data kernel could write them.
-    early = do_cpu_sync and R == 1 and not do_expand and (sf is None or not use_tma_aligned_col_major_sf)
     if do_cpu_sync:
         b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-        la.out_capacity, la.tok_capacity = (T, T) if early else (plan.out_cap, plan.tok_cap)
+        la.out_capacity, la.tok_capacity = (plan.out_cap, plan.tok_cap) if early_out_rows is None \
+            else (early_out_rows, T)
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
     b.launched_call = b.calls
@@ -328,21 +357,22 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = data.data_ptr() or None, _ptr(sf), topk_ptr, \
         _ptr(topk_weights), T
     a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
-    if early:
-        # The outputs' rows are cut to those the layout stage reports after the wait (all T unless
-        # a token selects no expert); the kernel fills the rows past them as it fills any spare rows.
-        out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
-            b, data, sf, T, K, has_weights, False, T, use_tma_aligned_col_major_sf)
-        _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, _ptr(src_meta), T, T)
+    if early_out_rows is not None:
+        # The outputs' rows are cut to those the layout stage reports after the wait (non-expanded:
+        # all T unless a token selects no expert); the kernel fills the rows past them as it fills
+        # any spare rows.
+        out_x, out_sf, out_w, out_idx, _, sf_ld = _alloc_outputs(
+            b, data, sf, early_out_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
+        _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, early_out_rows, T)
         # If the wait raises, the caller's stream is still ordered after the queued kernels
         # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
         head = b.wait_readback(la.seq, E, K)
         out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
-        if out_rows < T or tok_capacity < T:
+        if out_rows < early_out_rows:
             out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
                                              for t in (out_x, out_sf, out_w, out_idx))
-            src_meta = src_meta[:tok_capacity]
-        state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
+        # recv_src_metadata: the first tok_capacity of the words' T rows (a view made when read)
+        state = GPUHandleState(words, wp, out_idx, None, tok_capacity)
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
             head = b.wait_readback(la.seq, E, K)

@@ -17,7 +17,7 @@ class WordPlan(NamedTuple):
     layout_words: int   # the layout words (common/abi.cuh), at 0
     pos_tok_at: int     # pos_tok [T, R]
     pos_pair_at: int    # pos_pair [T, K] (expanded; else an empty piece)
-    meta_at: int        # recv_src_metadata [meta_rows, K + 2] (no CPU sync; else an empty piece)
+    meta_at: int        # recv_src_metadata [meta_rows, K + 2] (its rows known before the call; else empty)
     T: int
     R: int
     K: int
@@ -40,8 +40,8 @@ class GPUHandleState:
     """What the kernels need beyond `EPHandle`'s public fields (device tensors and their addresses).
 
     words:         the dispatch's one int32 allocation: the layout words (common/abi.cuh, this rank
-                   as destination and as source), pos_tok, pos_pair, and (no CPU sync)
-                   recv_src_metadata, laid out by ``plan`` (`WordPlan`)
+                   as destination and as source), pos_tok, pos_pair, and (when its rows are known
+                   before the call) recv_src_metadata, laid out by ``plan`` (`WordPlan`)
     recv_topk_idx: the non-expanded dispatch's recv_topk_idx, returned again by a cached dispatch
     launches:      prepared kernel launches of cached dispatches and combines with this handle
                    (`jit.PreparedLaunch`, keyed by kernel structure and options; not copied by `clone`):
@@ -63,8 +63,8 @@ class GPUHandleState:
 
     def __init__(self, words: torch.Tensor, plan: WordPlan, recv_topk_idx: Optional[torch.Tensor],
                  src_meta: Optional[torch.Tensor], tok_capacity: int):
-        """``src_meta``: recv_src_metadata as a tensor of its own (with CPU sync), or None when it lives
-        in ``words`` (without: ``plan``'s meta piece, ``tok_capacity`` rows)."""
+        """``src_meta``: recv_src_metadata as a tensor of its own, or None when it lives in ``words``
+        (``plan``'s meta piece: its first ``tok_capacity`` rows, at most ``plan.meta_rows``)."""
         self.words, self.plan, self.recv_topk_idx = words, plan, recv_topk_idx
         self.launches = {}
         self._src_meta, self._views = src_meta, {}
@@ -86,9 +86,10 @@ class GPUHandleState:
             v = w[p.pos_tok_at: p.pos_tok_at + p.T * p.R].view(p.T, p.R)
         elif name == "pos_pair":
             v = w[p.pos_pair_at: p.pos_pair_at + p.T * p.K].view(p.T, p.K) if p.expanded else None
-        elif name == "src_meta":
+        elif name == "src_meta":   # in the words: their first tok_capacity rows (of meta_rows)
+            n = self.tok_capacity
             v = self._src_meta if self._src_meta is not None else \
-                w[p.meta_at: p.meta_at + p.meta_rows * (p.K + 2)].view(p.meta_rows, p.K + 2)
+                w[p.meta_at: p.meta_at + n * (p.K + 2)].view(n, p.K + 2)
         elif name == "tok_prefix":
             v = w[p.tok_prefix: p.tok_prefix + p.R]
         elif name == "psum_expert":
