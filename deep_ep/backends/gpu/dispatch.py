@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 from typing import Optional
 
 import torch
 
 from ... import jit
 from ...handle import EPHandle
-from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
+from ...shapes import alone_recv_rows_bound, worst_case_recv_rows, worst_case_recv_tokens
 from .. import outputs
 from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, LayoutArgs, NotifyArgs, call_tag, layout_index
 from . import modules
 from . import window as wl
-from .state import GPUHandleState, WordPlan
+from .state import GPUHandleState, word_plan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
            "notify_scan_grid", "early_rows", "word_plan"]
@@ -52,29 +51,6 @@ NOTIFY_ONE_BLOCK_PAIRS = 1024
 NOTIFY_SCAN_TOKENS_PER_BLOCK = 256
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
-
-
-def _align_words(n: int) -> int:
-    """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
-    return (n + 31) // 32 * 32
-
-
-@functools.lru_cache(maxsize=256)
-def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> WordPlan:
-    """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
-    ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
-    2)]`` (where its rows are known before the call: without CPU sync the worst case, and T for a
-    rank alone's non-expanded call with CPU sync; else empty), each starting on a
-    128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
-    allocation; the tensor views are made only when read (`GPUHandleState`)."""
-    at = []
-    end = 0
-    for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2)):
-        at.append(end)
-        end = _align_words(end + n)
-    return WordPlan(total=end, layout_words=ix.size, pos_tok_at=at[1], pos_pair_at=at[2], meta_at=at[3], T=T, R=R,
-                    K=K, L=L, expanded=bool(expanded), meta_rows=meta_rows, tok_prefix=ix.tok_prefix,
-                    psum_expert=ix.psum_expert, raw_counts=ix.raw_counts)
 
 
 def notify_groups(T: int, K: int, groups_max: int, alone: bool = False) -> int:
@@ -108,17 +84,12 @@ EARLY_EXPANDED_SLACK = 8
 
 def early_rows(T: int, K: int, E: int, A: int, expanded: bool) -> Optional[int]:
     """Rows a rank alone's outputs are allocated for before its counts are known (a dispatch with
-    CPU sync, which cuts them to the reported rows afterwards), or None to wait for the counts.
-    Non-expanded: T (each token at most once). Expanded: the pairs, ``T * K`` at most, with every
-    expert that can receive one padded up to the alignment ``A``, when that padding is at most
-    1 / `EARLY_EXPANDED_SLACK` of the pairs (none for ``A = 1``)."""
-    if not expanded:
-        return T
-    pairs = T * K
-    padding = min(E, pairs) * (A - 1)
-    if padding * EARLY_EXPANDED_SLACK > pairs:
+    CPU sync, which cuts them to the reported rows afterwards; `shapes.alone_recv_rows_bound`), or
+    None to wait for the counts: expanded, when the padding to the alignment ``A`` could add more
+    than 1 / `EARLY_EXPANDED_SLACK` of the pairs (never for ``A = 1``)."""
+    if expanded and min(E, T * K) * (A - 1) * EARLY_EXPANDED_SLACK > T * K:
         return None
-    return -(-(pairs + padding) // A) * A
+    return alone_recv_rows_bound(T, K, E, A, expanded)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:

@@ -1,17 +1,18 @@
 """What the GPU kernels need beyond the public fields of an `EPHandle`."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["GPUHandleState", "WordPlan"]
+__all__ = ["GPUHandleState", "WordPlan", "word_plan"]
 
 
 class WordPlan(NamedTuple):
     """Where a fresh dispatch's int32 words hold each piece (one allocation of ``total`` words; offsets
     in words; every piece starts on a 128-byte boundary). Made by
-    `deep_ep.backends.gpu.dispatch.word_plan`, cached per shape."""
+    `word_plan`, cached per shape."""
 
     total: int
     layout_words: int   # the layout words (common/abi.cuh), at 0
@@ -34,6 +35,29 @@ class WordPlan(NamedTuple):
         return (base + 4 * self.pos_tok_at if self.T * self.R else None,
                 base + 4 * self.pos_pair_at if self.expanded and self.T * self.K else None,
                 base + 4 * self.meta_at if self.meta_rows else None)
+
+
+def _align_words(n: int) -> int:
+    """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
+    return (n + 31) // 32 * 32
+
+
+@functools.lru_cache(maxsize=256)
+def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> WordPlan:
+    """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
+    ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
+    2)]`` (where its rows are known before the call: without CPU sync the worst case, and T for a
+    rank alone with CPU sync that allocates before its counts; else empty), each starting on a
+    128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
+    allocation; the tensor views are made only when read (`GPUHandleState`)."""
+    at = []
+    end = 0
+    for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2)):
+        at.append(end)
+        end = _align_words(end + n)
+    return WordPlan(total=end, layout_words=ix.size, pos_tok_at=at[1], pos_pair_at=at[2], meta_at=at[3], T=T, R=R,
+                    K=K, L=L, expanded=bool(expanded), meta_rows=meta_rows, tok_prefix=ix.tok_prefix,
+                    psum_expert=ix.psum_expert, raw_counts=ix.raw_counts)
 
 
 class GPUHandleState:
