@@ -486,17 +486,12 @@ def test_a_lazy_field_without_its_state_says_so():
         handle.psum_num_recv_tokens_per_expert
 
 
-@pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
-    """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
-    rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
-    more) before the host waits for the layout stage's report; the outputs are then cut to the rows
-    it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
-    those rows and start where the kernel writes."""
+def _record_allocations_and_launches(monkeypatch) -> list:
+    """A list that gets ``("alloc", shape)`` for every output allocation and ``(kernel name, None)``
+    for every launch of the stand-in modules, in order."""
     from deep_ep.backends import outputs
     events = []
-    real_empty = outputs.empty
-    real_launch = _Prepared.launch
+    real_empty, real_launch = outputs.empty, _Prepared.launch
 
     def empty(shape, dtype, device, stream=None):
         events.append(("alloc", shape))
@@ -507,6 +502,17 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
         real_launch(self, stream, grid)
     monkeypatch.setattr(outputs, "empty", empty)
     monkeypatch.setattr(_Prepared, "launch", launch)
+    return events
+
+
+@pytest.mark.parametrize("masked", [0, 3])
+def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
+    """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
+    rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
+    more) before the host waits for the layout stage's report; the outputs are then cut to the rows
+    it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
+    those rows and start where the kernel writes."""
+    events = _record_allocations_and_launches(monkeypatch)
     log = []
     b = _backend(log)
     T = 24
@@ -566,19 +572,7 @@ def test_a_single_rank_expanded_with_cpu_sync_queues_its_data_kernel_when_the_pa
     """Expanded, with CPU sync: a rank alone queues its data kernel before the wait, its outputs (and
     the layout stage's capacity) `early_rows` rows, then cut to the reported rows; with more padding
     than that allows (alignment 64 here) it waits for the counts first, and allocates exact outputs."""
-    from deep_ep.backends import outputs
-    events = []
-    real_empty, real_launch = outputs.empty, _Prepared.launch
-
-    def empty(shape, dtype, device, stream=None):
-        events.append(("alloc", shape))
-        return real_empty(shape, dtype, device, stream)
-
-    def launch(self, stream, grid=0):
-        events.append((self.name, None))
-        real_launch(self, stream, grid)
-    monkeypatch.setattr(outputs, "empty", empty)
-    monkeypatch.setattr(_Prepared, "launch", launch)
+    events = _record_allocations_and_launches(monkeypatch)
     b = _backend([])
     T = 24
     reported = 50   # rows the stand-in layout stage reports
