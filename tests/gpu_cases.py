@@ -111,15 +111,17 @@ _BASE = [
     Case("fp8-fp32", fp8="fp32", hidden=512),
     Case("fp8-ue8m0-colmajor", fp8="ue8m0", hidden=1024, col_major_sf=True),
     Case("fp8-fp32-expand-colmajor", fp8="fp32", hidden=512, expand=True, alignment=4, col_major_sf=True),
+    # row-major scale factors: a rank alone with CPU sync allocates them before its counts, then cuts them
+    Case("fp8-fp32-expand", fp8="fp32", hidden=512, expand=True),
     Case("hidden2880-top4", hidden=2880, num_topk=4, num_experts=32, tokens=(33, 70)),
     Case("top8-expand", num_topk=8, num_experts=32, expand=True, alignment=16),
     # The most experts a window holds: the notify kernel's dynamic shared memory (a row of counts per
     # warp) and its static part exceed 48 KB together.
     Case("experts1024-top8", num_topk=8, num_experts=1024, tokens=(48, 29)),
-    # More tokens than one notify block takes: on a rank alone, the token scan over six blocks (the
-    # last one partial) and, with the grid capped at one block, six tokens per thread.
-    Case("bf16-many-tokens", tokens=(1500, 600), mask_prob=0.3, num_sms=16),
-    Case("bf16-many-tokens-one-block", tokens=(1500, 600), mask_prob=0.3, do_cpu_sync=False, notify_groups_max=8),
+    # More tokens than one notify block takes: on a rank alone, the token scan over six blocks (251
+    # tokens each, the last one 246) and, with the grid capped at one block, six tokens per thread.
+    Case("bf16-many-tokens", tokens=(1501, 600), mask_prob=0.3, num_sms=16),
+    Case("bf16-many-tokens-one-block", tokens=(1501, 600), mask_prob=0.3, do_cpu_sync=False, notify_groups_max=8),
 ]
 
 

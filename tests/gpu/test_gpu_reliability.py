@@ -287,17 +287,19 @@ def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None
     ref.check_dispatch((to_cpu(out[0]), to_cpu(out[1]), to_cpu(out[2]), handle_to_cpu(out[3])), exp[rank], rank=rank)
 
 
-@pytest.mark.parametrize("T", [40, 1500], ids=["one-block", "six-blocks"])
+@pytest.mark.parametrize("T,expand", [(40, False), (1501, False), (40, True)],
+                         ids=["one-block", "six-blocks", "expanded"])
 @pytest.mark.parametrize("cpu_sync", [True, False], ids=["sync", "nosync"])
-def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(nccl_group, cpu_sync, T):
+def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(nccl_group, cpu_sync, T, expand):
     """EP=1 through NCCL: an expert id of num_experts in a GPU topk_idx is found by the notify kernel.
     With CPU sync the call raises a ValueError naming the id and its place (a rank alone's data kernel
     was already queued: it moves nothing wrong, and the outputs it writes are kept for its stream);
-    without, the next call raises it. Either way valid calls after it match the reference. With 1500
-    tokens the rank alone's token scan runs six blocks, two of which find a bad id (the first in
-    token order is named; the word that holds it is left ready for the next call)."""
+    without, the next call raises it. Either way valid calls after it match the reference. With 1501
+    tokens the rank alone's token scan runs six blocks (the last one partial), two of which find a
+    bad id (the first in token order is named; the word that holds it is left ready for the next
+    call). Expanded, with CPU sync, the data kernel is queued before the wait too."""
     dev = torch.device("cuda", 0)
-    g = torch.Generator().manual_seed(case_seed("bad-expert-ep1", int(cpu_sync), T))
+    g = torch.Generator().manual_seed(case_seed("bad-expert-ep1", int(cpu_sync), T, int(expand)))
     M = max(MAX_TOKENS, T)
     buf = deep_ep.ElasticBuffer(nccl_group, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=TOPK)
     try:
@@ -311,9 +313,9 @@ def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(n
         match = rf"expert id {EXPERTS} at \[{where[0]}, {where[1]}\]"
         if cpu_sync:
             with pytest.raises(ValueError, match=match):
-                buf.dispatch(x, idx, num_experts=EXPERTS)
+                buf.dispatch(x, idx, num_experts=EXPERTS, do_expand=expand)
         else:
-            buf.dispatch(x, idx, num_experts=EXPERTS, do_cpu_sync=False, num_max_tokens_per_rank=T)
+            buf.dispatch(x, idx, num_experts=EXPERTS, do_cpu_sync=False, num_max_tokens_per_rank=T, do_expand=expand)
             torch.cuda.synchronize()
             with pytest.raises(ValueError, match=match):
                 buf.dispatch(x, idx.clamp(min=-1, max=EXPERTS - 1), num_experts=EXPERTS)
