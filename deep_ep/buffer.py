@@ -368,7 +368,8 @@ class ElasticBuffer:
         # The most common calls, a cached or fresh bf16 dispatch with every other option at its
         # default, are checked in a few comparisons and go straight to the backend: the same result
         # as the path below, which says what is wrong with any other call.
-        # A fresh one may also give the per-call sizes, the layout options and the statistics.
+        # A fresh one may also give the per-call sizes, the layout options and the statistics; a
+        # cached one the handle's sizes and its zero padding.
         if (type(num_sms) is int and 0 <= num_sms <= checks.INT32_MAX
                 and type(num_qps) is int and num_qps == 0 and previous_event is None
                 and previous_event_before_epilogue is None and async_with_compute_stream is False
@@ -378,11 +379,11 @@ class ElasticBuffer:
                 and use_tma_aligned_col_major_sf is False):
             if handle is not None:
                 if (topk_idx is None and num_experts is None and do_cpu_sync is not True
-                        and cumulative_local_expert_recv_stats is None and num_max_tokens_per_rank is None
-                        and expert_alignment is None and do_expand is False and do_zero_padding is False
-                        and checks.plain_cached_dispatch_ok(self, x, topk_weights, handle)):
+                        and cumulative_local_expert_recv_stats is None
+                        and checks.plain_cached_dispatch_ok(self, x, topk_weights, handle, num_max_tokens_per_rank,
+                                                            expert_alignment, do_expand)):
                     recv_x, recv_idx, recv_w, _ = call_streams.run_plain(backend, backend.cached_dispatch, x,
-                                                                         topk_weights, handle, num_sms)
+                                                                         topk_weights, handle, num_sms, do_zero_padding)
                     return recv_x, recv_idx, recv_w, handle, EventOverlap()
             elif checks.plain_fresh_dispatch_ok(self, x, topk_idx, topk_weights, num_experts, do_cpu_sync,
                                                 num_max_tokens_per_rank, expert_alignment,

@@ -265,13 +265,22 @@ def _check_handle(buf, handle, what: str) -> None:
 
 
 # ============================================================================ dispatch and combine
-def plain_cached_dispatch_ok(buf, x, topk_weights, handle) -> bool:
-    """Whether a cached dispatch with bf16 ``x`` whose other arguments are at their defaults (the
-    caller checked those) passes every rule of `validate_dispatch`: the most common call, answered
-    in a few comparisons. False: `validate_dispatch` runs, and says what is wrong if anything is."""
+def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_rank=None, expert_alignment=None,
+                             do_expand=False) -> bool:
+    """Whether a cached dispatch with bf16 ``x``, ``num_max_tokens_per_rank`` and ``expert_alignment``
+    None or the handle's, ``do_expand`` a bool, whose other arguments are plain (the caller checked
+    those: no routing, no statistics, bools, no events) passes every rule of `validate_dispatch`:
+    the most common call, answered in a few comparisons. False: `validate_dispatch` runs, and says
+    what is wrong if anything is."""
     if type(handle) is not EPHandle or type(x) is not torch.Tensor or x.dtype is not torch.bfloat16:
         return False
     if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
+        return False
+    if (num_max_tokens_per_rank is not None and (type(num_max_tokens_per_rank) is not int
+                                                 or num_max_tokens_per_rank != handle.num_max_tokens_per_rank)) \
+            or (expert_alignment is not None and (type(expert_alignment) is not int
+                                                  or expert_alignment != handle.expert_alignment)) \
+            or (do_expand and not handle.do_expand):
         return False
     topk, dev, hidden, m = handle.topk_idx, buf.device, handle.hidden, handle.num_max_tokens_per_rank
     routing = topk.shape   # (T, K)

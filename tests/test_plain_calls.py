@@ -70,18 +70,25 @@ def test_the_short_path_takes_exactly_the_valid_cached_dispatches():
     cases = [(xn, x, wn, w, "handle", handle) for xn, x in _inputs(T, T, g).items()
              for wn, w in _weights(T, g).items()]
     cases += [("x", cases[0][1], "none", None, hn, h) for hn, h in bad_handles]
+    cases = [c + (None, None, False) for c in cases]
+    # the handle's sizes and layout given again (or other ones), which the short path takes too
+    expanded = dataclasses.replace(handle, do_expand=True, num_expanded_tokens=handle.num_recv_tokens)
+    M_, A_ = handle.num_max_tokens_per_rank, handle.expert_alignment
+    cases += [("x", cases[0][1], "none", None, hn, h, m, a, e) for hn, h in (("handle", handle), ("expanded", expanded))
+              for m in (None, M_, M_ + 1, 0, True, float(M_)) for a in (None, A_, A_ + 1, True, float(A_))
+              for e in (False, True)]
     taken = 0
-    for xn, x, wn, w, hn, h in cases:
-        short = checks.plain_cached_dispatch_ok(buf, x, w, h)
-        full = _full_ok(lambda: checks.validate_dispatch(buf, x, None, w, None, None, None, None, 0, 0, None, None,
-                                                         False, False, h, True, None, False, False, False))
+    for xn, x, wn, w, hn, h, m, a, e in cases:
+        short = checks.plain_cached_dispatch_ok(buf, x, w, h, m, a, e)
+        full = _full_ok(lambda: checks.validate_dispatch(buf, x, None, w, None, None, m, a, 0, 0, None, None,
+                                                         False, False, h, True, None, e, False, False))
         if xn == "x fp8 tuple" and full:
             full = False   # valid, but FP8: the short path is for bf16 only
         if hn == "subclass" and full:
             full = False   # valid, but the short path takes EPHandle itself only
-        assert short == full, (xn, wn, hn, short, full)
+        assert short == full, (xn, wn, hn, m, a, e, short, full)
         taken += short
-    assert taken == 2   # x with and without weights
+    assert taken == 2 + 2 * 2 * 2 + 2 * 2   # x with and without weights; the sizes None or the handle's
 
 
 def _routings(T, g):
@@ -189,7 +196,7 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
     short = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, do_cpu_sync=False)
     assert seen == ["cached_dispatch"]
     seen.clear()
-    full = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, do_zero_padding=True)
+    full = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, use_tma_aligned_col_major_sf=True)
     assert seen == ["validate_dispatch", "dispatch"]
     for a, c in zip(short, full):
         assert type(a) is type(c) and (not isinstance(a, torch.Tensor) or a.shape == c.shape)
@@ -258,3 +265,40 @@ def test_the_short_fresh_path_passes_the_backend_what_the_full_checks_pass(monke
         assert all(u is v for u, v in zip(a1, a2)) and k1.keys() == k2.keys(), options
         for name in k1:
             assert k1[name] is k2[name] or k1[name] == k2[name], (options, name, k1[name], k2[name])
+
+
+def test_the_short_cached_path_passes_the_backend_what_the_full_checks_pass(monkeypatch):
+    """A cached dispatch that gives the handle's sizes, its layout and zero padding reaches the GPU
+    backend's cached dispatch (`run_cached`) with the same arguments by the short path as by the full
+    checks."""
+    import deep_ep.backends.gpu as gpu_backend
+    from deep_ep.backends.gpu import dispatch as gpu_dispatch
+    from deep_ep.buffer import ElasticBuffer
+    b = host_path._backend([])
+    handle, _bad, _keep = _handles(b)
+    pub = ElasticBuffer.__new__(ElasticBuffer)
+    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
+                        allow_multiple_reduction=True, num_allocated_qps=0)
+    b.get_comm_stream = lambda: None
+    calls = []
+    real = gpu_dispatch.run_cached
+
+    def recorded(*a):
+        calls.append((a[:7] + (False,) + a[8:], {}))   # the column-major flag: the full path's extra option
+        return real(*a)
+    monkeypatch.setattr(gpu_backend, "run_cached", recorded)     # the short path's entry
+    monkeypatch.setattr(gpu_dispatch, "run_cached", recorded)    # the general dispatch's
+    g = torch.Generator().manual_seed(13)
+    T = handle.num_tokens
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    for options in (dict(), dict(do_zero_padding=True), dict(num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
+                                                             expert_alignment=handle.expert_alignment, do_expand=False)):
+        got = []
+        for extra in ({}, {"use_tma_aligned_col_major_sf": True}):
+            calls.clear()
+            pub.dispatch(x, topk_weights=w, handle=handle, **options, **extra)
+            (args, _), = calls
+            got.append(args)
+        a1, a2 = got
+        assert len(a1) == len(a2) and all(u is v or u == v for u, v in zip(a1, a2)), (options, a1, a2)

@@ -105,6 +105,8 @@ def main() -> None:
             x, idx, w, num_experts=E, num_max_tokens_per_rank=T, expert_alignment=1, do_expand=False,
             do_zero_padding=False)),
         ("public: cached dispatch", lambda: pub.dispatch(x, topk_weights=w, handle=handle)),
+        ("public: cached dispatch, zero padding", lambda: pub.dispatch(x, topk_weights=w, handle=handle,
+                                                                       do_zero_padding=True)),
         ("public: combine", lambda: pub.combine(y, handle)),
     ]
     print(f"Python per call, us (T={T}, hidden {H}, {E} experts, top-{K}; no allocations, no driver calls)")

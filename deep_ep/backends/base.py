@@ -136,15 +136,15 @@ class Backend(abc.ABC):
         """
 
     def cached_dispatch(self, data: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: EPHandle,
-                        num_sms: int) -> tuple:
-        """`dispatch` with ``handle`` given, bf16 ``data`` and every other option at its default (no
-        FP8 scale factors, no zero padding, no statistics): the buffer's most common call, already
-        checked (`deep_ep.checks.plain_cached_dispatch_ok`). A backend may serve it on a shorter path."""
+                        num_sms: int, do_zero_padding: bool = False) -> tuple:
+        """`dispatch` with ``handle`` given, bf16 ``data`` and every option not named here at its
+        default (no FP8 scale factors, no statistics): the buffer's most common call, already checked
+        (`deep_ep.checks.plain_cached_dispatch_ok`). A backend may serve it on a shorter path."""
         return self.dispatch(data, None, None, topk_weights, num_experts=handle.num_experts,
                              num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
                              expert_alignment=handle.expert_alignment, num_sms=num_sms, handle=handle,
                              do_handle_copy=True, do_cpu_sync=handle.do_cpu_sync, do_expand=handle.do_expand,
-                             do_zero_padding=False, use_tma_aligned_col_major_sf=False,
+                             do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=False,
                              cumulative_local_expert_recv_stats=None)
 
     def fresh_dispatch(self, data: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
