@@ -27,6 +27,17 @@ def _buffer(b, **over):
     return types.SimpleNamespace(**values)
 
 
+def _public(b):
+    """An `ElasticBuffer` over the stand-in backend ``b``, without streams (its public calls run the
+    checks and the backend's code on CPU tensors)."""
+    from deep_ep.buffer import ElasticBuffer
+    pub = ElasticBuffer.__new__(ElasticBuffer)
+    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
+                        allow_multiple_reduction=True, num_allocated_qps=0)
+    b.get_comm_stream = lambda: None
+    return pub
+
+
 def _full_ok(fn) -> bool:
     try:
         fn()
@@ -176,13 +187,9 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
     """`ElasticBuffer.dispatch` / `combine` (over the stand-in backend, without streams): a plain call
     skips the full checks and reaches the backend's short entry point; a call with any option set
     goes through the full checks and the backend's general one. Both return the same things."""
-    from deep_ep.buffer import ElasticBuffer
     b = host_path._backend([])
     handle, _bad, _keep = _handles(b)
-    pub = ElasticBuffer.__new__(ElasticBuffer)
-    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
-                        allow_multiple_reduction=True, num_allocated_qps=0)
-    b.get_comm_stream = lambda: None
+    pub = _public(b)
     seen = []
     for module, name in ((checks, "validate_dispatch"), (checks, "validate_combine")):
         monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name: seen.append(_n) or _f(*a))
@@ -235,12 +242,8 @@ def test_the_short_fresh_path_passes_the_backend_what_the_full_checks_pass(monke
     """A fresh dispatch with explicit sizes, alignment, layout options and statistics reaches the
     backend's `dispatch` with the same arguments by the short path as by the full checks (a call with
     an option only the full path takes: ``use_tma_aligned_col_major_sf``, which bf16 data ignores)."""
-    from deep_ep.buffer import ElasticBuffer
     b = host_path._backend([])
-    pub = ElasticBuffer.__new__(ElasticBuffer)
-    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
-                        allow_multiple_reduction=True, num_allocated_qps=0)
-    b.get_comm_stream = lambda: None
+    pub = _public(b)
     calls = []
     real = b.dispatch
     monkeypatch.setattr(b, "dispatch", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
@@ -273,13 +276,9 @@ def test_the_short_cached_path_passes_the_backend_what_the_full_checks_pass(monk
     checks."""
     import deep_ep.backends.gpu as gpu_backend
     from deep_ep.backends.gpu import dispatch as gpu_dispatch
-    from deep_ep.buffer import ElasticBuffer
     b = host_path._backend([])
     handle, _bad, _keep = _handles(b)
-    pub = ElasticBuffer.__new__(ElasticBuffer)
-    pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
-                        allow_multiple_reduction=True, num_allocated_qps=0)
-    b.get_comm_stream = lambda: None
+    pub = _public(b)
     calls = []
     real = gpu_dispatch.run_cached
 

@@ -76,9 +76,9 @@ def notify_scan_grid(T: int, groups_max: int) -> tuple:
     return blocks, max(1, -(-T // blocks))
 
 
-# The most rows a rank alone's expanded outputs are allocated for ahead of its counts, past its
-# (token, slot) pairs: an eighth more (the padding of its experts to the alignment, at most A - 1
-# rows each, must fit in it); with more padding the outputs wait for the exact counts.
+# A rank alone's expanded outputs are allocated ahead of its counts only when the padding to the
+# alignment (at most A - 1 rows per expert) can add at most 1 / EARLY_EXPANDED_SLACK to its
+# (token, slot) pairs; with more, the outputs wait for the exact counts.
 EARLY_EXPANDED_SLACK = 8
 
 

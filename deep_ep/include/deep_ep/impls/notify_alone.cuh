@@ -73,7 +73,7 @@ __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const Lay
     const int block = static_cast<int>(blockIdx.x), num_blocks = static_cast<int>(gridDim.x);
     const int b0 = min(a.num_tokens, block * a.tokens_per_group);
     const int b1 = min(a.num_tokens, b0 + a.tokens_per_group);
-    const int per_thread = (b1 - b0 + nthreads - 1) / nthreads;   // <= 32
+    const int per_thread = (b1 - b0 + nthreads - 1) / nthreads;   // past 32: see notify_alone_token
     const int t0 = min(b1, b0 + tid * per_thread), t1 = min(b1, t0 + per_thread);
     int* hist = smem;   // [E] pairs per expert of this block
     int* const scratch = a.scratch;
