@@ -5,8 +5,11 @@ the ``EP_`` prefix, e.g. ``NOTIFY_SINGLE_RANK=0``, passed as ``DEEP_EP_KERNEL_DE
 tools/tune_gpu.py does; '' is the default build), token count, grid cap (groups at most) and
 pairs-per-group value (for a rank alone's token scan, ``--scan-tokens`` instead: its blocks,
 printed negated in the groups column): the groups it gives, the device time of ``deep_ep_notify`` (with its layout
-stage; torch.profiler, median over ``--calls`` full dispatches without CPU sync), and the time of a
-synchronised full dispatch with CPU sync (median). Every setting's outputs and handle (numbering,
+stage) and of all the call's kernels together (notify and data, or a rank alone's one kernel,
+``deep_ep_dispatch_alone``, whose grid the scan settings do not change; torch.profiler, medians
+over ``--calls`` full dispatches without CPU sync), and the time of a synchronised full dispatch
+with CPU sync (median). ``--variants ";DISPATCH_ALONE_FUSED=0"`` compares a rank alone's one kernel
+with the notify and data kernels. Every setting's outputs and handle (numbering,
 layout words, the handle's copy of the routing, the host's readback of the counts, the cumulative
 stats), allocated poisoned, with and without CPU sync and in the expanded layout, are compared bit
 for bit with those of the default build's default grouping; the names of those that differ are
@@ -38,6 +41,7 @@ from tune_gpu import bit_equal, parse_variant
 NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "dst_buffer_slot_idx", "layout words", "handle topk_idx",
          "recv_src_metadata", "handle words (layout, pos_tok, pos_pair, metadata)", "readback", "stats")
 MODES = ("sync", "no sync", "expanded")   # the calls compared: see `_snapshots`
+KERNELS = ("deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_alone")   # a fresh dispatch's, either path
 
 
 def _snapshot(call) -> list:
@@ -156,7 +160,8 @@ def main() -> None:
         reference = {T: _snapshots(buf, *inputs[T], a.experts) for T in tokens}
     finally:
         buf.destroy()
-    print(f"{'variant':28s} {'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'call us':>8}  same")
+    print(f"{'variant':28s} {'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'kernels us':>10} "
+          f"{'call us':>8}  same")
     for text in variants:
         buf = new_buffer(dict(base, **parse_variant(text)))
         backend = buf._backend
@@ -198,11 +203,13 @@ def main() -> None:
                     for _ in range(3):
                         no_sync_call()
                     spin_up()
-                    k = _kernel_medians(no_sync_call, a.calls, ("deep_ep_notify",))
+                    k = _kernel_medians(no_sync_call, a.calls, KERNELS)
+                    kernels = sum(v for v in k.values() if v == v)   # the kernels this build launched
                     spin_up()
                     call = _call_us(sync_call, a.calls)
                     print(f"{text or '(default)':28s} {T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} "
-                          f"{k['deep_ep_notify']:9.1f} {call:8.1f}  {'yes' if not differ else 'NO: ' + ', '.join(differ)}",
+                          f"{k['deep_ep_notify']:9.1f} {kernels:10.1f} {call:8.1f}  "
+                          f"{'yes' if not differ else 'NO: ' + ', '.join(differ)}",
                           flush=True)
         finally:
             gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = default_pairs, default_one_block
