@@ -18,7 +18,7 @@ from deep_ep.backends.base import BufferConfig
 from deep_ep.backends.gpu import GPUBackend
 from deep_ep.backends.gpu import combine as gpu_combine
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
-from deep_ep.backends.gpu.abi import READBACK, READBACK_WORDS
+from deep_ep.backends.gpu.abi import READBACK, READBACK_WORDS, NotifyArgs
 
 H, E, K, M = 256, 16, 4, 64
 
@@ -93,6 +93,26 @@ def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0, expand=
     return out, (x, idx, w, st)   # the inputs stay alive: their addresses are not reused
 
 
+def _fused(monkeypatch, on: bool) -> None:
+    """A rank alone's non-expanded fresh dispatch as one kernel (on, the default) or as the notify
+    and data kernels (`modules.dispatch_alone_fused`); set before the backend makes its plans."""
+    monkeypatch.setattr(gpu_dispatch.modules, "dispatch_alone_fused", lambda: on)
+
+
+def _fresh_launch_names(fused: bool) -> list:
+    """The kernels a rank alone's non-expanded fresh dispatch launches, in order."""
+    return ["deep_ep_dispatch_alone"] if fused else ["deep_ep_notify", "deep_ep_dispatch"]
+
+
+def _notify_and_data_args(log) -> tuple:
+    """``(NotifyArgs, DispatchArgs)`` of the first fresh dispatch in ``log`` (either path)."""
+    from deep_ep.backends.gpu.abi import DispatchArgs, NotifyArgs
+    name, _, args = log[0]
+    if name == "deep_ep_dispatch_alone":
+        return NotifyArgs.from_buffer_copy(args[0]), DispatchArgs.from_buffer_copy(args[2])
+    return NotifyArgs.from_buffer_copy(args[0]), DispatchArgs.from_buffer_copy(log[1][2][0])
+
+
 CALLS = [dict(T=48, weights=True, sync=True, align=4, stats=True),
          dict(T=20, weights=False, sync=False, align=1, stats=False),
          dict(T=64, weights=True, sync=False, align=2, stats=True),
@@ -116,13 +136,15 @@ class _Allocations:
         return t
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
 @pytest.mark.parametrize("order", [(0, 1), (1, 0), (2, 3), (3, 2), (0, 3)])
-def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, monkeypatch):
+def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, monkeypatch):
     """Two different fresh dispatches on one backend (with and without CPU sync, weights, statistics,
-    another alignment and token count): the second call's notify, layout and data launches, prepared
-    by the first and reused, carry the same bytes as that call's launches on a backend that never ran
-    the first, with the same inputs and output tensors."""
+    another alignment and token count): the second call's launches (one kernel, or notify with its
+    layout stage and data), prepared by the first and reused, carry the same bytes as that call's
+    launches on a backend that never ran the first, with the same inputs and output tensors."""
     from deep_ep.backends import outputs
+    _fused(monkeypatch, fused)
     alloc = _Allocations(outputs.empty)
     monkeypatch.setattr(outputs, "empty", alloc)
     first, second = (CALLS[i] for i in order)
@@ -147,7 +169,7 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, monkeypa
         num_sms=4, handle=None, do_handle_copy=True, do_cpu_sync=second["sync"], do_expand=False,
         do_zero_padding=False, use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=st)
     assert alloc.replay == []
-    assert [name for name, _, _ in reused] == ["deep_ep_notify", "deep_ep_dispatch"]
+    assert [name for name, _, _ in reused] == _fresh_launch_names(fused)
     assert [(n, g) for n, g, _ in reused] == [(n, g) for n, g, _ in fresh_log]
     for (name, _, got), (_, _, want) in zip(reused, fresh_log):
         assert got == want, f"{name}: a reused launch's arguments differ from those of a launch prepared for this call"
@@ -271,15 +293,18 @@ def test_a_handles_launch_memo_follows_its_fields(monkeypatch):
     assert combined.num_tokens == T // 2 and combined.topk_idx == half.data_ptr()
 
 
-def test_every_launch_carries_this_calls_tag(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
+def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
     """The tag of each launch (the call's number and its configuration's fingerprint, which peers
     compare) is this call's: fresh dispatches with two configurations, then a cached dispatch and a
     combine, each after other calls."""
     from deep_ep.backends.gpu.abi import CallTag, CombineArgs, DispatchArgs, LayoutArgs, NotifyArgs, call_tag
+    _fused(monkeypatch, fused)
     log = []
     b = _backend(log)
     # the argument structs that carry a tag, per kernel (the notify kernel's layout stage has its own)
     structs = {"deep_ep_notify": (NotifyArgs, LayoutArgs), "deep_ep_dispatch": (DispatchArgs,),
+               "deep_ep_dispatch_alone": (NotifyArgs, LayoutArgs, DispatchArgs),
                "deep_ep_dispatch_cached": (DispatchArgs,), "deep_ep_combine": (CombineArgs,)}
 
     def tags():
@@ -300,8 +325,8 @@ def test_every_launch_carries_this_calls_tag(monkeypatch):
         data_bytes = H * 2
         want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
                         0 if call["sync"] else M)
-        assert tags() == [(n, want.seq, want.fingerprint) for n in ("deep_ep_notify", "deep_ep_notify",
-                                                                   "deep_ep_dispatch")]
+        names = ("deep_ep_dispatch_alone",) * 3 if fused else ("deep_ep_notify", "deep_ep_notify", "deep_ep_dispatch")
+        assert tags() == [(n, want.seq, want.fingerprint) for n in names]
     handle = keep[0][0][3]
     g = torch.Generator().manual_seed(3)
     for weights in (True, False, True):
@@ -378,7 +403,7 @@ def test_lazy_handle_fields_are_views_at_the_kernels_addresses(sync, expand):
     import dataclasses
     import io
 
-    from deep_ep.backends.gpu.abi import DispatchArgs, NotifyArgs, layout_index
+    from deep_ep.backends.gpu.abi import layout_index
     log = []
     b = _backend(log)
     T = 24
@@ -398,8 +423,7 @@ def test_lazy_handle_fields_are_views_at_the_kernels_addresses(sync, expand):
         assert torch.equal(getattr(early, name), getattr(handle, name)), name
     handle.__dict__ = {k: v for k, v in vars(handle).items() if k not in handle.LAZY_FIELDS}
     handle.backend_state._views.clear()
-    notify = NotifyArgs.from_buffer_copy(log[0][2][0])
-    data = DispatchArgs.from_buffer_copy(log[1][2][0])
+    notify, data = _notify_and_data_args(log)
     state = handle.backend_state
     ix = layout_index(1, E, E)
     want = {
@@ -505,13 +529,16 @@ def _record_allocations_and_launches(monkeypatch) -> list:
     return events
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
 @pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
+def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, fused, monkeypatch):
     """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
     rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
     more) before the host waits for the layout stage's report; the outputs are then cut to the rows
     it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
-    those rows and start where the kernel writes."""
+    those rows and start where the kernel writes. As one kernel, every allocation comes before its
+    one launch."""
+    _fused(monkeypatch, fused)
     events = _record_allocations_and_launches(monkeypatch)
     log = []
     b = _backend(log)
@@ -531,8 +558,12 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
         assert t.is_contiguous()
     kinds = [k for k, _ in events]
-    assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
-    assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
+    if fused:
+        assert kinds[-2:] == ["deep_ep_dispatch_alone", "wait"] and kinds.count("deep_ep_dispatch_alone") == 1
+        assert "deep_ep_notify" not in kinds and "deep_ep_dispatch" not in kinds
+    else:
+        assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
+        assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
     # the outputs (recv_src_metadata lives in the handle's words, their first allocation)
     assert [s for k, s in events if k == "alloc"][-3:] == [(T, H), (T, K), (T, K)]
     words = handle.backend_state.words
@@ -540,7 +571,7 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     assert meta.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
     assert words.data_ptr() < meta.data_ptr() < words.data_ptr() + 4 * words.numel()
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
-    data, layout = plan.data.args[0], plan.notify.args[1]
+    data, layout = (plan.fused.args[2], plan.fused.args[1]) if fused else (plan.data.args[0], plan.notify.args[1])
     assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
@@ -666,12 +697,13 @@ def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
         _dispatch(b, 24, weights=True, sync=True, align=1, stats=False)
     assert log == [] and b.readback_seq == seq
     _dispatch(b, 24, weights=True, sync=False, align=1, stats=False)
-    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+    assert [name for name, _, _ in log] == ["deep_ep_dispatch_alone"]
 
 
 def test_the_hosts_notify_default_is_the_kernels():
-    """The host's defaults for EP_NOTIFY_SINGLE_RANK and EP_NOTIFY_TOKEN_SCAN (which set the notify
-    grid of a rank alone) are the #defines' defaults in the kernel source."""
+    """The host's defaults for EP_NOTIFY_SINGLE_RANK, EP_NOTIFY_TOKEN_SCAN and
+    EP_DISPATCH_ALONE_FUSED (which set the kernels and grids of a rank alone) are the #defines'
+    defaults in the kernel source."""
     import pathlib
     import re
     from deep_ep.backends.gpu import modules
@@ -679,6 +711,9 @@ def test_the_hosts_notify_default_is_the_kernels():
     assert int(re.search(r"#define EP_NOTIFY_SINGLE_RANK (\d+)", src).group(1)) == modules.NOTIFY_SINGLE_RANK_DEFAULT
     src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/notify_alone.cuh").read_text()
     assert int(re.search(r"#define EP_NOTIFY_TOKEN_SCAN (\d+)", src).group(1)) == modules.NOTIFY_TOKEN_SCAN_DEFAULT
+    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/dispatch_alone.cuh").read_text()
+    assert int(re.search(r"#define EP_DISPATCH_ALONE_FUSED (\d+)", src).group(1)) == \
+        modules.DISPATCH_ALONE_FUSED_DEFAULT
 
 
 def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
@@ -704,6 +739,7 @@ def test_the_token_scan_grid_follows_its_settings_between_calls(monkeypatch):
     """A rank alone's non-expanded dispatch launches the token scan's grid (`notify_scan_grid`), with
     its tokens per block as the kernel's ``tokens_per_group``, following the tokens per block and the
     cap between calls; the expanded layout keeps the general grid."""
+    _fused(monkeypatch, False)
     log = []
     b = _backend(log)
     T = M
@@ -715,7 +751,7 @@ def test_the_token_scan_grid_follows_its_settings_between_calls(monkeypatch):
         launches = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]
         want = gpu_dispatch.notify_scan_grid(T, cap)
         assert [g for g, _ in launches] == [want[0]], (per_block, cap, launches)
-        assert gpu_dispatch.NotifyArgs.from_buffer_copy(launches[0][1][0]).tokens_per_group == want[1]
+        assert NotifyArgs.from_buffer_copy(launches[0][1][0]).tokens_per_group == want[1]
     log.clear()
     _dispatch(b, T, weights=False, sync=False, align=4, stats=False, expand=True)
     assert [grid for name, grid, _ in log if name == "deep_ep_notify"] == \
@@ -746,7 +782,7 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
     (recv_x, _, _, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
     notify = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]
     assert [g for g, _ in notify] == [fits] and b.notify_groups_max == fits * gpu_dispatch.NOTIFY_WARPS
-    tokens_per_group = gpu_dispatch.NotifyArgs.from_buffer_copy(notify[0][1][0]).tokens_per_group
+    tokens_per_group = NotifyArgs.from_buffer_copy(notify[0][1][0]).tokens_per_group
     assert tokens_per_group == -(-T // (fits * gpu_dispatch.NOTIFY_WARPS))
     assert recv_x.shape == (T, H) and handle.num_recv_tokens == T
     log.clear()
@@ -755,3 +791,50 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
     fits = 0
     with pytest.raises(jit.LaunchError, match="not even one block fits"):
         _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
+
+
+@pytest.mark.parametrize("T", [1, 24, M])
+def test_a_rank_alones_fresh_dispatch_is_one_kernel_when_its_outputs_come_first(T, monkeypatch):
+    """A rank alone's non-expanded fresh dispatch is one launch of deep_ep_dispatch_alone (num_sms
+    blocks, each numbering ``ceil(T / num_sms)`` tokens) whenever its outputs are allocated before
+    the launch: without CPU sync, and with CPU sync but for column-major scale factors, whose layout
+    waits for the exact rows (then the notify and data kernels). The expanded layout, and a build
+    without the one kernel, take the two kernels."""
+    from deep_ep.backends.gpu.abi import NotifyArgs
+    log = []
+    b = _backend(log)
+    n_sms = 4   # `_dispatch`'s num_sms
+    for sync in (False, True):
+        log.clear()
+        _dispatch(b, T, weights=True, sync=sync, align=1, stats=True)
+        assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms)], sync
+        assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // n_sms))
+    log.clear()
+    _dispatch(b, T, weights=False, sync=False, align=4, stats=False, expand=True)
+    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+    # column-major scale factors with CPU sync: the outputs wait for the counts
+    g = torch.Generator().manual_seed(5)
+    x8 = torch.randn(T, H, generator=g).to(torch.float8_e4m3fn)
+    sf = torch.rand(T, H // 128, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    b.last_tokens = T
+    for sync, want in ((True, ["deep_ep_notify", "wait", "deep_ep_dispatch"]), (False, ["deep_ep_dispatch_alone"])):
+        log.clear()
+        events = []
+        wait = b.wait_readback
+        b.wait_readback = lambda *a: events.append(len(log)) or wait(*a)
+        b.calls += 1
+        gpu_dispatch.run_dispatch(
+            b, x8, sf, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=n_sms,
+            handle=None, do_handle_copy=True, do_cpu_sync=sync, do_expand=False, do_zero_padding=False,
+            use_tma_aligned_col_major_sf=True, cumulative_local_expert_recv_stats=None)
+        b.wait_readback = wait
+        names = [name for name, _, _ in log]
+        for at in reversed(events):
+            names.insert(at, "wait")
+        assert names == want, sync
+    _fused(monkeypatch, False)
+    b.fresh_plans.clear()
+    log.clear()
+    _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
+    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]

@@ -38,7 +38,10 @@ DISPATCH, COMBINE = _structures()
 def test_dispatch_module_compiles(structure):
     mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=gpu.dispatch_defines(*structure),
                     check_spills=True)
-    assert {"deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_cached"} <= set(mod.kernel_names())
+    names = set(mod.kernel_names())
+    assert {"deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_cached"} <= names
+    # a rank alone's one-kernel fresh dispatch: non-expanded modules only
+    assert ("deep_ep_dispatch_alone" in names) == (not structure[3])
 
 
 @pytest.mark.parametrize("structure", COMBINE, ids=lambda s: "h{}_k{}_{}".format(*s))
@@ -111,3 +114,12 @@ def test_the_notify_kernel_without_its_token_scan_compiles():
     defines = dict(gpu.dispatch_defines(14336, 0, 8, False), EP_NOTIFY_TOKEN_SCAN=0)
     mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
     assert "deep_ep_notify" in mod.kernel_names()
+
+
+def test_a_build_without_the_one_kernel_dispatch_of_a_rank_alone_compiles():
+    """EP_DISPATCH_ALONE_FUSED=0 (a rank alone's fresh dispatch as the notify and data kernels; the
+    default is 1) leaves deep_ep_dispatch_alone out and compiles without spills, so that
+    tools/sweep_notify.py can compare the two paths bit for bit and time them."""
+    defines = dict(gpu.dispatch_defines(14336, 0, 8, False), EP_DISPATCH_ALONE_FUSED=0)
+    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
+    assert "deep_ep_notify" in mod.kernel_names() and "deep_ep_dispatch_alone" not in mod.kernel_names()

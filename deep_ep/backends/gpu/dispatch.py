@@ -15,6 +15,12 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
 
+A rank alone without the expanded layout runs steps 1 and 3 as one kernel, ``deep_ep_dispatch_alone``
+(each of num_sms blocks numbers, then moves, one token range), whenever its outputs can be allocated
+before the counts are known: always without CPU sync (the worst case), and with CPU sync for a bound
+on the rows (`early_rows`), cut to the reported rows after the wait. With CPU sync and column-major
+scale factors (whose layout depends on the exact rows) it takes the two kernels.
+
 A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
 Rounds alternate between the two halves of the receive region (see `window`).
 """
@@ -28,11 +34,11 @@ import torch
 
 from ... import jit
 from ...handle import EPHandle
-from ...shapes import alone_recv_rows_bound, worst_case_recv_rows, worst_case_recv_tokens
+from ...shapes import alone_recv_rows_bound
 from .. import outputs
-from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, READBACK, DispatchArgs, LayoutArgs, NotifyArgs, call_tag, layout_index
+from .abi import CONSTANTS, READBACK, DispatchArgs, layout_index
 from . import modules
-from . import window as wl
+from .dispatch_plan import FreshPlan, check_config, dispatch_tag, ptr as _ptr, sf_ld as _sf_ld
 from .state import GPUHandleState, word_plan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
@@ -90,119 +96,6 @@ def early_rows(T: int, K: int, E: int, A: int, expanded: bool) -> Optional[int]:
     if expanded and min(E, T * K) * (A - 1) * EARLY_EXPANDED_SLACK > T * K:
         return None
     return alone_recv_rows_bound(T, K, E, A, expanded)
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    """A kernel argument's address: None for no tensor or an empty one (torch reports address 0 for
-    any tensor without elements, a view into a larger storage too; the kernels would not touch one
-    anyway, since its counts are zero)."""
-    return None if t is None else t.data_ptr() or None
-
-
-class _FreshPlan:
-    """What a fresh dispatch derives from its configuration (the key in `run_dispatch`: not the token
-    count, the tensors, ``do_handle_copy`` or the scale factors' layout, which each call handles):
-    checked once, with its two prepared launches (notify with its layout stage, data), whose
-    constant arguments are set here and the rest by each call (`GPUBackend.fresh_plans`)."""
-
-    __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "alone", "scan", "early", "notify", "data", "per_tokens", "tags", "handle_fields")
-
-    def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
-                 do_expand, do_zero_padding):
-        R = b.num_ranks
-        dev = b.device
-        data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, num_max_tokens_per_rank)
-        self.E, self.A, self.L, self.H, self.m = E, A, E // R, int(data.shape[1]), m
-        self.ix = layout_index(R, E // R, E)
-        # (tokens, the notify grid's settings) -> (word plan, notify blocks, tokens per group); the
-        # settings: the backend's cap on groups and this module's grouping constants (which
-        # tools/sweep_notify.py changes between calls)
-        self.per_tokens = {}
-        self.n_sms = b.num_sms(num_sms, E, K)
-        structure = (data_bytes, num_sf, K, bool(do_expand))
-        mod = b.module("dispatch", structure)
-        # Built with the single-rank end of the notify kernel: `notify_groups`' ``alone``.
-        self.alone = R == 1 and modules.notify_single_rank()
-        # ... and, without the expanded layout, with the token scan (`notify_scan_grid`).
-        self.scan = R == 1 and not do_expand and modules.notify_token_scan()
-        # A rank alone with CPU sync queues its data kernel before the wait (`early_rows`).
-        self.early = R == 1 and bool(do_cpu_sync)
-        # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
-        # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
-        big = 2 ** 31 - 1
-        self.out_cap = big if do_cpu_sync else worst_case_recv_rows(R, m, K, self.L, A, do_expand)
-        self.tok_cap = big if do_cpu_sync else worst_case_recv_tokens(R, m)
-        self.meta_rows = 0 if do_cpu_sync else self.tok_cap
-        self.expanded_cap = worst_case_recv_rows(R, m, K, self.L, A, True)   # the handle's, without CPU sync
-        # Struct fields are copies: one tag serves the three structs (each call sets ``tag.seq``).
-        tag = _dispatch_tag(1, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
-        transport = b.transport_args
-        self.notify = mod.function("deep_ep_notify").prepare(
-            1, 32 * NOTIFY_WARPS, (NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
-                                              scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag),
-                                   LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset,
-                                              out_capacity=self.out_cap, tok_capacity=self.tok_cap,
-                                              timeout_ns=b.timeout_ns,
-                                              host_out=b.readback.device_ptr if do_cpu_sync else None,
-                                              err_host=b.err_record.device_ptr, tag=tag),
-                                   transport),
-            device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E))
-        self.data = mod.function("deep_ep_dispatch").prepare(
-            self.n_sms, modules.THREADS,
-            (DispatchArgs(max_tokens=num_max_tokens_per_rank, num_experts=E, alignment=A,
-                          recv_offset=layout.recv_offset, half_bytes=layout.half_bytes,
-                          row_stride=layout.row_stride, timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr,
-                          tag=tag),
-             transport, ctypes.c_int(int(do_zero_padding))), device=dev.index, cooperative=b.cooperative)
-        # the three structs' tags, as views into their arguments (a ctypes field read makes a new view)
-        self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
-        # The fields of the handles this configuration makes, each call's own ones at placeholders: a
-        # call copies the dict and sets those (a dict copy is cheaper than building the dict anew).
-        self.handle_fields = EPHandle.field_dict(
-            do_expand=do_expand, num_experts=E, expert_alignment=A, num_max_tokens_per_rank=num_max_tokens_per_rank,
-            num_sms=self.n_sms, topk_idx=None, num_recv_tokens=0, num_expanded_tokens=0,
-            num_recv_tokens_per_expert_list=None, buffer_id=b.config.buffer_id, num_ranks=R, rank=b.rank,
-            hidden=self.H, do_cpu_sync=do_cpu_sync, recv_topk_weights=None)
-
-
-def _dispatch_tag(kind: int, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m):
-    """The tag of a dispatch (``kind`` 1: fresh, 2: cached) with call number 0: what every rank's
-    call must agree on (sent with every signal, comm/window.cuh); each call sets its number."""
-    return call_tag(0, kind, data_bytes, num_sf, K, int(bool(do_expand)), A, E, has_weights, int(bool(do_cpu_sync)),
-                    0 if do_cpu_sync else m)
-
-
-def _sf_ld(out_rows: int) -> int:
-    """Leading dimension of column-major scale factors: the rows rounded up to 4 (TMA alignment)."""
-    return (out_rows + 3) // 4 * 4
-
-
-def _check_config(b, data, sf, K, E, num_max_tokens_per_rank) -> tuple:
-    """The GPU-specific limits of a dispatch's configuration; returns ``(data_bytes, num_sf, window
-    layout, M)``."""
-    R = b.num_ranks
-    if E > MAX_EXPERTS:
-        raise ValueError(f"num_experts={E} exceeds the {MAX_EXPERTS} experts a window has room for")
-    if K > (b.config.num_topk or MAX_TOPK):
-        raise ValueError(f"top-k {K} exceeds the {b.config.num_topk or MAX_TOPK} the window rows were "
-                         f"sized for: create the buffer with num_topk={K}")
-    if K > NOTIFY_TILE_PAIRS:
-        raise ValueError(f"top-k {K} exceeds the {NOTIFY_TILE_PAIRS} the GPU's dispatch supports")
-    H = int(data.shape[1])
-    data_bytes = H * data.element_size()
-    num_sf = 0 if sf is None else int(sf.shape[1])
-    if data_bytes % 16:
-        raise ValueError(f"a token row must be a multiple of 16 bytes on the GPU; got hidden={H} "
-                         f"({data.dtype}): use a hidden size that is a multiple of 8 (bf16) / 16 (fp8)")
-    layout = b.layout(wl.dispatch_row_stride(data_bytes, num_sf, b.config.num_topk))
-    cap_tok_rows = layout.rows_per_half
-    m = num_max_tokens_per_rank or (cap_tok_rows // R)
-    if R * m > cap_tok_rows:
-        raise ValueError(f"the window holds {cap_tok_rows} token rows per round, fewer than "
-                         f"{R} ranks x num_max_tokens_per_rank={m}: create the buffer with a larger "
-                         f"num_bytes (see ElasticBuffer.get_buffer_size_hint)")
-    return data_bytes, num_sf, layout, m
 
 
 _MAX_PLANS = 64   # configurations kept per buffer (a model has a few; more are re-derived)
@@ -263,8 +156,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     if plan is None:
         if len(b.fresh_plans) >= _MAX_PLANS:
             b.fresh_plans.clear()
-        plan = b.fresh_plans[key] = _FreshPlan(b, data, sf, K, num_experts, expert_alignment, num_max_tokens_per_rank,
-                                               num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
+        plan = b.fresh_plans[key] = FreshPlan(b, data, sf, K, num_experts, expert_alignment, num_max_tokens_per_rank,
+                                              num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
     E, L, ix = plan.E, plan.L, plan.ix
     if T > plan.m:
         raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.m} per rank the buffer holds "
@@ -277,10 +170,13 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     # layout stage refuses more rows than that before the data kernel could write them. Not for
     # column-major scale factors, whose layout depends on the exact rows.
     early = plan.early and (sf is None or not use_tma_aligned_col_major_sf)
+    # A rank alone without the expanded layout whose outputs are allocated before the launch (early,
+    # or without CPU sync): one kernel, one launch (`FreshPlan.fused`).
+    fused = plan.fused is not None and (early or not do_cpu_sync)
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the worst
     # case; early: T) (`word_plan`); the kernels get addresses inside it.
-    grid_key = (T, early, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
+    grid_key = (T, early, fused, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
                 NOTIFY_SCAN_TOKENS_PER_BLOCK)
     per_t = plan.per_tokens.get(grid_key)
     if per_t is None:
@@ -288,7 +184,9 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             plan.per_tokens.clear()
         rows = early_rows(T, K, E, plan.A, bool(do_expand)) if early else None
         wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T)
-        if plan.scan:
+        if fused:   # a block per SM, each numbering one token range
+            per_t = (wp, plan.n_sms, max(1, -(-T // plan.n_sms)), rows)
+        elif plan.scan:
             per_t = (wp,) + notify_scan_grid(T, b.notify_groups_max) + (rows,)
         else:
             groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
@@ -303,8 +201,12 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     pos_tok_ptr, pos_pair_ptr, meta_ptr = wp.addresses(lay_ptr)
     # `_ptr` written out for the tensors that are always given (a call per address adds up here)
     topk_ptr = topk_idx.data_ptr() or None
-    stream = b.launch_stream
-    na, la = plan.notify.args[0], plan.notify.args[1]
+    if fused:
+        na, la, a = plan.fused.args[0], plan.fused.args[1], plan.fused.args[2]
+        notify_tag, layout_tag, data_tag = plan.fused_tags
+    else:
+        na, la, a = plan.notify.args[0], plan.notify.args[1], plan.data.args[0]
+        notify_tag, layout_tag, data_tag = plan.tags
     na.topk_idx, na.num_tokens, na.tokens_per_group = topk_ptr, T, tokens_per_group
     na.topk_copy = (handle_topk.data_ptr() or None) if do_handle_copy else None
     na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
@@ -313,36 +215,40 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
         la.out_capacity, la.tok_capacity = (plan.out_cap, plan.tok_cap) if early_out_rows is None \
             else (early_out_rows, T)
-    notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
     b.launched_call = b.calls
-    try:
-        plan.notify.launch(stream, notify_blocks)
-    except jit.LaunchError as exc:
-        if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
-            raise _NotifyRefused(notify_blocks) from exc
-        raise
+    if not fused:
+        try:
+            plan.notify.launch(b.launch_stream, notify_blocks)
+        except jit.LaunchError as exc:
+            if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+                raise _NotifyRefused(notify_blocks) from exc
+            raise
     b.last_num_experts, b.last_num_topk = E, K
-    # The data kernel's arguments that do not depend on the counts, set while the notify kernel runs.
-    a = plan.data.args[0]
+    # The data kernel's arguments that do not depend on the counts (set while the notify kernel runs).
     a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = data.data_ptr() or None, _ptr(sf), topk_ptr, \
         _ptr(topk_weights), T
     a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
-    if early_out_rows is not None:
-        # The outputs' rows are cut to those the layout stage reports after the wait (non-expanded:
-        # all T unless a token selects no expert); the kernel fills the rows past them as it fills
-        # any spare rows.
+    if early_out_rows is not None or fused:
+        # Outputs before the counts: with CPU sync, for a bound on the rows, cut to those the layout
+        # stage reports after the wait (non-expanded: all T unless a token selects no expert; the
+        # kernel marks the rows past them as it marks any spare rows); without, the worst case.
+        alloc_rows, alloc_tok = (early_out_rows, T) if early_out_rows is not None else (plan.out_cap, plan.tok_cap)
         out_x, out_sf, out_w, out_idx, _, sf_ld = _alloc_outputs(
-            b, data, sf, early_out_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
-        _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, early_out_rows, T)
-        # If the wait raises, the caller's stream is still ordered after the queued kernels
-        # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
-        head = b.wait_readback(la.seq, E, K)
-        out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
-        if out_rows < early_out_rows:
-            out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
-                                             for t in (out_x, out_sf, out_w, out_idx))
-        # recv_src_metadata: the first tok_capacity of the words' T rows (a view made when read)
+            b, data, sf, alloc_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
+        _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, alloc_rows, alloc_tok)
+        b.launch_data(plan.fused if fused else plan.data, plan.n_sms)
+        if do_cpu_sync:
+            # If the wait raises, the caller's stream is still ordered after the queued kernels
+            # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
+            head = b.wait_readback(la.seq, E, K)
+            out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
+            if out_rows < early_out_rows:
+                out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
+                                                 for t in (out_x, out_sf, out_w, out_idx))
+        else:
+            tok_capacity = plan.tok_cap
+        # recv_src_metadata: the first tok_capacity rows of the words' piece (a view made when read)
         state = GPUHandleState(words, wp, out_idx, None, tok_capacity)
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
@@ -354,7 +260,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
             b, data, sf, out_rows, K, has_weights, do_expand, meta_rows, use_tma_aligned_col_major_sf)
         state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
-        _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
+        _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
+        b.launch_data(plan.data, plan.n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
     # Without CPU sync the handle's counts are the worst case (tok_capacity too).
@@ -380,12 +287,11 @@ def _capturing(b) -> bool:
     return b.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
-def _launch_data(b, plan, a, out_x, out_sf, sf_ld, out_idx, out_w, src_meta_ptr, out_rows, tok_capacity) -> None:
-    """Set a fresh dispatch's output arguments in its data kernel's struct ``a`` and launch it."""
+def _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, src_meta_ptr, out_rows, tok_capacity) -> None:
+    """Set a fresh dispatch's output arguments in its data kernel's struct ``a``."""
     a.out_x, a.out_sf, a.sf_ld = out_x.data_ptr() or None, _ptr(out_sf), sf_ld
     a.out_topk_idx, a.out_weights, a.src_meta = _ptr(out_idx), _ptr(out_w), src_meta_ptr
     a.out_capacity, a.tok_capacity = out_rows, tok_capacity
-    b.launch_data(plan.data, plan.n_sms)
 
 
 def _alloc_outputs(b, data, sf, out_rows: int, K: int, has_weights: bool, expanded: bool,
@@ -470,12 +376,12 @@ def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, 
     state = handle.backend_state
     E, A, K = handle.num_experts, handle.expert_alignment, handle.num_topk
     do_expand, do_cpu_sync = bool(handle.do_expand), bool(handle.do_cpu_sync)
-    data_bytes, num_sf, layout, m = _check_config(b, data, sf, K, E, handle.num_max_tokens_per_rank)
+    data_bytes, num_sf, layout, m = check_config(b, data, sf, K, E, handle.num_max_tokens_per_rank)
     n_sms = b.num_sms(num_sms, E, K)
     mod = b.module("dispatch", (data_bytes, num_sf, K, do_expand))
     out_rows = handle.num_recv_rows
     sf_ld = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
-    tag = _dispatch_tag(2, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
+    tag = dispatch_tag(2, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
     args = DispatchArgs(
         topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=state.pos_tok_ptr,
         pos_pair=state.pos_pair_ptr, sf_ld=sf_ld, out_topk_idx=_ptr(state.recv_topk_idx),

@@ -14,19 +14,22 @@ from ... import jit
 from .abi import TEST_DEFECTS
 
 __all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", "NOTIFY_TOKEN_SCAN_DEFAULT",
-           "kernel_source", "notify_single_rank", "notify_token_scan", "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines",
+           "DISPATCH_ALONE_FUSED_DEFAULT", "kernel_source", "notify_single_rank", "notify_token_scan",
+           "dispatch_alone_fused", "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines",
            "barrier_defines", "build_module", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
 # Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh)
 # and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh; EP_NOTIFY_TOKEN_SCAN,
-# impls/notify_alone.cuh): they change how bytes move, never which, so the host needs no matching
-# change (but for the notify grid of a rank alone, see `dispatch.notify_groups` and `dispatch.notify_scan_grid`). Structural defines (EP_THREADS, EP_TOPK...) are not among them:
+# impls/notify_alone.cuh; EP_DISPATCH_ALONE_FUSED, impls/dispatch_alone.cuh): they change how bytes
+# move, never which, so the host needs no matching change (but for which kernels a rank alone
+# launches, and their grids: see `dispatch.notify_groups`, `dispatch.notify_scan_grid` and
+# `dispatch_alone_fused`). Structural defines (EP_THREADS, EP_TOPK...) are not among them:
 # overriding those would break the host's view of the kernels.
 TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
                       "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK",
-                      "EP_NOTIFY_TOKEN_SCAN"})
+                      "EP_NOTIFY_TOKEN_SCAN", "EP_DISPATCH_ALONE_FUSED"})
 
 
 def kernel_source(kind: str) -> str:
@@ -58,6 +61,19 @@ def notify_token_scan() -> bool:
     """Whether a rank alone's notify kernel without the expanded layout is the token scan
     (EP_NOTIFY_TOKEN_SCAN, which takes effect only with EP_NOTIFY_SINGLE_RANK)."""
     return notify_single_rank() and tunable_defines().get("EP_NOTIFY_TOKEN_SCAN", NOTIFY_TOKEN_SCAN_DEFAULT) != 0
+
+
+# EP_DISPATCH_ALONE_FUSED's default, likewise (impls/dispatch_alone.cuh; the same test): with the
+# token scan, a rank alone's non-expanded fresh dispatch whose outputs can be allocated before its
+# counts are known is one kernel, deep_ep_dispatch_alone, instead of the notify and data kernels.
+DISPATCH_ALONE_FUSED_DEFAULT = 1
+
+
+def dispatch_alone_fused() -> bool:
+    """Whether a rank alone's non-expanded fresh dispatch takes the one-kernel path
+    (EP_DISPATCH_ALONE_FUSED, which takes effect only with the token scan, `notify_token_scan`)."""
+    return notify_token_scan() and \
+        tunable_defines().get("EP_DISPATCH_ALONE_FUSED", DISPATCH_ALONE_FUSED_DEFAULT) != 0
 
 
 def tunable_defines() -> dict:

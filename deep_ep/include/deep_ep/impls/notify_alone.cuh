@@ -23,6 +23,7 @@
 #pragma once
 
 #include "layout_alone.cuh"
+#include "notify.cuh"
 
 // EP_NOTIFY_TOKEN_SCAN (build-time tunable, timed by tools/sweep_notify.py --variants): 1 = a rank
 // alone in the non-expanded layout takes this kernel (kernels/dispatch.cuh; the default); 0 = the
@@ -62,20 +63,28 @@ __device__ __forceinline__ bool notify_alone_token(const NotifyArgs& a, int E, i
     return any;
 }
 
-// Every thread of every block. ``a.tokens_per_group`` is the tokens of one block here (the host's
-// grid, `dispatch.notify_scan_grid`). ``smem``: the kernel's dynamic shared
-// memory, at least 2 E ints (the histogram, then the layout stage's arrays).
+// The consecutive token range [first, end) of this block: ``a.tokens_per_group`` tokens a block
+// (the host's grid: `dispatch.notify_scan_grid`, or one block per SM in impls/dispatch_alone.cuh).
+struct AloneTokens {
+    int first, end;
+    __device__ __forceinline__ explicit AloneTokens(const NotifyArgs& a)
+        : first(min(a.num_tokens, static_cast<int>(blockIdx.x) * a.tokens_per_group)),
+          end(min(a.num_tokens, first + a.tokens_per_group)) {}
+};
+
+// Every thread of every block: count, copy and check the block's tokens, number them (pos_tok) and
+// add the block's histogram to the grid's. ``hist``: [E] ints of shared memory (the block's pairs
+// per expert; a grid of one block keeps them there for `notify_alone_count_row`). Returns the
+// block's token total (the tokens that select an expert) in every thread; pos_tok is written when
+// it returns (the block has met).
 template <int K>
-__device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const LayoutArgs& la,
-                                                  const comm::LsaTransport& tr, int* smem) {
+__device__ __forceinline__ int notify_alone_number(const NotifyArgs& a, const comm::LsaTransport& tr, int* hist) {
     const int E = a.num_experts;
     const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
     const int block = static_cast<int>(blockIdx.x), num_blocks = static_cast<int>(gridDim.x);
-    const int b0 = min(a.num_tokens, block * a.tokens_per_group);
-    const int b1 = min(a.num_tokens, b0 + a.tokens_per_group);
-    const int per_thread = (b1 - b0 + nthreads - 1) / nthreads;   // past 32: see notify_alone_token
-    const int t0 = min(b1, b0 + tid * per_thread), t1 = min(b1, t0 + per_thread);
-    int* hist = smem;   // [E] pairs per expert of this block
+    const AloneTokens range(a);
+    const int per_thread = (range.end - range.first + nthreads - 1) / nthreads;   // past 32: see notify_alone_token
+    const int t0 = min(range.end, range.first + tid * per_thread), t1 = min(range.end, t0 + per_thread);
     int* const scratch = a.scratch;
     __shared__ int s_before;   // tokens of the blocks before this one
     for (int e = tid; e < E; e += nthreads) hist[e] = 0;
@@ -131,10 +140,24 @@ __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const Lay
         a.pos_tok[t] = s ? row : -1;
         row += s;
     }
+    __syncthreads();   // the block's rows are written (impls/dispatch_alone.cuh reads them next)
+    return block_tokens;
+}
 
-    // ---- the count row, by the last block; the scratch words left as found
+// Every thread of the block that finished numbering last (a grid of one block: the block itself,
+// which passes its token total, ``block_tokens``; its histogram is in ``smem``): write the count row
+// from the grid's histogram and totals, leave the scratch words as found, then run the layout stage
+// and the host's report (impls/layout_alone.cuh). ``smem``: at least 2 E ints. Returns the tokens
+// that select an expert (the received rows), in every thread.
+__device__ __forceinline__ int notify_alone_finish(const NotifyArgs& a, const LayoutArgs& la,
+                                                   const comm::LsaTransport& tr, int* smem, int block_tokens) {
+    const int E = a.num_experts;
+    const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+    const int num_blocks = static_cast<int>(gridDim.x);
     const bool single = num_blocks == 1;
-    if (!single && !comm::last_block(tr.local(), kCtrlDone, false)) return;
+    int* const hist = smem;
+    int* const scratch = a.scratch;
+    __shared__ int s_total;
     if (!single && tid == 0) __threadfence();   // last_block is the release half only
     __syncthreads();
     int* C = reinterpret_cast<int*>(tr.local() + la.counts_offset);   // rank 0's row: [1 + E + 2]
@@ -166,11 +189,25 @@ __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const Lay
             C[1 + E] = any ? bad : -1;
             C[2 + E] = value;
             scratch[kNotifyBadIndex] = 0x7fffffff;   // for the next call
+            s_total = total;
         }
     }
     __syncthreads();   // the row is written; hist is dead (the layout stage reuses smem)
+    const int total = s_total;
     layout_alone(la, false, tr, smem);
     layout_alone_report(la, tr);
+    return total;
+}
+
+// The notify kernel of a rank alone in the non-expanded layout: every thread of every block.
+// ``smem``: the kernel's dynamic shared memory, at least 2 E ints (the histogram, then the layout
+// stage's arrays).
+template <int K>
+__device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const LayoutArgs& la,
+                                                  const comm::LsaTransport& tr, int* smem) {
+    const int block_tokens = notify_alone_number<K>(a, tr, smem);
+    if (gridDim.x > 1 && !comm::last_block(tr.local(), kCtrlDone, false)) return;
+    notify_alone_finish(a, la, tr, smem, block_tokens);
 }
 
 }  // namespace deep_ep

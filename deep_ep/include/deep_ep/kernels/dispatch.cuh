@@ -6,6 +6,7 @@
 #pragma once
 
 #include "../comm/transport.cuh"
+#include "../impls/dispatch_alone.cuh"
 #include "../impls/dispatch_recv.cuh"
 #include "../impls/dispatch_send.cuh"
 #include "../impls/layout.cuh"
@@ -52,7 +53,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, tr);
+    const deep_ep::WarpGrid wg;
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(
+        a, tr, deep_ep::TokenRange{wg.warp, a.num_tokens, wg.num_warps});
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0, tr);
 }
 
@@ -60,6 +63,22 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cac
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, tr);
+    const deep_ep::WarpGrid wg;
+    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(
+        a, tr, deep_ep::TokenRange{wg.warp, a.num_tokens, wg.num_warps});
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0, tr);
 }
+
+#if EP_DISPATCH_ALONE_FUSED && EP_NOTIFY_TOKEN_SCAN && EP_NOTIFY_SINGLE_RANK && !EP_EXPAND
+// A rank alone's fresh dispatch in one kernel (impls/dispatch_alone.cuh): num_sms blocks, each
+// numbering and then moving one consecutive token range; the block that finishes numbering last
+// writes the layout and the host's report first. Dynamic shared memory: 2 E ints. Launched
+// cooperatively, as the data kernels (its blocks read the totals of the blocks before them).
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_alone(
+        deep_ep::NotifyArgs na, deep_ep::LayoutArgs la, deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    extern __shared__ int smem[];
+    deep_ep::dispatch_alone_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK>(na, la, a, tr, smem);
+}
+#endif
