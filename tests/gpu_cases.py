@@ -122,6 +122,14 @@ _BASE = [
     # tokens each, the last one 246) and, with the grid capped at one block, six tokens per thread.
     Case("bf16-many-tokens", tokens=(1501, 600), mask_prob=0.3, num_sms=16),
     Case("bf16-many-tokens-one-block", tokens=(1501, 600), mask_prob=0.3, do_cpu_sync=False, notify_groups_max=8),
+    # Without CPU sync a rank alone's fresh dispatch is one kernel (impls/dispatch_alone.cuh): tokens
+    # that select no expert (rows between the count and T, marked by its layout block), an empty
+    # rank, column-major scale factors, and the default SMs (every SM of the device at EP=1: the
+    # layout block is one of them, and most numbering blocks get no token).
+    Case("bf16-nosync-mostly-masked", mask_prob=0.6, do_cpu_sync=False),
+    Case("bf16-nosync-empty-rank", tokens=(0, 50, 17), do_cpu_sync=False),
+    Case("fp8-ue8m0-colmajor-nosync", fp8="ue8m0", hidden=1024, col_major_sf=True, do_cpu_sync=False),
+    Case("bf16-nosync-default-sms", do_cpu_sync=False, num_sms=0),
 ]
 
 

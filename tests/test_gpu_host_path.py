@@ -81,7 +81,8 @@ def _backend(log):
 def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0, expand=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    idx = None if handle is not None else torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx = None if handle is not None else \
+        torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.int64)
     w = torch.rand(T, K, generator=g) if weights else None
     st = torch.zeros(E, dtype=torch.int32) if stats else None
     b.last_tokens = T
@@ -94,8 +95,9 @@ def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0, expand=
 
 
 def _fused(monkeypatch, on: bool) -> None:
-    """A rank alone's non-expanded fresh dispatch as one kernel (on, the default) or as the notify
-    and data kernels (`modules.dispatch_alone_fused`); set before the backend makes its plans."""
+    """A rank alone's non-expanded fresh dispatch without CPU sync as one kernel (on, the default) or
+    as the notify and data kernels (`modules.dispatch_alone_fused`); set before the backend makes
+    its plans."""
     monkeypatch.setattr(gpu_dispatch.modules, "dispatch_alone_fused", lambda: on)
 
 
@@ -169,7 +171,7 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, m
         num_sms=4, handle=None, do_handle_copy=True, do_cpu_sync=second["sync"], do_expand=False,
         do_zero_padding=False, use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=st)
     assert alloc.replay == []
-    assert [name for name, _, _ in reused] == _fresh_launch_names(fused)
+    assert [name for name, _, _ in reused] == _fresh_launch_names(fused and not second["sync"])
     assert [(n, g) for n, g, _ in reused] == [(n, g) for n, g, _ in fresh_log]
     for (name, _, got), (_, _, want) in zip(reused, fresh_log):
         assert got == want, f"{name}: a reused launch's arguments differ from those of a launch prepared for this call"
@@ -325,7 +327,8 @@ def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
         data_bytes = H * 2
         want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
                         0 if call["sync"] else M)
-        names = ("deep_ep_dispatch_alone",) * 3 if fused else ("deep_ep_notify", "deep_ep_notify", "deep_ep_dispatch")
+        names = ("deep_ep_dispatch_alone",) * 3 if fused and not call["sync"] else \
+            ("deep_ep_notify", "deep_ep_notify", "deep_ep_dispatch")
         assert tags() == [(n, want.seq, want.fingerprint) for n in names]
     handle = keep[0][0][3]
     g = torch.Generator().manual_seed(3)
@@ -529,16 +532,13 @@ def _record_allocations_and_launches(monkeypatch) -> list:
     return events
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
 @pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, fused, monkeypatch):
+def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
     """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
     rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
     more) before the host waits for the layout stage's report; the outputs are then cut to the rows
     it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
-    those rows and start where the kernel writes. As one kernel, every allocation comes before its
-    one launch."""
-    _fused(monkeypatch, fused)
+    those rows and start where the kernel writes."""
     events = _record_allocations_and_launches(monkeypatch)
     log = []
     b = _backend(log)
@@ -558,12 +558,8 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, fused, mon
     for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
         assert t.is_contiguous()
     kinds = [k for k, _ in events]
-    if fused:
-        assert kinds[-2:] == ["deep_ep_dispatch_alone", "wait"] and kinds.count("deep_ep_dispatch_alone") == 1
-        assert "deep_ep_notify" not in kinds and "deep_ep_dispatch" not in kinds
-    else:
-        assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
-        assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
+    assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
+    assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
     # the outputs (recv_src_metadata lives in the handle's words, their first allocation)
     assert [s for k, s in events if k == "alloc"][-3:] == [(T, H), (T, K), (T, K)]
     words = handle.backend_state.words
@@ -571,7 +567,7 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, fused, mon
     assert meta.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
     assert words.data_ptr() < meta.data_ptr() < words.data_ptr() + 4 * words.numel()
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
-    data, layout = (plan.fused.args[2], plan.fused.args[1]) if fused else (plan.data.args[0], plan.notify.args[1])
+    data, layout = plan.data.args[0], plan.notify.args[1]
     assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
@@ -793,46 +789,32 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
         _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
 
 
-@pytest.mark.parametrize("T", [1, 24, M])
-def test_a_rank_alones_fresh_dispatch_is_one_kernel_when_its_outputs_come_first(T, monkeypatch):
-    """A rank alone's non-expanded fresh dispatch is one launch of deep_ep_dispatch_alone (num_sms
-    blocks, each numbering ``ceil(T / num_sms)`` tokens) whenever its outputs are allocated before
-    the launch: without CPU sync, and with CPU sync but for column-major scale factors, whose layout
-    waits for the exact rows (then the notify and data kernels). The expanded layout, and a build
-    without the one kernel, take the two kernels."""
+@pytest.mark.parametrize("T", [0, 1, 24, M])
+def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypatch):
+    """A rank alone's non-expanded fresh dispatch without CPU sync is one launch of
+    deep_ep_dispatch_alone: num_sms numbering blocks of ``ceil(T / num_sms)`` tokens each, and one
+    more that writes the layout (`alone_grid`) when the device has a spare SM, else the layout block
+    is one of the num_sms. With CPU sync, in the expanded layout, and in a build without the one
+    kernel: the notify and data kernels."""
     from deep_ep.backends.gpu.abi import NotifyArgs
     log = []
     b = _backend(log)
-    n_sms = 4   # `_dispatch`'s num_sms
-    for sync in (False, True):
-        log.clear()
-        _dispatch(b, T, weights=True, sync=sync, align=1, stats=True)
-        assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms)], sync
-        assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // n_sms))
+    n_sms = 4   # `_dispatch`'s num_sms; the stand-in device has 8 SMs
+    _dispatch(b, T, weights=True, sync=False, align=1, stats=True)
+    assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms + 1)]
+    assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // n_sms))
+    assert gpu_dispatch.alone_grid(8, 8) == 8 and gpu_dispatch.alone_grid(1, 1) == 1
+    assert gpu_dispatch.alone_tokens_per_block(4096, 132) == 32 and gpu_dispatch.alone_tokens_per_block(5, 1) == 5
+    b._sm_limit = n_sms   # no spare SM: the layout block is one of the four
+    b.fresh_plans.clear()
     log.clear()
-    _dispatch(b, T, weights=False, sync=False, align=4, stats=False, expand=True)
-    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
-    # column-major scale factors with CPU sync: the outputs wait for the counts
-    g = torch.Generator().manual_seed(5)
-    x8 = torch.randn(T, H, generator=g).to(torch.float8_e4m3fn)
-    sf = torch.rand(T, H // 128, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    b.last_tokens = T
-    for sync, want in ((True, ["deep_ep_notify", "wait", "deep_ep_dispatch"]), (False, ["deep_ep_dispatch_alone"])):
+    _dispatch(b, T, weights=True, sync=False, align=1, stats=True)
+    assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms)]
+    assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // (n_sms - 1)))
+    for kw in (dict(sync=True, align=1), dict(sync=False, align=4, expand=True)):
         log.clear()
-        events = []
-        wait = b.wait_readback
-        b.wait_readback = lambda *a: events.append(len(log)) or wait(*a)
-        b.calls += 1
-        gpu_dispatch.run_dispatch(
-            b, x8, sf, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=n_sms,
-            handle=None, do_handle_copy=True, do_cpu_sync=sync, do_expand=False, do_zero_padding=False,
-            use_tma_aligned_col_major_sf=True, cumulative_local_expert_recv_stats=None)
-        b.wait_readback = wait
-        names = [name for name, _, _ in log]
-        for at in reversed(events):
-            names.insert(at, "wait")
-        assert names == want, sync
+        _dispatch(b, T, weights=False, stats=False, **kw)
+        assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"], kw
     _fused(monkeypatch, False)
     b.fresh_plans.clear()
     log.clear()

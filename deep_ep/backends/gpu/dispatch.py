@@ -15,11 +15,9 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
 
-A rank alone without the expanded layout runs steps 1 and 3 as one kernel, ``deep_ep_dispatch_alone``
-(each of num_sms blocks numbers, then moves, one token range), whenever its outputs can be allocated
-before the counts are known: always without CPU sync (the worst case), and with CPU sync for a bound
-on the rows (`early_rows`), cut to the reported rows after the wait. With CPU sync and column-major
-scale factors (whose layout depends on the exact rows) it takes the two kernels.
+A rank alone without the expanded layout or CPU sync runs steps 1 and 3 as one kernel,
+``deep_ep_dispatch_alone`` (`alone_grid`: blocks that each number, then move, one token range, and
+one that writes the layout once they have numbered).
 
 A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
 Rounds alternate between the two halves of the receive region (see `window`).
@@ -38,11 +36,12 @@ from ...shapes import alone_recv_rows_bound
 from .. import outputs
 from .abi import CONSTANTS, READBACK, DispatchArgs, layout_index
 from . import modules
-from .dispatch_plan import FreshPlan, check_config, dispatch_tag, ptr as _ptr, sf_ld as _sf_ld
+from .dispatch_plan import FreshPlan, alone_grid, alone_tokens_per_block, check_config, dispatch_tag, ptr as _ptr, \
+    sf_ld as _sf_ld
 from .state import GPUHandleState, word_plan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
-           "notify_scan_grid", "early_rows", "word_plan"]
+           "notify_scan_grid", "alone_grid", "alone_tokens_per_block", "early_rows", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -170,13 +169,12 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     # layout stage refuses more rows than that before the data kernel could write them. Not for
     # column-major scale factors, whose layout depends on the exact rows.
     early = plan.early and (sf is None or not use_tma_aligned_col_major_sf)
-    # A rank alone without the expanded layout whose outputs are allocated before the launch (early,
-    # or without CPU sync): one kernel, one launch (`FreshPlan.fused`).
-    fused = plan.fused is not None and (early or not do_cpu_sync)
+    # A rank alone without the expanded layout or CPU sync: one kernel, one launch (`FreshPlan.fused`).
+    fused = plan.fused is not None
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the worst
     # case; early: T) (`word_plan`); the kernels get addresses inside it.
-    grid_key = (T, early, fused, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
+    grid_key = (T, early, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
                 NOTIFY_SCAN_TOKENS_PER_BLOCK)
     per_t = plan.per_tokens.get(grid_key)
     if per_t is None:
@@ -184,8 +182,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             plan.per_tokens.clear()
         rows = early_rows(T, K, E, plan.A, bool(do_expand)) if early else None
         wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T)
-        if fused:   # a block per SM, each numbering one token range
-            per_t = (wp, plan.n_sms, max(1, -(-T // plan.n_sms)), rows)
+        if fused:
+            per_t = (wp, plan.fused_grid, alone_tokens_per_block(T, plan.fused_grid), rows)
         elif plan.scan:
             per_t = (wp,) + notify_scan_grid(T, b.notify_groups_max) + (rows,)
         else:
@@ -237,7 +235,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, _, sf_ld = _alloc_outputs(
             b, data, sf, alloc_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
         _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, alloc_rows, alloc_tok)
-        b.launch_data(plan.fused if fused else plan.data, plan.n_sms)
+        b.launch_data(plan.fused if fused else plan.data, notify_blocks if fused else plan.n_sms)
         if do_cpu_sync:
             # If the wait raises, the caller's stream is still ordered after the queued kernels
             # (`call_streams.run_call`), so the dropped outputs are not reused while they write.

@@ -15,7 +15,7 @@ from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutArgs, Not
 from . import modules
 from . import window as wl
 
-__all__ = ["FreshPlan", "check_config", "dispatch_tag", "sf_ld", "ptr"]
+__all__ = ["FreshPlan", "alone_grid", "alone_tokens_per_block", "check_config", "dispatch_tag", "sf_ld", "ptr"]
 
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
@@ -28,15 +28,29 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr() or None
 
 
+def alone_grid(n_sms: int, limit: int) -> int:
+    """Blocks of a rank alone's one-kernel dispatch (impls/dispatch_alone.cuh) on ``n_sms`` SMs:
+    ``n_sms`` blocks that number and move tokens, and one more that writes the layout while they
+    move them, when the device has a spare SM (``n_sms < limit``, the SMs its blocks may take); else
+    the layout block is one of the ``n_sms``. One block (``n_sms = limit = 1``) does everything."""
+    return min(n_sms + 1, max(limit, 1))
+
+
+def alone_tokens_per_block(T: int, blocks: int) -> int:
+    """Tokens each numbering block of a rank alone's one-kernel dispatch of ``blocks`` blocks takes
+    (every block but the last, or the only one)."""
+    return max(1, -(-T // max(1, blocks - 1)))
+
+
 class FreshPlan:
     """What a fresh dispatch derives from its configuration (the key in `run_dispatch`: not the token
     count, the tensors, ``do_handle_copy`` or the scale factors' layout, which each call handles):
     checked once, with its prepared launches (notify with its layout stage, data; and for a rank alone
-    without the expanded layout, both in one kernel: ``fused``), whose constant arguments are set here
+    without the expanded layout or CPU sync, both in one kernel: ``fused``), whose constant arguments are set here
     and the rest by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "alone", "scan", "early", "notify", "data", "fused", "per_tokens", "tags", "fused_tags",
+                 "alone", "scan", "early", "notify", "data", "fused", "fused_grid", "per_tokens", "tags", "fused_tags",
                  "handle_fields")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
@@ -94,14 +108,17 @@ class FreshPlan:
             device=dev.index, cooperative=b.cooperative)
         # every struct's tag, as views into their arguments (a ctypes field read makes a new view)
         self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
-        # A rank alone's token scan and data kernel as one kernel (impls/dispatch_alone.cuh), for the
-        # calls whose outputs can be allocated before the counts are known (`run_dispatch`); its
-        # blocks number the tokens of one range each: 2 E ints of shared memory for the histogram
-        # and the layout stage.
+        # Without CPU sync, a rank alone's token scan and data kernel as one kernel
+        # (impls/dispatch_alone.cuh; its grid: `alone_grid`): 2 E ints of shared memory for
+        # the histogram and the layout stage. With CPU sync the two kernels serve better: the host
+        # allocates the outputs while the notify kernel runs, and reads the counts it reports
+        # before the rows move (in one kernel the report waits behind rows that load the memory).
         self.fused = self.fused_tags = None
-        if self.scan and modules.dispatch_alone_fused():
+        self.fused_grid = 0
+        if self.scan and not do_cpu_sync and modules.dispatch_alone_fused():
+            self.fused_grid = alone_grid(self.n_sms, b._sm_limit)
             self.fused = mod.function("deep_ep_dispatch_alone").prepare(
-                self.n_sms, modules.THREADS, (notify_args(), layout_args(), data_args(), transport),
+                self.fused_grid, modules.THREADS, (notify_args(), layout_args(), data_args(), transport),
                 device=dev.index, cooperative=b.cooperative, smem=8 * E)
             self.fused_tags = tuple(self.fused.args[i].tag for i in range(3))
         # The fields of the handles this configuration makes, each call's own ones at placeholders: a

@@ -64,8 +64,8 @@ def notify_token_scan() -> bool:
 
 
 # EP_DISPATCH_ALONE_FUSED's default, likewise (impls/dispatch_alone.cuh; the same test): with the
-# token scan, a rank alone's non-expanded fresh dispatch whose outputs can be allocated before its
-# counts are known is one kernel, deep_ep_dispatch_alone, instead of the notify and data kernels.
+# token scan, a rank alone's non-expanded fresh dispatch without CPU sync is one kernel,
+# deep_ep_dispatch_alone, instead of the notify and data kernels.
 DISPATCH_ALONE_FUSED_DEFAULT = 1
 
 

@@ -1,20 +1,25 @@
-// A rank alone's fresh dispatch in the non-expanded layout as one kernel (EP_DISPATCH_ALONE_FUSED):
-// the token scan of impls/notify_alone.cuh, its count row and layout stage, and the send phase of
-// impls/dispatch_send.cuh, with no kernel boundary and one launch instead of two.
+// A rank alone's fresh dispatch in the non-expanded layout without CPU sync, as one kernel
+// (EP_DISPATCH_ALONE_FUSED): the token scan of impls/notify_alone.cuh, its count row and layout
+// stage, and the send phase of impls/dispatch_send.cuh, with no kernel boundary and one launch
+// instead of two.
 //
 // Alone, a token's row depends only on the tokens before it (an exclusive scan of one flag per
 // token), and a rank alone's rows start at 0 (send_base), so a block can move its tokens as soon
-// as it has numbered them. Each block (num_sms of them, all resident: a cooperative launch) takes
-// one consecutive token range (AloneTokens) and
-//   1. numbers it (notify_alone_number: counts, the handle's copy of the ids, the range check, the
-//      look-back over the totals of the blocks before it), writing each token's final row to pos_tok;
-//   2. if it is the last block to finish numbering, writes the count row, the layout words and the
-//      host's report (notify_alone_finish), before its own rows: a host that waits for the counts
-//      (do_cpu_sync) reads them while the other blocks still move theirs;
-//   3. moves its tokens (dispatch_send_impl over the block's range, its warps striding over it);
-//   4. marks the output rows past the received count (outputs sized for more rows than arrive): ids
-//      -1, weights 0, recv_src_metadata -1; rows from T on by every block, rows between the count and
-//      T (tokens that select no expert) by the block of step 2, the only one that knows the count.
+// as it has numbered them. All blocks are resident (a cooperative launch). Every block but the
+// last (the numbering blocks; a grid of one block does everything itself, in turn)
+//   1. numbers one consecutive token range (AloneTokens; notify_alone_number: counts, the handle's
+//      copy of the ids, the range check, the look-back over the totals of the blocks before it),
+//      writing each token's final row to pos_tok, publishes its histogram and total, and counts
+//      itself done;
+//   2. moves its tokens (dispatch_send_impl over the block's range, its warps striding over it).
+// The last block (the layout block) waits until every numbering block is done, then writes the
+// count row, the layout words and any error record (notify_alone_finish), and marks the output rows
+// between the received count and T (tokens that select no expert): ids -1, weights 0,
+// recv_src_metadata -1. It moves no rows: the layout stage is a chain of dependent steps that
+// runs slowly while every other SM streams rows through memory, and off the rows' critical path
+// it costs the copy one SM of many (the host adds the block when the device has a spare SM).
+// Every block marks the rows from T on (outputs sized for the worst case), as the receive phase
+// marks rows past the count (impls/dispatch_recv.cuh).
 // Its outputs and handle words are those of the notify kernel followed by the data kernel, bit for
 // bit (tools/sweep_notify.py --variants ";DISPATCH_ALONE_FUSED=0" compares the two).
 #pragma once
@@ -22,9 +27,8 @@
 #include "dispatch_send.cuh"
 #include "notify_alone.cuh"
 
-// EP_DISPATCH_ALONE_FUSED (build-time tunable): 1 = a rank alone's non-expanded fresh dispatch is
-// this one kernel when its outputs can be allocated before the counts are known (the default);
-// 0 = the notify kernel, then the data kernel. The host reads the same default
+// EP_DISPATCH_ALONE_FUSED (build-time tunable): 1 = a rank alone's non-expanded fresh dispatch
+// without CPU sync is this one kernel (the default); 0 = the notify kernel, then the data kernel. The host reads the same default
 // (`deep_ep.backends.gpu.modules.DISPATCH_ALONE_FUSED_DEFAULT`; a test holds the two equal).
 #ifndef EP_DISPATCH_ALONE_FUSED
 #define EP_DISPATCH_ALONE_FUSED 1
@@ -46,27 +50,55 @@ __device__ __forceinline__ void mark_rows_past_count(const DispatchArgs& a, int 
         a.src_meta[i] = -1;
 }
 
-// Every thread of every block. ``na.tokens_per_group``: the tokens of one block; ``smem``: at least
-// 2 E ints of dynamic shared memory.
+// Every thread of every block. ``na.tokens_per_group``: the tokens of one numbering block;
+// ``smem``: at least 2 E ints of dynamic shared memory.
 template <int kDataBytes, int kNumSF, int K>
 __device__ __forceinline__ void dispatch_alone_impl(const NotifyArgs& na, const LayoutArgs& la, const DispatchArgs& a,
                                                     const comm::LsaTransport& tr, int* smem) {
-    const int block_tokens = notify_alone_number<K>(na, tr, smem);
-    const bool finisher = gridDim.x == 1 || comm::last_block(tr.local(), kCtrlDone, false);
     const int T = a.num_tokens;
-    int count = T;
-    if (finisher) count = notify_alone_finish(na, la, tr, smem, block_tokens);
-
-    const AloneTokens range(na);
-    const int warp = static_cast<int>(threadIdx.x >> 5), warps = static_cast<int>(blockDim.x >> 5);
-    dispatch_send_impl<kDataBytes, kNumSF, K, false, false, true>(a, tr, TokenRange{range.first + warp, range.end, warps});
-
+    const int num_blocks = static_cast<int>(gridDim.x);
+    const bool single = num_blocks == 1;
+    const int num_numbering = single ? 1 : num_blocks - 1;
+    uint32_t* const done = comm::ctrl_of(tr.local()) + kCtrlDone;   // numbering blocks done
+    if (!single && static_cast<int>(blockIdx.x) == num_blocks - 1) {
+        // ---- the layout block: wait for every numbering block, then the count row and layout
+        __shared__ int s_ok;
+        if (threadIdx.x == 0) {
+            s_ok = 1;
+            const uint64_t start = global_timer_ns();
+            while (ld_volatile(done) != static_cast<uint32_t>(num_numbering)) {
+                if (global_timer_ns() - start > na.timeout_ns) {
+                    comm::record_error(tr.local(), kErrTimeout, tr.rank, tr.rank, kPhaseNotify);
+                    s_ok = 0;
+                    break;
+                }
+            }
+            atomicExch(done, 0u);   // for the next kernel that counts blocks
+        }
+        __syncthreads();
+        if (!s_ok) return;   // the layout is void: the error record says why, at the next call
+        const int count = notify_alone_finish(na, la, tr, smem, false, num_numbering, 0);
+        if (count < T)
+            mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),
+                                    static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+    } else {
+        // ---- a numbering block: number, count itself done, move its tokens
+        const int block_tokens = notify_alone_number<K>(na, tr, smem, !single);
+        if (single) {
+            const int count = notify_alone_finish(na, la, tr, smem, true, 1, block_tokens);
+            if (count < T)
+                mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),
+                                        static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+        } else if (threadIdx.x == 0) {
+            __threadfence();   // the block's rows, total and histogram before its arrival
+            atomicAdd(done, 1u);
+        }
+        const AloneTokens range(na);
+        const int warp = static_cast<int>(threadIdx.x >> 5), warps = static_cast<int>(blockDim.x >> 5);
+        dispatch_send_impl<kDataBytes, kNumSF, K, false, false, true>(a, tr, TokenRange{range.first + warp, range.end, warps});
+    }
     const int tid = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-    const int nthreads = static_cast<int>(gridDim.x * blockDim.x);
-    mark_rows_past_count<K>(a, T, a.out_capacity, T, a.tok_capacity, tid, nthreads);
-    if (finisher && count < T)
-        mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),
-                                static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+    mark_rows_past_count<K>(a, T, a.out_capacity, T, a.tok_capacity, tid, static_cast<int>(gridDim.x * blockDim.x));
 }
 
 }  // namespace deep_ep

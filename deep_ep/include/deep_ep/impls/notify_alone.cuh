@@ -64,7 +64,7 @@ __device__ __forceinline__ bool notify_alone_token(const NotifyArgs& a, int E, i
 }
 
 // The consecutive token range [first, end) of this block: ``a.tokens_per_group`` tokens a block
-// (the host's grid: `dispatch.notify_scan_grid`, or one block per SM in impls/dispatch_alone.cuh).
+// (the host's grid: `dispatch.notify_scan_grid`, or `dispatch_plan.alone_tokens_per_block` for impls/dispatch_alone.cuh).
 struct AloneTokens {
     int first, end;
     __device__ __forceinline__ explicit AloneTokens(const NotifyArgs& a)
@@ -72,16 +72,17 @@ struct AloneTokens {
           end(min(a.num_tokens, first + a.tokens_per_group)) {}
 };
 
-// Every thread of every block: count, copy and check the block's tokens, number them (pos_tok) and
-// add the block's histogram to the grid's. ``hist``: [E] ints of shared memory (the block's pairs
-// per expert; a grid of one block keeps them there for `notify_alone_count_row`). Returns the
-// block's token total (the tokens that select an expert) in every thread; pos_tok is written when
-// it returns (the block has met).
+// Every thread of every numbering block: count, copy and check the block's tokens, number them
+// (pos_tok) and, with ``publish``, add the block's histogram and total to the grid's in the scratch
+// words (without, a grid of one block keeps its histogram in ``hist`` for `notify_alone_finish`).
+// ``hist``: [E] ints of shared memory. Returns the block's token total (the tokens that select an
+// expert) in every thread; pos_tok is written when it returns (the block has met).
 template <int K>
-__device__ __forceinline__ int notify_alone_number(const NotifyArgs& a, const comm::LsaTransport& tr, int* hist) {
+__device__ __forceinline__ int notify_alone_number(const NotifyArgs& a, const comm::LsaTransport& tr, int* hist,
+                                                   bool publish) {
     const int E = a.num_experts;
     const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
-    const int block = static_cast<int>(blockIdx.x), num_blocks = static_cast<int>(gridDim.x);
+    const int block = static_cast<int>(blockIdx.x);
     const AloneTokens range(a);
     const int per_thread = (range.end - range.first + nthreads - 1) / nthreads;   // past 32: see notify_alone_token
     const int t0 = min(range.end, range.first + tid * per_thread), t1 = min(range.end, t0 + per_thread);
@@ -103,7 +104,7 @@ __device__ __forceinline__ int notify_alone_number(const NotifyArgs& a, const co
 
     // ---- publish the block's total and histogram; sum the totals before it
     bool ok = true;
-    if (num_blocks > 1) {
+    if (publish) {
         if (tid == 0) atomicExch(scratch + kNotifyScanTotals + block, block_tokens + 1);
         for (int e = tid; e < E; e += nthreads) {
             const int v = hist[e];
@@ -144,21 +145,21 @@ __device__ __forceinline__ int notify_alone_number(const NotifyArgs& a, const co
     return block_tokens;
 }
 
-// Every thread of the block that finished numbering last (a grid of one block: the block itself,
-// which passes its token total, ``block_tokens``; its histogram is in ``smem``): write the count row
-// from the grid's histogram and totals, leave the scratch words as found, then run the layout stage
-// and the host's report (impls/layout_alone.cuh). ``smem``: at least 2 E ints. Returns the tokens
-// that select an expert (the received rows), in every thread.
+// Every thread of one block, once every numbering block has numbered (and published): write the
+// count row from the grid's histogram and the totals of the ``num_blocks`` numbering blocks (or,
+// ``single``: of the one block that runs this, unpublished: its token total ``block_tokens`` and
+// its histogram in ``smem``), leave the scratch words as found, then run the layout stage and the
+// host's report (impls/layout_alone.cuh). ``smem``: at least 2 E ints. Returns the tokens that
+// select an expert (the received rows), in every thread.
 __device__ __forceinline__ int notify_alone_finish(const NotifyArgs& a, const LayoutArgs& la,
-                                                   const comm::LsaTransport& tr, int* smem, int block_tokens) {
+                                                   const comm::LsaTransport& tr, int* smem, bool single,
+                                                   int num_blocks, int block_tokens) {
     const int E = a.num_experts;
     const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
-    const int num_blocks = static_cast<int>(gridDim.x);
-    const bool single = num_blocks == 1;
     int* const hist = smem;
     int* const scratch = a.scratch;
     __shared__ int s_total;
-    if (!single && tid == 0) __threadfence();   // last_block is the release half only
+    if (!single && tid == 0) __threadfence();   // the blocks' count of arrivals is the release half only
     __syncthreads();
     int* C = reinterpret_cast<int*>(tr.local() + la.counts_offset);   // rank 0's row: [1 + E + 2]
     for (int e = tid; e < E; e += nthreads) {
@@ -205,9 +206,10 @@ __device__ __forceinline__ int notify_alone_finish(const NotifyArgs& a, const La
 template <int K>
 __device__ __forceinline__ void notify_alone_scan(const NotifyArgs& a, const LayoutArgs& la,
                                                   const comm::LsaTransport& tr, int* smem) {
-    const int block_tokens = notify_alone_number<K>(a, tr, smem);
-    if (gridDim.x > 1 && !comm::last_block(tr.local(), kCtrlDone, false)) return;
-    notify_alone_finish(a, la, tr, smem, block_tokens);
+    const bool single = gridDim.x == 1;
+    const int block_tokens = notify_alone_number<K>(a, tr, smem, !single);
+    if (!single && !comm::last_block(tr.local(), kCtrlDone, false)) return;
+    notify_alone_finish(a, la, tr, smem, single, static_cast<int>(gridDim.x), block_tokens);
 }
 
 }  // namespace deep_ep
