@@ -118,7 +118,10 @@ def _notify_and_data_args(log) -> tuple:
 CALLS = [dict(T=48, weights=True, sync=True, align=4, stats=True),
          dict(T=20, weights=False, sync=False, align=1, stats=False),
          dict(T=64, weights=True, sync=False, align=2, stats=True),
-         dict(T=1, weights=False, sync=True, align=1, stats=False)]
+         dict(T=1, weights=False, sync=True, align=1, stats=False),
+         # the configurations of CALLS[0] and CALLS[1] (one plan each) with other token counts and stats
+         dict(T=33, weights=True, sync=True, align=4, stats=False),
+         dict(T=7, weights=False, sync=False, align=1, stats=True)]
 
 
 class _Allocations:
@@ -139,12 +142,14 @@ class _Allocations:
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
-@pytest.mark.parametrize("order", [(0, 1), (1, 0), (2, 3), (3, 2), (0, 3)])
+@pytest.mark.parametrize("order", [(0, 1), (1, 0), (2, 3), (3, 2), (0, 3), (0, 4), (4, 0), (1, 5), (5, 1)])
 def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, monkeypatch):
     """Two different fresh dispatches on one backend (with and without CPU sync, weights, statistics,
     another alignment and token count): the second call's launches (one kernel, or notify with its
-    layout stage and data), prepared by the first and reused, carry the same bytes as that call's
-    launches on a backend that never ran the first, with the same inputs and output tensors."""
+    layout stage and data), carry the same bytes as that call's launches on a backend that never ran
+    the first, with the same inputs and output tensors; where the two calls share a configuration
+    (the same plan: only the token count and the statistics differ), the second reuses the first's
+    prepared launches."""
     from deep_ep.backends import outputs
     _fused(monkeypatch, fused)
     alloc = _Allocations(outputs.empty)
@@ -153,10 +158,13 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, m
     log = []
     b = _backend(log)
     keep = _dispatch(b, **first, seed=1)
+    plans = dict(b.fresh_plans)
     log.clear()
     alloc.recorded.clear()
     (_, inputs) = _dispatch(b, **second, seed=2)
     reused = list(log)
+    shared = {k: first[k] for k in ("weights", "sync", "align")} == {k: second[k] for k in ("weights", "sync", "align")}
+    assert (b.fresh_plans == plans) == shared   # the same plan objects: its launches were reused
     fresh_log = []
     fresh = _backend(fresh_log)
     fresh.calls = b.calls - 1

@@ -36,12 +36,12 @@ from ...shapes import alone_recv_rows_bound
 from .. import outputs
 from .abi import CONSTANTS, READBACK, DispatchArgs, layout_index
 from . import modules
-from .dispatch_plan import FreshPlan, alone_grid, alone_tokens_per_block, check_config, dispatch_tag, ptr as _ptr, \
+from .dispatch_plan import NOTIFY_TILE_PAIRS, NOTIFY_WARPS, FreshPlan, alone_grid, alone_tokens_per_block, check_config, dispatch_tag, ptr as _ptr, \
     sf_ld as _sf_ld
 from .state import GPUHandleState, word_plan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
-           "notify_scan_grid", "alone_grid", "alone_tokens_per_block", "early_rows", "word_plan"]
+           "notify_scan_grid", "alone_grid", "alone_tokens_per_block", "early_rows", "word_plan", "NOTIFY_TILE_PAIRS"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -54,8 +54,6 @@ NOTIFY_ONE_BLOCK_PAIRS = 1024
 # A rank alone's token scan (EP_NOTIFY_TOKEN_SCAN, non-expanded) gives each block this many tokens
 # at most, one per thread, so that its one pass over the ids is spread over as many SMs.
 NOTIFY_SCAN_TOKENS_PER_BLOCK = 256
-NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
-NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
 
 def notify_groups(T: int, K: int, groups_max: int, alone: bool = False) -> int:

@@ -66,17 +66,28 @@ __device__ __forceinline__ void dispatch_alone_impl(const NotifyArgs& na, const 
         if (threadIdx.x == 0) {
             s_ok = 1;
             const uint64_t start = global_timer_ns();
-            while (ld_volatile(done) != static_cast<uint32_t>(num_numbering)) {
+            while (ld_volatile(done) < static_cast<uint32_t>(num_numbering)) {
                 if (global_timer_ns() - start > na.timeout_ns) {
                     comm::record_error(tr.local(), kErrTimeout, tr.rank, tr.rank, kPhaseNotify);
                     s_ok = 0;
                     break;
                 }
             }
-            atomicExch(done, 0u);   // for the next kernel that counts blocks
+            if (s_ok) atomicSub(done, static_cast<uint32_t>(num_numbering));   // as the next kernel expects it
         }
         __syncthreads();
-        if (!s_ok) return;   // the layout is void: the error record says why, at the next call
+        if (!s_ok) {
+            // The layout is void: every word defined (zero, as layout_alone leaves a refused call's),
+            // and the error copied to the host's record, which the next call raises (the buffer is
+            // then unusable: late blocks may still count themselves done).
+            const LayoutIndex ix{1, na.num_experts, na.num_experts};
+            for (int i = static_cast<int>(threadIdx.x); i < ix.size(); i += static_cast<int>(blockDim.x)) la.layout[i] = 0;
+            if (threadIdx.x == 0) {
+                const volatile uint32_t* err = comm::ctrl_of(tr.local()) + kCtrlError;
+                comm::error_to_host(err, err[0], la.err_host);
+            }
+            return;
+        }
         const int count = notify_alone_finish(na, la, tr, smem, false, num_numbering, 0);
         if (count < T)
             mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),

@@ -37,8 +37,9 @@ __device__ __forceinline__ const int* alone_counts(const LayoutArgs& a, const co
     return reinterpret_cast<const int*>(tr.local() + a.counts_offset);
 }
 
-// Every thread of one block. ``scratch``: 2 E ints of the notify kernel's dynamic shared memory
-// ([kNotifyWarps][1 + E] ints), dead once every warp of the block has numbered its tokens.
+// Every thread of one block. ``scratch``: 2 E ints of the kernel's dynamic shared memory (the
+// notify kernel's [kNotifyWarps][1 + E] ints, or the one-kernel dispatch's 2 E, impls/dispatch_alone.cuh),
+// dead once every warp of the block has numbered its tokens.
 __device__ __forceinline__ void layout_alone(const LayoutArgs& a, bool expand, const comm::LsaTransport& tr,
                                              int* scratch) {
     const int E = a.num_experts, alignment = a.alignment;
