@@ -60,8 +60,9 @@ class FreshPlan:
         data_bytes, num_sf, layout, m = check_config(b, data, sf, K, E, num_max_tokens_per_rank)
         self.E, self.A, self.L, self.H, self.m = E, A, E // R, int(data.shape[1]), m
         self.ix = layout_index(R, E // R, E)
-        # (tokens, the notify grid's settings) -> (word plan, notify blocks, tokens per group); the
-        # settings: the backend's cap on groups and this module's grouping constants (which
+        # (tokens, early, the notify grid's settings) -> (word plan, blocks of the notify kernel or
+        # of the one kernel, tokens per group or per numbering block, early rows); the settings: the
+        # backend's cap on groups and the grouping constants of `dispatch` (which
         # tools/sweep_notify.py changes between calls)
         self.per_tokens = {}
         self.n_sms = b.num_sms(num_sms, E, K)
