@@ -18,6 +18,7 @@ from deep_ep.backends.base import BufferConfig
 from deep_ep.backends.gpu import GPUBackend
 from deep_ep.backends.gpu import combine as gpu_combine
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
+from deep_ep.backends.gpu import dispatch_plan
 from deep_ep.backends.gpu.abi import READBACK, READBACK_WORDS, NotifyArgs
 
 H, E, K, M = 256, 16, 4, 64
@@ -393,7 +394,7 @@ def test_top_k_beyond_the_notify_tile_is_refused():
     launch (the buffer was made for it: num_topk large enough)."""
     log = []
     b = _backend(log)
-    K_big = gpu_dispatch.NOTIFY_TILE_PAIRS + 1
+    K_big = dispatch_plan.NOTIFY_TILE_PAIRS + 1
     b.config = b.config.__class__(**{**b.config.__dict__, "num_topk": K_big})
     x = torch.randn(4, H).to(torch.bfloat16)
     idx = torch.zeros(4, K_big, dtype=torch.int64)
@@ -811,8 +812,8 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
     _dispatch(b, T, weights=True, sync=False, align=1, stats=True)
     assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms + 1)]
     assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // n_sms))
-    assert gpu_dispatch.alone_grid(8, 8) == 8 and gpu_dispatch.alone_grid(1, 1) == 1
-    assert gpu_dispatch.alone_tokens_per_block(4096, 132) == 32 and gpu_dispatch.alone_tokens_per_block(5, 1) == 5
+    assert dispatch_plan.alone_grid(8, 8) == 8 and dispatch_plan.alone_grid(1, 1) == 1
+    assert dispatch_plan.alone_tokens_per_block(4096, 132) == 32 and dispatch_plan.alone_tokens_per_block(5, 1) == 5
     b._sm_limit = n_sms   # no spare SM: the layout block is one of the four
     b.fresh_plans.clear()
     log.clear()

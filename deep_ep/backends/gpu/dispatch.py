@@ -16,8 +16,8 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    the receive phase waits for every peer, then copies peers' rows into the outputs.
 
 A rank alone without the expanded layout or CPU sync runs steps 1 and 3 as one kernel,
-``deep_ep_dispatch_alone`` (`alone_grid`: blocks that each number, then move, one token range, and
-one that writes the layout once they have numbered).
+``deep_ep_dispatch_alone`` (`dispatch_plan.alone_grid`: blocks that each number, then move, one
+token range, and one that writes the layout once they have numbered).
 
 A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
 Rounds alternate between the two halves of the receive region (see `window`).
@@ -36,12 +36,12 @@ from ...shapes import alone_recv_rows_bound
 from .. import outputs
 from .abi import CONSTANTS, READBACK, DispatchArgs, layout_index
 from . import modules
-from .dispatch_plan import NOTIFY_TILE_PAIRS, NOTIFY_WARPS, FreshPlan, alone_grid, alone_tokens_per_block, check_config, dispatch_tag, ptr as _ptr, \
-    sf_ld as _sf_ld
+from .dispatch_plan import NOTIFY_WARPS, FreshPlan, alone_tokens_per_block, check_config, dispatch_tag
+from .dispatch_plan import ptr as _ptr, sf_ld as _sf_ld
 from .state import GPUHandleState, word_plan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
-           "notify_scan_grid", "alone_grid", "alone_tokens_per_block", "early_rows", "word_plan", "NOTIFY_TILE_PAIRS"]
+           "notify_scan_grid", "early_rows", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups

@@ -117,7 +117,7 @@ class FreshPlan:
         self.fused = self.fused_tags = None
         self.fused_grid = 0
         if self.scan and not do_cpu_sync and modules.dispatch_alone_fused():
-            self.fused_grid = alone_grid(self.n_sms, b._sm_limit)
+            self.fused_grid = alone_grid(self.n_sms, b.device_resources().max_sms)
             self.fused = mod.function("deep_ep_dispatch_alone").prepare(
                 self.fused_grid, modules.THREADS, (notify_args(), layout_args(), data_args(), transport),
                 device=dev.index, cooperative=b.cooperative, smem=8 * E)

@@ -50,6 +50,20 @@ __device__ __forceinline__ void mark_rows_past_count(const DispatchArgs& a, int 
         a.src_meta[i] = -1;
 }
 
+// Every thread of the block that writes the layout (`notify_alone_finish`, whose arguments
+// ``single``, ``num_blocks`` and ``block_tokens`` it takes), then marks the rows between the
+// received count and T (tokens that select no expert).
+template <int K>
+__device__ __forceinline__ void dispatch_alone_layout(const NotifyArgs& na, const LayoutArgs& la, const DispatchArgs& a,
+                                                      const comm::LsaTransport& tr, int* smem, bool single,
+                                                      int num_blocks, int block_tokens) {
+    const int T = a.num_tokens;
+    const int count = notify_alone_finish(na, la, tr, smem, single, num_blocks, block_tokens);
+    if (count < T)
+        mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),
+                                static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+}
+
 // Every thread of every block. ``na.tokens_per_group``: the tokens of one numbering block;
 // ``smem``: at least 2 E ints of dynamic shared memory.
 template <int kDataBytes, int kNumSF, int K>
@@ -88,18 +102,12 @@ __device__ __forceinline__ void dispatch_alone_impl(const NotifyArgs& na, const 
             }
             return;
         }
-        const int count = notify_alone_finish(na, la, tr, smem, false, num_numbering, 0);
-        if (count < T)
-            mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),
-                                    static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+        dispatch_alone_layout<K>(na, la, a, tr, smem, false, num_numbering, 0);
     } else {
         // ---- a numbering block: number, count itself done, move its tokens
         const int block_tokens = notify_alone_number<K>(na, tr, smem, !single);
         if (single) {
-            const int count = notify_alone_finish(na, la, tr, smem, true, 1, block_tokens);
-            if (count < T)
-                mark_rows_past_count<K>(a, count, min(T, a.out_capacity), count, min(T, a.tok_capacity),
-                                        static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+            dispatch_alone_layout<K>(na, la, a, tr, smem, true, 1, block_tokens);
         } else if (threadIdx.x == 0) {
             __threadfence();   // the block's rows, total and histogram before its arrival
             atomicAdd(done, 1u);
