@@ -67,7 +67,7 @@ def _backend(log):
     b.timeout_ns, b.cooperative, b.call_stream, b.comm_handle, b.comm_stream = 10 ** 9, True, 0, 5, None
     b.launched_call, b.last_m = 0, 0
     b.notify_groups_max, b.notify_scratch = 32, torch.zeros(16, dtype=torch.int32)
-    b.fresh_plans = {}
+    b.fresh_plans, b.alone_fused_refused = {}, False
 
     def wait_readback(seq, num_experts, num_topk):
         report = [0] * READBACK_WORDS
@@ -95,11 +95,22 @@ def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0, expand=
     return out, (x, idx, w, st)   # the inputs stay alive: their addresses are not reused
 
 
-def _fused(monkeypatch, on: bool) -> None:
-    """A rank alone's non-expanded fresh dispatch without CPU sync as one kernel (on, the default) or
-    as the notify and data kernels (`modules.dispatch_alone_fused`); set before the backend makes
-    its plans."""
-    monkeypatch.setattr(gpu_dispatch.modules, "dispatch_alone_fused", lambda: on)
+FUSED_MODES = [1, 2, 0]   # EP_DISPATCH_ALONE_FUSED's values (`_fused`)
+FUSED_IDS = ["one-kernel-without-cpu-sync", "one-kernel-always", "two-kernels"]
+
+
+def _fused(monkeypatch, mode: int) -> None:
+    """A rank alone's non-expanded fresh dispatch as one kernel without CPU sync (mode 1, the
+    default), with and without it (2), or always as the notify and data kernels (0), as
+    EP_DISPATCH_ALONE_FUSED's values say (`modules.dispatch_alone_fused`); set before the backend
+    makes its plans."""
+    monkeypatch.setattr(gpu_dispatch.modules, "dispatch_alone_fused",
+                        lambda cpu_sync=False: mode >= 2 if cpu_sync else mode != 0)
+
+
+def _takes_fused(mode: int, sync: bool) -> bool:
+    """Whether a call (with CPU sync: ``sync``) takes the one kernel under `_fused`'s ``mode``."""
+    return mode >= 2 if sync else mode != 0
 
 
 def _fresh_launch_names(fused: bool) -> list:
@@ -142,7 +153,7 @@ class _Allocations:
         return t
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
+@pytest.mark.parametrize("fused", FUSED_MODES, ids=FUSED_IDS)
 @pytest.mark.parametrize("order", [(0, 1), (1, 0), (2, 3), (3, 2), (0, 3), (0, 4), (4, 0), (1, 5), (5, 1)])
 def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, monkeypatch):
     """Two different fresh dispatches on one backend (with and without CPU sync, weights, statistics,
@@ -180,7 +191,7 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, m
         num_sms=4, handle=None, do_handle_copy=True, do_cpu_sync=second["sync"], do_expand=False,
         do_zero_padding=False, use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=st)
     assert alloc.replay == []
-    assert [name for name, _, _ in reused] == _fresh_launch_names(fused and not second["sync"])
+    assert [name for name, _, _ in reused] == _fresh_launch_names(_takes_fused(fused, second["sync"]))
     assert [(n, g) for n, g, _ in reused] == [(n, g) for n, g, _ in fresh_log]
     for (name, _, got), (_, _, want) in zip(reused, fresh_log):
         assert got == want, f"{name}: a reused launch's arguments differ from those of a launch prepared for this call"
@@ -304,7 +315,7 @@ def test_a_handles_launch_memo_follows_its_fields(monkeypatch):
     assert combined.num_tokens == T // 2 and combined.topk_idx == half.data_ptr()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "two-kernels"])
+@pytest.mark.parametrize("fused", FUSED_MODES, ids=FUSED_IDS)
 def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
     """The tag of each launch (the call's number and its configuration's fingerprint, which peers
     compare) is this call's: fresh dispatches with two configurations, then a cached dispatch and a
@@ -336,7 +347,7 @@ def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
         data_bytes = H * 2
         want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
                         0 if call["sync"] else M)
-        names = ("deep_ep_dispatch_alone",) * 3 if fused and not call["sync"] else \
+        names = ("deep_ep_dispatch_alone",) * 3 if _takes_fused(fused, call["sync"]) else \
             ("deep_ep_notify", "deep_ep_notify", "deep_ep_dispatch")
         assert tags() == [(n, want.seq, want.fingerprint) for n in names]
     handle = keep[0][0][3]
@@ -541,13 +552,17 @@ def _record_allocations_and_launches(monkeypatch) -> list:
     return events
 
 
+@pytest.mark.parametrize("mode", [1, 2], ids=["two-kernels", "one-kernel"])
 @pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
+def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, mode, monkeypatch):
     """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
     rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
     more) before the host waits for the layout stage's report; the outputs are then cut to the rows
     it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
-    those rows and start where the kernel writes."""
+    those rows and start where the kernel writes. Two kernels (the default): the notify kernel is
+    queued before the outputs are allocated; one kernel (EP_DISPATCH_ALONE_FUSED=2): one launch after
+    every allocation."""
+    _fused(monkeypatch, mode)
     events = _record_allocations_and_launches(monkeypatch)
     log = []
     b = _backend(log)
@@ -567,8 +582,12 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
         assert t.is_contiguous()
     kinds = [k for k, _ in events]
-    assert kinds[-2:] == ["deep_ep_dispatch", "wait"] and kinds.count("deep_ep_dispatch") == 1
-    assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
+    kernel = "deep_ep_dispatch_alone" if mode == 2 else "deep_ep_dispatch"
+    assert kinds[-2:] == [kernel, "wait"] and kinds.count(kernel) == 1
+    if mode == 2:
+        assert "deep_ep_notify" not in kinds and kinds[:-2] == ["alloc"] * (len(kinds) - 2)
+    else:
+        assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
     # the outputs (recv_src_metadata lives in the handle's words, their first allocation)
     assert [s for k, s in events if k == "alloc"][-3:] == [(T, H), (T, K), (T, K)]
     words = handle.backend_state.words
@@ -576,10 +595,11 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     assert meta.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
     assert words.data_ptr() < meta.data_ptr() < words.data_ptr() + 4 * words.numel()
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
-    data, layout = plan.data.args[0], plan.notify.args[1]
+    data, layout = (plan.fused.args[2], plan.fused.args[1]) if mode == 2 else (plan.data.args[0], plan.notify.args[1])
     assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
+    assert layout.host_out and layout.seq == b.readback_seq
 
 
 def test_early_rows_bound_what_a_rank_alone_can_receive():
@@ -744,7 +764,7 @@ def test_the_token_scan_grid_follows_its_settings_between_calls(monkeypatch):
     """A rank alone's non-expanded dispatch launches the token scan's grid (`notify_scan_grid`), with
     its tokens per block as the kernel's ``tokens_per_group``, following the tokens per block and the
     cap between calls; the expanded layout keeps the general grid."""
-    _fused(monkeypatch, False)
+    _fused(monkeypatch, 0)
     log = []
     b = _backend(log)
     T = M
@@ -798,13 +818,47 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
         _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["no-cpu-sync", "cpu-sync"])
+def test_a_refused_one_kernel_falls_back_to_two_kernels(sync, monkeypatch):
+    """A rank alone's one kernel whose cooperative launch the device refuses (one block more than it
+    holds: the layout block) is nothing queued: the dispatch starts again as the notify and data
+    kernels, returns what they return, and the buffer keeps to them; during CUDA-graph capture it
+    raises instead (a capture cannot change kernels), naming the cause."""
+    from deep_ep import jit
+    _fused(monkeypatch, 2)
+    log = []
+    b = _backend(log)
+    launch = _Prepared.launch
+
+    def cooperative(self, stream, grid=0):
+        if self.name == "deep_ep_dispatch_alone":
+            raise jit.LaunchError("launch of deep_ep_dispatch:deep_ep_dispatch_alone failed "
+                                  "(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)")
+        launch(self, stream, grid)
+    monkeypatch.setattr(_Prepared, "launch", cooperative)
+    T = 24
+    (recv_x, recv_idx, _, handle), keep = _dispatch(b, T, weights=True, sync=sync, align=1, stats=False)
+    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+    assert b.alone_fused_refused and b.broken is None
+    assert recv_x.shape[0] == (T if sync else M) and handle.num_recv_tokens == (T if sync else M)
+    log.clear()
+    keep2 = _dispatch(b, T, weights=False, sync=not sync, align=1, stats=False)   # a new plan: two kernels too
+    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+    b.alone_fused_refused = False
+    b.fresh_plans.clear()
+    monkeypatch.setattr(gpu_dispatch, "_capturing", lambda backend: True)
+    with pytest.raises(jit.LaunchError, match="during CUDA-graph capture"):
+        _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
+    del keep, keep2
+
+
 @pytest.mark.parametrize("T", [0, 1, 24, M])
 def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypatch):
     """A rank alone's non-expanded fresh dispatch without CPU sync is one launch of
     deep_ep_dispatch_alone: num_sms numbering blocks of ``ceil(T / num_sms)`` tokens each, and one
     more that writes the layout (`alone_grid`) when the device has a spare SM, else the layout block
-    is one of the num_sms. With CPU sync, in the expanded layout, and in a build without the one
-    kernel: the notify and data kernels."""
+    is one of the num_sms. With CPU sync (unless EP_DISPATCH_ALONE_FUSED=2), in the expanded layout,
+    and in a build without the one kernel: the notify and data kernels."""
     from deep_ep.backends.gpu.abi import NotifyArgs
     log = []
     b = _backend(log)
@@ -824,7 +878,14 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
         log.clear()
         _dispatch(b, T, weights=False, stats=False, **kw)
         assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"], kw
-    _fused(monkeypatch, False)
+    _fused(monkeypatch, 2)   # with CPU sync too; the expanded layout keeps the two kernels
+    b.fresh_plans.clear()
+    for kw, names in ((dict(sync=True, align=1), ["deep_ep_dispatch_alone"]),
+                      (dict(sync=True, align=4, expand=True), ["deep_ep_notify", "deep_ep_dispatch"])):
+        log.clear()
+        _dispatch(b, T, weights=False, stats=False, **kw)
+        assert [name for name, _, _ in log] == names, kw
+    _fused(monkeypatch, 0)
     b.fresh_plans.clear()
     log.clear()
     _dispatch(b, T, weights=True, sync=False, align=1, stats=False)

@@ -8,8 +8,10 @@ printed negated in the groups column): the groups it gives, the device time of `
 stage) and of all the call's kernels together (notify and data, or a rank alone's one kernel,
 ``deep_ep_dispatch_alone``, whose grid the scan settings do not change; torch.profiler, medians
 over ``--calls`` full dispatches without CPU sync), and the time of a synchronised full dispatch
-with CPU sync (median). ``--variants ";DISPATCH_ALONE_FUSED=0"`` compares a rank alone's one kernel
-with the notify and data kernels. Every setting's outputs and handle (numbering,
+with CPU sync (median; until the device is done, and until the call returns: its host time).
+``--variants ";DISPATCH_ALONE_FUSED=0;DISPATCH_ALONE_FUSED=2"`` compares a rank alone's one kernel
+without CPU sync (the default) with the notify and data kernels, and with the one kernel with CPU
+sync too. Every setting's outputs and handle (numbering,
 layout words, the handle's copy of the routing, the host's readback of the counts, the cumulative
 stats), allocated poisoned, with and without CPU sync and in the expanded layout, are compared bit
 for bit with those of the default build's default grouping; the names of those that differ are
@@ -94,15 +96,19 @@ def _kernel_medians(fn, calls: int, names: tuple) -> dict:
     return {n: (statistics.median(v) if v else float("nan")) for n, v in found.items()}
 
 
-def _call_us(fn, calls: int) -> float:
-    times = []
+def _call_us(fn, calls: int) -> tuple:
+    """Medians over ``calls`` synchronised calls of ``fn``: ``(until the device is done, until fn
+    returns)``, us."""
+    times, host = [], []
     for _ in range(calls):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+        host.append((t1 - t0) * 1e6)
+    return statistics.median(times), statistics.median(host)
 
 
 def main() -> None:
@@ -161,7 +167,7 @@ def main() -> None:
     finally:
         buf.destroy()
     print(f"{'variant':28s} {'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'kernels us':>10} "
-          f"{'call us':>8}  same")
+          f"{'call us':>8} {'host us':>8}  same")
     for text in variants:
         buf = new_buffer(dict(base, **parse_variant(text)))
         backend = buf._backend
@@ -206,9 +212,9 @@ def main() -> None:
                     k = _kernel_medians(no_sync_call, a.calls, KERNELS)
                     kernels = sum(v for v in k.values() if v == v)   # the kernels this build launched
                     spin_up()
-                    call = _call_us(sync_call, a.calls)
+                    call, host = _call_us(sync_call, a.calls)
                     print(f"{text or '(default)':28s} {T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} "
-                          f"{k['deep_ep_notify']:9.1f} {kernels:10.1f} {call:8.1f}  "
+                          f"{k['deep_ep_notify']:9.1f} {kernels:10.1f} {call:8.1f} {host:8.1f}  "
                           f"{'yes' if not differ else 'NO: ' + ', '.join(differ)}",
                           flush=True)
         finally:

@@ -124,6 +124,8 @@ class GPUBackend(Backend):
         # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
         # it and the two prepared launches.
         self.fresh_plans: dict = {}
+        # Set when the device refused the one-kernel dispatch of a rank alone (`dispatch_plan.FreshPlan`)
+        self.alone_fused_refused = False
         self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
                                        (self.num_ranks if self.emulated else 1)))
         self._layouts: dict = {}         # hidden -> WindowLayout

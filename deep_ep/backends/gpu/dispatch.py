@@ -104,6 +104,11 @@ class _NotifyRefused(Exception):
     """The device refused the notify kernel's cooperative launch (`run_dispatch` retries)."""
 
 
+class _FusedRefused(Exception):
+    """The device refused the cooperative launch of a rank alone's one kernel (`run_dispatch` retries
+    with the notify and data kernels)."""
+
+
 def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
                  do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
@@ -111,7 +116,10 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
 
     A fresh dispatch whose notify kernel the device refuses to launch cooperatively (its blocks
     cannot all be resident: fewer SMs than the device has, under MPS or a green context) is started
-    again with half the grid: nothing of the call was queued yet, and any grid numbers the same."""
+    again with half the grid: nothing of the call was queued yet, and any grid numbers the same. A
+    rank alone's one kernel (`FreshPlan.fused`) that the device refuses likewise is started again as
+    the notify and data kernels, which the buffer keeps to from then on (the data kernel has one
+    block fewer)."""
     if handle is not None:
         return run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
                            use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
@@ -120,6 +128,14 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             return _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                               expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                               use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+        except _FusedRefused as refused:
+            if _capturing(b):
+                raise jit.LaunchError(f"rank {b.rank}: the device cannot hold the {refused.args[0]} blocks of the "
+                                      f"one-kernel dispatch at once (fewer SMs available, e.g. under MPS or a "
+                                      f"green context); during CUDA-graph capture the dispatch cannot change "
+                                      f"kernels: make one fresh dispatch before capturing") from refused.__cause__
+            b.alone_fused_refused = True   # later plans take the two kernels
+            b.fresh_plans.clear()
         except _NotifyRefused as refused:
             blocks = refused.args[0]
             capturing = _capturing(b)
@@ -135,8 +151,8 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
 def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
                num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf,
                cumulative_local_expert_recv_stats):
-    """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` (its argument: the refused grid, in
-    blocks) when the notify kernel's cooperative launch is refused."""
+    """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` / `_FusedRefused` (their argument: the
+    refused grid, in blocks) when the notify kernel's / the one kernel's cooperative launch is refused."""
     if do_cpu_sync and _capturing(b):   # before a new configuration would build or load a module
         raise RuntimeError("deep_ep: a fresh dispatch with do_cpu_sync=True cannot be captured in a CUDA graph: the "
                            "host would wait for counts that its kernels write only at replay. Capture a dispatch "
@@ -167,8 +183,9 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     # layout stage refuses more rows than that before the data kernel could write them. Not for
     # column-major scale factors, whose layout depends on the exact rows.
     early = plan.early and (sf is None or not use_tma_aligned_col_major_sf)
-    # A rank alone without the expanded layout or CPU sync: one kernel, one launch (`FreshPlan.fused`).
-    fused = plan.fused is not None
+    # A rank alone without the expanded layout: one kernel, one launch (`FreshPlan.fused`); with CPU
+    # sync only when the outputs come before the counts.
+    fused = plan.fused is not None and (early or not do_cpu_sync)
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the worst
     # case; early: T) (`word_plan`); the kernels get addresses inside it.
@@ -233,7 +250,16 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, _, sf_ld = _alloc_outputs(
             b, data, sf, alloc_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
         _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, alloc_rows, alloc_tok)
-        b.launch_data(plan.fused if fused else plan.data, notify_blocks if fused else plan.n_sms)
+        if fused:   # nothing else of the call is queued: a refused launch falls back (`run_dispatch`)
+            b.launched_call = b.calls
+            try:
+                plan.fused.launch(b.launch_stream, notify_blocks)
+            except jit.LaunchError as exc:
+                if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+                    raise _FusedRefused(notify_blocks) from exc
+                raise
+        else:
+            b.launch_data(plan.data, plan.n_sms)
         if do_cpu_sync:
             # If the wait raises, the caller's stream is still ordered after the queued kernels
             # (`call_streams.run_call`), so the dropped outputs are not reused while they write.

@@ -109,14 +109,16 @@ class FreshPlan:
             device=dev.index, cooperative=b.cooperative)
         # every struct's tag, as views into their arguments (a ctypes field read makes a new view)
         self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
-        # Without CPU sync, a rank alone's token scan and data kernel as one kernel
-        # (impls/dispatch_alone.cuh; its grid: `alone_grid`): 2 E ints of shared memory for
-        # the histogram and the layout stage. With CPU sync the two kernels serve better: the host
-        # allocates the outputs while the notify kernel runs, and reads the counts it reports
-        # before the rows move (in one kernel the report waits behind rows that load the memory).
+        # A rank alone's token scan and data kernel as one kernel (impls/dispatch_alone.cuh; its
+        # grid: `alone_grid`): 2 E ints of shared memory for the histogram and the layout stage.
+        # Without CPU sync by default; with it where the build asks (`modules.dispatch_alone_fused`):
+        # the two kernels let the host allocate the outputs while the notify kernel runs, one kernel
+        # saves a launch and the kernel boundary but reports the counts while rows stream. A call
+        # with CPU sync takes it only when its outputs are allocated before the counts (`early`).
         self.fused = self.fused_tags = None
         self.fused_grid = 0
-        if self.scan and not do_cpu_sync and modules.dispatch_alone_fused():
+        # Not after the device refused its cooperative launch (`dispatch.run_dispatch`).
+        if self.scan and not b.alone_fused_refused and modules.dispatch_alone_fused(bool(do_cpu_sync)):
             self.fused_grid = alone_grid(self.n_sms, b.device_resources().max_sms)
             self.fused = mod.function("deep_ep_dispatch_alone").prepare(
                 self.fused_grid, modules.THREADS, (notify_args(), layout_args(), data_args(), transport),

@@ -64,16 +64,17 @@ def notify_token_scan() -> bool:
 
 
 # EP_DISPATCH_ALONE_FUSED's default, likewise (impls/dispatch_alone.cuh; the same test): with the
-# token scan, a rank alone's non-expanded fresh dispatch without CPU sync is one kernel,
-# deep_ep_dispatch_alone, instead of the notify and data kernels.
+# token scan, a rank alone's non-expanded fresh dispatch is one kernel, deep_ep_dispatch_alone,
+# instead of the notify and data kernels: without CPU sync at 1, with and without it at 2.
 DISPATCH_ALONE_FUSED_DEFAULT = 1
 
 
-def dispatch_alone_fused() -> bool:
-    """Whether a rank alone's non-expanded fresh dispatch takes the one-kernel path
-    (EP_DISPATCH_ALONE_FUSED, which takes effect only with the token scan, `notify_token_scan`)."""
-    return notify_token_scan() and \
-        tunable_defines().get("EP_DISPATCH_ALONE_FUSED", DISPATCH_ALONE_FUSED_DEFAULT) != 0
+def dispatch_alone_fused(cpu_sync: bool = False) -> bool:
+    """Whether a rank alone's non-expanded fresh dispatch, with CPU sync when ``cpu_sync``, takes the
+    one-kernel path (EP_DISPATCH_ALONE_FUSED: 1 without CPU sync, 2 with it too; it takes effect only
+    with the token scan, `notify_token_scan`)."""
+    value = tunable_defines().get("EP_DISPATCH_ALONE_FUSED", DISPATCH_ALONE_FUSED_DEFAULT)
+    return notify_token_scan() and (value >= 2 if cpu_sync else value != 0)
 
 
 def tunable_defines() -> dict:

@@ -1,7 +1,7 @@
-// A rank alone's fresh dispatch in the non-expanded layout without CPU sync, as one kernel
-// (EP_DISPATCH_ALONE_FUSED): the token scan of impls/notify_alone.cuh, its count row and layout
-// stage, and the send phase of impls/dispatch_send.cuh, with no kernel boundary and one launch
-// instead of two.
+// A rank alone's fresh dispatch in the non-expanded layout, as one kernel (EP_DISPATCH_ALONE_FUSED):
+// the token scan of impls/notify_alone.cuh, its count row and layout stage (with CPU sync, the
+// host's report too), and the send phase of impls/dispatch_send.cuh, with no kernel boundary and
+// one launch instead of two.
 //
 // Alone, a token's row depends only on the tokens before it (an exclusive scan of one flag per
 // token), and a rank alone's rows start at 0 (send_base), so a block can move its tokens as soon
@@ -28,8 +28,11 @@
 #include "notify_alone.cuh"
 
 // EP_DISPATCH_ALONE_FUSED (build-time tunable): 1 = a rank alone's non-expanded fresh dispatch
-// without CPU sync is this one kernel (the default); 0 = the notify kernel, then the data kernel. The host reads the same default
-// (`deep_ep.backends.gpu.modules.DISPATCH_ALONE_FUSED_DEFAULT`; a test holds the two equal).
+// without CPU sync is this one kernel (the default), 2 = with CPU sync too (its outputs are then
+// allocated for T rows before the counts, as the two kernels' are, and cut to the reported rows);
+// 0 = the notify kernel, then the data kernel. The host reads the same default
+// (`deep_ep.backends.gpu.modules.DISPATCH_ALONE_FUSED_DEFAULT`; a test holds the two equal) and
+// chooses the kernels by it.
 #ifndef EP_DISPATCH_ALONE_FUSED
 #define EP_DISPATCH_ALONE_FUSED 1
 #endif
