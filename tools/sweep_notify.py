@@ -17,7 +17,9 @@ stats), allocated poisoned, with and without CPU sync and in the expanded layout
 for bit with those of the default build's default grouping; the names of those that differ are
 printed.
 
-Usage: python tools/sweep_notify.py [--tokens 128,4096] [--pairs 16,32,64,128,256,512]
+``--expand`` times expanded calls instead (alignment 1), which the general notify kernel numbers.
+
+Usage: python tools/sweep_notify.py [--expand] [--tokens 128,4096] [--pairs 16,32,64,128,256,512]
        [--caps 64,128,256,528] [--calls 20] [--hidden 7168] [--experts 256] [--topk 8]
        [--variants ";NOTIFY_SINGLE_RANK=0"] [--one-block-pairs N] [--scan-tokens 128,256,512]
 """
@@ -121,6 +123,8 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--variants", default="", help="';'-separated build-time variants; '' = default build")
+    p.add_argument("--expand", action="store_true",
+                   help="time expanded calls (the general notify kernel numbers them: --caps / --pairs are swept)")
     p.add_argument("--one-block-pairs", type=int, default=gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS,
                    help="pairs a rank alone numbers in one block (0: never one block)")
     p.add_argument("--scan-tokens", default=str(gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK),
@@ -172,17 +176,18 @@ def main() -> None:
         buf = new_buffer(dict(base, **parse_variant(text)))
         backend = buf._backend
         alone = backend.num_ranks == 1 and modules.notify_single_rank()
-        scan = backend.num_ranks == 1 and modules.notify_token_scan()   # numbers the timed (non-expanded) calls
+        # the token scan numbers the timed calls unless they are expanded
+        scan = backend.num_ranks == 1 and modules.notify_token_scan() and not a.expand
         try:
             for T in tokens:
                 x, idx, w = inputs[T]
 
                 def sync_call():
-                    return buf.dispatch(x, idx, w, num_experts=a.experts)
+                    return buf.dispatch(x, idx, w, num_experts=a.experts, do_expand=a.expand)
 
                 def no_sync_call():
                     return buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
-                                        num_max_tokens_per_rank=T)
+                                        num_max_tokens_per_rank=T, do_expand=a.expand)
 
                 seen = set()
                 # the default grouping first, then the sweep (the one-block rule only in the first);
