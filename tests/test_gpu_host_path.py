@@ -666,6 +666,7 @@ def test_an_interrupted_or_timed_out_wait_for_the_counts_leaves_the_buffer_unusa
     b.config = types.SimpleNamespace(num_cpu_timeout_secs=1)
     b.spin_secs, b.rank, b.broken = 0.0, 0, None
     b.readback = types.SimpleNamespace(words=[0] * READBACK_WORDS)
+    b.err_record = types.SimpleNamespace(words=[0] * 4)
 
     def interrupted(cond, timeout, spin):
         raise KeyboardInterrupt
@@ -693,6 +694,7 @@ def test_the_wait_for_the_counts_reads_the_report_or_raises_what_it_records():
     b.spin_secs, b.rank, b.num_ranks, b.broken, b.last_m, b.launched_call = 0.0, 0, 1, None, M, 1
     words = (ctypes.c_int32 * READBACK_WORDS)()
     b.readback = types.SimpleNamespace(words=words, ints=memoryview(words).cast("B").cast("i"))
+    b.err_record = types.SimpleNamespace(words=[0] * 4)
     counts = [3 * e + 1 for e in range(E)]
     for e, c in enumerate(counts):
         words[READBACK["counts"] + e] = c
@@ -709,6 +711,35 @@ def test_the_wait_for_the_counts_reads_the_report_or_raises_what_it_records():
     with pytest.raises(TimeoutError):
         b.wait_readback(7, E, K)
     assert b.broken == "timeout"
+
+
+def test_the_wait_for_the_counts_stops_at_an_error_recorded_without_a_report():
+    """A kernel that records an error in the host's record and writes no report (a rank alone's one
+    kernel whose layout block timed out) ends the wait at once with that error (not after the
+    host's timeout, with a message that the GPU's timeout did not fire); an out-of-range id in the
+    record (an earlier call's, raised at the next call) does not end it."""
+    import ctypes
+    import time
+
+    from deep_ep.backends.gpu.abi import ERR_BAD_EXPERT, ERR_TIMEOUT, PHASES
+    b = GPUBackend.__new__(GPUBackend)
+    b.config = types.SimpleNamespace(num_cpu_timeout_secs=30, num_gpu_timeout_secs=1, num_max_tokens_per_rank=M)
+    b.spin_secs, b.rank, b.num_ranks, b.broken, b.last_m, b.launched_call = 0.0, 0, 1, None, M, 1
+    words = (ctypes.c_int32 * READBACK_WORDS)()
+    b.readback = types.SimpleNamespace(words=words, ints=memoryview(words).cast("B").cast("i"))
+    record = [ERR_TIMEOUT, 0, 0, next(iter(PHASES))]
+    b.err_record = types.SimpleNamespace(words=record, read=lambda: tuple(record))
+    words[READBACK["seq"]] = 6   # an earlier call's report: this call's (7) never comes
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 0"):
+        b.wait_readback(7, E, K)
+    assert time.monotonic() - start < 5 and b.broken == "timeout"
+    b.broken = None
+    b.config.num_cpu_timeout_secs = 0.2
+    record[:] = [ERR_BAD_EXPERT, 0, 3, 99]
+    with pytest.raises(TimeoutError, match="num_cpu_timeout_secs"):
+        b.wait_readback(7, E, K)
+    assert b.broken == "host timeout"
 
 
 def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
@@ -846,10 +877,56 @@ def test_a_refused_one_kernel_falls_back_to_two_kernels(sync, monkeypatch):
     assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
     b.alone_fused_refused = False
     b.fresh_plans.clear()
-    monkeypatch.setattr(gpu_dispatch, "_capturing", lambda backend: True)
-    with pytest.raises(jit.LaunchError, match="during CUDA-graph capture"):
-        _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
+    with monkeypatch.context() as m:
+        m.setattr(gpu_dispatch, "_capturing", lambda backend: True)
+        with pytest.raises(jit.LaunchError, match="during CUDA-graph capture"):
+            _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
+    assert not b.alone_fused_refused and len(b.fresh_plans) == 1 and b.broken is None
+    # No spare SM: the one kernel has as many blocks as the data kernel would, which the device would
+    # refuse too (after the notify kernel was queued): raised, nothing queued, the buffer usable.
+    b._sm_limit = 4   # `_dispatch`'s num_sms
+    b.fresh_plans.clear()
+    log.clear()
+    with pytest.raises(jit.LaunchError, match="pass a smaller num_sms than 4"):
+        _dispatch(b, T, weights=True, sync=sync, align=1, stats=False)
+    assert log == [] and not b.alone_fused_refused and b.broken is None
     del keep, keep2
+
+
+def test_the_one_kernel_follows_the_builds_define(monkeypatch):
+    """`modules.dispatch_alone_fused` reads EP_DISPATCH_ALONE_FUSED from DEEP_EP_KERNEL_DEFINES: 0 never,
+    1 (the default) without CPU sync, 2 with and without; never without the token scan."""
+    from deep_ep.backends.gpu import modules
+    for value, without, with_sync in (("", True, False), ("0", False, False), ("1", True, False), ("2", True, True)):
+        monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", f"EP_DISPATCH_ALONE_FUSED={value}" if value else "")
+        assert (modules.dispatch_alone_fused(), modules.dispatch_alone_fused(True)) == (without, with_sync), value
+    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", "EP_DISPATCH_ALONE_FUSED=2,EP_NOTIFY_TOKEN_SCAN=0")
+    assert not modules.dispatch_alone_fused() and not modules.dispatch_alone_fused(True)
+
+
+def test_column_major_scale_factors_with_cpu_sync_keep_the_two_kernels(monkeypatch):
+    """With CPU sync and column-major scale factors (whose layout needs the exact rows) the outputs
+    wait for the counts, so even a build with the one kernel for CPU sync (EP_DISPATCH_ALONE_FUSED=2)
+    launches the notify and data kernels there, and allocates its outputs for the reported rows;
+    row-major scale factors take the one kernel."""
+    _fused(monkeypatch, 2)
+    log = []
+    b = _backend(log)
+    T, num_sf = 24, H // 128
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(torch.float8_e4m3fn)
+    sf = torch.rand(T, num_sf, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    b.last_tokens = T
+    for col_major, names in ((True, ["deep_ep_notify", "deep_ep_dispatch"]), (False, ["deep_ep_dispatch_alone"])):
+        log.clear()
+        b.calls += 1
+        (recv_x, recv_sf), _, _, handle = gpu_dispatch.run_dispatch(
+            b, x, sf, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=4,
+            handle=None, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
+            use_tma_aligned_col_major_sf=col_major, cumulative_local_expert_recv_stats=None)
+        assert [name for name, _, _ in log] == names, col_major
+        assert recv_x.shape == (T, H) and recv_sf.shape == (T, num_sf) and handle.num_recv_tokens == T
 
 
 @pytest.mark.parametrize("T", [0, 1, 24, M])

@@ -363,18 +363,25 @@ class GPUBackend(Backend):
         Raises:
             ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
                 nothing moved, the buffer stays usable).
-            TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error, or
-                the report did not come within ``num_cpu_timeout_secs``; the buffer is then unusable.
+            TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error, a
+                kernel recorded one in the host's error record with no report to come (a rank
+                alone's one kernel whose layout block timed out), or the report did not come within
+                ``num_cpu_timeout_secs``; the buffer is then unusable.
             KeyboardInterrupt: passed on; the buffer is then unusable (its peers wait for the rest
                 of the call).
         """
-        words = self.readback.words
+        words, err = self.readback.words, self.err_record.words
         seq_word = READBACK["seq"]
+        # Also stops at an error in the host's record (not an out-of-range id: an earlier call's,
+        # raised at the next call as usual) when no report is coming.
         try:
-            arrived = spin_until(lambda: words[seq_word] == seq, self.config.num_cpu_timeout_secs, self.spin_secs)
+            arrived = spin_until(lambda: words[seq_word] == seq or err[0] not in (0, ERR_BAD_EXPERT),
+                                 self.config.num_cpu_timeout_secs, self.spin_secs)
         except KeyboardInterrupt:
             self.broken = "interrupted while waiting for the counts"   # the call is half queued
             raise
+        if arrived and words[seq_word] != seq:
+            self._raise(self.err_record.read())
         if not arrived:
             self.broken = "host timeout"   # kernels of this call may still be queued
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "

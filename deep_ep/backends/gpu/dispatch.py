@@ -17,7 +17,8 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
 
 A rank alone without the expanded layout or CPU sync runs steps 1 and 3 as one kernel,
 ``deep_ep_dispatch_alone`` (`dispatch_plan.alone_grid`: blocks that each number, then move, one
-token range, and one that writes the layout once they have numbered).
+token range, and one that writes the layout once they have numbered); with CPU sync too in a build
+with ``EP_DISPATCH_ALONE_FUSED=2``, unless its scale factors are column-major (`FreshPlan`).
 
 A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
 Rounds alternate between the two halves of the receive region (see `window`).
@@ -118,8 +119,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
     cannot all be resident: fewer SMs than the device has, under MPS or a green context) is started
     again with half the grid: nothing of the call was queued yet, and any grid numbers the same. A
     rank alone's one kernel (`FreshPlan.fused`) that the device refuses likewise is started again as
-    the notify and data kernels, which the buffer keeps to from then on (the data kernel has one
-    block fewer)."""
+    the notify and data kernels, which the buffer keeps to from then on, when the data kernel has
+    fewer blocks (the one kernel's layout block is an extra one); when it has as many, the call
+    raises and the buffer stays usable (nothing was queued): ``num_sms`` must be lowered."""
     if handle is not None:
         return run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
                            use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
@@ -129,11 +131,16 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                               expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                               use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
         except _FusedRefused as refused:
-            if _capturing(b):
-                raise jit.LaunchError(f"rank {b.rank}: the device cannot hold the {refused.args[0]} blocks of the "
+            blocks, data_blocks = refused.args
+            why = ("during CUDA-graph capture the dispatch cannot change kernels: make one fresh dispatch "
+                   "before capturing" if _capturing(b) else
+                   None if data_blocks < blocks else
+                   f"the data kernel would need as many; nothing was queued and the buffer stays usable: "
+                   f"pass a smaller num_sms than {data_blocks}")
+            if why is not None:
+                raise jit.LaunchError(f"rank {b.rank}: the device cannot hold the {blocks} blocks of the "
                                       f"one-kernel dispatch at once (fewer SMs available, e.g. under MPS or a "
-                                      f"green context); during CUDA-graph capture the dispatch cannot change "
-                                      f"kernels: make one fresh dispatch before capturing") from refused.__cause__
+                                      f"green context); {why}") from refused.__cause__
             b.alone_fused_refused = True   # later plans take the two kernels
             b.fresh_plans.clear()
         except _NotifyRefused as refused:
@@ -151,8 +158,9 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
 def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
                num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf,
                cumulative_local_expert_recv_stats):
-    """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` / `_FusedRefused` (their argument: the
-    refused grid, in blocks) when the notify kernel's / the one kernel's cooperative launch is refused."""
+    """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` (its argument: the refused grid, in
+    blocks) / `_FusedRefused` (the refused grid and the data kernel's) when the notify kernel's / the
+    one kernel's cooperative launch is refused."""
     if do_cpu_sync and _capturing(b):   # before a new configuration would build or load a module
         raise RuntimeError("deep_ep: a fresh dispatch with do_cpu_sync=True cannot be captured in a CUDA graph: the "
                            "host would wait for counts that its kernels write only at replay. Capture a dispatch "
@@ -179,9 +187,9 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     b.raise_if_broken()
     seq = b.calls & 0xFFFFFFFF
     # With CPU sync a rank alone receives its own tokens only: its outputs are allocated for a bound
-    # on their rows (`early_rows`) and its data kernel queued while the notify kernel runs, and the
-    # layout stage refuses more rows than that before the data kernel could write them. Not for
-    # column-major scale factors, whose layout depends on the exact rows.
+    # on their rows (`early_rows`) and its data kernel queued while the notify kernel runs (or the
+    # one kernel launched), and the layout stage refuses more rows than that before the data kernel
+    # could write them. Not for column-major scale factors, whose layout depends on the exact rows.
     early = plan.early and (sf is None or not use_tma_aligned_col_major_sf)
     # A rank alone without the expanded layout: one kernel, one launch (`FreshPlan.fused`); with CPU
     # sync only when the outputs come before the counts.
@@ -251,12 +259,11 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             b, data, sf, alloc_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
         _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, alloc_rows, alloc_tok)
         if fused:   # nothing else of the call is queued: a refused launch falls back (`run_dispatch`)
-            b.launched_call = b.calls
             try:
                 plan.fused.launch(b.launch_stream, notify_blocks)
             except jit.LaunchError as exc:
                 if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
-                    raise _FusedRefused(notify_blocks) from exc
+                    raise _FusedRefused(notify_blocks, plan.n_sms) from exc
                 raise
         else:
             b.launch_data(plan.data, plan.n_sms)

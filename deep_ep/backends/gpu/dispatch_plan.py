@@ -46,8 +46,9 @@ class FreshPlan:
     """What a fresh dispatch derives from its configuration (the key in `run_dispatch`: not the token
     count, the tensors, ``do_handle_copy`` or the scale factors' layout, which each call handles):
     checked once, with its prepared launches (notify with its layout stage, data; and for a rank alone
-    without the expanded layout or CPU sync, both in one kernel: ``fused``), whose constant arguments are set here
-    and the rest by each call (`GPUBackend.fresh_plans`)."""
+    without the expanded layout, both in one kernel: ``fused``, without CPU sync unless the build
+    asks, `modules.dispatch_alone_fused`), whose constant arguments are set here and the rest by each
+    call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
                  "alone", "scan", "early", "notify", "data", "fused", "fused_grid", "per_tokens", "tags", "fused_tags",

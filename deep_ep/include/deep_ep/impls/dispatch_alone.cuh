@@ -18,7 +18,8 @@
 // recv_src_metadata -1. It moves no rows: the layout stage is a chain of dependent steps that
 // runs slowly while every other SM streams rows through memory, and off the rows' critical path
 // it costs the copy one SM of many (the host adds the block when the device has a spare SM).
-// Every block marks the rows from T on (outputs sized for the worst case), as the receive phase
+// Every block marks the rows from T on when the outputs are sized for the worst case (without CPU
+// sync; with it they have T rows, cut by the host to the reported count), as the receive phase
 // marks rows past the count (impls/dispatch_recv.cuh).
 // Its outputs and handle words are those of the notify kernel followed by the data kernel, bit for
 // bit (tools/sweep_notify.py --variants ";DISPATCH_ALONE_FUSED=0" compares the two).
@@ -29,7 +30,8 @@
 
 // EP_DISPATCH_ALONE_FUSED (build-time tunable): 1 = a rank alone's non-expanded fresh dispatch
 // without CPU sync is this one kernel (the default), 2 = with CPU sync too (its outputs are then
-// allocated for T rows before the counts, as the two kernels' are, and cut to the reported rows);
+// allocated for T rows before the counts, as the two kernels' are, and cut to the reported rows;
+// not with column-major scale factors, whose layout needs the exact rows: two kernels there);
 // 0 = the notify kernel, then the data kernel. The host reads the same default
 // (`deep_ep.backends.gpu.modules.DISPATCH_ALONE_FUSED_DEFAULT`; a test holds the two equal) and
 // chooses the kernels by it.
