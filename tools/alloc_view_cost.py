@@ -1,5 +1,7 @@
 """Host cost of a fresh dispatch's small outputs as separate allocations against views of one
-allocation (on the GPU when there is one): us per operation, best of 5 rounds.
+allocation, and of `torch.empty` against ``new_empty`` of a kept empty tensor (which takes its
+dtype and device without parsing them: about 0.6 us less per allocation on the CPU machine, with
+CPU tensors), on the GPU when there is one: us per operation, best of 5 rounds.
 
 Usage: python tools/alloc_view_cost.py
 """
@@ -16,8 +18,10 @@ def main() -> None:
     slab = torch.empty(words, dtype=torch.int32, device=dev)
     w64 = slab.view(torch.int64)
     f32 = slab.view(torch.float32)
+    template = torch.empty(0, dtype=torch.int64, device=dev)
     rows = [
         ("torch.empty [T, K] int64", lambda: torch.empty((T, K), dtype=torch.int64, device=dev)),
+        ("template.new_empty [T, K] int64", lambda: template.new_empty((T, K))),
         ("torch.empty [T, K] float32", lambda: torch.empty((T, K), dtype=torch.float32, device=dev)),
         ("torch.empty [T, H] bf16", lambda: torch.empty((T, H), dtype=torch.bfloat16, device=dev)),
         ("torch.empty [n] int32", lambda: torch.empty(words, dtype=torch.int32, device=dev)),
