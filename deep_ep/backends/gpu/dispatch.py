@@ -132,11 +132,14 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
                               use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
         except _FusedRefused as refused:
             blocks, data_blocks = refused.args
-            why = ("during CUDA-graph capture the dispatch cannot change kernels: make one fresh dispatch "
-                   "before capturing" if _capturing(b) else
-                   None if data_blocks < blocks else
-                   f"the data kernel would need as many; nothing was queued and the buffer stays usable: "
-                   f"pass a smaller num_sms than {data_blocks}")
+            if _capturing(b):
+                why = ("during CUDA-graph capture the dispatch cannot change kernels: make one fresh dispatch "
+                       "before capturing")
+            elif data_blocks >= blocks:
+                why = (f"the data kernel would need as many; nothing was queued and the buffer stays usable: "
+                       f"pass a smaller num_sms than {data_blocks}")
+            else:
+                why = None   # the two kernels fit: fall back to them
             if why is not None:
                 raise jit.LaunchError(f"rank {b.rank}: the device cannot hold the {blocks} blocks of the "
                                       f"one-kernel dispatch at once (fewer SMs available, e.g. under MPS or a "
