@@ -72,8 +72,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cac
 #if EP_DISPATCH_ALONE_FUSED && EP_NOTIFY_TOKEN_SCAN && EP_NOTIFY_SINGLE_RANK && !EP_EXPAND
 // A rank alone's non-expanded fresh dispatch in one kernel (impls/dispatch_alone.cuh; with CPU
 // sync only where EP_DISPATCH_ALONE_FUSED=2): blocks that each number and then move one consecutive
-// token range, and a last block that writes the layout once they have numbered. Dynamic shared memory: 2 E ints. Launched cooperatively, as the
-// data kernels (its blocks wait for each other).
+// token range, and a last block that writes the layout once they have numbered. Dynamic shared
+// memory: 2 E ints. Launched cooperatively, as the data kernels (its blocks wait for each other).
 extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_alone(
         deep_ep::NotifyArgs na, deep_ep::LayoutArgs la, deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
