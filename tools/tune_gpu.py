@@ -9,9 +9,13 @@ copy floor (`deep_ep.bench.gpu_timing.copy_floor_us`), and whether the outputs e
 bit for bit (they must: the variants change how bytes move, not which).
 
 The shapes are a model preset's (`deep_ep.routing.MODEL_PRESETS`, as the bench's ``--model``;
-default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's.
+default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's. ``--expand`` times
+the expanded layout (one row per (token, expert), do_zero_padding, alignment 1): its floor is the
+bench's, a copy of (tokens + pairs) / 2 rows; it also prints a broadcast copy that reads each token
+once and writes its K rows (``torch`` copy of ``x[:, None].expand(T, K, H)``), the expanded
+dispatch's own traffic with its write-heavy mix.
 
-Usage: python tools/tune_gpu.py [--model qwen3-235b-a22b] [--tokens 4096,128] [--iters 50]
+Usage: python tools/tune_gpu.py [--model qwen3-235b-a22b] [--tokens 4096,128] [--iters 50] [--expand]
        [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
 """
 import argparse
@@ -56,6 +60,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=None, help="default: the model's")
     p.add_argument("--topk", type=int, default=None, help="default: the model's")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--expand", action="store_true", help="the expanded layout (do_expand, zero padding)")
     p.add_argument("--variants", default=";".join(DEFAULT_VARIANTS), help="';'-separated; '' = default build")
     a = p.parse_args()
     preset = routing.get_preset(a.model)
@@ -78,8 +83,19 @@ def main() -> None:
         x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
         idx = torch.argsort(torch.rand((T, a.experts), device=dev, generator=g), dim=1)[:, :a.topk].contiguous()
         inputs[T] = (x, idx)
-    floors = {T: copy_floor_us(T * a.hidden * 2, dev) for T in sizes}
+    # Expanded: (tokens + pairs) / 2 rows each way (every id is valid and distinct here)
+    floor_rows = {T: (T + T * a.topk) // 2 if a.expand else T for T in sizes}
+    floors = {T: copy_floor_us(floor_rows[T] * a.hidden * 2, dev) for T in sizes}
     print("floor (back-to-back D2D copy of the rows): " + ", ".join(f"T={T} {f:.1f} us" for T, f in floors.items()))
+    if a.expand:
+        for T in sizes:
+            x = inputs[T][0]
+            out = torch.empty((T, a.topk, a.hidden), device=dev, dtype=x.dtype)
+            b_us = graph_time_us(lambda: out.copy_(x[:, None].expand(T, a.topk, a.hidden)), a.iters,
+                                 lambda: None) or float("nan")
+            print(f"broadcast copy, T={T}: {b_us:.1f} us ({b_us / floors[T]:.2f}x the floor)")
+            del out
+    opts = dict(do_expand=True, do_zero_padding=True) if a.expand else {}
     print(f"{'variant':40s} {'T':>5s} {'dispatch us':>11s} {'ratio':>6s} {'combine us':>10s} {'ratio':>6s}  same")
     reference = {}
     for text in a.variants.split(";"):
@@ -92,11 +108,12 @@ def main() -> None:
         try:
             for T in sizes:
                 x, idx = inputs[T]
-                recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=a.experts)
+                recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=a.experts, **opts)
                 y = (recv_x.float() * 0.5).to(torch.bfloat16)
-                d_us = graph_time_us(lambda: buf.dispatch(x, handle=handle), a.iters, lambda: None) or float("nan")
+                d_us = graph_time_us(lambda: buf.dispatch(x, handle=handle, **opts), a.iters, lambda: None) \
+                    or float("nan")
                 c_us = graph_time_us(lambda: buf.combine(y, handle), a.iters, lambda: None) or float("nan")
-                got = (buf.dispatch(x, handle=handle)[0].clone(), buf.combine(y, handle)[0].clone())
+                got = (buf.dispatch(x, handle=handle, **opts)[0].clone(), buf.combine(y, handle)[0].clone())
                 if T not in reference:
                     reference[T] = got
                 same = all(bit_equal(u, v) for u, v in zip(got, reference[T]))
