@@ -507,7 +507,9 @@ def test_gpu_runner_pass_with_cpu_stand_ins(skip_row, monkeypatch, tmp_path, cap
     try:
         monkeypatch.setattr(runner_gpu, "single_rank_nccl_group", lambda device: dist.group.WORLD)
         monkeypatch.setattr(runner_gpu, "CudaClock", _StandInCudaClock)
-        monkeypatch.setattr(runner_gpu, "copy_floor_us", lambda num_bytes, device: 10.0 if num_bytes else 0.0)
+        # the floor's two parts, the slower taken (the run also records each)
+        monkeypatch.setattr(runner_gpu, "floor_us", lambda moved, written, device: {
+            "floor": 10.0 if moved else 0.0, "copy": 10.0 if moved else 0.0, "write": 8.0 if written else 0.0})
         monkeypatch.setattr(runner_gpu, "torch_baselines_us",
                             lambda cfg, inputs, device: {"torch_permute_us": 30.0, "torch_unpermute_us": 20.0})
         monkeypatch.setattr(runner_gpu, "capture_calls", capture_calls)
@@ -531,7 +533,9 @@ def test_gpu_runner_pass_with_cpu_stand_ins(skip_row, monkeypatch, tmp_path, cap
     assert row["calls"]["full_dispatch_cpu_sync"]["graph_us"] is None
     text = report.format_report(result)
     assert "plain torch at EP=1: permute 30.0 us (3.00x), weighted un-permute 20.0 us (2.00x)" in text
-    assert "floor (D2D copy with the same HBM traffic): dispatch 10.0 us, combine 10.0 us" in text
+    assert ("floor (the slower of a D2D copy with the same HBM traffic and a write of the same output bytes): "
+            "dispatch 10.0 us (copy 10.0, write 8.0), combine 10.0 us (copy 10.0, write 8.0)") in text
+    assert result["gpu"]["floor_dispatch_write_us"] == 8.0 and result["gpu"]["floor_combine_copy_us"] == 10.0
     # the host's yardstick, measured in the same process (here on the CPU stand-in)
     assert result["baselines"]["host_ref_alloc_us"] > 0 and result["baselines"]["host_ref_launch_us"] > 0
     assert "host reference (this process, for the host column): a cached torch.empty" in text
@@ -717,3 +721,24 @@ def test_sm_sweep_parse_table_and_cpu_refusal(tmp_path, monkeypatch):
 def test_fp8_scale_without_fp8_refused():
     with pytest.raises(SystemExit, match="add --fp8"):
         config.make_config(_args(["--device", "cpu", "--fp8-scale", "ue8m0"]), 2, gpu=False)
+
+
+def test_floor_is_the_slower_of_copy_and_write(monkeypatch):
+    """`gpu_timing.floor_us`: the slower of a copy with the operation's traffic and a fill of its
+    written bytes (the expanded dispatch mostly writes, and writes alone run slower than a copy)."""
+    from deep_ep.bench import gpu_timing
+    seen = []
+    monkeypatch.setattr(gpu_timing, "copy_floor_us", lambda n, device: seen.append(("copy", n)) or 128.2)
+    monkeypatch.setattr(gpu_timing, "write_floor_us", lambda n, device: seen.append(("write", n)) or 140.7)
+    assert gpu_timing.floor_us(100, 800, "dev") == {"floor": 140.7, "copy": 128.2, "write": 140.7}
+    assert seen == [("copy", 100), ("write", 800)]
+    monkeypatch.setattr(gpu_timing, "write_floor_us", lambda n, device: 17.6)
+    assert gpu_timing.floor_us(100, 50, "dev")["floor"] == 128.2
+
+
+def test_written_rows_counts_copies_and_tokens():
+    """`config.written_rows`: a dispatch writes one row per copy (per destination rank, or per valid
+    pair when expanded), combine one per token with a valid expert."""
+    idx = torch.tensor([[0, 1, 5], [4, 6, -1], [-1, -1, -1], [2, 7, 3]])   # 8 experts on 2 ranks
+    assert config.written_rows(idx, 8, 2, expand=False) == (2 + 1 + 0 + 2, 3)
+    assert config.written_rows(idx, 8, 2, expand=True) == (3 + 2 + 0 + 3, 3)

@@ -5,15 +5,14 @@ passed as ``DEEP_EP_KERNEL_DEFINES``: EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_COMB
 EP_COMBINE_SINGLE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
 per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
-copy floor (`deep_ep.bench.gpu_timing.copy_floor_us`), and whether the outputs equal the default build's
+bench's floor (`deep_ep.bench.gpu_timing.floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which).
 
 The shapes are a model preset's (`deep_ep.routing.MODEL_PRESETS`, as the bench's ``--model``;
 default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's. ``--expand`` times
-the expanded layout (one row per (token, expert), do_zero_padding, alignment 1): its floor is the
-bench's, a copy of (tokens + pairs) / 2 rows; it also prints a broadcast copy that reads each token
-once and writes its K rows (``torch`` copy of ``x[:, None].expand(T, K, H)``), the expanded
-dispatch's own traffic with its write-heavy mix.
+the expanded layout (one row per (token, expert), do_zero_padding, alignment 1). The floor is the
+bench's (`deep_ep.bench.gpu_timing.floor_us`: the slower of a copy with the dispatch's traffic and a
+fill of the rows it writes); both parts are printed.
 
 Usage: python tools/tune_gpu.py [--model qwen3-235b-a22b] [--tokens 4096,128] [--iters 50] [--expand]
        [--variants "SEND_UNROLL=16;LOAD_NO_L1=1"]
@@ -28,7 +27,7 @@ import deep_ep
 from deep_ep import routing
 from deep_ep.backends import gpu
 from deep_ep.backends.gpu import modules
-from deep_ep.bench.gpu_timing import copy_floor_us, graph_time_us, single_rank_nccl_group
+from deep_ep.bench.gpu_timing import floor_us, graph_time_us, single_rank_nccl_group
 
 DEFAULT_VARIANTS = ("", "SEND_UNROLL=16", "THREADS=256", "THREADS=256,SEND_UNROLL=16",
                     "THREADS=1024,SEND_UNROLL=4,COMBINE_UNROLL=2", "THREADS=1024,SEND_UNROLL=4",
@@ -83,18 +82,17 @@ def main() -> None:
         x = torch.randn((T, a.hidden), device=dev, generator=g).to(torch.bfloat16)
         idx = torch.argsort(torch.rand((T, a.experts), device=dev, generator=g), dim=1)[:, :a.topk].contiguous()
         inputs[T] = (x, idx)
-    # Expanded: (tokens + pairs) / 2 rows each way (every id is valid and distinct here)
+    # The bench's floor (`floor_us`): the slower of a copy with the dispatch's traffic and a fill of
+    # the rows it writes; expanded, (tokens + pairs) / 2 rows each way and one row written per pair
+    # (every id is valid and distinct here).
     floor_rows = {T: (T + T * a.topk) // 2 if a.expand else T for T in sizes}
-    floors = {T: copy_floor_us(floor_rows[T] * a.hidden * 2, dev) for T in sizes}
-    print("floor (back-to-back D2D copy of the rows): " + ", ".join(f"T={T} {f:.1f} us" for T, f in floors.items()))
-    if a.expand:
-        for T in sizes:
-            x = inputs[T][0]
-            out = torch.empty((T, a.topk, a.hidden), device=dev, dtype=x.dtype)
-            b_us = graph_time_us(lambda: out.copy_(x[:, None].expand(T, a.topk, a.hidden)), a.iters,
-                                 lambda: None) or float("nan")
-            print(f"broadcast copy, T={T}: {b_us:.1f} us ({b_us / floors[T]:.2f}x the floor)")
-            del out
+    parts = {T: floor_us(floor_rows[T] * a.hidden * 2, (T * a.topk if a.expand else T) * a.hidden * 2, dev)
+             for T in sizes}
+    floors = {T: p["floor"] for T, p in parts.items()}
+    # combine writes each token once: its floor is the copy (the write part is the non-expanded one)
+    combine_floors = {T: max(p["copy"], parts[T]["write"] if not a.expand else 0.0) for T, p in parts.items()}
+    print("floor (the slower of a back-to-back D2D copy of the rows and a write of the output rows): " +
+          ", ".join(f"T={T} {p['floor']:.1f} us (copy {p['copy']:.1f}, write {p['write']:.1f})" for T, p in parts.items()))
     opts = dict(do_expand=True, do_zero_padding=True) if a.expand else {}
     print(f"{'variant':40s} {'T':>5s} {'dispatch us':>11s} {'ratio':>6s} {'combine us':>10s} {'ratio':>6s}  same")
     reference = {}
@@ -117,8 +115,8 @@ def main() -> None:
                 if T not in reference:
                     reference[T] = got
                 same = all(bit_equal(u, v) for u, v in zip(got, reference[T]))
-                f = floors[T]
-                print(f"{text or '(default)':40s} {T:5d} {d_us:11.1f} {d_us / f:6.2f} {c_us:10.1f} {c_us / f:6.2f}  "
+                f, cf = floors[T], combine_floors[T]
+                print(f"{text or '(default)':40s} {T:5d} {d_us:11.1f} {d_us / f:6.2f} {c_us:10.1f} {c_us / cf:6.2f}  "
                       f"{'yes' if same else 'NO'}", flush=True)
         finally:
             buf.destroy()

@@ -277,6 +277,15 @@ def floor_rows(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expand:
     return (copies + tokens) / 2
 
 
+def written_rows(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expand: bool) -> tuple:
+    """Rows one rank's dispatch and combine write at least: ``(copies, tokens)``, the dispatch one row
+    per copy (`token_copies`), combine each token with a valid expert once (the floor's write half,
+    `deep_ep.bench.gpu_timing.floor_us`)."""
+    copies = sum(token_copies(topk_idx, num_experts, num_ranks, expand))
+    tokens = int((topk_idx >= 0).any(dim=1).sum()) if topk_idx.numel() else 0
+    return copies, tokens
+
+
 def logical_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expand: bool,
                   bytes_per_token: int) -> int:
     """Logical bytes a source rank moves: ``sum(token_copies(...)) * bytes_per_token``."""

@@ -224,7 +224,8 @@ def format_calls(row: Dict[str, Any], floors: Optional[Dict[str, float]] = None,
     per call, each with its ratio to the floor; then plain torch's permute / un-permute (EP=1)."""
     floors = floors or {}
     if floors.get("dispatch") and floors.get("combine"):
-        floor_text = (f"(x): ratio to the floor, a device copy with the same HBM traffic: dispatch "
+        floor_text = (f"(x): ratio to the floor, the slower of a device copy with the same HBM traffic and a "
+                      f"write of the same output bytes: dispatch "
                       f"{floors['dispatch']:.1f} us, combine {floors['combine']:.1f} us")
     else:
         floor_text = "no floor on CPU"
@@ -334,9 +335,13 @@ def write_json(path: str, result: Dict[str, Any]) -> None:
 def format_gpu(gpu: Dict[str, Any]) -> str:
     """The GPU runner's lines: the floor, kernel modules, and under torchrun the NVLink baselines."""
     st = gpu.get("jit", {})
-    lines = [f"floor (D2D copy with the same HBM traffic): dispatch {gpu['floor_dispatch_us']:.1f} us, combine "
-             f"{gpu['floor_combine_us']:.1f} us; kernel modules built/loaded: {gpu.get('kernel_modules')} "
-             f"(compiled {st.get('builds', 0)}, disk hits {st.get('disk_hits', 0)})"]
+    def part(name: str) -> str:   # the floor's two measurements, when the run recorded them
+        copy, write = gpu.get(f"floor_{name}_copy_us"), gpu.get(f"floor_{name}_write_us")
+        return "" if copy is None or write is None else f" (copy {copy:.1f}, write {write:.1f})"
+    lines = [f"floor (the slower of a D2D copy with the same HBM traffic and a write of the same output bytes): "
+             f"dispatch {gpu['floor_dispatch_us']:.1f} us{part('dispatch')}, combine "
+             f"{gpu['floor_combine_us']:.1f} us{part('combine')}; kernel modules built/loaded: "
+             f"{gpu.get('kernel_modules')} (compiled {st.get('builds', 0)}, disk hits {st.get('disk_hits', 0)})"]
     if "all_to_all_dispatch_us" in gpu:
         nvlink = f"{gpu['nvlink_copy_us']:.1f}" if "nvlink_copy_us" in gpu else "n/a"
         lines.append(f"rank 0 baselines: NVLink peer copy of its dispatch bytes {nvlink} us; "

@@ -12,8 +12,9 @@ events and with a device sync before and after); the loop's calls once more, poi
 then, here, each call back to back (no sync between calls) and, except for emulated ranks (their
 threads would capture at the same time), cached dispatch and combine captured in CUDA graphs (at
 EP=1 also the full dispatch without CPU sync, the serving decode step's call): timed, then one
-replay with poisoned static outputs checked. Measured in the same run: the floor (a device
-copy with the operation's HBM traffic, `deep_ep.bench.gpu_timing.copy_floor_us`) and, at EP=1, plain
+replay with poisoned static outputs checked. Measured in the same run: the floor (the slower of a
+device copy with the operation's HBM traffic and a fill of the bytes it writes,
+`deep_ep.bench.gpu_timing.floor_us`) and, at EP=1, plain
 torch's permute / un-permute.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .check import poison_in_place, reference_outputs
-from .config import BenchConfig, Workload, floor_rows
-from .gpu_timing import (CudaClock, capture_calls, copy_floor_us, nvlink_floor_and_all_to_all_us,
+from .config import BenchConfig, Workload, floor_rows, written_rows
+from .gpu_timing import (CudaClock, capture_calls, floor_us, nvlink_floor_and_all_to_all_us,
                          host_reference_us, single_rank_nccl_group, time_graph, torch_baselines_us)
 from .progress import Progress
 from .report import rank_row
@@ -151,9 +152,16 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     expected = reference_outputs(run_cfg, inputs, ranks=list(mine)) if cfg.check else None
     # Floors and baselines, in the same run: a device copy with the operation's HBM traffic;
     # emulated ranks share one GPU, so theirs is every rank's traffic.
+    # The floor is the slower of that copy and a fill of the rows the operation writes (writes alone
+    # run slower than a copy's mix: the expanded dispatch writes each token once per expert).
     rows_moved = sum(floor_rows(inputs[r]["topk_idx"], run_cfg.num_experts, R, run_cfg.expand) for r in mine)
-    floors = {"dispatch": copy_floor_us(int(rows_moved * run_cfg.dispatch_bytes_per_token), device),
-              "combine": copy_floor_us(int(rows_moved * run_cfg.combine_bytes_per_token), device)}
+    written = [written_rows(inputs[r]["topk_idx"], run_cfg.num_experts, R, run_cfg.expand) for r in mine]
+    parts = {"dispatch": floor_us(int(rows_moved * run_cfg.dispatch_bytes_per_token),
+                                  sum(w[0] for w in written) * run_cfg.dispatch_bytes_per_token, device),
+             "combine": floor_us(int(rows_moved * run_cfg.combine_bytes_per_token),
+                                 sum(w[1] for w in written) * run_cfg.combine_bytes_per_token, device)}
+    floors = {name: p["floor"] for name, p in parts.items()}
+    floor_parts = {f"floor_{name}_{kind}_us": p[kind] for name, p in parts.items() for kind in ("copy", "write")}
     baselines = torch_baselines_us(run_cfg, inputs[0], device) if R == 1 else {}
     baselines.update(host_reference_us(device))
     if gs.multiprocess:
@@ -205,5 +213,6 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     st = jit.stats()
     return {"name": work.name, "rows": rows, "mismatches": [m for r in results for m in r["mismatches"]],
             "checked": results[0]["checked"], "floors": floors, "baselines": baselines,
-            "gpu": {"floor_dispatch_us": floors["dispatch"], "floor_combine_us": floors["combine"], **baselines,
+            "gpu": {"floor_dispatch_us": floors["dispatch"], "floor_combine_us": floors["combine"], **floor_parts,
+                    **baselines,
                     "kernel_modules": gpu_backend.num_modules_built(), "jit": st}}
