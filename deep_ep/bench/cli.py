@@ -35,7 +35,8 @@ emulated ranks on one GPU (default {GPU_DEFAULT_TOKENS} tokens per rank).
 Calls, each timed alone after a barrier: full dispatch with and without CPU sync, cached dispatch
 (the first dispatch's handle), combine. Times are medians over --iters iterations after --warmup.
 On the GPU also: each call back to back, cached dispatch and combine replayed from CUDA graphs,
-host time per call, each as a ratio to the floor (a device copy with the same HBM traffic).
+host time per call, each as a ratio to the floor (the slower of a device copy with the same HBM
+traffic and a write of the same output bytes).
 
 Unless --no-check, the first calls, one more iteration of the timed loop and (GPU) one replay of
 each graph are compared element by element with deep_ep.reference, outputs poisoned first (dispatch

@@ -42,7 +42,8 @@ def make_row(cfg: BenchConfig, rank: int, *, sent: int, received: int, received_
 
     ``sent``: copies of this rank's tokens (`deep_ep.bench.config.token_copies`); ``received``: rows
     received before padding; ``received_rows``: rows including alignment padding; ``check``: None
-    when not checked. ``floor_us``: the GPU runner's same-bytes copy time; ratios are time / floor.
+    when not checked. ``floor_us``: the GPU runner's floor (the slower of a same-traffic copy and a
+    write of the output bytes); ratios are time / floor.
     """
     d_med = statistics.median(dispatch_times)
     c_med = statistics.median(combine_times)
