@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 import deep_ep
 from deep_ep import routing
@@ -68,6 +69,7 @@ def main() -> None:
                       " / ".join(f"{host_us(fn, a.samples, m):6.1f}" for m in modes), flush=True)
     finally:
         buf.destroy()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
