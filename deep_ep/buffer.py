@@ -365,9 +365,9 @@ class ElasticBuffer:
         self._alive()
         backend = self._backend
         backend.calls += 1   # every call counts, a refused one too (ranks that disagree are found)
-        # The most common calls, a cached or fresh bf16 dispatch with every other option at its
-        # default, are checked in a few comparisons and go straight to the backend: the same result
-        # as the path below, which says what is wrong with any other call.
+        # The most common calls, a cached or fresh dispatch of bf16 or FP8 rows with every other
+        # option at its default, are checked in a few comparisons and go straight to the backend: the
+        # same result as the path below, which says what is wrong with any other call.
         # A fresh one may also give the per-call sizes, the layout options and the statistics; a
         # cached one the handle's sizes and its zero padding.
         if (type(num_sms) is int and 0 <= num_sms <= checks.INT32_MAX
@@ -376,23 +376,27 @@ class ElasticBuffer:
                 and allocate_on_comm_stream is False and (do_handle_copy is True or do_handle_copy is False)
                 and (do_cpu_sync is None or do_cpu_sync is False or do_cpu_sync is True)
                 and (do_expand is False or do_expand is True) and (do_zero_padding is False or do_zero_padding is True)
-                and use_tma_aligned_col_major_sf is False):
+                and (use_tma_aligned_col_major_sf is False or use_tma_aligned_col_major_sf is True)):
             if handle is not None:
                 if (topk_idx is None and num_experts is None and do_cpu_sync is not True
                         and cumulative_local_expert_recv_stats is None
                         and checks.plain_cached_dispatch_ok(self, x, topk_weights, handle, num_max_tokens_per_rank,
                                                             expert_alignment, do_expand)):
-                    recv_x, recv_idx, recv_w, _ = call_streams.run_plain(backend, backend.cached_dispatch, x,
-                                                                         topk_weights, handle, num_sms, do_zero_padding)
+                    data, sf = checks.plain_x(x)
+                    recv_x, recv_idx, recv_w, _ = call_streams.run_plain(
+                        backend, backend.cached_dispatch, data, topk_weights, handle, num_sms, do_zero_padding, sf,
+                        use_tma_aligned_col_major_sf)
                     return recv_x, recv_idx, recv_w, handle, EventOverlap()
             elif checks.plain_fresh_dispatch_ok(self, x, topk_idx, topk_weights, num_experts, do_cpu_sync,
                                                 num_max_tokens_per_rank, expert_alignment,
                                                 cumulative_local_expert_recv_stats):
+                data, sf = checks.plain_x(x)
                 return (*call_streams.run_plain(
-                    backend, backend.fresh_dispatch, x, topk_idx, topk_weights, num_experts, num_sms, do_handle_copy,
-                    do_cpu_sync is not False,
+                    backend, backend.fresh_dispatch, data, topk_idx, topk_weights, num_experts, num_sms,
+                    do_handle_copy, do_cpu_sync is not False,
                     self.config.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank,
-                    expert_alignment or 1, do_expand, do_zero_padding, cumulative_local_expert_recv_stats),
+                    expert_alignment or 1, do_expand, do_zero_padding, cumulative_local_expert_recv_stats, sf,
+                    use_tma_aligned_col_major_sf),
                         EventOverlap())
         args = checks.validate_dispatch(
             self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,

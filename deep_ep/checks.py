@@ -25,7 +25,7 @@ from .handle import EPHandle
 __all__ = [
     "INT32_MAX", "BUFFER_ALIGNMENT", "check_int", "check_bool", "check_number", "check_tensor", "check_event",
     "check_x", "check_topk_values", "normalise_bias", "check_buffer_args", "check_size_hint_args",
-    "check_sms_args", "plain_cached_dispatch_ok", "plain_fresh_dispatch_ok", "plain_combine_ok",
+    "check_sms_args", "plain_x", "plain_cached_dispatch_ok", "plain_fresh_dispatch_ok", "plain_combine_ok",
     "validate_dispatch", "validate_combine",
 ]
 
@@ -265,14 +265,45 @@ def _check_handle(buf, handle, what: str) -> None:
 
 
 # ============================================================================ dispatch and combine
+def plain_x(x) -> tuple:
+    """``(data, sf)`` of a dispatch's ``x`` in a form the short path checks (`plain_cached_dispatch_ok`,
+    `plain_fresh_dispatch_ok`): a bf16 tensor (``sf`` None), or an FP8 pair, a tuple or list of an
+    ``float8_e4m3fn`` tensor and a tensor of scale factors; ``(None, None)`` for anything else (the
+    full checks then say what is wrong, if anything is). Checks no shape: the callers do."""
+    if type(x) is torch.Tensor:
+        return (x, None) if x.dtype is torch.bfloat16 else (None, None)
+    if (type(x) is tuple or type(x) is list) and len(x) == 2:
+        data, sf = x
+        if type(data) is torch.Tensor and data.dtype is FP8 and type(sf) is torch.Tensor:
+            return data, sf
+    return None, None
+
+
+def _plain_sf(sf, data, dev) -> bool:
+    """Whether the scale factors ``sf`` of FP8 ``data`` (2-D, on ``dev``) pass `check_x`'s rules:
+    float32 ``[T, H / 128]`` or int32 ``[T, ceil(H / 512)]``, on ``dev``, contiguous, ``H`` a
+    multiple of 128."""
+    T, H = data.shape
+    if H % 128:
+        return False
+    if sf.dtype is torch.float32:
+        num_sf = H // 128
+    elif sf.dtype is torch.int32:
+        num_sf = -(-H // 512)
+    else:
+        return False
+    return sf.shape == (T, num_sf) and sf.device == dev and sf.is_contiguous()
+
+
 def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_rank=None, expert_alignment=None,
                              do_expand=False) -> bool:
-    """Whether a cached dispatch with bf16 ``x``, ``num_max_tokens_per_rank`` and ``expert_alignment``
-    None or the handle's, ``do_expand`` a bool, whose other arguments are plain (the caller checked
-    those: no routing, no statistics, bools, no events) passes every rule of `validate_dispatch`:
-    the most common call, answered in a few comparisons. False: `validate_dispatch` runs, and says
-    what is wrong if anything is."""
-    if type(handle) is not EPHandle or type(x) is not torch.Tensor or x.dtype is not torch.bfloat16:
+    """Whether a cached dispatch with ``x`` bf16 or an FP8 pair (`plain_x`), ``num_max_tokens_per_rank``
+    and ``expert_alignment`` None or the handle's, ``do_expand`` a bool, whose other arguments are
+    plain (the caller checked those: no routing, no statistics, bools, no events) passes every rule
+    of `validate_dispatch`: the most common call, answered in a few comparisons. False:
+    `validate_dispatch` runs, and says what is wrong if anything is."""
+    x, sf = plain_x(x)
+    if type(handle) is not EPHandle or x is None:
         return False
     if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
         return False
@@ -289,25 +320,28 @@ def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_ra
         return False
     if (m and T > m) or (buf.config.hidden and hidden > buf.config.hidden):
         return False
+    if sf is not None and not _plain_sf(sf, x, dev):
+        return False
     return topk_weights is None or _plain_f32(topk_weights, routing, dev)
 
 
 def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_sync, num_max_tokens_per_rank=None,
                             expert_alignment=None, stats=None) -> bool:
-    """Whether a fresh dispatch with bf16 ``x``, ``topk_idx`` and ``num_experts`` given, optional
-    ``topk_weights``, ``do_cpu_sync`` None / True / False, ``num_max_tokens_per_rank`` and
-    ``expert_alignment`` None or ints, ``stats`` (``cumulative_local_expert_recv_stats``) None or a
-    tensor, whose other arguments are plain (the caller checked those: bools, no events, no FP8
-    options), passes every rule of `validate_dispatch` (see `plain_cached_dispatch_ok`). CPU
-    tensors: the expert ids are read here as the full checks read them (on a GPU the notify kernel
-    checks them)."""
-    if (type(x) is not torch.Tensor or x.dtype is not torch.bfloat16 or type(topk_idx) is not torch.Tensor
-            or topk_idx.dtype is not topk_idx_t or type(num_experts) is not int):
+    """Whether a fresh dispatch with ``x`` bf16 or an FP8 pair (`plain_x`), ``topk_idx`` and
+    ``num_experts`` given, optional ``topk_weights``, ``do_cpu_sync`` None / True / False,
+    ``num_max_tokens_per_rank`` and ``expert_alignment`` None or ints, ``stats``
+    (``cumulative_local_expert_recv_stats``) None or a tensor, whose other arguments are plain (the
+    caller checked those: bools, no events) passes every rule of `validate_dispatch` (see
+    `plain_cached_dispatch_ok`). CPU tensors: the expert ids are read here as the full checks read
+    them (on a GPU the notify kernel checks them)."""
+    x, sf = plain_x(x)
+    if x is None or type(topk_idx) is not torch.Tensor or topk_idx.dtype is not topk_idx_t \
+            or type(num_experts) is not int:
         return False
     dev, cfg, sizes, ks = buf.device, buf.config, x.shape, topk_idx.shape
     if len(sizes) != 2 or len(ks) != 2 or ks[0] != sizes[0] or x.device != dev or topk_idx.device != dev:
         return False
-    if not x.is_contiguous() or not topk_idx.is_contiguous():
+    if not x.is_contiguous() or not topk_idx.is_contiguous() or (sf is not None and not _plain_sf(sf, x, dev)):
         return False
     T, H, K, m = sizes[0], sizes[1], ks[1], cfg.num_max_tokens_per_rank
     if K < 1 or (cfg.num_topk and K > cfg.num_topk) or not 1 <= num_experts <= INT32_MAX \

@@ -60,9 +60,23 @@ def _inputs(T, rows, g):
     bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)   # noqa: E731
     return {"x": bf(rows, H), "x float32": torch.randn(rows, H, generator=g), "x wider": bf(rows, H + 8),
             "x one row more": bf(rows + 1, H), "x strided": bf(H, rows).t(), "x 3-D": bf(1, rows, H),
-            "x a list": bf(rows, H).tolist(), "x fp8 tuple": (bf(rows, H).to(torch.float8_e4m3fn),
-                                                               torch.ones(rows, H // 128)),
-            "x on meta": torch.empty(rows, H, dtype=torch.bfloat16, device="meta")}
+            "x a list": bf(rows, H).tolist(), "x on meta": torch.empty(rows, H, dtype=torch.bfloat16, device="meta"),
+            **_fp8_inputs(rows, g)}
+
+
+def _fp8_inputs(rows, g):
+    """FP8 forms of ``x``: (e4m3 data, scale factors), valid and not."""
+    e4m3 = torch.randn(rows, H, generator=g).to(torch.float8_e4m3fn)
+    f32, ue8m0 = torch.rand(rows, H // 128, generator=g), torch.ones(rows, -(-H // 512), dtype=torch.int32)
+    return {"x fp8 tuple": (e4m3, f32), "x fp8 list": [e4m3, f32], "x fp8 ue8m0": (e4m3, ue8m0),
+            "x fp8 sf float64": (e4m3, f32.double()), "x fp8 sf one column more": (e4m3, torch.rand(rows, H // 128 + 1)),
+            "x fp8 sf strided": (e4m3, torch.rand(H // 128, rows, generator=g).t()),
+            "x fp8 sf a list": (e4m3, f32.tolist()), "x fp8 sf one row more": (e4m3, torch.rand(rows + 1, H // 128)),
+            "x fp8 e5m2": (e4m3.to(torch.float8_e5m2), f32), "x fp8 three items": (e4m3, f32, f32),
+            "x fp8 data strided": (torch.randn(H, rows, generator=g).to(torch.float8_e4m3fn).t(), f32),
+            "x fp8 bare": e4m3, "x fp8 bf16 data": (e4m3.to(torch.bfloat16), f32),
+            "x fp8 wider": (torch.zeros(rows, H + 128, dtype=torch.float8_e4m3fn), torch.ones(rows, H // 128 + 1)),
+            "x fp8 hidden 320": (torch.zeros(rows, 320, dtype=torch.float8_e4m3fn), torch.ones(rows, 2))}
 
 
 def _weights(rows, g, expand=False):
@@ -93,13 +107,13 @@ def test_the_short_path_takes_exactly_the_valid_cached_dispatches():
         short = checks.plain_cached_dispatch_ok(buf, x, w, h, m, a, e)
         full = _full_ok(lambda: checks.validate_dispatch(buf, x, None, w, None, None, m, a, 0, 0, None, None,
                                                          False, False, h, True, None, e, False, False))
-        if xn == "x fp8 tuple" and full:
-            full = False   # valid, but FP8: the short path is for bf16 only
         if hn == "subclass" and full:
             full = False   # valid, but the short path takes EPHandle itself only
         assert short == full, (xn, wn, hn, m, a, e, short, full)
         taken += short
-    assert taken == 2 + 2 * 2 * 2 + 2 * 2   # x with and without weights; the sizes None or the handle's
+    # x (bf16, and FP8 as a tuple, a list and with packed scales) with and without weights; the sizes
+    # None or the handle's
+    assert taken == 4 * 2 + 2 * 2 * 2 + 2 * 2
 
 
 def _routings(T, g):
@@ -122,7 +136,7 @@ def test_the_short_path_takes_exactly_the_valid_fresh_dispatches():
     g = torch.Generator().manual_seed(11)
     T = 12
     xs = {n: x for n, x in _inputs(T, T, g).items() if n in ("x", "x float32", "x strided", "x one row more",
-                                                               "x fp8 tuple", "x 3-D")}
+                                                               "x 3-D") or n.startswith("x fp8")}
     ws = {n: w for n, w in _weights(T, g).items() if n in ("none", "w", "w float64", "w strided")}
     routings = _routings(T, g)
     taken = 0
@@ -151,8 +165,6 @@ def test_the_short_path_takes_exactly_the_valid_fresh_dispatches():
             short = checks.plain_fresh_dispatch_ok(buf, x, r, w, E_, sync, M_, A_, st)
             full = _full_ok(lambda: checks.validate_dispatch(buf, x, r, w, st, E_, M_, A_, 0, 0, None, None,
                                                              False, False, None, True, sync, False, False, False))
-            if xn == "x fp8 tuple" and full:
-                full = False   # valid, but FP8: the short path is for bf16 only
             assert short == full, (buf_name, xn, rn, wn, E_, sync, M_, A_, sn, short, full)
             taken += short
     assert taken > 60
@@ -203,19 +215,26 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
     short = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, do_cpu_sync=False)
     assert seen == ["cached_dispatch"]
     seen.clear()
-    full = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, use_tma_aligned_col_major_sf=True)
+    full = pub.dispatch(x, topk_weights=w, handle=handle, num_sms=4, allocate_on_comm_stream=True)
     assert seen == ["validate_dispatch", "dispatch"]
     for a, c in zip(short, full):
         assert type(a) is type(c) and (not isinstance(a, torch.Tensor) or a.shape == c.shape)
     assert short[3] is handle and full[3] is handle and short[1] is full[1]
     seen.clear()
+    # FP8 rows (with row- or column-major scale factors) take the short path too
+    x8 = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128, generator=g))
+    for col_major in (False, True):
+        short = pub.dispatch(x8, topk_weights=w, handle=handle, use_tma_aligned_col_major_sf=col_major)
+        assert seen == ["cached_dispatch"], col_major
+        seen.clear()
+        assert short[0][0].dtype == torch.float8_e4m3fn and short[0][1].shape == (handle.num_recv_rows, H // 128)
     idx = torch.stack([torch.randperm(host_path.E, generator=g)[:K] for _ in range(T)])
     for sync in (None, True, False):
         b.last_tokens = T
         short = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync)
         assert seen == ["fresh_dispatch", "dispatch"], sync   # the backend's own entry, without the full checks
         seen.clear()
-        full = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync, use_tma_aligned_col_major_sf=True)
+        full = pub.dispatch(x, idx, w, num_experts=host_path.E, do_cpu_sync=sync, allocate_on_comm_stream=True)
         assert seen == ["validate_dispatch", "dispatch"]
         seen.clear()
         # explicit sizes and options take the short path too, with the same result
@@ -239,9 +258,10 @@ def test_the_public_calls_take_the_short_path_exactly_for_the_plain_calls(monkey
 
 
 def test_the_short_fresh_path_passes_the_backend_what_the_full_checks_pass(monkeypatch):
-    """A fresh dispatch with explicit sizes, alignment, layout options and statistics reaches the
-    backend's `dispatch` with the same arguments by the short path as by the full checks (a call with
-    an option only the full path takes: ``use_tma_aligned_col_major_sf``, which bf16 data ignores)."""
+    """A fresh dispatch with explicit sizes, alignment, layout options and statistics, of bf16 or FP8
+    rows, reaches the backend's `dispatch` with the same arguments by the short path as by the full
+    checks (a call with an option only the full path takes: ``allocate_on_comm_stream``, which a
+    buffer without streams ignores)."""
     b = host_path._backend([])
     pub = _public(b)
     calls = []
@@ -252,17 +272,20 @@ def test_the_short_fresh_path_passes_the_backend_what_the_full_checks_pass(monke
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(host_path.E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
-    for options in (dict(), dict(num_max_tokens_per_rank=32, expert_alignment=4, do_expand=True, do_zero_padding=True),
-                    dict(num_max_tokens_per_rank=T, do_cpu_sync=False), dict(expert_alignment=2, do_expand=False)):
+    x8 = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128, generator=g))
+    for xs, options in [(xs, o) for xs in (x, x8) for o in (
+            dict(), dict(num_max_tokens_per_rank=32, expert_alignment=4, do_expand=True, do_zero_padding=True),
+            dict(num_max_tokens_per_rank=T, do_cpu_sync=False), dict(expert_alignment=2, do_expand=False))] + \
+            [(x8, dict(use_tma_aligned_col_major_sf=True)), (x8, dict(use_tma_aligned_col_major_sf=True, do_cpu_sync=False,
+                                                                    num_max_tokens_per_rank=T))]:
         got = []
         stats = torch.zeros(host_path.E, dtype=torch.int32)
-        for extra in ({}, {"use_tma_aligned_col_major_sf": True}):
+        for extra in ({}, {"allocate_on_comm_stream": True}):
             calls.clear()
             b.last_tokens = T
-            pub.dispatch(x, idx, w, num_experts=host_path.E, cumulative_local_expert_recv_stats=stats,
+            pub.dispatch(xs, idx, w, num_experts=host_path.E, cumulative_local_expert_recv_stats=stats,
                          **options, **extra)
             (args, kwargs), = calls
-            kwargs = dict(kwargs, use_tma_aligned_col_major_sf=False)
             got.append((args, kwargs))
         (a1, k1), (a2, k2) = got
         assert all(u is v for u, v in zip(a1, a2)) and k1.keys() == k2.keys(), options
@@ -271,9 +294,9 @@ def test_the_short_fresh_path_passes_the_backend_what_the_full_checks_pass(monke
 
 
 def test_the_short_cached_path_passes_the_backend_what_the_full_checks_pass(monkeypatch):
-    """A cached dispatch that gives the handle's sizes, its layout and zero padding reaches the GPU
-    backend's cached dispatch (`run_cached`) with the same arguments by the short path as by the full
-    checks."""
+    """A cached dispatch of bf16 or FP8 rows (float32 or packed scale factors, row- or column-major)
+    that gives the handle's sizes, its layout and zero padding reaches the GPU backend's cached
+    dispatch (`run_cached`) with the same arguments by the short path as by the full checks."""
     import deep_ep.backends.gpu as gpu_backend
     from deep_ep.backends.gpu import dispatch as gpu_dispatch
     b = host_path._backend([])
@@ -283,7 +306,7 @@ def test_the_short_cached_path_passes_the_backend_what_the_full_checks_pass(monk
     real = gpu_dispatch.run_cached
 
     def recorded(*a):
-        calls.append((a[:7] + (False,) + a[8:], {}))   # the column-major flag: the full path's extra option
+        calls.append((a, {}))
         return real(*a)
     monkeypatch.setattr(gpu_backend, "run_cached", recorded)     # the short path's entry
     monkeypatch.setattr(gpu_dispatch, "run_cached", recorded)    # the general dispatch's
@@ -291,12 +314,16 @@ def test_the_short_cached_path_passes_the_backend_what_the_full_checks_pass(monk
     T = handle.num_tokens
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     w = torch.rand(T, K, generator=g)
-    for options in (dict(), dict(do_zero_padding=True), dict(num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
-                                                             expert_alignment=handle.expert_alignment, do_expand=False)):
+    x8 = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128, generator=g))
+    x8_packed = (x8[0], torch.randint(0, 2 ** 31 - 1, (T, -(-H // 512)), dtype=torch.int32, generator=g))
+    for xs, options in [(xs, o) for xs in (x, x8, x8_packed) for o in (
+            dict(), dict(do_zero_padding=True), dict(num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
+                                                     expert_alignment=handle.expert_alignment, do_expand=False))] + \
+            [(x8, dict(use_tma_aligned_col_major_sf=True))]:
         got = []
-        for extra in ({}, {"use_tma_aligned_col_major_sf": True}):
+        for extra in ({}, {"allocate_on_comm_stream": True}):
             calls.clear()
-            pub.dispatch(x, topk_weights=w, handle=handle, **options, **extra)
+            pub.dispatch(xs, topk_weights=w, handle=handle, **options, **extra)
             (args, _), = calls
             got.append(args)
         a1, a2 = got

@@ -109,6 +109,15 @@ def main() -> None:
                                                                        do_zero_padding=True)),
         ("public: combine", lambda: pub.combine(y, handle)),
     ]
+    # FP8 rows (e4m3 data, float32 scale factors per 128 channels), as DeepSeek-V3 dispatches them
+    x8 = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128))
+    handle8 = pub.dispatch(x8, idx, w, num_experts=E)[3]
+    rows += [
+        ("public: FP8 full dispatch, CPU sync", lambda: pub.dispatch(x8, idx, w, num_experts=E)),
+        ("public: FP8 cached dispatch", lambda: pub.dispatch(x8, topk_weights=w, handle=handle8)),
+        ("public: FP8 cached, col-major scales", lambda: pub.dispatch(x8, topk_weights=w, handle=handle8,
+                                                                      use_tma_aligned_col_major_sf=True)),
+    ]
     print(f"Python per call, us (T={T}, hidden {H}, {E} experts, top-{K}; no allocations, no driver calls)")
     for name, fn in rows:
         print(f"  {name:38s} {_best_us(fn):6.1f}")

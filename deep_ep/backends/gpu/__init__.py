@@ -263,8 +263,8 @@ class GPUBackend(Backend):
     # `Backend.dispatch` itself (no wrapper frame: `Backend.fresh_dispatch` reaches it directly)
     dispatch = run_dispatch
 
-    def cached_dispatch(self, data, topk_weights, handle, num_sms, do_zero_padding=False):
-        return run_cached(self, data, None, topk_weights, handle, num_sms, do_zero_padding, False, None)
+    def cached_dispatch(self, data, topk_weights, handle, num_sms, do_zero_padding=False, sf=None, col_major_sf=False):
+        return run_cached(self, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, None)
 
     def plain_combine(self, x, handle, topk_weights, num_sms):
         return run_combine(self, x, handle, topk_weights, (), num_sms=num_sms)
