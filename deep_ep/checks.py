@@ -265,34 +265,20 @@ def _check_handle(buf, handle, what: str) -> None:
 
 
 # ============================================================================ dispatch and combine
-def plain_x(x) -> tuple:
-    """``(data, sf)`` of a dispatch's ``x`` in a form the short path checks (`plain_cached_dispatch_ok`,
-    `plain_fresh_dispatch_ok`): a bf16 tensor (``sf`` None), or an FP8 pair, a tuple or list of an
-    ``float8_e4m3fn`` tensor and a tensor of scale factors; ``(None, None)`` for anything else (the
-    full checks then say what is wrong, if anything is). Checks no shape: the callers do."""
+def plain_x(x, device: torch.device) -> tuple:
+    """``(data, sf)`` when ``x`` is a bf16 tensor (``sf`` None) or an FP8 pair (a tuple or list of a 2-D
+    ``float8_e4m3fn`` tensor and its scale factors, held to `check_x`'s rules); else ``(None, None)``,
+    and the full checks say what is wrong, if anything is. The callers check the data's shape."""
     if type(x) is torch.Tensor:
         return (x, None) if x.dtype is torch.bfloat16 else (None, None)
     if (type(x) is tuple or type(x) is list) and len(x) == 2:
         data, sf = x
-        if type(data) is torch.Tensor and data.dtype is FP8 and type(sf) is torch.Tensor:
-            return data, sf
+        if type(data) is torch.Tensor and data.dtype is FP8 and type(sf) is torch.Tensor and data.dim() == 2:
+            T, H = data.shape
+            num_sf = H // 128 if sf.dtype is torch.float32 else -(-H // 512) if sf.dtype is torch.int32 else -1
+            if H % 128 == 0 and sf.shape == (T, num_sf) and sf.device == device and sf.is_contiguous():
+                return data, sf
     return None, None
-
-
-def _plain_sf(sf, data, dev) -> bool:
-    """Whether the scale factors ``sf`` of FP8 ``data`` (2-D, on ``dev``) pass `check_x`'s rules:
-    float32 ``[T, H / 128]`` or int32 ``[T, ceil(H / 512)]``, on ``dev``, contiguous, ``H`` a
-    multiple of 128."""
-    T, H = data.shape
-    if H % 128:
-        return False
-    if sf.dtype is torch.float32:
-        num_sf = H // 128
-    elif sf.dtype is torch.int32:
-        num_sf = -(-H // 512)
-    else:
-        return False
-    return sf.shape == (T, num_sf) and sf.device == dev and sf.is_contiguous()
 
 
 def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_rank=None, expert_alignment=None,
@@ -302,7 +288,7 @@ def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_ra
     plain (the caller checked those: no routing, no statistics, bools, no events) passes every rule
     of `validate_dispatch`: the most common call, answered in a few comparisons. False:
     `validate_dispatch` runs, and says what is wrong if anything is."""
-    x, sf = plain_x(x)
+    x = plain_x(x, buf.device)[0]
     if type(handle) is not EPHandle or x is None:
         return False
     if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
@@ -320,8 +306,6 @@ def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_ra
         return False
     if (m and T > m) or (buf.config.hidden and hidden > buf.config.hidden):
         return False
-    if sf is not None and not _plain_sf(sf, x, dev):
-        return False
     return topk_weights is None or _plain_f32(topk_weights, routing, dev)
 
 
@@ -334,14 +318,14 @@ def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_
     caller checked those: bools, no events) passes every rule of `validate_dispatch` (see
     `plain_cached_dispatch_ok`). CPU tensors: the expert ids are read here as the full checks read
     them (on a GPU the notify kernel checks them)."""
-    x, sf = plain_x(x)
+    x = plain_x(x, buf.device)[0]
     if x is None or type(topk_idx) is not torch.Tensor or topk_idx.dtype is not topk_idx_t \
             or type(num_experts) is not int:
         return False
     dev, cfg, sizes, ks = buf.device, buf.config, x.shape, topk_idx.shape
     if len(sizes) != 2 or len(ks) != 2 or ks[0] != sizes[0] or x.device != dev or topk_idx.device != dev:
         return False
-    if not x.is_contiguous() or not topk_idx.is_contiguous() or (sf is not None and not _plain_sf(sf, x, dev)):
+    if not x.is_contiguous() or not topk_idx.is_contiguous():
         return False
     T, H, K, m = sizes[0], sizes[1], ks[1], cfg.num_max_tokens_per_rank
     if K < 1 or (cfg.num_topk and K > cfg.num_topk) or not 1 <= num_experts <= INT32_MAX \
