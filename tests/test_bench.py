@@ -507,9 +507,11 @@ def test_gpu_runner_pass_with_cpu_stand_ins(skip_row, monkeypatch, tmp_path, cap
     try:
         monkeypatch.setattr(runner_gpu, "single_rank_nccl_group", lambda device: dist.group.WORLD)
         monkeypatch.setattr(runner_gpu, "CudaClock", _StandInCudaClock)
-        # the floor's two parts, the slower taken (the run also records each)
-        monkeypatch.setattr(runner_gpu, "floor_us", lambda moved, written, device: {
-            "floor": 10.0 if moved else 0.0, "copy": 10.0 if moved else 0.0, "write": 8.0 if written else 0.0})
+        # the floor's two parts, the slower taken (the run also records each); the bytes asked for
+        floor_args = []
+        monkeypatch.setattr(runner_gpu, "floor_us", lambda moved, written, device: floor_args.append(
+            (moved, written)) or {"floor": 10.0 if moved else 0.0, "copy": 10.0 if moved else 0.0,
+                                  "write": 8.0 if written else 0.0})
         monkeypatch.setattr(runner_gpu, "torch_baselines_us",
                             lambda cfg, inputs, device: {"torch_permute_us": 30.0, "torch_unpermute_us": 20.0})
         monkeypatch.setattr(runner_gpu, "capture_calls", capture_calls)
@@ -536,6 +538,13 @@ def test_gpu_runner_pass_with_cpu_stand_ins(skip_row, monkeypatch, tmp_path, cap
     assert ("floor (the slower of a D2D copy with the same HBM traffic and a write of the same output bytes): "
             "dispatch 10.0 us (copy 10.0, write 8.0), combine 10.0 us (copy 10.0, write 8.0)") in text
     assert result["gpu"]["floor_dispatch_write_us"] == 8.0 and result["gpu"]["floor_combine_copy_us"] == 10.0
+    # dispatch: a copy of (tokens + copies) / 2 rows each way, a write of one row per copy; combine:
+    # the same copy, a write of one row per token
+    idx = config.Workload(cfg).inputs(0)["topk_idx"]
+    copies, tokens = config.written_rows(idx, cfg.num_experts, 1, cfg.expand)
+    moved = config.floor_rows(idx, cfg.num_experts, 1, cfg.expand)
+    assert floor_args == [(int(moved * cfg.dispatch_bytes_per_token), copies * cfg.dispatch_bytes_per_token),
+                          (int(moved * cfg.combine_bytes_per_token), tokens * cfg.combine_bytes_per_token)]
     # the host's yardstick, measured in the same process (here on the CPU stand-in)
     assert result["baselines"]["host_ref_alloc_us"] > 0 and result["baselines"]["host_ref_launch_us"] > 0
     assert "host reference (this process, for the host column): a cached torch.empty" in text

@@ -3,7 +3,8 @@ between a dispatch/combine kernel and the copy floor (issue 5's "what limits it"
 
 Times, from CUDA graphs of 10 calls each (`deep_ep.bench.gpu_timing.graph_time_us`, as the bench and
 tools/tune_gpu.py time the library's kernels), on rows of ``--hidden`` bf16 values:
-* ``copy``: torch's device-to-device copy of all rows (the bench's floor, `copy_floor_us`);
+* ``copy``: torch's device-to-device copy of all rows (the bench's floor where it is not a write,
+  `copy_floor_us`);
 * ``index_select``: torch's row gather with a random permutation;
 * ``gather GxT uU map``: a minimal warp-per-row gather kernel (G blocks of T threads, U 16-byte
   vectors in flight per lane, warps numbered block-major or round the blocks as the library's

@@ -89,10 +89,12 @@ def main() -> None:
     parts = {T: floor_us(floor_rows[T] * a.hidden * 2, (T * a.topk if a.expand else T) * a.hidden * 2, dev)
              for T in sizes}
     floors = {T: p["floor"] for T, p in parts.items()}
-    # combine writes each token once: its floor is the copy (the write part is the non-expanded one)
-    combine_floors = {T: max(p["copy"], parts[T]["write"] if not a.expand else 0.0) for T, p in parts.items()}
+    # combine writes each token once: its floor is the copy (non-expanded, the same as the dispatch's;
+    # expanded, a write of T rows is well below the copy of T * (K + 1) / 2 rows each way)
+    combine_floors = {T: max(p["copy"], p["write"] if not a.expand else 0.0) for T, p in parts.items()}
     print("floor (the slower of a back-to-back D2D copy of the rows and a write of the output rows): " +
-          ", ".join(f"T={T} {p['floor']:.1f} us (copy {p['copy']:.1f}, write {p['write']:.1f})" for T, p in parts.items()))
+          ", ".join(f"T={T} dispatch {p['floor']:.1f} us (copy {p['copy']:.1f}, write {p['write']:.1f}), "
+                    f"combine {combine_floors[T]:.1f} us" for T, p in parts.items()))
     opts = dict(do_expand=True, do_zero_padding=True) if a.expand else {}
     print(f"{'variant':40s} {'T':>5s} {'dispatch us':>11s} {'ratio':>6s} {'combine us':>10s} {'ratio':>6s}  same")
     reference = {}

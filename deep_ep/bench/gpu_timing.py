@@ -1,4 +1,4 @@
-"""GPU timing for the bench and the tools: CUDA-event clock, CUDA graphs, the copy floor, baselines.
+"""GPU timing for the bench and the tools: CUDA-event clock, CUDA graphs, the floor, baselines.
 
 Everything here measures; nothing checks (`deep_ep.bench.check` does). Imported only on the GPU path
 (and by ``tools/profile_gpu.py``, ``tools/tune_gpu.py``, ``tools/row_floor.py``).
@@ -150,8 +150,9 @@ def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
 
     Copies run back to back between two events (``iters`` of them, after a warm-up), as the graph
     replays of the library's kernels do, so the floor excludes the idle time between separately
-    timed launches; the median of 5 such rounds. Rotates over enough sources that the L2 cache
-    (60 MB on the H200) cannot serve repeats."""
+    timed launches; the median of 5 such rounds. Rotates over up to 8 sources, so that from about
+    8 MB on (8 of them fill the H200's 60 MB L2 cache) repeats are not served from L2; below that
+    the floor is an L2 copy, faster than HBM, which only makes it stricter."""
     n = max(16, int(num_bytes) // 2 * 2)
     copies = max(2, min(8, (256 << 20) // n + 1))
     srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
@@ -171,12 +172,14 @@ def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
 
 
 def write_floor_us(num_bytes: int, device, iters: int = 20) -> float:
-    """Time of writing ``num_bytes`` to device memory (``fill_``, nothing read), in us, timed as
-    `copy_floor_us` (back to back, median of 5 rounds, over enough destinations that the L2 cache
-    cannot absorb the writes). HBM writes alone run slower than a copy's mix of reads and writes
-    (on the H200, 470 MB in 140.7 us against 128.2 us for a copy of 264 MB each way), so an operation
-    that mostly writes, such as the expanded dispatch (each token read once, written once per
-    expert), cannot reach the copy of its traffic; `floor_us` takes the slower of the two."""
+    """Time of writing ``num_bytes`` to device memory (torch's ``fill_``, nothing read), in us, timed
+    as `copy_floor_us` (back to back, median of 5 rounds, rotating over up to 8 destinations: below
+    about 8 MB the writes stay in L2, which only makes it faster). HBM writes alone run slower than a
+    copy's mix of reads and writes (on the H200, 470 MB in 140.7 us against 128.2 us for a copy of
+    264 MB each way), so an operation that mostly writes, such as the expanded dispatch (each token
+    read once, written once per expert), cannot reach the copy of its traffic; `floor_us` takes the
+    slower of the two. torch's fill is the fastest writer measured here, not a proven ceiling: a
+    faster one would lower this floor."""
     n = max(16, int(num_bytes) // 2 * 2)
     copies = max(2, min(8, (256 << 20) // n + 1))
     dsts = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(copies)]

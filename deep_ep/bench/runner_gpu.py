@@ -162,6 +162,8 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
                                  sum(w[1] for w in written) * run_cfg.combine_bytes_per_token, device)}
     floors = {name: p["floor"] for name, p in parts.items()}
     floor_parts = {f"floor_{name}_{kind}_us": p[kind] for name, p in parts.items() for kind in ("copy", "write")}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()   # the floors' buffers (GBs with emulated ranks), before the windows
     baselines = torch_baselines_us(run_cfg, inputs[0], device) if R == 1 else {}
     baselines.update(host_reference_us(device))
     if gs.multiprocess:
