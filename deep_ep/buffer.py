@@ -382,7 +382,7 @@ class ElasticBuffer:
                         and cumulative_local_expert_recv_stats is None
                         and checks.plain_cached_dispatch_ok(self, x, topk_weights, handle, num_max_tokens_per_rank,
                                                             expert_alignment, do_expand)):
-                    data, sf = checks.plain_x(x, self.device)
+                    data, sf = (x, None) if type(x) is torch.Tensor else x   # checks.plain_x's forms
                     recv_x, recv_idx, recv_w, _ = call_streams.run_plain(
                         backend, backend.cached_dispatch, data, topk_weights, handle, num_sms, do_zero_padding, sf,
                         use_tma_aligned_col_major_sf)
@@ -390,7 +390,7 @@ class ElasticBuffer:
             elif checks.plain_fresh_dispatch_ok(self, x, topk_idx, topk_weights, num_experts, do_cpu_sync,
                                                 num_max_tokens_per_rank, expert_alignment,
                                                 cumulative_local_expert_recv_stats):
-                data, sf = checks.plain_x(x, self.device)
+                data, sf = (x, None) if type(x) is torch.Tensor else x   # checks.plain_x's forms
                 return (*call_streams.run_plain(
                     backend, backend.fresh_dispatch, data, topk_idx, topk_weights, num_experts, num_sms,
                     do_handle_copy, do_cpu_sync is not False,
