@@ -1,7 +1,8 @@
 """The Python cost of a GPU call's host code, without a GPU: the GPU backend's per-call code
 (`deep_ep.backends.gpu.dispatch.run_dispatch`, `combine.run_combine`) and the public argument checks
 (`deep_ep.checks`), and the public calls over both (`ElasticBuffer.dispatch` / `combine`, with no
-streams), on CPU tensors at the DeepSeek-V3 shapes.
+streams), on CPU tensors at the DeepSeek-V3 shapes, with bf16 rows and (public calls) FP8 rows
+(e4m3 data and float32 scale factors, row- and column-major).
 
 The backend is tests/test_gpu_host_path.py's stand-in (fake modules whose launches do nothing, a
 layout report that says every token arrives once); output allocations are handed out again from a
