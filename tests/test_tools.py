@@ -27,3 +27,10 @@ def test_bit_equal_compares_bytes_so_poison_equals_itself():
 def test_parse_variant():
     assert parse_variant("send_unroll=16, LOAD_NO_L1=1") == {"EP_SEND_UNROLL": 16, "EP_LOAD_NO_L1": 1}
     assert parse_variant("") == {}
+
+
+def test_the_write_floor_kernel_compiles():
+    """tools/write_floor.py's store kernel, both variants (NVRTC, no GPU needed)."""
+    import write_floor
+    for streaming in (False, True):
+        assert write_floor.kernel(streaming) is not None
