@@ -751,3 +751,35 @@ def test_written_rows_counts_copies_and_tokens():
     idx = torch.tensor([[0, 1, 5], [4, 6, -1], [-1, -1, -1], [2, 7, 3]])   # 8 experts on 2 ranks
     assert config.written_rows(idx, 8, 2, expand=False) == (2 + 1 + 0 + 2, 3)
     assert config.written_rows(idx, 8, 2, expand=True) == (3 + 2 + 0 + 3, 3)
+
+
+def test_the_floors_time_their_operations_back_to_back(monkeypatch):
+    """`copy_floor_us` / `write_floor_us` on CPU with stand-in CUDA events: each rotates over its
+    buffers (8 of 16 bytes for a small size), runs its operation ``iters`` times per round, and
+    returns the median round divided by ``iters``."""
+    from deep_ep.bench import gpu_timing
+    elapsed = iter([4.0, 8.0, 6.0, 2.0, 10.0] * 2)   # ms per round; median 6.0
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return next(elapsed)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(gpu_timing, "spin_up", lambda: None)
+    fills = []
+    real_fill = torch.Tensor.fill_
+    monkeypatch.setattr(torch.Tensor, "fill_", lambda t, v: fills.append((t.data_ptr(), int(v))) or real_fill(t, v))
+    assert gpu_timing.copy_floor_us(10, "cpu", iters=4) == pytest.approx(6.0 * 1e3 / 4)
+    assert gpu_timing.write_floor_us(10, "cpu", iters=3) == pytest.approx(6.0 * 1e3 / 3)
+    assert len(fills) == 15 and [v for _, v in fills[:3]] == [0, 1, 2]
+    ptrs = [p for p, _ in fills]
+    assert len(set(ptrs[:3])) == 3 and ptrs[3:6] == ptrs[:3]   # buffers 0, 1, 2 again each round

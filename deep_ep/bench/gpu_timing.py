@@ -145,6 +145,30 @@ def graph_time_us(fn: Callable[[], Any], iters: int, barrier: Callable[[], None]
     return time_graph(captured[0], calls_per_graph, iters, barrier)
 
 
+def _rotating_buffers(num_bytes: int, device, make) -> tuple:
+    """``(n, buffers)``: ``num_bytes`` rounded to an even count ``n`` (at least 16), and 2 to 8 byte
+    buffers of ``n`` from ``make(n)``, enough to rotate over 256 MB where each is smaller."""
+    n = max(16, int(num_bytes) // 2 * 2)
+    return n, [make(n) for _ in range(max(2, min(8, (256 << 20) // n + 1)))]
+
+
+def _back_to_back_us(op: Callable[[int], Any], iters: int) -> float:
+    """Device time of one ``op(i)`` in us: ``iters`` of them (``i`` = 0, 1, ...) back to back between
+    two events on the current stream, after a spin-up; the median of 5 such rounds."""
+    stream = torch.cuda.current_stream()
+    spin_up()
+    rounds = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        for i in range(iters):
+            op(i)
+        b.record(stream)
+        b.synchronize()
+        rounds.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(rounds)
+
+
 def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
     """Time of a device-to-device copy moving ``num_bytes`` (read once, written once), in us.
 
@@ -153,22 +177,10 @@ def copy_floor_us(num_bytes: int, device, iters: int = 20) -> float:
     timed launches; the median of 5 such rounds. Rotates over up to 8 sources, so that from about
     8 MB on (8 of them fill the H200's 60 MB L2 cache) repeats are not served from L2; below that
     the floor is an L2 copy, faster than HBM, which only makes it stricter."""
-    n = max(16, int(num_bytes) // 2 * 2)
-    copies = max(2, min(8, (256 << 20) // n + 1))
-    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
+    n, srcs = _rotating_buffers(num_bytes, device,
+                                lambda n: torch.randint(0, 255, (n,), dtype=torch.uint8, device=device))
     dst = torch.empty(n, dtype=torch.uint8, device=device)
-    stream = torch.cuda.current_stream()
-    spin_up()
-    rounds = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        for i in range(iters):
-            dst.copy_(srcs[i % copies])
-        b.record(stream)
-        b.synchronize()
-        rounds.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(rounds)
+    return _back_to_back_us(lambda i: dst.copy_(srcs[i % len(srcs)]), iters)
 
 
 def write_floor_us(num_bytes: int, device, iters: int = 20) -> float:
@@ -180,21 +192,8 @@ def write_floor_us(num_bytes: int, device, iters: int = 20) -> float:
     read once, written once per expert), cannot reach the copy of its traffic; `floor_us` takes the
     slower of the two. torch's fill is the fastest writer measured here, not a proven ceiling: a
     faster one would lower this floor."""
-    n = max(16, int(num_bytes) // 2 * 2)
-    copies = max(2, min(8, (256 << 20) // n + 1))
-    dsts = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(copies)]
-    stream = torch.cuda.current_stream()
-    spin_up()
-    rounds = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        for i in range(iters):
-            dsts[i % copies].fill_(i & 0xFF)
-        b.record(stream)
-        b.synchronize()
-        rounds.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(rounds)
+    _n, dsts = _rotating_buffers(num_bytes, device, lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+    return _back_to_back_us(lambda i: dsts[i % len(dsts)].fill_(i & 0xFF), iters)
 
 
 def floor_us(moved_bytes: int, written_bytes: int, device) -> Dict[str, float]:

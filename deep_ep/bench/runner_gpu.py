@@ -150,10 +150,10 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     mine = range(R) if gs.emulated else [gs.rank]
     inputs = [work.inputs(s, device) for s in range(R)]
     expected = reference_outputs(run_cfg, inputs, ranks=list(mine)) if cfg.check else None
-    # Floors and baselines, in the same run: a device copy with the operation's HBM traffic;
-    # emulated ranks share one GPU, so theirs is every rank's traffic.
-    # The floor is the slower of that copy and a fill of the rows the operation writes (writes alone
-    # run slower than a copy's mix: the expanded dispatch writes each token once per expert).
+    # Floors and baselines, in the same run: the slower of a device copy with the operation's HBM
+    # traffic and a fill of the rows it writes (writes alone run slower than a copy's mix: the
+    # expanded dispatch writes each token once per expert); emulated ranks share one GPU, so theirs
+    # is every rank's traffic.
     rows_moved = sum(floor_rows(inputs[r]["topk_idx"], run_cfg.num_experts, R, run_cfg.expand) for r in mine)
     written = [written_rows(inputs[r]["topk_idx"], run_cfg.num_experts, R, run_cfg.expand) for r in mine]
     parts = {"dispatch": floor_us(int(rows_moved * run_cfg.dispatch_bytes_per_token),
