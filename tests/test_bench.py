@@ -734,7 +734,8 @@ def test_fp8_scale_without_fp8_refused():
 
 def test_floor_is_the_slower_of_copy_and_write(monkeypatch):
     """`gpu_timing.floor_us`: the slower of a copy with the operation's traffic and a fill of its
-    written bytes (the expanded dispatch mostly writes, and writes alone run slower than a copy)."""
+    written bytes (whichever is slower on the card: an operation that mostly writes may be bound by
+    the write)."""
     from deep_ep.bench import gpu_timing
     seen = []
     monkeypatch.setattr(gpu_timing, "copy_floor_us", lambda n, device: seen.append(("copy", n)) or 128.2)
@@ -777,9 +778,12 @@ def test_the_floors_time_their_operations_back_to_back(monkeypatch):
     monkeypatch.setattr(gpu_timing, "spin_up", lambda: None)
     fills = []
     real_fill = torch.Tensor.fill_
-    monkeypatch.setattr(torch.Tensor, "fill_", lambda t, v: fills.append((t.data_ptr(), int(v))) or real_fill(t, v))
+    monkeypatch.setattr(torch.Tensor, "fill_",
+                        lambda t, v: fills.append((t.data_ptr(), int(v), t.dtype, t.nbytes)) or real_fill(t, v))
     assert gpu_timing.copy_floor_us(10, "cpu", iters=4) == pytest.approx(6.0 * 1e3 / 4)
     assert gpu_timing.write_floor_us(10, "cpu", iters=3) == pytest.approx(6.0 * 1e3 / 3)
-    assert len(fills) == 15 and [v for _, v in fills[:3]] == [0, 1, 2]
-    ptrs = [p for p, _ in fills]
+    assert len(fills) == 15 and [f[1] for f in fills[:3]] == [0, 1, 2]
+    # 8-byte elements (the fastest fill measured), covering at least the bytes asked for
+    assert all(f[2] == torch.int64 and f[3] >= 10 for f in fills)
+    ptrs = [f[0] for f in fills]
     assert len(set(ptrs[:3])) == 3 and ptrs[3:6] == ptrs[:3]   # buffers 0, 1, 2 again each round
