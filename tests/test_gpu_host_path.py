@@ -27,8 +27,8 @@ H, E, K, M = 256, 16, 4, 64
 class _Prepared:
     """Stands in for `jit.PreparedLaunch`: the same argument objects, launches recorded as bytes."""
 
-    def __init__(self, name, grid, args, log):
-        self.name, self.grid, self.args, self.log = name, grid, args, log
+    def __init__(self, name, grid, args, log, block=None):
+        self.name, self.grid, self.args, self.log, self.block = name, grid, args, log, block
 
     def update(self, index, value):
         ctypes.memmove(ctypes.addressof(self.args[index]), ctypes.addressof(value), ctypes.sizeof(value))
@@ -43,7 +43,7 @@ class _Module:
 
     def function(self, name):
         log = self.log
-        return types.SimpleNamespace(name=name, prepare=lambda grid, block, args, **kw: _Prepared(name, grid, args, log))
+        return types.SimpleNamespace(name=name, prepare=lambda grid, block, args, **kw: _Prepared(name, grid, args, log, block))
 
 
 def _backend(log):
@@ -770,6 +770,10 @@ def test_the_hosts_notify_default_is_the_kernels():
     src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/dispatch_alone.cuh").read_text()
     assert int(re.search(r"#define EP_DISPATCH_ALONE_FUSED (\d+)", src).group(1)) == \
         modules.DISPATCH_ALONE_FUSED_DEFAULT
+    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/dispatch_expand_alone.cuh").read_text()
+    assert int(re.search(r"#define EP_EXPAND_ALONE_CACHED (\d+)", src).group(1)) == \
+        modules.EXPAND_ALONE_CACHED_DEFAULT
+    assert int(re.search(r"#define EP_ALONE_THREADS (\d+)", src).group(1)) == modules.ALONE_THREADS
 
 
 def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
@@ -967,3 +971,51 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
     log.clear()
     _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
     assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+
+
+@pytest.mark.parametrize("define", ["", "EP_EXPAND_ALONE_CACHED=1", "EP_EXPAND_ALONE_CACHED=0"])
+@pytest.mark.parametrize("expand", [False, True])
+def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, define, monkeypatch):
+    """A rank alone's cached dispatch in the expanded layout launches deep_ep_dispatch_cached_alone
+    with `modules.ALONE_THREADS` per block (unless the build says EP_EXPAND_ALONE_CACHED=0), with the
+    arguments the cached data kernel would get; the non-expanded one launches the cached data kernel."""
+    from deep_ep.backends.gpu import modules
+    from deep_ep.backends.gpu.abi import DispatchArgs
+    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
+    prepared = []
+    real_prepared = _Prepared.__init__
+
+    def record(self, *args, **kw):
+        real_prepared(self, *args, **kw)
+        prepared.append(self)
+    monkeypatch.setattr(_Prepared, "__init__", record)
+    log = []
+    b = _backend(log)
+    (_, _, _, handle), _ = _dispatch(b, 24, weights=True, sync=True, align=2, stats=False, expand=expand, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(24, H, generator=g).to(torch.bfloat16), torch.rand(24, K, generator=g)
+    runs = []
+    for use_alone in (define != "EP_EXPAND_ALONE_CACHED=0", False):
+        monkeypatch.setattr(modules, "expand_alone_cached", lambda use_alone=use_alone: use_alone)
+        handle.backend_state.launches.clear()
+        handle.launch_memo().clear()
+        log.clear()
+        prepared.clear()
+        b.calls += 1
+        gpu_dispatch.run_dispatch(
+            b, x, None, None, w, num_experts=None, num_max_tokens_per_rank=M, expert_alignment=None, num_sms=4,
+            handle=handle, do_handle_copy=True, do_cpu_sync=False, do_expand=expand, do_zero_padding=True,
+            use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
+        assert len(log) == 1 and len(prepared) == 1
+        runs.append((log[0][0], prepared[0].block, DispatchArgs.from_buffer_copy(log[0][2][0])))
+    alone = expand and define != "EP_EXPAND_ALONE_CACHED=0"
+    assert runs[0][:2] == (("deep_ep_dispatch_cached_alone", modules.ALONE_THREADS) if alone
+                           else ("deep_ep_dispatch_cached", modules.THREADS))
+    assert runs[1][:2] == ("deep_ep_dispatch_cached", modules.THREADS)
+    # the same arguments but the per-call output addresses
+    for field, *_ in DispatchArgs._fields_:
+        if field not in ("out_x", "out_weights", "tag"):
+            assert getattr(runs[0][2], field) == getattr(runs[1][2], field), field
+    monkeypatch.undo()   # the build's define, read by `modules.expand_alone_cached` itself
+    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
+    assert modules.expand_alone_cached() == (define != "EP_EXPAND_ALONE_CACHED=0")

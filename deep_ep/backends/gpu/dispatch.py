@@ -421,7 +421,12 @@ def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, 
         tok_capacity=state.tok_capacity, layout=state.layout_ptr, num_experts=E, alignment=A,
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-    prepared = mod.function("deep_ep_dispatch_cached").prepare(
-        n_sms, modules.THREADS, (args, b.transport_args, ctypes.c_int(int(do_zero_padding))), device=b.device.index,
+    # A rank alone's expanded rows: its own kernel, more threads and finer work items
+    # (impls/dispatch_expand_alone.cuh); the same arguments.
+    alone = do_expand and b.num_ranks == 1 and modules.expand_alone_cached()
+    name, threads = ("deep_ep_dispatch_cached_alone", modules.ALONE_THREADS) if alone else \
+        ("deep_ep_dispatch_cached", modules.THREADS)
+    prepared = mod.function(name).prepare(
+        n_sms, threads, (args, b.transport_args, ctypes.c_int(int(do_zero_padding))), device=b.device.index,
         cooperative=b.cooperative)
     return prepared, m, K, n_sms

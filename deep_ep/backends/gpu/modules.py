@@ -13,12 +13,13 @@ import threading
 from ... import jit
 from .abi import TEST_DEFECTS
 
-__all__ = ["THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", "NOTIFY_TOKEN_SCAN_DEFAULT",
+__all__ = ["THREADS", "ALONE_THREADS", "TUNABLES", "EXPAND_ALONE_CACHED_DEFAULT", "expand_alone_cached", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT", "NOTIFY_TOKEN_SCAN_DEFAULT",
            "DISPATCH_ALONE_FUSED_DEFAULT", "kernel_source", "notify_single_rank", "notify_token_scan",
            "dispatch_alone_fused", "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines",
            "barrier_defines", "build_module", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
+ALONE_THREADS = 1024    # threads of a rank alone's cached expanded dispatch kernel (EP_ALONE_THREADS)
 
 # Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh)
 # and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh; EP_NOTIFY_TOKEN_SCAN,
@@ -29,7 +30,7 @@ THREADS = 512           # threads of the data kernels (EP_THREADS)
 # overriding those would break the host's view of the kernels.
 TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
                       "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK",
-                      "EP_NOTIFY_TOKEN_SCAN", "EP_DISPATCH_ALONE_FUSED"})
+                      "EP_NOTIFY_TOKEN_SCAN", "EP_DISPATCH_ALONE_FUSED", "EP_EXPAND_ALONE_CACHED"})
 
 
 def kernel_source(kind: str) -> str:
@@ -75,6 +76,17 @@ def dispatch_alone_fused(cpu_sync: bool = False) -> bool:
     with the token scan, `notify_token_scan`)."""
     value = tunable_defines().get("EP_DISPATCH_ALONE_FUSED", DISPATCH_ALONE_FUSED_DEFAULT)
     return notify_token_scan() and (value >= 2 if cpu_sync else value != 0)
+
+
+# EP_EXPAND_ALONE_CACHED's default, likewise (impls/dispatch_expand_alone.cuh; the same test): a rank
+# alone's cached dispatch in the expanded layout is deep_ep_dispatch_cached_alone, ALONE_THREADS per
+# block, instead of the cached data kernel.
+EXPAND_ALONE_CACHED_DEFAULT = 1
+
+
+def expand_alone_cached() -> bool:
+    """Whether a rank alone's cached expanded dispatch takes its own kernel (EP_EXPAND_ALONE_CACHED)."""
+    return tunable_defines().get("EP_EXPAND_ALONE_CACHED", EXPAND_ALONE_CACHED_DEFAULT) != 0
 
 
 def tunable_defines() -> dict:
@@ -123,7 +135,7 @@ def _common(transport_nccl: bool) -> dict:
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
     """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
-            **_common(transport_nccl)}
+            "EP_ALONE_THREADS": ALONE_THREADS, **_common(transport_nccl)}
 
 
 def combine_defines(hidden: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:

@@ -7,6 +7,7 @@
 
 #include "../comm/transport.cuh"
 #include "../impls/dispatch_alone.cuh"
+#include "../impls/dispatch_expand_alone.cuh"
 #include "../impls/dispatch_recv.cuh"
 #include "../impls/dispatch_send.cuh"
 #include "../impls/layout.cuh"
@@ -68,6 +69,20 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cac
         a, tr, deep_ep::TokenRange{wg.warp, a.num_tokens, wg.num_warps});
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0, tr);
 }
+
+#if EP_EXPAND && EP_EXPAND_ALONE_CACHED
+// A rank alone's cached dispatch in the expanded layout (impls/dispatch_expand_alone.cuh): its rows
+// fanned out by (token, chunk) work items on EP_ALONE_THREADS threads per block, then the receive
+// phase, which writes the padding rows and marks the rows past the count (it waits for no peer).
+// Launched as the cached data kernel (cooperatively where that is; nothing here waits on another block).
+extern "C" __global__ void __launch_bounds__(EP_ALONE_THREADS, 1) deep_ep_dispatch_cached_alone(
+        deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::dispatch_expand_alone_cached<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK>(a, tr);
+    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, true, true>(a, zero_padding != 0, tr);
+}
+#endif
 
 #if EP_DISPATCH_ALONE_FUSED && EP_NOTIFY_TOKEN_SCAN && EP_NOTIFY_SINGLE_RANK && !EP_EXPAND
 // A rank alone's non-expanded fresh dispatch in one kernel (impls/dispatch_alone.cuh; with CPU
