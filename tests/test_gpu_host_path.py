@@ -27,8 +27,9 @@ H, E, K, M = 256, 16, 4, 64
 class _Prepared:
     """Stands in for `jit.PreparedLaunch`: the same argument objects, launches recorded as bytes."""
 
-    def __init__(self, name, grid, args, log, block=None):
+    def __init__(self, name, grid, args, log, block=None, cooperative=None):
         self.name, self.grid, self.args, self.log, self.block = name, grid, args, log, block
+        self.cooperative = cooperative
 
     def update(self, index, value):
         ctypes.memmove(ctypes.addressof(self.args[index]), ctypes.addressof(value), ctypes.sizeof(value))
@@ -43,7 +44,12 @@ class _Module:
 
     def function(self, name):
         log = self.log
-        return types.SimpleNamespace(name=name, prepare=lambda grid, block, args, **kw: _Prepared(name, grid, args, log, block))
+        return types.SimpleNamespace(name=name, prepare=lambda grid, block, args, **kw: _Prepared(
+            name, grid, args, log, block, kw.get("cooperative")))
+
+    def kernel_names(self):
+        return ["deep_ep_barrier", "deep_ep_dispatch", "deep_ep_dispatch_alone", "deep_ep_dispatch_cached",
+                "deep_ep_dispatch_cached_alone", "deep_ep_notify"]
 
 
 def _backend(log):
@@ -973,12 +979,15 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
     assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("define", ["", "EP_EXPAND_ALONE_CACHED=1", "EP_EXPAND_ALONE_CACHED=0"])
 @pytest.mark.parametrize("expand", [False, True])
-def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, define, monkeypatch):
+def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, define, ranks, monkeypatch):
     """A rank alone's cached dispatch in the expanded layout launches deep_ep_dispatch_cached_alone
-    with `modules.ALONE_THREADS` per block (unless the build says EP_EXPAND_ALONE_CACHED=0), with the
-    arguments the cached data kernel would get; the non-expanded one launches the cached data kernel."""
+    with `modules.ALONE_THREADS` per block and a plain launch (unless the build says
+    EP_EXPAND_ALONE_CACHED=0, or its module lacks the kernel), with the arguments the cached data
+    kernel gets; a non-expanded one, or one of several ranks, launches the cached data kernel
+    (cooperatively, `modules.THREADS` per block)."""
     from deep_ep.backends.gpu import modules
     from deep_ep.backends.gpu.abi import DispatchArgs
     monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
@@ -992,11 +1001,11 @@ def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, def
     log = []
     b = _backend(log)
     (_, _, _, handle), _ = _dispatch(b, 24, weights=True, sync=True, align=2, stats=False, expand=expand, seed=3)
+    b.num_ranks = ranks   # the handle's layout is a rank alone's; only the kernel choice reads this
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(24, H, generator=g).to(torch.bfloat16), torch.rand(24, K, generator=g)
-    runs = []
-    for use_alone in (define != "EP_EXPAND_ALONE_CACHED=0", False):
-        monkeypatch.setattr(modules, "expand_alone_cached", lambda use_alone=use_alone: use_alone)
+
+    def cached():
         handle.backend_state.launches.clear()
         handle.launch_memo().clear()
         log.clear()
@@ -1007,15 +1016,22 @@ def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, def
             handle=handle, do_handle_copy=True, do_cpu_sync=False, do_expand=expand, do_zero_padding=True,
             use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
         assert len(log) == 1 and len(prepared) == 1
-        runs.append((log[0][0], prepared[0].block, DispatchArgs.from_buffer_copy(log[0][2][0])))
-    alone = expand and define != "EP_EXPAND_ALONE_CACHED=0"
-    assert runs[0][:2] == (("deep_ep_dispatch_cached_alone", modules.ALONE_THREADS) if alone
-                           else ("deep_ep_dispatch_cached", modules.THREADS))
-    assert runs[1][:2] == ("deep_ep_dispatch_cached", modules.THREADS)
-    # the same arguments but the per-call output addresses
+        p = prepared[0]
+        return p.name, p.block, p.grid, p.cooperative, log[0][2]
+
+    got = cached()   # the build's define, as `modules.expand_alone_cached` reads it
+    alone = expand and ranks == 1 and define != "EP_EXPAND_ALONE_CACHED=0"
+    assert got[:4] == ((gpu_dispatch.ALONE_CACHED_KERNEL, modules.ALONE_THREADS, 4, False) if alone
+                       else ("deep_ep_dispatch_cached", modules.THREADS, 4, True))
+    # a module without the kernel (built with EP_EXPAND_ALONE_CACHED=0): the cached data kernel
+    monkeypatch.setattr(_Module, "kernel_names", lambda self: ["deep_ep_dispatch_cached"])
+    general = cached()
+    assert general[:4] == ("deep_ep_dispatch_cached", modules.THREADS, 4, True)
+    # the same argument bytes (the dispatch's struct but the per-call addresses and the call's tag,
+    # the transport's, the zero padding flag) whichever kernel runs
+    mine, theirs = DispatchArgs.from_buffer_copy(got[4][0]), DispatchArgs.from_buffer_copy(general[4][0])
     for field, *_ in DispatchArgs._fields_:
         if field not in ("out_x", "out_weights", "tag"):
-            assert getattr(runs[0][2], field) == getattr(runs[1][2], field), field
-    monkeypatch.undo()   # the build's define, read by `modules.expand_alone_cached` itself
-    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
+            assert getattr(mine, field) == getattr(theirs, field), field
+    assert got[4][1:] == general[4][1:]
     assert modules.expand_alone_cached() == (define != "EP_EXPAND_ALONE_CACHED=0")

@@ -21,6 +21,10 @@ def _structures():
     for c in all_cases():
         dispatch.add(c.dispatch_structure())
         combine.add(c.combine_structure())
+    # top-1 and top-2 expanded (the fewest slots: a rank alone's cached expanded kernel once spilled at top-1)
+    for k in (1, 2):
+        dispatch.add((14336, 0, k, True))
+        dispatch.add((7168, 56, k, True))
     # the bench's presets: bf16 and FP8 (fp32 scales), expanded or not
     for p in PRESETS.values():
         for expand in (False, True):
@@ -40,8 +44,10 @@ def test_dispatch_module_compiles(structure):
                     check_spills=True)
     names = set(mod.kernel_names())
     assert {"deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_cached"} <= names
-    # a rank alone's one-kernel fresh dispatch: non-expanded modules only
+    # a rank alone's one-kernel fresh dispatch: non-expanded modules only; its cached expanded
+    # dispatch kernel: expanded modules only
     assert ("deep_ep_dispatch_alone" in names) == (not structure[3])
+    assert ("deep_ep_dispatch_cached_alone" in names) == structure[3]
 
 
 @pytest.mark.parametrize("structure", COMBINE, ids=lambda s: "h{}_k{}_{}".format(*s))

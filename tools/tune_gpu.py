@@ -6,7 +6,10 @@ EP_COMBINE_SINGLE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), se
 per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 bench's floor (`deep_ep.bench.gpu_timing.floor_us`), and whether the outputs equal the default build's
-bit for bit (they must: the variants change how bytes move, not which).
+bit for bit (they must: the variants change how bytes move, not which; the comparison covers the received
+rows of a bf16 dispatch without weights, and the combined rows). With ``--expand`` a rank alone's cached
+dispatch is its own kernel (1024 threads per block, `modules.ALONE_THREADS`): THREADS variants then
+change only the combine there, and ``EXPAND_ALONE_CACHED=0`` times the cached data kernel instead.
 
 The shapes are a model preset's (`deep_ep.routing.MODEL_PRESETS`, as the bench's ``--model``;
 default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's. ``--expand`` times

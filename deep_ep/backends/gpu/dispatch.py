@@ -20,7 +20,9 @@ A rank alone without the expanded layout or CPU sync runs steps 1 and 3 as one k
 token range, and one that writes the layout once they have numbered); with CPU sync too in a build
 with ``EP_DISPATCH_ALONE_FUSED=2``, unless its scale factors are column-major (`FreshPlan`).
 
-A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch.
+A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch;
+a rank alone's in the expanded layout runs ``deep_ep_dispatch_cached_alone`` instead (its rows in
+finer work items on more threads per block; ``EP_EXPAND_ALONE_CACHED=0`` builds without it).
 Rounds alternate between the two halves of the receive region (see `window`).
 """
 from __future__ import annotations
@@ -43,6 +45,9 @@ from .state import GPUHandleState, word_plan
 
 __all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
            "notify_scan_grid", "early_rows", "word_plan"]
+
+# A rank alone's cached expanded dispatch kernel (impls/dispatch_expand_alone.cuh).
+ALONE_CACHED_KERNEL = "deep_ep_dispatch_cached_alone"
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -421,12 +426,13 @@ def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, 
         tok_capacity=state.tok_capacity, layout=state.layout_ptr, num_experts=E, alignment=A,
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-    # A rank alone's expanded rows: its own kernel, more threads and finer work items
-    # (impls/dispatch_expand_alone.cuh); the same arguments.
-    alone = do_expand and b.num_ranks == 1 and modules.expand_alone_cached()
-    name, threads = ("deep_ep_dispatch_cached_alone", modules.ALONE_THREADS) if alone else \
-        ("deep_ep_dispatch_cached", modules.THREADS)
+    # A rank alone's expanded rows: its own kernel, more threads and finer work items, whose blocks
+    # wait for no other block (a plain launch; impls/dispatch_expand_alone.cuh); the same arguments.
+    # (A module built without it, EP_EXPAND_ALONE_CACHED=0 when it was built, takes the general one.)
+    alone = do_expand and b.num_ranks == 1 and modules.expand_alone_cached() and \
+        ALONE_CACHED_KERNEL in mod.kernel_names()
+    name, threads = (ALONE_CACHED_KERNEL, modules.ALONE_THREADS) if alone else ("deep_ep_dispatch_cached", modules.THREADS)
     prepared = mod.function(name).prepare(
         n_sms, threads, (args, b.transport_args, ctypes.c_int(int(do_zero_padding))), device=b.device.index,
-        cooperative=b.cooperative)
+        cooperative=b.cooperative and not alone)
     return prepared, m, K, n_sms

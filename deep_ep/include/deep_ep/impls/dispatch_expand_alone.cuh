@@ -9,13 +9,16 @@
 // row loads are in flight while the stores drain. On the H200 a minimal kernel of each shape
 // (tools/expand_floor.py) took 148.6 us (whole tokens, 16 warps per SM) against 141.4 (chunks, 32);
 // this kernel 144.6 us against the cached data kernel's 148.6 (tools/tune_gpu.py --expand).
-// The warp of a token's first chunk also writes its scale factors and weights. The rows and values
-// written are the send phase's, bit for bit (the receive phase then writes the padding rows).
+// The warp of a token's first chunk also writes its scale factors and weights; then the padding
+// rows and the rows past the count, as the receive phase ends (dispatch_recv_tail), without the
+// receive phase's loop over peer rows (a rank alone has none, and its registers would not fit
+// 1024 threads). The rows and values written are the cached data kernel's, bit for bit.
 #pragma once
 
 #include "../comm/lsa.cuh"
 #include "../common/grid.cuh"
 #include "dispatch_args.cuh"
+#include "dispatch_recv.cuh"
 
 // EP_EXPAND_ALONE_CACHED (build-time tunable): 1 = a rank alone's cached expanded dispatch is the
 // kernel deep_ep_dispatch_cached_alone (the default), 0 = the cached data kernel of every rank count.
@@ -31,11 +34,14 @@
 
 namespace deep_ep {
 
-// Every warp of the grid; ``a.pos_pair``: the handle's final row of each (token, slot).
+// Every thread of the grid; ``a.pos_pair``: the handle's final row of each (token, slot).
 template <int kDataBytes, int kNumSF, int K>
-__device__ __forceinline__ void dispatch_expand_alone_cached(const DispatchArgs& a, const comm::LsaTransport& tr) {
+__device__ __forceinline__ void dispatch_expand_alone_cached(const DispatchArgs& a, bool zero_padding,
+                                                             const comm::LsaTransport& tr) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
-    constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
+    // The send phase's chunks, but never more than 8 vectors per lane (EP_SEND_UNROLL may ask for
+    // more: 1024 threads leave 64 registers each).
+    constexpr int kUnroll = row_unroll<Row::kVecs, (EP_SEND_UNROLL > 8 ? 8 : EP_SEND_UNROLL), 8>();
     constexpr int kChunk = 32 * kUnroll;
     constexpr int kChunks = (Row::kVecs + kChunk - 1) / kChunk;
     const WarpGrid wg;
@@ -84,6 +90,8 @@ __device__ __forceinline__ void dispatch_expand_alone_cached(const DispatchArgs&
             a.out_weights[my_row] = defect_weight(w, lane);
         }
     }
+    const LayoutIndex ix{1, a.num_experts, a.num_experts};
+    dispatch_recv_tail<kDataBytes, kNumSF, K, true, true>(a, zero_padding, a.num_experts, ix, a.layout[ix.num_tok_rows()]);
 }
 
 }  // namespace deep_ep

@@ -1,6 +1,6 @@
 // Dispatch, receive phase (num_sms blocks) on destination d: waits for every peer, then copies the
 // window rows that came from peers into the output tensors (expanded: scattering each row to its
-// experts' rows), fills padding rows and marks rows past the true count.
+// experts' rows), fills padding rows and marks rows past the true count (dispatch_recv_tail).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -8,6 +8,46 @@
 #include "dispatch_args.cuh"
 
 namespace deep_ep {
+
+// The receive phase's last part, after the rows themselves (every thread of the grid): in the
+// expanded layout the padding rows of the L local experts (zeroed with ``zero_padding``, weights 0),
+// then the rows past the true count (ids -1, weights 0) and recv_src_metadata's rows past the
+// ``num_tok_rows`` received tokens (-1). Also the end of a rank alone's cached expanded dispatch
+// (impls/dispatch_expand_alone.cuh), whose kernel has no peer rows to receive.
+template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
+__device__ __forceinline__ void dispatch_recv_tail(const DispatchArgs& a, bool zero_padding, int L, const LayoutIndex& ix,
+                                                   int num_tok_rows) {
+    using Row = DispatchRow<kDataBytes, kNumSF, K>;
+    const WarpGrid wg;
+    const int lane = wg.lane;
+    if (kExpand) {
+        const int A = a.alignment;
+        for (int idx = wg.warp; idx < L * A; idx += wg.num_warps) {
+            const int e = idx / A, i = idx % A;
+            const int row = a.layout[ix.expert_start() + e] + a.layout[ix.raw_counts() + e] + i;
+            if (row >= a.layout[ix.expert_start() + e] + a.layout[ix.padded_counts() + e]) continue;
+            if (zero_padding) {
+                int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
+                for (int v = lane; v < Row::kVecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+                for (int q = lane; q < kNumSF; q += 32) store_sf<kDataBytes, kNumSF>(a, row, q, 0);
+            }
+            if (a.out_weights != nullptr && lane == 0) a.out_weights[row] = 0.0f;
+        }
+    }
+    const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+    const int num_out_rows = a.layout[ix.num_out_rows()];
+    for (int r = num_out_rows + tid; r < a.out_capacity; r += nthreads) {
+        if (!kCached && !kExpand)
+            for (int k = 0; k < K; ++k) a.out_topk_idx[static_cast<int64_t>(r) * K + k] = -1;
+        if (a.out_weights != nullptr) {
+            if (kExpand) a.out_weights[r] = 0.0f;
+            else for (int k = 0; k < K; ++k) a.out_weights[static_cast<int64_t>(r) * K + k] = 0.0f;
+        }
+    }
+    if (!kCached)
+        for (int64_t i = static_cast<int64_t>(num_tok_rows) * (K + 2) + tid; i < static_cast<int64_t>(a.tok_capacity) * (K + 2); i += nthreads)
+            a.src_meta[i] = -1;
+}
 
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding, const comm::LsaTransport& tr) {
@@ -78,35 +118,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
                 write_src_meta<K>(a, j, s, __ldcg(meta), __ballot_sync(0xffffffffu, local), out_row, lane);
             }
         }
-        // Expanded: padding rows of every local expert.
-        if (kExpand) {
-            const int A = a.alignment;
-            for (int idx = global_warp; idx < L * A; idx += num_warps) {
-                const int e = idx / A, i = idx % A;
-                const int row = a.layout[ix.expert_start() + e] + a.layout[ix.raw_counts() + e] + i;
-                if (row >= a.layout[ix.expert_start() + e] + a.layout[ix.padded_counts() + e]) continue;
-                if (zero_padding) {
-                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
-                    for (int v = lane; v < Row::kVecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
-                    for (int q = lane; q < kNumSF; q += 32) store_sf<kDataBytes, kNumSF>(a, row, q, 0);
-                }
-                if (a.out_weights != nullptr && lane == 0) a.out_weights[row] = 0.0f;
-            }
-        }
-        // Rows past the true count (outputs sized for the worst case): ids -1, weights 0, metadata -1.
-        const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
-        const int num_out_rows = a.layout[ix.num_out_rows()];
-        for (int r = num_out_rows + tid; r < a.out_capacity; r += nthreads) {
-            if (!kCached && !kExpand)
-                for (int k = 0; k < K; ++k) a.out_topk_idx[static_cast<int64_t>(r) * K + k] = -1;
-            if (a.out_weights != nullptr) {
-                if (kExpand) a.out_weights[r] = 0.0f;
-                else for (int k = 0; k < K; ++k) a.out_weights[static_cast<int64_t>(r) * K + k] = 0.0f;
-            }
-        }
-        if (!kCached)
-            for (int64_t i = static_cast<int64_t>(num_tok_rows) * (K + 2) + tid; i < static_cast<int64_t>(a.tok_capacity) * (K + 2); i += nthreads)
-                a.src_meta[i] = -1;
+        dispatch_recv_tail<kDataBytes, kNumSF, K, kExpand, kCached>(a, zero_padding, L, ix, num_tok_rows);
     }
     if (tr.exchanges()) comm::finish_wait(my_window, true, a.err_host);
 }

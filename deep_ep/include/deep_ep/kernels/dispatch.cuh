@@ -1,7 +1,8 @@
 // Entry points of a dispatch module. The host (deep_ep/backends/gpu/modules.py) compiles this file
 // once per structural configuration, passing it as -D defines: EP_DATA_BYTES (bytes of one token
 // row), EP_NUM_SF (4-byte scale factors per row, 0 for BF16), EP_TOPK, EP_EXPAND (0/1),
-// EP_THREADS (block size) and EP_TRANSPORT_NCCL (comm/transport.cuh).
+// EP_THREADS (block size), EP_ALONE_THREADS (block size of a rank alone's cached expanded dispatch)
+// and EP_TRANSPORT_NCCL (comm/transport.cuh); build-time tunables (modules.TUNABLES) may come too.
 // Token counts, rank counts and buffer sizes are run-time arguments: a new batch size never compiles.
 #pragma once
 
@@ -72,15 +73,13 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cac
 
 #if EP_EXPAND && EP_EXPAND_ALONE_CACHED
 // A rank alone's cached dispatch in the expanded layout (impls/dispatch_expand_alone.cuh): its rows
-// fanned out by (token, chunk) work items on EP_ALONE_THREADS threads per block, then the receive
-// phase, which writes the padding rows and marks the rows past the count (it waits for no peer).
-// Launched as the cached data kernel (cooperatively where that is; nothing here waits on another block).
+// fanned out by (token, chunk) work items on EP_ALONE_THREADS threads per block, then its padding
+// rows and the rows past the count. No block waits for another: a plain launch.
 extern "C" __global__ void __launch_bounds__(EP_ALONE_THREADS, 1) deep_ep_dispatch_cached_alone(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::dispatch_expand_alone_cached<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK>(a, tr);
-    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, true, true>(a, zero_padding != 0, tr);
+    deep_ep::dispatch_expand_alone_cached<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK>(a, zero_padding != 0, tr);
 }
 #endif
 
