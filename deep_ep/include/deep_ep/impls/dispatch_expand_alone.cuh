@@ -8,7 +8,8 @@
 // row) is a work item of its own and the kernel runs 32 warps per SM (EP_ALONE_THREADS), so more
 // row loads are in flight while the stores drain. On the H200 a minimal kernel of each shape
 // (tools/expand_floor.py) took 148.6 us (whole tokens, 16 warps per SM) against 141.4 (chunks, 32);
-// this kernel 144.6 us against the cached data kernel's 148.6 (tools/tune_gpu.py --expand).
+// this kernel 143.1 us against the cached data kernel's 148.3 (tools/tune_gpu.py --expand,
+// docs/performance.md).
 // The warp of a token's first chunk also writes its scale factors and weights; then the padding
 // rows and the rows past the count, as the receive phase ends (dispatch_recv_tail), without the
 // receive phase's loop over peer rows (a rank alone has none, and its registers would not fit
