@@ -41,7 +41,10 @@ def empty(shape, dtype: torch.dtype, device, stream=None) -> torch.Tensor:
     before the kernels and a read on the current stream before them sees poison. (Under `poisoned`
     only: the communication stream then also waits for the caller's work queued before the call.)
     """
-    t = torch.empty(shape, dtype=dtype, device=device)
+    # A tuple's sizes passed as separate arguments: torch parses them about 0.45 us faster than the
+    # tuple (1.05 against 1.50 us per `torch.empty` on the CPU machine; tools/alloc_view_cost.py).
+    t = torch.empty(*shape, dtype=dtype, device=device) if type(shape) is tuple and shape else \
+        torch.empty(shape, dtype=dtype, device=device)
     if _depth:
         # Filled on the current stream, the tensor's own (a reader there before the kernels wrote
         # it sees the poison); the kernels' stream then waits for the fill.
