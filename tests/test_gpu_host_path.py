@@ -49,7 +49,7 @@ class _Module:
 
     def kernel_names(self):
         return ["deep_ep_barrier", "deep_ep_dispatch", "deep_ep_dispatch_alone", "deep_ep_dispatch_cached",
-                "deep_ep_dispatch_cached_alone", "deep_ep_notify"]
+                "deep_ep_dispatch_cached_alone", "deep_ep_dispatch_fresh_alone", "deep_ep_notify"]
 
 
 def _backend(log):
@@ -459,7 +459,9 @@ def test_lazy_handle_fields_are_views_at_the_kernels_addresses(sync, expand):
         "psum_num_recv_tokens_per_scaleup_rank": (data.layout + 4 * ix.tok_prefix, (1,)),
         "psum_num_recv_tokens_per_expert": (data.layout + 4 * ix.psum_expert, (E,)),
         "num_unaligned_recv_tokens_per_expert": (data.layout + 4 * ix.raw_counts, (E,)),
-        "dst_buffer_slot_idx": (notify.pos_pair, (T, K)) if expand else (notify.pos_tok, (T, 1)),
+        # (expanded: the final rows, which a rank alone's expanded data kernel writes apart from the
+        # notify kernel's numbering; non-expanded: the notify kernel's rows)
+        "dst_buffer_slot_idx": (data.pos_pair, (T, K)) if expand else (notify.pos_tok, (T, 1)),
         "recv_src_metadata": (data.src_meta, (data.tok_capacity, K + 2)),
     }
     for name, (ptr, shape) in want.items():
@@ -654,11 +656,12 @@ def test_a_single_rank_expanded_with_cpu_sync_queues_its_data_kernel_when_the_pa
     rows = gpu_dispatch.early_rows(T, K, E, align, True)
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
     data, layout = plan.data.args[0], plan.notify.args[1]
+    kernel = dispatch_plan.FRESH_ALONE_KERNEL   # a rank alone's expanded data kernel
     if rows is None:
-        assert kinds.index("wait") < kinds.index("deep_ep_dispatch")
+        assert kinds.index("wait") < kinds.index(kernel)
         assert (data.out_capacity, data.tok_capacity) == (reported, T - 2)
     else:
-        assert kinds[-2:] == ["deep_ep_dispatch", "wait"]
+        assert kinds[-2:] == [kernel, "wait"]
         assert (data.out_capacity, data.tok_capacity) == (rows, T) == (layout.out_capacity, layout.tok_capacity)
         assert (H and (rows, H)) in [s for k, s in events if k == "alloc"]
     assert data.out_x == recv_x.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
@@ -779,6 +782,8 @@ def test_the_hosts_notify_default_is_the_kernels():
     src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/dispatch_expand_alone.cuh").read_text()
     assert int(re.search(r"#define EP_EXPAND_ALONE_CACHED (\d+)", src).group(1)) == \
         modules.EXPAND_ALONE_CACHED_DEFAULT
+    assert int(re.search(r"#define EP_EXPAND_ALONE_FRESH (\d+)", src).group(1)) == \
+        modules.EXPAND_ALONE_FRESH_DEFAULT
     assert int(re.search(r"#define EP_ALONE_THREADS (\d+)", src).group(1)) == modules.ALONE_THREADS
 
 
@@ -964,11 +969,12 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
     for kw in (dict(sync=True, align=1), dict(sync=False, align=4, expand=True)):
         log.clear()
         _dispatch(b, T, weights=False, stats=False, **kw)
-        assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"], kw
+        data = dispatch_plan.FRESH_ALONE_KERNEL if kw.get("expand") else "deep_ep_dispatch"
+        assert [name for name, _, _ in log] == ["deep_ep_notify", data], kw
     _fused(monkeypatch, 2)   # with CPU sync too; the expanded layout keeps the two kernels
     b.fresh_plans.clear()
     for kw, names in ((dict(sync=True, align=1), ["deep_ep_dispatch_alone"]),
-                      (dict(sync=True, align=4, expand=True), ["deep_ep_notify", "deep_ep_dispatch"])):
+                      (dict(sync=True, align=4, expand=True), ["deep_ep_notify", dispatch_plan.FRESH_ALONE_KERNEL])):
         log.clear()
         _dispatch(b, T, weights=False, stats=False, **kw)
         assert [name for name, _, _ in log] == names, kw
@@ -977,6 +983,77 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
     log.clear()
     _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
     assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("define", ["", "EP_EXPAND_ALONE_FRESH=1", "EP_EXPAND_ALONE_FRESH=0"])
+def test_a_rank_alones_fresh_expanded_dispatch_takes_its_own_data_kernel(define, ranks, sync, monkeypatch):
+    """A rank alone's fresh dispatch in the expanded layout moves its rows with
+    deep_ep_dispatch_fresh_alone (`modules.ALONE_THREADS` per block, a plain launch) after the notify
+    kernel, unless the build says EP_EXPAND_ALONE_FRESH=0 or its module lacks the kernel: the notify
+    kernel then numbers each pair into the words' pair_rank piece (T x K words of their own, after
+    the other pieces), whose address is the data kernel's last argument, while the data kernel's
+    pos_pair (the handle's final rows, dst_buffer_slot_idx) is the pos_pair piece; every other
+    argument byte is the data kernel's. Ranks of several take the data kernel, numbering into
+    pos_pair."""
+    from deep_ep.backends.gpu import modules
+    from deep_ep.backends.gpu.abi import DispatchArgs
+    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
+    prepared = []
+    real_prepared = _Prepared.__init__
+
+    def record(self, *args, **kw):
+        real_prepared(self, *args, **kw)
+        prepared.append(self)
+    monkeypatch.setattr(_Prepared, "__init__", record)
+    log = []
+    b = _backend(log)
+    b.num_ranks = ranks   # the plan's kernel choice and word plan read this; the stand-in reports one rank's counts
+    T = 24
+    b.last_tok_rows = T
+
+    def fresh():
+        b.fresh_plans.clear()
+        log.clear()
+        prepared.clear()
+        b.last_tokens = T * K
+        (_, _, _, handle), keep = _dispatch(b, T, weights=True, sync=sync, align=1, stats=False, expand=True, seed=5)
+        (name, grid, args), = [e for e in log if e[0] != "deep_ep_notify"]
+        p, = [q for q in prepared if q.name == name]
+        notify = NotifyArgs.from_buffer_copy(log[0][2][0])
+        return name, p.block, grid, p.cooperative, args, notify, handle, keep
+
+    got = fresh()
+    alone = ranks == 1 and define != "EP_EXPAND_ALONE_FRESH=0"
+    assert modules.expand_alone_fresh() == (define != "EP_EXPAND_ALONE_FRESH=0")
+    assert got[:4] == ((dispatch_plan.FRESH_ALONE_KERNEL, modules.ALONE_THREADS, 4, False) if alone
+                       else ("deep_ep_dispatch", modules.THREADS, 4, True))
+    name, _, _, _, args, notify, handle, keep = got
+    data = DispatchArgs.from_buffer_copy(args[0])
+    state = handle.backend_state
+    base, plan = state.words.data_ptr(), state.plan
+    assert handle.dst_buffer_slot_idx.data_ptr() == data.pos_pair == base + 4 * plan.pos_pair_at
+    if alone:
+        rank_ptr = ctypes.c_void_p.from_buffer_copy(args[3]).value
+        assert notify.pos_pair == rank_ptr == plan.pair_rank_address(base) == base + 4 * plan.pair_rank_at
+        # its own T x K words, past every other piece and inside the allocation
+        assert plan.pair_rank_at >= plan.meta_at + plan.meta_rows * (K + 2) and plan.pair_rank_at >= \
+            plan.pos_pair_at + T * K and plan.pair_rank_at + T * K <= plan.total == state.words.numel()
+    else:
+        assert notify.pos_pair == data.pos_pair and plan.pair_rank_at == 0 and plan.pair_rank_address(base) is None
+    # a module without the kernel (built with EP_EXPAND_ALONE_FRESH=0): the data kernel, whose
+    # arguments are the same bytes but the per-call addresses
+    monkeypatch.setattr(_Module, "kernel_names", lambda self: ["deep_ep_dispatch", "deep_ep_notify"])
+    general = fresh()
+    assert general[:4] == ("deep_ep_dispatch", modules.THREADS, 4, True)
+    theirs = DispatchArgs.from_buffer_copy(general[4][0])
+    assert general[5].pos_pair == theirs.pos_pair
+    for field, *_ in DispatchArgs._fields_:
+        if field not in ("x", "topk_idx", "topk_weights", "pos_tok", "pos_pair", "out_x", "out_weights", "src_meta",
+                         "layout", "tag"):
+            assert getattr(data, field) == getattr(theirs, field), field
+    assert args[1:3] == general[4][1:]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -44,10 +44,11 @@ def test_dispatch_module_compiles(structure):
                     check_spills=True)
     names = set(mod.kernel_names())
     assert {"deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_cached"} <= names
-    # a rank alone's one-kernel fresh dispatch: non-expanded modules only; its cached expanded
-    # dispatch kernel: expanded modules only
+    # a rank alone's one-kernel fresh dispatch: non-expanded modules only; its expanded dispatch
+    # kernels, cached and fresh: expanded modules only
     assert ("deep_ep_dispatch_alone" in names) == (not structure[3])
     assert ("deep_ep_dispatch_cached_alone" in names) == structure[3]
+    assert ("deep_ep_dispatch_fresh_alone" in names) == structure[3]
 
 
 @pytest.mark.parametrize("structure", COMBINE, ids=lambda s: "h{}_k{}_{}".format(*s))

@@ -45,7 +45,8 @@ from tune_gpu import bit_equal, parse_variant
 NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "dst_buffer_slot_idx", "layout words", "handle topk_idx",
          "recv_src_metadata", "handle words (layout, pos_tok, pos_pair, metadata)", "readback", "stats")
 MODES = ("sync", "no sync", "expanded")   # the calls compared: see `_snapshots`
-KERNELS = ("deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_alone")   # a fresh dispatch's, either path
+# a fresh dispatch's, any path (a rank alone's expanded rows: deep_ep_dispatch_fresh_alone)
+KERNELS = ("deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_alone", "deep_ep_dispatch_fresh_alone")
 
 
 def _snapshot(call) -> list:

@@ -20,6 +20,12 @@ A rank alone without the expanded layout or CPU sync runs steps 1 and 3 as one k
 token range, and one that writes the layout once they have numbered); with CPU sync too in a build
 with ``EP_DISPATCH_ALONE_FUSED=2``, unless its scale factors are column-major (`FreshPlan`).
 
+A rank alone's fresh dispatch in the expanded layout moves its rows with
+``deep_ep_dispatch_fresh_alone`` instead of ``deep_ep_dispatch`` (finer work items on more threads
+per block; the notify kernel numbers each pair into a piece of the handle's words of its own,
+pair_rank, and the kernel writes the final rows to pos_pair; ``EP_EXPAND_ALONE_FRESH=0`` builds
+without it).
+
 A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch;
 a rank alone's in the expanded layout runs ``deep_ep_dispatch_cached_alone`` instead (its rows in
 finer work items on more threads per block; ``EP_EXPAND_ALONE_CACHED=0`` builds without it).
@@ -212,7 +218,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
         rows = early_rows(T, K, E, plan.A, bool(do_expand)) if early else None
-        wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T)
+        wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T,
+                       plan.pair_rank is not None)
         if fused:
             per_t = (wp, plan.fused_grid, alone_tokens_per_block(T, plan.fused_grid), rows)
         elif plan.scan:
@@ -239,6 +246,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     na.topk_idx, na.num_tokens, na.tokens_per_group = topk_ptr, T, tokens_per_group
     na.topk_copy = (handle_topk.data_ptr() or None) if do_handle_copy else None
     na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
+    if plan.pair_rank is not None:   # a rank alone's expanded data kernel: the notify kernel numbers apart
+        na.pos_pair = plan.pair_rank.value = wp.pair_rank_address(lay_ptr)
     la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
     if do_cpu_sync:
         b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1

@@ -15,8 +15,10 @@ from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutArgs, Not
 from . import modules
 from . import window as wl
 
-__all__ = ["FreshPlan", "alone_grid", "alone_tokens_per_block", "check_config", "dispatch_tag", "sf_ld", "ptr"]
+__all__ = ["FreshPlan", "FRESH_ALONE_KERNEL", "alone_grid", "alone_tokens_per_block", "check_config", "dispatch_tag", "sf_ld", "ptr"]
 
+# A rank alone's fresh expanded data kernel (impls/dispatch_expand_alone.cuh).
+FRESH_ALONE_KERNEL = "deep_ep_dispatch_fresh_alone"
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
@@ -52,7 +54,7 @@ class FreshPlan:
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
                  "alone", "scan", "early", "notify", "data", "fused", "fused_grid", "per_tokens", "tags", "fused_tags",
-                 "handle_fields")
+                 "pair_rank", "handle_fields")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -105,9 +107,23 @@ class FreshPlan:
         self.notify = mod.function("deep_ep_notify").prepare(
             1, 32 * NOTIFY_WARPS, (notify_args(), layout_args(), transport),
             device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E))
-        self.data = mod.function("deep_ep_dispatch").prepare(
-            self.n_sms, modules.THREADS, (data_args(), transport, ctypes.c_int(int(do_zero_padding))),
-            device=dev.index, cooperative=b.cooperative)
+        # A rank alone's expanded rows: its own data kernel, (token, chunk) work items on more threads
+        # per block, whose blocks wait for no other (a plain launch; impls/dispatch_expand_alone.cuh).
+        # The notify kernel then numbers each pair into a piece of the words of its own, pair_rank
+        # (`word_plan`), whose address each call sets as the kernel's last argument (``pair_rank``, a
+        # ctypes pointer; None for the data kernel of every rank count). (A module built without the
+        # kernel, EP_EXPAND_ALONE_FRESH=0 when it was built, takes the data kernel.)
+        self.pair_rank = None
+        if R == 1 and do_expand and modules.expand_alone_fresh() and FRESH_ALONE_KERNEL in mod.kernel_names():
+            self.pair_rank = ctypes.c_void_p(None)
+            self.data = mod.function(FRESH_ALONE_KERNEL).prepare(
+                self.n_sms, modules.ALONE_THREADS,
+                (data_args(), transport, ctypes.c_int(int(do_zero_padding)), self.pair_rank), device=dev.index,
+                cooperative=False)
+        else:
+            self.data = mod.function("deep_ep_dispatch").prepare(
+                self.n_sms, modules.THREADS, (data_args(), transport, ctypes.c_int(int(do_zero_padding))),
+                device=dev.index, cooperative=b.cooperative)
         # every struct's tag, as views into their arguments (a ctypes field read makes a new view)
         self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
         # A rank alone's token scan and data kernel as one kernel (impls/dispatch_alone.cuh; its

@@ -15,12 +15,13 @@ from .abi import TEST_DEFECTS
 
 __all__ = ["THREADS", "ALONE_THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT",
            "NOTIFY_TOKEN_SCAN_DEFAULT", "DISPATCH_ALONE_FUSED_DEFAULT", "EXPAND_ALONE_CACHED_DEFAULT",
+           "EXPAND_ALONE_FRESH_DEFAULT", "expand_alone_fresh",
            "kernel_source", "notify_single_rank", "notify_token_scan", "dispatch_alone_fused", "expand_alone_cached",
            "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines",
            "build_module", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
-ALONE_THREADS = 1024    # threads of a rank alone's cached expanded dispatch kernel (EP_ALONE_THREADS)
+ALONE_THREADS = 1024    # threads of a rank alone's expanded dispatch kernels (EP_ALONE_THREADS)
 
 # Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh)
 # and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh; EP_NOTIFY_TOKEN_SCAN,
@@ -31,7 +32,8 @@ ALONE_THREADS = 1024    # threads of a rank alone's cached expanded dispatch ker
 # overriding those would break the host's view of the kernels.
 TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
                       "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK",
-                      "EP_NOTIFY_TOKEN_SCAN", "EP_DISPATCH_ALONE_FUSED", "EP_EXPAND_ALONE_CACHED"})
+                      "EP_NOTIFY_TOKEN_SCAN", "EP_DISPATCH_ALONE_FUSED", "EP_EXPAND_ALONE_CACHED",
+                      "EP_EXPAND_ALONE_FRESH"})
 
 
 def kernel_source(kind: str) -> str:
@@ -88,6 +90,17 @@ EXPAND_ALONE_CACHED_DEFAULT = 1
 def expand_alone_cached() -> bool:
     """Whether a rank alone's cached expanded dispatch takes its own kernel (EP_EXPAND_ALONE_CACHED)."""
     return tunable_defines().get("EP_EXPAND_ALONE_CACHED", EXPAND_ALONE_CACHED_DEFAULT) != 0
+
+
+# EP_EXPAND_ALONE_FRESH's default, likewise (the same file and test): a rank alone's fresh dispatch
+# in the expanded layout moves its rows with deep_ep_dispatch_fresh_alone, ALONE_THREADS per block,
+# after the notify kernel, instead of the data kernel.
+EXPAND_ALONE_FRESH_DEFAULT = 1
+
+
+def expand_alone_fresh() -> bool:
+    """Whether a rank alone's fresh expanded dispatch takes its own data kernel (EP_EXPAND_ALONE_FRESH)."""
+    return tunable_defines().get("EP_EXPAND_ALONE_FRESH", EXPAND_ALONE_FRESH_DEFAULT) != 0
 
 
 def tunable_defines() -> dict:

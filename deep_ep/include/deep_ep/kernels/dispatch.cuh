@@ -1,7 +1,7 @@
 // Entry points of a dispatch module. The host (deep_ep/backends/gpu/modules.py) compiles this file
 // once per structural configuration, passing it as -D defines: EP_DATA_BYTES (bytes of one token
 // row), EP_NUM_SF (4-byte scale factors per row, 0 for BF16), EP_TOPK, EP_EXPAND (0/1),
-// EP_THREADS (block size), EP_ALONE_THREADS (block size of a rank alone's cached expanded dispatch)
+// EP_THREADS (block size), EP_ALONE_THREADS (block size of a rank alone's expanded dispatch kernels)
 // and EP_TRANSPORT_NCCL (comm/transport.cuh); build-time tunables (modules.TUNABLES) may come too.
 // Token counts, rank counts and buffer sizes are run-time arguments: a new batch size never compiles.
 #pragma once
@@ -79,7 +79,19 @@ extern "C" __global__ void __launch_bounds__(EP_ALONE_THREADS, 1) deep_ep_dispat
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::dispatch_expand_alone_cached<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK>(a, zero_padding != 0, tr);
+    deep_ep::dispatch_expand_alone<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, false>(a, zero_padding != 0, tr, nullptr);
+}
+#endif
+
+#if EP_EXPAND && EP_EXPAND_ALONE_FRESH
+// A rank alone's fresh dispatch in the expanded layout, after the notify kernel (the same
+// impls/dispatch_expand_alone.cuh): ``pair_rank`` [T, K], the notify kernel's index of each pair
+// among its expert's pairs; the final rows go to a.pos_pair. A plain launch, as the cached one.
+extern "C" __global__ void __launch_bounds__(EP_ALONE_THREADS, 1) deep_ep_dispatch_fresh_alone(
+        deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding, const int* pair_rank) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::dispatch_expand_alone<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, true>(a, zero_padding != 0, tr, pair_rank);
 }
 #endif
 
