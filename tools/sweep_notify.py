@@ -58,7 +58,16 @@ def _snapshot(call) -> list:
                              *handle.num_recv_tokens_per_expert_list], dtype=torch.int64)
     return [None if t is None else t.clone()
             for t in (recv_x, recv_idx, recv_w, handle.dst_buffer_slot_idx, handle.backend_state.layout,
-                      handle.topk_idx, handle.recv_src_metadata, handle.backend_state.words, readback, stats)]
+                      handle.topk_idx, handle.recv_src_metadata, _handle_words(handle.backend_state), readback,
+                      stats)]
+
+
+def _handle_words(state):
+    """The handle's words but the pair_rank piece, the notify kernel's numbering that only a rank
+    alone's expanded data kernel reads (a build without that kernel has none; the final rows it
+    writes from it are pos_pair's, compared)."""
+    at = state.plan.pair_rank_at
+    return state.words[:at] if at else state.words
 
 
 def _snapshots(buf, x, idx, w, experts: int) -> dict:
