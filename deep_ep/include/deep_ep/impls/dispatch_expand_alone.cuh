@@ -59,8 +59,6 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
     constexpr int kChunks = (Row::kVecs + kChunk - 1) / kChunk;
     const WarpGrid wg;
     const int lane = wg.lane;
-    const LayoutIndex ix{1, a.num_experts, a.num_experts};
-    const int64_t items = static_cast<int64_t>(a.num_tokens) * kChunks;
     // After a timeout or an out-of-range id the layout is void: move nothing (as the send phase).
     if (comm::has_error(tr.local())) {
         // A fresh dispatch leaves the handle's rows as the notify kernel numbered them, as the data
@@ -71,6 +69,7 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
                 a.pos_pair[i] = pair_rank[i];
         return;
     }
+    const int64_t items = static_cast<int64_t>(a.num_tokens) * kChunks;
     const bool with_weights = a.out_weights != nullptr;
     for (int64_t item = wg.warp; item < items; item += wg.num_warps) {
         const int t = static_cast<int>(item / kChunks), base = static_cast<int>(item % kChunks) * kChunk;
@@ -84,11 +83,11 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
         if (lane < K) {
             const int64_t e = a.topk_idx[static_cast<int64_t>(t) * K + lane];
             const int row = (kFresh ? pair_rank : a.pos_pair)[static_cast<int64_t>(t) * K + lane];
-            final_row = row;
+            if (kFresh) final_row = row;
             if (e >= 0 && e < a.num_experts) {
                 my_expert = static_cast<int>(e);
-                if (kFresh && row >= 0) final_row = row + a.layout[ix.out_base() + my_expert];
-                my_row = final_row;
+                if (kFresh && row >= 0) final_row = row + a.layout[LayoutIndex{1, a.num_experts, a.num_experts}.out_base() + my_expert];
+                my_row = kFresh ? final_row : row;
             }
         }
 #pragma unroll
@@ -126,6 +125,7 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
             write_src_meta<K>(a, token_row, 0, t, __ballot_sync(0xffffffffu, local), local ? my_row : -1, lane);
         }
     }
+    const LayoutIndex ix{1, a.num_experts, a.num_experts};
     dispatch_recv_tail<kDataBytes, kNumSF, K, true, !kFresh>(a, zero_padding, a.num_experts, ix, a.layout[ix.num_tok_rows()]);
 }
 
