@@ -15,10 +15,10 @@ from .abi import TEST_DEFECTS
 
 __all__ = ["THREADS", "ALONE_THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT",
            "NOTIFY_TOKEN_SCAN_DEFAULT", "DISPATCH_ALONE_FUSED_DEFAULT", "EXPAND_ALONE_CACHED_DEFAULT",
-           "EXPAND_ALONE_FRESH_DEFAULT", "expand_alone_fresh",
-           "kernel_source", "notify_single_rank", "notify_token_scan", "dispatch_alone_fused", "expand_alone_cached",
-           "tunable_defines", "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines",
-           "build_module", "load_module", "num_modules_built"]
+           "EXPAND_ALONE_FRESH_DEFAULT", "kernel_source", "notify_single_rank", "notify_token_scan",
+           "dispatch_alone_fused", "expand_alone_cached", "expand_alone_fresh", "tunable_defines",
+           "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines", "build_module",
+           "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 ALONE_THREADS = 1024    # threads of a rank alone's expanded dispatch kernels (EP_ALONE_THREADS)
