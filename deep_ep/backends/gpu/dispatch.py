@@ -210,7 +210,8 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     fused = plan.fused is not None and (early or not do_cpu_sync)
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the worst
-    # case; early: T) (`word_plan`); the kernels get addresses inside it.
+    # case; early: T), pair_rank [T, K] for a rank alone's expanded data kernel (`word_plan`); the
+    # kernels get addresses inside it.
     grid_key = (T, early, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
                 NOTIFY_SCAN_TOKENS_PER_BLOCK)
     per_t = plan.per_tokens.get(grid_key)

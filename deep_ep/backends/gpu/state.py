@@ -72,8 +72,9 @@ class GPUHandleState:
     """What the kernels need beyond `EPHandle`'s public fields (device tensors and their addresses).
 
     words:         the dispatch's one int32 allocation: the layout words (common/abi.cuh, this rank
-                   as destination and as source), pos_tok, pos_pair, and (when its rows are known
-                   before the call) recv_src_metadata, laid out by ``plan`` (`WordPlan`)
+                   as destination and as source), pos_tok, pos_pair, (when its rows are known
+                   before the call) recv_src_metadata, and (a rank alone's fresh expanded dispatch
+                   through its own data kernel) pair_rank, laid out by ``plan`` (`WordPlan`)
     recv_topk_idx: the non-expanded dispatch's recv_topk_idx, returned again by a cached dispatch
     launches:      prepared kernel launches of cached dispatches and combines with this handle
                    (`jit.PreparedLaunch`, keyed by kernel structure and options; not copied by `clone`):

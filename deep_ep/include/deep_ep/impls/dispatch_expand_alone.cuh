@@ -59,7 +59,9 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
     constexpr int kChunks = (Row::kVecs + kChunk - 1) / kChunk;
     const WarpGrid wg;
     const int lane = wg.lane;
-    // After a timeout or an out-of-range id the layout is void: move nothing (as the send phase).
+    // After a timeout or a refused receive the layout is void: move nothing (as the send phase).
+    // (An out-of-range id reaches the host's record only: rows move as the data kernel moves them,
+    // into outputs the call then voids.)
     if (comm::has_error(tr.local())) {
         // A fresh dispatch leaves the handle's rows as the notify kernel numbered them, as the data
         // kernel does when it moves nothing.
