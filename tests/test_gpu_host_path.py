@@ -985,6 +985,19 @@ def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypa
     assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
 
 
+def _record_prepared(monkeypatch) -> list:
+    """A list that every `_Prepared` made from now on (a prepared launch of the stand-in modules) is
+    appended to."""
+    prepared = []
+    real_prepared = _Prepared.__init__
+
+    def record(self, *args, **kw):
+        real_prepared(self, *args, **kw)
+        prepared.append(self)
+    monkeypatch.setattr(_Prepared, "__init__", record)
+    return prepared
+
+
 @pytest.mark.parametrize("sync", [False, True])
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("define", ["", "EP_EXPAND_ALONE_FRESH=1", "EP_EXPAND_ALONE_FRESH=0"])
@@ -1000,13 +1013,7 @@ def test_a_rank_alones_fresh_expanded_dispatch_takes_its_own_data_kernel(define,
     from deep_ep.backends.gpu import modules
     from deep_ep.backends.gpu.abi import DispatchArgs
     monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
-    prepared = []
-    real_prepared = _Prepared.__init__
-
-    def record(self, *args, **kw):
-        real_prepared(self, *args, **kw)
-        prepared.append(self)
-    monkeypatch.setattr(_Prepared, "__init__", record)
+    prepared = _record_prepared(monkeypatch)
     log = []
     b = _backend(log)
     b.num_ranks = ranks   # the plan's kernel choice and word plan read this; the stand-in reports one rank's counts
@@ -1068,13 +1075,7 @@ def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, def
     from deep_ep.backends.gpu import modules
     from deep_ep.backends.gpu.abi import DispatchArgs
     monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
-    prepared = []
-    real_prepared = _Prepared.__init__
-
-    def record(self, *args, **kw):
-        real_prepared(self, *args, **kw)
-        prepared.append(self)
-    monkeypatch.setattr(_Prepared, "__init__", record)
+    prepared = _record_prepared(monkeypatch)
     log = []
     b = _backend(log)
     (_, _, _, handle), _ = _dispatch(b, 24, weights=True, sync=True, align=2, stats=False, expand=expand, seed=3)

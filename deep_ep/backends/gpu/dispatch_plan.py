@@ -15,7 +15,8 @@ from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutArgs, Not
 from . import modules
 from . import window as wl
 
-__all__ = ["FreshPlan", "FRESH_ALONE_KERNEL", "alone_grid", "alone_tokens_per_block", "check_config", "dispatch_tag", "sf_ld", "ptr"]
+__all__ = ["FreshPlan", "FRESH_ALONE_KERNEL", "alone_grid", "alone_tokens_per_block", "check_config", "dispatch_tag",
+           "sf_ld", "ptr"]
 
 # A rank alone's fresh expanded data kernel (impls/dispatch_expand_alone.cuh).
 FRESH_ALONE_KERNEL = "deep_ep_dispatch_fresh_alone"

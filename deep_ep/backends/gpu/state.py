@@ -50,7 +50,8 @@ def _align_words(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int, pair_rank: bool = False) -> WordPlan:
+def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int,
+              pair_rank: bool = False) -> WordPlan:
     """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
     ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
     2)]`` (where its rows are known before the call: without CPU sync the worst case, and T for a
