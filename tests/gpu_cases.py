@@ -103,6 +103,11 @@ _BASE = [
     Case("bf16-expand-nosync", expand=True, alignment=8, do_cpu_sync=False),
     # little padding: a rank alone with CPU sync allocates its expanded outputs before its counts
     Case("bf16-expand-align2", expand=True, alignment=2, mask_prob=0.3),
+    # A rank alone's fresh expanded data kernel (impls/dispatch_expand_alone.cuh) without weights, and
+    # with no tokens, with and without CPU sync (the rank alone of EP=1 is the empty one).
+    Case("bf16-expand-noweights", expand=True, alignment=4, weights=False, num_bias=1),
+    Case("bf16-expand-empty-rank", expand=True, alignment=4, tokens=(0, 50, 17)),
+    Case("bf16-expand-nosync-empty-rank", expand=True, alignment=8, tokens=(0, 50, 17), do_cpu_sync=False),
     Case("bf16-empty-rank", tokens=(0, 50, 17)),
     Case("bf16-all-masked", mask_prob=1.0),
     # About one token in seven selects no expert: fewer rows than tokens even on a rank alone, whose
