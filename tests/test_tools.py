@@ -52,3 +52,24 @@ def test_the_expand_floor_kernels_compile_and_its_rows_follow_the_layout():
     assert sorted(pos.flatten().tolist()) == list(range(200))
     order = sorted(((int(idx[t, k]), t), int(pos[t, k])) for t in range(50) for k in range(4))
     assert [row for _, row in order] == list(range(200))
+
+
+def test_host_python_cost_stamps_show_where_each_call_allocates_and_launches():
+    """tools/host_python_cost.py --stamps runs, and shows the full dispatch with CPU sync making its
+    two handle allocations, launching the notify kernel, making its three outputs and launching the
+    data kernel, in that order; the cached dispatch and the combine one launch each."""
+    import re
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "host_python_cost.py"), "--stamps"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    kinds = {}
+    for line in out.splitlines()[1:]:
+        name, _, stamps = line.strip().partition("  ")
+        kinds[name] = [re.match(r"([a-zL]+)([0-9.]+)$", s).groups() for s in stamps.split()]
+    full = kinds["public: full dispatch, CPU sync"]
+    assert [k for k, _ in full] == ["a", "a", "L", "a", "a", "a", "L", "end"], full
+    times = [float(t) for _, t in full]
+    assert times == sorted(times) and times[0] > 0, full
+    assert [k for k, _ in kinds["public: cached dispatch"]] == ["a", "a", "L", "end"]
+    assert [k for k, _ in kinds["public: combine"]] == ["a", "L", "end"]

@@ -11,10 +11,16 @@ views and objects a call makes. The fresh dispatch's checks leave out the expert
 which reads the tensor on CPU only (the GPU's kernels do it), and so does the public full dispatch. Prints the best of five rounds of 1000
 calls each, in us per call.
 
-Usage: python tools/host_python_cost.py
+With ``--stamps`` it prints instead, for the public bf16 calls, when each allocation (``a``) and each
+launch (``L``) happens and when the call returns, in us from the call's start (medians of 3000
+calls): how much of a call's Python comes before its data kernel is queued.
+
+Usage: python tools/host_python_cost.py [--stamps]
 """
 import os
+import statistics
 import sys
+import time
 import types
 
 import torch
@@ -32,13 +38,33 @@ from deep_ep.bench.gpu_timing import best_host_us  # noqa: E402
 T, H, E, K = 4096, 7168, 256, 8
 
 
+# (kind, perf_counter_ns) of the current call with --stamps; None (nothing recorded) without
+_STAMPS = [] if "--stamps" in sys.argv[1:] else None
+
+
 class _NoLaunch(host_path._Prepared):
     def launch(self, stream, grid=0):
-        pass
+        if _STAMPS is not None:
+            _STAMPS.append(("L", time.perf_counter_ns()))
 
 
 def _best_us(fn) -> float:
     return best_host_us(fn, calls=1000, rounds=5, warmup=200)
+
+
+def _stamped(fn, calls: int = 3000) -> str:
+    """The medians over ``calls`` calls of ``fn`` of each allocation's and launch's time, and of the
+    return, in us from the call's start, as ``a6.6 a7.1 L8.8 ... end17.3``."""
+    for _ in range(200):
+        fn()
+    runs = []
+    for _ in range(calls):
+        _STAMPS.clear()
+        t0 = time.perf_counter_ns()
+        fn()
+        t1 = time.perf_counter_ns()
+        runs.append([(k, (t - t0) / 1e3) for k, t in _STAMPS] + [("end", (t1 - t0) / 1e3)])
+    return " ".join(f"{kind}{statistics.median(r[i][1] for r in runs):.1f}" for i, (kind, _) in enumerate(runs[0]))
 
 
 def main() -> None:
@@ -53,6 +79,8 @@ def main() -> None:
     cache = {}
 
     def empty(shape, dtype, device, stream=None):
+        if _STAMPS is not None:
+            _STAMPS.append(("a", time.perf_counter_ns()))
         t = cache.get((shape, dtype))
         if t is None:
             t = cache[(shape, dtype)] = torch.empty(shape, dtype=dtype)
@@ -119,6 +147,12 @@ def main() -> None:
         ("public: FP8 cached, col-major scales", lambda: pub.dispatch(x8, topk_weights=w, handle=handle8,
                                                                       use_tma_aligned_col_major_sf=True)),
     ]
+    if _STAMPS is not None:
+        print(f"Allocations (a), launches (L) and return, us from the call's start (T={T}, medians)")
+        for name, fn in rows:
+            if name.startswith("public:") and "FP8" not in name:
+                print(f"  {name:38s} {_stamped(fn)}")
+        return
     print(f"Python per call, us (T={T}, hidden {H}, {E} experts, top-{K}; no allocations, no driver calls)")
     for name, fn in rows:
         print(f"  {name:38s} {_best_us(fn):6.1f}")
