@@ -38,14 +38,17 @@ from deep_ep.bench.gpu_timing import best_host_us  # noqa: E402
 T, H, E, K = 4096, 7168, 256, 8
 
 
-# (kind, perf_counter_ns) of the current call with --stamps; None (nothing recorded) without
-_STAMPS = [] if "--stamps" in sys.argv[1:] else None
+_STAMPS = []   # (kind, perf_counter_ns) of the current call, with --stamps
 
 
 class _NoLaunch(host_path._Prepared):
     def launch(self, stream, grid=0):
-        if _STAMPS is not None:
-            _STAMPS.append(("L", time.perf_counter_ns()))
+        pass
+
+
+class _StampedLaunch(_NoLaunch):
+    def launch(self, stream, grid=0):
+        _STAMPS.append(("L", time.perf_counter_ns()))
 
 
 def _best_us(fn) -> float:
@@ -68,7 +71,8 @@ def _stamped(fn, calls: int = 3000) -> str:
 
 
 def main() -> None:
-    host_path._Prepared = _NoLaunch
+    stamps = "--stamps" in sys.argv[1:]
+    host_path._Prepared = _StampedLaunch if stamps else _NoLaunch
     b = host_path._backend([])
     b.config = BufferConfig(buffer_id=0, rank=0, num_ranks=1, num_bytes=1 << 31, num_max_tokens_per_rank=T,
                             hidden=H, num_topk=K, use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True,
@@ -79,13 +83,15 @@ def main() -> None:
     cache = {}
 
     def empty(shape, dtype, device, stream=None):
-        if _STAMPS is not None:
-            _STAMPS.append(("a", time.perf_counter_ns()))
         t = cache.get((shape, dtype))
         if t is None:
             t = cache[(shape, dtype)] = torch.empty(shape, dtype=dtype)
         return t
-    outputs.empty = empty
+
+    def stamped_empty(shape, dtype, device, stream=None):
+        _STAMPS.append(("a", time.perf_counter_ns()))
+        return empty(shape, dtype, device, stream)
+    outputs.empty = stamped_empty if stamps else empty
     x = torch.randn(T, H).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     w = torch.rand(T, K)
@@ -147,7 +153,7 @@ def main() -> None:
         ("public: FP8 cached, col-major scales", lambda: pub.dispatch(x8, topk_weights=w, handle=handle8,
                                                                       use_tma_aligned_col_major_sf=True)),
     ]
-    if _STAMPS is not None:
+    if stamps:
         print(f"Allocations (a), launches (L) and return, us from the call's start (T={T}, medians)")
         for name, fn in rows:
             if name.startswith("public:") and "FP8" not in name:
