@@ -789,7 +789,7 @@ def test_the_hosts_notify_default_is_the_kernels():
 
 def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
     """A fresh dispatch's notify grid is kept per token count, and follows the settings that
-    tools/sweep_notify.py changes between calls (the cap on groups, the pairs per group)."""
+    a tuning run may change between calls (the cap on groups, the pairs per group)."""
     log = []
     b = _backend(log)
     b.notify_groups_max = 64

@@ -29,31 +29,6 @@ def test_parse_variant():
     assert parse_variant("") == {}
 
 
-def test_the_write_floor_kernel_compiles():
-    """tools/write_floor.py's store kernel, both variants (NVRTC, no GPU needed)."""
-    import write_floor
-    for streaming in (False, True):
-        assert write_floor.kernel(streaming) is not None
-
-
-def test_the_expand_floor_kernels_compile_and_its_rows_follow_the_layout():
-    """tools/expand_floor.py: every variant of its fan-out kernel compiles (NVRTC, no GPU needed),
-    and its destination rows are the expanded layout's at alignment 1 (grouped by expert, tokens in
-    order within an expert, every row once)."""
-    import expand_floor
-    for defines in expand_floor.VARIANTS.values():
-        for threads in (512, 1024):
-            assert expand_floor.build(defines, 7, 8, threads) is not None
-    idx = torch.tensor([[0, 2], [1, 0], [2, 1]])
-    assert expand_floor.expanded_rows(idx, 3).tolist() == [[0, 4], [2, 1], [5, 3]]
-    g = torch.Generator().manual_seed(0)
-    idx = torch.rand((50, 16), generator=g).topk(4, dim=1).indices
-    pos = expand_floor.expanded_rows(idx, 16).long()
-    assert sorted(pos.flatten().tolist()) == list(range(200))
-    order = sorted(((int(idx[t, k]), t), int(pos[t, k])) for t in range(50) for k in range(4))
-    assert [row for _, row in order] == list(range(200))
-
-
 def test_host_python_cost_stamps_show_where_each_call_allocates_and_launches():
     """tools/host_python_cost.py --stamps runs, and shows the full dispatch with CPU sync making its
     two handle allocations, launching the notify kernel, making its three outputs and launching the

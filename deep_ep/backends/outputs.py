@@ -42,7 +42,7 @@ def empty(shape, dtype: torch.dtype, device, stream=None) -> torch.Tensor:
     only: the communication stream then also waits for the caller's work queued before the call.)
     """
     # A tuple's sizes passed as separate arguments: torch parses them about 0.45 us faster than the
-    # tuple (1.05 against 1.50 us per `torch.empty` on the CPU machine; tools/alloc_view_cost.py).
+    # tuple (docs/performance.md).
     t = torch.empty(*shape, dtype=dtype, device=device) if type(shape) is tuple and shape else \
         torch.empty(shape, dtype=dtype, device=device)
     if _depth:

@@ -1,7 +1,7 @@
 """GPU timing for the bench and the tools: CUDA-event clock, CUDA graphs, the floor, baselines.
 
 Everything here measures; nothing checks (`deep_ep.bench.check` does). Imported only on the GPU path
-(and by ``tools/profile_gpu.py``, ``tools/tune_gpu.py``, ``tools/row_floor.py``).
+(and by ``tools/profile_gpu.py`` and ``tools/tune_gpu.py``).
 """
 from __future__ import annotations
 
@@ -189,9 +189,8 @@ def write_floor_us(num_bytes: int, device, iters: int = 20) -> float:
     destinations: below about 8 MB the writes stay in L2, which only makes it faster). An operation
     that mostly writes, such as the expanded dispatch (each token read once, written once per
     expert), is bounded by this as well as by the copy of its traffic; `floor_us` takes the slower.
-    The fastest of the writers tools/write_floor.py measured on the H200 (470 MB: 102.8 us on int64
-    elements, 104.7 for the driver's memset, 108.6-111.5 for kernels of 16-byte stores, 140.0 for
-    the same fill on bytes); a faster writer would lower this floor."""
+    The fastest writer measured on the H200 (torch's fill on bytes, the driver's memset and kernels
+    of 16-byte stores were slower); a faster writer would lower this floor."""
     _n, dsts = _rotating_buffers(num_bytes, device,
                                  lambda n: torch.empty(-(-n // 8), dtype=torch.int64, device=device))
     return _back_to_back_us(lambda i: dsts[i % len(dsts)].fill_(i), iters)

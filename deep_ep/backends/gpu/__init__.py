@@ -134,8 +134,8 @@ class GPUBackend(Backend):
     def set_notify_groups_max(self, groups_max: int) -> None:
         """Cap the notify kernel's grid at ``groups_max`` groups (warps; rounded down to whole blocks
         of `dispatch.NOTIFY_WARPS`, at least one block). Its blocks must all be resident at once
-        (emulated ranks share the device): the default fits; larger caps are for tuning tools
-        (tools/sweep_notify.py). Waits for this rank's kernels, then allocates the kernel's scratch
+        (emulated ranks share the device): the default fits; larger caps are for tuning. Waits
+        for this rank's kernels, then allocates the kernel's scratch
         (barrier words, the smallest bad index, INT_MAX for none, and a row of counts per block) and
         drops the fresh dispatches' plans, whose notify launches point at the old scratch."""
         if self._device.type == "cuda":

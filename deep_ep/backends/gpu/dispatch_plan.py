@@ -67,7 +67,7 @@ class FreshPlan:
         # (tokens, early, the notify grid's settings) -> (word plan, blocks of the notify kernel or
         # of the one kernel, tokens per group or per numbering block, early rows); the settings: the
         # backend's cap on groups and the grouping constants of `dispatch` (which
-        # tools/sweep_notify.py changes between calls)
+        # a tuning run may change between calls)
         self.per_tokens = {}
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
