@@ -10,14 +10,6 @@
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
 #                leaves out the SM sweeps and the profile)
 #          coop (plain launches instead of cooperative: GPU suite with DEEP_EP_COOPERATIVE=0, then tools/tune_gpu.py)
-#          floor (tools/row_floor.py: bare row gathers, empty kernels and grid barriers against the copy floor)
-#          trace (tools/trace_calls.py: each call kind once at a time under torch.profiler, the host events and
-#                 kernels of each call against its start, and a cProfile of each kind; $OUT/trace.log)
-#          notify (tools/sweep_notify.py: the notify kernel's time per grouping, outputs compared; $OUT/notify_sweep.log)
-#          variants (build-time variants against the default (VARIANTS): a rank alone's notify kernel without
-#                    its token scan (EP_NOTIFY_TOKEN_SCAN=0) and without its single-rank end
-#                    (EP_NOTIFY_SINGLE_RANK=0), timed and compared bit for bit, and the GPU backend's
-#                    EP=1 tests built with VARIANT_TEST_DEFINES ($OUT/variant_tests.xml); logs $OUT/variants_*.log)
 #          hostprof (tools/profile_gpu.py --host-profile: the host cost of each piece of a call, and a cProfile
 #                    of each call kind at the decode size; $OUT/host_profile.log)
 #          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
@@ -111,24 +103,6 @@ for step in $steps; do
         --junitxml="$OUT/coop_tests.xml" 2>&1 | tee "$OUT/coop_tests.log" | tail -15
       timeout ${TUNE_TIMEOUT:-200} python3 tools/tune_gpu.py --iters 50 --variants ";COOPERATIVE=0;;COOPERATIVE=0" \
         2>&1 | tee "$OUT/coop_tune.log" | tail -15 ;;
-    floor)  # what a bare row move costs (tools/row_floor.py): the attribution of the gap to the copy floor
-      timeout ${FLOOR_TIMEOUT:-200} python3 tools/row_floor.py 2>&1 | tee "$OUT/row_floor.log" | tail -30 ;;
-    trace)  # no Chrome trace under $OUT: it is larger than what comes back from the device
-      timeout ${TRACE_TIMEOUT:-200} python3 tools/trace_calls.py --calls 2 --cprofile > "$OUT/trace.log" 2>&1
-      grep -v "^  h " "$OUT/trace.log" | grep -E "^(=====|  [a-z].*[0-9]$|--- call 1|  d |  last)" | head -80 ;;
-    notify)
-      timeout ${NOTIFY_TIMEOUT:-200} python3 tools/sweep_notify.py ${NOTIFY_ARGS:-} 2>&1 | tee "$OUT/notify_sweep.log" | tail -40 ;;
-    variants)
-      timeout ${VARIANT_TIMEOUT:-200} python3 tools/sweep_notify.py --tokens ${VARIANT_TOKENS:-128,1500,4096} \
-        --pairs 32 --caps 1056 --variants "${VARIANTS:-;NOTIFY_TOKEN_SCAN=0;NOTIFY_SINGLE_RANK=0}" 2>&1 \
-        | tee "$OUT/variants_notify.log" | tail -16
-      # the GPU backend's EP=1 tests built with a variant (default: the general end, which ranks of
-      # several use whatever the build); VARIANT_TESTS=0 leaves them out
-      if [ "${VARIANT_TESTS:-1}" != 0 ]; then
-        DEEP_EP_KERNEL_DEFINES=${VARIANT_TEST_DEFINES:-EP_NOTIFY_SINGLE_RANK=0} DEEP_EP_CASE_LOG=$OUT/variant_cases.log \
-          timeout ${VARIANT_TIMEOUT:-200} python3 -m pytest -q tests/gpu/test_gpu_backend.py -k "ep1" \
-          -p no:cacheprovider --junitxml="$OUT/variant_tests.xml" 2>&1 | tee "$OUT/variant_tests.log" | tail -8
-      fi ;;
     hostprof)
       timeout ${HOSTPROF_TIMEOUT:-200} python3 tools/profile_gpu.py --host-profile > "$OUT/host_profile.log" 2>&1
       grep -A30 "===== host cost" "$OUT/host_profile.log" ;;
