@@ -246,7 +246,7 @@ def fast_calls() -> Optional[FastCalls]:
     """The `FastCalls` of this process, or None (every call goes through ``cuda.bindings``, the
     default). ``DEEP_EP_FAST_DRIVER_CALLS=1`` (or true / yes / on) asks for the ctypes path; it is not used without a
     driver or with an entry point missing. On the H200's host the bindings were the faster of the
-    two in the runs that compared them (docs/performance.md, fifteenth session)."""
+    two in the runs that compared them (docs/performance.md, "Measured choices")."""
     global _fast, _fast_state
     if _fast_state in ("unset", "wanted"):
         with _init_lock:
