@@ -30,8 +30,7 @@ from .session import CALL_TITLES, CALLS
 
 __all__ = ["make_row", "call_stats", "rank_row", "format_table", "summarize", "format_header",
            "format_calls", "format_check", "format_summary", "format_gpu", "format_rank_graphs", "format_report",
-           "build_result",
-           "assemble", "write_json", "cell", "text_table"]
+           "build_result", "assemble", "write_json", "cell", "text_table"]
 
 MAX_MISMATCH_LINES = 20
 
