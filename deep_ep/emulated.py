@@ -21,6 +21,10 @@ host thread (a host-side wait in one rank must not block another)::
 
     results = group.run(body)               # one result per rank; re-raises the first failure
 
+One thread can also make the ranks' calls one after another (`EmulatedGroup.acting_as`), for calls
+whose host side never waits for the peers (a cached dispatch, a combine): the bench captures every
+rank's kernels of one such call into one CUDA graph that way.
+
 Constraints:
 
 * Ranks wait for each other inside kernels, so every rank's blocks must be resident at once:
@@ -48,9 +52,10 @@ Constraints:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -110,8 +115,55 @@ class EmulatedGroup:
         return self.ranks[rank]
 
     def barrier(self) -> None:
-        """Host barrier across the ranks' threads; raises `threading.BrokenBarrierError` on timeout."""
+        """Host barrier across the ranks' threads.
+
+        Raises:
+            threading.BrokenBarrierError: timeout, or a rank failed.
+            RuntimeError: called inside `acting_as` (one thread standing in for a rank cannot meet
+                the other ranks' threads: the barrier would pair the wrong calls or never trip).
+        """
+        acting = getattr(_acting, "rank", None)
+        if acting is not None:
+            raise RuntimeError(
+                f"deep_ep.emulated: a host barrier (a buffer's creation or barrier, or the first use of a "
+                f"kernel module) inside EmulatedGroup.acting_as({acting}): only calls that never meet the "
+                f"other ranks on the host can be made there; make the others in EmulatedGroup.run first")
         self._barrier.wait()
+
+    @contextlib.contextmanager
+    def acting_as(self, rank: int, stream: Optional[torch.cuda.Stream] = None) -> Iterator["EmulatedRankGroup"]:
+        """Within the block, the calling thread makes rank ``rank``'s calls: the group's device and
+        ``stream`` (default: the rank's compute stream, ``compute_streams[rank]``) are current, as
+        `run` sets them in the rank's own thread. Yields the rank's `EmulatedRankGroup`.
+
+        For one thread that drives several ranks, e.g. to capture every rank's kernels of one call
+        in one CUDA graph, each rank on a stream branch of its own. Only calls whose host side never
+        waits for a peer can be made this way, one rank after another: a cached dispatch and a
+        combine (with their kernels already loaded). A dispatch with ``do_cpu_sync=True`` waits on
+        the host for every peer's counts, which never come; a buffer's creation, its barrier and the
+        first use of a kernel module meet the other ranks at a host barrier, which raises here. The
+        rank's own thread must not make calls meanwhile.
+
+        Args:
+            rank: the rank, in ``[0, num_ranks)``.
+            stream: the stream its calls go to (a CUDA stream of the group's device), or None.
+
+        Raises:
+            ValueError: ``rank`` out of range.
+            RuntimeError: nested in another `acting_as` of this thread.
+        """
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        if getattr(_acting, "rank", None) is not None:
+            raise RuntimeError(f"deep_ep.emulated: acting_as({rank}) inside acting_as({_acting.rank}) "
+                               f"of the same thread")
+        stream = self.compute_streams[rank] if stream is None else stream
+        _acting.rank = rank
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                yield self.ranks[rank]
+        finally:
+            _acting.rank = None
 
     def run(self, fn: Callable, *args, **kwargs) -> list:
         """Run ``fn(rank_group, *args, **kwargs)`` in one thread per rank; return the results by rank.
@@ -219,6 +271,7 @@ def wait_for_stream(stream: Optional[torch.cuda.Stream] = None, timeout_secs: fl
 
 
 _wait_events = threading.local()   # per thread: device index -> the event wait_for_stream reuses
+_acting = threading.local()        # per thread: the rank `EmulatedGroup.acting_as` stands in for, or None
 
 
 def ensure_cuda_settings(num_ranks: int) -> None:

@@ -36,7 +36,9 @@ Calls, each timed alone after a barrier: full dispatch with and without CPU sync
 (the first dispatch's handle), combine. Times are medians over --iters iterations after --warmup.
 On the GPU also: each call back to back, cached dispatch and combine replayed from CUDA graphs,
 host time per call, each as a ratio to the floor (the slower of a device copy with the same HBM
-traffic and a write of the same output bytes).
+traffic and a write of the same output bytes). With --virtual-ranks N, every rank's cached dispatch
+(and combine) in one CUDA graph: the device time of one replay against the floor of every rank's
+bytes (one GPU: no NVLink, one HBM and one set of SMs for all ranks).
 
 Unless --no-check, the first calls, one more iteration of the timed loop and (GPU) one replay of
 each graph are compared element by element with deep_ep.reference, outputs poisoned first (dispatch

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -17,7 +17,8 @@ from .fp8 import dequantize_fp8, quantize_fp8
 __all__ = [
     "CPU_DEFAULT_TOKENS", "GPU_DEFAULT_TOKENS", "CPU_DEFAULT_ITERS", "GPU_DEFAULT_ITERS",
     "BANDWIDTH_FORMULA", "BenchConfig", "make_config", "Workload", "make_topk", "make_rank_inputs",
-    "expert_output", "token_copies", "floor_rows", "logical_bytes", "bandwidth_gbps", "num_rows",
+    "expert_output", "token_copies", "floor_rows", "written_rows", "floor_bytes", "logical_bytes", "bandwidth_gbps",
+    "num_rows",
 ]
 
 CPU_DEFAULT_TOKENS = 512
@@ -284,6 +285,19 @@ def written_rows(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expan
     copies = sum(token_copies(topk_idx, num_experts, num_ranks, expand))
     tokens = int((topk_idx >= 0).any(dim=1).sum()) if topk_idx.numel() else 0
     return copies, tokens
+
+
+def floor_bytes(cfg: BenchConfig, topk_idxs: Sequence[torch.Tensor], num_ranks: int) -> Dict[str, Tuple[int, int]]:
+    """The floor's bytes for the ranks whose routing is ``topk_idxs`` (one ``[T, K]`` tensor per rank,
+    of ``num_ranks`` ranks in all): ``{"dispatch": (moved, written), "combine": (moved, written)}``,
+    each the sum over those ranks of one rank's (`floor_rows` moved each way, `written_rows`
+    written), times the bytes of a dispatched / combined row. One rank's at EP=1 or under torchrun;
+    every rank's with emulated ranks, which share one GPU's HBM."""
+    moved = sum(floor_rows(idx, cfg.num_experts, num_ranks, cfg.expand) for idx in topk_idxs)
+    written = [written_rows(idx, cfg.num_experts, num_ranks, cfg.expand) for idx in topk_idxs]
+    copies, tokens = sum(w[0] for w in written), sum(w[1] for w in written)
+    return {"dispatch": (int(moved * cfg.dispatch_bytes_per_token), copies * cfg.dispatch_bytes_per_token),
+            "combine": (int(moved * cfg.combine_bytes_per_token), tokens * cfg.combine_bytes_per_token)}
 
 
 def logical_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, expand: bool,

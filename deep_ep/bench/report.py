@@ -7,7 +7,8 @@ Result dict (``--json``)::
      "check": {"enabled", "passed", "comparison", "failures": [str], "mismatches": [dict],
                "checked": [{"when", "call", "phase"}] (rank 0's list; every rank checks the same)},
      "rows": [row per rank], "summary": {...},
-     "gpu": {...} (GPU runner), "eplb": {...} (with --eplb)}
+     "gpu": {...} (GPU runner; with emulated ranks "rank_graphs": `deep_ep.bench.rank_graphs`'s
+            figures), "eplb": {...} (with --eplb)}
 
 A row (:func:`make_row`) has the table's columns plus ``calls``: for each call of
 `deep_ep.bench.session.CALLS`, the statistics of :func:`call_stats`.
@@ -28,8 +29,8 @@ from .config import BANDWIDTH_FORMULA, BenchConfig, bandwidth_gbps
 from .session import CALL_TITLES, CALLS
 
 __all__ = ["make_row", "call_stats", "rank_row", "format_table", "summarize", "format_header",
-           "format_calls", "format_check", "format_summary", "format_gpu", "format_report", "build_result",
-           "assemble", "write_json", "cell", "text_table"]
+           "format_calls", "format_check", "format_summary", "format_gpu", "format_rank_graphs", "format_report",
+           "build_result", "assemble", "write_json", "cell", "text_table"]
 
 MAX_MISMATCH_LINES = 20
 
@@ -350,6 +351,22 @@ def format_gpu(gpu: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_rank_graphs(graphs: Dict[str, Any]) -> str:
+    """The lines of every emulated rank's call replayed from one CUDA graph (``gpu["rank_graphs"]``,
+    `deep_ep.bench.rank_graphs.run_rank_graphs`): the median device time of one replay of each call,
+    with its ratio to the floor of every rank's bytes."""
+    def us(value) -> str:
+        return "n/a" if value is None else f"{value:.1f} us"
+    lines = [f"all {graphs['ranks']} emulated ranks' calls in one CUDA graph, device time of one replay (median of "
+             f"{graphs['replays']}; (x): ratio to the floor of every rank's bytes on one GPU: dispatch "
+             f"{us(graphs.get('floor_dispatch_us'))}, combine {us(graphs.get('floor_combine_us'))}):"]
+    for name in ("cached_dispatch", "combine"):
+        ratio = graphs.get(f"{name}_ratio")
+        lines.append(f"graph {CALL_TITLES[name]} {us(graphs.get(f'{name}_us'))}"
+                     + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+    return "\n".join(lines)
+
+
 def assemble(cfg: BenchConfig, passes: Sequence[Dict[str, Any]], *, runner: str, device: str) -> Dict[str, Any]:
     """The result of a run from its passes (the runners' dicts: ``name``, ``rows``, ``mismatches``,
     ``checked``, ``floors``, ``baselines``, on GPU ``gpu``): the first pass gives the table; the
@@ -366,12 +383,15 @@ def assemble(cfg: BenchConfig, passes: Sequence[Dict[str, Any]], *, runner: str,
 
 
 def format_report(result: Dict[str, Any]) -> str:
-    """Everything printed after the progress lines, but the EPLB section (`deep_ep.bench.eplb`): the
-    per-rank table, the GPU lines, rank 0's per-call table, the summary and the check."""
+    """Everything printed after the progress lines, but the EPLB section (`deep_ep.bench.eplb`) and
+    the summary: the per-rank table, the GPU lines, rank 0's per-call table and, with emulated ranks,
+    the lines of every rank's call in one CUDA graph."""
     rows = result["rows"]
     parts = [format_table(rows)]
     if "gpu" in result:
         parts.append(format_gpu(result["gpu"]))
     if rows:
         parts.append(format_calls(rows[0], result.get("floors"), result.get("baselines")))
+    if result.get("gpu", {}).get("rank_graphs"):
+        parts.append(format_rank_graphs(result["gpu"]["rank_graphs"]))
     return "\n".join(parts)

@@ -9,12 +9,13 @@ Ranks:
 Per rank and pass (`deep_ep.bench.session.RankSession`): the first calls, checked; the timed loop
 (each of full dispatch with / without CPU sync, cached dispatch and combine timed alone, with CUDA
 events and with a device sync before and after); the loop's calls once more, poisoned and checked;
-then, here, each call back to back (no sync between calls) and, except for emulated ranks (their
-threads would capture at the same time), cached dispatch and combine captured in CUDA graphs (at
-EP=1 also the full dispatch without CPU sync, the serving decode step's call): timed, then one
-replay with poisoned static outputs checked. Measured in the same run: the floor (the slower of a
-device copy with the operation's HBM traffic and a fill of the bytes it writes,
-`deep_ep.bench.gpu_timing.floor_us`) and, at EP=1, plain
+then, here, each call back to back (no sync between calls) and cached dispatch and combine replayed
+from CUDA graphs, timed, then one replay with poisoned static outputs checked: per rank, 10 calls to
+a graph (at EP=1 also the full dispatch without CPU sync, the serving decode step's call); with
+emulated ranks, whose threads cannot capture at the same time, one graph of every rank's call,
+captured by rank 0's thread (`deep_ep.bench.rank_graphs`). Measured in the same run: the floor (the
+slower of a device copy with the operation's HBM traffic and a fill of the bytes it writes,
+`deep_ep.bench.gpu_timing.floor_us`; every rank's bytes with emulated ranks) and, at EP=1, plain
 torch's permute / un-permute.
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .check import poison_in_place, reference_outputs
-from .config import BenchConfig, Workload, floor_rows, written_rows
+from .config import BenchConfig, Workload, floor_bytes
 from .gpu_timing import (CudaClock, capture_calls, floor_us, nvlink_floor_and_all_to_all_us,
                          host_reference_us, single_rank_nccl_group, time_graph, torch_baselines_us)
 from .progress import Progress
+from .rank_graphs import run_rank_graphs
 from .report import rank_row
 from .session import CALLS, RankSession
 
@@ -154,14 +156,12 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     # traffic and a fill of the rows it writes (writes alone run slower than a copy's mix: the
     # expanded dispatch writes each token once per expert); emulated ranks share one GPU, so theirs
     # is every rank's traffic.
-    rows_moved = sum(floor_rows(inputs[r]["topk_idx"], run_cfg.num_experts, R, run_cfg.expand) for r in mine)
-    written = [written_rows(inputs[r]["topk_idx"], run_cfg.num_experts, R, run_cfg.expand) for r in mine]
-    parts = {"dispatch": floor_us(int(rows_moved * run_cfg.dispatch_bytes_per_token),
-                                  sum(w[0] for w in written) * run_cfg.dispatch_bytes_per_token, device),
-             "combine": floor_us(int(rows_moved * run_cfg.combine_bytes_per_token),
-                                 sum(w[1] for w in written) * run_cfg.combine_bytes_per_token, device)}
+    nbytes = floor_bytes(run_cfg, [inputs[r]["topk_idx"] for r in mine], R)
+    parts = {name: floor_us(moved, written, device) for name, (moved, written) in nbytes.items()}
     floors = {name: p["floor"] for name, p in parts.items()}
     floor_parts = {f"floor_{name}_{kind}_us": p[kind] for name, p in parts.items() for kind in ("copy", "write")}
+    floor_parts.update({f"floor_{name}_{kind}_bytes": n for name, pair in nbytes.items()
+                        for kind, n in zip(("moved", "written"), pair)})
     if device.type == "cuda":
         torch.cuda.empty_cache()   # the floors' buffers (GBs with emulated ranks), before the windows
     baselines = torch_baselines_us(run_cfg, inputs[0], device) if R == 1 else {}
@@ -173,6 +173,9 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
 
     results: List[Optional[Dict[str, Any]]] = [None] * R
     silent = Progress(progress.tag, enabled=False)
+    sessions: List[Optional[RankSession]] = [None] * R
+    rank_graphs: Dict[str, Any] = {}
+    emulated_group = None
 
     def body(rank: int, group, barrier) -> None:
         buf = ElasticBuffer(group, num_max_tokens_per_rank=cfg.max_tokens, hidden=cfg.hidden,
@@ -186,6 +189,14 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
             _back_to_back(sess, max(20, cfg.iters))
             if not gs.emulated:
                 _graphs(sess, max(50, cfg.iters), GRAPH_CALLS_EP1 if R == 1 else GRAPH_CALLS)
+            else:
+                # Rank 0's thread captures every rank's call while the others wait here, idle.
+                sessions[rank] = sess
+                barrier()
+                if rank == 0:
+                    rank_graphs.update(run_rank_graphs(emulated_group, sessions, floors, max(20, cfg.iters),
+                                                       progress))
+                barrier()
             res = sess.result()
             res["num_sms"] = cfg.num_sms or buf.get_theoretical_num_sms(run_cfg.num_experts, cfg.top_k)
             results[rank] = res
@@ -194,9 +205,9 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
             buf.destroy()
 
     if gs.emulated:
-        from ..emulated import EmulatedGroup
-        group = EmulatedGroup(R, device=device)
-        group.run(lambda g: body(g.rank(), g, g.barrier))
+        from .. import emulated
+        emulated_group = emulated.EmulatedGroup(R, device=device)
+        emulated_group.run(lambda g: body(g.rank(), g, g.barrier))
     else:
         group = single_rank_nccl_group(device)  # torchrun already made the job's group
         body(gs.rank, group, (lambda: dist.barrier()) if gs.multiprocess else (lambda: None))
@@ -216,5 +227,5 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     return {"name": work.name, "rows": rows, "mismatches": [m for r in results for m in r["mismatches"]],
             "checked": results[0]["checked"], "floors": floors, "baselines": baselines,
             "gpu": {"floor_dispatch_us": floors["dispatch"], "floor_combine_us": floors["combine"], **floor_parts,
-                    **baselines,
+                    **baselines, **({"rank_graphs": rank_graphs} if rank_graphs else {}),
                     "kernel_modules": gpu_backend.num_modules_built(), "jit": st}}

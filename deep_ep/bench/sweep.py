@@ -33,13 +33,18 @@ def parse_sm_sweep(text: Optional[str]) -> List[int]:
 
 
 def sm_sweep_point(result: Dict[str, Any], num_sms: int) -> Dict[str, Any]:
-    """One point of an SM sweep from a GPU bench result (rank 0's graph times, the summary)."""
+    """One point of an SM sweep from a GPU bench result (the summary; rank 0's graph times, or with
+    emulated ranks those of every rank's call in one graph)."""
     row0 = result["rows"][0]
     summ = result["summary"]
+    graphs = result.get("gpu", {}).get("rank_graphs") or {}
+
+    def graph_us(name: str) -> Optional[float]:
+        value = row0.get(f"{name}_graph_us")
+        return graphs.get(f"{name}_us") if value is None else value
     return {"num_sms": num_sms, "dispatch_us_max": summ["dispatch_us_max"], "combine_us_max": summ["combine_us_max"],
             "dispatch_gbps_mean": summ["dispatch_gbps_mean"], "combine_gbps_mean": summ["combine_gbps_mean"],
-            "cached_dispatch_graph_us": row0.get("cached_dispatch_graph_us"),
-            "combine_graph_us": row0.get("combine_graph_us"),
+            "cached_dispatch_graph_us": graph_us("cached_dispatch"), "combine_graph_us": graph_us("combine"),
             "check_passed": result["check"]["passed"] if result["check"]["enabled"] else None}
 
 
