@@ -14,10 +14,6 @@
 #          trace (tools/trace_calls.py: each call kind once at a time under torch.profiler, the host events and
 #                 kernels of each call against its start, and a cProfile of each kind; $OUT/trace.log)
 #          notify (tools/sweep_notify.py: the notify kernel's time per grouping, outputs compared; $OUT/notify_sweep.log)
-#          variants (build-time variants against the default (VARIANTS): a rank alone's notify kernel without
-#                    its token scan (EP_NOTIFY_TOKEN_SCAN=0) and without its single-rank end
-#                    (EP_NOTIFY_SINGLE_RANK=0), timed and compared bit for bit, and the GPU backend's
-#                    EP=1 tests built with VARIANT_TEST_DEFINES ($OUT/variant_tests.xml); logs $OUT/variants_*.log)
 #          hostprof (tools/profile_gpu.py --host-profile: the host cost of each piece of a call, and a cProfile
 #                    of each call kind at the decode size; $OUT/host_profile.log)
 #          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
@@ -118,17 +114,6 @@ for step in $steps; do
       grep -v "^  h " "$OUT/trace.log" | grep -E "^(=====|  [a-z].*[0-9]$|--- call 1|  d |  last)" | head -80 ;;
     notify)
       timeout ${NOTIFY_TIMEOUT:-200} python3 tools/sweep_notify.py ${NOTIFY_ARGS:-} 2>&1 | tee "$OUT/notify_sweep.log" | tail -40 ;;
-    variants)
-      timeout ${VARIANT_TIMEOUT:-200} python3 tools/sweep_notify.py --tokens ${VARIANT_TOKENS:-128,1500,4096} \
-        --pairs 32 --caps 1056 --variants "${VARIANTS:-;NOTIFY_TOKEN_SCAN=0;NOTIFY_SINGLE_RANK=0}" 2>&1 \
-        | tee "$OUT/variants_notify.log" | tail -16
-      # the GPU backend's EP=1 tests built with a variant (default: the general end, which ranks of
-      # several use whatever the build); VARIANT_TESTS=0 leaves them out
-      if [ "${VARIANT_TESTS:-1}" != 0 ]; then
-        DEEP_EP_KERNEL_DEFINES=${VARIANT_TEST_DEFINES:-EP_NOTIFY_SINGLE_RANK=0} DEEP_EP_CASE_LOG=$OUT/variant_cases.log \
-          timeout ${VARIANT_TIMEOUT:-200} python3 -m pytest -q tests/gpu/test_gpu_backend.py -k "ep1" \
-          -p no:cacheprovider --junitxml="$OUT/variant_tests.xml" 2>&1 | tee "$OUT/variant_tests.log" | tail -8
-      fi ;;
     hostprof)
       timeout ${HOSTPROF_TIMEOUT:-200} python3 tools/profile_gpu.py --host-profile > "$OUT/host_profile.log" 2>&1
       grep -A30 "===== host cost" "$OUT/host_profile.log" ;;

@@ -1,27 +1,18 @@
-"""The notify kernel's grouping and build-time variants, swept on one GPU (EP=1 through NCCL).
+"""The notify kernel's grouping, swept on one GPU (EP=1 through NCCL).
 
-For each build-time variant (``--variants``, ';'-separated; each a comma list of tunables without
-the ``EP_`` prefix, e.g. ``NOTIFY_SINGLE_RANK=0``, passed as ``DEEP_EP_KERNEL_DEFINES`` as
-tools/tune_gpu.py does; '' is the default build), token count, grid cap (groups at most) and
-pairs-per-group value (for a rank alone's token scan, ``--scan-tokens`` instead: its blocks,
-printed negated in the groups column): the groups it gives, the device time of ``deep_ep_notify`` (with its layout
-stage) and of all the call's kernels together (notify and data, or a rank alone's one kernel,
-``deep_ep_dispatch_alone``, whose grid the scan settings do not change; torch.profiler, medians
-over ``--calls`` full dispatches without CPU sync), and the time of a synchronised full dispatch
-with CPU sync (median; until the device is done, and until the call returns: its host time).
-``--variants ";DISPATCH_ALONE_FUSED=0;DISPATCH_ALONE_FUSED=2"`` compares a rank alone's one kernel
-without CPU sync (the default) with the notify and data kernels, and with the one kernel with CPU
-sync too. Every setting's outputs and handle (numbering,
-layout words, the handle's copy of the routing, the host's readback of the counts, the cumulative
-stats), allocated poisoned, with and without CPU sync and in the expanded layout, are compared bit
-for bit with those of the default build's default grouping; the names of those that differ are
-printed.
+For each token count, grid cap (groups at most) and pairs-per-group value: the groups it gives, the
+device time of the notify kernel (with its layout stage) and of all the call's kernels together
+(notify and data; torch.profiler, medians over ``--calls`` full dispatches without CPU sync), and
+the time of a synchronised full dispatch with CPU sync (median; until the device is done, and until
+the call returns: its host time). Every setting's outputs and handle (numbering, layout words, the
+handle's copy of the routing, the host's readback of the counts, the cumulative stats), allocated
+poisoned, with and without CPU sync and in the expanded layout, are compared bit for bit with those
+of the default grouping; the names of those that differ are printed.
 
-``--expand`` times expanded calls instead (alignment 1), which the general notify kernel numbers.
+``--expand`` times expanded calls instead (alignment 1).
 
 Usage: python tools/sweep_notify.py [--expand] [--tokens 128,4096] [--pairs 16,32,64,128,256,512]
        [--caps 64,128,256,528] [--calls 20] [--hidden 7168] [--experts 256] [--topk 8]
-       [--variants ";NOTIFY_SINGLE_RANK=0"] [--one-block-pairs N] [--scan-tokens 128,256,512]
 """
 import argparse
 import json
@@ -39,14 +30,13 @@ from deep_ep.backends.gpu import NOTIFY_GROUPS_PER_SM
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
 from deep_ep.backends.gpu import modules
 from deep_ep.bench.gpu_timing import single_rank_nccl_group, spin_up
-from tune_gpu import bit_equal, parse_variant
+from tune_gpu import bit_equal
 
 
 NAMES = ("recv_x", "recv_topk_idx", "recv_topk_weights", "dst_buffer_slot_idx", "layout words", "handle topk_idx",
          "recv_src_metadata", "handle words (layout, pos_tok, pos_pair, metadata)", "readback", "stats")
 MODES = ("sync", "no sync", "expanded")   # the calls compared: see `_snapshots`
-# a fresh dispatch's, any path (a rank alone's expanded rows: deep_ep_dispatch_fresh_alone)
-KERNELS = ("deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_alone", "deep_ep_dispatch_fresh_alone")
+KERNELS = (modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL)   # a fresh dispatch's
 
 
 def _snapshot(call) -> list:
@@ -58,16 +48,7 @@ def _snapshot(call) -> list:
                              *handle.num_recv_tokens_per_expert_list], dtype=torch.int64)
     return [None if t is None else t.clone()
             for t in (recv_x, recv_idx, recv_w, handle.dst_buffer_slot_idx, handle.backend_state.layout,
-                      handle.topk_idx, handle.recv_src_metadata, _handle_words(handle.backend_state), readback,
-                      stats)]
-
-
-def _handle_words(state):
-    """The handle's words but the pair_rank piece, the notify kernel's numbering that only a rank
-    alone's expanded data kernel reads (a build without that kernel has none; the final rows it
-    writes from it are pos_pair's, compared)."""
-    at = state.plan.pair_rank_at
-    return state.words[:at] if at else state.words
+                      handle.topk_idx, handle.recv_src_metadata, handle.backend_state.words, readback, stats)]
 
 
 def _snapshots(buf, x, idx, w, experts: int) -> dict:
@@ -132,27 +113,12 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--variants", default="", help="';'-separated build-time variants; '' = default build")
-    p.add_argument("--expand", action="store_true",
-                   help="time expanded calls (the general notify kernel numbers them: --caps / --pairs are swept)")
-    p.add_argument("--one-block-pairs", type=int, default=gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS,
-                   help="pairs a rank alone numbers in one block (0: never one block)")
-    p.add_argument("--scan-tokens", default=str(gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK),
-                   help="tokens per block of a rank alone's token scan (EP_NOTIFY_TOKEN_SCAN), comma list; "
-                        "swept instead of --caps / --pairs where the scan numbers the timed calls")
+    p.add_argument("--expand", action="store_true", help="time expanded calls")
     a = p.parse_args()
     tokens = [int(v) for v in a.tokens.split(",")]
-    variants = a.variants.split(";")
-    base = modules.tunable_defines()   # DEEP_EP_KERNEL_DEFINES as given: every variant adds to it
-    for text in variants:   # a malformed variant fails before anything runs
-        unknown = set(parse_variant(text)) - modules.TUNABLES
-        if unknown:
-            raise SystemExit(f"--variants: {sorted(unknown)} are not tunables of {sorted(modules.TUNABLES)}")
     dev = torch.device("cuda", 0)
     group = single_rank_nccl_group(dev)
-    base_defines = os.environ.get("DEEP_EP_KERNEL_DEFINES", "")
-    default_pairs, default_one_block = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, a.one_block_pairs
-    default_scan = gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK
+    default_pairs = gpu_dispatch.NOTIFY_PAIRS_PER_GROUP
     inputs = {}
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
@@ -164,79 +130,50 @@ def main() -> None:
         w = torch.rand((T, a.topk), device=dev, generator=g)
         inputs[T] = (x, idx, w)
 
-    def new_buffer(defines: dict):
-        os.environ["DEEP_EP_KERNEL_DEFINES"] = ",".join(f"{k}={v}" for k, v in defines.items())
-        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=a.hidden, num_topk=a.topk,
-                                     explicitly_destroy=True)
-
-    # The reference: the default build's default grouping (one-block rule included).
-    gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = default_one_block
-    buf = new_buffer(base)
-    default_cap = buf._backend.notify_groups_max
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(tokens), hidden=a.hidden, num_topk=a.topk,
+                                explicitly_destroy=True)
+    backend = buf._backend
+    default_cap = backend.notify_groups_max
     print(f"default: {default_pairs} pairs per group, at most {default_cap} groups "
-          f"({NOTIFY_GROUPS_PER_SM} per SM, {buf._backend.num_device_sms} SMs); a rank alone: one block "
-          f"for at most {default_one_block} pairs")
-    try:
-        reference = {T: _snapshots(buf, *inputs[T], a.experts) for T in tokens}
-    finally:
-        buf.destroy()
-    print(f"{'variant':28s} {'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'kernels us':>10} "
+          f"({NOTIFY_GROUPS_PER_SM} per SM, {backend.num_device_sms} SMs)")
+    print(f"{'tokens':>6} {'cap':>6} {'pairs':>5} {'groups':>6} {'notify us':>9} {'kernels us':>10} "
           f"{'call us':>8} {'host us':>8}  same")
-    for text in variants:
-        buf = new_buffer(dict(base, **parse_variant(text)))
-        backend = buf._backend
-        alone = backend.num_ranks == 1 and modules.notify_single_rank()
-        # the token scan numbers the timed calls unless they are expanded
-        scan = backend.num_ranks == 1 and modules.notify_token_scan() and not a.expand
-        try:
-            for T in tokens:
-                x, idx, w = inputs[T]
+    try:
+        reference = {T: _snapshots(buf, *inputs[T], a.experts) for T in tokens}   # the default grouping
+        for T in tokens:
+            x, idx, w = inputs[T]
 
-                def sync_call():
-                    return buf.dispatch(x, idx, w, num_experts=a.experts, do_expand=a.expand)
+            def sync_call():
+                return buf.dispatch(x, idx, w, num_experts=a.experts, do_expand=a.expand)
 
-                def no_sync_call():
-                    return buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
-                                        num_max_tokens_per_rank=T, do_expand=a.expand)
+            def no_sync_call():
+                return buf.dispatch(x, idx, w, num_experts=a.experts, do_cpu_sync=False,
+                                    num_max_tokens_per_rank=T, do_expand=a.expand)
 
-                seen = set()
-                # the default grouping first, then the sweep (the one-block rule only in the first);
-                # the token scan's blocks instead of groups where it numbers the timed calls
-                settings = [(default_cap, default_pairs, default_one_block, default_scan)]
-                if scan:
-                    settings += [(default_cap, default_pairs, default_one_block, int(v))
-                                 for v in a.scan_tokens.split(",")]
-                else:
-                    settings += [(int(c), int(q), 0, default_scan) for c in a.caps.split(",")
-                                 for q in a.pairs.split(",")]
-                for cap, pairs, one_block, scan_tokens in settings:
-                    backend.set_notify_groups_max(cap)
-                    gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = pairs, one_block
-                    gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK = scan_tokens
-                    if scan:   # blocks of the scan (printed in the groups column, negated)
-                        groups = -gpu_dispatch.notify_scan_grid(T, backend.notify_groups_max)[0]
-                    else:
-                        groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max, alone)
-                    if groups in seen:
-                        continue
-                    seen.add(groups)
-                    differ = _differ(reference[T], _snapshots(buf, x, idx, w, a.experts))
-                    for _ in range(3):
-                        no_sync_call()
-                    spin_up()
-                    k = _kernel_medians(no_sync_call, a.calls, KERNELS)
-                    kernels = sum(v for v in k.values() if v == v)   # the kernels this build launched
-                    spin_up()
-                    call, host = _call_us(sync_call, a.calls)
-                    print(f"{text or '(default)':28s} {T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} "
-                          f"{k['deep_ep_notify']:9.1f} {kernels:10.1f} {call:8.1f} {host:8.1f}  "
-                          f"{'yes' if not differ else 'NO: ' + ', '.join(differ)}",
-                          flush=True)
-        finally:
-            gpu_dispatch.NOTIFY_PAIRS_PER_GROUP, gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS = default_pairs, default_one_block
-            gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK = default_scan
-            buf.destroy()
-    os.environ["DEEP_EP_KERNEL_DEFINES"] = base_defines
+            seen = set()
+            settings = [(default_cap, default_pairs)] + [(int(c), int(q)) for c in a.caps.split(",")
+                                                         for q in a.pairs.split(",")]
+            for cap, pairs in settings:   # the default grouping first
+                backend.set_notify_groups_max(cap)
+                gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = pairs
+                groups = gpu_dispatch.notify_groups(T, a.topk, backend.notify_groups_max)
+                if groups in seen:
+                    continue
+                seen.add(groups)
+                differ = _differ(reference[T], _snapshots(buf, x, idx, w, a.experts))
+                for _ in range(3):
+                    no_sync_call()
+                spin_up()
+                k = _kernel_medians(no_sync_call, a.calls, KERNELS)
+                spin_up()
+                call, host = _call_us(sync_call, a.calls)
+                print(f"{T:6d} {backend.notify_groups_max:6d} {pairs:5d} {groups:6d} "
+                      f"{k[modules.NOTIFY_KERNEL]:9.1f} {sum(k.values()):10.1f} {call:8.1f} {host:8.1f}  "
+                      f"{'yes' if not differ else 'NO: ' + ', '.join(differ)}",
+                      flush=True)
+    finally:
+        gpu_dispatch.NOTIFY_PAIRS_PER_GROUP = default_pairs
+        buf.destroy()
     dist.destroy_process_group()
 
 

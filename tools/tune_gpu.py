@@ -7,9 +7,7 @@ per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPE
 size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 bench's floor (`deep_ep.bench.gpu_timing.floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which; the comparison covers the received
-rows of a bf16 dispatch without weights, and the combined rows). With ``--expand`` a rank alone's cached
-dispatch is its own kernel (1024 threads per block, `modules.ALONE_THREADS`): THREADS variants then
-change only the combine there, and ``EXPAND_ALONE_CACHED=0`` times the cached data kernel instead.
+rows of a bf16 dispatch without weights, and the combined rows).
 
 The shapes are a model preset's (`deep_ep.routing.MODEL_PRESETS`, as the bench's ``--model``;
 default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's. ``--expand`` times

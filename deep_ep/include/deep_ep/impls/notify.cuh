@@ -33,7 +33,7 @@ struct NotifyArgs {
     const int64_t* topk_idx;  // [T, K]
     int64_t* topk_copy;       // [T, K] out: a copy of topk_idx for the handle, or null
     int num_tokens, num_experts;
-    int tokens_per_group;     // tokens of one group (warp); of one block in impls/notify_alone.cuh
+    int tokens_per_group;     // tokens of one group (warp)
     int64_t counts_offset;    // byte offset of the count matrix in every window
     int* pos_tok;             // [T, R] out: local row of token t at rank d, or -1
     int* pos_pair;            // [T, K] out (expanded): local row of pair (t, k) at its expert's owner, or -1
@@ -156,11 +156,7 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
 }
 
 // Returns true in the threads of the block that finished last (and signalled the peers).
-// ``kAlone``: the rank is alone (EP_NOTIFY_SINGLE_RANK, a rank count of 1): the caller finishes
-// (notify_alone_end in impls/layout_alone.cuh, with nothing to signal) and this returns false. A
-// grid of one block then meets at no grid barrier: its phase A totals are the column totals,
-// published at once, and its prefix is 0.
-template <int K, bool kExpand, bool kAlone = false>
+template <int K, bool kExpand>
 __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
     const int cols = R + E;
@@ -178,7 +174,6 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     __shared__ int tiles[kNotifyWarps][kTileTokens * K];
     int* ids = tiles[warp];
     uint8_t* my_window = tr.local();
-    const bool single = kAlone && num_blocks == 1;
 
     // ---- A: count (and stage / copy the ids); then the block's exclusive prefix over its warps in
     // shared memory, and its totals to the block's row of the scratch
@@ -197,18 +192,14 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
             smem[w * cols + c] = acc;
             acc += v;
         }
-        if (single) tr.put<int>(rank, a.counts_offset + 4 * c, acc);  // rank 0's row
-        else counts[static_cast<int64_t>(block) * cols + c] = acc;
+        counts[static_cast<int64_t>(block) * cols + c] = acc;
     }
-    // One block: the block meets (as a grid barrier starts) so that each warp reads the prefixes the
-    // loop above wrote into its counts; the next reader of the totals is this block's layout stage.
-    if (single) __syncthreads();
-    bool ok = single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
+    bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
     // ---- B: prefix over the blocks, column by column (one warp per column); totals to every peer
     const int row = cols + kCountsExtraWords;
     const int64_t my_row = a.counts_offset + static_cast<int64_t>(rank) * row * 4;
-    for (int c0 = group; ok && !single && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
+    for (int c0 = group; ok && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
         int totals[kNotifyColumnsAtOnce];
         notify_prefix_columns(counts, cols, num_blocks, c0, num_groups, lane, totals);
 #pragma unroll
@@ -232,12 +223,11 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
         }
         if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this warp only)
     }
-    ok = (single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns)) && ok;
+    ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns) && ok;
 
     // ---- C: number, from the block's prefix plus the warp's within the block
     if (ok) {
-        if (!single)
-            for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
+        for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
         for (int64_t i = static_cast<int64_t>(t0) * R + lane; i < static_cast<int64_t>(t1) * R; i += 32) a.pos_tok[i] = -1;
         __syncwarp();
         for (int s = t0; s < t1; s += kTileTokens) {
@@ -248,7 +238,6 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     } else if (lane == 0) {
         comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
-    if (kAlone) return false;
     const bool last = comm::last_block(my_window);
     if (last) tr.signal_all(a.tag);
     return last;
