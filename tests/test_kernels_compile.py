@@ -75,26 +75,38 @@ def test_tunable_defines_from_environment(monkeypatch):
     none); the variant compiles without spills; malformed items, unknown names and structural defines
     are refused."""
     monkeypatch.delenv("DEEP_EP_KERNEL_DEFINES", raising=False)
-    assert gpu.tunable_defines() == {} and "EP_BLOCK_FENCE" not in gpu.dispatch_defines(14336, 0, 8, False)
-    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", " EP_BLOCK_FENCE=1, EP_SEND_UNROLL=4 ")
-    assert gpu.tunable_defines() == {"EP_BLOCK_FENCE": 1, "EP_SEND_UNROLL": 4}
+    assert gpu.tunable_defines() == {} and "EP_LOAD_NO_L1" not in gpu.dispatch_defines(14336, 0, 8, False)
+    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", " EP_LOAD_NO_L1=1, EP_SEND_UNROLL=4 ")
+    assert gpu.tunable_defines() == {"EP_LOAD_NO_L1": 1, "EP_SEND_UNROLL": 4}
     d, c = gpu.dispatch_defines(14336, 0, 8, False), gpu.combine_defines(7168, 8, False)
-    assert d["EP_BLOCK_FENCE"] == 1 and d["EP_TOPK"] == 8 and c["EP_BLOCK_FENCE"] == 1
+    assert d["EP_LOAD_NO_L1"] == 1 and d["EP_TOPK"] == 8 and c["EP_LOAD_NO_L1"] == 1
     jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=d, check_spills=True)
     jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=c, check_spills=True)
-    for bad in ("BLOCK_FENCE=1", "EP_BLOCK_FENCE", "EP_BLOCK_FENCE=yes", "EP_X-Y=1", "EP_THREADS=256",
-                "EP_TOPK=4", "ep_block_fence=1", "EP_BLOCK_FENCES=1"):
+    for bad in ("LOAD_NO_L1=1", "EP_LOAD_NO_L1", "EP_LOAD_NO_L1=yes", "EP_X-Y=1", "EP_THREADS=256",
+                "EP_TOPK=4", "ep_load_no_l1=1", "EP_LOAD_NO_L1S=1", "EP_BLOCK_FENCE=1", "EP_COMBINE_COMPACT=0"):
         monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", bad)
         with pytest.raises(ValueError, match="DEEP_EP_KERNEL_DEFINES"):
             gpu.tunable_defines()
 
 
-@pytest.mark.parametrize("hidden, tunables", [
-    (4096, {"EP_COMBINE_COMPACT": 0}), (4096, {"EP_COMBINE_SINGLE_UNROLL": 0}),
-], ids=["slots-per-chunk", "no-single-source-path"])
-def test_the_combines_other_paths_compile(hidden, tunables):
-    """The combine's build-time alternatives (each chunk walking every top-k slot; no single-source
-    path) still compile without spills, so that tools/tune_gpu.py can time them against the default."""
-    defines = dict(gpu.combine_defines(hidden, 8, False), **tunables)
+def test_the_tunables_are_defined_in_one_header():
+    """Every tunable of `modules.TUNABLES` is #defined with its default in common/tunables.cuh, and no
+    other: no kernel file defines a default of its own (a switch the host would have to mirror). The
+    only other defaults are the transport (structural) and the test-only defect."""
+    import re
+    from pathlib import Path
+    include = Path(modules.__file__).parents[2] / "include" / "deep_ep"
+    header = (include / "common" / "tunables.cuh").read_text()
+    assert set(re.findall(r"^#ifndef (EP_\w+)\n#define \1 \d+$", header, re.M)) == set(modules.TUNABLES)
+    elsewhere = {(path.relative_to(include).as_posix(), name)
+                 for path in include.rglob("*.cuh") if path.name != "tunables.cuh"
+                 for name in re.findall(r"^#ifndef (EP_\w+)", path.read_text(), re.M)}
+    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("common/defects.cuh", "EP_TEST_DEFECT")}
+
+
+def test_the_combines_single_source_path_can_be_left_out():
+    """EP_COMBINE_SINGLE_UNROLL=0 (no single-source path) still compiles without spills, so that
+    tools/tune_gpu.py can time it against the default."""
+    defines = dict(gpu.combine_defines(4096, 8, False), EP_COMBINE_SINGLE_UNROLL=0)
     mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=defines, check_spills=True)
     assert modules.COMBINE_KERNEL in mod.kernel_names()

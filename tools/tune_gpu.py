@@ -1,10 +1,9 @@
 """Build-time variants of the data kernels, timed side by side on one GPU (EP=1 through NCCL).
 
 Each variant adds build-time tunables to the kernel modules (`deep_ep.backends.gpu.modules.TUNABLES`,
-passed as ``DEEP_EP_KERNEL_DEFINES``: EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_COMBINE_COMPACT,
-EP_COMBINE_SINGLE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
-per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
-size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
+passed as ``DEEP_EP_KERNEL_DEFINES``; their defaults are in include/deep_ep/common/tunables.cuh),
+sets THREADS, the threads per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or
+COOPERATIVE (0: plain launches). For every variant and batch size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 bench's floor (`deep_ep.bench.gpu_timing.floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which; the comparison covers the received
 rows of a bf16 dispatch without weights, and the combined rows).

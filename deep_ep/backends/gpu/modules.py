@@ -27,12 +27,13 @@ CACHED_DISPATCH_KERNEL = "deep_ep_dispatch_cached"  # a cached dispatch's rows
 COMBINE_KERNEL = "deep_ep_combine"                  # a combine
 BARRIER_KERNEL = "deep_ep_barrier"                  # `ElasticBuffer.barrier`
 
-# Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh):
-# they change how bytes move, never which, so the host needs no matching change. Structural
-# defines (EP_THREADS, EP_TOPK...) are not among them: overriding those would break the host's view
-# of the kernels.
-TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
-                      "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE"})
+# Build-time tunables of the data kernels, each #defined with its default in
+# include/deep_ep/common/tunables.cuh (tests/test_kernels_compile.py holds the two lists equal): they
+# change how bytes move, never which, so the host needs no matching change and never reads their
+# values. Structural defines (EP_THREADS, EP_TOPK...) are not among them: overriding those would
+# break the host's view of the kernels.
+TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_SINGLE_UNROLL", "EP_LOAD_NO_L1",
+                      "EP_STORE_STREAMING"})
 
 
 def kernel_source(kind: str) -> str:
@@ -44,7 +45,7 @@ def kernel_source(kind: str) -> str:
 
 
 def tunable_defines() -> dict:
-    """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_BLOCK_FENCE=1,EP_SEND_UNROLL=4"``),
+    """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_LOAD_NO_L1=1,EP_SEND_UNROLL=4"``),
     added to every data module: for running the GPU tests against a variant before it becomes the
     default (tools/tune_gpu.py times them).
 
