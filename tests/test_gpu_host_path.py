@@ -670,9 +670,10 @@ def test_the_wait_for_the_counts_reads_the_report_or_raises_what_it_records():
 
 
 def test_the_wait_for_the_counts_stops_at_an_error_recorded_without_a_report():
-    """A kernel that records an error in the host's record and writes no report ends the wait at once with that error (not after the
-    host's timeout, with a message that the GPU's timeout did not fire); an out-of-range id in the
-    record (an earlier call's, raised at the next call) does not end it."""
+    """A kernel that records an error in the host's record and writes no report ends the wait at once
+    with that error (not after the host's timeout, with a message that the GPU's timeout did not
+    fire); an out-of-range id in the record (an earlier call's, raised at the next call) does not end
+    it."""
     import ctypes
     import time
 

@@ -21,11 +21,15 @@ __all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNE
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
 # The kernels every rank count launches (extern "C" entry points of include/deep_ep/kernels/*.cuh).
-NOTIFY_KERNEL = "deep_ep_notify"                    # a fresh dispatch's numbering and layout
-DISPATCH_KERNEL = "deep_ep_dispatch"                # a fresh dispatch's rows
-CACHED_DISPATCH_KERNEL = "deep_ep_dispatch_cached"  # a cached dispatch's rows
-COMBINE_KERNEL = "deep_ep_combine"                  # a combine
-BARRIER_KERNEL = "deep_ep_barrier"                  # `ElasticBuffer.barrier`
+# DeepEP V2's test (tests/elastic/test_ep.py) times a dispatch by the kernels whose names contain
+# "dispatch_impl" and "dispatch_copy_epilogue_impl", a combine by "combine_impl" and
+# "combine_reduce_epilogue_impl". Each data kernel here does both phases, so its name contains both
+# of its call's substrings; the notify kernel and the barrier contain none (tests/test_kernel_names.py).
+NOTIFY_KERNEL = "deep_ep_notify"   # a fresh dispatch's numbering and layout
+DISPATCH_KERNEL = "deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl"   # a fresh dispatch's rows
+CACHED_DISPATCH_KERNEL = "deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl"
+COMBINE_KERNEL = "deep_ep_combine_impl_with_combine_reduce_epilogue_impl"
+BARRIER_KERNEL = "deep_ep_barrier"   # `ElasticBuffer.barrier`
 
 # Build-time tunables of the data kernels, each #defined with its default in
 # include/deep_ep/common/tunables.cuh (tests/test_kernels_compile.py holds the two lists equal): they

@@ -34,7 +34,8 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep
 // kernel, so all must be resident at once: num_sms <= SMs (emulated ranks: the sum over ranks,
 // checked on the host). The host launches them cooperatively (not for emulated ranks, whose grids
 // share the device): the driver then refuses a grid that cannot be resident instead of letting it stall.
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch(
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
+deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
@@ -43,7 +44,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch(
 }
 
 // The same for a cached dispatch: the handle's layout, no numbering.
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_dispatch_cached(
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
+deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
