@@ -30,11 +30,10 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
 
     // kUnroll vectors per lane per chunk: several independent 16-byte loads in flight per source.
-    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps cut into equal chunks (hidden
-    // 7168: 4 x 7); else 4: expanded rows, whose partial sums need a second set of accumulators, rows
-    // with a ragged last step, whose bounds checks need registers too (more spills, e.g. 6 at hidden
-    // 2880), and rows whose chunks of up to 7 would be unequal (hidden 4096: 6 + 6 + 4 was no faster
-    // than 4 x 4 on the H200, and slower at 128 tokens).
+    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps cut into equal chunks; else
+    // 4, within the registers: expanded rows, whose partial sums need a second set of accumulators,
+    // rows with a ragged last step, whose bounds checks need registers too, and rows whose chunks of
+    // up to 7 would be unequal.
     constexpr int kWide = row_unroll<Row::kVecs, 0, 7>();
     constexpr bool kWideFits = !kExpand && Row::kVecs % 32 == 0 && (Row::kVecs / 32) % kWide == 0;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, kWideFits ? 7 : 4>();

@@ -1,27 +1,9 @@
-// Notify stage of a dispatch: number what goes where, and publish the counts in every peer's window.
-//
-// On source rank s, for every token t and destination rank d it reaches, pos_tok[t, d] is t's
-// index among s's tokens to d (tokens in order); for every (token, slot) pair of an expert e,
-// pos_pair[t, k] is its index among s's pairs for e, in (t, k) order (expanded layout). The data
-// kernel adds where s's rows start at d (send_base / out_base, from the layout stage).
-//
-// Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
-// stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
-// a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's
-// index is the group's running count plus the lanes before it. Three phases, separated by grid
-// barriers (all blocks are resident: the host launches at most a few warps per SM):
-//   A. count: each group's pairs per column (R ranks, then E experts); the block turns its warps'
-//      counts into prefixes within the block (shared memory) and writes its totals to
-//      scratch[block][column];
-//   B. prefix: warp w scans columns c = w, w + W, ... over the blocks (exclusive, in place; a few
-//      columns at once) and publishes each column's total in counts[s] of every peer's window;
-//   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
-// A token counts once per rank: only its first slot of that rank counts. Expert ids outside
-// [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
-// counts, so that every rank's layout stage sees it and the call moves nothing (kErrBadExpert).
-// With ``topk_copy``, phase A also copies the group's ids there (the handle's copy of the routing,
-// without a copy of its own on the host's side). The last block to finish signals every peer, and
-// then, in the same kernel, runs the layout stage (impls/layout.cuh): one launch, no kernel boundary.
+// Notify stage of a dispatch (kernels/dispatch.cuh; the layout stage, impls/layout.cuh, follows in
+// the same launch). On source rank s: pos_tok[t, d] is t's index among s's tokens to rank d (-1: not
+// sent); expanded, pos_pair[t, k] is the pair's index among s's pairs for its expert (-1: masked);
+// every peer's window gets s's count row (tokens per rank, pairs per expert, the first out-of-range
+// id); with ``topk_copy``, a copy of topk_idx. The data kernel adds where s's rows start. All blocks
+// must be resident at once (grid barriers); the block that finishes last signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -155,6 +137,20 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
     }
 }
 
+// Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
+// stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
+// a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's
+// index is the group's running count plus the lanes before it. Three phases, separated by grid
+// barriers:
+//   A. count: each group's pairs per column (R ranks, then E experts); the block turns its warps'
+//      counts into prefixes within the block (shared memory) and writes its totals to
+//      scratch[block][column];
+//   B. prefix: warp w scans columns c = w, w + W, ... over the blocks (exclusive, in place; a few
+//      columns at once) and publishes each column's total in counts[s] of every peer's window;
+//   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
+// A token counts once per rank: only its first slot of that rank counts. Expert ids outside
+// [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
+// counts, so that every rank's layout stage sees it and the call moves nothing (kErrBadExpert).
 // Returns true in the threads of the block that finished last (and signalled the peers).
 template <int K, bool kExpand>
 __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {

@@ -2,8 +2,9 @@
 // (deep_ep/backends/gpu/modules.py) compiles this file once per structural configuration, passing
 // it as -D defines: EP_DATA_BYTES (bytes of one token row), EP_NUM_SF (4-byte scale factors per row,
 // 0 for BF16), EP_TOPK, EP_EXPAND (0/1), EP_THREADS (block size) and EP_TRANSPORT_NCCL
-// (comm/transport.cuh); build-time tunables (modules.TUNABLES) may come too. Token counts, rank counts
-// and buffer sizes are run-time arguments: a new batch size never compiles.
+// (comm/transport.cuh); the tunables of common/tunables.cuh may come too. Token counts, rank counts
+// and buffer sizes are run-time arguments: a new batch size never compiles. The data kernels' names
+// hold DeepEP's profiler substrings (modules.DISPATCH_KERNEL).
 #pragma once
 
 #include "../comm/transport.cuh"
