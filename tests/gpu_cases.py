@@ -103,8 +103,8 @@ _BASE = [
     Case("bf16-expand-nosync", expand=True, alignment=8, do_cpu_sync=False),
     # little padding: a rank alone with CPU sync allocates its expanded outputs before its counts
     Case("bf16-expand-align2", expand=True, alignment=2, mask_prob=0.3),
-    # A rank alone's fresh expanded data kernel (impls/dispatch_expand_alone.cuh) without weights, and
-    # with no tokens, with and without CPU sync (the rank alone of EP=1 is the empty one).
+    # Expanded without weights, and with no tokens, with and without CPU sync (the rank alone of EP=1
+    # is the empty one).
     Case("bf16-expand-noweights", expand=True, alignment=4, weights=False, num_bias=1),
     Case("bf16-expand-empty-rank", expand=True, alignment=4, tokens=(0, 50, 17)),
     Case("bf16-expand-nosync-empty-rank", expand=True, alignment=8, tokens=(0, 50, 17), do_cpu_sync=False),
@@ -123,14 +123,13 @@ _BASE = [
     # The most experts a window holds: the notify kernel's dynamic shared memory (a row of counts per
     # warp) and its static part exceed 48 KB together.
     Case("experts1024-top8", num_topk=8, num_experts=1024, tokens=(48, 29)),
-    # More tokens than one notify block takes: on a rank alone, the token scan over six blocks (251
-    # tokens each, the last one 246) and, with the grid capped at one block, six tokens per thread.
+    # More tokens than one notify block takes (several blocks meeting at grid barriers) and, with the
+    # grid capped at one block, many tokens per group.
     Case("bf16-many-tokens", tokens=(1501, 600), mask_prob=0.3, num_sms=16),
     Case("bf16-many-tokens-one-block", tokens=(1501, 600), mask_prob=0.3, do_cpu_sync=False, notify_groups_max=8),
-    # Without CPU sync a rank alone's fresh dispatch is one kernel (impls/dispatch_alone.cuh): tokens
-    # that select no expert (rows between the count and T, marked by its layout block), an empty
-    # rank, column-major scale factors, and the default SMs (every SM of the device at EP=1: the
-    # layout block is one of them, and most numbering blocks get no token).
+    # Without CPU sync: tokens that select no expert (rows between the count and the worst case,
+    # marked by the data kernel), an empty rank, column-major scale factors, and the default SMs
+    # (every SM of the device at EP=1, most of them without a token).
     Case("bf16-nosync-mostly-masked", mask_prob=0.6, do_cpu_sync=False),
     Case("bf16-nosync-empty-rank", tokens=(0, 50, 17), do_cpu_sync=False),
     Case("fp8-ue8m0-colmajor-nosync", fp8="ue8m0", hidden=1024, col_major_sf=True, do_cpu_sync=False),

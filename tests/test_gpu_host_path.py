@@ -18,7 +18,7 @@ from deep_ep.backends.base import BufferConfig
 from deep_ep.backends.gpu import GPUBackend
 from deep_ep.backends.gpu import combine as gpu_combine
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
-from deep_ep.backends.gpu import dispatch_plan
+from deep_ep.backends.gpu import dispatch_plan, modules
 from deep_ep.backends.gpu.abi import READBACK, READBACK_WORDS, NotifyArgs
 
 H, E, K, M = 256, 16, 4, 64
@@ -48,8 +48,8 @@ class _Module:
             name, grid, args, log, block, kw.get("cooperative")))
 
     def kernel_names(self):
-        return ["deep_ep_barrier", "deep_ep_dispatch", "deep_ep_dispatch_alone", "deep_ep_dispatch_cached",
-                "deep_ep_dispatch_cached_alone", "deep_ep_dispatch_fresh_alone", "deep_ep_notify"]
+        return sorted([modules.BARRIER_KERNEL, modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL,
+                       modules.CACHED_DISPATCH_KERNEL, modules.COMBINE_KERNEL])
 
 
 def _backend(log):
@@ -73,7 +73,7 @@ def _backend(log):
     b.timeout_ns, b.cooperative, b.call_stream, b.comm_handle, b.comm_stream = 10 ** 9, True, 0, 5, None
     b.launched_call, b.last_m = 0, 0
     b.notify_groups_max, b.notify_scratch = 32, torch.zeros(16, dtype=torch.int32)
-    b.fresh_plans, b.alone_fused_refused = {}, False
+    b.fresh_plans = {}
 
     def wait_readback(seq, num_experts, num_topk):
         report = [0] * READBACK_WORDS
@@ -101,36 +101,14 @@ def _dispatch(b, T, *, weights, sync, align, stats, handle=None, seed=0, expand=
     return out, (x, idx, w, st)   # the inputs stay alive: their addresses are not reused
 
 
-FUSED_MODES = [1, 2, 0]   # EP_DISPATCH_ALONE_FUSED's values (`_fused`)
-FUSED_IDS = ["one-kernel-without-cpu-sync", "one-kernel-always", "two-kernels"]
-
-
-def _fused(monkeypatch, mode: int) -> None:
-    """A rank alone's non-expanded fresh dispatch as one kernel without CPU sync (mode 1, the
-    default), with and without it (2), or always as the notify and data kernels (0), as
-    EP_DISPATCH_ALONE_FUSED's values say (`modules.dispatch_alone_fused`); set before the backend
-    makes its plans."""
-    monkeypatch.setattr(gpu_dispatch.modules, "dispatch_alone_fused",
-                        lambda cpu_sync=False: mode >= 2 if cpu_sync else mode != 0)
-
-
-def _takes_fused(mode: int, sync: bool) -> bool:
-    """Whether a call (with CPU sync: ``sync``) takes the one kernel under `_fused`'s ``mode``."""
-    return mode >= 2 if sync else mode != 0
-
-
-def _fresh_launch_names(fused: bool) -> list:
-    """The kernels a rank alone's non-expanded fresh dispatch launches, in order."""
-    return ["deep_ep_dispatch_alone"] if fused else ["deep_ep_notify", "deep_ep_dispatch"]
+FRESH = [modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL]   # the kernels of a fresh dispatch, in order
 
 
 def _notify_and_data_args(log) -> tuple:
-    """``(NotifyArgs, DispatchArgs)`` of the first fresh dispatch in ``log`` (either path)."""
+    """``(NotifyArgs, DispatchArgs)`` of the first fresh dispatch in ``log``."""
     from deep_ep.backends.gpu.abi import DispatchArgs, NotifyArgs
-    name, _, args = log[0]
-    if name == "deep_ep_dispatch_alone":
-        return NotifyArgs.from_buffer_copy(args[0]), DispatchArgs.from_buffer_copy(args[2])
-    return NotifyArgs.from_buffer_copy(args[0]), DispatchArgs.from_buffer_copy(log[1][2][0])
+    assert [name for name, _, _ in log[:2]] == FRESH
+    return NotifyArgs.from_buffer_copy(log[0][2][0]), DispatchArgs.from_buffer_copy(log[1][2][0])
 
 
 CALLS = [dict(T=48, weights=True, sync=True, align=4, stats=True),
@@ -159,17 +137,15 @@ class _Allocations:
         return t
 
 
-@pytest.mark.parametrize("fused", FUSED_MODES, ids=FUSED_IDS)
 @pytest.mark.parametrize("order", [(0, 1), (1, 0), (2, 3), (3, 2), (0, 3), (0, 4), (4, 0), (1, 5), (5, 1)])
-def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, monkeypatch):
+def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, monkeypatch):
     """Two different fresh dispatches on one backend (with and without CPU sync, weights, statistics,
-    another alignment and token count): the second call's launches (one kernel, or notify with its
-    layout stage and data), carry the same bytes as that call's launches on a backend that never ran
+    another alignment and token count): the second call's launches (notify with its layout stage,
+    and data), carry the same bytes as that call's launches on a backend that never ran
     the first, with the same inputs and output tensors; where the two calls share a configuration
     (the same plan: only the token count and the statistics differ), the second reuses the first's
     prepared launches."""
     from deep_ep.backends import outputs
-    _fused(monkeypatch, fused)
     alloc = _Allocations(outputs.empty)
     monkeypatch.setattr(outputs, "empty", alloc)
     first, second = (CALLS[i] for i in order)
@@ -197,7 +173,7 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, fused, m
         num_sms=4, handle=None, do_handle_copy=True, do_cpu_sync=second["sync"], do_expand=False,
         do_zero_padding=False, use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=st)
     assert alloc.replay == []
-    assert [name for name, _, _ in reused] == _fresh_launch_names(_takes_fused(fused, second["sync"]))
+    assert [name for name, _, _ in reused] == FRESH
     assert [(n, g) for n, g, _ in reused] == [(n, g) for n, g, _ in fresh_log]
     for (name, _, got), (_, _, want) in zip(reused, fresh_log):
         assert got == want, f"{name}: a reused launch's arguments differ from those of a launch prepared for this call"
@@ -321,19 +297,16 @@ def test_a_handles_launch_memo_follows_its_fields(monkeypatch):
     assert combined.num_tokens == T // 2 and combined.topk_idx == half.data_ptr()
 
 
-@pytest.mark.parametrize("fused", FUSED_MODES, ids=FUSED_IDS)
-def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
+def test_every_launch_carries_this_calls_tag():
     """The tag of each launch (the call's number and its configuration's fingerprint, which peers
     compare) is this call's: fresh dispatches with two configurations, then a cached dispatch and a
     combine, each after other calls."""
     from deep_ep.backends.gpu.abi import CallTag, CombineArgs, DispatchArgs, LayoutArgs, NotifyArgs, call_tag
-    _fused(monkeypatch, fused)
     log = []
     b = _backend(log)
     # the argument structs that carry a tag, per kernel (the notify kernel's layout stage has its own)
-    structs = {"deep_ep_notify": (NotifyArgs, LayoutArgs), "deep_ep_dispatch": (DispatchArgs,),
-               "deep_ep_dispatch_alone": (NotifyArgs, LayoutArgs, DispatchArgs),
-               "deep_ep_dispatch_cached": (DispatchArgs,), "deep_ep_combine": (CombineArgs,)}
+    structs = {modules.NOTIFY_KERNEL: (NotifyArgs, LayoutArgs), modules.DISPATCH_KERNEL: (DispatchArgs,),
+               modules.CACHED_DISPATCH_KERNEL: (DispatchArgs,), modules.COMBINE_KERNEL: (CombineArgs,)}
 
     def tags():
         out = [(name, struct.from_buffer_copy(args[i]).tag) for name, _, args in log
@@ -353,8 +326,7 @@ def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
         data_bytes = H * 2
         want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
                         0 if call["sync"] else M)
-        names = ("deep_ep_dispatch_alone",) * 3 if _takes_fused(fused, call["sync"]) else \
-            ("deep_ep_notify", "deep_ep_notify", "deep_ep_dispatch")
+        names = (modules.NOTIFY_KERNEL, modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL)
         assert tags() == [(n, want.seq, want.fingerprint) for n in names]
     handle = keep[0][0][3]
     g = torch.Generator().manual_seed(3)
@@ -367,13 +339,13 @@ def test_every_launch_carries_this_calls_tag(fused, monkeypatch):
             handle=handle, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
             use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
         want = call_tag(b.calls, 2, H * 2, 0, K, 0, handle.expert_alignment, E, weights, 1, 0)
-        assert tags() == [("deep_ep_dispatch_cached", want.seq, want.fingerprint)]
+        assert tags() == [(modules.CACHED_DISPATCH_KERNEL, want.seq, want.fingerprint)]
         b.calls += 1
         y = torch.randn(handle.num_recv_rows, H, generator=g).to(torch.bfloat16)
         gpu_combine.run_combine(b, y, handle, torch.rand(handle.num_recv_rows, K, generator=g) if weights else None,
                                 (), num_sms=4)
         want = call_tag(b.calls, 3, H, K, 0, E, weights, 0)
-        assert tags() == [("deep_ep_combine", want.seq, want.fingerprint)]
+        assert tags() == [(modules.COMBINE_KERNEL, want.seq, want.fingerprint)]
     assert isinstance(want, CallTag)
 
 
@@ -386,24 +358,6 @@ def test_notify_groups_stay_within_the_cap():
         g = gpu_dispatch.notify_groups(T, K, cap)
         assert g % W == 0 and W <= g <= max(W, cap // W * W)
         assert g == min(max(W, cap // W * W), -(-max(1, -(-T * K // P)) // W) * W)
-        # a rank alone: one block for few pairs (no grid barrier), else the same grid
-        one = gpu_dispatch.NOTIFY_ONE_BLOCK_PAIRS
-        assert gpu_dispatch.notify_groups(T, K, cap, True) == (W if T * K <= one else g)
-
-
-def test_the_token_scan_grid():
-    """A rank alone's token scan: at most `NOTIFY_SCAN_TOKENS_PER_BLOCK` tokens per block until the
-    cap on blocks (whole blocks of the cap on groups, and the scratch's slots), then more per block;
-    every token in a block."""
-    from deep_ep.backends.gpu.abi import CONSTANTS
-    W, S = gpu_dispatch.NOTIFY_WARPS, gpu_dispatch.NOTIFY_SCAN_TOKENS_PER_BLOCK
-    for T, cap in [(0, 1056), (1, 1056), (128, 1056), (256, 1056), (257, 1056), (4096, 1056), (1500, 8),
-                   (100000, 1056), (4096, 3), (10 ** 6, 10 ** 6)]:
-        blocks, per_block = gpu_dispatch.notify_scan_grid(T, cap)
-        limit = max(1, min(cap // W, CONSTANTS["kNotifyScanMaxBlocks"]))
-        assert 1 <= blocks <= limit and blocks == min(limit, max(1, -(-T // S))), (T, cap)
-        assert blocks * per_block >= T and (blocks - 1) * per_block < max(T, 1), (T, cap)
-    assert gpu_dispatch.notify_scan_grid(100000, W) == (1, 100000)   # one block: 391 tokens a thread
 
 
 def test_top_k_beyond_the_notify_tile_is_refused():
@@ -459,8 +413,7 @@ def test_lazy_handle_fields_are_views_at_the_kernels_addresses(sync, expand):
         "psum_num_recv_tokens_per_scaleup_rank": (data.layout + 4 * ix.tok_prefix, (1,)),
         "psum_num_recv_tokens_per_expert": (data.layout + 4 * ix.psum_expert, (E,)),
         "num_unaligned_recv_tokens_per_expert": (data.layout + 4 * ix.raw_counts, (E,)),
-        # (expanded: the final rows, which a rank alone's expanded data kernel writes apart from the
-        # notify kernel's numbering; non-expanded: the notify kernel's rows)
+        # (expanded: the rows of every pair; non-expanded: of every token)
         "dst_buffer_slot_idx": (data.pos_pair, (T, K)) if expand else (notify.pos_tok, (T, 1)),
         "recv_src_metadata": (data.src_meta, (data.tok_capacity, K + 2)),
     }
@@ -560,17 +513,14 @@ def _record_allocations_and_launches(monkeypatch) -> list:
     return events
 
 
-@pytest.mark.parametrize("mode", [1, 2], ids=["two-kernels", "one-kernel"])
 @pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, mode, monkeypatch):
+def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
     """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
     rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
     more) before the host waits for the layout stage's report; the outputs are then cut to the rows
     it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
-    those rows and start where the kernel writes. Two kernels (the default): the notify kernel is
-    queued before the outputs are allocated; one kernel (EP_DISPATCH_ALONE_FUSED=2): one launch after
-    every allocation."""
-    _fused(monkeypatch, mode)
+    those rows and start where the kernel writes. The notify kernel is queued before the outputs
+    are allocated."""
     events = _record_allocations_and_launches(monkeypatch)
     log = []
     b = _backend(log)
@@ -590,12 +540,9 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, mode, monk
     for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
         assert t.is_contiguous()
     kinds = [k for k, _ in events]
-    kernel = "deep_ep_dispatch_alone" if mode == 2 else "deep_ep_dispatch"
+    kernel = modules.DISPATCH_KERNEL
     assert kinds[-2:] == [kernel, "wait"] and kinds.count(kernel) == 1
-    if mode == 2:
-        assert "deep_ep_notify" not in kinds and kinds[:-2] == ["alloc"] * (len(kinds) - 2)
-    else:
-        assert kinds.index("deep_ep_notify") < kinds.index("alloc", kinds.index("deep_ep_notify"))
+    assert kinds.index(modules.NOTIFY_KERNEL) < kinds.index("alloc", kinds.index(modules.NOTIFY_KERNEL))
     # the outputs (recv_src_metadata lives in the handle's words, their first allocation)
     assert [s for k, s in events if k == "alloc"][-3:] == [(T, H), (T, K), (T, K)]
     words = handle.backend_state.words
@@ -603,7 +550,7 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, mode, monk
     assert meta.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
     assert words.data_ptr() < meta.data_ptr() < words.data_ptr() + 4 * words.numel()
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
-    data, layout = (plan.fused.args[2], plan.fused.args[1]) if mode == 2 else (plan.data.args[0], plan.notify.args[1])
+    data, layout = plan.data.args[0], plan.notify.args[1]
     assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
@@ -656,7 +603,7 @@ def test_a_single_rank_expanded_with_cpu_sync_queues_its_data_kernel_when_the_pa
     rows = gpu_dispatch.early_rows(T, K, E, align, True)
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
     data, layout = plan.data.args[0], plan.notify.args[1]
-    kernel = dispatch_plan.FRESH_ALONE_KERNEL   # a rank alone's expanded data kernel
+    kernel = modules.DISPATCH_KERNEL
     if rows is None:
         assert kinds.index("wait") < kinds.index(kernel)
         assert (data.out_capacity, data.tok_capacity) == (reported, T - 2)
@@ -723,10 +670,10 @@ def test_the_wait_for_the_counts_reads_the_report_or_raises_what_it_records():
 
 
 def test_the_wait_for_the_counts_stops_at_an_error_recorded_without_a_report():
-    """A kernel that records an error in the host's record and writes no report (a rank alone's one
-    kernel whose layout block timed out) ends the wait at once with that error (not after the
-    host's timeout, with a message that the GPU's timeout did not fire); an out-of-range id in the
-    record (an earlier call's, raised at the next call) does not end it."""
+    """A kernel that records an error in the host's record and writes no report ends the wait at once
+    with that error (not after the host's timeout, with a message that the GPU's timeout did not
+    fire); an out-of-range id in the record (an earlier call's, raised at the next call) does not end
+    it."""
     import ctypes
     import time
 
@@ -762,29 +709,7 @@ def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
         _dispatch(b, 24, weights=True, sync=True, align=1, stats=False)
     assert log == [] and b.readback_seq == seq
     _dispatch(b, 24, weights=True, sync=False, align=1, stats=False)
-    assert [name for name, _, _ in log] == ["deep_ep_dispatch_alone"]
-
-
-def test_the_hosts_notify_default_is_the_kernels():
-    """The host's defaults for EP_NOTIFY_SINGLE_RANK, EP_NOTIFY_TOKEN_SCAN and
-    EP_DISPATCH_ALONE_FUSED (which set the kernels and grids of a rank alone) are the #defines'
-    defaults in the kernel source."""
-    import pathlib
-    import re
-    from deep_ep.backends.gpu import modules
-    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/layout_alone.cuh").read_text()
-    assert int(re.search(r"#define EP_NOTIFY_SINGLE_RANK (\d+)", src).group(1)) == modules.NOTIFY_SINGLE_RANK_DEFAULT
-    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/notify_alone.cuh").read_text()
-    assert int(re.search(r"#define EP_NOTIFY_TOKEN_SCAN (\d+)", src).group(1)) == modules.NOTIFY_TOKEN_SCAN_DEFAULT
-    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/dispatch_alone.cuh").read_text()
-    assert int(re.search(r"#define EP_DISPATCH_ALONE_FUSED (\d+)", src).group(1)) == \
-        modules.DISPATCH_ALONE_FUSED_DEFAULT
-    src = (pathlib.Path(modules.__file__).parents[2] / "include/deep_ep/impls/dispatch_expand_alone.cuh").read_text()
-    assert int(re.search(r"#define EP_EXPAND_ALONE_CACHED (\d+)", src).group(1)) == \
-        modules.EXPAND_ALONE_CACHED_DEFAULT
-    assert int(re.search(r"#define EP_EXPAND_ALONE_FRESH (\d+)", src).group(1)) == \
-        modules.EXPAND_ALONE_FRESH_DEFAULT
-    assert int(re.search(r"#define EP_ALONE_THREADS (\d+)", src).group(1)) == modules.ALONE_THREADS
+    assert [name for name, _, _ in log] == FRESH
 
 
 def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
@@ -795,8 +720,6 @@ def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
     b.notify_groups_max = 64
     W = gpu_dispatch.NOTIFY_WARPS
     T = 48
-    monkeypatch.setattr(gpu_dispatch, "NOTIFY_ONE_BLOCK_PAIRS", 0)   # not one block, which a rank alone takes
-    monkeypatch.setattr(gpu_dispatch.modules, "notify_token_scan", lambda: False)   # the general numbering
     for pairs, cap in ((32, 64), (8, 64), (8, 16), (32, 64)):
         monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", pairs)
         b.notify_groups_max = cap
@@ -804,29 +727,6 @@ def test_the_notify_grid_follows_its_settings_between_calls(monkeypatch):
         _dispatch(b, T, weights=False, sync=False, align=1, stats=False)
         grids = [grid for name, grid, _ in log if name == "deep_ep_notify"]
         assert grids == [gpu_dispatch.notify_groups(T, K, cap) // W], (pairs, cap, grids)
-
-
-def test_the_token_scan_grid_follows_its_settings_between_calls(monkeypatch):
-    """A rank alone's non-expanded dispatch launches the token scan's grid (`notify_scan_grid`), with
-    its tokens per block as the kernel's ``tokens_per_group``, following the tokens per block and the
-    cap between calls; the expanded layout keeps the general grid."""
-    _fused(monkeypatch, 0)
-    log = []
-    b = _backend(log)
-    T = M
-    for per_block, cap in ((16, 64), (32, 64), (8, 16), (16, 64)):
-        monkeypatch.setattr(gpu_dispatch, "NOTIFY_SCAN_TOKENS_PER_BLOCK", per_block)
-        b.notify_groups_max = cap
-        log.clear()
-        _dispatch(b, T, weights=False, sync=False, align=1, stats=False)
-        launches = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]
-        want = gpu_dispatch.notify_scan_grid(T, cap)
-        assert [g for g, _ in launches] == [want[0]], (per_block, cap, launches)
-        assert NotifyArgs.from_buffer_copy(launches[0][1][0]).tokens_per_group == want[1]
-    log.clear()
-    _dispatch(b, T, weights=False, sync=False, align=4, stats=False, expand=True)
-    assert [grid for name, grid, _ in log if name == "deep_ep_notify"] == \
-        [gpu_dispatch.notify_groups(T, K, 64, True) // gpu_dispatch.NOTIFY_WARPS]
 
 
 def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
@@ -847,8 +747,6 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
         launch(self, stream, grid)
     monkeypatch.setattr(_Prepared, "launch", cooperative)
     T = 64   # 256 pairs: 8 blocks of 8 groups at 4 pairs each
-    monkeypatch.setattr(gpu_dispatch, "NOTIFY_ONE_BLOCK_PAIRS", 0)   # not one block, which a rank alone takes
-    monkeypatch.setattr(gpu_dispatch.modules, "notify_token_scan", lambda: False)   # the general numbering
     monkeypatch.setattr(gpu_dispatch, "NOTIFY_PAIRS_PER_GROUP", 4)
     (recv_x, _, _, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
     notify = [(grid, args) for name, grid, args in log if name == "deep_ep_notify"]
@@ -864,125 +762,35 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
         _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
 
 
-@pytest.mark.parametrize("sync", [False, True], ids=["no-cpu-sync", "cpu-sync"])
-def test_a_refused_one_kernel_falls_back_to_two_kernels(sync, monkeypatch):
-    """A rank alone's one kernel whose cooperative launch the device refuses (one block more than it
-    holds: the layout block) is nothing queued: the dispatch starts again as the notify and data
-    kernels, returns what they return, and the buffer keeps to them; during CUDA-graph capture it
-    raises instead (a capture cannot change kernels), naming the cause."""
-    from deep_ep import jit
-    _fused(monkeypatch, 2)
-    log = []
-    b = _backend(log)
-    launch = _Prepared.launch
+def test_column_major_scale_factors_with_cpu_sync_wait_for_the_counts(monkeypatch):
+    """With CPU sync and column-major scale factors (whose layout needs the exact rows) a rank alone's
+    outputs wait for the counts: the data kernel is queued after the wait, for the reported rows;
+    with row-major scale factors it is queued before the wait."""
+    events = _record_allocations_and_launches(monkeypatch)
+    b = _backend([])
+    wait = b.wait_readback
 
-    def cooperative(self, stream, grid=0):
-        if self.name == "deep_ep_dispatch_alone":
-            raise jit.LaunchError("launch of deep_ep_dispatch:deep_ep_dispatch_alone failed "
-                                  "(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)")
-        launch(self, stream, grid)
-    monkeypatch.setattr(_Prepared, "launch", cooperative)
-    T = 24
-    (recv_x, recv_idx, _, handle), keep = _dispatch(b, T, weights=True, sync=sync, align=1, stats=False)
-    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
-    assert b.alone_fused_refused and b.broken is None
-    assert recv_x.shape[0] == (T if sync else M) and handle.num_recv_tokens == (T if sync else M)
-    log.clear()
-    keep2 = _dispatch(b, T, weights=False, sync=not sync, align=1, stats=False)   # a new plan: two kernels too
-    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
-    b.alone_fused_refused = False
-    b.fresh_plans.clear()
-    with monkeypatch.context() as m:
-        m.setattr(gpu_dispatch, "_capturing", lambda backend: True)
-        with pytest.raises(jit.LaunchError, match="during CUDA-graph capture"):
-            _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
-    assert not b.alone_fused_refused and len(b.fresh_plans) == 1 and b.broken is None
-    # No spare SM: the one kernel has as many blocks as the data kernel would, which the device would
-    # refuse too (after the notify kernel was queued): raised, nothing queued, the buffer usable.
-    b._sm_limit = 4   # `_dispatch`'s num_sms
-    b.fresh_plans.clear()
-    log.clear()
-    with pytest.raises(jit.LaunchError, match="pass a smaller num_sms than 4"):
-        _dispatch(b, T, weights=True, sync=sync, align=1, stats=False)
-    assert log == [] and not b.alone_fused_refused and b.broken is None
-    del keep, keep2
-
-
-def test_the_one_kernel_follows_the_builds_define(monkeypatch):
-    """`modules.dispatch_alone_fused` reads EP_DISPATCH_ALONE_FUSED from DEEP_EP_KERNEL_DEFINES: 0 never,
-    1 (the default) without CPU sync, 2 with and without; never without the token scan."""
-    from deep_ep.backends.gpu import modules
-    for value, without, with_sync in (("", True, False), ("0", False, False), ("1", True, False), ("2", True, True)):
-        monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", f"EP_DISPATCH_ALONE_FUSED={value}" if value else "")
-        assert (modules.dispatch_alone_fused(), modules.dispatch_alone_fused(True)) == (without, with_sync), value
-    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", "EP_DISPATCH_ALONE_FUSED=2,EP_NOTIFY_TOKEN_SCAN=0")
-    assert not modules.dispatch_alone_fused() and not modules.dispatch_alone_fused(True)
-
-
-def test_column_major_scale_factors_with_cpu_sync_keep_the_two_kernels(monkeypatch):
-    """With CPU sync and column-major scale factors (whose layout needs the exact rows) the outputs
-    wait for the counts, so even a build with the one kernel for CPU sync (EP_DISPATCH_ALONE_FUSED=2)
-    launches the notify and data kernels there, and allocates its outputs for the reported rows;
-    row-major scale factors take the one kernel."""
-    _fused(monkeypatch, 2)
-    log = []
-    b = _backend(log)
+    def wait_readback(seq, num_experts, num_topk):
+        events.append(("wait", None))
+        return wait(seq, num_experts, num_topk)
+    b.wait_readback = wait_readback
     T, num_sf = 24, H // 128
     g = torch.Generator().manual_seed(5)
     x = torch.randn(T, H, generator=g).to(torch.float8_e4m3fn)
     sf = torch.rand(T, num_sf, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     b.last_tokens = T
-    for col_major, names in ((True, ["deep_ep_notify", "deep_ep_dispatch"]), (False, ["deep_ep_dispatch_alone"])):
-        log.clear()
+    for col_major in (True, False):
+        events.clear()
         b.calls += 1
         (recv_x, recv_sf), _, _, handle = gpu_dispatch.run_dispatch(
             b, x, sf, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=4,
             handle=None, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
             use_tma_aligned_col_major_sf=col_major, cumulative_local_expert_recv_stats=None)
-        assert [name for name, _, _ in log] == names, col_major
+        kinds = [k for k, _ in events if k != "alloc"]
+        assert kinds == ([modules.NOTIFY_KERNEL, "wait", modules.DISPATCH_KERNEL] if col_major
+                         else [modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL, "wait"]), col_major
         assert recv_x.shape == (T, H) and recv_sf.shape == (T, num_sf) and handle.num_recv_tokens == T
-
-
-@pytest.mark.parametrize("T", [0, 1, 24, M])
-def test_a_rank_alones_fresh_dispatch_without_cpu_sync_is_one_kernel(T, monkeypatch):
-    """A rank alone's non-expanded fresh dispatch without CPU sync is one launch of
-    deep_ep_dispatch_alone: num_sms numbering blocks of ``ceil(T / num_sms)`` tokens each, and one
-    more that writes the layout (`alone_grid`) when the device has a spare SM, else the layout block
-    is one of the num_sms. With CPU sync (unless EP_DISPATCH_ALONE_FUSED=2), in the expanded layout,
-    and in a build without the one kernel: the notify and data kernels."""
-    from deep_ep.backends.gpu.abi import NotifyArgs
-    log = []
-    b = _backend(log)
-    n_sms = 4   # `_dispatch`'s num_sms; the stand-in device has 8 SMs
-    _dispatch(b, T, weights=True, sync=False, align=1, stats=True)
-    assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms + 1)]
-    assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // n_sms))
-    assert dispatch_plan.alone_grid(8, 8) == 8 and dispatch_plan.alone_grid(1, 1) == 1
-    assert dispatch_plan.alone_tokens_per_block(4096, 132) == 32 and dispatch_plan.alone_tokens_per_block(5, 1) == 5
-    b._sm_limit = n_sms   # no spare SM: the layout block is one of the four
-    b.fresh_plans.clear()
-    log.clear()
-    _dispatch(b, T, weights=True, sync=False, align=1, stats=True)
-    assert [(name, grid) for name, grid, _ in log] == [("deep_ep_dispatch_alone", n_sms)]
-    assert NotifyArgs.from_buffer_copy(log[0][2][0]).tokens_per_group == max(1, -(-T // (n_sms - 1)))
-    for kw in (dict(sync=True, align=1), dict(sync=False, align=4, expand=True)):
-        log.clear()
-        _dispatch(b, T, weights=False, stats=False, **kw)
-        data = dispatch_plan.FRESH_ALONE_KERNEL if kw.get("expand") else "deep_ep_dispatch"
-        assert [name for name, _, _ in log] == ["deep_ep_notify", data], kw
-    _fused(monkeypatch, 2)   # with CPU sync too; the expanded layout keeps the two kernels
-    b.fresh_plans.clear()
-    for kw, names in ((dict(sync=True, align=1), ["deep_ep_dispatch_alone"]),
-                      (dict(sync=True, align=4, expand=True), ["deep_ep_notify", dispatch_plan.FRESH_ALONE_KERNEL])):
-        log.clear()
-        _dispatch(b, T, weights=False, stats=False, **kw)
-        assert [name for name, _, _ in log] == names, kw
-    _fused(monkeypatch, 0)
-    b.fresh_plans.clear()
-    log.clear()
-    _dispatch(b, T, weights=True, sync=False, align=1, stats=False)
-    assert [name for name, _, _ in log] == ["deep_ep_notify", "deep_ep_dispatch"]
 
 
 def _record_prepared(monkeypatch) -> list:
@@ -998,118 +806,39 @@ def _record_prepared(monkeypatch) -> list:
     return prepared
 
 
-@pytest.mark.parametrize("sync", [False, True])
 @pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("define", ["", "EP_EXPAND_ALONE_FRESH=1", "EP_EXPAND_ALONE_FRESH=0"])
-def test_a_rank_alones_fresh_expanded_dispatch_takes_its_own_data_kernel(define, ranks, sync, monkeypatch):
-    """A rank alone's fresh dispatch in the expanded layout moves its rows with
-    deep_ep_dispatch_fresh_alone (`modules.ALONE_THREADS` per block, a plain launch) after the notify
-    kernel, unless the build says EP_EXPAND_ALONE_FRESH=0 or its module lacks the kernel: the notify
-    kernel then numbers each pair into the words' pair_rank piece (T x K words of their own, after
-    the other pieces), whose address is the data kernel's last argument, while the data kernel's
-    pos_pair (the handle's final rows, dst_buffer_slot_idx) is the pos_pair piece; every other
-    argument byte is the data kernel's. Ranks of several take the data kernel, numbering into
-    pos_pair."""
-    from deep_ep.backends.gpu import modules
-    from deep_ep.backends.gpu.abi import DispatchArgs
-    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("expand", [False, True])
+def test_every_rank_count_launches_the_same_kernels(expand, sync, ranks, monkeypatch):
+    """A rank alone launches the kernels several ranks launch, with the same blocks and launch kind:
+    a fresh dispatch the notify kernel (`NOTIFY_WARPS` warps per block) then the data kernel, a cached
+    dispatch the cached data kernel, a combine the combine kernel, each data kernel with
+    `modules.THREADS` threads per block on num_sms blocks, every launch cooperative."""
     prepared = _record_prepared(monkeypatch)
     log = []
     b = _backend(log)
     b.num_ranks = ranks   # the plan's kernel choice and word plan read this; the stand-in reports one rank's counts
     T = 24
     b.last_tok_rows = T
-
-    def fresh():
-        b.fresh_plans.clear()
-        log.clear()
-        prepared.clear()
-        b.last_tokens = T * K
-        (_, _, _, handle), keep = _dispatch(b, T, weights=True, sync=sync, align=1, stats=False, expand=True, seed=5)
-        (name, grid, args), = [e for e in log if e[0] != "deep_ep_notify"]
-        p, = [q for q in prepared if q.name == name]
-        notify = NotifyArgs.from_buffer_copy(log[0][2][0])
-        return name, p.block, grid, p.cooperative, args, notify, handle, keep
-
-    got = fresh()
-    alone = ranks == 1 and define != "EP_EXPAND_ALONE_FRESH=0"
-    assert modules.expand_alone_fresh() == (define != "EP_EXPAND_ALONE_FRESH=0")
-    assert got[:4] == ((dispatch_plan.FRESH_ALONE_KERNEL, modules.ALONE_THREADS, 4, False) if alone
-                       else ("deep_ep_dispatch", modules.THREADS, 4, True))
-    name, _, _, _, args, notify, handle, keep = got
-    data = DispatchArgs.from_buffer_copy(args[0])
-    state = handle.backend_state
-    base, plan = state.words.data_ptr(), state.plan
-    assert handle.dst_buffer_slot_idx.data_ptr() == data.pos_pair == base + 4 * plan.pos_pair_at
-    if alone:
-        rank_ptr = ctypes.c_void_p.from_buffer_copy(args[3]).value
-        assert notify.pos_pair == rank_ptr == plan.pair_rank_address(base) == base + 4 * plan.pair_rank_at
-        # its own T x K words, past every other piece and inside the allocation
-        assert plan.pair_rank_at >= plan.meta_at + plan.meta_rows * (K + 2) and plan.pair_rank_at >= \
-            plan.pos_pair_at + T * K and plan.pair_rank_at + T * K <= plan.total == state.words.numel()
-    else:
-        assert notify.pos_pair == data.pos_pair and plan.pair_rank_at == 0 and plan.pair_rank_address(base) is None
-    # a module without the kernel (built with EP_EXPAND_ALONE_FRESH=0): the data kernel, whose
-    # arguments are the same bytes but the per-call addresses
-    monkeypatch.setattr(_Module, "kernel_names", lambda self: ["deep_ep_dispatch", "deep_ep_notify"])
-    general = fresh()
-    assert general[:4] == ("deep_ep_dispatch", modules.THREADS, 4, True)
-    theirs = DispatchArgs.from_buffer_copy(general[4][0])
-    assert general[5].pos_pair == theirs.pos_pair
-    for field, *_ in DispatchArgs._fields_:
-        if field not in ("x", "topk_idx", "topk_weights", "pos_tok", "pos_pair", "out_x", "out_weights", "src_meta",
-                         "layout", "tag"):
-            assert getattr(data, field) == getattr(theirs, field), field
-    assert args[1:3] == general[4][1:]
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("define", ["", "EP_EXPAND_ALONE_CACHED=1", "EP_EXPAND_ALONE_CACHED=0"])
-@pytest.mark.parametrize("expand", [False, True])
-def test_a_rank_alones_cached_expanded_dispatch_takes_its_own_kernel(expand, define, ranks, monkeypatch):
-    """A rank alone's cached dispatch in the expanded layout launches deep_ep_dispatch_cached_alone
-    with `modules.ALONE_THREADS` per block and a plain launch (unless the build says
-    EP_EXPAND_ALONE_CACHED=0, or its module lacks the kernel), with the arguments the cached data
-    kernel gets; a non-expanded one, or one of several ranks, launches the cached data kernel
-    (cooperatively, `modules.THREADS` per block)."""
-    from deep_ep.backends.gpu import modules
-    from deep_ep.backends.gpu.abi import DispatchArgs
-    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", define)
-    prepared = _record_prepared(monkeypatch)
-    log = []
-    b = _backend(log)
-    (_, _, _, handle), _ = _dispatch(b, 24, weights=True, sync=True, align=2, stats=False, expand=expand, seed=3)
-    b.num_ranks = ranks   # the handle's layout is a rank alone's; only the kernel choice reads this
+    b.last_tokens = T * K if expand else T
+    (_, _, _, handle), keep = _dispatch(b, T, weights=True, sync=sync, align=1, stats=False, expand=expand, seed=5)
+    b.num_ranks = 1   # the handle's layout is a rank alone's
     g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(24, H, generator=g).to(torch.bfloat16), torch.rand(24, K, generator=g)
-
-    def cached():
-        handle.backend_state.launches.clear()
-        handle.launch_memo().clear()
-        log.clear()
-        prepared.clear()
-        b.calls += 1
-        gpu_dispatch.run_dispatch(
-            b, x, None, None, w, num_experts=None, num_max_tokens_per_rank=M, expert_alignment=None, num_sms=4,
-            handle=handle, do_handle_copy=True, do_cpu_sync=False, do_expand=expand, do_zero_padding=True,
-            use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
-        assert len(log) == 1 and len(prepared) == 1
-        p = prepared[0]
-        return p.name, p.block, p.grid, p.cooperative, log[0][2]
-
-    got = cached()   # the build's define, as `modules.expand_alone_cached` reads it
-    alone = expand and ranks == 1 and define != "EP_EXPAND_ALONE_CACHED=0"
-    assert got[:4] == ((gpu_dispatch.ALONE_CACHED_KERNEL, modules.ALONE_THREADS, 4, False) if alone
-                       else ("deep_ep_dispatch_cached", modules.THREADS, 4, True))
-    # a module without the kernel (built with EP_EXPAND_ALONE_CACHED=0): the cached data kernel
-    monkeypatch.setattr(_Module, "kernel_names", lambda self: ["deep_ep_dispatch_cached"])
-    general = cached()
-    assert general[:4] == ("deep_ep_dispatch_cached", modules.THREADS, 4, True)
-    # the same argument bytes (the dispatch's struct but the per-call addresses and the call's tag,
-    # the transport's, the zero padding flag) whichever kernel runs
-    mine, theirs = DispatchArgs.from_buffer_copy(got[4][0]), DispatchArgs.from_buffer_copy(general[4][0])
-    for field, *_ in DispatchArgs._fields_:
-        if field not in ("out_x", "out_weights", "tag"):
-            assert getattr(mine, field) == getattr(theirs, field), field
-    assert got[4][1:] == general[4][1:]
-    assert modules.expand_alone_cached() == (define != "EP_EXPAND_ALONE_CACHED=0")
+    b.calls += 1
+    gpu_dispatch.run_dispatch(
+        b, torch.randn(T, H, generator=g).to(torch.bfloat16), None, None, None, num_experts=None,
+        num_max_tokens_per_rank=M, expert_alignment=None, num_sms=4, handle=handle, do_handle_copy=True,
+        do_cpu_sync=sync, do_expand=expand, do_zero_padding=True, use_tma_aligned_col_major_sf=False,
+        cumulative_local_expert_recv_stats=None)
+    b.calls += 1
+    gpu_combine.run_combine(b, torch.randn(handle.num_recv_rows, H, generator=g).to(torch.bfloat16), handle,
+                            None, (), num_sms=4)
+    names = [name for name, _, _ in log]
+    assert names == FRESH + [modules.CACHED_DISPATCH_KERNEL, modules.COMBINE_KERNEL]
+    shapes = [(p.name, p.block, p.cooperative) for p in prepared]
+    assert shapes == [(modules.NOTIFY_KERNEL, 32 * dispatch_plan.NOTIFY_WARPS, True),
+                      (modules.DISPATCH_KERNEL, modules.THREADS, True),
+                      (modules.CACHED_DISPATCH_KERNEL, modules.THREADS, True),
+                      (modules.COMBINE_KERNEL, modules.THREADS, True)]
+    assert [grid for _, grid, _ in log[1:]] == [4, 4, 4]
+    del keep

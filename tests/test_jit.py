@@ -758,7 +758,7 @@ def test_backend_rewords_a_refused_cooperative_launch():
     from deep_ep.backends.gpu import GPUBackend
 
     class Refused:
-        function = SimpleNamespace(name="deep_ep_dispatch_cached")
+        function = SimpleNamespace(name="deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl")
 
         def __init__(self, message):
             self.message = message
@@ -770,7 +770,7 @@ def test_backend_rewords_a_refused_cooperative_launch():
     with pytest.raises(jit.LaunchError, match="^launch failed: CUDA_ERROR_INVALID_VALUE$"):
         GPUBackend.launch_data(fake, Refused("launch failed: CUDA_ERROR_INVALID_VALUE"), 132)
     assert fake.broken is None
-    with pytest.raises(jit.LaunchError, match=r"rank 3: .* all 132 blocks of deep_ep_dispatch_cached .* "
+    with pytest.raises(jit.LaunchError, match=r"rank 3: .* all 132 blocks of deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl .* "
                                               r"no longer be used .* smaller num_sms"):
         GPUBackend.launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
     assert fake.broken == "cooperative launch refused"   # later calls raise before launching anything

@@ -11,6 +11,7 @@ import pytest
 
 from deep_ep import jit
 from deep_ep.backends import gpu
+from deep_ep.backends.gpu import modules
 from deep_ep.routing import MODEL_PRESETS as PRESETS
 
 from gpu_cases import all_cases
@@ -21,7 +22,7 @@ def _structures():
     for c in all_cases():
         dispatch.add(c.dispatch_structure())
         combine.add(c.combine_structure())
-    # top-1 and top-2 expanded (the fewest slots: a rank alone's cached expanded kernel once spilled at top-1)
+    # top-1 and top-2 expanded (the fewest slots)
     for k in (1, 2):
         dispatch.add((14336, 0, k, True))
         dispatch.add((7168, 56, k, True))
@@ -42,20 +43,16 @@ DISPATCH, COMBINE = _structures()
 def test_dispatch_module_compiles(structure):
     mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=gpu.dispatch_defines(*structure),
                     check_spills=True)
-    names = set(mod.kernel_names())
-    assert {"deep_ep_notify", "deep_ep_dispatch", "deep_ep_dispatch_cached"} <= names
-    # a rank alone's one-kernel fresh dispatch: non-expanded modules only; its expanded dispatch
-    # kernels, cached and fresh: expanded modules only
-    assert ("deep_ep_dispatch_alone" in names) == (not structure[3])
-    assert ("deep_ep_dispatch_cached_alone" in names) == structure[3]
-    assert ("deep_ep_dispatch_fresh_alone" in names) == structure[3]
+    # the same kernels for every rank count and layout
+    assert sorted(mod.kernel_names()) == sorted([modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL,
+                                                 modules.CACHED_DISPATCH_KERNEL])
 
 
 @pytest.mark.parametrize("structure", COMBINE, ids=lambda s: "h{}_k{}_{}".format(*s))
 def test_combine_module_compiles(structure):
     mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=gpu.combine_defines(*structure),
                     check_spills=True)
-    assert {"deep_ep_combine"} <= set(mod.kernel_names())
+    assert mod.kernel_names() == [modules.COMBINE_KERNEL]
 
 
 NCCL_STRUCTURES = [("dispatch", (14336, 0, 8, False)), ("dispatch", (14336, 0, 8, True)),
@@ -66,7 +63,6 @@ NCCL_STRUCTURES = [("dispatch", (14336, 0, 8, False)), ("dispatch", (14336, 0, 8
 @pytest.mark.parametrize("kind, structure", NCCL_STRUCTURES, ids=lambda v: v if isinstance(v, str) else "")
 def test_nccl_transport_module_compiles(kind, structure):
     """The modules of NCCL-backed buffers (EP_TRANSPORT_NCCL=1: ncclDevComm and the symmetric window)."""
-    from deep_ep.backends.gpu import modules
     defines = {"dispatch": gpu.dispatch_defines, "combine": gpu.combine_defines,
                "barrier": modules.barrier_defines}[kind](*structure, transport_nccl=True)
     mod = jit.build(f"deep_ep_{kind}_nccl_test", gpu.kernel_source(kind), defines=defines, use_nccl=True,
@@ -79,54 +75,38 @@ def test_tunable_defines_from_environment(monkeypatch):
     none); the variant compiles without spills; malformed items, unknown names and structural defines
     are refused."""
     monkeypatch.delenv("DEEP_EP_KERNEL_DEFINES", raising=False)
-    assert gpu.tunable_defines() == {} and "EP_BLOCK_FENCE" not in gpu.dispatch_defines(14336, 0, 8, False)
-    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", " EP_BLOCK_FENCE=1, EP_SEND_UNROLL=4 ")
-    assert gpu.tunable_defines() == {"EP_BLOCK_FENCE": 1, "EP_SEND_UNROLL": 4}
+    assert gpu.tunable_defines() == {} and "EP_LOAD_NO_L1" not in gpu.dispatch_defines(14336, 0, 8, False)
+    monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", " EP_LOAD_NO_L1=1, EP_SEND_UNROLL=4 ")
+    assert gpu.tunable_defines() == {"EP_LOAD_NO_L1": 1, "EP_SEND_UNROLL": 4}
     d, c = gpu.dispatch_defines(14336, 0, 8, False), gpu.combine_defines(7168, 8, False)
-    assert d["EP_BLOCK_FENCE"] == 1 and d["EP_TOPK"] == 8 and c["EP_BLOCK_FENCE"] == 1
+    assert d["EP_LOAD_NO_L1"] == 1 and d["EP_TOPK"] == 8 and c["EP_LOAD_NO_L1"] == 1
     jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=d, check_spills=True)
     jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=c, check_spills=True)
-    for bad in ("BLOCK_FENCE=1", "EP_BLOCK_FENCE", "EP_BLOCK_FENCE=yes", "EP_X-Y=1", "EP_THREADS=256",
-                "EP_TOPK=4", "ep_block_fence=1", "EP_BLOCK_FENCES=1"):
+    for bad in ("LOAD_NO_L1=1", "EP_LOAD_NO_L1", "EP_LOAD_NO_L1=yes", "EP_X-Y=1", "EP_THREADS=256",
+                "EP_TOPK=4", "ep_load_no_l1=1", "EP_LOAD_NO_L1S=1", "EP_BLOCK_FENCE=1", "EP_COMBINE_COMPACT=0"):
         monkeypatch.setenv("DEEP_EP_KERNEL_DEFINES", bad)
         with pytest.raises(ValueError, match="DEEP_EP_KERNEL_DEFINES"):
             gpu.tunable_defines()
 
 
-@pytest.mark.parametrize("hidden, tunables", [
-    (4096, {"EP_COMBINE_COMPACT": 0}), (4096, {"EP_COMBINE_SINGLE_UNROLL": 0}),
-], ids=["slots-per-chunk", "no-single-source-path"])
-def test_the_combines_other_paths_compile(hidden, tunables):
-    """The combine's build-time alternatives (each chunk walking every top-k slot; no single-source
-    path) still compile without spills, so that tools/tune_gpu.py can time them against the default."""
-    defines = dict(gpu.combine_defines(hidden, 8, False), **tunables)
+def test_the_tunables_are_defined_in_one_header():
+    """Every tunable of `modules.TUNABLES` is #defined with its default in common/tunables.cuh, and no
+    other: no kernel file defines a default of its own (a switch the host would have to mirror). The
+    only other defaults are the transport (structural) and the test-only defect."""
+    import re
+    from pathlib import Path
+    include = Path(modules.__file__).parents[2] / "include" / "deep_ep"
+    header = (include / "common" / "tunables.cuh").read_text()
+    assert set(re.findall(r"^#ifndef (EP_\w+)\n#define \1 \d+$", header, re.M)) == set(modules.TUNABLES)
+    elsewhere = {(path.relative_to(include).as_posix(), name)
+                 for path in include.rglob("*.cuh") if path.name != "tunables.cuh"
+                 for name in re.findall(r"^#ifndef (EP_\w+)", path.read_text(), re.M)}
+    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("common/defects.cuh", "EP_TEST_DEFECT")}
+
+
+def test_the_combines_single_source_path_can_be_left_out():
+    """EP_COMBINE_SINGLE_UNROLL=0 (no single-source path) still compiles without spills, so that
+    tools/tune_gpu.py can time it against the default."""
+    defines = dict(gpu.combine_defines(4096, 8, False), EP_COMBINE_SINGLE_UNROLL=0)
     mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=defines, check_spills=True)
-    assert "deep_ep_combine" in mod.kernel_names()
-
-
-@pytest.mark.parametrize("expand", [False, True], ids=["plain", "expanded"])
-def test_the_notify_kernel_without_its_single_rank_end_compiles(expand):
-    """The notify kernel without its single-rank end (EP_NOTIFY_SINGLE_RANK=0: a rank alone signals
-    and waits on itself like any rank; the default is 1) compiles without spills, so that
-    tools/sweep_notify.py can time it against the default."""
-    defines = dict(gpu.dispatch_defines(14336, 0, 8, expand), EP_NOTIFY_SINGLE_RANK=0)
-    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
-    assert "deep_ep_notify" in mod.kernel_names()
-
-
-def test_the_notify_kernel_without_its_token_scan_compiles():
-    """A rank alone's notify kernel without the token scan (EP_NOTIFY_TOKEN_SCAN=0: the general
-    numbering with the single-rank end, in the non-expanded layout; the default is 1) compiles
-    without spills, so that tools/sweep_notify.py can compare the two bit for bit and time them."""
-    defines = dict(gpu.dispatch_defines(14336, 0, 8, False), EP_NOTIFY_TOKEN_SCAN=0)
-    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
-    assert "deep_ep_notify" in mod.kernel_names()
-
-
-def test_a_build_without_the_one_kernel_dispatch_of_a_rank_alone_compiles():
-    """EP_DISPATCH_ALONE_FUSED=0 (a rank alone's fresh dispatch as the notify and data kernels; the
-    default is 1) leaves deep_ep_dispatch_alone out and compiles without spills, so that
-    tools/sweep_notify.py can compare the two paths bit for bit and time them."""
-    defines = dict(gpu.dispatch_defines(14336, 0, 8, False), EP_DISPATCH_ALONE_FUSED=0)
-    mod = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"), defines=defines, check_spills=True)
-    assert "deep_ep_notify" in mod.kernel_names() and "deep_ep_dispatch_alone" not in mod.kernel_names()
+    assert modules.COMBINE_KERNEL in mod.kernel_names()

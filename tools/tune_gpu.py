@@ -1,15 +1,12 @@
 """Build-time variants of the data kernels, timed side by side on one GPU (EP=1 through NCCL).
 
 Each variant adds build-time tunables to the kernel modules (`deep_ep.backends.gpu.modules.TUNABLES`,
-passed as ``DEEP_EP_KERNEL_DEFINES``: EP_SEND_UNROLL, EP_COMBINE_UNROLL, EP_COMBINE_COMPACT,
-EP_COMBINE_SINGLE_UNROLL, EP_LOAD_NO_L1, EP_STORE_STREAMING, EP_BLOCK_FENCE), sets THREADS, the threads
-per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or COOPERATIVE (0: plain launches). For every variant and batch
-size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
+passed as ``DEEP_EP_KERNEL_DEFINES``; their defaults are in include/deep_ep/common/tunables.cuh),
+sets THREADS, the threads per block of the data kernels (`deep_ep.backends.gpu.modules.THREADS`), or
+COOPERATIVE (0: plain launches). For every variant and batch size it prints the CUDA-graph replay time of a cached dispatch and a combine, their ratio to the
 bench's floor (`deep_ep.bench.gpu_timing.floor_us`), and whether the outputs equal the default build's
 bit for bit (they must: the variants change how bytes move, not which; the comparison covers the received
-rows of a bf16 dispatch without weights, and the combined rows). With ``--expand`` a rank alone's cached
-dispatch is its own kernel (1024 threads per block, `modules.ALONE_THREADS`): THREADS variants then
-change only the combine there, and ``EXPAND_ALONE_CACHED=0`` times the cached data kernel instead.
+rows of a bf16 dispatch without weights, and the combined rows).
 
 The shapes are a model preset's (`deep_ep.routing.MODEL_PRESETS`, as the bench's ``--model``;
 default DeepSeek-V3), or --hidden/--experts/--topk, which override the preset's. ``--expand`` times

@@ -32,8 +32,8 @@ from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ER
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_cached, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
-from .modules import (THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines, kernel_source,
-                      load_module, num_modules_built, test_defect_defines, tunable_defines)
+from .modules import (BARRIER_KERNEL, THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines,
+                      kernel_source, load_module, num_modules_built, test_defect_defines, tunable_defines)
 from .state import GPUHandleState
 
 __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
@@ -124,8 +124,6 @@ class GPUBackend(Backend):
         # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
         # it and the two prepared launches.
         self.fresh_plans: dict = {}
-        # Set when the device refused the one-kernel dispatch of a rank alone (`dispatch_plan.FreshPlan`)
-        self.alone_fused_refused = False
         self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
                                        (self.num_ranks if self.emulated else 1)))
         self._layouts: dict = {}         # hidden -> WindowLayout
@@ -243,7 +241,7 @@ class GPUBackend(Backend):
         every peer and waits for every peer's signal (the buffer's GPU timeout applies)."""
         self.raise_if_broken()
         mod = self.module("barrier", ())
-        mod.function("deep_ep_barrier").launch(
+        mod.function(BARRIER_KERNEL).launch(
             1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr),
                      call_tag(self.calls, 4)), stream=stream_handle, device=self._device.index)
 
@@ -364,9 +362,8 @@ class GPUBackend(Backend):
             ValueError: a rank's ``topk_idx`` held an out-of-range expert id (raised on every rank;
                 nothing moved, the buffer stays usable).
             TimeoutError / RuntimeError: the layout stage recorded a timeout or a capacity error, a
-                kernel recorded one in the host's error record with no report to come (a rank
-                alone's one kernel whose layout block timed out), or the report did not come within
-                ``num_cpu_timeout_secs``; the buffer is then unusable.
+                kernel recorded one in the host's error record with no report to come, or the report
+                did not come within ``num_cpu_timeout_secs``; the buffer is then unusable.
             KeyboardInterrupt: passed on; the buffer is then unusable (its peers wait for the rest
                 of the call).
         """

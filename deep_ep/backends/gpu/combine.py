@@ -1,6 +1,6 @@
-"""Host side of combine on the GPU backend: one kernel, ``deep_ep_combine`` (each destination stages
-the rows that came from peers in its own window and signals; each source then pulls and sums its
-tokens' rows), launched through the handle's prepared launch.
+"""Host side of combine on the GPU backend: one kernel, ``modules.COMBINE_KERNEL`` (each destination
+stages the rows that came from peers in its own window and signals; each source then pulls and sums
+its tokens' rows), launched through the handle's prepared launch.
 """
 from __future__ import annotations
 
@@ -74,6 +74,6 @@ def _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
         num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-    prepared = mod.function("deep_ep_combine").prepare(
+    prepared = mod.function(modules.COMBINE_KERNEL).prepare(
         n_sms, modules.THREADS, (args, b.transport_args), device=b.device.index, cooperative=b.cooperative)
     return prepared, n_sms

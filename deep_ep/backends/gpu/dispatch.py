@@ -1,35 +1,24 @@
-"""Host side of dispatch on the GPU backend.
+"""Host side of dispatch on the GPU backend. Every rank count, a rank alone too, runs the same
+kernels (`modules`); this module decides which is launched.
 
 Flow of one non-cached dispatch (every kernel on the buffer's communication stream):
 
-1. ``deep_ep_notify``  (eight warps per block, a warp per group of tokens) numbers this rank's tokens
-   per destination rank and pairs per expert, checks the expert ids, copies them for the handle
-   (``do_handle_copy``), and writes its count row into every peer's window; its last block signals
-   the peers, then waits for every peer's counts and writes the handle's layout words (the layout
-   stage, in the same kernel). A rank alone signals nothing; without the expanded layout it only
-   scans its tokens and counts the pairs per expert (`notify_scan_grid`).
+1. ``modules.NOTIFY_KERNEL`` (eight warps per block, a warp per group of tokens) numbers this rank's
+   tokens per destination rank and pairs per expert, checks the expert ids, copies them for the
+   handle (``do_handle_copy``), and writes its count row into every peer's window; its last block
+   signals the peers, then waits for every peer's counts and writes the handle's layout words (the
+   layout stage, in the same kernel).
 2. With ``do_cpu_sync`` the layout stage also writes the received row counts to mapped host memory,
    which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
-   outputs are sized for the worst case and nothing waits on the host.
-3. ``deep_ep_dispatch`` (num_sms blocks): the send phase moves every token row once per
+   outputs are sized for the worst case and nothing waits on the host. A rank alone with CPU sync
+   receives its own tokens only: its outputs are allocated for a bound on its rows and its data
+   kernel queued before the wait (`early_rows`).
+3. ``modules.DISPATCH_KERNEL`` (num_sms blocks): the send phase moves every token row once per
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
 
-A rank alone without the expanded layout or CPU sync runs steps 1 and 3 as one kernel,
-``deep_ep_dispatch_alone`` (`dispatch_plan.alone_grid`: blocks that each number, then move, one
-token range, and one that writes the layout once they have numbered); with CPU sync too in a build
-with ``EP_DISPATCH_ALONE_FUSED=2``, unless its scale factors are column-major (`FreshPlan`).
-
-A rank alone's fresh dispatch in the expanded layout moves its rows with
-``deep_ep_dispatch_fresh_alone`` instead of ``deep_ep_dispatch`` (finer work items on more threads
-per block; the notify kernel numbers each pair into a piece of the handle's words of its own,
-pair_rank, and the kernel writes the final rows to pos_pair; ``EP_EXPAND_ALONE_FRESH=0`` builds
-without it).
-
-A cached dispatch runs step 3 only (``deep_ep_dispatch_cached``) with the handle's prepared launch;
-a rank alone's in the expanded layout runs ``deep_ep_dispatch_cached_alone`` instead (its rows in
-finer work items on more threads per block; ``EP_EXPAND_ALONE_CACHED=0`` builds without it).
-Rounds alternate between the two halves of the receive region (see `window`).
+A cached dispatch runs step 3 only (``modules.CACHED_DISPATCH_KERNEL``) with the handle's prepared
+launch. Rounds alternate between the two halves of the receive region (see `window`).
 """
 from __future__ import annotations
 
@@ -43,52 +32,26 @@ from ... import jit
 from ...handle import EPHandle
 from ...shapes import alone_recv_rows_bound
 from .. import outputs
-from .abi import CONSTANTS, READBACK, DispatchArgs, layout_index
+from .abi import READBACK, DispatchArgs, layout_index
 from . import modules
-from .dispatch_plan import NOTIFY_WARPS, FreshPlan, alone_tokens_per_block, check_config, dispatch_tag
+from .dispatch_plan import NOTIFY_WARPS, FreshPlan, check_config, dispatch_tag
 from .dispatch_plan import ptr as _ptr, sf_ld as _sf_ld
 from .state import GPUHandleState, word_plan
 
-__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "NOTIFY_SCAN_TOKENS_PER_BLOCK", "notify_groups",
-           "notify_scan_grid", "early_rows", "word_plan"]
-
-# A rank alone's cached expanded dispatch kernel (impls/dispatch_expand_alone.cuh).
-ALONE_CACHED_KERNEL = "deep_ep_dispatch_cached_alone"
+__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "early_rows", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
 # (`GPUBackend.notify_groups_max`), past which the grid barriers cost more than they save.
 NOTIFY_PAIRS_PER_GROUP = 32
-# A rank alone (the notify kernel's single-rank end, EP_NOTIFY_SINGLE_RANK) numbers up to this many pairs in one
-# block, which then meets at no grid barrier (two of them, ~1-2 us each, cost more than the few extra
-# passes of its warps: 1024 pairs are 4 passes of 32 per warp and phase).
-NOTIFY_ONE_BLOCK_PAIRS = 1024
-# A rank alone's token scan (EP_NOTIFY_TOKEN_SCAN, non-expanded) gives each block this many tokens
-# at most, one per thread, so that its one pass over the ids is spread over as many SMs.
-NOTIFY_SCAN_TOKENS_PER_BLOCK = 256
 
 
-def notify_groups(T: int, K: int, groups_max: int, alone: bool = False) -> int:
+def notify_groups(T: int, K: int, groups_max: int) -> int:
     """Groups (warps) of the notify kernel for ``T`` tokens of top-``K``: enough for at most
-    `NOTIFY_PAIRS_PER_GROUP` pairs each, at most ``groups_max``, in whole blocks of `NOTIFY_WARPS`.
-    ``alone`` (a rank alone whose kernel skips the grid barriers of a one-block grid): one block
-    for at most `NOTIFY_ONE_BLOCK_PAIRS` pairs."""
-    if alone and T * K <= NOTIFY_ONE_BLOCK_PAIRS:
-        return NOTIFY_WARPS
+    `NOTIFY_PAIRS_PER_GROUP` pairs each, at most ``groups_max``, in whole blocks of `NOTIFY_WARPS`."""
     cap = max(NOTIFY_WARPS, groups_max // NOTIFY_WARPS * NOTIFY_WARPS)
     groups = -(-max(1, -(-T * K // NOTIFY_PAIRS_PER_GROUP)) // NOTIFY_WARPS) * NOTIFY_WARPS
     return min(groups, cap)
-
-
-def notify_scan_grid(T: int, groups_max: int) -> tuple:
-    """``(blocks, tokens per block)`` of a rank alone's token scan (EP_NOTIFY_TOKEN_SCAN) for ``T``
-    tokens: `NOTIFY_SCAN_TOKENS_PER_BLOCK` tokens per block, at most ``groups_max`` groups' worth of
-    blocks (its blocks must be resident together, as the general kernel's) and the scratch's
-    kNotifyScanMaxBlocks; past that, more tokens per block (a thread reads the ids of those past
-    its first 32 twice)."""
-    cap = max(1, min(groups_max // NOTIFY_WARPS, CONSTANTS["kNotifyScanMaxBlocks"]))
-    blocks = min(cap, max(1, -(-T // NOTIFY_SCAN_TOKENS_PER_BLOCK)))
-    return blocks, max(1, -(-T // blocks))
 
 
 # A rank alone's expanded outputs are allocated ahead of its counts only when the padding to the
@@ -116,11 +79,6 @@ class _NotifyRefused(Exception):
     """The device refused the notify kernel's cooperative launch (`run_dispatch` retries)."""
 
 
-class _FusedRefused(Exception):
-    """The device refused the cooperative launch of a rank alone's one kernel (`run_dispatch` retries
-    with the notify and data kernels)."""
-
-
 def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
                  do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
@@ -128,11 +86,12 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
 
     A fresh dispatch whose notify kernel the device refuses to launch cooperatively (its blocks
     cannot all be resident: fewer SMs than the device has, under MPS or a green context) is started
-    again with half the grid: nothing of the call was queued yet, and any grid numbers the same. A
-    rank alone's one kernel (`FreshPlan.fused`) that the device refuses likewise is started again as
-    the notify and data kernels, which the buffer keeps to from then on, when the data kernel has
-    fewer blocks (the one kernel's layout block is an extra one); when it has as many, the call
-    raises and the buffer stays usable (nothing was queued): ``num_sms`` must be lowered."""
+    again with half the grid: nothing of the call was queued yet, and any grid numbers the same.
+
+    Raises:
+        jit.LaunchError: not even one notify block fits, or the grid would have to change during
+            CUDA-graph capture.
+    """
     if handle is not None:
         return run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding,
                            use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
@@ -141,22 +100,6 @@ def run_dispatch(b, data, sf, topk_idx, topk_weights, *, num_experts, num_max_to
             return _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                               expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                               use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
-        except _FusedRefused as refused:
-            blocks, data_blocks = refused.args
-            if _capturing(b):
-                why = ("during CUDA-graph capture the dispatch cannot change kernels: make one fresh dispatch "
-                       "before capturing")
-            elif data_blocks >= blocks:
-                why = (f"the data kernel would need as many; nothing was queued and the buffer stays usable: "
-                       f"pass a smaller num_sms than {data_blocks}")
-            else:
-                why = None   # the two kernels fit: fall back to them
-            if why is not None:
-                raise jit.LaunchError(f"rank {b.rank}: the device cannot hold the {blocks} blocks of the "
-                                      f"one-kernel dispatch at once (fewer SMs available, e.g. under MPS or a "
-                                      f"green context); {why}") from refused.__cause__
-            b.alone_fused_refused = True   # later plans take the two kernels
-            b.fresh_plans.clear()
         except _NotifyRefused as refused:
             blocks = refused.args[0]
             capturing = _capturing(b)
@@ -173,8 +116,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
                num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf,
                cumulative_local_expert_recv_stats):
     """A fresh dispatch (`run_dispatch`). Raises `_NotifyRefused` (its argument: the refused grid, in
-    blocks) / `_FusedRefused` (the refused grid and the data kernel's) when the notify kernel's / the
-    one kernel's cooperative launch is refused."""
+    blocks) when the notify kernel's cooperative launch is refused."""
     if do_cpu_sync and _capturing(b):   # before a new configuration would build or load a module
         raise RuntimeError("deep_ep: a fresh dispatch with do_cpu_sync=True cannot be captured in a CUDA graph: the "
                            "host would wait for counts that its kernels write only at replay. Capture a dispatch "
@@ -201,113 +143,83 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     b.raise_if_broken()
     seq = b.calls & 0xFFFFFFFF
     # With CPU sync a rank alone receives its own tokens only: its outputs are allocated for a bound
-    # on their rows (`early_rows`) and its data kernel queued while the notify kernel runs (or the
-    # one kernel launched), and the layout stage refuses more rows than that before the data kernel
-    # could write them. Not for column-major scale factors, whose layout depends on the exact rows.
+    # on their rows (`early_rows`) and its data kernel queued while the notify kernel runs, and the
+    # layout stage refuses more rows than that before the data kernel could write them. Not for
+    # column-major scale factors, whose layout depends on the exact rows.
     early = plan.early and (sf is None or not use_tma_aligned_col_major_sf)
-    # A rank alone without the expanded layout: one kernel, one launch (`FreshPlan.fused`); with CPU
-    # sync only when the outputs come before the counts.
-    fused = plan.fused is not None and (early or not do_cpu_sync)
     # The handle's int32 words in one allocation: layout words, pos_tok [T, R], (expanded) pos_pair
     # [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the worst
-    # case; early: T), pair_rank [T, K] for a rank alone's expanded data kernel (`word_plan`); the
-    # kernels get addresses inside it.
-    grid_key = (T, early, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP, NOTIFY_ONE_BLOCK_PAIRS,
-                NOTIFY_SCAN_TOKENS_PER_BLOCK)
+    # case; early: T) (`word_plan`); the kernels get addresses inside it.
+    grid_key = (T, early, b.notify_groups_max, NOTIFY_PAIRS_PER_GROUP)
     per_t = plan.per_tokens.get(grid_key)
     if per_t is None:
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
         rows = early_rows(T, K, E, plan.A, bool(do_expand)) if early else None
-        wp = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T,
-                       plan.pair_rank is not None)
-        if fused:
-            per_t = (wp, plan.fused_grid, alone_tokens_per_block(T, plan.fused_grid), rows)
-        elif plan.scan:
-            per_t = (wp,) + notify_scan_grid(T, b.notify_groups_max) + (rows,)
-        else:
-            groups = notify_groups(T, K, b.notify_groups_max, plan.alone)
-            per_t = (wp, groups // NOTIFY_WARPS, max(1, -(-T // groups)), rows)
+        words_plan = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T)
+        groups = notify_groups(T, K, b.notify_groups_max)
+        per_t = (words_plan, groups // NOTIFY_WARPS, max(1, -(-T // groups)), rows)
         plan.per_tokens[grid_key] = per_t
-    wp, notify_blocks, tokens_per_group, early_out_rows = per_t
+    words_plan, notify_blocks, tokens_per_group, early_out_rows = per_t
     fill = b.fill_stream
-    words = outputs.empty(wp.total, torch.int32, dev, fill)
+    words = outputs.empty(words_plan.total, torch.int32, dev, fill)
     # The handle's copy of topk_idx is written by the notify kernel (no copy of its own).
     handle_topk = outputs.empty((T, K), torch.int64, dev, fill) if do_handle_copy else topk_idx
     lay_ptr = words.data_ptr()
-    pos_tok_ptr, pos_pair_ptr, meta_ptr = wp.addresses(lay_ptr)
+    pos_tok_ptr, pos_pair_ptr, meta_ptr = words_plan.addresses(lay_ptr)
     # `_ptr` written out for the tensors that are always given (a call per address adds up here)
     topk_ptr = topk_idx.data_ptr() or None
-    if fused:
-        na, la, a = plan.fused.args[0], plan.fused.args[1], plan.fused.args[2]
-        notify_tag, layout_tag, data_tag = plan.fused_tags
-    else:
-        na, la, a = plan.notify.args[0], plan.notify.args[1], plan.data.args[0]
-        notify_tag, layout_tag, data_tag = plan.tags
-    na.topk_idx, na.num_tokens, na.tokens_per_group = topk_ptr, T, tokens_per_group
-    na.topk_copy = (handle_topk.data_ptr() or None) if do_handle_copy else None
-    na.pos_tok, na.pos_pair = pos_tok_ptr, pos_pair_ptr
-    if plan.pair_rank is not None:   # a rank alone's expanded data kernel: the notify kernel numbers apart
-        na.pos_pair = plan.pair_rank.value = wp.pair_rank_address(lay_ptr)
-    la.layout, la.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
+    notify_args, layout_args, data_args = plan.notify.args[0], plan.notify.args[1], plan.data.args[0]
+    notify_args.topk_idx, notify_args.num_tokens, notify_args.tokens_per_group = topk_ptr, T, tokens_per_group
+    notify_args.topk_copy = (handle_topk.data_ptr() or None) if do_handle_copy else None
+    notify_args.pos_tok, notify_args.pos_pair = pos_tok_ptr, pos_pair_ptr
+    layout_args.layout, layout_args.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
     if do_cpu_sync:
-        b.readback_seq = la.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
-        la.out_capacity, la.tok_capacity = (plan.out_cap, plan.tok_cap) if early_out_rows is None \
+        b.readback_seq = layout_args.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
+        layout_args.out_capacity, layout_args.tok_capacity = (plan.out_cap, plan.tok_cap) if early_out_rows is None \
             else (early_out_rows, T)
+    notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
     b.launched_call = b.calls
-    if not fused:
-        try:
-            plan.notify.launch(b.launch_stream, notify_blocks)
-        except jit.LaunchError as exc:
-            if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
-                raise _NotifyRefused(notify_blocks) from exc
-            raise
+    try:
+        plan.notify.launch(b.launch_stream, notify_blocks)
+    except jit.LaunchError as exc:
+        if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
+            raise _NotifyRefused(notify_blocks) from exc
+        raise
     b.last_num_experts, b.last_num_topk = E, K
     # The data kernel's arguments that do not depend on the counts (set while the notify kernel runs).
-    a.x, a.sf, a.topk_idx, a.topk_weights, a.num_tokens = data.data_ptr() or None, _ptr(sf), topk_ptr, \
-        _ptr(topk_weights), T
-    a.pos_tok, a.pos_pair, a.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
-    if early_out_rows is not None or fused:
-        # Outputs before the counts: with CPU sync, for a bound on the rows, cut to those the layout
-        # stage reports after the wait (non-expanded: all T unless a token selects no expert; the
-        # kernel marks the rows past them as it marks any spare rows); without, the worst case.
-        alloc_rows, alloc_tok = (early_out_rows, T) if early_out_rows is not None else (plan.out_cap, plan.tok_cap)
+    data_args.x, data_args.sf, data_args.topk_idx, data_args.topk_weights, data_args.num_tokens = \
+        data.data_ptr() or None, _ptr(sf), topk_ptr, _ptr(topk_weights), T
+    data_args.pos_tok, data_args.pos_pair, data_args.layout = pos_tok_ptr, pos_pair_ptr, lay_ptr
+    if early_out_rows is not None:
+        # Outputs before the counts, for a bound on the rows, cut to those the layout stage reports
+        # after the wait (non-expanded: all T unless a token selects no expert; the kernel marks the
+        # rows past them as it marks any spare rows).
         out_x, out_sf, out_w, out_idx, _, sf_ld = _alloc_outputs(
-            b, data, sf, alloc_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
-        _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, alloc_rows, alloc_tok)
-        if fused:   # nothing else of the call is queued: a refused launch falls back (`run_dispatch`)
-            try:
-                plan.fused.launch(b.launch_stream, notify_blocks)
-            except jit.LaunchError as exc:
-                if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
-                    raise _FusedRefused(notify_blocks, plan.n_sms) from exc
-                raise
-        else:
-            b.launch_data(plan.data, plan.n_sms)
-        if do_cpu_sync:
-            # If the wait raises, the caller's stream is still ordered after the queued kernels
-            # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
-            head = b.wait_readback(la.seq, E, K)
-            out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
-            if out_rows < early_out_rows:
-                out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
-                                                 for t in (out_x, out_sf, out_w, out_idx))
-        else:
-            tok_capacity = plan.tok_cap
+            b, data, sf, early_out_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
+        _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, early_out_rows, T)
+        b.launch_data(plan.data, plan.n_sms)
+        # If the wait raises, the caller's stream is still ordered after the queued kernels
+        # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
+        head = b.wait_readback(layout_args.seq, E, K)
+        out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
+        if out_rows < early_out_rows:
+            out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows]
+                                             for t in (out_x, out_sf, out_w, out_idx))
         # recv_src_metadata: the first tok_capacity rows of the words' piece (a view made when read)
-        state = GPUHandleState(words, wp, out_idx, None, tok_capacity)
+        state = GPUHandleState(words, words_plan, out_idx, None, tok_capacity)
     else:
         if do_cpu_sync:   # the exact rows are known only once every peer's counts are in
-            head = b.wait_readback(la.seq, E, K)
+            head = b.wait_readback(layout_args.seq, E, K)
             out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
             meta_rows = tok_capacity
         else:   # worst-case rows; recv_src_metadata's are a piece of the words
             out_rows, tok_capacity, meta_rows = plan.out_cap, plan.tok_cap, None
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
             b, data, sf, out_rows, K, has_weights, do_expand, meta_rows, use_tma_aligned_col_major_sf)
-        state = GPUHandleState(words, wp, out_idx, src_meta, tok_capacity)
-        _set_outputs(a, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
+        state = GPUHandleState(words, words_plan, out_idx, src_meta, tok_capacity)
+        _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
         b.launch_data(plan.data, plan.n_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
@@ -436,13 +348,7 @@ def _prepare_cached(b, data, sf, has_weights, handle, num_sms, do_zero_padding, 
         tok_capacity=state.tok_capacity, layout=state.layout_ptr, num_experts=E, alignment=A,
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-    # A rank alone's expanded rows: its own kernel, more threads and finer work items, whose blocks
-    # wait for no other block (a plain launch; impls/dispatch_expand_alone.cuh); the same arguments.
-    # (A module built without it, EP_EXPAND_ALONE_CACHED=0 when it was built, takes the general one.)
-    alone = do_expand and b.num_ranks == 1 and modules.expand_alone_cached() and \
-        ALONE_CACHED_KERNEL in mod.kernel_names()
-    name, threads = (ALONE_CACHED_KERNEL, modules.ALONE_THREADS) if alone else ("deep_ep_dispatch_cached", modules.THREADS)
-    prepared = mod.function(name).prepare(
-        n_sms, threads, (args, b.transport_args, ctypes.c_int(int(do_zero_padding))), device=b.device.index,
-        cooperative=b.cooperative and not alone)
+    prepared = mod.function(modules.CACHED_DISPATCH_KERNEL).prepare(
+        n_sms, modules.THREADS, (args, b.transport_args, ctypes.c_int(int(do_zero_padding))), device=b.device.index,
+        cooperative=b.cooperative)
     return prepared, m, K, n_sms

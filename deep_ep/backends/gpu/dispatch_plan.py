@@ -15,11 +15,8 @@ from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutArgs, Not
 from . import modules
 from . import window as wl
 
-__all__ = ["FreshPlan", "FRESH_ALONE_KERNEL", "alone_grid", "alone_tokens_per_block", "check_config", "dispatch_tag",
-           "sf_ld", "ptr"]
+__all__ = ["FreshPlan", "check_config", "dispatch_tag", "sf_ld", "ptr"]
 
-# A rank alone's fresh expanded data kernel (impls/dispatch_expand_alone.cuh).
-FRESH_ALONE_KERNEL = "deep_ep_dispatch_fresh_alone"
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
@@ -31,31 +28,15 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr() or None
 
 
-def alone_grid(n_sms: int, limit: int) -> int:
-    """Blocks of a rank alone's one-kernel dispatch (impls/dispatch_alone.cuh) on ``n_sms`` SMs:
-    ``n_sms`` blocks that number and move tokens, and one more that writes the layout while they
-    move them, when the device has a spare SM (``n_sms < limit``, the SMs its blocks may take); else
-    the layout block is one of the ``n_sms``. One block (``n_sms = limit = 1``) does everything."""
-    return min(n_sms + 1, max(limit, 1))
-
-
-def alone_tokens_per_block(T: int, blocks: int) -> int:
-    """Tokens each numbering block of a rank alone's one-kernel dispatch of ``blocks`` blocks takes
-    (every block but the last, or the only one)."""
-    return max(1, -(-T // max(1, blocks - 1)))
-
-
 class FreshPlan:
     """What a fresh dispatch derives from its configuration (the key in `run_dispatch`: not the token
     count, the tensors, ``do_handle_copy`` or the scale factors' layout, which each call handles):
-    checked once, with its prepared launches (notify with its layout stage, data; and for a rank alone
-    without the expanded layout, both in one kernel: ``fused``, without CPU sync unless the build
-    asks, `modules.dispatch_alone_fused`), whose constant arguments are set here and the rest by each
-    call (`GPUBackend.fresh_plans`)."""
+    checked once, with its two prepared launches (the notify kernel with its layout stage, and the
+    data kernel, the same for every rank count), whose constant arguments are set here and the rest
+    by each call (`GPUBackend.fresh_plans`)."""
 
     __slots__ = ("E", "A", "L", "H", "ix", "m", "n_sms", "out_cap", "tok_cap", "expanded_cap", "meta_rows",
-                 "alone", "scan", "early", "notify", "data", "fused", "fused_grid", "per_tokens", "tags", "fused_tags",
-                 "pair_rank", "handle_fields")
+                 "early", "notify", "data", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, b, data, sf, K, E, A, num_max_tokens_per_rank, num_sms, has_weights, do_cpu_sync,
                  do_expand, do_zero_padding):
@@ -64,18 +45,13 @@ class FreshPlan:
         data_bytes, num_sf, layout, m = check_config(b, data, sf, K, E, num_max_tokens_per_rank)
         self.E, self.A, self.L, self.H, self.m = E, A, E // R, int(data.shape[1]), m
         self.ix = layout_index(R, E // R, E)
-        # (tokens, early, the notify grid's settings) -> (word plan, blocks of the notify kernel or
-        # of the one kernel, tokens per group or per numbering block, early rows); the settings: the
-        # backend's cap on groups and the grouping constants of `dispatch` (which
-        # a tuning run may change between calls)
+        # (tokens, early, the notify grid's settings) -> (word plan, blocks of the notify kernel,
+        # tokens per group, early rows); the settings: the backend's cap on groups and the grouping
+        # constant of `dispatch`
         self.per_tokens = {}
         self.n_sms = b.num_sms(num_sms, E, K)
         structure = (data_bytes, num_sf, K, bool(do_expand))
         mod = b.module("dispatch", structure)
-        # Built with the single-rank end of the notify kernel: `notify_groups`' ``alone``.
-        self.alone = R == 1 and modules.notify_single_rank()
-        # ... and, without the expanded layout, with the token scan (`notify_scan_grid`).
-        self.scan = R == 1 and not do_expand and modules.notify_token_scan()
         # A rank alone with CPU sync queues its data kernel before the wait (`early_rows`).
         self.early = R == 1 and bool(do_cpu_sync)
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
@@ -88,60 +64,24 @@ class FreshPlan:
         # Struct fields are copies: one tag serves every struct (each call sets ``tag.seq``).
         tag = dispatch_tag(1, data_bytes, num_sf, K, do_expand, A, E, has_weights, do_cpu_sync, m)
         transport = b.transport_args
-
-        def notify_args():
-            return NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
-                              scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag)
-
-        def layout_args():
-            return LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset,
-                              out_capacity=self.out_cap, tok_capacity=self.tok_cap, timeout_ns=b.timeout_ns,
-                              host_out=b.readback.device_ptr if do_cpu_sync else None,
-                              err_host=b.err_record.device_ptr, tag=tag)
-
-        def data_args():
-            return DispatchArgs(max_tokens=num_max_tokens_per_rank, num_experts=E, alignment=A,
-                                recv_offset=layout.recv_offset, half_bytes=layout.half_bytes,
-                                row_stride=layout.row_stride, timeout_ns=b.timeout_ns,
-                                err_host=b.err_record.device_ptr, tag=tag)
-
-        self.notify = mod.function("deep_ep_notify").prepare(
-            1, 32 * NOTIFY_WARPS, (notify_args(), layout_args(), transport),
+        notify_args = NotifyArgs(num_experts=E, counts_offset=layout.counts_offset,
+                                 scratch=b.notify_scratch.data_ptr(), timeout_ns=b.timeout_ns, tag=tag)
+        layout_args = LayoutArgs(num_experts=E, alignment=A, counts_offset=layout.counts_offset,
+                                 out_capacity=self.out_cap, tok_capacity=self.tok_cap, timeout_ns=b.timeout_ns,
+                                 host_out=b.readback.device_ptr if do_cpu_sync else None,
+                                 err_host=b.err_record.device_ptr, tag=tag)
+        data_args = DispatchArgs(max_tokens=num_max_tokens_per_rank, num_experts=E, alignment=A,
+                                 recv_offset=layout.recv_offset, half_bytes=layout.half_bytes,
+                                 row_stride=layout.row_stride, timeout_ns=b.timeout_ns,
+                                 err_host=b.err_record.device_ptr, tag=tag)
+        self.notify = mod.function(modules.NOTIFY_KERNEL).prepare(
+            1, 32 * NOTIFY_WARPS, (notify_args, layout_args, transport),
             device=dev.index, cooperative=b.cooperative, smem=4 * NOTIFY_WARPS * (R + E))
-        # A rank alone's expanded rows: its own data kernel, (token, chunk) work items on more threads
-        # per block, whose blocks wait for no other (a plain launch; impls/dispatch_expand_alone.cuh).
-        # The notify kernel then numbers each pair into a piece of the words of its own, pair_rank
-        # (`word_plan`), whose address each call sets as the kernel's last argument (``pair_rank``, a
-        # ctypes pointer; None for the data kernel of every rank count). (A module built without the
-        # kernel, EP_EXPAND_ALONE_FRESH=0 when it was built, takes the data kernel.)
-        self.pair_rank = None
-        if R == 1 and do_expand and modules.expand_alone_fresh() and FRESH_ALONE_KERNEL in mod.kernel_names():
-            self.pair_rank = ctypes.c_void_p(None)
-            self.data = mod.function(FRESH_ALONE_KERNEL).prepare(
-                self.n_sms, modules.ALONE_THREADS,
-                (data_args(), transport, ctypes.c_int(int(do_zero_padding)), self.pair_rank), device=dev.index,
-                cooperative=False)
-        else:
-            self.data = mod.function("deep_ep_dispatch").prepare(
-                self.n_sms, modules.THREADS, (data_args(), transport, ctypes.c_int(int(do_zero_padding))),
-                device=dev.index, cooperative=b.cooperative)
+        self.data = mod.function(modules.DISPATCH_KERNEL).prepare(
+            self.n_sms, modules.THREADS, (data_args, transport, ctypes.c_int(int(do_zero_padding))),
+            device=dev.index, cooperative=b.cooperative)
         # every struct's tag, as views into their arguments (a ctypes field read makes a new view)
         self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
-        # A rank alone's token scan and data kernel as one kernel (impls/dispatch_alone.cuh; its
-        # grid: `alone_grid`): 2 E ints of shared memory for the histogram and the layout stage.
-        # Without CPU sync by default; with it where the build asks (`modules.dispatch_alone_fused`):
-        # the two kernels let the host allocate the outputs while the notify kernel runs, one kernel
-        # saves a launch and the kernel boundary but reports the counts while rows stream. A call
-        # with CPU sync takes it only when its outputs are allocated before the counts (`early`).
-        self.fused = self.fused_tags = None
-        self.fused_grid = 0
-        # Not after the device refused its cooperative launch (`dispatch.run_dispatch`).
-        if self.scan and not b.alone_fused_refused and modules.dispatch_alone_fused(bool(do_cpu_sync)):
-            self.fused_grid = alone_grid(self.n_sms, b.device_resources().max_sms)
-            self.fused = mod.function("deep_ep_dispatch_alone").prepare(
-                self.fused_grid, modules.THREADS, (notify_args(), layout_args(), data_args(), transport),
-                device=dev.index, cooperative=b.cooperative, smem=8 * E)
-            self.fused_tags = tuple(self.fused.args[i].tag for i in range(3))
         # The fields of the handles this configuration makes, each call's own ones at placeholders: a
         # call copies the dict and sets those (a dict copy is cheaper than building the dict anew).
         self.handle_fields = EPHandle.field_dict(

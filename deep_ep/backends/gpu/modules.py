@@ -13,27 +13,31 @@ import threading
 from ... import jit
 from .abi import TEST_DEFECTS
 
-__all__ = ["THREADS", "ALONE_THREADS", "TUNABLES", "TEST_DEFECTS", "NOTIFY_SINGLE_RANK_DEFAULT",
-           "NOTIFY_TOKEN_SCAN_DEFAULT", "DISPATCH_ALONE_FUSED_DEFAULT", "EXPAND_ALONE_CACHED_DEFAULT",
-           "EXPAND_ALONE_FRESH_DEFAULT", "kernel_source", "notify_single_rank", "notify_token_scan",
-           "dispatch_alone_fused", "expand_alone_cached", "expand_alone_fresh", "tunable_defines",
-           "test_defect_defines", "dispatch_defines", "combine_defines", "barrier_defines", "build_module",
-           "load_module", "num_modules_built"]
+__all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
+           "BARRIER_KERNEL", "TUNABLES", "TEST_DEFECTS", "kernel_source", "tunable_defines", "test_defect_defines",
+           "dispatch_defines", "combine_defines", "barrier_defines", "build_module", "load_module",
+           "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
-ALONE_THREADS = 1024    # threads of a rank alone's expanded dispatch kernels (EP_ALONE_THREADS)
 
-# Build-time tunables of the data kernels (include/deep_ep/common/{ptx,copy}.cuh, comm/window.cuh)
-# and of the notify kernel (EP_NOTIFY_SINGLE_RANK, impls/layout_alone.cuh; EP_NOTIFY_TOKEN_SCAN,
-# impls/notify_alone.cuh; EP_DISPATCH_ALONE_FUSED, impls/dispatch_alone.cuh): they change how bytes
-# move, never which, so the host needs no matching change (but for which kernels a rank alone
-# launches, and their grids: see `dispatch.notify_groups`, `dispatch.notify_scan_grid` and
-# `dispatch_alone_fused`). Structural defines (EP_THREADS, EP_TOPK...) are not among them:
-# overriding those would break the host's view of the kernels.
-TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_COMPACT", "EP_COMBINE_SINGLE_UNROLL",
-                      "EP_LOAD_NO_L1", "EP_STORE_STREAMING", "EP_BLOCK_FENCE", "EP_NOTIFY_SINGLE_RANK",
-                      "EP_NOTIFY_TOKEN_SCAN", "EP_DISPATCH_ALONE_FUSED", "EP_EXPAND_ALONE_CACHED",
-                      "EP_EXPAND_ALONE_FRESH"})
+# The kernels every rank count launches (extern "C" entry points of include/deep_ep/kernels/*.cuh).
+# DeepEP V2's test (tests/elastic/test_ep.py) times a dispatch by the kernels whose names contain
+# "dispatch_impl" and "dispatch_copy_epilogue_impl", a combine by "combine_impl" and
+# "combine_reduce_epilogue_impl". Each data kernel here does both phases, so its name contains both
+# of its call's substrings; the notify kernel and the barrier contain none (tests/test_kernel_names.py).
+NOTIFY_KERNEL = "deep_ep_notify"   # a fresh dispatch's numbering and layout
+DISPATCH_KERNEL = "deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl"   # a fresh dispatch's rows
+CACHED_DISPATCH_KERNEL = "deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl"
+COMBINE_KERNEL = "deep_ep_combine_impl_with_combine_reduce_epilogue_impl"
+BARRIER_KERNEL = "deep_ep_barrier"   # `ElasticBuffer.barrier`
+
+# Build-time tunables of the data kernels, each #defined with its default in
+# include/deep_ep/common/tunables.cuh (tests/test_kernels_compile.py holds the two lists equal): they
+# change how bytes move, never which, so the host needs no matching change and never reads their
+# values. Structural defines (EP_THREADS, EP_TOPK...) are not among them: overriding those would
+# break the host's view of the kernels.
+TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_SINGLE_UNROLL", "EP_LOAD_NO_L1",
+                      "EP_STORE_STREAMING"})
 
 
 def kernel_source(kind: str) -> str:
@@ -44,67 +48,8 @@ def kernel_source(kind: str) -> str:
     return f"#include <deep_ep/kernels/{kind}.cuh>\n"
 
 
-# EP_NOTIFY_SINGLE_RANK when DEEP_EP_KERNEL_DEFINES does not set it: the #define's default in
-# impls/layout_alone.cuh (tests/test_gpu_host_path.py holds the two equal). The host's notify grid
-# for a rank alone follows it (`dispatch.notify_groups`).
-NOTIFY_SINGLE_RANK_DEFAULT = 1
-
-
-def notify_single_rank() -> bool:
-    """Whether the notify kernels are built with their single-rank end (EP_NOTIFY_SINGLE_RANK)."""
-    return tunable_defines().get("EP_NOTIFY_SINGLE_RANK", NOTIFY_SINGLE_RANK_DEFAULT) != 0
-
-
-# EP_NOTIFY_TOKEN_SCAN's default, likewise (impls/notify_alone.cuh; the same test): with the
-# single-rank end, a rank alone in the non-expanded layout numbers its tokens with a token scan,
-# whose grid is `dispatch.notify_scan_grid`.
-NOTIFY_TOKEN_SCAN_DEFAULT = 1
-
-
-def notify_token_scan() -> bool:
-    """Whether a rank alone's notify kernel without the expanded layout is the token scan
-    (EP_NOTIFY_TOKEN_SCAN, which takes effect only with EP_NOTIFY_SINGLE_RANK)."""
-    return notify_single_rank() and tunable_defines().get("EP_NOTIFY_TOKEN_SCAN", NOTIFY_TOKEN_SCAN_DEFAULT) != 0
-
-
-# EP_DISPATCH_ALONE_FUSED's default, likewise (impls/dispatch_alone.cuh; the same test): with the
-# token scan, a rank alone's non-expanded fresh dispatch is one kernel, deep_ep_dispatch_alone,
-# instead of the notify and data kernels: without CPU sync at 1, with and without it at 2.
-DISPATCH_ALONE_FUSED_DEFAULT = 1
-
-
-def dispatch_alone_fused(cpu_sync: bool = False) -> bool:
-    """Whether a rank alone's non-expanded fresh dispatch, with CPU sync when ``cpu_sync``, takes the
-    one-kernel path (EP_DISPATCH_ALONE_FUSED: 1 without CPU sync, 2 with it too; it takes effect only
-    with the token scan, `notify_token_scan`)."""
-    value = tunable_defines().get("EP_DISPATCH_ALONE_FUSED", DISPATCH_ALONE_FUSED_DEFAULT)
-    return notify_token_scan() and (value >= 2 if cpu_sync else value != 0)
-
-
-# EP_EXPAND_ALONE_CACHED's default, likewise (impls/dispatch_expand_alone.cuh; the same test): a rank
-# alone's cached dispatch in the expanded layout is deep_ep_dispatch_cached_alone, ALONE_THREADS per
-# block, instead of the cached data kernel.
-EXPAND_ALONE_CACHED_DEFAULT = 1
-
-
-def expand_alone_cached() -> bool:
-    """Whether a rank alone's cached expanded dispatch takes its own kernel (EP_EXPAND_ALONE_CACHED)."""
-    return tunable_defines().get("EP_EXPAND_ALONE_CACHED", EXPAND_ALONE_CACHED_DEFAULT) != 0
-
-
-# EP_EXPAND_ALONE_FRESH's default, likewise (the same file and test): a rank alone's fresh dispatch
-# in the expanded layout moves its rows with deep_ep_dispatch_fresh_alone, ALONE_THREADS per block,
-# after the notify kernel, instead of the data kernel.
-EXPAND_ALONE_FRESH_DEFAULT = 1
-
-
-def expand_alone_fresh() -> bool:
-    """Whether a rank alone's fresh expanded dispatch takes its own data kernel (EP_EXPAND_ALONE_FRESH)."""
-    return tunable_defines().get("EP_EXPAND_ALONE_FRESH", EXPAND_ALONE_FRESH_DEFAULT) != 0
-
-
 def tunable_defines() -> dict:
-    """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_BLOCK_FENCE=1,EP_SEND_UNROLL=4"``),
+    """Build-time tunables from ``DEEP_EP_KERNEL_DEFINES`` (e.g. ``"EP_LOAD_NO_L1=1,EP_SEND_UNROLL=4"``),
     added to every data module: for running the GPU tests against a variant before it becomes the
     default (tools/tune_gpu.py times them).
 
@@ -149,7 +94,7 @@ def _common(transport_nccl: bool) -> dict:
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
     """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
-            "EP_ALONE_THREADS": ALONE_THREADS, **_common(transport_nccl)}
+            **_common(transport_nccl)}
 
 
 def combine_defines(hidden: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:

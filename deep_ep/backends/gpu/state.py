@@ -28,7 +28,6 @@ class WordPlan(NamedTuple):
     tok_prefix: int     # the handle's three layout tensors: offsets inside the layout words
     psum_expert: int
     raw_counts: int
-    pair_rank_at: int = 0   # pair_rank [T, K] (a rank alone's fresh expanded dispatch; else absent, 0)
 
     def addresses(self, base: int) -> tuple:
         """``(pos_tok, pos_pair, recv_src_metadata)`` device addresses in words starting at ``base``;
@@ -37,12 +36,6 @@ class WordPlan(NamedTuple):
                 base + 4 * self.pos_pair_at if self.expanded and self.T * self.K else None,
                 base + 4 * self.meta_at if self.meta_rows else None)
 
-    def pair_rank_address(self, base: int) -> Optional[int]:
-        """The device address of the pair_rank piece in words starting at ``base`` (None: absent or
-        empty): the notify kernel's index of each (token, slot) among its expert's pairs, which a
-        rank alone's fresh expanded data kernel reads while it writes the final rows to pos_pair."""
-        return base + 4 * self.pair_rank_at if self.pair_rank_at and self.T * self.K else None
-
 
 def _align_words(n: int) -> int:
     """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
@@ -50,23 +43,21 @@ def _align_words(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int,
-              pair_rank: bool = False) -> WordPlan:
+def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> WordPlan:
     """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
     ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
     2)]`` (where its rows are known before the call: without CPU sync the worst case, and T for a
-    rank alone with CPU sync that allocates before its counts; else empty), then with ``pair_rank``
-    (an expanded dispatch of a rank alone through deep_ep_dispatch_fresh_alone) pair_rank ``[T * K]``,
-    each starting on a 128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
+    rank alone with CPU sync that allocates before its counts; else empty), each starting on a
+    128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
     allocation; the tensor views are made only when read (`GPUHandleState`)."""
     at = []
     end = 0
-    for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2), T * K if pair_rank else 0):
+    for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2)):
         at.append(end)
         end = _align_words(end + n)
     return WordPlan(total=end, layout_words=ix.size, pos_tok_at=at[1], pos_pair_at=at[2], meta_at=at[3], T=T, R=R,
                     K=K, L=L, expanded=bool(expanded), meta_rows=meta_rows, tok_prefix=ix.tok_prefix,
-                    psum_expert=ix.psum_expert, raw_counts=ix.raw_counts, pair_rank_at=at[4] if pair_rank else 0)
+                    psum_expert=ix.psum_expert, raw_counts=ix.raw_counts)
 
 
 class GPUHandleState:
@@ -74,8 +65,7 @@ class GPUHandleState:
 
     words:         the dispatch's one int32 allocation: the layout words (common/abi.cuh, this rank
                    as destination and as source), pos_tok, pos_pair, (when its rows are known
-                   before the call) recv_src_metadata, and (a rank alone's fresh expanded dispatch
-                   through its own data kernel) pair_rank, laid out by ``plan`` (`WordPlan`)
+                   before the call) recv_src_metadata, laid out by ``plan`` (`WordPlan`)
     recv_topk_idx: the non-expanded dispatch's recv_topk_idx, returned again by a cached dispatch
     launches:      prepared kernel launches of cached dispatches and combines with this handle
                    (`jit.PreparedLaunch`, keyed by kernel structure and options; not copied by `clone`):

@@ -26,8 +26,8 @@ struct LsaTransport {
     // Whether the data phases exchange signals. A rank alone stages nothing in any window (its rows
     // go straight between the caller's tensors), so its dispatch and combine kernels neither signal
     // nor wait: no grid-wide meeting of their blocks, and the epoch and the arrival count stay
-    // equal (both untouched). Its notify kernel neither (impls/layout_alone.cuh; built with
-    // EP_NOTIFY_SINGLE_RANK=0 it does); the barrier still exchanges, with itself.
+    // equal (both untouched). The notify kernel and the barrier still exchange, with itself: each
+    // signal is matched by one wait, which advances the epoch.
     __device__ __forceinline__ bool exchanges() const { return num_ranks > 1; }
 
     template <typename T>

@@ -99,14 +99,10 @@ __device__ __forceinline__ int64_t row_offset(const Args& a, int half, int row) 
 // Producer and consumer phases count on separate words: in a kernel that runs both, a block may
 // finish its consumer phase early (a recorded error makes waits return at once) while others are
 // still producing, and one shared counter would then pick the wrong last block.
-// EP_BLOCK_FENCE (build-time tunable, measured by tools/tune_gpu.py): 0 = every thread fences its
-// own writes at system scope before the block arrives; 1 = the block meets at bar.sync first and
-// one thread fences: bar.sync orders the other threads' writes before thread 0's later operations,
-// and the system-scope fence is cumulative over what precedes it in that order (the pattern of a
-// cooperative-groups grid sync, at system scope because the writes go to peers' windows).
-#ifndef EP_BLOCK_FENCE
-#define EP_BLOCK_FENCE 1
-#endif
+// The block meets at bar.sync first and one thread fences: bar.sync orders the other threads'
+// writes before thread 0's later operations, and the fence is cumulative over what precedes it in
+// that order (the pattern of a cooperative-groups grid sync, at system scope where the writes go to
+// peers' windows).
 // ``system``: the blocks' writes must be visible to peers (a producer phase); false: only to this
 // GPU (a consumer phase, whose writes are local; peers learn of its end through the next signal).
 // The count is the release half only: there is no fence after the atomicAdd, so a caller that
@@ -119,14 +115,9 @@ __device__ __forceinline__ void block_fence(bool system) {
 
 __device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlDone, bool system = true) {
     __shared__ bool is_last;
-#if !EP_BLOCK_FENCE
-    block_fence(system);
-#endif
     __syncthreads();
     if (threadIdx.x == 0) {
-#if EP_BLOCK_FENCE
         block_fence(system);
-#endif
         uint32_t* done = ctrl_of(my_window) + slot;
         uint32_t prev = atomicAdd(done, 1u);
         is_last = (prev == gridDim.x - 1);

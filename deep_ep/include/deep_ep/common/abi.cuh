@@ -51,10 +51,7 @@ constexpr int kNotifyTilePairs = 256;
 constexpr int kNotifyBarrierCount = 0;  // grid barrier: blocks arrived
 constexpr int kNotifyBarrierGen = 1;    // grid barrier: generation
 constexpr int kNotifyBadIndex = 2;      // smallest flat index of an out-of-range id (INT_MAX: none)
-constexpr int kNotifyScanMaxBlocks = 1024;  // blocks of a rank alone's token scan, at most (impls/notify_alone.cuh)
-constexpr int kNotifyScanHist = 4;      // [kMaxExperts] the token scan's pairs per expert, over the grid
-constexpr int kNotifyScanTotals = kNotifyScanHist + kMaxExperts;  // [kNotifyScanMaxBlocks] its tokens per block, plus one
-constexpr int kNotifyGroupCounts = kNotifyScanTotals + kNotifyScanMaxBlocks;  // [blocks][R + E] pairs per column and block
+constexpr int kNotifyGroupCounts = 3;   // [blocks][R + E] pairs per column and block
 
 // ---- what the layout stage reports to the host (int32 words of mapped host memory) -------------
 // Written when the call synchronises with the host: the sequence number last, after the rest.

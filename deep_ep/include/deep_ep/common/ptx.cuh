@@ -1,6 +1,7 @@
 // Memory-model primitives and load/store flavours (inline PTX and intrinsics).
 #pragma once
 
+#include "tunables.cuh"
 #include "types.cuh"
 
 namespace deep_ep {
@@ -30,12 +31,8 @@ __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) { return *rei
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 __device__ __forceinline__ void st_cg(int4* p, const int4& v) { __stcg(p, v); }
 
-// Read-only data of this kernel's caller (x, y): the non-coherent path is fine. EP_LOAD_NO_L1=1
-// (a build-time tunable, measured by tools/tune_gpu.py) also skips allocating in L1: rows are
-// used once.
-#ifndef EP_LOAD_NO_L1
-#define EP_LOAD_NO_L1 0
-#endif
+// Read-only data of this kernel's caller (x, y): the non-coherent path is fine (EP_LOAD_NO_L1,
+// common/tunables.cuh).
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
 #if EP_LOAD_NO_L1
     int4 v;
@@ -47,10 +44,7 @@ __device__ __forceinline__ int4 ld_nc(const int4* p) {
 #endif
 }
 
-// Stores of row data. EP_STORE_STREAMING=1 (build-time tunable) stores with the evict-first hint.
-#ifndef EP_STORE_STREAMING
-#define EP_STORE_STREAMING 0
-#endif
+// Stores of row data (EP_STORE_STREAMING, common/tunables.cuh).
 __device__ __forceinline__ void store_row_vec(int4* p, const int4& v) {
 #if EP_STORE_STREAMING
     __stcs(p, v);

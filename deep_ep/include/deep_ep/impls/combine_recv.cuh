@@ -30,11 +30,10 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
 
     // kUnroll vectors per lane per chunk: several independent 16-byte loads in flight per source.
-    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps cut into equal chunks (hidden
-    // 7168: 4 x 7); else 4: expanded rows, whose partial sums need a second set of accumulators, rows
-    // with a ragged last step, whose bounds checks need registers too (more spills, e.g. 6 at hidden
-    // 2880), and rows whose chunks of up to 7 would be unequal (hidden 4096: 6 + 6 + 4 was no faster
-    // than 4 x 4 on the H200, and slower at 128 tokens).
+    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps cut into equal chunks; else
+    // 4, within the registers: expanded rows, whose partial sums need a second set of accumulators,
+    // rows with a ragged last step, whose bounds checks need registers too, and rows whose chunks of
+    // up to 7 would be unequal.
     constexpr int kWide = row_unroll<Row::kVecs, 0, 7>();
     constexpr bool kWideFits = !kExpand && Row::kVecs % 32 == 0 && (Row::kVecs / 32) % kWide == 0;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, kWideFits ? 7 : 4>();
@@ -75,7 +74,6 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             my_pair = pair;
             if (a.apply_weights && my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
-#if EP_COMBINE_COMPACT
         // The token's sources, found once for all its chunks, in slot order (the order of the sum):
         // the slots that are the last of their owner rank and whose row there exists. Lane j <
         // num_sources holds the j-th source's owner rank and row; its slot is the set bit of
@@ -90,7 +88,6 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             if (((sources >> k) & 1u) != 0 && __popc(sources & ((1u << k) - 1u)) == lane) source_slot = k;
         const int source_rank = __shfl_sync(0xffffffffu, owner, source_slot);
         const int source_row = __shfl_sync(0xffffffffu, slot_row, source_slot);
-#endif
         // acc += chunk `base` of the partial of rank d, whose row for this token is `row` (>= 0).
         auto add_source = [&](const int d, const int row, const int base, float (&acc)[kUnroll][8]) {
             if (d == rank && !kExpand) {
@@ -124,25 +121,14 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
         auto sum_chunk = [&](const int base) {
             float acc[kUnroll][8];
             init_from_biases<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
-#if EP_COMBINE_COMPACT
 #pragma unroll
             for (int j = 0; j < K; ++j) {
                 if (j >= num_sources) break;
                 add_source(__shfl_sync(0xffffffffu, source_rank, j), __shfl_sync(0xffffffffu, source_row, j), base, acc);
             }
-#else
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int d = __shfl_sync(0xffffffffu, owner, k);
-                if (!__shfl_sync(0xffffffffu, last, k)) continue;
-                const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d) : a.pos_tok[static_cast<int64_t>(t) * R + d];
-                if (row < 0) continue;
-                add_source(d, row, base, acc);
-            }
-#endif
             finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
         };
-#if EP_COMBINE_COMPACT && EP_COMBINE_SINGLE_UNROLL > 0
+#if EP_COMBINE_SINGLE_UNROLL > 0
         // One source row and no biases: chunks of up to EP_COMBINE_SINGLE_UNROLL vectors per lane, see
         // store_single_source_chunk. Not expanded: those kernels have no registers to spare.
         const bool single = !kExpand && pieces == 1 && num_sources == 1 && a.bias1 == nullptr &&

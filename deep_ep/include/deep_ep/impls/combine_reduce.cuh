@@ -65,7 +65,6 @@ __device__ __forceinline__ void add_rounded_chunk(const float (&part)[kUnroll][8
 template <int kHidden, int kUnroll, int kVecs>
 __device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, int base, int lane, float (&acc)[kUnroll][8]) {
     const __nv_bfloat16* b0 = EP_TEST_DEFECT == kDefectMissingBias ? nullptr : a.bias0;
-#if EP_COMBINE_COMPACT
     // Which biases exist is the same for the whole call: one test per chunk, not one per value
     // (without biases, the common case, the chunk is only zeroed). A single bias is fp32(it),
     // whichever of the two it is.
@@ -85,19 +84,6 @@ __device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, in
             for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
         }
     }
-#else
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-        const int i = base + u * 32 + lane;
-        float f0[8], f1[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) f0[q] = f1[q] = 0.0f;
-        if (i < kVecs && b0 != nullptr) bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(b0 + static_cast<int64_t>(t) * kHidden) + i), f0);
-        if (i < kVecs && a.bias1 != nullptr) bf16x8_to_f32(ld_nc(reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * kHidden) + i), f1);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] = (b0 != nullptr && a.bias1 != nullptr) ? __fadd_rn(f0[q], f1[q]) : (b0 != nullptr ? f0[q] : f1[q]);
-    }
-#endif
 }
 
 // The end of a token's sum, chunk by chunk: the +0.0 of silent slots, then the row rounded to bf16.

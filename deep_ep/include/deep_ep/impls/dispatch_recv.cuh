@@ -12,8 +12,7 @@ namespace deep_ep {
 // The receive phase's last part, after the rows themselves (every thread of the grid): in the
 // expanded layout the padding rows of the L local experts (zeroed with ``zero_padding``, weights 0),
 // then the rows past the true count (ids -1, weights 0) and recv_src_metadata's rows past the
-// ``num_tok_rows`` received tokens (-1). Also the end of a rank alone's cached expanded dispatch
-// (impls/dispatch_expand_alone.cuh), whose kernel has no peer rows to receive.
+// ``num_tok_rows`` received tokens (-1).
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_recv_tail(const DispatchArgs& a, bool zero_padding, int L, const LayoutIndex& ix,
                                                    int num_tok_rows) {

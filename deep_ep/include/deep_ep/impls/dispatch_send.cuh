@@ -22,11 +22,6 @@ struct TokenLoads {
     int row, pair;
 };
 
-// The tokens a send phase's warp moves: ``first``, ``first + step``, ... below ``end``.
-struct TokenRange {
-    int first, end, step;
-};
-
 // Issue token t's loads (none from ``end`` on; the values are then unused).
 template <int kVecs, int kNumSF, int K, bool kExpand, int kUnroll, int kSFPerLane>
 __device__ __forceinline__ void fetch_token(const DispatchArgs& a, int num_ranks, int t, int end, int lane,
@@ -43,15 +38,14 @@ __device__ __forceinline__ void fetch_token(const DispatchArgs& a, int num_ranks
     o.pair = (kExpand && lane < K) ? a.pos_pair[static_cast<int64_t>(t) * K + lane] : -1;
 }
 
-// ``range``: the warp's tokens (the data kernels: every token, warps striding over the grid, WarpGrid).
-// ``kRowsFinal``: pos_tok already holds the tokens' final rows (a rank alone's fused dispatch,
-// impls/dispatch_alone.cuh, whose layout words may not be written yet); otherwise a fresh dispatch
-// adds where this rank's rows start at each destination (send_base) and writes the sums back.
-template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached, bool kRowsFinal = false>
-__device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const comm::LsaTransport& tr, TokenRange range) {
+// Warps stride over the tokens (WarpGrid). A fresh dispatch adds where this rank's rows start at
+// each destination (send_base) to the notify kernel's numbering and writes the sums back.
+template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
+__device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const comm::LsaTransport& tr) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
-    const int lane = static_cast<int>(threadIdx.x & 31), num_warps = range.step;
+    const WarpGrid wg;
+    const int lane = wg.lane, num_warps = wg.num_warps, num_tokens = a.num_tokens;
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
     const LayoutIndex ix{R, L, a.num_experts};
     constexpr int kSFPerLane = (kNumSF + 31) / 32;
@@ -61,13 +55,13 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
     // first-chunk load between tokens. The warp's first token is requested before the control
     // words are read.
     TokenLoads<kUnroll, kSFPerLane> cur, next;
-    fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, range.first, range.end, lane, cur);
+    fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, wg.warp, num_tokens, lane, cur);
     uint8_t* my_window = tr.local();
     const int half = comm::current_half(my_window);
     // After a timeout the layout is void: move nothing, but still signal so epochs stay in step.
-    const int end = comm::has_error(my_window) ? 0 : range.end;
+    const int end = comm::has_error(my_window) ? 0 : num_tokens;
 
-    for (int t = range.first; t < end; t += num_warps) {
+    for (int t = wg.warp; t < end; t += num_warps) {
         const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * kDataBytes);
         int4 (&v)[kUnroll] = cur.v;
         const int (&my_sf)[kSFPerLane > 0 ? kSFPerLane : 1] = cur.sf;
@@ -79,7 +73,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
         if (my_expert >= a.num_experts) my_expert = -1;  // out-of-range ids are treated as masked
         for (int d = lane; d < R; d += 32) {
             int v = d == lane ? cur.row : a.pos_tok[static_cast<int64_t>(t) * R + d];
-            if (!kCached && !kRowsFinal && v >= 0) {
+            if (!kCached && v >= 0) {
                 v += a.layout[ix.send_base() + d];
                 a.pos_tok[static_cast<int64_t>(t) * R + d] = v;
             }
@@ -99,7 +93,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             if (base > 0) load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
             if (base + 32 * kUnroll >= Row::kVecs)  // last chunk: the next token's loads go out before its stores
-                fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, t + num_warps, range.end, lane, next);
+                fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, t + num_warps, num_tokens, lane, next);
             for (int d = 0; d < R; ++d) {
                 const int row = d < 32 ? __shfl_sync(0xffffffffu, my_row, d)
                                        : a.pos_tok[static_cast<int64_t>(t) * R + d];

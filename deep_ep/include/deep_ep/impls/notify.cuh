@@ -1,27 +1,9 @@
-// Notify stage of a dispatch: number what goes where, and publish the counts in every peer's window.
-//
-// On source rank s, for every token t and destination rank d it reaches, pos_tok[t, d] is t's
-// index among s's tokens to d (tokens in order); for every (token, slot) pair of an expert e,
-// pos_pair[t, k] is its index among s's pairs for e, in (t, k) order (expanded layout). The data
-// kernel adds where s's rows start at d (send_base / out_base, from the layout stage).
-//
-// Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
-// stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
-// a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's
-// index is the group's running count plus the lanes before it. Three phases, separated by grid
-// barriers (all blocks are resident: the host launches at most a few warps per SM):
-//   A. count: each group's pairs per column (R ranks, then E experts); the block turns its warps'
-//      counts into prefixes within the block (shared memory) and writes its totals to
-//      scratch[block][column];
-//   B. prefix: warp w scans columns c = w, w + W, ... over the blocks (exclusive, in place; a few
-//      columns at once) and publishes each column's total in counts[s] of every peer's window;
-//   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
-// A token counts once per rank: only its first slot of that rank counts. Expert ids outside
-// [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
-// counts, so that every rank's layout stage sees it and the call moves nothing (kErrBadExpert).
-// With ``topk_copy``, phase A also copies the group's ids there (the handle's copy of the routing,
-// without a copy of its own on the host's side). The last block to finish signals every peer, and
-// then, in the same kernel, runs the layout stage (impls/layout.cuh): one launch, no kernel boundary.
+// Notify stage of a dispatch (kernels/dispatch.cuh; the layout stage, impls/layout.cuh, follows in
+// the same launch). On source rank s: pos_tok[t, d] is t's index among s's tokens to rank d (-1: not
+// sent); expanded, pos_pair[t, k] is the pair's index among s's pairs for its expert (-1: masked);
+// every peer's window gets s's count row (tokens per rank, pairs per expert, the first out-of-range
+// id); with ``topk_copy``, a copy of topk_idx. The data kernel adds where s's rows start. All blocks
+// must be resident at once (grid barriers); the block that finishes last signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -33,7 +15,7 @@ struct NotifyArgs {
     const int64_t* topk_idx;  // [T, K]
     int64_t* topk_copy;       // [T, K] out: a copy of topk_idx for the handle, or null
     int num_tokens, num_experts;
-    int tokens_per_group;     // tokens of one group (warp); of one block in impls/notify_alone.cuh
+    int tokens_per_group;     // tokens of one group (warp)
     int64_t counts_offset;    // byte offset of the count matrix in every window
     int* pos_tok;             // [T, R] out: local row of token t at rank d, or -1
     int* pos_pair;            // [T, K] out (expanded): local row of pair (t, k) at its expert's owner, or -1
@@ -155,12 +137,22 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
     }
 }
 
+// Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
+// stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
+// a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's
+// index is the group's running count plus the lanes before it. Three phases, separated by grid
+// barriers:
+//   A. count: each group's pairs per column (R ranks, then E experts); the block turns its warps'
+//      counts into prefixes within the block (shared memory) and writes its totals to
+//      scratch[block][column];
+//   B. prefix: warp w scans columns c = w, w + W, ... over the blocks (exclusive, in place; a few
+//      columns at once) and publishes each column's total in counts[s] of every peer's window;
+//   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
+// A token counts once per rank: only its first slot of that rank counts. Expert ids outside
+// [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
+// counts, so that every rank's layout stage sees it and the call moves nothing (kErrBadExpert).
 // Returns true in the threads of the block that finished last (and signalled the peers).
-// ``kAlone``: the rank is alone (EP_NOTIFY_SINGLE_RANK, a rank count of 1): the caller finishes
-// (notify_alone_end in impls/layout_alone.cuh, with nothing to signal) and this returns false. A
-// grid of one block then meets at no grid barrier: its phase A totals are the column totals,
-// published at once, and its prefix is 0.
-template <int K, bool kExpand, bool kAlone = false>
+template <int K, bool kExpand>
 __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
     const int cols = R + E;
@@ -178,7 +170,6 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     __shared__ int tiles[kNotifyWarps][kTileTokens * K];
     int* ids = tiles[warp];
     uint8_t* my_window = tr.local();
-    const bool single = kAlone && num_blocks == 1;
 
     // ---- A: count (and stage / copy the ids); then the block's exclusive prefix over its warps in
     // shared memory, and its totals to the block's row of the scratch
@@ -197,18 +188,14 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
             smem[w * cols + c] = acc;
             acc += v;
         }
-        if (single) tr.put<int>(rank, a.counts_offset + 4 * c, acc);  // rank 0's row
-        else counts[static_cast<int64_t>(block) * cols + c] = acc;
+        counts[static_cast<int64_t>(block) * cols + c] = acc;
     }
-    // One block: the block meets (as a grid barrier starts) so that each warp reads the prefixes the
-    // loop above wrote into its counts; the next reader of the totals is this block's layout stage.
-    if (single) __syncthreads();
-    bool ok = single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
+    bool ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns);
 
     // ---- B: prefix over the blocks, column by column (one warp per column); totals to every peer
     const int row = cols + kCountsExtraWords;
     const int64_t my_row = a.counts_offset + static_cast<int64_t>(rank) * row * 4;
-    for (int c0 = group; ok && !single && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
+    for (int c0 = group; ok && c0 < cols; c0 += kNotifyColumnsAtOnce * num_groups) {
         int totals[kNotifyColumnsAtOnce];
         notify_prefix_columns(counts, cols, num_blocks, c0, num_groups, lane, totals);
 #pragma unroll
@@ -232,12 +219,11 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
         }
         if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this warp only)
     }
-    ok = (single || grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns)) && ok;
+    ok = grid_barrier(a.scratch + kNotifyBarrierCount, a.scratch + kNotifyBarrierGen, a.timeout_ns) && ok;
 
     // ---- C: number, from the block's prefix plus the warp's within the block
     if (ok) {
-        if (!single)
-            for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
+        for (int c = lane; c < cols; c += 32) run[c] += __ldcg(counts + static_cast<int64_t>(block) * cols + c);
         for (int64_t i = static_cast<int64_t>(t0) * R + lane; i < static_cast<int64_t>(t1) * R; i += 32) a.pos_tok[i] = -1;
         __syncwarp();
         for (int s = t0; s < t1; s += kTileTokens) {
@@ -248,7 +234,6 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     } else if (lane == 0) {
         comm::record_error(my_window, kErrTimeout, rank, rank, kPhaseNotify);
     }
-    if (kAlone) return false;
     const bool last = comm::last_block(my_window);
     if (last) tr.signal_all(a.tag);
     return last;

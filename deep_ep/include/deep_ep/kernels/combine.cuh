@@ -7,8 +7,10 @@
 #include "../impls/combine_send.cuh"
 
 // Stage the rows that came from peers and signal, then pull and sum every token's rows (all blocks
-// resident at once, as in deep_ep_dispatch). A rank alone has nothing to stage and skips to the sums.
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1) deep_ep_combine(
+// resident at once, as in the dispatch data kernels). A rank alone has nothing to stage and skips
+// to the sums (LsaTransport::exchanges).
+extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
+deep_ep_combine_impl_with_combine_reduce_epilogue_impl(
         deep_ep::CombineArgs a, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);

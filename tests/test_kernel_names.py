@@ -1,0 +1,62 @@
+"""The kernels' names meet DeepEP V2's own test of ElasticBuffer (tests/elastic/test_ep.py), without a
+GPU: it profiles each call with torch.profiler and times it by the table lines whose name contains
+``dispatch_impl`` and ``dispatch_copy_epilogue_impl`` (every dispatch: fresh, expanded, cached) or
+``combine_impl`` and ``combine_reduce_epilogue_impl`` (combine). Each substring must match one line of
+a call's table: none makes its average 0 (and the test divides by it), two or more fail its check.
+Our data kernels do both phases in one kernel, so each name holds both substrings of its call.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from deep_ep.backends.gpu import modules
+
+DISPATCH_NAMES = ("dispatch_impl", "dispatch_copy_epilogue_impl")
+COMBINE_NAMES = ("combine_impl", "combine_reduce_epilogue_impl")
+# The kernels of each call DeepEP's test times, and the barrier it runs between calls.
+CALLS = {
+    "fresh dispatch": ((modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL), DISPATCH_NAMES),
+    "cached dispatch": ((modules.CACHED_DISPATCH_KERNEL,), DISPATCH_NAMES),
+    "combine": ((modules.COMBINE_KERNEL,), COMBINE_NAMES),
+}
+INCLUDE = Path(modules.__file__).parents[2] / "include" / "deep_ep" / "kernels"
+
+
+def _entry_points(kind: str) -> list:
+    """The ``extern "C" __global__`` entry points declared in kernels/<kind>.cuh."""
+    source = (INCLUDE / f"{kind}.cuh").read_text()
+    return re.findall(r'extern "C" __global__ void __launch_bounds__\([^)]*\)\s+(\w+)\(', source)
+
+
+def test_the_host_names_the_kernels_the_sources_declare():
+    assert sorted(_entry_points("dispatch")) == sorted([modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL,
+                                                        modules.CACHED_DISPATCH_KERNEL])
+    assert _entry_points("combine") == [modules.COMBINE_KERNEL]
+    assert _entry_points("barrier") == [modules.BARRIER_KERNEL]
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_each_timed_name_matches_exactly_one_kernel_of_its_call(call):
+    """Each substring DeepEP's test looks for matches one kernel of the call (with the barrier it runs
+    before each call in the same table), and the name is short enough to stay whole in the profiler
+    table's name column (100 characters)."""
+    kernels, substrings = CALLS[call]
+    table = kernels + (modules.BARRIER_KERNEL,)
+    for substring in substrings:
+        matching = [name for name in table if substring in name]
+        assert len(matching) == 1, (call, substring, matching)
+    for name in kernels:
+        assert re.fullmatch(r"[A-Za-z_]\w*", name) and len(name) < 100, name
+
+
+def test_the_notify_kernel_and_the_barrier_match_no_timed_name():
+    for name in (modules.NOTIFY_KERNEL, modules.BARRIER_KERNEL):
+        assert not [s for s in DISPATCH_NAMES + COMBINE_NAMES if s in name], name
+
+
+def test_dispatch_kernels_match_no_combine_name_and_back():
+    for name in (modules.DISPATCH_KERNEL, modules.CACHED_DISPATCH_KERNEL):
+        assert all(s in name for s in DISPATCH_NAMES) and not any(s in name for s in COMBINE_NAMES), name
+    assert all(s in modules.COMBINE_KERNEL for s in COMBINE_NAMES)
+    assert not any(s in modules.COMBINE_KERNEL for s in DISPATCH_NAMES)
