@@ -96,7 +96,7 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
         for (int k = 0; k < K; ++k) {
             const int e = __shfl_sync(0xffffffffu, my_expert, k);
             const int out = __shfl_sync(0xffffffffu, my_row, k);
-            if (e < 0 || out < 0 || defect_skips_expert(e)) continue;
+            if (e < 0 || out < 0) continue;
             store_chunk<kUnroll, Row::kVecs>(reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes),
                                              base, lane, v);
         }
@@ -120,7 +120,7 @@ __device__ __forceinline__ void dispatch_expand_alone(const DispatchArgs& a, boo
         }
         if (with_weights && my_row >= 0) {
             const float w = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
-            a.out_weights[my_row] = defect_weight(w, lane);
+            a.out_weights[my_row] = w;
         }
         if (kFresh) {
             const bool local = lane < K && my_expert >= 0;
