@@ -101,7 +101,7 @@ def test_the_tunables_are_defined_in_one_header():
     elsewhere = {(path.relative_to(include).as_posix(), name)
                  for path in include.rglob("*.cuh") if path.name != "tunables.cuh"
                  for name in re.findall(r"^#ifndef (EP_\w+)", path.read_text(), re.M)}
-    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("common/defects.cuh", "EP_TEST_DEFECT")}
+    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL")}
 
 
 def test_the_combines_single_source_path_can_be_left_out():

@@ -1,7 +1,7 @@
 """Mutation tests on the CPU: the checks the test suites rely on must fail when the backend is wrong.
 
 The CPU backend is wrapped, one defect at a time, so that its outputs carry the same kinds of
-defects as the GPU kernels' test-only defects (`deep_ep.backends.gpu.TEST_DEFECTS`): a dropped row,
+defects as those tools/mutation_check.py plants in the GPU kernels (its `DEFECTS`): a dropped row,
 a row written beside its place, a missing bias, a doubled top-k weight, stale scale factors in a
 cached FP8 dispatch, an expert that receives no rows. A row "not written" holds the poison pattern
 under `deep_ep.backends.outputs.poisoned` (what a kernel leaves there), zeros otherwise; a "stale"
@@ -14,7 +14,8 @@ scale factor holds the previous dispatch's.
 - `test_gpu_suite_cases_catch_each_defect`: with the GPU defects' own row patterns, the GPU suite's
   case driver (tests/gpu/test_gpu_backend.py ``run_case``) on two CPU ranks fails every case that
   tools/mutation_check.py runs for the defect, and passes them all on the clean backend.
-- The result parsing and the reports of tools/mutation_check.py.
+- The result parsing and the reports of tools/mutation_check.py (tests/test_mutation_patches.py
+  checks its edits of the kernels' headers).
 
 The wrapper patches the class of the running backend (`deep_ep.backends.cpu.CPUBackend`, a module or
 a package exporting it).
@@ -68,7 +69,7 @@ def _unwritten_like(rows: torch.Tensor) -> torch.Tensor:
 
 class Defect:
     """Wraps ``cls.dispatch`` / ``cls.combine`` so that their outputs carry defect ``number``
-    (`deep_ep.backends.gpu.TEST_DEFECTS`); ``changed`` counts the rows or values it altered."""
+    (tools/mutation_check.py's `DEFECTS`); ``changed`` counts the rows or values it altered."""
 
     def __init__(self, number: int, pattern: str):
         self.number, self.pattern, self.changed = number, PATTERNS[pattern], 0
@@ -286,10 +287,9 @@ def test_gpu_suite_cases_catch_each_defect(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ tools/mutation_check.py
-def test_defect_table_matches_the_kernels():
-    from deep_ep.backends.gpu import TEST_DEFECTS
+def test_defect_table_matches_the_cpu_defects():
     tool = _tool()
-    assert {d.number: d.name for d in tool.DEFECTS} == TEST_DEFECTS
+    assert [d.number for d in tool.DEFECTS] == sorted(CPU_CASE_OF)
     from gpu_cases import _BASE
     names = {c.name for c in _BASE}
     for d in tool.DEFECTS:
@@ -371,9 +371,10 @@ def test_dry_run_plan(capsys, tmp_path):
     assert tool.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 + 4 + 2 * 6       # clean suite, four clean bench configurations, two runs per defect
-    assert out[0].startswith("[suite defect 0] env -u DEEP_EP_TEST_DEFECT DEEP_EP_GPU_CASES=")
-    assert any("DEEP_EP_TEST_DEFECT=3" in ln and "bench --iters 2 --bias 1" in ln for ln in out)
-    assert any("DEEP_EP_TEST_DEFECT=5" in ln and "DEEP_EP_GPU_CASES=fp8-fp32" in ln and " -x " in ln for ln in out)
+    assert out[0].startswith("[suite defect 0] env -u EP_JIT_INCLUDE_OVERLAY DEEP_EP_GPU_CASES=")
+    assert any("EP_JIT_INCLUDE_OVERLAY='<temporary copies>/defect3'" in ln and "bench --iters 2 --bias 1" in ln
+               for ln in out)
+    assert any("/defect5'" in ln and "DEEP_EP_GPU_CASES=fp8-fp32" in ln and " -x " in ln for ln in out)
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
 
 

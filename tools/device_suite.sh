@@ -12,8 +12,9 @@
 #          coop (plain launches instead of cooperative: GPU suite with DEEP_EP_COOPERATIVE=0, then tools/tune_gpu.py)
 #          hostprof (tools/profile_gpu.py --host-profile: the host cost of each piece of a call, and a cProfile
 #                    of each call kind at the decode size; $OUT/host_profile.log)
-#          mutate (tools/mutation_check.py: kernels built with each test-only defect must fail a GPU suite
-#                  subset and the bench's check, the clean build must pass both; one line per defect)
+#          mutate (tools/mutation_check.py: kernels built with each test-only defect, planted in a copy of
+#                  the headers (EP_JIT_INCLUDE_OVERLAY), must fail a GPU suite subset and the bench's check,
+#                  the clean build must pass both; one line per defect)
 #          summary (last: $OUT/summary.txt, the run's record: card, driver, torch, NCCL, commit, date,
 #                   passed / failed per test file, bench checks, the mutation lines; see docs/device-runs/)
 #          pack (every log and JSON under $OUT into one logs.tgz, summary.txt kept beside it: the device

@@ -1,8 +1,14 @@
 """Checks that can fail: the GPU suite and the bench's check against kernels built with a defect.
 
-For the clean build and for each test-only kernel defect n of `deep_ep.backends.gpu.TEST_DEFECTS`
-(built when DEEP_EP_TEST_DEFECT=n; the define is part of the JIT cache key, so each defect compiles
-modules of its own while the clean build reuses those already cached), this runs
+The shipped kernels carry no test hooks. Each defect of `DEFECTS` is a few explicit textual edits
+(`Edit`: a search text found exactly once in a named header under ``deep_ep/include/deep_ep``, and
+its replacement) planted in a temporary copy of the include tree; the runs of that defect compile
+their kernels against the copy through ``EP_JIT_INCLUDE_OVERLAY`` (docs/jit.md), whose content is
+part of the JIT cache key, so a defect's modules never mix with the clean build's. An edit whose
+search text is missing or found more than once (the kernels changed) stops the check before any
+run: a defect that plants nothing would prove nothing.
+
+For the clean build and for each defect this runs
 
 (a) a few cases of the GPU suite that exercise the defect (``pytest -x``; EP=1 on NCCL for the path
     a rank takes to itself, two emulated ranks for the peer path; `DEFECTS` lists them), and
@@ -14,14 +20,17 @@ and prints one line per defect::
 
 or the same line ending in ``NOT CAUGHT``. The clean build runs the union of those suite cases and
 every bench configuration used, and must pass them all (a run that fails without a defect would
-prove nothing). Exit status 0 when the clean build passes and both checks catch every defect.
+prove nothing). Exit status 0 when the clean build passes and both checks catch every defect; 2 when
+a defect's edits no longer apply.
 
 Usage (the ``mutate`` step of tools/device_suite.sh, on a GPU machine)::
 
     python3 tools/mutation_check.py [--defects 1,3] [--out DIR] [--budget 360] [--dry-run]
+    python3 tools/mutation_check.py --plant 3 DIR    # DIR: a copy of the include tree with defect 3
 
-``--dry-run`` prints the commands and runs nothing (no GPU needed). Logs, JUnit XML files, bench
-JSON files and ``mutation.json`` (every verdict) go to ``--out`` (default ``$OUT/mutation``).
+``--dry-run`` checks that every edit applies, prints the commands and runs nothing (no GPU needed).
+Logs, JUnit XML files, bench JSON files, each defect's edits as ``defect<n>.diff`` and
+``mutation.json`` (every verdict) go to ``--out`` (default ``$OUT/mutation``).
 
 ``python3 tools/mutation_check.py --write-summary DIR`` writes ``DIR/summary.txt`` for a device run
 (the ``summary`` step): card, driver, torch, NCCL, commit, date, passed / failed per test file (from
@@ -32,13 +41,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -46,33 +58,147 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+INCLUDE = ROOT / "deep_ep" / "include"       # the tree a defect's copy is made from
+OVERLAY_VARIABLE = "EP_JIT_INCLUDE_OVERLAY"
 SUITE_FILE = "tests/gpu/test_gpu_backend.py"
 SUITE_NODES = (f"{SUITE_FILE}::test_ep1_real_nccl", f"{SUITE_FILE}::test_emulated[2]")
 
 
 @dataclass(frozen=True)
+class Edit:
+    """One textual edit of a header: ``search`` (found exactly once in ``path``, relative to
+    ``deep_ep/include/deep_ep``) becomes ``replace``."""
+    path: str
+    search: str
+    replace: str
+
+
+@dataclass(frozen=True)
 class Defect:
-    """One test-only kernel defect and what must catch it.
+    """One test-only kernel defect: what it breaks, the edits that plant it, and what must catch it.
 
     cases: base names of cases in tests/gpu_cases.py (run at EP=1 and on two emulated ranks).
     bench_args: arguments added to ``python -m deep_ep bench --iters 2``.
     """
     number: int
     name: str
+    effect: str
+    edits: tuple
     cases: tuple
     bench_args: tuple = ()
 
 
-#: The defects of `deep_ep.backends.gpu.TEST_DEFECTS` (tests/test_mutations_cpu.py checks that the
-#: numbers and names agree) and the runs that exercise each.
+class PatchError(RuntimeError):
+    """A defect's edit no longer applies: its search text is missing or not unique (the kernels changed)."""
+
+
+_SEND, _RECV = "impls/dispatch_send.cuh", "impls/dispatch_recv.cuh"
+# Lines of the kernels the edits search for (each edit checks that its text is found exactly once).
+_SEND_ROW = "int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);"
+_RECV_ROW = "int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(j) * kDataBytes);"
+_PAIR_ROW = "int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);"
+_SEND_SF = "if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);"
+_RECV_SF = "for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, j, i, __ldcg(row_sf + i));"
+_RECV_PAIR_ROWS = ("if (kExpand && lane < K) out_row = kCached ? "
+                   "a.src_meta[static_cast<int64_t>(j) * (K + 2) + 2 + lane] : __ldcg(meta + 1 + lane);")
+_SEND_WEIGHT = "a.out_weights[static_cast<int64_t>(row) * K + lane] = "
+_RECV_WEIGHT = "a.out_weights[static_cast<int64_t>(j) * K + lane] = "
+
+
+def _doubled(value: str) -> str:
+    return f"lane == 0 ? 2.0f * {value} : {value}"
+
+
+#: The defects. A row written by the rank to itself goes through dispatch_send, one from a peer
+#: through dispatch_recv, so each dispatch defect edits both; the row patterns fit the GPU suite's
+#: cases (60 to 100 rows; tests/test_mutations_cpu.py applies the same patterns on the CPU).
 DEFECTS = (
-    Defect(1, "dropped row", ("bf16",)),                       # non-expanded rows 63, 127, ... unwritten
-    Defect(2, "wrong row", ("bf16",)),                         # rows 7, 68, ... land in the row beside
-    Defect(3, "missing bias", ("bf16-noweights-bias2",), ("--bias", "1")),
-    Defect(4, "scaled weight", ("bf16",)),                     # recv_topk_weights[:, 0] doubled
-    Defect(5, "stale scale factor", ("fp8-fp32",), ("--fp8",)),  # cached FP8 dispatch
-    Defect(6, "skipped expert", ("bf16-expand",), ("--expand",)),
+    Defect(1, "dropped row", "dispatch leaves every output row with row % 64 == 63 unwritten",
+           (Edit(_SEND, _SEND_ROW, "if ((row & 63) == 63) continue; " + _SEND_ROW),
+            Edit(_RECV, _RECV_ROW, "if ((j & 63) == 63) continue; " + _RECV_ROW)),
+           ("bf16",)),
+    Defect(2, "wrong row", "dispatch writes rows with row % 61 == 7 to row ^ 1 (odd rows: row - 1 stays in bounds)",
+           (Edit(_SEND, _SEND_ROW, _SEND_ROW.replace("(row)", "(row % 61 == 7 ? row ^ 1 : row)")),
+            Edit(_RECV, _RECV_ROW, _RECV_ROW.replace("(j)", "(j % 61 == 7 ? j ^ 1 : j)"))),
+           ("bf16",)),
+    Defect(3, "missing bias", "combine ignores bias 0",
+           (Edit("impls/combine_reduce.cuh", "const __nv_bfloat16* b0 = a.bias0;",
+                 "const __nv_bfloat16* b0 = nullptr;"),
+            # the one-source path, taken without biases, is taken with bias 0 too
+            Edit("impls/combine_recv.cuh", "a.bias0 == nullptr;", "true;")),
+           ("bf16-noweights-bias2",), ("--bias", "1")),
+    Defect(4, "scaled weight", "dispatch doubles the received weight of top-k slot 0",
+           (Edit(_SEND, _SEND_WEIGHT + "local ? my_weight : 0.0f;",
+                 _SEND_WEIGHT + f"local ? ({_doubled('my_weight')}) : 0.0f;"),
+            Edit(_SEND, "a.out_weights[my_pair_row] = my_weight;",
+                 f"a.out_weights[my_pair_row] = {_doubled('my_weight')};"),
+            Edit(_RECV, _RECV_WEIGHT + "weight;", _RECV_WEIGHT + _doubled("weight") + ";"),
+            Edit(_RECV, "a.out_weights[out_row] = weight;", f"a.out_weights[out_row] = {_doubled('weight')};")),
+           ("bf16",)),
+    Defect(5, "stale scale factor", "cached FP8 dispatch skips the scale factors of rows with row % 8 == 3",
+           (Edit(_SEND, _SEND_SF, _SEND_SF.replace("if (lane + 32 * j < kNumSF)",
+                                                   "if (lane + 32 * j < kNumSF && !(kCached && (row & 7) == 3))")),
+            Edit(_RECV, _RECV_SF, "if (!(kCached && (j & 7) == 3)) " + _RECV_SF)),
+           ("fp8-fp32",), ("--fp8",)),
+    Defect(6, "skipped expert", "expanded dispatch writes no rows for local expert 1",
+           (Edit(_SEND, _PAIR_ROW, "if (e - rank * L == 1) continue; " + _PAIR_ROW),
+            # a fresh dispatch's rows from peers carry their local experts; a cached one's do not
+            Edit(_RECV, _RECV_PAIR_ROWS,
+                 _RECV_PAIR_ROWS + "\n            const int planted_expert = (!kCached && lane < K) ? "
+                                   "__ldcg(meta + 1 + K + lane) : -1;"),
+            Edit(_RECV, _PAIR_ROW, "if (__shfl_sync(0xffffffffu, planted_expert, k) == 1) continue; " + _PAIR_ROW)),
+           ("bf16-expand",), ("--expand",)),
 )
+
+
+# ---------------------------------------------------------------------------------------- planting
+def patched_texts(defect: Defect, include: Path = INCLUDE) -> dict:
+    """``{path: (original text, patched text)}`` of the headers ``defect`` edits (paths relative to
+    ``include/deep_ep``); nothing is written.
+
+    Raises:
+        PatchError: an edit's file is missing, or its search text is not found exactly once in it
+            (after the defect's earlier edits of the same file).
+    """
+    texts: dict = {}
+    for edit in defect.edits:
+        if edit.path not in texts:
+            header = include / "deep_ep" / edit.path
+            if not header.is_file():
+                raise PatchError(f"defect {defect.number} ({defect.name}): {header} does not exist")
+            original = header.read_text()
+            texts[edit.path] = (original, original)
+        original, text = texts[edit.path]
+        found = text.count(edit.search)
+        if found != 1:
+            raise PatchError(f"defect {defect.number} ({defect.name}): the search text is found {found} times in "
+                             f"include/deep_ep/{edit.path}, not once (the kernels changed: update the defect's "
+                             f"edits in tools/mutation_check.py):\n    {edit.search}")
+        texts[edit.path] = (original, text.replace(edit.search, edit.replace))
+    return texts
+
+
+def plant(defect: Defect, tree: Path, include: Path = INCLUDE) -> Path:
+    """Copy ``include`` to ``tree`` (which must not exist) and apply ``defect``'s edits there; returns
+    ``tree``, the directory to give ``EP_JIT_INCLUDE_OVERLAY``.
+
+    Raises:
+        PatchError: as `patched_texts` (then nothing is copied).
+    """
+    texts = patched_texts(defect, include)
+    shutil.copytree(include, tree)
+    for path, (_original, patched) in texts.items():
+        (tree / "deep_ep" / path).write_text(patched)
+    return tree
+
+
+def defect_diff(defect: Defect, include: Path = INCLUDE) -> str:
+    """The unified diff of ``defect``'s edits against ``include``."""
+    lines = []
+    for path, (original, patched) in patched_texts(defect, include).items():
+        lines += difflib.unified_diff(original.splitlines(True), patched.splitlines(True),
+                                      f"a/deep_ep/include/deep_ep/{path}", f"b/deep_ep/include/deep_ep/{path}")
+    return "".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- results
@@ -198,15 +324,19 @@ class Run:
         return f"env {unsets} {sets} {' '.join(shlex.quote(a) for a in self.argv)}".replace("  ", " ")
 
 
-def plan(defects: list, out: Path, *, python: str = sys.executable, suite_timeout: float = 150,
+def plan(defects: list, out: Path, trees: Path, *, python: str = sys.executable, suite_timeout: float = 150,
          bench_timeout: float = 150, bench_extra: tuple = ()) -> list:
     """The runs: the clean build first (the union of the suite cases, every bench configuration),
-    then a suite subset and a bench run per defect. ``bench_extra`` is added to every bench run."""
+    then a suite subset and a bench run per defect, built against ``trees/defect<n>`` (see `plant`).
+    ``bench_extra`` is added to every bench run."""
+    def overlay(n: int) -> dict:
+        return {OVERLAY_VARIABLE: str(trees / f"defect{n}") if n else None}
+
     def suite(n: int, cases) -> Run:
         xml = out / f"suite_defect{n}.xml"
         return Run("suite", n, [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                 f"--junitxml={xml}", *SUITE_NODES],
-                   {"DEEP_EP_TEST_DEFECT": str(n) if n else None, "DEEP_EP_GPU_CASES": ",".join(cases),
+                   {**overlay(n), "DEEP_EP_GPU_CASES": ",".join(cases),
                     "DEEP_EP_CASE_LOG": str(out / f"suite_defect{n}_cases.log")},
                    out / f"suite_defect{n}.log", xml, suite_timeout, label=",".join(cases))
 
@@ -214,7 +344,7 @@ def plan(defects: list, out: Path, *, python: str = sys.executable, suite_timeou
         js = out / f"bench_defect{n}{tag}.json"
         return Run("bench", n, [python, "-m", "deep_ep", "bench", "--iters", "2", *args, *bench_extra,
                                 "--json", str(js)],
-                   {"DEEP_EP_TEST_DEFECT": str(n) if n else None},
+                   overlay(n),
                    out / f"bench_defect{n}{tag}.log", js, bench_timeout, label=" ".join(args) or "defaults")
 
     runs = []
@@ -341,19 +471,34 @@ def main_check(args) -> int:
     if wanted and len(defects) != len(wanted):
         raise SystemExit(f"--defects: unknown defect(s) {sorted(wanted - {d.number for d in DEFECTS})}")
     out = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp/deep_ep_out"), "mutation"))
-    runs = plan(defects, out, suite_timeout=args.suite_timeout, bench_timeout=args.bench_timeout,
-                bench_extra=tuple(shlex.split(args.bench_args)))
+    try:
+        diffs = {d.number: defect_diff(d) for d in defects}
+    except PatchError as exc:
+        line = f"mutation check: FAILED (a defect no longer applies: {exc})"
+        print(line, flush=True)
+        if not args.dry_run:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "mutation.json").write_text(json.dumps({"passed": False, "lines": [line], "runs": []}, indent=1))
+        return 2
     if args.dry_run:
+        runs = plan(defects, out, Path("<temporary copies>"), suite_timeout=args.suite_timeout,
+                    bench_timeout=args.bench_timeout, bench_extra=tuple(shlex.split(args.bench_args)))
         for r in runs:
             print(f"[{r.kind} defect {r.defect}] {r.command_line()}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    deadline = start + args.budget
-    for r in runs:
-        execute(r, deadline)
-        print(f"  {r.kind} defect {r.defect} [{r.label}]: {r.verdict} ({r.detail}), {r.wall:.0f} s", flush=True)
-    print(f"  all runs: {time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="deep_ep_mutation_") as trees:
+        for d in defects:
+            plant(d, Path(trees) / f"defect{d.number}")
+            (out / f"defect{d.number}.diff").write_text(diffs[d.number])
+        runs = plan(defects, out, Path(trees), suite_timeout=args.suite_timeout, bench_timeout=args.bench_timeout,
+                    bench_extra=tuple(shlex.split(args.bench_args)))
+        start = time.monotonic()
+        deadline = start + args.budget
+        for r in runs:
+            execute(r, deadline)
+            print(f"  {r.kind} defect {r.defect} [{r.label}]: {r.verdict} ({r.detail}), {r.wall:.0f} s", flush=True)
+        print(f"  all runs: {time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)", flush=True)
     lines, passed = report(defects, runs)
     for line in lines:
         print(line, flush=True)
@@ -479,12 +624,27 @@ def main(argv=None) -> int:
     p.add_argument("--suite-timeout", type=float, default=150.0, help="seconds per suite run")
     p.add_argument("--bench-timeout", type=float, default=150.0, help="seconds per bench run")
     p.add_argument("--bench-args", default="", help="arguments added to every bench run (e.g. \"--tokens 1024\")")
-    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check that every edit applies, print the commands, run nothing")
+    p.add_argument("--plant", nargs=2, metavar=("N", "DIR"), default=None,
+                   help="write a copy of the include tree with defect N planted to DIR (for EP_JIT_INCLUDE_OVERLAY)")
     p.add_argument("--write-summary", metavar="DIR", default=None,
                    help="write DIR/summary.txt for a device run instead of running the check")
     args = p.parse_args(argv)
     if args.write_summary:
         return main_summary(Path(args.write_summary))
+    if args.plant:
+        number, tree = args.plant
+        defect = next((d for d in DEFECTS if str(d.number) == number), None)
+        if defect is None:
+            raise SystemExit(f"--plant: unknown defect {number!r} (known: {[d.number for d in DEFECTS]})")
+        try:
+            plant(defect, Path(tree))
+        except PatchError as exc:
+            print(f"mutation check: {exc}", file=sys.stderr)
+            return 2
+        print(f"defect {defect.number} ({defect.name}) planted in {tree}: {OVERLAY_VARIABLE}={Path(tree).resolve()}")
+        return 0
     return main_check(args)
 
 

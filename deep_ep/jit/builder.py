@@ -52,7 +52,7 @@ _stats = {"builds": 0, "disk_hits": 0, "memory_hits": 0, "compile_seconds": 0.0}
 _memory: dict[str, Module] = {}
 _fast: dict[tuple, Module] = {}  # build() arguments + environment -> Module (skips header scans)
 _ENV_KEYS = ("EP_JIT_CACHE_DIR", "EP_NVRTC_PATH", "EP_CUDA_INCLUDE_DIR", "EP_CCCL_INCLUDE_DIR", "EP_NCCL_INCLUDE_DIR",
-             "EP_JIT_USE_NVCC", "EP_JIT_LINEINFO", "EP_JIT_ARCH", "EP_JIT_CHECK_SPILLS")
+             "EP_JIT_INCLUDE_OVERLAY", "EP_JIT_USE_NVCC", "EP_JIT_LINEINFO", "EP_JIT_ARCH", "EP_JIT_CHECK_SPILLS")
 
 
 def stats() -> dict:
@@ -196,6 +196,9 @@ def compile_options(*, arch: str, defines: dict | None, use_nccl: bool, include_
             opts.append(f"-D{name}=0")
         else:
             opts.append(f"-D{name}={value}")
+    overlay = locate.include_overlay_dir()
+    if overlay is not None:  # first: its headers shadow the package's
+        opts.append(f"-I{overlay}")
     opts.append(f"-I{locate.deep_ep_include_dir()}")
     opts += [f"-I{Path(d).resolve()}" for d in include_dirs]
     if use_nccl:
@@ -331,6 +334,9 @@ def build(name: str, source: str, *, defines: dict | None = None, use_nccl: bool
         check_spills = _flag("EP_JIT_CHECK_SPILLS")
 
     includes = {"deep_ep": _dir_digest(locate.deep_ep_include_dir())}
+    overlay = locate.include_overlay_dir()
+    if overlay is not None:  # a build against an overlay never shares an entry with a plain one
+        includes["overlay"] = _dir_digest(overlay)
     for i, d in enumerate(include_dirs):
         includes[f"user{i}"] = _dir_digest(Path(d))
     nccl_dirs, nccl_version = None, None

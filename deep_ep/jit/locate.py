@@ -3,7 +3,7 @@
 Search order for every item:
 
 1. an environment override (``EP_NVRTC_PATH``, ``EP_CUDA_INCLUDE_DIR``, ``EP_CCCL_INCLUDE_DIR``,
-   ``EP_NCCL_INCLUDE_DIR``);
+   ``EP_NCCL_INCLUDE_DIR``; ``EP_JIT_INCLUDE_OVERLAY`` puts a copy of ``deep_ep/include`` first);
 2. ``cuda-pathfinder`` (pip wheels first: ``nvidia-cuda-nvrtc``/``-cu12``, ``nvidia-cuda-runtime``,
    ``nvidia-cuda-cccl``, ``nvidia-nccl-cu13``/``-cu12``; then Conda and ``CUDA_HOME``/``CUDA_PATH``);
 3. ``CUDA_HOME`` / ``CUDA_PATH`` / ``/usr/local/cuda`` by hand, for what pathfinder does not cover.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 __all__ = [
     "JitEnvironmentError", "cuda_major", "nvrtc_library", "cuda_include_dir", "cccl_include_dir",
-    "nccl_include_dir", "deep_ep_include_dir", "find_tool", "clear_cache", "package_hint",
+    "nccl_include_dir", "deep_ep_include_dir", "include_overlay_dir", "find_tool", "clear_cache", "package_hint",
 ]
 
 
@@ -205,6 +205,19 @@ def nccl_include_dir() -> Path:
 def deep_ep_include_dir() -> Path:
     """``deep_ep/include``: the project's own header tree (always on the include path)."""
     return Path(__file__).resolve().parent.parent / "include"
+
+
+def include_overlay_dir() -> Path | None:
+    """``EP_JIT_INCLUDE_OVERLAY``: a copy of the ``deep_ep/include`` tree searched before the package's,
+    so that its headers shadow the package's; None when unset. Read at every call, not memoised.
+
+    For tests only (tools/mutation_check.py builds kernels with planted defects this way). The kernels
+    include each other by relative paths, so the copy must be whole, not only the edited files.
+
+    Raises:
+        JitEnvironmentError: the directory has no ``deep_ep`` folder.
+    """
+    return _env_dir("EP_JIT_INCLUDE_OVERLAY", "deep_ep")
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,12 +32,12 @@ from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ER
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_cached, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
-from .modules import (BARRIER_KERNEL, THREADS, TEST_DEFECTS, build_module, combine_defines, dispatch_defines,
-                      kernel_source, load_module, num_modules_built, test_defect_defines, tunable_defines)
+from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, dispatch_defines,
+                      kernel_source, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
 
 __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
-           "tunable_defines", "test_defect_defines", "TEST_DEFECTS", "THREADS", "num_modules_built"]
+           "tunable_defines", "THREADS", "num_modules_built"]
 
 # The data kernels' blocks wait for each other (receive blocks for the last send block's signal),
 # so all of them must be resident at once. A cooperative launch makes the driver check that and

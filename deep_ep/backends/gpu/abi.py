@@ -1,10 +1,10 @@
 """What the host shares with the kernels, read from the one source, ``include/deep_ep/common/abi.cuh``.
 
-Every ``constexpr int kName = value;`` line of ``common/abi.cuh`` and ``common/defects.cuh`` becomes
-an entry of `CONSTANTS` (``kMaxRanks`` -> ``CONSTANTS["kMaxRanks"]``), and the ``EP_LAYOUT_WORDS``
-list gives `LayoutIndex` the word offsets of a handle's layout tensor. The argument structs the
-kernels take by value are mirrored as ctypes structures below; tests/test_kernel_args_layout.py
-checks them against the compiler's own offsets.
+Every ``constexpr int kName = value;`` line of ``common/abi.cuh`` becomes an entry of `CONSTANTS`
+(``kMaxRanks`` -> ``CONSTANTS["kMaxRanks"]``), and the ``EP_LAYOUT_WORDS`` list gives `LayoutIndex`
+the word offsets of a handle's layout tensor. The argument structs the kernels take by value are
+mirrored as ctypes structures below; tests/test_kernel_args_layout.py checks them against the
+compiler's own offsets.
 """
 from __future__ import annotations
 
@@ -13,28 +13,26 @@ import functools
 import re
 from pathlib import Path
 
-__all__ = ["CONSTANTS", "TEST_DEFECTS", "LayoutIndex", "layout_index", "CallTag", "call_tag", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
+__all__ = ["CONSTANTS", "LayoutIndex", "layout_index", "CallTag", "call_tag", "NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs",
            "READBACK", "READBACK_WORDS", "MAX_RANKS",
            "MAX_EXPERTS", "MAX_TOPK", "CTRL_BYTES", "CTRL_ERROR_OFFSET", "PHASES"]
 
 _COMMON = Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "common"
-_CONSTEXPR = re.compile(r"^\s*constexpr\s+int\s+(k\w+)\s*=\s*([^;]+);(?:\s*//\s*(.*))?$")
+_CONSTEXPR = re.compile(r"^\s*constexpr\s+int\s+(k\w+)\s*=\s*([^;]+);")
 
 
-def _read_constants(*files: Path) -> tuple:
-    values, comments = {}, {}
-    for path in files:
-        for line in path.read_text().splitlines():
-            m = _CONSTEXPR.match(line)
-            if m:
-                name, expr, comment = m.groups()
-                # Integers, and sums / products of names defined above them.
-                values[name] = int(eval(expr, {"__builtins__": {}}, dict(values)))  # noqa: S307
-                comments[name] = (comment or "").strip()
-    return values, comments
+def _read_constants(path: Path) -> dict:
+    values = {}
+    for line in path.read_text().splitlines():
+        m = _CONSTEXPR.match(line)
+        if m:
+            name, expr = m.groups()
+            # Integers, and sums / products of names defined above them.
+            values[name] = int(eval(expr, {"__builtins__": {}}, dict(values)))  # noqa: S307
+    return values
 
 
-CONSTANTS, _COMMENTS = _read_constants(_COMMON / "abi.cuh", _COMMON / "defects.cuh")
+CONSTANTS = _read_constants(_COMMON / "abi.cuh")
 
 MAX_RANKS = CONSTANTS["kMaxRanks"]
 MAX_EXPERTS = CONSTANTS["kMaxExperts"]
@@ -56,8 +54,6 @@ PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts
           CONSTANTS["kPhaseDispatch"]: "dispatch (waiting for peers' tokens)",
           CONSTANTS["kPhaseCombine"]: "combine (waiting for peers' expert outputs)",
           CONSTANTS["kPhaseBarrier"]: "barrier (waiting for peers)"}
-#: test-only kernel defects (common/defects.cuh): number -> name ("dropped row", ...)
-TEST_DEFECTS = {v: _COMMENTS[k].split(":", 1)[0].strip() for k, v in CONSTANTS.items() if k.startswith("kDefect")}
 
 
 def _layout_words() -> list:

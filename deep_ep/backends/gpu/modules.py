@@ -11,10 +11,9 @@ import os
 import threading
 
 from ... import jit
-from .abi import TEST_DEFECTS
 
 __all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
-           "BARRIER_KERNEL", "TUNABLES", "TEST_DEFECTS", "kernel_source", "tunable_defines", "test_defect_defines",
+           "BARRIER_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
            "dispatch_defines", "combine_defines", "barrier_defines", "build_module", "load_module",
            "num_modules_built"]
 
@@ -70,25 +69,9 @@ def tunable_defines() -> dict:
     return out
 
 
-def test_defect_defines() -> dict:
-    """``{"EP_TEST_DEFECT": n}`` when ``DEEP_EP_TEST_DEFECT=n`` (a key of `TEST_DEFECTS`) is set, else
-    ``{}``. Only the mutation check sets it: a defect makes the kernels wrong on purpose.
-
-    Raises:
-        ValueError: the variable is set to something else.
-    """
-    value = os.environ.get("DEEP_EP_TEST_DEFECT", "").strip()
-    if value in ("", "0"):
-        return {}
-    if not value.isdigit() or int(value) not in TEST_DEFECTS:
-        raise ValueError(f"DEEP_EP_TEST_DEFECT must be one of {sorted(TEST_DEFECTS)} (test-only kernel "
-                         f"defects: {TEST_DEFECTS}), got {value!r}")
-    return {"EP_TEST_DEFECT": int(value)}
-
-
 def _common(transport_nccl: bool) -> dict:
     return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS,
-            **tunable_defines(), **test_defect_defines()}
+            **tunable_defines()}
 
 
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:

@@ -8,7 +8,6 @@
 
 #include "../common/abi.cuh"
 #include "../comm/window.cuh"
-#include "../common/defects.cuh"
 
 namespace deep_ep {
 

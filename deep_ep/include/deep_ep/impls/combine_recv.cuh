@@ -132,7 +132,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
         // One source row and no biases: chunks of up to EP_COMBINE_SINGLE_UNROLL vectors per lane, see
         // store_single_source_chunk. Not expanded: those kernels have no registers to spare.
         const bool single = !kExpand && pieces == 1 && num_sources == 1 && a.bias1 == nullptr &&
-                            (EP_TEST_DEFECT == kDefectMissingBias || a.bias0 == nullptr);
+                            a.bias0 == nullptr;
         if (single) {
             const int single_rank = __shfl_sync(0xffffffffu, source_rank, 0);
             const int single_row = __shfl_sync(0xffffffffu, source_row, 0);

@@ -64,7 +64,7 @@ __device__ __forceinline__ void add_rounded_chunk(const float (&part)[kUnroll][8
 // acc = the biases' fp32 sum for token t (chunk ``base`` of its row), or +0.0.
 template <int kHidden, int kUnroll, int kVecs>
 __device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, int base, int lane, float (&acc)[kUnroll][8]) {
-    const __nv_bfloat16* b0 = EP_TEST_DEFECT == kDefectMissingBias ? nullptr : a.bias0;
+    const __nv_bfloat16* b0 = a.bias0;
     // Which biases exist is the same for the whole call: one test per chunk, not one per value
     // (without biases, the common case, the chunk is only zeroed). A single bias is fp32(it),
     // whichever of the two it is.

@@ -9,7 +9,6 @@
 
 #include "../common/abi.cuh"
 #include "../comm/window.cuh"
-#include "../common/defects.cuh"
 
 namespace deep_ep {
 
@@ -69,20 +68,6 @@ __device__ __forceinline__ void write_src_meta(const DispatchArgs& a, int j, int
         row[1] = local_mask != 0u ? s * K + (31 - __clz(local_mask)) : -1;
     }
     if (lane < K) row[2 + lane] = slot_row;
-}
-
-// Test-only defects (EP_TEST_DEFECT, common/defects.cuh); each folds away in a normal build.
-__device__ __forceinline__ bool defect_drops_row(int row) { return EP_TEST_DEFECT == kDefectDroppedRow && (row & 63) == 63; }
-__device__ __forceinline__ int defect_row(int row) {
-    return (EP_TEST_DEFECT == kDefectWrongRow && row % 61 == 7) ? (row ^ 1) : row;  // odd rows: row - 1 stays in bounds
-}
-__device__ __forceinline__ float defect_weight(float w, int lane) {
-    return (EP_TEST_DEFECT == kDefectScaledWeight && lane == 0) ? 2.0f * w : w;
-}
-template <bool kCached>
-__device__ __forceinline__ bool defect_stale_sf(int row) { return kCached && EP_TEST_DEFECT == kDefectStaleScale && (row & 7) == 3; }
-__device__ __forceinline__ bool defect_skips_expert(int local_expert) {
-    return EP_TEST_DEFECT == kDefectSkippedExpert && local_expert == 1;
 }
 
 }  // namespace deep_ep

@@ -75,19 +75,17 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             const int* meta = reinterpret_cast<const int*>(row + Row::kMetaOffset);
             int out_row = -1;
             if (kExpand && lane < K) out_row = kCached ? a.src_meta[static_cast<int64_t>(j) * (K + 2) + 2 + lane] : __ldcg(meta + 1 + lane);
-            const int defect_expert = (EP_TEST_DEFECT == kDefectSkippedExpert && !kCached && lane < K) ? __ldcg(meta + 1 + K + lane) : -1;
             const int4* src = reinterpret_cast<const int4*>(row);
             for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
                 int4 v[kUnroll];
                 load_chunk<kUnroll, Row::kVecs, true>(src, base, lane, v);
                 if (!kExpand) {
-                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(defect_row(j)) * kDataBytes);
-                    if (!defect_drops_row(j)) store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(j) * kDataBytes);
+                    store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else {
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const int out = __shfl_sync(0xffffffffu, out_row, k);
-                        if (EP_TEST_DEFECT == kDefectSkippedExpert && defect_skips_expert(__shfl_sync(0xffffffffu, defect_expert, k))) continue;
                         if (out < 0) continue;
                         int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
                         store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
@@ -96,8 +94,7 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             }
             const int* row_sf = reinterpret_cast<const int*>(row + kDataBytes);
             if (!kExpand) {
-                if (!defect_stale_sf<kCached>(j))
-                    for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, j, i, __ldcg(row_sf + i));
+                for (int i = lane; i < kNumSF; i += 32) store_sf<kDataBytes, kNumSF>(a, j, i, __ldcg(row_sf + i));
             } else {
                 for (int k = 0; k < K; ++k) {
                     const int out = __shfl_sync(0xffffffffu, out_row, k);
@@ -108,9 +105,9 @@ __device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool z
             const float weight = (a.out_weights != nullptr && lane < K) ? __ldcg(reinterpret_cast<const float*>(meta) + 1 + 2 * K + lane) : 0.0f;
             if (!kExpand) {
                 if (!kCached && lane < K) a.out_topk_idx[static_cast<int64_t>(j) * K + lane] = __ldcg(meta + 1 + K + lane);
-                if (a.out_weights != nullptr && lane < K) a.out_weights[static_cast<int64_t>(j) * K + lane] = defect_weight(weight, lane);
+                if (a.out_weights != nullptr && lane < K) a.out_weights[static_cast<int64_t>(j) * K + lane] = weight;
             } else if (a.out_weights != nullptr && out_row >= 0) {
-                a.out_weights[out_row] = defect_weight(weight, lane);
+                a.out_weights[out_row] = weight;
             }
             if (!kCached) {
                 const bool local = lane < K && __ldcg(meta + 1 + K + lane) >= 0;

@@ -101,15 +101,14 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
                 if (d != rank) {
                     tr.put_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
                 } else if (!kExpand) {
-                    if (defect_drops_row(row)) continue;
-                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(defect_row(row)) * kDataBytes);
+                    int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
                     store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                 } else {
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const int e = __shfl_sync(0xffffffffu, my_expert, k);
                         const int out = __shfl_sync(0xffffffffu, my_pair_row, k);
-                        if (e < 0 || e / L != rank || out < 0 || defect_skips_expert(e - rank * L)) continue;
+                        if (e < 0 || e / L != rank || out < 0) continue;
                         int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(out) * kDataBytes);
                         store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
                     }
@@ -142,11 +141,11 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
             } else if (!kExpand) {
 #pragma unroll
                 for (int j = 0; j < kSFPerLane; ++j)
-                    if (lane + 32 * j < kNumSF && !defect_stale_sf<kCached>(row)) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
+                    if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, row, lane + 32 * j, my_sf[j]);
                 if (!kCached && lane < K)
                     a.out_topk_idx[static_cast<int64_t>(row) * K + lane] = local ? my_expert - rank * L : -1;
                 if (a.out_weights != nullptr && lane < K)
-                    a.out_weights[static_cast<int64_t>(row) * K + lane] = local ? defect_weight(my_weight, lane) : 0.0f;
+                    a.out_weights[static_cast<int64_t>(row) * K + lane] = local ? my_weight : 0.0f;
                 if (!kCached) write_src_meta<K>(a, row, rank, t, __ballot_sync(0xffffffffu, local), -1, lane);
             } else {
                 for (int k = 0; k < K; ++k) {
@@ -157,7 +156,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
                     for (int j = 0; j < kSFPerLane; ++j)
                         if (lane + 32 * j < kNumSF) store_sf<kDataBytes, kNumSF>(a, out, lane + 32 * j, my_sf[j]);
                 }
-                if (a.out_weights != nullptr && local) a.out_weights[my_pair_row] = defect_weight(my_weight, lane);
+                if (a.out_weights != nullptr && local) a.out_weights[my_pair_row] = my_weight;
                 if (!kCached) write_src_meta<K>(a, row, rank, t, __ballot_sync(0xffffffffu, local), local ? my_pair_row : -1, lane);
             }
         }
