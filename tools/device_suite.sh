@@ -2,7 +2,8 @@
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench summary (default); extra (CUDA graphs, cached calls, stream semantics,
-#          GPU reliability, EPLB, autograd operators; EXTRA_FILES="tests/gpu/a.py ..." runs only those);
+#          GPU reliability, EPLB, autograd operators, a caller's torch defaults;
+#          EXTRA_FILES="tests/gpu/a.py ..." runs only those);
 #          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2, 4 and 8 emulated ranks;
 #                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
 #          multi (several GPUs: the suite and the bench under torchrun);
@@ -53,7 +54,8 @@ for step in $steps; do
     extra)
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
       files=${EXTRA_FILES:-"tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
-             tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py"}
+             tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py
+             tests/gpu/test_gpu_defaults.py"}
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
         ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     compat)

@@ -111,7 +111,7 @@ class GPUBackend(Backend):
         self._last_stream: Optional[int] = None
         self._call_done = StreamJoin(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
-        self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
+        self._host_buf = torch.empty(256, dtype=torch.int32, device="cpu", pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
         self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout stage's report (do_cpu_sync)
         self.readback_seq = 0
@@ -340,7 +340,8 @@ class GPUBackend(Backend):
         """
         n = t.numel()
         if self._host_buf.numel() < n:
-            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, pin_memory=True)
+            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, device="cpu",
+                                         pin_memory=True)
         dst = self._host_buf[:n]
         with torch.cuda.stream(stream):
             dst.copy_(t, non_blocking=True)
