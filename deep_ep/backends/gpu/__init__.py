@@ -17,12 +17,11 @@ group, or one allocation shared by ranks emulated on one GPU; kernels are built 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from ... import jit, resources
+from ... import envs, jit, resources
 from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, spin_until
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
@@ -44,7 +43,7 @@ __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", 
 # refuse a grid that cannot be (MPS or green contexts with fewer SMs) instead of stalling until the
 # timeout; it cost nothing measurable on the H200 (docs/performance.md). Not for emulated ranks,
 # whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
-COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
+COOPERATIVE = envs.flag("DEEP_EP_COOPERATIVE")
 NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
 # The notify kernel's grid cap, in groups (warps) per SM (for emulated ranks divided by the ranks):
 # every block is resident at once (it has grid barriers).
