@@ -146,7 +146,7 @@ def _min_max(t: torch.Tensor) -> tuple:
     if not t.is_cuda:
         return int(t.min()), int(t.max())
     pair = torch.stack([t.min(), t.max()])
-    host = torch.empty(2, dtype=pair.dtype, pin_memory=True)
+    host = torch.empty(2, dtype=pair.dtype, device="cpu", pin_memory=True)
     host.copy_(pair, non_blocking=True)
     done = torch.cuda.Event()
     done.record()

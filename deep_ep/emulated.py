@@ -59,6 +59,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from . import envs
 from .comm.emulated import EmulatedTransport, EmulatedWindowSet
 from .cuda.streams import new_stream, poll_event, release_stream
 
@@ -310,13 +311,13 @@ def ensure_cuda_settings(num_ranks: int) -> None:
 
 def _connections() -> int:
     try:
-        return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+        return int(envs.get("CUDA_DEVICE_MAX_CONNECTIONS") or "8")
     except ValueError:
         return 8
 
 
 def _eager_loading() -> bool:
-    if os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
+    if (envs.get("CUDA_MODULE_LOADING") or "").upper() == "EAGER":
         return True
     try:
         from cuda.bindings import driver

@@ -55,7 +55,7 @@ def moe_parameters(hidden: int, ffn_hidden: int, num_experts: int, *, activation
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
 
     def normal(*shape, fan_in):
-        return (torch.randn(shape, generator=generator) / math.sqrt(fan_in)).to(device)
+        return (torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu") / math.sqrt(fan_in)).to(device)
     params = {"gate_weight": normal(num_experts, hidden, fan_in=hidden),
               "w1": normal(num_experts, ffn_hidden, hidden, fan_in=hidden),
               "w2": normal(num_experts, hidden, ffn_hidden, fan_in=ffn_hidden)}
@@ -162,7 +162,8 @@ class DenseMoE(nn.Module):
         self.w2 = nn.Parameter(params["w2"].clone())
         self.register_parameter("w3", nn.Parameter(params["w3"].clone()) if "w3" in params else None)
         self.num_experts = self.gate_weight.shape[0]
-        self.register_buffer("correction_bias", torch.zeros(self.num_experts, device=self.gate_weight.device))
+        self.register_buffer("correction_bias", torch.zeros(self.num_experts, dtype=torch.float32,
+                                                                device=self.gate_weight.device))
         self.gate_args = dict(top_k=top_k, gate=gate, renormalize=renormalize, num_groups=num_groups,
                               topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor)
 
@@ -229,7 +230,7 @@ class MoELayer(nn.Module):
         self.w1 = nn.Parameter(params["w1"][local].clone())
         self.w2 = nn.Parameter(params["w2"][local].clone())
         self.register_parameter("w3", nn.Parameter(params["w3"][local].clone()) if "w3" in params else None)
-        self.register_buffer("correction_bias", torch.zeros(E, device=self.gate_weight.device))
+        self.register_buffer("correction_bias", torch.zeros(E, dtype=torch.float32, device=self.gate_weight.device))
         self.gate_args = dict(top_k=top_k, gate=gate, renormalize=renormalize, num_groups=num_groups,
                               topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor)
         self.do_expand, self.expert_alignment, self.do_cpu_sync = do_expand, expert_alignment, do_cpu_sync

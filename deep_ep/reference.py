@@ -122,7 +122,7 @@ def reference_dispatch(xs: Sequence[XType], topk_idxs: Sequence[Tensor],
     idx_all = torch.cat(list(topk_idxs), 0).to(torch.int64)
     w_all = torch.cat(list(topk_weights), 0).float() if has_weights else None
     src_rank_all = torch.repeat_interleave(torch.arange(num_ranks, device=device),
-                                           torch.tensor(num_tokens, device=device))
+                                           torch.tensor(num_tokens, dtype=torch.int64, device=device))
     src_tok_all = torch.cat([torch.arange(t, device=device) for t in num_tokens])
     offsets = [0]
     for t in num_tokens:

@@ -285,7 +285,7 @@ def _rand(shape, generator: Optional[torch.Generator], device) -> torch.Tensor:
     # Draw on the generator's device (CPU by default) and move, so a seed means the same routing
     # on every device.
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    return torch.rand(shape, generator=generator, device=gen_device).to(device)
+    return torch.rand(shape, generator=generator, dtype=torch.float32, device=gen_device).to(device)
 
 
 def _random_subsets(num_rows: int, num_items: int, size: int, generator, device) -> torch.Tensor:
@@ -410,10 +410,10 @@ def zipf_routing(
     _check_routing_shape(num_tokens, num_experts, top_k)
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
-    log_p = -float(alpha) * torch.log(torch.arange(1, num_experts + 1, dtype=torch.float64))
+    log_p = -float(alpha) * torch.log(torch.arange(1, num_experts + 1, dtype=torch.float64, device="cpu"))
     if popularity_order is not None:
         perm = popularity_order.to(device="cpu", dtype=torch.int64)
-        if perm.shape != (num_experts,) or not torch.equal(perm.sort().values, torch.arange(num_experts)):
+        if perm.shape != (num_experts,) or not torch.equal(perm.sort().values, torch.arange(num_experts, device="cpu")):
             raise ValueError("popularity_order must be a permutation of range(num_experts)")
         log_p = torch.empty_like(log_p).scatter_(0, perm, log_p)
     elif shuffle_experts:

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deep_ep import jit  # noqa: E402
+from deep_ep import envs, jit  # noqa: E402
 from deep_ep.jit import locate, nccl_headers  # noqa: E402
 
 import nccl_wheels  # noqa: E402
@@ -45,7 +45,8 @@ def _cache_dir(tmp_path_factory, monkeypatch):
     root = tmp_path_factory.getbasetemp() / "jit-cache"
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(root))
     for var in ("EP_JIT_USE_NVCC", "EP_JIT_CHECK_SPILLS", "EP_JIT_DUMP_DIR", "EP_JIT_LINEINFO"):
-        monkeypatch.delenv(var, raising=False)
+        for name in envs.names(var):      # DeepEP's names for it too
+            monkeypatch.delenv(name, raising=False)
     jit.clear_memory_cache()
     jit.reset_stats()
     yield root
@@ -206,7 +207,6 @@ def test_launch_overhead_with_fake_driver(monkeypatch):
     f = mod.function("axpy")
     f._handles[0] = object()
     monkeypatch.setattr(cuda_driver, "_driver", FakeDriver)
-    monkeypatch.setattr(cuda_driver, "_fast_state", "off")   # every call through the fake bindings
     monkeypatch.setattr(runtime, "enter_context", lambda device: None)
     monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
     y, x = torch.zeros(1024), torch.ones(1024)
@@ -539,102 +539,6 @@ def _fake_context_driver(state: dict):
     return Driver
 
 
-def test_fast_driver_calls(monkeypatch):
-    """`deep_ep.cuda.driver.FastCalls` calls the entry points with the driver's signatures (here
-    ctypes callbacks standing in for libcuda's functions), `enter_context` / `leave_context` switch and
-    restore the current context through it, and the launch, record and wait helpers reach it with
-    int handles; an entry point the driver lacks is a DriverError."""
-    import ctypes
-
-    from deep_ep.cuda import driver as cuda_driver
-
-    state = {"current": 7, "calls": []}
-    keep = []
-
-    def entry(name, argtypes, body):
-        cb = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(body)
-        keep.append(cb)
-        return ctypes.cast(cb, ctypes.c_void_p).value
-
-    def get_current(out):
-        out[0] = state["current"]
-        return 0
-
-    def set_current(ctx):
-        state["current"] = ctx or 0
-        return 0
-
-    def record(name):
-        return lambda *a: state["calls"].append((name,) + tuple(a)) or 0
-
-    sig = cuda_driver.FastCalls._SIGNATURES
-    table = {"cuCtxGetCurrent": entry("get", sig["cuCtxGetCurrent"], get_current),
-             "cuCtxSetCurrent": entry("set", sig["cuCtxSetCurrent"], set_current)}
-    for name in ("cuLaunchKernel", "cuLaunchCooperativeKernel", "cuEventRecord", "cuStreamWaitEvent"):
-        table[name] = entry(name, sig[name], record(name))
-    fast = cuda_driver.FastCalls(table.get)
-    monkeypatch.setattr(cuda_driver, "_fast", fast)
-    monkeypatch.setattr(cuda_driver, "_fast_state", "on")
-    monkeypatch.setitem(cuda_driver._primary_raw, 3, 100)
-    monkeypatch.setitem(cuda_driver._primary, 3, object())
-
-    previous = cuda_driver.enter_context(3)
-    assert state["current"] == 100
-    assert cuda_driver.launch_kernel(0x1000, 132, 512, 64, 0x2000, 0x3000) == 0
-    assert cuda_driver.launch_kernel(0x1000, 8, 32, 0, 0, 0x3000, cooperative=True) == 0
-    assert cuda_driver.event_record(0x4000, 0x2000) == 0
-    assert cuda_driver.stream_wait_event(0x5000, 0x4000) == 0
-    cuda_driver.leave_context(previous)
-    assert state["current"] == 7                      # the caller's context is back
-    plain, coop, rec, wait = state["calls"]
-    assert plain == ("cuLaunchKernel", 0x1000, 132, 1, 1, 512, 1, 1, 64, 0x2000, 0x3000, None)
-    assert coop == ("cuLaunchCooperativeKernel", 0x1000, 8, 1, 1, 32, 1, 1, 0, None, 0x3000)
-    assert rec == ("cuEventRecord", 0x4000, 0x2000) and wait == ("cuStreamWaitEvent", 0x5000, 0x4000, 0)
-    state["current"] = 100                              # already current: nothing to restore
-    assert cuda_driver.enter_context(3) is None
-    state["current"] = 0                                # no context yet (a new thread): restored to none
-    previous = cuda_driver.enter_context(3)
-    assert state["current"] == 100
-    cuda_driver.leave_context(previous)
-    assert state["current"] == 0
-    with pytest.raises(cuda_driver.DriverError, match="cuEventRecord"):
-        cuda_driver.FastCalls({k: v for k, v in table.items() if k != "cuEventRecord"}.get)
-
-
-@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("", False), ("false", False),
-                                       ("1", True), ("true", True), ("ON", True)])
-def test_the_ctypes_driver_path_is_asked_for(value, on, monkeypatch):
-    """The per-call driver calls go through cuda.bindings unless DEEP_EP_FAST_DRIVER_CALLS asks for the
-    ctypes path (1 / true / yes / on); `set_fast_calls` overrides the variable either way, and the
-    path is never on where `FastCalls` cannot be built."""
-    from deep_ep.cuda import driver as cuda_driver
-
-    made = []
-
-    class Fake:
-        def __init__(self, lookup, current_context=None):
-            made.append(self)
-    monkeypatch.setattr(cuda_driver, "FastCalls", Fake)
-    monkeypatch.setattr(cuda_driver, "device_count", lambda: 1)
-    monkeypatch.setattr(cuda_driver, "_fast", None)
-    monkeypatch.setattr(cuda_driver, "_fast_state", "unset")
-    if value is None:
-        monkeypatch.delenv("DEEP_EP_FAST_DRIVER_CALLS", raising=False)
-    else:
-        monkeypatch.setenv("DEEP_EP_FAST_DRIVER_CALLS", value)
-    got = cuda_driver.fast_calls()
-    assert (got is not None) == on and len(made) == int(on)
-    cuda_driver.set_fast_calls(not on)
-    assert (cuda_driver.fast_calls() is not None) == (not on)
-    cuda_driver.set_fast_calls(True)
-
-    def broken(lookup, current_context=None):
-        raise cuda_driver.DriverError("no entry point")
-    monkeypatch.setattr(cuda_driver, "FastCalls", broken)
-    cuda_driver.set_fast_calls(True)
-    assert cuda_driver.fast_calls() is None       # cannot be built: the bindings path
-
-
 def test_launch_restores_the_callers_context(monkeypatch):
     """A launch (plain or prepared) on another device's context restores the caller's afterwards,
     also when the launch fails; nothing is switched when the right context is already current
@@ -656,7 +560,6 @@ def test_launch_restores_the_callers_context(monkeypatch):
     f = mod.function("axpy")
     f._handles[0] = object()
     monkeypatch.setattr(cuda_driver, "_driver", FakeDriver)
-    monkeypatch.setattr(cuda_driver, "_fast_state", "off")   # every call through the fake bindings
     monkeypatch.setattr(cuda_driver, "primary_context", lambda device: 100 + device)
     monkeypatch.setattr(runtime, "_resolve_stream", lambda stream: (0, 0))
     monkeypatch.setattr(runtime, "_err_name", lambda err: f"error {int(err)}")
@@ -713,7 +616,6 @@ def test_prepared_cooperative_launch(monkeypatch):
     f = mod.function("axpy")
     f._handles[0] = object()
     monkeypatch.setattr(cuda_driver, "_driver", FakeDriver)
-    monkeypatch.setattr(cuda_driver, "_fast_state", "off")   # every call through the fake bindings
     monkeypatch.setattr(cuda_driver, "primary_context", lambda device: 100 + device)
     monkeypatch.setattr(runtime, "_err_name", lambda err: f"error {int(err)}")
     coop = f.prepare(132, 512, (ctypes.c_int(1),), device=0, cooperative=True)

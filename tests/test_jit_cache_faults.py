@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deep_ep import jit  # noqa: E402
+from deep_ep import envs, jit  # noqa: E402
 from deep_ep.jit.cache import DiskCache  # noqa: E402
 from proc_utils import communicate_all  # noqa: E402
 
@@ -39,7 +39,8 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(root))
     for var in ("EP_JIT_USE_NVCC", "EP_JIT_CHECK_SPILLS", "EP_JIT_DUMP_DIR", "EP_JIT_LINEINFO"):
-        monkeypatch.delenv(var, raising=False)
+        for name in envs.names(var):      # DeepEP's names for it too
+            monkeypatch.delenv(name, raising=False)
     jit.clear_memory_cache()
     jit.reset_stats()
     from deep_ep.jit import builder

@@ -2,9 +2,13 @@
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench summary (default); extra (CUDA graphs, cached calls, stream semantics,
-#          GPU reliability, EPLB, autograd operators; EXTRA_FILES="tests/gpu/a.py ..." runs only those);
+#          GPU reliability, EPLB, autograd operators, a caller's torch defaults;
+#          EXTRA_FILES="tests/gpu/a.py ..." runs only those);
 #          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2, 4 and 8 emulated ranks;
 #                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
+#          deepep (DeepEP V2's own tests/elastic/test_ep.py, unchanged, one process: tools/run_deepep_tests.sh;
+#                  needs .deepep/ carried to the device; DEEPEP_ARGS are passed on, e.g. "--skip-perf-test";
+#                  $OUT/deepep_test_ep.log);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
@@ -46,12 +50,15 @@ for step in $steps; do
     extra)
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
       files=${EXTRA_FILES:-"tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
-             tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py"}
+             tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py
+             tests/gpu/test_gpu_defaults.py"}
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
         ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     compat)
       timeout ${COMPAT_TIMEOUT:-300} python3 -m pytest -q tests/gpu/test_gpu_deepep_compat.py -p no:cacheprovider \
         --junitxml="$OUT/gpu_compat.xml" 2>&1 | tee "$OUT/gpu_compat.log" | tail -30 ;;
+    deepep)
+      DEEPEP_TIMEOUT=${DEEPEP_TIMEOUT:-540} bash tools/run_deepep_tests.sh ${DEEPEP_ARGS:-} ;;
     bench)
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;

@@ -116,7 +116,6 @@ def host_pieces(buf, dev, a) -> None:
         ("backend.check_errors()", backend.check_errors),
     ]
     from deep_ep.cuda import driver as cuda_driver
-    whole = [(name, f) for name, f in pieces if "(whole call" in name]
     prepared = fn.prepare(1, 32, (ctypes.c_int(1), ctypes.c_void_p()), device=dev.index)
     pieces += [
         ("prepared launch of the empty kernel", lambda: prepared.launch(comm.cuda_stream)),
@@ -124,22 +123,8 @@ def host_pieces(buf, dev, a) -> None:
             cuda_driver.enter_context(dev.index))),
     ]
     print(f"===== host cost of the pieces of a cached call (T={T}, hidden {a.hidden}), microseconds")
-    fast = cuda_driver.fast_calls() is not None
-    print(f"  (driver calls on the per-call path: {'ctypes (fast_calls)' if fast else 'cuda.bindings'})")
     for name, f in pieces:
         print(f"  {name:55s} {_us(f):8.2f}")
-    # The same calls with every driver call through the other path, then the first path again.
-    cuda_driver.set_fast_calls(not fast)
-    if (cuda_driver.fast_calls() is not None) != fast:
-        print("  --- driver calls through " + ("cuda.bindings (DEEP_EP_FAST_DRIVER_CALLS=0):" if fast else
-                                            "ctypes (DEEP_EP_FAST_DRIVER_CALLS=1):"))
-        for name, f in whole + pieces[-2:]:
-            print(f"  {name:55s} {_us(f):8.2f}")
-        cuda_driver.set_fast_calls(fast)
-        print("  --- the first path again:")
-        for name, f in whole[:2]:
-            print(f"  {name:55s} {_us(f):8.2f}")
-    cuda_driver.set_fast_calls(fast)
 
 
 def call_kinds(buf, dev, T: int, a) -> list:

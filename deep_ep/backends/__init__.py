@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+from .. import envs
 from .base import Backend, BufferConfig
 
 __all__ = ["Backend", "BufferConfig", "make_backend", "is_cpu_group", "group_rank_and_size",
@@ -59,15 +60,22 @@ def is_cpu_group(group) -> bool:
 
 
 def make_backend(group, config: BufferConfig) -> Backend:
-    """The backend for ``group``; raises `NotImplementedError` when the GPU backend is not built yet."""
+    """The backend for ``group``; raises `NotImplementedError` when the GPU backend is not built yet.
+    With ``EP_BUFFER_DEBUG`` set, prints what was made (one line per rank)."""
     if is_cpu_group(group):
         from .cpu import CPUBackend
-        return CPUBackend(group, config)
-    try:
-        from .gpu import GPUBackend
-    except ImportError as exc:
-        raise NotImplementedError(
-            f"group {type(group).__name__} (backend {_backend_name(group) or 'emulated'}) needs the GPU "
-            f"backend (deep_ep.backends.gpu), which could not be imported: {exc}. "
-            f"Use a gloo group with CPU tensors meanwhile.") from exc
-    return GPUBackend(group, config)
+        backend = CPUBackend(group, config)
+    else:
+        try:
+            from .gpu import GPUBackend
+        except ImportError as exc:
+            raise NotImplementedError(
+                f"group {type(group).__name__} (backend {_backend_name(group) or 'emulated'}) needs the GPU "
+                f"backend (deep_ep.backends.gpu), which could not be imported: {exc}. "
+                f"Use a gloo group with CPU tensors meanwhile.") from exc
+        backend = GPUBackend(group, config)
+    if envs.flag("EP_BUFFER_DEBUG"):
+        print(f"[deep_ep] ElasticBuffer #{config.buffer_id} on rank {config.rank}/{config.num_ranks}: "
+              f"{type(backend).__name__} on {backend.device}, {config.num_bytes} bytes "
+              f"(host: {config.num_cpu_bytes})", flush=True)
+    return backend

@@ -167,12 +167,13 @@ def make_topk(cfg: BenchConfig, rank: int) -> Dict[str, torch.Tensor]:
                                          generator=gen)
     elif cfg.routing == "zipf":
         # One popularity ranking for all ranks (seed only), tokens drawn per rank.
-        order = torch.randperm(E, generator=torch.Generator().manual_seed(cfg.seed + 12345))
+        order = torch.randperm(E, generator=torch.Generator().manual_seed(cfg.seed + 12345), device="cpu")
         idx = routing.zipf_routing(T, E, K, alpha=cfg.zipf_alpha, popularity_order=order, generator=gen)
     elif cfg.routing == "gate":
         preset = routing.get_preset(cfg.model)
-        logits = torch.randn(T, E, generator=gen)
-        bias = torch.randn(E, generator=torch.Generator().manual_seed(cfg.seed + 54321)) * 0.1
+        logits = torch.randn(T, E, generator=gen, dtype=torch.float32, device="cpu")
+        bias = torch.randn(E, generator=torch.Generator().manual_seed(cfg.seed + 54321), dtype=torch.float32,
+                           device="cpu") * 0.1
         idx, _ = routing.gate(preset, logits, bias if preset.gate_kind == "deepseek_v3" else None)
     else:
         raise ValueError(f"unknown routing {cfg.routing!r}")
@@ -190,11 +191,13 @@ def make_rank_inputs(cfg: BenchConfig, rank: int, device="cpu") -> Dict[str, Any
     [T, H]}`` on ``device``.
     """
     out: Dict[str, Any] = make_topk(cfg, rank)
-    x = torch.randn(cfg.tokens, cfg.hidden, generator=_generator(cfg, rank, 2)).to(torch.bfloat16)
+    x = torch.randn(cfg.tokens, cfg.hidden, generator=_generator(cfg, rank, 2), dtype=torch.float32,
+                    device="cpu").to(torch.bfloat16)
     out["x_bf16"] = x
     out["x"] = quantize_fp8(x, cfg.fp8_scale) if cfg.fp8 else x
     out["biases"] = tuple(
-        torch.randn(cfg.tokens, cfg.hidden, generator=_generator(cfg, rank, 3 + i)).to(torch.bfloat16)
+        torch.randn(cfg.tokens, cfg.hidden, generator=_generator(cfg, rank, 3 + i), dtype=torch.float32,
+                    device="cpu").to(torch.bfloat16)
         for i in range(cfg.bias))
     return {k: _to(v, device) for k, v in out.items()}
 

@@ -89,7 +89,7 @@ def make_workload(cfg: BenchConfig) -> Tuple[Workload, Dict[str, Any]]:
         physical = replica_map.map(t)
         check_mapping(physical, t, physical_to_logical, P)
         mapped.append(physical.contiguous())
-    count = torch.as_tensor(logical_count).reshape(-1, E)[0]
+    count = torch.as_tensor(logical_count, dtype=torch.int64, device="cpu").reshape(-1, E)[0]
     info = {"redundant": cfg.eplb, "num_physical_experts": P, "policy": "global (num_nodes=1)",
             "max_replicas_per_expert": int(count.max()) if count.numel() else 0,
             "experts_replicated": int((count > 1).sum()),

@@ -251,7 +251,7 @@ def host_reference_us(device, calls: int = 200, rounds: int = 5) -> Dict[str, fl
     and a torch kernel launch (an in-place add on one element). A call's host time depends on the
     host as much as on the code (the device's host was seen to run the same code 1.2-1.7x slower from
     one process to the next), so these two give its host times a yardstick measured alongside."""
-    t = torch.zeros(1, device=device)
+    t = torch.zeros(1, dtype=torch.float32, device=device)
     ref = {"host_ref_alloc_us": best_host_us(lambda: torch.empty((4096, 7168), dtype=torch.bfloat16, device=device),
                                              calls, rounds),
            "host_ref_launch_us": best_host_us(lambda: t.add_(1), calls, rounds)}

@@ -21,12 +21,12 @@ torch's permute / un-permute.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from .. import envs
 from .check import poison_in_place, reference_outputs
 from .config import BenchConfig, Workload, floor_bytes
 from .gpu_timing import (CudaClock, capture_calls, floor_us, nvlink_floor_and_all_to_all_us,
@@ -66,12 +66,12 @@ def setup(args) -> GpuSetup:
         SystemExit: ``--virtual-ranks`` under torchrun.
     """
     import torch.distributed as dist
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(envs.get("WORLD_SIZE"))
     multiprocess = world > 1
     if multiprocess:
         if args.virtual_ranks is not None:
             raise SystemExit("error: --virtual-ranks emulates ranks in one process; drop it under torchrun")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(envs.get("LOCAL_RANK")))
     device = torch.device("cuda", torch.cuda.current_device())
     if multiprocess and not dist.is_initialized():
         dist.init_process_group("nccl", device_id=device)

@@ -64,7 +64,8 @@ class NcclLsaTransport(Transport):
     def window_tensor(self) -> torch.Tensor:
         """The control region (first 64 KiB) of this rank's window as a uint8 tensor view."""
         if self._window_view is None:
-            self._window_view = torch.as_tensor(_DeviceBytes(self.window.ptr, 64 * 1024), device=self.device)
+            self._window_view = torch.as_tensor(_DeviceBytes(self.window.ptr, 64 * 1024), dtype=torch.uint8,
+                                                device=self.device)
         return self._window_view
 
     def host_barrier(self) -> None:

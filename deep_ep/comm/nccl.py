@@ -34,7 +34,7 @@ def comm_ptr(group, device: torch.device) -> int:
     ptr = backend._comm_ptr()
     if not ptr:
         # torch creates communicators lazily: one tiny collective initialises it.
-        t = torch.zeros(1, device=device)
+        t = torch.zeros(1, dtype=torch.float32, device=device)
         dist.all_reduce(t, group=group)
         torch.cuda.synchronize(device)
         ptr = backend._comm_ptr()

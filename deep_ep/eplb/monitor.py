@@ -60,7 +60,7 @@ class LoadMonitor:
     def _placement(self, physical_to_logical) -> torch.Tensor:
         L, E = self.num_layers, self.num_logical_experts
         if physical_to_logical is None:
-            return torch.arange(E, dtype=torch.int64).expand(L, E).contiguous()
+            return torch.arange(E, dtype=torch.int64, device="cpu").expand(L, E).contiguous()
         if not isinstance(physical_to_logical, torch.Tensor) or physical_to_logical.dtype != torch.int64:
             raise TypeError("physical_to_logical must be an int64 tensor")
         p2l = physical_to_logical.detach().to("cpu")

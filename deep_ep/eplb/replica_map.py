@@ -183,7 +183,7 @@ class ReplicaMap:
         idx = topk_idx.cpu()
         valid = (idx >= 0) & (idx < self.num_logical_experts)
         expert = torch.where(valid, idx, torch.zeros_like(idx))
-        token = (torch.arange(T, dtype=torch.int64) + token_offset).unsqueeze(1).expand(T, K)
+        token = (torch.arange(T, dtype=torch.int64, device="cpu") + token_offset).unsqueeze(1).expand(T, K)
         count = self._count[index].take(expert)
         replica = replica_hash(token, expert) % count
         physical = self._l2p[index].take(expert * self.max_replicas + replica)

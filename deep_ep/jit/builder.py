@@ -15,6 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .. import envs
 from ..cuda import nccl
 from . import compiler, locate, nccl_headers
 from .cache import DiskCache, cache_root
@@ -35,7 +36,7 @@ class NcclVersionMismatch(locate.JitEnvironmentError):
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.flag(name)
 
 
 def _debug(msg: str, *a) -> None:
@@ -135,7 +136,7 @@ def default_arch() -> str:
             return f"sm_{major}{minor}"
     except Exception:
         pass
-    return os.environ.get("EP_JIT_ARCH") or "sm_90"
+    return envs.get("EP_JIT_ARCH") or "sm_90"
 
 
 _digest_cache: dict[tuple, str] = {}
@@ -237,7 +238,7 @@ def _key(source: str, options: list[str], arch: str, include_digests: dict, use_
 # Dumps
 
 def _dump_dir() -> Path | None:
-    d = os.environ.get("EP_JIT_DUMP_DIR")
+    d = envs.get("EP_JIT_DUMP_DIR")
     return Path(d).expanduser() if d else None
 
 
@@ -319,7 +320,7 @@ def build(name: str, source: str, *, defines: dict | None = None, use_nccl: bool
     fast_key = (name, source, tuple(sorted((defines or {}).items(), key=lambda kv: kv[0])), use_nccl, arch,
                 tuple(extra_options), tuple(str(d) for d in include_dirs), check_spills,
                 str(nccl_include_dir) if nccl_include_dir else None,
-                tuple(os.environ.get(k) for k in _ENV_KEYS))
+                tuple(envs.get(k) for k in _ENV_KEYS))
     try:
         module = _fast.get(fast_key)
     except TypeError:  # unhashable define values

@@ -23,12 +23,14 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .. import envs
+
 __all__ = ["cache_root", "DiskCache"]
 
 
 def cache_root() -> Path:
     """``EP_JIT_CACHE_DIR`` if set, else ``~/.cache/deep_ep/jit`` (created on demand)."""
-    return Path(os.environ.get("EP_JIT_CACHE_DIR") or Path.home() / ".cache" / "deep_ep" / "jit").expanduser()
+    return Path(envs.get("EP_JIT_CACHE_DIR")).expanduser()
 
 
 class DiskCache:

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .. import envs
 from . import locate
 
 __all__ = ["CompileError", "SpillError", "CompileResult", "compile_nvrtc", "compile_nvcc",
@@ -59,7 +60,7 @@ class CompileResult:
 
 def use_nvcc() -> bool:
     """True when ``EP_JIT_USE_NVCC`` is set to a true value (1/true/yes/on)."""
-    return os.environ.get("EP_JIT_USE_NVCC", "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.flag("EP_JIT_USE_NVCC")
 
 
 @functools.lru_cache(maxsize=None)

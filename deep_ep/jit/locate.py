@@ -16,9 +16,10 @@ Failures raise :class:`JitEnvironmentError`, whose message names the pip package
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 from pathlib import Path
+
+from .. import envs
 
 __all__ = [
     "JitEnvironmentError", "cuda_major", "nvrtc_library", "cuda_include_dir", "cccl_include_dir",
@@ -75,20 +76,22 @@ def _pathfinder():
 def _cuda_home_candidates() -> list[Path]:
     out = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            out.append(Path(os.environ[var]))
+        if envs.get(var):
+            out.append(Path(envs.get(var)))
     out.append(Path("/usr/local/cuda"))
     return out
 
 
 def _env_dir(var: str, must_contain: str) -> Path | None:
     """Directory from env ``var`` if set; raises if it does not contain ``must_contain``."""
-    value = os.environ.get(var)
+    value = envs.get(var)
     if not value:
         return None
     path = Path(value).expanduser().resolve()
     if not (path / must_contain).exists():
-        raise JitEnvironmentError(f"{var}={value}: {path / must_contain} does not exist")
+        source = envs.origin(var)
+        given = f"{var}={value}" if source == var else f"{var}={value} (from {source})"
+        raise JitEnvironmentError(f"{given}: {path / must_contain} does not exist")
     return path
 
 
@@ -102,7 +105,7 @@ def nvrtc_library() -> str:
     Raises:
         JitEnvironmentError: NVRTC not found (names the pip package).
     """
-    override = os.environ.get("EP_NVRTC_PATH")
+    override = envs.get("EP_NVRTC_PATH")
     if override:
         p = Path(override).expanduser()
         if p.is_dir():

@@ -172,7 +172,7 @@ class Function:
                 and 0 < gx < 2 ** 31 and 0 < bx < 2 ** 31 and 0 <= smem < 2 ** 31):
             # The plain entry points (cuLaunchKernelEx needs launch-config objects built per call,
             # tens of microseconds of host time through the Python bindings), 1-D
-            # (`deep_ep.cuda.driver.launch_kernel`: the bindings, or ctypes when asked for).
+            # (`deep_ep.cuda.driver.launch_kernel`).
             err = launch_kernel(h, gx, bx, smem, hstream, params, cooperative)
         elif cluster is None:
             if cooperative:

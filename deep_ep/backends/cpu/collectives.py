@@ -160,7 +160,7 @@ class Collectives:
         public per-operation timeout option)."""
         R = self.num_ranks
         flat = t.reshape(1, -1)
-        out = torch.empty((R, flat.shape[1]), dtype=t.dtype)
+        out = torch.empty((R, flat.shape[1]), dtype=t.dtype, device="cpu")
         self.all_to_all(phase, out, flat.expand(R, -1).contiguous(), [1] * R, [1] * R)
         return out.view(R, *t.shape)
 
@@ -180,10 +180,10 @@ class Collectives:
         """All ranks' headers ``[R, F + 2R]`` (same on every rank); raises on every rank when they
         disagree on a configuration field."""
         R = self.num_ranks
-        header = torch.zeros(HEADER_FIELDS + 2 * R, dtype=torch.int64)
+        header = torch.zeros(HEADER_FIELDS + 2 * R, dtype=torch.int64, device="cpu")
         fields = list(fields)
         fields[SEQ] = self.calls
-        header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64)
+        header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64, device="cpu")
         header[HEADER_FIELDS:HEADER_FIELDS + R] = send_counts
         if expect_counts is not None:
             header[HEADER_FIELDS + R:] = expect_counts

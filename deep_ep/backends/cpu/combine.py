@@ -28,7 +28,7 @@ __all__ = ["combine"]
 
 def _bias_sum(bias: tuple, num_tokens: int, hidden: int) -> torch.Tensor:
     if not bias:
-        return torch.zeros((num_tokens, hidden), dtype=torch.float32)
+        return torch.zeros((num_tokens, hidden), dtype=torch.float32, device="cpu")
     acc = bias[0].to(torch.float32, copy=True)
     if len(bias) > 1:
         acc += bias[1].float()
@@ -46,7 +46,7 @@ def _destination_rows(h, x, topk_weights, multi: bool, apply_dispatch_weights: b
     if multi and not h.do_expand:
         return x[:n_tok], (topk_weights[:n_tok] if topk_weights is not None else None), tokens_per_src
     if multi:
-        partial = torch.zeros((n_tok, h.hidden), dtype=torch.float32)
+        partial = torch.zeros((n_tok, h.hidden), dtype=torch.float32, device="cpu")
         for k in range(K):
             sel = slots[:, k] >= 0
             if sel.any():
@@ -62,7 +62,7 @@ def _destination_rows(h, x, topk_weights, multi: bool, apply_dispatch_weights: b
     used = slots >= 0
     rows = slots[used]                                           # ascending (token, slot)
     src = torch.div(h.recv_src_metadata[:n_tok, 1].to(torch.int64), K, rounding_mode="floor")
-    pairs_per_src = torch.zeros(R, dtype=torch.int64).index_add_(0, src, used.sum(1))
+    pairs_per_src = torch.zeros(R, dtype=torch.int64, device="cpu").index_add_(0, src, used.sum(1))
     weights = h.recv_topk_weights.index_select(0, rows).view(-1, 1) if apply_dispatch_weights else None
     return x.index_select(0, rows), weights, pairs_per_src
 
@@ -82,7 +82,8 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
     # --- source side: how many rows each destination returns
     owner = shapes.slot_owners(h.topk_idx, h.num_local_experts)
     if multi:
-        hit = torch.stack([(owner == d).any(1) for d in range(R)], 1) if T else torch.zeros((0, R), dtype=torch.bool)
+        hit = (torch.stack([(owner == d).any(1) for d in range(R)], 1) if T
+               else torch.zeros((0, R), dtype=torch.bool, device="cpu"))
         expect = hit.sum(0).to(torch.int64)
     else:
         expect = torch.stack([(owner == d).sum() for d in range(R)]).to(torch.int64)
@@ -105,13 +106,14 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
 
     n_back = int(expect.sum())
     in_splits, out_splits = expect.tolist(), send_counts.tolist()
-    y = torch.empty((n_back, H), dtype=torch.bfloat16)
+    y = torch.empty((n_back, H), dtype=torch.bfloat16, device="cpu")
     comm.all_to_all("data rows", wire(y), wire(back.contiguous()), in_splits, out_splits)
     y_w = None
     if back_w is not None:
         width = back_w.shape[1]
-        w_in = torch.empty((n_back, 4 * width), dtype=torch.uint8)
-        comm.all_to_all("weights", w_in, pack([(as_bytes(back_w.float()), 4 * width)], torch.arange(back_w.shape[0])),
+        w_in = torch.empty((n_back, 4 * width), dtype=torch.uint8, device="cpu")
+        comm.all_to_all("weights", w_in,
+                        pack([(as_bytes(back_w.float()), 4 * width)], torch.arange(back_w.shape[0], device="cpu")),
                         in_splits, out_splits)
         y_w = unpack(w_in, [(torch.float32, width)])[0]
 
@@ -124,24 +126,24 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
         last = shapes.last_slot_of_rank(owner)
         for k in range(K):
             tok = last[:, k].nonzero().flatten()
-            staging = torch.zeros((T, H), dtype=torch.bfloat16)
+            staging = torch.zeros((T, H), dtype=torch.bfloat16, device="cpu")
             if tok.numel():
                 wire(staging).index_copy_(0, tok, wire(y).index_select(0, pos[tok, owner[tok, k]]))
             acc += staging.float()
         if has_w:
-            cw = torch.zeros((T, K), dtype=torch.float32)
+            cw = torch.zeros((T, K), dtype=torch.float32, device="cpu")
             t, k = (owner >= 0).nonzero(as_tuple=True)
             cw[t, k] = y_w[pos[t, owner[t, k]], k]
     else:
-        pos = torch.full((T * K,), -1, dtype=torch.int64)
+        pos = torch.full((T * K,), -1, dtype=torch.int64, device="cpu")
         flat = owner.flatten()
         for d in range(R):
             sel = (flat == d).nonzero().flatten()                   # ascending (token, slot)
-            pos[sel] = int(first[d]) + torch.arange(sel.numel())
+            pos[sel] = int(first[d]) + torch.arange(sel.numel(), device="cpu")
         pos = pos.view(T, K)
         for k in range(K):
             tok = (pos[:, k] >= 0).nonzero().flatten()
-            staging = torch.zeros((T, H), dtype=torch.float32)
+            staging = torch.zeros((T, H), dtype=torch.float32, device="cpu")
             if tok.numel():
                 value = y.index_select(0, pos[tok, k]).float()
                 if apply_dispatch_weights:

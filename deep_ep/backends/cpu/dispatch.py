@@ -77,8 +77,8 @@ def _send_positions(counts, pair_counts, hit, topk_idx, rank, num_local_experts,
     order = torch.sort(ge, stable=True).indices
     flat, ge = flat[order], ge[order]
     mine = pair_counts[rank]
-    rank_in = torch.arange(flat.numel()) - (torch.cumsum(mine, 0) - mine)[ge]
-    pos = torch.full((T * K,), -1, dtype=torch.int32)
+    rank_in = torch.arange(flat.numel(), device="cpu") - (torch.cumsum(mine, 0) - mine)[ge]
+    pos = torch.full((T * K,), -1, dtype=torch.int32, device="cpu")
     pos[flat] = (starts[ge] + before[ge] + rank_in).to(torch.int32)
     return pos.view(T, K)
 
@@ -103,7 +103,7 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
     # --- routing on the source side
     owner = shapes.slot_owners(topk_idx, L)
     hit = torch.stack([(owner == d).any(1) for d in range(R)], 1) if T > 0 else \
-        torch.zeros((0, R), dtype=torch.bool)                      # [T, R]: token t goes to rank d
+        torch.zeros((0, R), dtype=torch.bool, device="cpu")        # [T, R]: token t goes to rank d
     send_counts = hit.sum(0).to(torch.int64)
 
     fields = hdr.new_fields()
@@ -129,13 +129,13 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
     if has_w:
         parts.append((as_bytes(topk_weights.float()), K * 4))
         layout.append((torch.float32, K))
-    parts.append((as_bytes(torch.arange(T, dtype=torch.int32).view(T, 1)), 4))
+    parts.append((as_bytes(torch.arange(T, dtype=torch.int32, device="cpu").view(T, 1)), 4))
     layout.append((torch.int32, 1))
     _, tok_t = hit.t().nonzero(as_tuple=True)                       # sorted by (d, t)
     n_in = int(recv_counts.sum())
     in_splits, out_splits = recv_counts.tolist(), send_counts.tolist()
     meta_out = pack(parts, tok_t)
-    meta_in = torch.empty((n_in, meta_out.shape[1]), dtype=torch.uint8)
+    meta_in = torch.empty((n_in, meta_out.shape[1]), dtype=torch.uint8, device="cpu")
     comm.all_to_all("routing rows", meta_in, meta_out, in_splits, out_splits)
     # Non-expanded outputs receive the data in place; expanded ones go through a staging tensor.
     tok_capacity = n_in if do_cpu_sync else shapes.worst_case_recv_tokens(R, M)
@@ -149,7 +149,7 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
     in_idx = unpacked.pop(0)
     in_w = unpacked.pop(0) if has_w else None
     in_tok = unpacked.pop(0).flatten()
-    in_src = torch.repeat_interleave(torch.arange(R), recv_counts)
+    in_src = torch.repeat_interleave(torch.arange(R, device="cpu"), recv_counts)
     local = shapes.slot_owners(in_idx, L) == r                      # [n_in, K]
     local_expert = in_idx - r * L
     expert_counts = torch.bincount(local_expert[local], minlength=L).to(torch.int32)
@@ -160,12 +160,12 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
     slot_rows = None
     if not do_expand:
         rows, n_valid = tok_capacity, n_in
-        row_of = src_of = torch.arange(n_in)
-        recv_idx = torch.full((rows, K), -1, dtype=torch.int64)
+        row_of = src_of = torch.arange(n_in, device="cpu")
+        recv_idx = torch.full((rows, K), -1, dtype=torch.int64, device="cpu")
         recv_idx[:n_in] = torch.where(local, local_expert, -1)
         recv_w = None
         if has_w:
-            recv_w = torch.zeros((rows, K), dtype=torch.float32)
+            recv_w = torch.zeros((rows, K), dtype=torch.float32, device="cpu")
             recv_w[:n_in] = torch.where(local, in_w, 0.0)
     else:
         rows, n_valid = expanded_capacity, n_expanded
@@ -176,16 +176,16 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
         j, k = torch.div(flat, K, rounding_mode="floor"), flat % K
         starts = torch.cumsum(aligned, 0) - aligned
         ustarts = torch.cumsum(expert_counts, 0) - expert_counts
-        row_of = starts[e] + torch.arange(flat.numel()) - ustarts[e]
+        row_of = starts[e] + torch.arange(flat.numel(), device="cpu") - ustarts[e]
         src_of = j
-        slot_rows = torch.full((n_in, K), -1, dtype=torch.int64)
+        slot_rows = torch.full((n_in, K), -1, dtype=torch.int64, device="cpu")
         slot_rows[j, k] = row_of
         recv_idx = None
         recv_w = None
         if has_w:
-            recv_w = torch.zeros(rows, dtype=torch.float32)
+            recv_w = torch.zeros(rows, dtype=torch.float32, device="cpu")
             recv_w[row_of] = in_w[j, k]
-        pad_rows = torch.ones(n_valid, dtype=torch.bool)
+        pad_rows = torch.ones(n_valid, dtype=torch.bool, device="cpu")
         pad_rows[row_of] = False
     if n_valid > rows:  # cannot happen after the header checks; never write past the allocation
         raise comm.error(f"{n_valid} rows received, only {rows} allocated")

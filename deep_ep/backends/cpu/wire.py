@@ -32,7 +32,7 @@ def wire(t: torch.Tensor) -> torch.Tensor:
 def pack(parts: list, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of each uint8 ``[n, w]`` part, side by side: ``[len(rows), sum w]`` uint8."""
     width = sum(w for _, w in parts)
-    buf = torch.empty((rows.numel(), width), dtype=torch.uint8)
+    buf = torch.empty((rows.numel(), width), dtype=torch.uint8, device="cpu")
     col = 0
     for b, w in parts:
         buf[:, col:col + w] = b.index_select(0, rows)

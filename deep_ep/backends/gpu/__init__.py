@@ -17,12 +17,11 @@ group, or one allocation shared by ranks emulated on one GPU; kernels are built 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from ... import jit, resources
+from ... import envs, jit, resources
 from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, spin_until
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
@@ -44,7 +43,7 @@ __all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", 
 # refuse a grid that cannot be (MPS or green contexts with fewer SMs) instead of stalling until the
 # timeout; it cost nothing measurable on the H200 (docs/performance.md). Not for emulated ranks,
 # whose grids share the device. DEEP_EP_COOPERATIVE=0 turns it off.
-COOPERATIVE = os.environ.get("DEEP_EP_COOPERATIVE", "1") not in ("", "0")
+COOPERATIVE = envs.flag("DEEP_EP_COOPERATIVE")
 NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
 # The notify kernel's grid cap, in groups (warps) per SM (for emulated ranks divided by the ranks):
 # every block is resident at once (it has grid barriers).
@@ -111,7 +110,7 @@ class GPUBackend(Backend):
         self._last_stream: Optional[int] = None
         self._call_done = StreamJoin(self._device)
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
-        self._host_buf = torch.empty(256, dtype=torch.int32, pin_memory=True)
+        self._host_buf = torch.empty(256, dtype=torch.int32, device="cpu", pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
         self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout stage's report (do_cpu_sync)
         self.readback_seq = 0
@@ -338,7 +337,8 @@ class GPUBackend(Backend):
         """
         n = t.numel()
         if self._host_buf.numel() < n:
-            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, pin_memory=True)
+            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, device="cpu",
+                                         pin_memory=True)
         dst = self._host_buf[:n]
         with torch.cuda.stream(stream):
             dst.copy_(t, non_blocking=True)
