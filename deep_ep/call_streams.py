@@ -2,8 +2,7 @@
 
 `run_call` brackets a dispatch or combine (``fn``, already validated) with the waits and the event
 that ``previous_event``, ``async_with_compute_stream`` and ``allocate_on_comm_stream`` ask for
-(`ElasticBuffer.dispatch`); `run_plain` is its common case (a synchronous call without events), with
-the same stream order on a shorter path.
+(`ElasticBuffer.dispatch`).
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 from .event import EventHandle, EventOverlap, cuda_event_of
 from .handle import collect_tensors as _collect_tensors
 
-__all__ = ["run_call", "run_plain"]
+__all__ = ["run_call"]
 
 
 def run_call(backend, fn, previous_event, previous_event_before_epilogue, async_with_compute_stream: bool,
@@ -85,22 +84,11 @@ def run_call(backend, fn, previous_event, previous_event_before_epilogue, async_
     return outputs, EventOverlap(done, extra_tensors=(tuple(t for t in inputs if t is not None), outputs))
 
 
-def run_plain(backend, fn, *args):
-    """``fn(*args)`` (a backend call) as a synchronous call without events: `run_call`'s common case,
-    with the same stream order, without its closure; returns ``fn``'s outputs."""
-    comm = backend.get_comm_stream()
-    if comm is None:   # no streams (CPU): `run_call` would call ``fn`` and make an event that holds nothing
-        return fn(*args)
-    if backend.runs_on_caller_stream and torch._C._cuda_getDevice() == comm.device_index:
-        return _on_caller_stream(backend, torch._C._cuda_getCurrentRawStream(comm.device_index), fn, *args)
-    return run_call(backend, lambda: fn(*args), None, None, False, False, args)[0]
-
-
-def _on_caller_stream(backend, compute_raw: int, fn, *args):
-    """``fn(*args)`` with its kernels on the caller's raw stream ``compute_raw`` (NCCL-backed buffers:
+def _on_caller_stream(backend, compute_raw: int, fn):
+    """``fn()`` with its kernels on the caller's raw stream ``compute_raw`` (NCCL-backed buffers:
     no join needed), after the previous call's kernels if those ran on another stream."""
     backend.enter_caller_stream(compute_raw)
     try:
-        return fn(*args)
+        return fn()
     finally:
         backend.leave_caller_stream(compute_raw)
