@@ -63,9 +63,9 @@ def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple:
     ``allow_hybrid_mode`` matters only with several NVLink domains).
 
     Raises:
-        TypeError: a bad ``group`` or a non-bool ``allow_hybrid_mode``.
+        TypeError: a bad ``group`` or an ``allow_hybrid_mode`` that is not a flag (`checks.check_bool`).
     """
-    checks.check_bool("allow_hybrid_mode", allow_hybrid_mode)
+    allow_hybrid_mode = checks.check_bool("allow_hybrid_mode", allow_hybrid_mode)
     return group_domain_sizes(group, allow_hybrid_mode)[1]
 
 
@@ -109,6 +109,9 @@ class ElasticBuffer:
     ``deterministic``, ``explicitly_destroy``; ours: ``rank`` (= ``rank_idx``), ``buffer_id``,
     ``config``, ``device``, ``num_cpu_bytes``, ``sl_idx``, ``is_destroyed``.
 
+    Every flag (here and in the methods) may also be given as an int 0 or 1, a numpy bool or a
+    one-element torch tensor holding 0 or 1, as DeepEP takes them; it is kept as a bool.
+
     Raises:
         TypeError / ValueError: invalid arguments. NotImplementedError: the group needs the GPU
         backend and it is not available.
@@ -123,10 +126,11 @@ class ElasticBuffer:
         self._backend = None
         self._destroyed = False
         rank, num_ranks = group_rank_and_size(group)
-        checks.check_buffer_args(num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk,
-                                 use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction,
-                                 prefer_overlap_with_compute, sl_idx, num_allocated_qps, num_cpu_timeout_secs,
-                                 num_gpu_timeout_secs, explicitly_destroy)
+        (use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
+         explicitly_destroy) = checks.check_buffer_args(
+            num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, deterministic,
+            allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
+            num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
         if "EP_OVERRIDE_RDMA_SL" in os.environ:
             text = os.environ["EP_OVERRIDE_RDMA_SL"]
             if not text.strip().isdigit() or not 0 <= int(text) <= 15:
@@ -232,8 +236,8 @@ class ElasticBuffer:
             TypeError / ValueError on invalid arguments.
         """
         _, num_ranks = group_rank_and_size(group)
-        checks.check_size_hint_args(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                    allow_hybrid_mode, allow_multiple_reduction)
+        use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction = checks.check_size_hint_args(
+            num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
         if not is_cpu_group(group):
             from .backends.gpu import window as window_layout
             return int(window_layout.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk,
@@ -295,7 +299,8 @@ class ElasticBuffer:
         communication stream drained and the host synchronised) whatever they say.
 
         Raises:
-            TypeError: a non-bool flag. RuntimeError: destroyed buffer, or a recorded GPU error.
+            TypeError: a flag that is not one (`checks.check_bool`). RuntimeError: destroyed buffer,
+            or a recorded GPU error.
         """
         self._alive()
         self._backend.calls += 1

@@ -1,7 +1,7 @@
 """Argument checks of the public API: the only place deep_ep validates what a user passes.
 
 `ElasticBuffer` runs these before anything else; backends trust what comes out (validated,
-normalised, every default resolved). `validate_dispatch` / `validate_combine`
+normalised, every default resolved, every flag a real bool). `validate_dispatch` / `validate_combine`
 hold every rule of a call; `deep_ep.call_plans` runs them once per call signature. Each rule raises a
 clear exception naming the argument, what was expected and what was given:
 
@@ -15,6 +15,7 @@ GPU tensors the kernels check the ids (every rank raises the same `ValueError`, 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -55,10 +56,25 @@ def check_int(name: str, value, *, minimum: Optional[int] = None, maximum: Optio
 
 
 def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
-    return value
+    """``value`` as a bool. A flag is what DeepEP takes as one: a bool, an int 0 or 1 (DeepEP's own
+    tests pass flags as ints), a numpy bool or integer 0 / 1, or a one-element torch bool or integer
+    tensor holding 0 or 1.
+
+    Raises:
+        TypeError: anything else (2, 1.0, 'yes', None).
+    """
+    if value is True or value is False:
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    try:
+        number = operator.index(value)   # ints, numpy integers, one-element integer or bool tensors
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        number = None
+    if number == 0 or number == 1:
+        return number == 1
+    raise TypeError(f"{name} must be a bool (or an int 0 / 1), got {kind.__name__} ({value!r})")
 
 
 def check_number(name: str, value, *, positive: bool = True) -> float:
@@ -186,8 +202,10 @@ def normalise_bias(bias, num_tokens: int, hidden: int, device: torch.device) -> 
 def check_buffer_args(num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                       deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
                       sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs,
-                      explicitly_destroy) -> None:
-    """Every rule of `ElasticBuffer.__init__`'s arguments."""
+                      explicitly_destroy) -> tuple:
+    """Every rule of `ElasticBuffer.__init__`'s arguments. Returns the flags as bools:
+    ``(use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction,
+    prefer_overlap_with_compute, explicitly_destroy)``."""
     if num_bytes is not None:
         check_int("num_bytes", num_bytes, minimum=0, maximum=None)
     check_int("num_cpu_bytes", num_cpu_bytes, minimum=0, maximum=None)
@@ -196,30 +214,32 @@ def check_buffer_args(num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden,
     check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=0)
     check_int("hidden", hidden, minimum=0)
     check_int("num_topk", num_topk, minimum=0)
-    for name, v in (("use_fp8_dispatch", use_fp8_dispatch), ("deterministic", deterministic),
-                    ("allow_hybrid_mode", allow_hybrid_mode), ("allow_multiple_reduction", allow_multiple_reduction),
-                    ("prefer_overlap_with_compute", prefer_overlap_with_compute),
-                    ("explicitly_destroy", explicitly_destroy)):
-        check_bool(name, v)
+    flags = tuple(check_bool(name, v) for name, v in (
+        ("use_fp8_dispatch", use_fp8_dispatch), ("deterministic", deterministic),
+        ("allow_hybrid_mode", allow_hybrid_mode), ("allow_multiple_reduction", allow_multiple_reduction),
+        ("prefer_overlap_with_compute", prefer_overlap_with_compute), ("explicitly_destroy", explicitly_destroy)))
     check_int("sl_idx", sl_idx, minimum=0, maximum=15)
     check_int("num_allocated_qps", num_allocated_qps, minimum=0)
     check_number("num_cpu_timeout_secs", num_cpu_timeout_secs)
     check_number("num_gpu_timeout_secs", num_gpu_timeout_secs)
-    if use_fp8_dispatch and hidden % 128 != 0:
+    if flags[0] and hidden % 128 != 0:
         raise ValueError(f"use_fp8_dispatch needs hidden to be a multiple of 128, got hidden={hidden}")
+    return flags
 
 
 def check_size_hint_args(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-                         allow_multiple_reduction) -> None:
-    """Every rule of `ElasticBuffer.get_buffer_size_hint`'s arguments."""
+                         allow_multiple_reduction) -> tuple:
+    """Every rule of `ElasticBuffer.get_buffer_size_hint`'s arguments. Returns the flags as bools:
+    ``(use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)``."""
     check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=0)
     check_int("hidden", hidden, minimum=0)
     check_int("num_topk", num_topk, minimum=0)
-    for name, v in (("use_fp8_dispatch", use_fp8_dispatch), ("allow_hybrid_mode", allow_hybrid_mode),
-                    ("allow_multiple_reduction", allow_multiple_reduction)):
-        check_bool(name, v)
-    if use_fp8_dispatch and hidden % 128 != 0:
+    flags = tuple(check_bool(name, v) for name, v in (
+        ("use_fp8_dispatch", use_fp8_dispatch), ("allow_hybrid_mode", allow_hybrid_mode),
+        ("allow_multiple_reduction", allow_multiple_reduction)))
+    if flags[0] and hidden % 128 != 0:
         raise ValueError(f"use_fp8_dispatch needs hidden to be a multiple of 128, got hidden={hidden}")
+    return flags
 
 
 def check_sms_args(num_ranks, num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,
