@@ -1,8 +1,9 @@
 """`ElasticBuffer`: the public API of deep_ep, a drop-in for DeepEP V2's (same arguments in the same
 order, same defaults, same outputs; extensions are keyword arguments that are off by default).
 
-Each public method validates its arguments first (`deep_ep.checks`), then runs the backend inside a
-thin stream/event layer (`deep_ep.call_streams`). Nothing is communicated before validation passes.
+Each public method validates its arguments first (`deep_ep.checks`; dispatch and combine once per
+call signature, `deep_ep.call_plans`), then runs the backend inside a thin stream/event layer
+(`deep_ep.call_streams`). Nothing is communicated before validation passes.
 Exceptions, all raised on the rank that received the bad argument, before any communication:
 `TypeError` / `ValueError` (see `deep_ep.checks`); `RuntimeError` when the buffer was destroyed, or,
 raised by the backend on *every* rank, a condition no single rank can see (ranks disagreeing on the
@@ -22,9 +23,9 @@ from typing import Optional
 
 import torch
 
-from . import call_streams, checks, resources
+from . import call_plans, call_streams, checks, resources
 from .backends import BufferConfig, group_domain_sizes, group_rank_and_size, is_cpu_group, make_backend
-from .event import EventHandle, EventOverlap
+from .event import EventHandle
 from .handle import EPHandle
 
 __all__ = ["ElasticBuffer", "topk_idx_t", "get_physical_domain_size", "get_logical_domain_size"]
@@ -62,9 +63,9 @@ def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple:
     ``allow_hybrid_mode`` matters only with several NVLink domains).
 
     Raises:
-        TypeError: a bad ``group`` or a non-bool ``allow_hybrid_mode``.
+        TypeError: a bad ``group`` or an ``allow_hybrid_mode`` that is not a flag (`checks.check_bool`).
     """
-    checks.check_bool("allow_hybrid_mode", allow_hybrid_mode)
+    allow_hybrid_mode = checks.check_bool("allow_hybrid_mode", allow_hybrid_mode)
     return group_domain_sizes(group, allow_hybrid_mode)[1]
 
 
@@ -108,6 +109,9 @@ class ElasticBuffer:
     ``deterministic``, ``explicitly_destroy``; ours: ``rank`` (= ``rank_idx``), ``buffer_id``,
     ``config``, ``device``, ``num_cpu_bytes``, ``sl_idx``, ``is_destroyed``.
 
+    Every flag (here and in the methods) may also be given as an int 0 or 1, a numpy bool or a
+    one-element torch tensor holding 0 or 1, as DeepEP takes them; it is kept as a bool.
+
     Raises:
         TypeError / ValueError: invalid arguments. NotImplementedError: the group needs the GPU
         backend and it is not available.
@@ -122,10 +126,11 @@ class ElasticBuffer:
         self._backend = None
         self._destroyed = False
         rank, num_ranks = group_rank_and_size(group)
-        checks.check_buffer_args(num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk,
-                                 use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction,
-                                 prefer_overlap_with_compute, sl_idx, num_allocated_qps, num_cpu_timeout_secs,
-                                 num_gpu_timeout_secs, explicitly_destroy)
+        (use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
+         explicitly_destroy) = checks.check_buffer_args(
+            num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, deterministic,
+            allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
+            num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
         if "EP_OVERRIDE_RDMA_SL" in os.environ:
             text = os.environ["EP_OVERRIDE_RDMA_SL"]
             if not text.strip().isdigit() or not 0 <= int(text) <= 15:
@@ -145,6 +150,7 @@ class ElasticBuffer:
         self.rank_idx = rank
         self.num_ranks = num_ranks
         self.buffer_id = next(_buffer_ids)
+        self._plans: dict = {}   # validated call signatures (`deep_ep.call_plans`)
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
@@ -230,8 +236,8 @@ class ElasticBuffer:
             TypeError / ValueError on invalid arguments.
         """
         _, num_ranks = group_rank_and_size(group)
-        checks.check_size_hint_args(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                    allow_hybrid_mode, allow_multiple_reduction)
+        use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction = checks.check_size_hint_args(
+            num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
         if not is_cpu_group(group):
             from .backends.gpu import window as window_layout
             return int(window_layout.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk,
@@ -293,7 +299,8 @@ class ElasticBuffer:
         communication stream drained and the host synchronised) whatever they say.
 
         Raises:
-            TypeError: a non-bool flag. RuntimeError: destroyed buffer, or a recorded GPU error.
+            TypeError: a flag that is not one (`checks.check_bool`). RuntimeError: destroyed buffer,
+            or a recorded GPU error.
         """
         self._alive()
         self._backend.calls += 1
@@ -365,50 +372,24 @@ class ElasticBuffer:
         self._alive()
         backend = self._backend
         backend.calls += 1   # every call counts, a refused one too (ranks that disagree are found)
-        # The most common calls, a cached or fresh dispatch of bf16 or FP8 rows with every other
-        # option at its default, are checked in a few comparisons and go straight to the backend: the
-        # same result as the path below, which says what is wrong with any other call.
-        # A fresh one may also give the per-call sizes, the layout options and the statistics; a
-        # cached one the handle's sizes and its zero padding.
-        if (type(num_sms) is int and 0 <= num_sms <= checks.INT32_MAX
-                and type(num_qps) is int and num_qps == 0 and previous_event is None
-                and previous_event_before_epilogue is None and async_with_compute_stream is False
-                and allocate_on_comm_stream is False and (do_handle_copy is True or do_handle_copy is False)
-                and (do_cpu_sync is None or do_cpu_sync is False or do_cpu_sync is True)
-                and (do_expand is False or do_expand is True) and (do_zero_padding is False or do_zero_padding is True)
-                and (use_tma_aligned_col_major_sf is False or use_tma_aligned_col_major_sf is True)):
-            if handle is not None:
-                if (topk_idx is None and num_experts is None and do_cpu_sync is not True
-                        and cumulative_local_expert_recv_stats is None
-                        and checks.plain_cached_dispatch_ok(self, x, topk_weights, handle, num_max_tokens_per_rank,
-                                                            expert_alignment, do_expand)):
-                    data, sf = (x, None) if type(x) is torch.Tensor else x   # checks.plain_x's forms
-                    recv_x, recv_idx, recv_w, _ = call_streams.run_plain(
-                        backend, backend.cached_dispatch, data, topk_weights, handle, num_sms, do_zero_padding, sf,
-                        use_tma_aligned_col_major_sf)
-                    return recv_x, recv_idx, recv_w, handle, EventOverlap()
-            elif checks.plain_fresh_dispatch_ok(self, x, topk_idx, topk_weights, num_experts, do_cpu_sync,
-                                                num_max_tokens_per_rank, expert_alignment,
-                                                cumulative_local_expert_recv_stats):
-                data, sf = (x, None) if type(x) is torch.Tensor else x   # checks.plain_x's forms
-                return (*call_streams.run_plain(
-                    backend, backend.fresh_dispatch, data, topk_idx, topk_weights, num_experts, num_sms,
-                    do_handle_copy, do_cpu_sync is not False,
-                    self.config.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank,
-                    expert_alignment or 1, do_expand, do_zero_padding, cumulative_local_expert_recv_stats, sf,
-                    use_tma_aligned_col_major_sf),
-                        EventOverlap())
-        args = checks.validate_dispatch(
-            self, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-            num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event,
-            previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream, handle,
-            do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
-        data, sf = args.pop("data"), args.pop("sf")
+        stats = cumulative_local_expert_recv_stats
+        data, sf, plan = call_plans.dispatch_plan(
+            self, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment, num_sms,
+            num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+            allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+            use_tma_aligned_col_major_sf)
         # Kept alive for the communication stream in async mode (with a handle: its tensors too).
-        inputs = (data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)   # Nones allowed
+        inputs = (data, sf, topk_idx, topk_weights, stats, handle)   # Nones allowed
         outputs, event = call_streams.run_call(
-            backend, lambda: backend.dispatch(data, sf, topk_idx, topk_weights, **args), previous_event,
-            previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream, inputs)
+            backend, lambda: backend.dispatch(
+                data, sf, topk_idx, topk_weights, num_experts=plan.num_experts,
+                num_max_tokens_per_rank=plan.num_max_tokens_per_rank, expert_alignment=plan.expert_alignment,
+                num_sms=plan.num_sms, handle=handle, do_handle_copy=plan.do_handle_copy, do_cpu_sync=plan.do_cpu_sync,
+                do_expand=plan.do_expand, do_zero_padding=plan.do_zero_padding,
+                use_tma_aligned_col_major_sf=plan.use_tma_aligned_col_major_sf,
+                cumulative_local_expert_recv_stats=stats),
+            previous_event, previous_event_before_epilogue, plan.async_with_compute_stream,
+            plan.allocate_on_comm_stream, inputs)
         return (*outputs, event)
 
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None, bias=None,
@@ -445,22 +426,14 @@ class ElasticBuffer:
         self._alive()
         backend = self._backend
         backend.calls += 1
-        # The most common call, without bias and every option at its default (see dispatch).
-        if (bias is None and type(num_sms) is int and 0 <= num_sms <= checks.INT32_MAX and type(num_qps) is int
-                and num_qps == 0 and previous_event is None and previous_event_before_epilogue is None
-                and async_with_compute_stream is False and allocate_on_comm_stream is False
-                and apply_dispatch_weights is False and checks.plain_combine_ok(self, x, handle, topk_weights)):
-            combined_x, combined_w = call_streams.run_plain(backend, backend.plain_combine, x, handle, topk_weights,
-                                                            num_sms or handle.num_sms)
-            return combined_x, combined_w, EventOverlap()
-        bias_t = checks.validate_combine(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
-                                         previous_event_before_epilogue, async_with_compute_stream,
-                                         allocate_on_comm_stream, apply_dispatch_weights)
+        bias_t, plan = call_plans.combine_plan(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                                               previous_event_before_epilogue, async_with_compute_stream,
+                                               allocate_on_comm_stream, apply_dispatch_weights)
         num_sms = num_sms or handle.num_sms
         inputs = (x, topk_weights, handle) + bias_t
         (combined_x, combined_w), event = call_streams.run_call(
             backend, lambda: backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms,
-                                             apply_dispatch_weights=apply_dispatch_weights),
-            previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
-            inputs)
+                                             apply_dispatch_weights=plan.apply_dispatch_weights),
+            previous_event, previous_event_before_epilogue, plan.async_with_compute_stream,
+            plan.allocate_on_comm_stream, inputs)
         return combined_x, combined_w, event

@@ -1,8 +1,9 @@
 """Argument checks of the public API: the only place deep_ep validates what a user passes.
 
 `ElasticBuffer` runs these before anything else; backends trust what comes out (validated,
-normalised, every default resolved). Each rule raises a clear exception naming the argument, what
-was expected and what was given:
+normalised, every default resolved, every flag a real bool). `validate_dispatch` / `validate_combine`
+hold every rule of a call; `deep_ep.call_plans` runs them once per call signature. Each rule raises a
+clear exception naming the argument, what was expected and what was given:
 
 * `TypeError`  - an argument of the wrong Python type or the wrong tensor dtype;
 * `ValueError` - a wrong shape, device, layout (non-contiguous), value (expert id out of range, more
@@ -14,6 +15,8 @@ GPU tensors the kernels check the ids (every rank raises the same `ValueError`, 
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -25,8 +28,7 @@ from .handle import EPHandle
 __all__ = [
     "INT32_MAX", "BUFFER_ALIGNMENT", "check_int", "check_bool", "check_number", "check_tensor", "check_event",
     "check_x", "check_topk_values", "normalise_bias", "check_buffer_args", "check_size_hint_args",
-    "check_sms_args", "plain_x", "plain_cached_dispatch_ok", "plain_fresh_dispatch_ok", "plain_combine_ok",
-    "validate_dispatch", "validate_combine",
+    "check_sms_args", "CallPlan", "validate_dispatch", "validate_combine",
 ]
 
 INT32_MAX = 2 ** 31 - 1            # sizes and counts travel as int32 (kernel arguments, count tensors)
@@ -54,10 +56,25 @@ def check_int(name: str, value, *, minimum: Optional[int] = None, maximum: Optio
 
 
 def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
-    return value
+    """``value`` as a bool. A flag is what DeepEP takes as one: a bool, an int 0 or 1 (DeepEP's own
+    tests pass flags as ints), a numpy bool or integer 0 / 1, or a one-element torch bool or integer
+    tensor holding 0 or 1.
+
+    Raises:
+        TypeError: anything else (2, 1.0, 'yes', None).
+    """
+    if value is True or value is False:
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    try:
+        number = operator.index(value)   # ints, numpy integers, one-element integer or bool tensors
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        number = None
+    if number == 0 or number == 1:
+        return number == 1
+    raise TypeError(f"{name} must be a bool (or an int 0 / 1), got {kind.__name__} ({value!r})")
 
 
 def check_number(name: str, value, *, positive: bool = True) -> float:
@@ -185,8 +202,10 @@ def normalise_bias(bias, num_tokens: int, hidden: int, device: torch.device) -> 
 def check_buffer_args(num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                       deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
                       sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs,
-                      explicitly_destroy) -> None:
-    """Every rule of `ElasticBuffer.__init__`'s arguments."""
+                      explicitly_destroy) -> tuple:
+    """Every rule of `ElasticBuffer.__init__`'s arguments. Returns the flags as bools:
+    ``(use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction,
+    prefer_overlap_with_compute, explicitly_destroy)``."""
     if num_bytes is not None:
         check_int("num_bytes", num_bytes, minimum=0, maximum=None)
     check_int("num_cpu_bytes", num_cpu_bytes, minimum=0, maximum=None)
@@ -195,30 +214,32 @@ def check_buffer_args(num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden,
     check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=0)
     check_int("hidden", hidden, minimum=0)
     check_int("num_topk", num_topk, minimum=0)
-    for name, v in (("use_fp8_dispatch", use_fp8_dispatch), ("deterministic", deterministic),
-                    ("allow_hybrid_mode", allow_hybrid_mode), ("allow_multiple_reduction", allow_multiple_reduction),
-                    ("prefer_overlap_with_compute", prefer_overlap_with_compute),
-                    ("explicitly_destroy", explicitly_destroy)):
-        check_bool(name, v)
+    flags = tuple(check_bool(name, v) for name, v in (
+        ("use_fp8_dispatch", use_fp8_dispatch), ("deterministic", deterministic),
+        ("allow_hybrid_mode", allow_hybrid_mode), ("allow_multiple_reduction", allow_multiple_reduction),
+        ("prefer_overlap_with_compute", prefer_overlap_with_compute), ("explicitly_destroy", explicitly_destroy)))
     check_int("sl_idx", sl_idx, minimum=0, maximum=15)
     check_int("num_allocated_qps", num_allocated_qps, minimum=0)
     check_number("num_cpu_timeout_secs", num_cpu_timeout_secs)
     check_number("num_gpu_timeout_secs", num_gpu_timeout_secs)
-    if use_fp8_dispatch and hidden % 128 != 0:
+    if flags[0] and hidden % 128 != 0:
         raise ValueError(f"use_fp8_dispatch needs hidden to be a multiple of 128, got hidden={hidden}")
+    return flags
 
 
 def check_size_hint_args(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-                         allow_multiple_reduction) -> None:
-    """Every rule of `ElasticBuffer.get_buffer_size_hint`'s arguments."""
+                         allow_multiple_reduction) -> tuple:
+    """Every rule of `ElasticBuffer.get_buffer_size_hint`'s arguments. Returns the flags as bools:
+    ``(use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)``."""
     check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=0)
     check_int("hidden", hidden, minimum=0)
     check_int("num_topk", num_topk, minimum=0)
-    for name, v in (("use_fp8_dispatch", use_fp8_dispatch), ("allow_hybrid_mode", allow_hybrid_mode),
-                    ("allow_multiple_reduction", allow_multiple_reduction)):
-        check_bool(name, v)
-    if use_fp8_dispatch and hidden % 128 != 0:
+    flags = tuple(check_bool(name, v) for name, v in (
+        ("use_fp8_dispatch", use_fp8_dispatch), ("allow_hybrid_mode", allow_hybrid_mode),
+        ("allow_multiple_reduction", allow_multiple_reduction)))
+    if flags[0] and hidden % 128 != 0:
         raise ValueError(f"use_fp8_dispatch needs hidden to be a multiple of 128, got hidden={hidden}")
+    return flags
 
 
 def check_sms_args(num_ranks, num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,
@@ -238,159 +259,68 @@ def check_sms_args(num_ranks, num_experts, num_topk, num_scaleout_topk, rdma_gbs
     check_number("sm_write_gbs", sm_write_gbs)
 
 
+@dataclass(slots=True)
+class CallPlan:
+    """What the checks of one dispatch or combine resolved, for every call of the same signature
+    (`deep_ep.call_plans`): the backend call's arguments other than the call's tensors (defaults
+    resolved; a cached dispatch's layout is its handle's), the stream flags as bools, and what each
+    call re-checks.
+
+    ``check_ids``: a fresh dispatch of CPU tensors, whose expert ids are read on every call (on a
+    GPU the kernels check them). ``num_max_tokens_per_rank`` 0: no bound on the tokens.
+    """
+    device: torch.device
+    async_with_compute_stream: bool
+    allocate_on_comm_stream: bool
+    num_experts: int = 0
+    num_max_tokens_per_rank: int = 0
+    expert_alignment: int = 1
+    num_sms: int = 0
+    do_handle_copy: bool = True
+    do_cpu_sync: bool = True
+    do_expand: bool = False
+    do_zero_padding: bool = False
+    use_tma_aligned_col_major_sf: bool = False
+    check_ids: bool = False
+    apply_dispatch_weights: bool = False
+
+
 def _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
-                          async_with_compute_stream, allocate_on_comm_stream) -> None:
-    if (type(num_sms) is int and 0 <= num_sms <= INT32_MAX and type(num_qps) is int and num_qps == 0
-            and previous_event is None and previous_event_before_epilogue is None
-            and type(async_with_compute_stream) is bool and type(allocate_on_comm_stream) is bool):
-        return   # the defaults: every rule below holds
+                          async_with_compute_stream, allocate_on_comm_stream) -> tuple:
+    """The rules every dispatch and combine share; returns the two stream flags as bools."""
     check_int("num_sms", num_sms, minimum=0)
     check_int("num_qps", num_qps, minimum=0)
     if num_qps > buf.num_allocated_qps:
         raise ValueError(f"num_qps={num_qps} exceeds the buffer's num_allocated_qps={buf.num_allocated_qps}")
     check_event("previous_event", previous_event)
     check_event("previous_event_before_epilogue", previous_event_before_epilogue)
-    check_bool("async_with_compute_stream", async_with_compute_stream)
-    check_bool("allocate_on_comm_stream", allocate_on_comm_stream)
+    return (check_bool("async_with_compute_stream", async_with_compute_stream),
+            check_bool("allocate_on_comm_stream", allocate_on_comm_stream))
 
 
 def _check_handle(buf, handle, what: str) -> None:
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle must be {what}, got {type(handle).__name__}")
-    dev = buf.device
-    if (handle.buffer_id == buf.buffer_id and handle.num_ranks == buf.num_ranks and handle.rank == buf.rank_idx
-            and handle.topk_idx.device == dev):
-        return   # the common case, in a few comparisons (`EPHandle.check_matches` says what is wrong otherwise)
-    handle.check_matches(buffer_id=buf.buffer_id, num_ranks=buf.num_ranks, rank=buf.rank_idx, device=dev)
+    handle.check_matches(buffer_id=buf.buffer_id, num_ranks=buf.num_ranks, rank=buf.rank_idx, device=buf.device)
 
 
 # ============================================================================ dispatch and combine
-def plain_x(x, device: torch.device) -> tuple:
-    """``(data, sf)`` when ``x`` is a bf16 tensor (``sf`` None) or an FP8 pair (a tuple or list of a 2-D
-    ``float8_e4m3fn`` tensor and its scale factors, held to `check_x`'s rules); else ``(None, None)``,
-    and the full checks say what is wrong, if anything is. The callers check the data's shape."""
-    if type(x) is torch.Tensor:
-        return (x, None) if x.dtype is torch.bfloat16 else (None, None)
-    if (type(x) is tuple or type(x) is list) and len(x) == 2:
-        data, sf = x
-        if type(data) is torch.Tensor and data.dtype is FP8 and type(sf) is torch.Tensor and data.dim() == 2:
-            T, H = data.shape
-            num_sf = H // 128 if sf.dtype is torch.float32 else -(-H // 512) if sf.dtype is torch.int32 else -1
-            if H % 128 == 0 and sf.shape == (T, num_sf) and sf.device == device and sf.is_contiguous():
-                return data, sf
-    return None, None
-
-
-def plain_cached_dispatch_ok(buf, x, topk_weights, handle, num_max_tokens_per_rank=None, expert_alignment=None,
-                             do_expand=False) -> bool:
-    """Whether a cached dispatch with ``x`` bf16 or an FP8 pair (`plain_x`), ``num_max_tokens_per_rank``
-    and ``expert_alignment`` None or the handle's, ``do_expand`` a bool, whose other arguments are
-    plain (the caller checked those: no routing, no statistics, bools, no events) passes every rule
-    of `validate_dispatch`: the most common call, answered in a few comparisons. False:
-    `validate_dispatch` runs, and says what is wrong if anything is."""
-    x = plain_x(x, buf.device)[0]
-    if type(handle) is not EPHandle or x is None:
-        return False
-    if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
-        return False
-    if (num_max_tokens_per_rank is not None and (type(num_max_tokens_per_rank) is not int
-                                                 or num_max_tokens_per_rank != handle.num_max_tokens_per_rank)) \
-            or (expert_alignment is not None and (type(expert_alignment) is not int
-                                                  or expert_alignment != handle.expert_alignment)) \
-            or (do_expand and not handle.do_expand):
-        return False
-    topk, dev, hidden, m = handle.topk_idx, buf.device, handle.hidden, handle.num_max_tokens_per_rank
-    routing = topk.shape   # (T, K)
-    T = routing[0]
-    if x.shape != (T, hidden) or x.device != dev or topk.device != dev or not x.is_contiguous():
-        return False
-    if (m and T > m) or (buf.config.hidden and hidden > buf.config.hidden):
-        return False
-    return topk_weights is None or _plain_f32(topk_weights, routing, dev)
-
-
-def plain_fresh_dispatch_ok(buf, x, topk_idx, topk_weights, num_experts, do_cpu_sync, num_max_tokens_per_rank=None,
-                            expert_alignment=None, stats=None) -> bool:
-    """Whether a fresh dispatch with ``x`` bf16 or an FP8 pair (`plain_x`), ``topk_idx`` and
-    ``num_experts`` given, optional ``topk_weights``, ``do_cpu_sync`` None / True / False,
-    ``num_max_tokens_per_rank`` and ``expert_alignment`` None or ints, ``stats``
-    (``cumulative_local_expert_recv_stats``) None or a tensor, whose other arguments are plain (the
-    caller checked those: bools, no events) passes every rule of `validate_dispatch` (see
-    `plain_cached_dispatch_ok`). CPU tensors: the expert ids are read here as the full checks read
-    them (on a GPU the notify kernel checks them)."""
-    x = plain_x(x, buf.device)[0]
-    if x is None or type(topk_idx) is not torch.Tensor or topk_idx.dtype is not topk_idx_t \
-            or type(num_experts) is not int:
-        return False
-    dev, cfg, sizes, ks = buf.device, buf.config, x.shape, topk_idx.shape
-    if len(sizes) != 2 or len(ks) != 2 or ks[0] != sizes[0] or x.device != dev or topk_idx.device != dev:
-        return False
-    if not x.is_contiguous() or not topk_idx.is_contiguous():
-        return False
-    T, H, K, m = sizes[0], sizes[1], ks[1], cfg.num_max_tokens_per_rank
-    if K < 1 or (cfg.num_topk and K > cfg.num_topk) or not 1 <= num_experts <= INT32_MAX \
-            or num_experts % buf.num_ranks:
-        return False
-    if num_max_tokens_per_rank is not None:
-        if type(num_max_tokens_per_rank) is not int or not 0 <= num_max_tokens_per_rank <= INT32_MAX \
-                or (m and num_max_tokens_per_rank > m):
-            return False
-        m = num_max_tokens_per_rank
-    if expert_alignment is not None and (type(expert_alignment) is not int or not 1 <= expert_alignment <= INT32_MAX):
-        return False
-    if (m and T > m) or (not m and do_cpu_sync is False) or (cfg.hidden and H > cfg.hidden):
-        return False
-    if topk_weights is not None and not _plain_f32(topk_weights, (T, K), dev):
-        return False
-    if stats is not None and not (type(stats) is torch.Tensor and stats.dtype is torch.int32 and stats.device == dev
-                                  and stats.shape == (num_experts // buf.num_ranks,) and stats.is_contiguous()):
-        return False
-    if dev.type == "cpu" and topk_idx.numel():
-        lo, hi = _min_max(topk_idx)
-        return lo >= -1 and hi < num_experts
-    return True
-
-
-def plain_combine_ok(buf, x, handle, topk_weights) -> bool:
-    """Whether a combine without bias whose other arguments are at their defaults (the caller checked
-    those) passes every rule of `validate_combine` (see `plain_cached_dispatch_ok`)."""
-    if type(handle) is not EPHandle or type(x) is not torch.Tensor or x.dtype is not torch.bfloat16:
-        return False
-    if handle.buffer_id != buf.buffer_id or handle.num_ranks != buf.num_ranks or handle.rank != buf.rank_idx:
-        return False
-    topk, dev, rows = handle.topk_idx, buf.device, handle.num_recv_rows
-    if x.shape != (rows, handle.hidden) or x.device != dev or topk.device != dev or not x.is_contiguous():
-        return False
-    if topk_weights is None:
-        return True
-    if handle.do_expand:
-        return buf.allow_multiple_reduction and _plain_f32(topk_weights, (rows,), dev)
-    return _plain_f32(topk_weights, (rows, topk.shape[1]), dev)
-
-
-def _plain_f32(t, shape: tuple, device) -> bool:
-    return (type(t) is torch.Tensor and t.dtype is torch.float32 and t.shape == shape and t.device == device
-            and t.is_contiguous())
-
-
 def validate_dispatch(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank,
                       expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                       async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync,
-                      do_expand, do_zero_padding, use_tma_aligned_col_major_sf) -> dict:
-    """All dispatch argument rules, in order; returns the backend's keyword arguments plus ``data``
-    and ``sf`` (``buf`` is the `ElasticBuffer`)."""
+                      do_expand, do_zero_padding, use_tma_aligned_col_major_sf) -> tuple:
+    """All dispatch argument rules, in order (``buf`` is the `ElasticBuffer`; ``stats`` is
+    ``cumulative_local_expert_recv_stats``). Returns ``(data, sf, plan)``: ``x`` as its data and
+    scale factors (None for bf16) and the call's `CallPlan`."""
     dev, cfg = buf.device, buf.config
-    _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
-                          async_with_compute_stream, allocate_on_comm_stream)
-    # Every flag a bool is the common case, tested at once (a failure is reported flag by flag).
-    if not (type(do_handle_copy) is bool and type(do_expand) is bool and type(do_zero_padding) is bool
-            and type(use_tma_aligned_col_major_sf) is bool):
-        for name, v in (("do_handle_copy", do_handle_copy), ("do_expand", do_expand),
-                        ("do_zero_padding", do_zero_padding),
-                        ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)):
-            check_bool(name, v)
+    streams = _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                                    async_with_compute_stream, allocate_on_comm_stream)
+    do_handle_copy = check_bool("do_handle_copy", do_handle_copy)
+    do_expand = check_bool("do_expand", do_expand)
+    do_zero_padding = check_bool("do_zero_padding", do_zero_padding)
+    use_tma_aligned_col_major_sf = check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
     if do_cpu_sync is not None:
-        check_bool("do_cpu_sync", do_cpu_sync)
+        do_cpu_sync = check_bool("do_cpu_sync", do_cpu_sync)
     if num_experts is not None:
         check_int("num_experts", num_experts, minimum=1)
     if num_max_tokens_per_rank is not None:
@@ -464,20 +394,22 @@ def validate_dispatch(buf, x, topk_idx, topk_weights, stats, num_experts, num_ma
     if stats is not None:
         check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
                      shape=(num_experts // buf.num_ranks,), device=dev)
-    return dict(data=data, sf=sf, num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
-                expert_alignment=expert_alignment, num_sms=num_sms, handle=handle, do_handle_copy=do_handle_copy,
-                do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
-                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats=stats)
+    return data, sf, CallPlan(
+        dev, *streams, num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
+        expert_alignment=expert_alignment, num_sms=num_sms, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
+        do_expand=do_expand, do_zero_padding=do_zero_padding,
+        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, check_ids=handle is None and dev.type == "cpu")
 
 
 def validate_combine(buf, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                      previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
                      apply_dispatch_weights) -> tuple:
-    """All combine argument rules, in order; returns the biases as a tuple of 0-2 tensors."""
+    """All combine argument rules, in order. Returns ``(bias, plan)``: the biases as a tuple of 0-2
+    tensors and the call's `CallPlan`."""
     dev = buf.device
-    _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
-                          async_with_compute_stream, allocate_on_comm_stream)
-    check_bool("apply_dispatch_weights", apply_dispatch_weights)
+    streams = _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                                    async_with_compute_stream, allocate_on_comm_stream)
+    apply_dispatch_weights = check_bool("apply_dispatch_weights", apply_dispatch_weights)
     _check_handle(buf, handle, "the EPHandle returned by dispatch")
     if isinstance(x, (tuple, list)):
         raise TypeError("combine takes bf16 x, not an FP8 tuple")
@@ -486,7 +418,7 @@ def validate_combine(buf, x, handle, topk_weights, bias, num_sms, num_qps, previ
     if topk_weights is not None:
         shape = (rows,) if handle.do_expand else (rows, handle.num_topk)
         check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=shape, device=dev)
-        if handle.do_expand and not buf.allow_multiple_reduction:
+        if handle.do_expand and not buf.config.allow_multiple_reduction:
             raise ValueError("combine of an expanded handle reduces topk_weights only with multiple reduction: "
                              "create the buffer with allow_multiple_reduction=True (the default)")
     if apply_dispatch_weights and not handle.do_expand:
@@ -494,4 +426,5 @@ def validate_combine(buf, x, handle, topk_weights, bias, num_sms, num_qps, previ
                          "non-expanded row already holds a rank's sum over its experts")
     if apply_dispatch_weights and handle.recv_topk_weights is None:
         raise ValueError("apply_dispatch_weights=True needs a handle whose dispatch had topk_weights")
-    return normalise_bias(bias, handle.num_tokens, handle.hidden, dev)
+    bias = normalise_bias(bias, handle.num_tokens, handle.hidden, dev)
+    return bias, CallPlan(dev, *streams, apply_dispatch_weights=apply_dispatch_weights)

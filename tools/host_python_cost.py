@@ -1,6 +1,7 @@
 """The Python cost of a GPU call's host code, without a GPU: the GPU backend's per-call code
-(`deep_ep.backends.gpu.dispatch.run_dispatch`, `combine.run_combine`) and the public argument checks
-(`deep_ep.checks`), and the public calls over both (`ElasticBuffer.dispatch` / `combine`, with no
+(`deep_ep.backends.gpu.dispatch.run_dispatch`, `combine.run_combine`), the public argument checks
+(`deep_ep.checks`, run on a call signature's first call) and what a later call of a signature checks
+(`deep_ep.call_plans`), and the public calls over both (`ElasticBuffer.dispatch` / `combine`, with no
 streams), on CPU tensors at the DeepSeek-V3 shapes, with bf16 rows and (public calls) FP8 rows
 (e4m3 data and float32 scale factors, row- and column-major).
 
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import test_gpu_host_path as host_path  # noqa: E402
 
-from deep_ep import checks  # noqa: E402
+from deep_ep import call_plans, checks  # noqa: E402
 from deep_ep.backends import outputs  # noqa: E402
 from deep_ep.backends.base import BufferConfig  # noqa: E402
 from deep_ep.backends.gpu import combine as gpu_combine  # noqa: E402
@@ -109,7 +110,7 @@ def main() -> None:
         b.calls += 1
         return gpu_combine.run_combine(b, y, handle, None, (), num_sms=24)
     buf = types.SimpleNamespace(device=torch.device("cpu"), config=b.config, num_ranks=1, buffer_id=0, rank_idx=0,
-                                num_allocated_qps=0, allow_multiple_reduction=True)
+                                num_allocated_qps=0, _plans={})
     checks.check_topk_values = lambda *a: None
     rows = [
         ("backend: full dispatch, CPU sync", lambda: dispatch(sync=True)),
@@ -124,14 +125,21 @@ def main() -> None:
             False, False)),
         ("checks: combine", lambda: checks.validate_combine(buf, y, handle, None, None, 0, 0, None, None, False,
                                                             False, False)),
+        ("plans: full dispatch, seen signature", lambda: call_plans.dispatch_plan(
+            buf, x, idx, w, None, E, None, None, 0, 0, None, None, False, False, None, True, None, False, False,
+            False)),
+        ("plans: cached dispatch, seen signature", lambda: call_plans.dispatch_plan(
+            buf, x, None, w, None, None, None, None, 0, 0, None, None, False, False, handle, True, None, False,
+            False, False)),
+        ("plans: combine, seen signature", lambda: call_plans.combine_plan(
+            buf, y, handle, None, None, 0, 0, None, None, False, False, False)),
     ]
     # The public calls on that backend (argument checks, the buffer's stream layer with no streams).
     from deep_ep.buffer import ElasticBuffer
     pub = ElasticBuffer.__new__(ElasticBuffer)
     pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
-                        allow_multiple_reduction=True, num_allocated_qps=0)
+                        allow_multiple_reduction=True, num_allocated_qps=0, _plans={})
     b.get_comm_stream = lambda: None
-    checks._min_max = lambda t: (0, 0)   # the short path's read of the ids on CPU (a GPU's kernel checks them)
     rows += [
         ("public: full dispatch, CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E)),
         ("public: full dispatch, no CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)),

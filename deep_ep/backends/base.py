@@ -135,37 +135,6 @@ class Backend(abc.ABC):
             dispatch ``handle`` is the handle given. ``handle.num_sms`` is the SM count used.
         """
 
-    def cached_dispatch(self, data: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: EPHandle,
-                        num_sms: int, do_zero_padding: bool = False, sf: Optional[torch.Tensor] = None,
-                        col_major_sf: bool = False) -> tuple:
-        """`dispatch` with ``handle`` given, bf16 ``data`` (or FP8 ``data`` with its scale factors
-        ``sf``, ``col_major_sf`` as ``use_tma_aligned_col_major_sf``) and every option not named here
-        at its default (no statistics): the buffer's most common call, already checked
-        (`deep_ep.checks.plain_cached_dispatch_ok`). A backend may serve it on a shorter path."""
-        return self.dispatch(data, sf, None, topk_weights, num_experts=handle.num_experts,
-                             num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
-                             expert_alignment=handle.expert_alignment, num_sms=num_sms, handle=handle,
-                             do_handle_copy=True, do_cpu_sync=handle.do_cpu_sync, do_expand=handle.do_expand,
-                             do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=col_major_sf,
-                             cumulative_local_expert_recv_stats=None)
-
-    def fresh_dispatch(self, data: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                       num_experts: int, num_sms: int, do_handle_copy: bool, do_cpu_sync: bool,
-                       num_max_tokens_per_rank: int, expert_alignment: int, do_expand: bool, do_zero_padding: bool,
-                       cumulative_local_expert_recv_stats: Optional[torch.Tensor], sf: Optional[torch.Tensor] = None,
-                       col_major_sf: bool = False) -> tuple:
-        """`dispatch` without a handle, with bf16 ``data`` (or FP8 ``data`` with its scale factors
-        ``sf``, ``col_major_sf`` as ``use_tma_aligned_col_major_sf``), every argument resolved
-        (``num_max_tokens_per_rank`` the call's or the buffer's, ``expert_alignment`` >= 1) and
-        already checked (`deep_ep.checks.plain_fresh_dispatch_ok`). Returns what `dispatch`
-        returns. A backend may serve it on a shorter path."""
-        return self.dispatch(data, sf, topk_idx, topk_weights, num_experts=num_experts,
-                             num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
-                             num_sms=num_sms, handle=None, do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync,
-                             do_expand=do_expand, do_zero_padding=do_zero_padding,
-                             use_tma_aligned_col_major_sf=col_major_sf,
-                             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
-
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
                 bias: tuple, *, num_sms: int, apply_dispatch_weights: bool = False) -> tuple:
@@ -185,12 +154,6 @@ class Backend(abc.ABC):
         Returns:
             ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None)``.
         """
-
-    def plain_combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
-                      num_sms: int) -> tuple:
-        """`combine` without bias and without ``apply_dispatch_weights``, already checked
-        (`deep_ep.checks.plain_combine_ok`); ``num_sms`` resolved."""
-        return self.combine(x, handle, topk_weights, (), num_sms=num_sms)
 
     def destroy(self) -> None:
         """Release every resource (windows, communicators, streams). Called once."""

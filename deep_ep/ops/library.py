@@ -122,8 +122,8 @@ def dispatch_op(buffer_id: int, x: Tensor, sf: Optional[Tensor], topk_idx: Tenso
     buf = registry.find_buffer(buffer_id)
     prepare_backward_modules(buf, x.shape[1], topk_idx.shape[1], do_expand)
     # Options at their defaults are passed as such (the buffer's M, alignment 1; zero padding only
-    # matters in the expanded layout, the only one with padding rows): the call may then take the
-    # buffer's short path, with the same result.
+    # matters in the expanded layout, the only one with padding rows): the call then shares its
+    # checked signature with the buffer's direct calls (`deep_ep.call_plans`), with the same result.
     recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(
         x if sf is None else (x, sf), topk_idx, topk_weights, num_experts=num_experts,
         num_max_tokens_per_rank=None if num_max_tokens_per_rank in (0, buf.config.num_max_tokens_per_rank)
@@ -186,7 +186,7 @@ def combine_op(buffer_id: int, token: Tensor, x: Tensor, topk_weights: Optional[
     the handle's layout (the backward's cached dispatch needs it for its shapes)."""
     buf = registry.find_buffer(buffer_id)
     handle = registry.handle_of(token)
-    bias = None if bias_0 is None and bias_1 is None else (bias_0, bias_1)   # None: the buffer's short path
+    bias = None if bias_0 is None and bias_1 is None else (bias_0, bias_1)   # None: a combine without bias's signature
     combined_x, combined_w, _ = buf.combine(x, handle, topk_weights, bias, num_sms=num_sms,
                                             apply_dispatch_weights=dispatch_weights is not None)
     return combined_x, combined_w if combined_w is not None else _placeholder(torch.float32, x.device)

@@ -29,7 +29,7 @@ from . import window as wl
 from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
                   call_tag)
 from .combine import run_combine
-from .dispatch import NOTIFY_WARPS, run_cached, run_dispatch
+from .dispatch import NOTIFY_WARPS, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
 from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, dispatch_defines,
                       kernel_source, load_module, num_modules_built, tunable_defines)
@@ -257,18 +257,10 @@ class GPUBackend(Backend):
             self.readback.free()
 
     # ------------------------------------------------------------------ dispatch / combine
-    # `Backend.dispatch` itself (no wrapper frame: `Backend.fresh_dispatch` reaches it directly)
+    # `Backend.dispatch` and `Backend.combine` themselves (no wrapper frame between the buffer and
+    # the per-call code)
     dispatch = run_dispatch
-
-    def cached_dispatch(self, data, topk_weights, handle, num_sms, do_zero_padding=False, sf=None, col_major_sf=False):
-        return run_cached(self, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, None)
-
-    def plain_combine(self, x, handle, topk_weights, num_sms):
-        return run_combine(self, x, handle, topk_weights, (), num_sms=num_sms)
-
-    def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
-        return run_combine(self, x, handle, topk_weights, bias, num_sms=num_sms,
-                           apply_dispatch_weights=apply_dispatch_weights)
+    combine = run_combine
 
     # ------------------------------------------------------------------ helpers for the primitives
     def layout(self, stride: int) -> wl.WindowLayout:
