@@ -1,14 +1,7 @@
 // The scale-up transport over loads and stores (LSA): every peer's window is addressable from this
-// GPU, either NVLink peer memory of NCCL's symmetric window, or, for ranks emulated on one GPU, a
-// slice of one allocation. Kernels reach peers only through this object:
-//   put / put_chunk   store a value / a warp's row chunk into a peer's window (at a byte offset),
-//   get / get_chunk   coherent load from a peer's window,
-//   signal_all        tell every peer that this rank's writes into their windows are complete (with
-//                     the call's tag, window.cuh),
-//   wait_all          wait until every peer has signalled this round, with a timeout that records
-//                     rank, peer and phase.
-// A transport over RDMA (NCCL GIN) implements the same operations: a put becomes a GIN put from
-// this rank's window, a signal a GIN signal, a wait a wait on GIN signals.
+// GPU (NVLink peer memory of NCCL's symmetric window, or slices of one allocation for emulated ranks).
+// Kernels reach peers only through it: put/get (and their warp-chunk forms) at a byte offset of a
+// peer's window, signal_all to publish this rank's writes, wait_all to wait for every peer's signal.
 #pragma once
 
 #include "../common/copy.cuh"
@@ -20,14 +13,11 @@ struct LsaTransport {
     uint8_t* const* bases;  // [num_ranks] peers' window bases as seen from this GPU (shared memory)
     int rank, num_ranks;
 
-    // This rank's own window (control region, received rows, staged combine rows).
     __device__ __forceinline__ uint8_t* local() const { return bases[rank]; }
 
-    // Whether the data phases exchange signals. A rank alone stages nothing in any window (its rows
-    // go straight between the caller's tensors), so its dispatch and combine kernels neither signal
-    // nor wait: no grid-wide meeting of their blocks, and the epoch and the arrival count stay
-    // equal (both untouched). The notify kernel and the barrier still exchange, with itself: each
-    // signal is matched by one wait, which advances the epoch.
+    // A rank alone stages nothing in any window, so its data kernels neither signal nor wait and its
+    // epoch and arrival count stay equal; its notify kernel and barrier still signal and wait on
+    // itself, one wait (one epoch advance) per signal.
     __device__ __forceinline__ bool exchanges() const { return num_ranks > 1; }
 
     template <typename T>
@@ -47,11 +37,10 @@ struct LsaTransport {
         load_chunk<kUnroll, kVecs, true>(reinterpret_cast<const int4*>(bases[peer] + offset), base, lane, v);
     }
 
-    // Called by the last block of a producer phase (see `last_block`): tell every peer that this
-    // rank's writes into their windows are complete. Release semantics at system scope make every
-    // write this GPU issued before visible to a peer that observes the increment with acquire.
-    // The call's tag goes first, into the slot of this rank's epoch parity (a peer runs at most one
-    // call ahead, so two slots never overwrite a tag not yet read); the release increment orders it.
+    // By the last block of a producer phase (`last_block`). The system-scope release increment makes
+    // every earlier write of this GPU, the tag included, visible to a peer that observes it with
+    // acquire. The tag goes into the slot of this rank's epoch parity: a peer runs at most one call
+    // ahead, so two slots never overwrite a tag not yet read.
     __device__ __forceinline__ void signal_all(CallTag tag) const {
         __threadfence_system();
         const int slot = static_cast<int>(ld_volatile(ctrl_of(local()) + kCtrlEpoch) & 1u);
@@ -63,9 +52,8 @@ struct LsaTransport {
         }
     }
 
-    // Wait (every block that calls it) until each peer has signalled `epoch + 1` times, where
-    // `epoch` is this rank's count of completed waits. Gives up after `timeout_ns`: records the
-    // rank, the first missing peer and the phase in the control region and returns false.
+    // Wait until each peer has signalled epoch + 1 times (epoch: this rank's completed waits); after
+    // `timeout_ns`, record rank, missing peer and phase in the control region and return false.
     __device__ __forceinline__ bool wait_all(int phase, uint64_t timeout_ns) const {
         uint8_t* my_window = local();
         uint32_t* ctrl = ctrl_of(my_window);

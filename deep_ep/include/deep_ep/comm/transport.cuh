@@ -1,10 +1,8 @@
-// How a kernel obtains its transport. The host passes one `TransportArgs` by value to every kernel
-// (deep_ep/backends/gpu/abi.py mirrors both forms); `make_transport` resolves the peers' window
-// bases once per block into a shared-memory table, so the data loops index shared memory.
-//   EP_TRANSPORT_NCCL=1: NCCL's device communicator (ncclDevComm, created from the user's
-//                        torch.distributed communicator) and the buffer's symmetric window; the
-//                        peers are the LSA team, their windows come from ncclGetLsaPointer.
-//   EP_TRANSPORT_NCCL=0: ranks emulated on one GPU: a table of window slices of one allocation.
+// How a kernel obtains its transport: the host passes one `TransportArgs` by value to every kernel
+// (deep_ep/backends/gpu/abi.py mirrors both forms); `make_transport` copies the peers' window bases
+// once per block into a shared-memory table, which the data loops index.
+//   EP_TRANSPORT_NCCL=1: NCCL's device communicator and the buffer's symmetric window (LSA team).
+//   EP_TRANSPORT_NCCL=0: ranks emulated on one GPU, window slices of one allocation.
 #pragma once
 
 #include "lsa.cuh"

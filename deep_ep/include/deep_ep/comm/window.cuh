@@ -1,12 +1,8 @@
-// A rank's window as its own kernels use it: the control region (epoch, round, error record, block
-// counters; word offsets in common/abi.cuh) and where receive rows live. Everything here touches
-// this rank's own window only; reaching peers is the transport's job (comm/lsa.cuh).
-//
-// Protocol: every kernel that waits for peers (a consumer phase) ends with `finish_wait`, whose
-// last block advances this rank's epoch (`finish_wait_one_block` where one block alone waited, as
-// the notify kernel's layout stage does); a wait expects every peer to have signalled epoch + 1
-// times. Data rounds alternate between the two receive halves (the round word), so a round never
-// overwrites rows a peer may still read from the previous one.
+// A rank's window as its own kernels use it: the control region (word offsets in common/abi.cuh)
+// and the receive rows; peers are reached only through comm/lsa.cuh. Protocol: every consumer phase
+// (a kernel that waits for peers) ends with `finish_wait`, which advances this rank's epoch; a wait
+// expects every peer to have signalled epoch + 1 times. Data rounds alternate between the two
+// receive halves, so a round never overwrites rows a peer may still read from the previous one.
 #pragma once
 
 #include "../common/abi.cuh"
@@ -14,10 +10,9 @@
 
 namespace deep_ep::comm {
 
-// A call's identity, sent with every signal: its number on the rank (every public call counts,
-// refused ones too) and a fingerprint of its configuration. After a wait every rank compares its
-// peers' with its own, so a rank that skipped or repeated a call, or that disagrees on the call, is
-// found at the next exchange instead of pairing with the wrong call or waiting for a timeout.
+// A call's identity, sent with every signal: its number on the rank (refused calls count too) and a
+// fingerprint of its configuration, so a rank that skipped, repeated or disagrees on a call is found
+// at the next exchange instead of pairing with the wrong call or timing out.
 struct CallTag {
     uint32_t seq, fingerprint;
 };
@@ -38,12 +33,10 @@ __device__ __forceinline__ bool has_error(uint8_t* my_window) {
     return ld_volatile(ctrl_of(my_window) + kCtrlError) != 0u;
 }
 
-// The receive half this rank's current round uses (rounds alternate halves).
 __device__ __forceinline__ int current_half(uint8_t* my_window) {
     return static_cast<int>(ld_volatile(ctrl_of(my_window) + kCtrlRound) & 1u);
 }
 
-// The number of signals from each peer the next wait expects (this rank's epoch + 1).
 __device__ __forceinline__ uint32_t wait_target(uint8_t* my_window) {
     return ld_volatile(ctrl_of(my_window) + kCtrlEpoch) + 1u;
 }
@@ -53,9 +46,8 @@ __device__ __forceinline__ uint32_t* tag_words(uint8_t* window, int slot, int pe
     return ctrl_of(window) + kCtrlTag + (slot * kMaxRanks + peer) * 2;
 }
 
-// After a wait (every thread of the block calls it): the first peer whose tag differs from ``mine``
-// (-1: none), with its tag. A rank that skipped or repeated a call sees a peer's differing tag, and
-// that peer sees its: every rank of a mismatched exchange finds one.
+// After a wait (every thread of the block): the first peer whose tag differs from ``mine`` (-1: none).
+// Both sides of a mismatched exchange see each other's differing tag, so every rank finds one.
 __device__ __forceinline__ int find_tag_mismatch(uint8_t* my_window, int num_ranks, CallTag mine, CallTag& theirs) {
     __shared__ int s_peer;
     if (threadIdx.x == 0) s_peer = 0x7fffffff;
@@ -75,9 +67,8 @@ __device__ __forceinline__ int find_tag_mismatch(uint8_t* my_window, int num_ran
     return peer;
 }
 
-// After the wait of a data or barrier kernel (every thread of the block calls it): a peer whose tag
-// differs is recorded as an error (kErrMismatch: this rank, that peer, and its call number in the
-// phase word), and the caller moves nothing.
+// After a wait (every thread of the block): a differing tag is recorded as kErrMismatch (this rank,
+// that peer, its call number in the phase word) and the caller moves nothing.
 __device__ __forceinline__ bool check_tags(uint8_t* my_window, int rank, int num_ranks, CallTag mine) {
     CallTag theirs{0u, 0u};
     const int peer = find_tag_mismatch(my_window, num_ranks, mine, theirs);
@@ -85,29 +76,20 @@ __device__ __forceinline__ bool check_tags(uint8_t* my_window, int rank, int num
     return peer < 0;
 }
 
-// Byte offset of row ``row`` of receive half ``half`` in every rank's window (layout:
-// deep_ep/backends/gpu/window.py). ``Args`` is any kernel argument struct with recv_offset,
-// half_bytes and row_stride.
+// Byte offset of row ``row`` of receive half ``half`` in every window (deep_ep/backends/gpu/window.py).
 template <typename Args>
 __device__ __forceinline__ int64_t row_offset(const Args& a, int half, int row) {
     return a.recv_offset + half * a.half_bytes + static_cast<int64_t>(row) * a.row_stride;
 }
 
-// ---- counting finished blocks -------------------------------------------------------------------
-// Returns true in every thread of exactly one block: the last block to finish this phase. Resets
-// the done-counter (``slot``) for the next kernel. Each block must have finished its own writes.
-// Producer and consumer phases count on separate words: in a kernel that runs both, a block may
-// finish its consumer phase early (a recorded error makes waits return at once) while others are
-// still producing, and one shared counter would then pick the wrong last block.
-// The block meets at bar.sync first and one thread fences: bar.sync orders the other threads'
-// writes before thread 0's later operations, and the fence is cumulative over what precedes it in
-// that order (the pattern of a cooperative-groups grid sync, at system scope where the writes go to
-// peers' windows).
-// ``system``: the blocks' writes must be visible to peers (a producer phase); false: only to this
-// GPU (a consumer phase, whose writes are local; peers learn of its end through the next signal).
-// The count is the release half only: there is no fence after the atomicAdd, so a caller that
-// reads other blocks' writes in the last block fences first (the transport's signal and
-// finish_wait do).
+// last_block: true in every thread of exactly one block, the last to finish this phase (its own
+// writes done); resets the counter ``slot`` for the next kernel. Producer and consumer phases count on
+// separate words: a block may leave its consumer phase early (after a recorded error, waits return at
+// once) while others still produce, and a shared counter would pick the wrong last block. bar.sync
+// orders the block's writes before thread 0's fence, which is cumulative over them (the
+// cooperative-groups grid-sync pattern); ``system`` scope for a producer phase, whose writes went to
+// peers. Release half only: a last block that reads other blocks' writes fences first (signal_all
+// and end_wait do).
 __device__ __forceinline__ void block_fence(bool system) {
     if (system) __threadfence_system();
     else __threadfence();
@@ -127,10 +109,8 @@ __device__ __forceinline__ bool last_block(uint8_t* my_window, int slot = kCtrlD
     return is_last;
 }
 
-// Copy this rank's error record ``src`` (its code already read: ``code``) to mapped host memory.
-// Only an error is copied: the window's record is never cleared, so while it reads 0 the host's
-// copy (zeroed at creation) is already right, and a call without an error does not pay for writes
-// and system-scope fences over PCIe.
+// Copy an error record to mapped host memory only when there is one: the record is never cleared
+// and the host's copy starts zeroed, so an error-free call pays no system-scope fences over PCIe.
 __device__ __forceinline__ void error_to_host(const volatile uint32_t* src, uint32_t code, uint32_t* err_host) {
     if (err_host != nullptr && code != 0u) {
         // rank, peer, phase first, then the code the host tests: never a torn record
@@ -142,10 +122,9 @@ __device__ __forceinline__ void error_to_host(const volatile uint32_t* src, uint
     }
 }
 
-// The end of a wait, by one thread once every block that waited is done: advance the epoch (and
-// the round), and when ``err_host`` is given (host memory mapped into the device's address space),
-// copy the error record there, so the host sees an error of an asynchronous call at its next call
-// without a copy operation on the stream (also under CUDA-graph replay).
+// By one thread once every block that waited is done: advance the epoch (and round) and copy any error
+// to mapped host memory, where the host finds it at its next call without a copy on the stream (also
+// under CUDA-graph replay).
 __device__ __forceinline__ void end_wait(uint8_t* my_window, bool advance_round, uint32_t* err_host) {
     uint32_t* ctrl = ctrl_of(my_window);
     __threadfence();  // every block has arrived: their error records are visible from here on

@@ -8,12 +8,11 @@
 
 namespace deep_ep {
 
-// ---- limits -----------------------------------------------------------------------------------
 constexpr int kMaxRanks = 1024;     // ranks of one scale-up (LSA) domain: signal words per window
 constexpr int kMaxExperts = 1024;   // experts a window's count matrix has room for
 constexpr int kMaxTopk = 16;        // top-k assumed when a buffer was created without num_topk
 
-// ---- the control region of every rank's window (u32 words from the window's start) ------------
+// The control region of every rank's window (u32 words from the window's start).
 constexpr int kCtrlBytes = 65536;
 constexpr int kCtrlArrive = 0;               // [kMaxRanks] signals received from each peer
 constexpr int kCtrlEpoch = kMaxRanks;        // waits this rank has completed (one per consumer phase)
@@ -21,10 +20,9 @@ constexpr int kCtrlRound = kMaxRanks + 1;    // data rounds completed (selects t
 constexpr int kCtrlDone = kMaxRanks + 2;     // blocks that finished a producer phase (send, notify)
 constexpr int kCtrlDoneWait = kMaxRanks + 3; // blocks that finished a consumer phase (finish_wait)
 constexpr int kCtrlError = kMaxRanks + 4;    // [4]: code, rank, peer, phase (the first error wins)
-constexpr int kCtrlTag = kMaxRanks + 8;      // [2][kMaxRanks][2]: each peer's (call number, fingerprint)
-                                             // of its last signal, in the slot of its epoch's parity
+constexpr int kCtrlTag = kMaxRanks + 8;      // [epoch parity][peer][2]: (call number, fingerprint)
 
-// ---- error codes (kCtrlError[0]) and the phases a timeout names (kCtrlError[3]) ----------------
+// Error codes (kCtrlError[0]) and the phases a timeout names (kCtrlError[3]).
 constexpr int kErrTimeout = 1;    // a peer did not arrive in time
 constexpr int kErrCapacity = 2;   // this rank would receive more rows than its outputs hold
 constexpr int kErrBadExpert = 3;  // a rank's topk_idx holds an id outside [-1, num_experts): nothing moved
@@ -34,27 +32,24 @@ constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
 constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
 constexpr int kPhaseBarrier = 4;   // barrier: waiting for peers
 
-// ---- the count matrix of a dispatch (int32, in every rank's window at counts_offset) -------------
-// Row s, written by source rank s's notify kernel: [R] tokens per destination rank, [E] pairs per
-// expert, then the first out-of-range expert id it found: its flat index t * K + k (-1: none) and
-// its value (clamped to int32).
+// A dispatch's count matrix (int32, in every window at counts_offset), row s written by source s:
+// [R] tokens per destination rank, [E] pairs per expert, then the first out-of-range expert id it
+// found: its flat index t * K + k (-1: none) and its value (clamped to int32).
 constexpr int kCountsExtraWords = 2;
 
-// ---- the notify kernel's blocks ------------------------------------------------------------------
-// Warps (groups of tokens) per block: the grid barriers' atomics are one per block, and a block sums
-// its warps' counts in shared memory before the grid-wide prefix.
+// The notify kernel: warps (token groups) per block, several so that the grid barriers take fewer
+// atomics; (token, slot) pairs staged in shared memory at a time (whole tokens: top-k at most this).
 constexpr int kNotifyWarps = 8;
-// (token, slot) pairs of a group's ids in shared memory at a time (whole tokens): top-k at most this.
 constexpr int kNotifyTilePairs = 256;
-// Its scratch words (int32 device memory the host allocates zeroed, but for kNotifyBadIndex, and
-// sizes for kNotifyGroupCounts + blocks * (R + kMaxExperts) words); each kernel leaves them as it found them.
+// Its scratch: kNotifyGroupCounts + blocks * (R + kMaxExperts) int32 words, zeroed by the host but
+// for kNotifyBadIndex; each kernel leaves them as it found them.
 constexpr int kNotifyBarrierCount = 0;  // grid barrier: blocks arrived
 constexpr int kNotifyBarrierGen = 1;    // grid barrier: generation
 constexpr int kNotifyBadIndex = 2;      // smallest flat index of an out-of-range id (INT_MAX: none)
 constexpr int kNotifyGroupCounts = 3;   // [blocks][R + E] pairs per column and block
 
-// ---- what the layout stage reports to the host (int32 words of mapped host memory) -------------
-// Written when the call synchronises with the host: the sequence number last, after the rest.
+// What the layout stage reports to a host that synchronises (int32 words of mapped host memory);
+// the sequence number is written last.
 constexpr int kReadbackSeq = 0;         // the call's sequence number (the host polls for it)
 constexpr int kReadbackStatus = 1;      // 0, or an error code (kErr*)
 constexpr int kReadbackRank = 2;        // the rank that reports
@@ -67,8 +62,7 @@ constexpr int kReadbackOutRows = 6;     // output rows incl. padding
 constexpr int kReadbackTokRows = 7;     // received token rows
 constexpr int kReadbackCounts = 8;      // [L] received pairs per local expert, padded to the alignment
 
-// ---- the layout words of a handle (int32), in order: name, count in R (ranks), L (local experts)
-// and E (experts). LayoutIndex below gives each one's offset.
+// The layout words of a handle (int32), in order: name, count in R, L (local experts) or E.
 #define EP_LAYOUT_WORDS(X)                                                                        \
     X(num_out_rows, 1)       /* output rows incl. padding (expanded) = token rows (non-expanded) */ \
     X(num_tok_rows, 1)       /* received token rows */                                              \
@@ -81,7 +75,6 @@ constexpr int kReadbackCounts = 8;      // [L] received pairs per local expert, 
     X(out_base, E)           /* [E] expanded: this rank's first output row per global expert */     \
     X(psum_expert, L)        /* [L] the handle's psum_num_recv_tokens_per_expert (DeepEP's meaning) */
 
-// Offsets (int32 words) inside a handle's layout tensor: `ix.tok_prefix()` and so on, `ix.size()`.
 struct LayoutIndex {
 #define EP_LAYOUT_MEMBER(name, count) int name##_offset = 0;
     EP_LAYOUT_WORDS(EP_LAYOUT_MEMBER)

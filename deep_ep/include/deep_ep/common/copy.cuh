@@ -6,9 +6,8 @@
 
 namespace deep_ep {
 
-// Vectors per lane per chunk for a row of kVecs 16-byte vectors: kTunable if it is not 0, else
-// the fewest chunks of at most kMax each, evened out (e.g. 28 vectors per lane and kMax 8: four
-// chunks of 7 rather than 8 + 8 + 8 + 4).
+// Vectors per lane per chunk for a row of kVecs 16-byte vectors: kTunable if not 0, else the fewest
+// chunks of at most kMax, evened out (28 per lane, kMax 8: four chunks of 7, not 8 + 8 + 8 + 4).
 template <int kVecs, int kTunable, int kMax>
 __host__ __device__ constexpr int row_unroll() {
     constexpr int per_lane = (kVecs + 31) / 32;
@@ -16,10 +15,9 @@ __host__ __device__ constexpr int row_unroll() {
     return kTunable != 0 ? kTunable : (per_lane + chunks - 1) / chunks;
 }
 
-// A warp moves a row of kVecs 16-byte vectors in chunks of 32 * kUnroll vectors: lane l handles
-// vectors base + u * 32 + l (u < kUnroll) that exist. Loads of a chunk are all issued before use.
-// kCoherent: the row may have been written by another GPU or kernel (L1 bypassed), else the
-// read-only path (ld_nc, tunable EP_LOAD_NO_L1).
+// A warp moves a row in chunks of 32 * kUnroll vectors, lane l the vectors base + u * 32 + l, all
+// loads of a chunk issued before use. kCoherent: the row may have been written by another GPU or
+// kernel (L1 bypassed); else the read-only path (ld_nc).
 template <int kUnroll, int kVecs, bool kCoherent>
 __device__ __forceinline__ void load_chunk(const int4* src, int base, int lane, int4 (&v)[kUnroll]) {
 #pragma unroll

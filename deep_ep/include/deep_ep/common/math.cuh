@@ -8,7 +8,6 @@ namespace deep_ep {
 template <typename T>
 __host__ __device__ __forceinline__ T ceil_div(T a, T b) { return (a + b - 1) / b; }
 
-// The 8 bf16 values of a 16-byte vector as fp32, in order.
 __device__ __forceinline__ void bf16x8_to_f32(const int4& v, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll

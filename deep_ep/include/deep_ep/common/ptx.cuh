@@ -31,8 +31,7 @@ __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) { return *rei
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 __device__ __forceinline__ void st_cg(int4* p, const int4& v) { __stcg(p, v); }
 
-// Read-only data of this kernel's caller (x, y): the non-coherent path is fine (EP_LOAD_NO_L1,
-// common/tunables.cuh).
+// Read-only data of this kernel's caller (x, y): the non-coherent path is safe.
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
 #if EP_LOAD_NO_L1
     int4 v;
@@ -44,7 +43,6 @@ __device__ __forceinline__ int4 ld_nc(const int4* p) {
 #endif
 }
 
-// Stores of row data (EP_STORE_STREAMING, common/tunables.cuh).
 __device__ __forceinline__ void store_row_vec(int4* p, const int4& v) {
 #if EP_STORE_STREAMING
     __stcs(p, v);

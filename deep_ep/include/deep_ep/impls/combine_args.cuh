@@ -1,9 +1,7 @@
-// Combine: the kernels' argument struct and the layout of a staged row in a rank's window.
-//
-// Window row (both layouts): [values: kHidden bf16][float weight[K] at kWeightOffset]. A non-expanded
-// row holds the expert output the destination computed for the token; an expanded row the
-// destination's partial: the fp32 sum of the token's rows for its experts, in top-k slot order,
-// rounded to bf16 (what DeepEP's "multiple reduction" sends).
+// Combine: the kernels' argument struct and the layout of a row staged in a rank's window:
+// [values: kHidden bf16][float weight[K] at kWeightOffset]. Non-expanded, the expert output the
+// destination computed for the token; expanded, the destination's partial: the fp32 sum of its rows
+// for the token in top-k slot order, rounded to bf16 (what DeepEP's "multiple reduction" sends).
 #pragma once
 
 #include "../common/abi.cuh"

@@ -1,7 +1,5 @@
-// Combine, receive phase (num_sms blocks) on source s: one warp per token (per piece of its row when
-// there are fewer tokens than warps) pulls the rows staged for it by every peer (over the
-// transport) and its own rows, sums them (combine_reduce.cuh), adds the biases and writes bf16;
-// with weights, it also reduces the top-k weights.
+// Combine, receive phase on source s: one warp per token (or piece of its row) pulls the rows every
+// peer staged for it and its own, sums them with the biases (combine_reduce.cuh) and writes bf16.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -29,29 +27,23 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
 
-    // kUnroll vectors per lane per chunk: several independent 16-byte loads in flight per source.
-    // Up to 7 (3.5 KiB per warp) for plain rows of whole 512-byte steps cut into equal chunks; else
-    // 4, within the registers: expanded rows, whose partial sums need a second set of accumulators,
-    // rows with a ragged last step, whose bounds checks need registers too, and rows whose chunks of
-    // up to 7 would be unequal.
+    // Up to 7 vectors per lane per chunk for plain rows of whole 512-byte steps in equal chunks; else 4
+    // to fit the registers (expanded rows hold a second set of accumulators, ragged ones bounds checks).
     constexpr int kWide = row_unroll<Row::kVecs, 0, 7>();
     constexpr bool kWideFits = !kExpand && Row::kVecs % 32 == 0 && (Row::kVecs / 32) % kWide == 0;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_COMBINE_UNROLL, kWideFits ? 7 : 4>();
     constexpr int kChunks = (Row::kVecs + 32 * kUnroll - 1) / (32 * kUnroll);
-    // With fewer tokens than warps (decode), a token's chunks are split over up to kChunks warps, so
-    // that its loads are in flight at once instead of one chunk after another: work item i is piece
-    // i % pieces of token i / pieces. Every element is summed as it would be by one warp.
+    // Fewer tokens than warps (decode): a token's chunks are split over up to kChunks warps so that its
+    // loads are in flight at once; item i is piece i % pieces of token i / pieces, summed as by one warp.
     const int pieces = min(kChunks, max(1, num_warps / max(1, a.num_tokens)));
     const int num_items = a.num_tokens * pieces;
 
-    // The routing of a warp's next token is loaded while it sums the current one (the row
-    // addresses depend on it: without the prefetch every token starts with a dependent load);
-    // the first token's during the wait (the handle's routing is not written by this kernel).
+    // The next token's routing, which the row addresses depend on, is loaded while the current one is
+    // summed; the first token's during the wait (this kernel does not write the routing).
     int next_row = -1, next_pair = -1;
     int64_t next_expert = -1;
     fetch_token_routing<K, kExpand>(a, R, global_warp / pieces, lane, next_row, next_expert, next_pair);
-    // A rank alone sums its own rows only (LsaTransport::exchanges): no wait, and no meeting of the
-    // blocks before the first row moves; only an earlier error voids the call.
+    // A rank alone sums its own rows only, with no wait: only an earlier error voids the call.
     const bool ok = tr.exchanges() ? tr.wait_all(kPhaseCombine, a.timeout_ns) && comm::check_tags(my_window, rank, R, a.tag)
                                    : __syncthreads_and(!comm::has_error(my_window)) != 0;  // block-uniform, as wait_all's
     const int half = comm::current_half(my_window);
@@ -74,10 +66,8 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             my_pair = pair;
             if (a.apply_weights && my_pair >= 0) my_pair_w = a.recv_weights[my_pair];
         }
-        // The token's sources, found once for all its chunks, in slot order (the order of the sum):
-        // the slots that are the last of their owner rank and whose row there exists. Lane j <
-        // num_sources holds the j-th source's owner rank and row; its slot is the set bit of
-        // `sources` with j set bits below it.
+        // The token's sources in slot order (the order of the sum), once for all chunks: slots that are
+        // the last of their owner rank and whose row there exists. Lane j < num_sources holds the j-th.
         const int row_at_owner = __shfl_sync(0xffffffffu, my_row, owner >= 0 && owner < 32 ? owner : 0);
         const int slot_row = !last ? -1 : owner < 32 ? row_at_owner : a.pos_tok[static_cast<int64_t>(t) * R + owner];
         const unsigned sources = __ballot_sync(0xffffffffu, slot_row >= 0);
@@ -117,7 +107,6 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
                 add_bf16_chunk(v, acc);
             }
         };
-        // One chunk of the row: the sum of its vectors, stored.
         auto sum_chunk = [&](const int base) {
             float acc[kUnroll][8];
             init_from_biases<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, acc);
@@ -129,8 +118,8 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             finish_and_store<kHidden, kUnroll, Row::kVecs>(a, t, base, lane, silent_slot, acc);
         };
 #if EP_COMBINE_SINGLE_UNROLL > 0
-        // One source row and no biases: chunks of up to EP_COMBINE_SINGLE_UNROLL vectors per lane, see
-        // store_single_source_chunk. Not expanded: those kernels have no registers to spare.
+        // One source row and no biases: wider chunks (store_single_source_chunk). Not expanded: those
+        // kernels have no registers to spare.
         const bool single = !kExpand && pieces == 1 && num_sources == 1 && a.bias1 == nullptr &&
                             a.bias0 == nullptr;
         if (single) {

@@ -1,14 +1,13 @@
-// The arithmetic of combine: the order of the fp32 additions that a token's result depends on, bit
-// for bit the order of deep_ep.reference (DeepEP V2's):
+// The arithmetic of combine: the order of fp32 additions a token's result depends on, bit for bit
+// that of deep_ep.reference (DeepEP V2's):
 //   acc = fp32(bias 0) + fp32(bias 1)            (or fp32(bias 0), or +0.0 without biases);
 //   for each top-k slot k in order: if k is the last slot of its rank d, acc += fp32(partial of d),
 //   where a rank's partial is its row (non-expanded) or bf16(the fp32 sum, from +0.0, of its slots'
 //   rows in slot order) (expanded); a slot that contributes nothing adds +0.0;
 //   result = bf16(acc), rounded to nearest even.
-// Adding +0.0 changes nothing but a running -0.0, and a running value that is not -0.0 never
-// becomes -0.0 again, so the kernels add that +0.0 once, at the end, when any slot was silent.
-// Weighted rows (apply_dispatch_weights) are the product rounded to fp32, then added: no fused
-// multiply-add, which would round once instead of twice.
+// Adding +0.0 only changes a running -0.0, and a running value that is not -0.0 never becomes -0.0
+// again, so the kernels add it once, at the end, when any slot was silent. Weighted rows add the
+// product rounded to fp32: no fused multiply-add, which would round once instead of twice.
 #pragma once
 
 #include "../common/copy.cuh"
@@ -17,7 +16,6 @@
 
 namespace deep_ep {
 
-// acc[u][q] += the 8 bf16 values of v[u] (fp32).
 template <int kUnroll>
 __device__ __forceinline__ void add_bf16_chunk(const int4 (&v)[kUnroll], float (&acc)[kUnroll][8]) {
 #pragma unroll
@@ -65,9 +63,8 @@ __device__ __forceinline__ void add_rounded_chunk(const float (&part)[kUnroll][8
 template <int kHidden, int kUnroll, int kVecs>
 __device__ __forceinline__ void init_from_biases(const CombineArgs& a, int t, int base, int lane, float (&acc)[kUnroll][8]) {
     const __nv_bfloat16* b0 = a.bias0;
-    // Which biases exist is the same for the whole call: one test per chunk, not one per value
-    // (without biases, the common case, the chunk is only zeroed). A single bias is fp32(it),
-    // whichever of the two it is.
+    // Which biases exist is fixed for the call: one test per chunk, not per value. A single bias is
+    // fp32(it), whichever of the two it is.
     const __nv_bfloat16* first = b0 != nullptr ? b0 : a.bias1;
     const __nv_bfloat16* second = b0 != nullptr ? a.bias1 : nullptr;
     zero_chunk(acc);
@@ -101,10 +98,9 @@ __device__ __forceinline__ void finish_and_store(const CombineArgs& a, int t, in
     }
 }
 
-// A token whose sum has one source row and no biases, chunk ``base`` of kUnroll vectors (already
-// loaded in v): per value the same additions as init_from_biases, add_bf16_chunk and
-// finish_and_store make (+0.0, then the value, then the +0.0 of silent slots), one vector at a
-// time, so that only the loads of the chunk occupy registers across it.
+// A token with one source row and no biases (chunk ``base``, loaded in v): per value the additions of
+// the general path (+0.0, the value, the +0.0 of silent slots), one vector at a time, so that only
+// the chunk's loads occupy registers across it.
 template <int kHidden, int kUnroll, int kVecs>
 __device__ __forceinline__ void store_single_source_chunk(const CombineArgs& a, int t, int base, int lane, bool silent_slot,
                                                           const int4 (&v)[kUnroll]) {

@@ -1,8 +1,6 @@
-// Combine, send phase (num_sms blocks) on destination d: the rows that came from peers are staged in
-// d's own window at the row index they arrived at (non-expanded: the bf16 row; expanded: d's partial,
-// the fp32 sum of the token's rows for d's experts in slot order, rounded to bf16, see
-// combine_reduce.cuh), with the top-k weights to reduce in a trailer. Rows from d itself stay in the
-// caller's tensor. The last block signals every peer.
+// Combine, send phase on destination d: rows that came from peers are staged in d's own window at
+// the row index they arrived at (expanded: d's partial, combine_args.cuh), with their top-k weights
+// in a trailer; rows from d itself stay in the caller's tensor. The last block signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"

@@ -1,10 +1,7 @@
-// Dispatch: the kernels' argument struct, the layout of a dispatched row in a peer's window, and
-// the output helpers the send and receive phases share.
-//
-// Window row (row_stride bytes): [data: kDataBytes][scale factors: kNumSF * 4]
+// Dispatch: the kernels' argument struct, the output helpers both phases share, and the layout of a
+// row in a peer's window (row_stride bytes): [data: kDataBytes][scale factors: kNumSF * 4]
 //   [meta at kMetaOffset: int src_token, int out_row[K], int local_idx[K], float weight[K]]
-// The metadata travels with a dispatch that computes a layout; a cached dispatch sends the data,
-// the scale factors and, when it is given topk_weights, the weights.
+// A cached dispatch sends no metadata but the weights (when given topk_weights).
 #pragma once
 
 #include "../common/abi.cuh"

@@ -1,6 +1,5 @@
-// Dispatch, receive phase (num_sms blocks) on destination d: waits for every peer, then copies the
-// window rows that came from peers into the output tensors (expanded: scattering each row to its
-// experts' rows), fills padding rows and marks rows past the true count (dispatch_recv_tail).
+// Dispatch, receive phase on destination d: waits for every peer, then copies the rows that came from
+// peers into the outputs (expanded: one per local expert), fills padding and marks rows past the count.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -9,10 +8,9 @@
 
 namespace deep_ep {
 
-// The receive phase's last part, after the rows themselves (every thread of the grid): in the
-// expanded layout the padding rows of the L local experts (zeroed with ``zero_padding``, weights 0),
-// then the rows past the true count (ids -1, weights 0) and recv_src_metadata's rows past the
-// ``num_tok_rows`` received tokens (-1).
+// After the rows (every thread of the grid): expanded, the local experts' padding rows (zeroed with
+// ``zero_padding``, weights 0); then rows past the true count (ids -1, weights 0) and
+// recv_src_metadata past the ``num_tok_rows`` received tokens (-1).
 template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
 __device__ __forceinline__ void dispatch_recv_tail(const DispatchArgs& a, bool zero_padding, int L, const LayoutIndex& ix,
                                                    int num_tok_rows) {

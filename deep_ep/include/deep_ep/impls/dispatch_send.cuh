@@ -1,8 +1,6 @@
-// Dispatch, send phase (num_sms blocks) on source rank s: one warp per token. The token's data row
-// is read once into registers, chunk by chunk, and stored to every destination: rows for a peer
-// go into the receive half of that peer's window (with the metadata trailer of dispatch_args.cuh);
-// rows for this rank go straight into the output tensors (expanded: once per local expert). The
-// last block to finish signals every peer (a rank alone signals nothing: LsaTransport::exchanges).
+// Dispatch, send phase on source rank s: one warp per token reads its row once, chunk by chunk, and
+// stores it to every destination: a peer's receive half (with the trailer of dispatch_args.cuh), or
+// this rank's output tensors directly (expanded: once per local expert). The last block signals.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -11,9 +9,8 @@
 
 namespace deep_ep {
 
-// What a warp loads to start moving a token (lane-wise): the row's first chunk (kUnroll vectors),
-// scale factors lane, lane + 32, ... (FP8), the top-k expert id (lanes < K), the row at rank
-// ``lane`` (lanes < num_ranks; ranks >= 32 are read where used) and the pair's row (expanded).
+// What a warp loads to start a token, lane-wise: the row's first chunk, scale factors lane, lane + 32,
+// ..., expert id (lanes < K), row at rank ``lane`` (ranks >= 32 are read where used), pair's row.
 template <int kUnroll, int kSFPerLane>
 struct TokenLoads {
     int4 v[kUnroll];
@@ -22,7 +19,6 @@ struct TokenLoads {
     int row, pair;
 };
 
-// Issue token t's loads (none from ``end`` on; the values are then unused).
 template <int kVecs, int kNumSF, int K, bool kExpand, int kUnroll, int kSFPerLane>
 __device__ __forceinline__ void fetch_token(const DispatchArgs& a, int num_ranks, int t, int end, int lane,
                                             TokenLoads<kUnroll, kSFPerLane>& o) {
@@ -49,11 +45,8 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
     const LayoutIndex ix{R, L, a.num_experts};
     constexpr int kSFPerLane = (kNumSF + 31) / 32;
-    // Everything a token's moves start from is loaded one token ahead (TokenLoads): the first
-    // chunk of the row, its scale factors and its routing for the warp's next token are requested
-    // while the current token's last chunk is stored, so a warp never waits for a routing or
-    // first-chunk load between tokens. The warp's first token is requested before the control
-    // words are read.
+    // TokenLoads of the next token are requested while the current token's last chunk is stored, so a
+    // warp never waits on a routing or first-chunk load between tokens.
     TokenLoads<kUnroll, kSFPerLane> cur, next;
     fetch_token<Row::kVecs, kNumSF, K, kExpand>(a, R, wg.warp, num_tokens, lane, cur);
     uint8_t* my_window = tr.local();
@@ -89,7 +82,6 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
         }
         __syncwarp();  // rows of ranks >= 32 are re-read from pos_tok below
 
-        // ---- data: read once, store to every destination ----
         for (int base = 0; base < Row::kVecs; base += 32 * kUnroll) {
             if (base > 0) load_chunk<kUnroll, Row::kVecs, false>(src, base, lane, v);
             if (base + 32 * kUnroll >= Row::kVecs)  // last chunk: the next token's loads go out before its stores
@@ -116,7 +108,6 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
             }
         }
 
-        // ---- scale factors and metadata ----
         const bool with_weights = a.topk_weights != nullptr;
         const float my_weight = (with_weights && lane < K) ? a.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
         for (int d = 0; d < R; ++d) {

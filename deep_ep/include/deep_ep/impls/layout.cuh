@@ -8,9 +8,8 @@
 
 namespace deep_ep {
 
-// One block. counts matrix C[s][R + E] (int32) sits at counts_offset of this rank's window.
-// Every sum over the matrix is spread over the block's threads (shared-memory atomics, then block
-// scans): a single thread walking the matrix would pay one L2 round trip per entry.
+// Every sum over the count matrix C[s][R + E] is spread over the block's threads (shared-memory
+// atomics, then block scans): a single thread walking it would pay one L2 round trip per entry.
 struct LayoutArgs {
     int num_experts, alignment;
     int64_t counts_offset;      // byte offset of the count matrix in every window
@@ -38,9 +37,7 @@ __device__ __forceinline__ int first_bad_source(const int* C, int R, int row, in
     return src;
 }
 
-// ``scratch``: 3 R + L + 2 E ints of shared memory that no other thread of the block uses any more
-// (the notify kernel's dynamic shared memory, [kNotifyWarps][R + E] ints, whose counts it no longer
-// needs).
+// ``scratch``: 3 R + L + 2 E ints of shared memory that no other thread of the block uses any more.
 __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, const comm::LsaTransport& tr,
                                             int* scratch) {
     const int rank = tr.rank, num_ranks = tr.num_ranks, num_experts = a.num_experts, alignment = a.alignment;
@@ -136,13 +133,12 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
         }
     }
     __syncthreads();
-    // More rows than the outputs allocated for the worst case hold (a peer used a larger
-    // num_max_tokens_per_rank): refuse rather than write past them.
+    // More rows than the outputs hold (a peer used a larger num_max_tokens_per_rank): refuse rather
+    // than write past them.
     const bool overflow = ok && (layout[ix.num_out_rows()] > a.out_capacity || layout[ix.num_tok_rows()] > a.tok_capacity);
     if (overflow && threadIdx.x == 0) comm::record_error(my_window, kErrCapacity, rank, -1, kPhaseNotify);
     if (!ok || overflow) {
-        // Every word defined (no rows, zero offsets), so that kernels launched after this one
-        // (without a host check in between) index nothing out of bounds.
+        // Every word defined, so that kernels launched without a host check index nothing out of bounds.
         __syncthreads();
         for (int i = threadIdx.x; i < ix.size(); i += blockDim.x) layout[i] = 0;
     }
@@ -180,8 +176,7 @@ __device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, co
         dst[0] = kErrBadExpert;
         __threadfence_system();
     }
-    // The error record goes to mapped host memory here too (a capacity error of this stage, a timeout
-    // of the notify stage): a rank alone has no data-kernel wait that would copy it (LsaTransport::exchanges).
+    // Copy the error record to the host here too: a rank alone has no data-kernel wait that would.
     comm::finish_wait_one_block(my_window, false, a.err_host);
 }
 

@@ -1,9 +1,7 @@
-// Notify stage of a dispatch (kernels/dispatch.cuh; the layout stage, impls/layout.cuh, follows in
-// the same launch). On source rank s: pos_tok[t, d] is t's index among s's tokens to rank d (-1: not
-// sent); expanded, pos_pair[t, k] is the pair's index among s's pairs for its expert (-1: masked);
-// every peer's window gets s's count row (tokens per rank, pairs per expert, the first out-of-range
-// id); with ``topk_copy``, a copy of topk_idx. The data kernel adds where s's rows start. All blocks
-// must be resident at once (grid barriers); the block that finishes last signals every peer.
+// Notify stage of a dispatch (impls/layout.cuh follows in the same launch), on source rank s:
+// pos_tok[t, d] is t's index among s's tokens to rank d (-1: not sent); expanded, pos_pair[t, k] the
+// pair's index among s's pairs for its expert (-1: masked); every peer's window gets s's count row.
+// All blocks must be resident at once (grid barriers); the last to finish signals every peer.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -24,13 +22,9 @@ struct NotifyArgs {
     comm::CallTag tag;        // this call's number and fingerprint, sent with the counts' signal
 };
 
-// A group's expert ids go through shared memory a tile at a time (kNotifyTilePairs, common/abi.cuh):
-// one load of every id in flight at once, instead of one global-memory round trip per 32 pairs and
-// pass. A tile holds whole tokens (a slot's earlier slots are in the same tile).
-
-// Stage the ids of tokens [t0, t1) (at most kNotifyTilePairs / K of them) into ids[] as column ids:
-// e in [0, E), or -1 when masked or out of range. ``kFirst`` (phase A): also note the smallest flat
-// index of an out-of-range id and write the handle's copy of the ids (``topk_copy``).
+// Stage the ids of tokens [t0, t1) (a tile of whole tokens, so a slot's earlier slots are there too)
+// into shared memory, every load in flight at once: e in [0, E), or -1 when masked or out of range.
+// ``kFirst`` (phase A): also note the smallest flat index of an out-of-range id, and copy the ids.
 template <int K, bool kFirst>
 __device__ __forceinline__ void notify_stage(const NotifyArgs& a, int t0, int t1, int* ids, int lane) {
     const int64_t p0 = static_cast<int64_t>(t0) * K;
@@ -62,17 +56,15 @@ __device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, i
         const int e = active ? ids[i] : -1;
         const int tl = i / K, k = i - tl * K;
         const int d = e >= 0 ? e / L : -1;
-        // A token counts once per rank: only its first slot of that rank counts.
+        // A token counts once per rank (its first slot there) and once per slot for its expert.
         bool first = d >= 0;
         for (int kk = 0; first && kk < k; ++kk) {
             const int ek = ids[tl * K + kk];
             first = !(ek >= 0 && ek / L == d);
         }
-        // rank columns: one count per (token, rank)
         const int rank_key = first ? d : -1;
         const unsigned same_rank = __match_any_sync(0xffffffffu, rank_key);
         const int rank_base = first ? run[d] : 0;
-        // expert columns: one count per (token, slot)
         const unsigned same_expert = __match_any_sync(0xffffffffu, e);
         const int expert_base = e >= 0 ? run[R + e] : 0;
         __syncwarp();
@@ -89,10 +81,8 @@ __device__ __forceinline__ void notify_pass(const NotifyArgs& a, int R, int L, i
     }
 }
 
-// Phase B for up to kNotifyColumnsAtOnce columns c0, c0 + stride, ... of one warp: the loads of
-// every column are in flight together (one round trip, not one per column), then each column's
-// exclusive prefix over the ``num_rows`` rows (blocks) is written back in place and its total
-// returned in totals[j].
+// Phase B for columns c0, c0 + stride, ... of one warp, loaded together (one round trip, not one per
+// column): each column's exclusive prefix over the blocks, in place, and its total in totals[j].
 constexpr int kNotifyColumnsAtOnce = 4;
 
 __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int num_rows, int c0, int stride,
@@ -137,21 +127,17 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
     }
 }
 
-// Each warp of the grid owns a consecutive token range (a group; kNotifyWarps groups per block),
-// stages its ids in shared memory (a tile of whole tokens at a time) and goes over its pairs 32 at
-// a time, in order: `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's
-// index is the group's running count plus the lanes before it. Three phases, separated by grid
-// barriers:
-//   A. count: each group's pairs per column (R ranks, then E experts); the block turns its warps'
-//      counts into prefixes within the block (shared memory) and writes its totals to
-//      scratch[block][column];
-//   B. prefix: warp w scans columns c = w, w + W, ... over the blocks (exclusive, in place; a few
-//      columns at once) and publishes each column's total in counts[s] of every peer's window;
-//   C. number: each group numbers its pairs again, from its block's prefix plus its own within it.
-// A token counts once per rank: only its first slot of that rank counts. Expert ids outside
-// [-1, E) count as masked; the first one (smallest flat index t * K + k) is published with the
-// counts, so that every rank's layout stage sees it and the call moves nothing (kErrBadExpert).
-// Returns true in the threads of the block that finished last (and signalled the peers).
+// Each warp owns a consecutive token range (a group) and goes over its pairs 32 at a time, in order:
+// `__match_any_sync` gathers the lanes of one rank (or expert), so a lane's index is the group's
+// running count plus the lanes before it. Three phases, separated by grid barriers:
+//   A. count each group's pairs per column (R ranks, then E experts); the block turns its warps'
+//      counts into prefixes and writes its totals to scratch[block][column];
+//   B. warp w scans columns w, w + W, ... over the blocks (exclusive, in place) and publishes each
+//      column's total in row s of every peer's count matrix;
+//   C. each group numbers its pairs again, from its block's prefix plus its own.
+// Expert ids outside [-1, E) count as masked; the first one is published with the counts, so every
+// rank's layout stage sees it and the call moves nothing (kErrBadExpert). Returns true in the block
+// that finished last (and signalled the peers).
 template <int K, bool kExpand>
 __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
@@ -171,8 +157,7 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
     int* ids = tiles[warp];
     uint8_t* my_window = tr.local();
 
-    // ---- A: count (and stage / copy the ids); then the block's exclusive prefix over its warps in
-    // shared memory, and its totals to the block's row of the scratch
+    // ---- A: count; the block's exclusive prefix over its warps, its totals to its scratch row
     for (int c = lane; c < cols; c += 32) run[c] = 0;
     for (int s = t0; s < t1; s += kTileTokens) {
         const int e = min(t1, s + kTileTokens);

@@ -1,14 +1,13 @@
-// Entry point of a combine module, compiled once per structural configuration: EP_HIDDEN, EP_TOPK,
-// EP_EXPAND, EP_THREADS and EP_TRANSPORT_NCCL (see kernels/dispatch.cuh for the conventions).
+// Entry point of a combine module, compiled per EP_HIDDEN, EP_TOPK, EP_EXPAND, EP_THREADS and
+// EP_TRANSPORT_NCCL (conventions of kernels/dispatch.cuh).
 #pragma once
 
 #include "../comm/transport.cuh"
 #include "../impls/combine_recv.cuh"
 #include "../impls/combine_send.cuh"
 
-// Stage the rows that came from peers and signal, then pull and sum every token's rows (all blocks
-// resident at once, as in the dispatch data kernels). A rank alone has nothing to stage and skips
-// to the sums (LsaTransport::exchanges).
+// Stage the rows that came from peers and signal, then pull and sum every token's rows; all blocks
+// resident at once, as in the dispatch data kernels.
 extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
 deep_ep_combine_impl_with_combine_reduce_epilogue_impl(
         deep_ep::CombineArgs a, deep_ep::comm::TransportArgs transport) {
