@@ -35,7 +35,7 @@ from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, di
                       kernel_source, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
 
-__all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
+__all__ = ["GPUBackend", "CallRecord", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
            "tunable_defines", "THREADS", "num_modules_built"]
 
 # The data kernels' blocks wait for each other (receive blocks for the last send block's signal),
@@ -48,6 +48,21 @@ NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
 # The notify kernel's grid cap, in groups (warps) per SM (for emulated ranks divided by the ranks):
 # every block is resident at once (it has grid barriers).
 NOTIFY_GROUPS_PER_SM = 8
+
+
+class CallRecord:
+    """What a backend keeps of its latest calls, for what comes after them: the report number of
+    the layout stage's last report (`GPUBackend.wait_readback`), and, for an error a kernel records
+    and the host finds later, the call number of the last kernels launched and the configuration
+    of the last dispatch (its ``num_max_tokens_per_rank``, experts and top-k)."""
+
+    __slots__ = ("readback_seq", "launched_call", "num_max_tokens", "num_experts", "num_topk")
+
+    def __init__(self) -> None:
+        self.readback_seq = 0      # 1 .. 2**31 - 1 once a dispatch with CPU sync ran
+        self.launched_call = 0
+        self.num_max_tokens = 0
+        self.num_experts = self.num_topk = 0
 
 
 class GPUBackend(Backend):
@@ -113,12 +128,9 @@ class GPUBackend(Backend):
         self._host_buf = torch.empty(256, dtype=torch.int32, device="cpu", pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
         self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout stage's report (do_cpu_sync)
-        self.readback_seq = 0
         self._ctrl_error: Optional[torch.Tensor] = None
         self.broken: Optional[str] = None
-        self.last_m = 0
-        self.last_num_experts = self.last_num_topk = 0   # of the last dispatch (for async error messages)
-        self.launched_call = 0   # the call number of the last kernels launched (an async error is theirs)
+        self.call_record = CallRecord()   # set by each call (dispatch, combine)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
         # it and the two prepared launches.
@@ -277,7 +289,7 @@ class GPUBackend(Backend):
         """Launch a dispatch/combine kernel on the comm stream; a cooperative launch the device
         refuses (its blocks cannot all be resident: MPS or green contexts with fewer SMs) becomes a
         LaunchError that says which ``num_sms`` to lower."""
-        self.launched_call = self.calls
+        self.call_record.launched_call = self.calls
         try:
             prepared.launch(self.launch_stream)
         except jit.LaunchError as exc:
@@ -412,13 +424,15 @@ class GPUBackend(Backend):
         if v[0] == ERR_BAD_EXPERT:
             # Found by an earlier call without a host sync; every rank voided that call alike.
             self.err_record.clear()
-            raise_bad_expert(v[1], v[2], v[3], self.last_num_experts, self.last_num_topk)
+            record = self.call_record
+            raise_bad_expert(v[1], v[2], v[3], record.num_experts, record.num_topk)
         if v[0] != 0:
             self._raise(v)
 
     def _raise(self, record: tuple) -> None:
         self.broken = {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls"}.get(record[0], "timeout")
-        raise_recorded(record, self.config.num_gpu_timeout_secs, self.last_m, self.launched_call)
+        raise_recorded(record, self.config.num_gpu_timeout_secs, self.call_record.num_max_tokens,
+                       self.call_record.launched_call)
 
     def _ctrl_error_view(self) -> torch.Tensor:
         if self._ctrl_error is None:

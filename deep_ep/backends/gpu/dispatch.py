@@ -139,7 +139,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     if T > plan.m:
         raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.m} per rank the buffer holds "
                          f"(num_max_tokens_per_rank)")
-    b.last_m = plan.m
+    b.call_record.num_max_tokens = plan.m
     b.raise_if_broken()
     seq = b.calls & 0xFFFFFFFF
     # With CPU sync a rank alone receives its own tokens only: its outputs are allocated for a bound
@@ -175,19 +175,20 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     notify_args.pos_tok, notify_args.pos_pair = pos_tok_ptr, pos_pair_ptr
     layout_args.layout, layout_args.cumulative_stats = lay_ptr, _ptr(cumulative_local_expert_recv_stats)
     if do_cpu_sync:
-        b.readback_seq = layout_args.seq = (b.readback_seq % (2 ** 31 - 1)) + 1
+        record = b.call_record
+        record.readback_seq = layout_args.seq = (record.readback_seq % (2 ** 31 - 1)) + 1
         layout_args.out_capacity, layout_args.tok_capacity = (plan.out_cap, plan.tok_cap) if early_out_rows is None \
             else (early_out_rows, T)
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
-    b.launched_call = b.calls
+    b.call_record.launched_call = b.calls
     try:
         plan.notify.launch(b.launch_stream, notify_blocks)
     except jit.LaunchError as exc:
         if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
             raise _NotifyRefused(notify_blocks) from exc
         raise
-    b.last_num_experts, b.last_num_topk = E, K
+    b.call_record.num_experts, b.call_record.num_topk = E, K
     # The data kernel's arguments that do not depend on the counts (set while the notify kernel runs).
     data_args.x, data_args.sf, data_args.topk_idx, data_args.topk_weights, data_args.num_tokens = \
         data.data_ptr() or None, _ptr(sf), topk_ptr, _ptr(topk_weights), T
@@ -307,7 +308,7 @@ def run_cached(b, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_
                                           rows if handle.do_expand else (rows, launch[2]), launch[0].args[0].tag,
                                           guard)
     prepared, m, K, n_sms, out_rows, x_shape, w_shape, tag, _ = entry
-    b.last_m = m
+    b.call_record.num_max_tokens = m
     b.raise_if_broken()
     dev, fill = b.device, b.fill_stream
     out_x = outputs.empty(x_shape, data.dtype, dev, fill)
