@@ -135,11 +135,11 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             b.fresh_plans.clear()
         plan = b.fresh_plans[key] = FreshPlan(b, data, sf, K, num_experts, expert_alignment, num_max_tokens_per_rank,
                                               num_sms, has_weights, do_cpu_sync, do_expand, do_zero_padding)
-    E, L, ix = plan.E, plan.L, plan.ix
-    if T > plan.m:
-        raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.m} per rank the buffer holds "
+    E, L, ix = plan.num_experts, plan.num_local_experts, plan.layout_index
+    if T > plan.num_max_tokens:
+        raise ValueError(f"{T} tokens on rank {b.rank}, more than the {plan.num_max_tokens} per rank the buffer holds "
                          f"(num_max_tokens_per_rank)")
-    b.call_record.num_max_tokens = plan.m
+    b.call_record.num_max_tokens = plan.num_max_tokens
     b.raise_if_broken()
     seq = b.calls & 0xFFFFFFFF
     # With CPU sync a rank alone receives its own tokens only: its outputs are allocated for a bound
@@ -155,7 +155,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     if per_t is None:
         if len(plan.per_tokens) >= _MAX_PLANS:
             plan.per_tokens.clear()
-        rows = early_rows(T, K, E, plan.A, bool(do_expand)) if early else None
+        rows = early_rows(T, K, E, plan.alignment, bool(do_expand)) if early else None
         words_plan = word_plan(ix, R, L, T, K, bool(do_expand), plan.meta_rows if rows is None else T)
         groups = notify_groups(T, K, b.notify_groups_max)
         per_t = (words_plan, groups // NOTIFY_WARPS, max(1, -(-T // groups)), rows)
@@ -177,7 +177,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
     if do_cpu_sync:
         record = b.call_record
         record.readback_seq = layout_args.seq = (record.readback_seq % (2 ** 31 - 1)) + 1
-        layout_args.out_capacity, layout_args.tok_capacity = (plan.out_cap, plan.tok_cap) if early_out_rows is None \
+        layout_args.out_capacity, layout_args.tok_capacity = (plan.out_capacity, plan.tok_capacity) if early_out_rows is None \
             else (early_out_rows, T)
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = seq
@@ -200,7 +200,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         out_x, out_sf, out_w, out_idx, _, sf_ld = _alloc_outputs(
             b, data, sf, early_out_rows, K, has_weights, do_expand, None, use_tma_aligned_col_major_sf)
         _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, meta_ptr, early_out_rows, T)
-        b.launch_data(plan.data, plan.n_sms)
+        b.launch_data(plan.data, plan.num_sms)
         # If the wait raises, the caller's stream is still ordered after the queued kernels
         # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
         head = b.wait_readback(layout_args.seq, E, K)
@@ -216,12 +216,12 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
             out_rows, tok_capacity = head[_OUT_ROWS], head[_TOK_ROWS]
             meta_rows = tok_capacity
         else:   # worst-case rows; recv_src_metadata's are a piece of the words
-            out_rows, tok_capacity, meta_rows = plan.out_cap, plan.tok_cap, None
+            out_rows, tok_capacity, meta_rows = plan.out_capacity, plan.tok_capacity, None
         out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _alloc_outputs(
             b, data, sf, out_rows, K, has_weights, do_expand, meta_rows, use_tma_aligned_col_major_sf)
         state = GPUHandleState(words, words_plan, out_idx, src_meta, tok_capacity)
         _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
-        b.launch_data(plan.data, plan.n_sms)
+        b.launch_data(plan.data, plan.num_sms)
 
     recv_x = out_x if sf is None else (out_x, out_sf)
     # Without CPU sync the handle's counts are the worst case (tok_capacity too).
@@ -229,7 +229,7 @@ def _run_fresh(b, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_
         counts = head[_COUNTS: _COUNTS + L]
         num_expanded_tokens = sum(counts)
     else:
-        counts, num_expanded_tokens = [], plan.expanded_cap
+        counts, num_expanded_tokens = [], plan.expanded_capacity
     # The handle's layout tensors, dst_buffer_slot_idx and recv_src_metadata are views of the state,
     # made when first read (`EPHandle.with_lazy_fields`); the fields that follow from the
     # configuration come with the plan.
