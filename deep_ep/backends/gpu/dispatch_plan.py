@@ -42,14 +42,15 @@ class FreshPlan:
     with it), ``expanded_capacity`` (the handle's expanded rows without CPU sync), ``meta_rows``
     (recv_src_metadata's rows known before a call: the worst case without CPU sync, else 0),
     ``early`` (a rank alone with CPU sync: the data kernel may be queued before the wait);
-    ``notify`` / ``data`` (the prepared launches), ``tags`` (their call tags), ``handle_fields``
+    ``notify`` / ``data`` (the prepared launches), ``notify_args`` / ``layout_args`` / ``data_args``
+    (their argument structs, which each call fills), ``tags`` (their call tags), ``handle_fields``
     (`EPHandle.field_dict` with each call's own fields at placeholders) and ``per_tokens`` (what
     `dispatch` derives per token count, cached here).
     """
 
     __slots__ = ("num_experts", "alignment", "num_local_experts", "hidden", "layout_index", "num_max_tokens",
                  "num_sms", "out_capacity", "tok_capacity", "expanded_capacity", "meta_rows", "early", "notify",
-                 "data", "per_tokens", "tags", "handle_fields")
+                 "data", "notify_args", "layout_args", "data_args", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, backend, data, sf, num_topk, num_experts, alignment, num_max_tokens_per_rank, num_sms,
                  has_weights, do_cpu_sync, do_expand, do_zero_padding):
@@ -91,7 +92,8 @@ class FreshPlan:
     def _prepare_launches(self, backend, layout, structure, tag, num_max_tokens_per_rank, do_cpu_sync,
                           do_zero_padding) -> None:
         """Prepare the notify and data launches of the dispatch module of ``structure`` (with the
-        window ``layout`` and the call ``tag`` of this configuration): ``notify``, ``data``, ``tags``."""
+        window ``layout`` and the call ``tag`` of this configuration): ``notify``, ``data``, their
+        argument structs and ``tags``."""
         num_experts, alignment, timeout_ns = self.num_experts, self.alignment, backend.timeout_ns
         device, transport = backend.device, backend.transport_args
         module = backend.module("dispatch", structure)
@@ -112,8 +114,10 @@ class FreshPlan:
         self.data = module.function(modules.DISPATCH_KERNEL).prepare(
             self.num_sms, modules.THREADS, (data_args, transport, ctypes.c_int(int(do_zero_padding))),
             device=device.index, cooperative=backend.cooperative)
-        # every struct's tag, as views into their arguments (a ctypes field read makes a new view)
-        self.tags = (self.notify.args[0].tag, self.notify.args[1].tag, self.data.args[0].tag)
+        # the structs the launches read (each call sets its fields in them), and every struct's tag,
+        # as views into their arguments (a ctypes field read makes a new view)
+        self.notify_args, self.layout_args, self.data_args = notify_args, layout_args, data_args
+        self.tags = (notify_args.tag, layout_args.tag, data_args.tag)
 
 
 def dispatch_tag(kind: int, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights,
