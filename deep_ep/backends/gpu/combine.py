@@ -10,7 +10,7 @@ from .. import outputs
 from .abi import CombineArgs, call_tag
 from .dispatch_plan import ptr as _ptr
 from . import modules
-from . import window as wl
+from . import window
 from .state import GPUHandleState
 
 __all__ = ["run_combine"]
@@ -75,7 +75,7 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
             "allow_multiple_reduction=True (the default), or use the CPU backend")
     state = handle.backend_state
     hidden, num_topk, num_experts = handle.hidden, handle.num_topk, handle.num_experts
-    layout = backend.layout(wl.combine_row_stride(hidden, backend.config.num_topk))
+    layout = backend.layout(window.combine_row_stride(hidden, backend.config.num_topk))
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("combine", (hidden, num_topk, bool(handle.do_expand)))
     tag = call_tag(0, 3, hidden, num_topk, int(bool(handle.do_expand)), num_experts, has_weights,

@@ -375,8 +375,9 @@ def _allocate_sf(backend, sf, out_rows: int, col_major: bool) -> tuple:
     and their leading dimension (column-major: rows rounded up to 4; else 0)."""
     num_sf = int(sf.shape[1])
     if col_major:
-        ld = _sf_ld(out_rows)
-        return outputs.empty((num_sf, ld), sf.dtype, backend.device, backend.fill_stream).t()[:out_rows], ld
+        leading_dim = _sf_ld(out_rows)
+        return (outputs.empty((num_sf, leading_dim), sf.dtype, backend.device, backend.fill_stream).t()[:out_rows],
+                leading_dim)
     return outputs.empty((out_rows, num_sf), sf.dtype, backend.device, backend.fill_stream), 0
 
 
@@ -453,12 +454,12 @@ def _prepare_cached(backend, data, sf, has_weights, handle, num_sms, do_zero_pad
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("dispatch", (data_bytes, num_sf, num_topk, do_expand))
     out_rows = handle.num_recv_rows
-    ld = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
+    leading_dim = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
     tag = dispatch_tag(2, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights, do_cpu_sync,
                        num_max_tokens)
     args = DispatchArgs(
         topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=state.pos_tok_ptr,
-        pos_pair=state.pos_pair_ptr, sf_ld=ld, out_topk_idx=_ptr(state.recv_topk_idx),
+        pos_pair=state.pos_pair_ptr, sf_ld=leading_dim, out_topk_idx=_ptr(state.recv_topk_idx),
         src_meta=state.src_meta_ptr, max_tokens=handle.num_max_tokens_per_rank, out_capacity=out_rows,
         tok_capacity=state.tok_capacity, layout=state.layout_ptr, num_experts=num_experts, alignment=alignment,
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,

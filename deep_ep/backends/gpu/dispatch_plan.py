@@ -13,7 +13,7 @@ from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
 from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutArgs, NotifyArgs, call_tag, layout_index
 from . import modules
-from . import window as wl
+from . import window
 
 __all__ = ["FreshPlan", "check_config", "dispatch_tag", "sf_ld", "ptr"]
 
@@ -21,11 +21,11 @@ NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kern
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
 
 
-def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+def ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
     """A kernel argument's address: None for no tensor or an empty one (torch reports address 0 for
     any tensor without elements, a view into a larger storage too; the kernels would not touch one
     anyway, since its counts are zero)."""
-    return None if t is None else t.data_ptr() or None
+    return None if tensor is None else tensor.data_ptr() or None
 
 
 class FreshPlan:
@@ -155,7 +155,7 @@ def check_config(backend, data, sf, num_topk, num_experts, num_max_tokens_per_ra
     if data_bytes % 16:
         raise ValueError(f"a token row must be a multiple of 16 bytes on the GPU; got hidden={hidden} "
                          f"({data.dtype}): use a hidden size that is a multiple of 8 (bf16) / 16 (fp8)")
-    layout = backend.layout(wl.dispatch_row_stride(data_bytes, num_sf, window_topk))
+    layout = backend.layout(window.dispatch_row_stride(data_bytes, num_sf, window_topk))
     cap_tok_rows = layout.rows_per_half
     num_max_tokens = num_max_tokens_per_rank or (cap_tok_rows // num_ranks)
     if num_ranks * num_max_tokens > cap_tok_rows:

@@ -37,9 +37,9 @@ class WordPlan(NamedTuple):
                 base + 4 * self.meta_at if self.meta_rows else None)
 
 
-def _align_words(n: int) -> int:
-    """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
-    return (n + 31) // 32 * 32
+def _align_words(num_words: int) -> int:
+    """``num_words`` int32 words rounded up to a multiple of 32 (128 bytes)."""
+    return (num_words + 31) // 32 * 32
 
 
 @functools.lru_cache(maxsize=256)
@@ -171,7 +171,7 @@ class GPUHandleState:
     def tensors(self) -> list:
         """The tensors the kernels read (every view of this state is a view of one of them): what a
         caller keeps alive or records on a stream for the handle (`deep_ep.handle.collect_tensors`)."""
-        return [t for t in (self.words, self.recv_topk_idx, self._src_meta) if t is not None]
+        return [tensor for tensor in (self.words, self.recv_topk_idx, self._src_meta) if tensor is not None]
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict:
