@@ -90,6 +90,17 @@ class GPUBackend(Backend):
         if num_bytes <= 0:
             raise ValueError("the GPU backend needs a window size: pass num_bytes, or "
                              "num_max_tokens_per_rank and hidden to ElasticBuffer")
+        self._open_transport(group, num_bytes)
+        self._set_up_streams()
+        self._set_up_host_state(config)
+        self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
+                                       (self.num_ranks if self.emulated else 1)))
+        self._layouts: dict = {}         # row stride -> WindowLayout
+        self._destroyed = False
+
+    def _open_transport(self, group, num_bytes: int) -> None:
+        """The window of ``num_bytes`` bytes (`deep_ep.comm`), this rank's place in the group, and
+        what the device lends its kernels (SMs, cooperative launches)."""
         self.emulated = hasattr(group, "make_transport")
         if self.emulated:
             self.transport = group.make_transport(num_bytes)
@@ -109,6 +120,9 @@ class GPUBackend(Backend):
         # Host waits (`deep_ep.cuda.streams.spin_until`): emulated ranks sleep between polls from the
         # start, since the peers' threads need the GIL to queue the kernels a wait depends on.
         self.spin_secs: Optional[float] = 0.0 if self.emulated else None
+
+    def _set_up_streams(self) -> None:
+        """The communication stream and what orders a call's kernels after the previous call's."""
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
         # A synchronous call on an NCCL-backed buffer runs on the caller's stream (`ElasticBuffer` sets
@@ -123,6 +137,11 @@ class GPUBackend(Backend):
         # is ordered after them, as DeepEP's calls are by sharing one communication stream.
         self._last_stream: Optional[int] = None
         self._call_done = StreamJoin(self._device)
+
+    def _set_up_host_state(self, config: BufferConfig) -> None:
+        """What the host keeps across calls: the kernels' timeout, the mapped words they report in
+        (error record, the layout stage's report), the call record, loaded modules and the fresh
+        dispatches' plans."""
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, device="cpu", pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
@@ -134,10 +153,6 @@ class GPUBackend(Backend):
         # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
         # it and the two prepared launches.
         self.fresh_plans: dict = {}
-        self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
-                                       (self.num_ranks if self.emulated else 1)))
-        self._layouts: dict = {}         # hidden -> WindowLayout
-        self._destroyed = False
 
     def set_notify_groups_max(self, groups_max: int) -> None:
         """Cap the notify kernel's grid at ``groups_max`` groups (warps; rounded down to whole blocks
