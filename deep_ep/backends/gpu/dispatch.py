@@ -182,7 +182,7 @@ def _plan(call: DispatchCall) -> None:
            call.do_cpu_sync, call.do_expand, call.do_zero_padding)
     plan = backend.fresh_plans.get(key)
     if plan is None:
-        plan = _new_fresh_plan(call, key)
+        plan = _new_fresh_plan(call, key, num_topk)
     call.plan = plan
     if num_tokens > plan.num_max_tokens:
         raise ValueError(f"{num_tokens} tokens on rank {backend.rank}, more than the {plan.num_max_tokens} per "
@@ -201,13 +201,13 @@ def _plan(call: DispatchCall) -> None:
     call.word_plan, call.notify_blocks, call.tokens_per_group, call.early_out_rows = per_tokens
 
 
-def _new_fresh_plan(call: DispatchCall, key: tuple) -> FreshPlan:
+def _new_fresh_plan(call: DispatchCall, key: tuple, num_topk: int) -> FreshPlan:
     """The `FreshPlan` of the call's configuration (``key``), derived now and kept in the backend's
     `GPUBackend.fresh_plans` (at most `_MAX_PLANS`: emptied when full)."""
     plans = call.backend.fresh_plans
     if len(plans) >= _MAX_PLANS:
         plans.clear()
-    plan = plans[key] = FreshPlan(call.backend, call.data, call.sf, key[3], call.num_experts, call.expert_alignment,
+    plan = plans[key] = FreshPlan(call.backend, call.data, call.sf, num_topk, call.num_experts, call.expert_alignment,
                                   call.num_max_tokens_per_rank, call.num_sms, call.topk_weights is not None,
                                   call.do_cpu_sync, call.do_expand, call.do_zero_padding)
     return plan
@@ -316,7 +316,8 @@ def _launch_data_before_counts(call: DispatchCall, data_args) -> None:
     report = call.report = backend.wait_readback(backend.call_record.readback_seq, plan.num_experts, call.num_topk)
     out_rows = report[_OUT_ROWS]
     if out_rows < rows:
-        out_x, out_sf, out_w, out_idx = (None if t is None else t[:out_rows] for t in (out_x, out_sf, out_w, out_idx))
+        out_x, out_sf, out_w, out_idx = (None if tensor is None else tensor[:out_rows]
+                                         for tensor in (out_x, out_sf, out_w, out_idx))
     call.recv = (out_x, out_sf, out_w, out_idx)
     # recv_src_metadata: the first tok_capacity rows of the words' piece (a view made when read)
     call.state = GPUHandleState(call.words, call.word_plan, out_idx, None, report[_TOK_ROWS], call.addresses)
