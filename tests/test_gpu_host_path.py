@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deep_ep.backends.base import BufferConfig
-from deep_ep.backends.gpu import GPUBackend
+from deep_ep.backends.gpu import CallRecord, GPUBackend
 from deep_ep.backends.gpu import combine as gpu_combine
 from deep_ep.backends.gpu import dispatch as gpu_dispatch
 from deep_ep.backends.gpu import dispatch_plan, modules
@@ -69,9 +69,8 @@ def _backend(log):
     b.broken = None
     b.err_record = types.SimpleNamespace(words=[0, 0, 0, 0], device_ptr=0x1000)
     b.readback = types.SimpleNamespace(device_ptr=0x2000)
-    b.readback_seq = 0
+    b.call_record = CallRecord()
     b.timeout_ns, b.cooperative, b.call_stream, b.comm_handle, b.comm_stream = 10 ** 9, True, 0, 5, None
-    b.launched_call, b.last_m = 0, 0
     b.notify_groups_max, b.notify_scratch = 32, torch.zeros(16, dtype=torch.int32)
     b.fresh_plans = {}
 
@@ -163,7 +162,8 @@ def test_a_reused_fresh_launch_carries_only_this_calls_arguments(order, monkeypa
     fresh = _backend(fresh_log)
     fresh.calls = b.calls - 1
     fresh.notify_scratch = b.notify_scratch     # the backend's own device memory: the same address
-    fresh.readback_seq = b.readback_seq - (1 if second["sync"] else 0)   # the same report number
+    # the same report number
+    fresh.call_record.readback_seq = b.call_record.readback_seq - (1 if second["sync"] else 0)
     alloc.replay = list(alloc.recorded)
     x, idx, w, st = inputs
     fresh.last_tokens = second["T"]
@@ -554,7 +554,7 @@ def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatc
     assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
     assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
     assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
-    assert layout.host_out and layout.seq == b.readback_seq
+    assert layout.host_out and layout.seq == b.call_record.readback_seq
 
 
 def test_early_rows_bound_what_a_rank_alone_can_receive():
@@ -647,7 +647,9 @@ def test_the_wait_for_the_counts_reads_the_report_or_raises_what_it_records():
     from deep_ep.backends.gpu.abi import ERR_BAD_EXPERT, ERR_TIMEOUT
     b = GPUBackend.__new__(GPUBackend)
     b.config = types.SimpleNamespace(num_cpu_timeout_secs=1, num_gpu_timeout_secs=1, num_max_tokens_per_rank=M)
-    b.spin_secs, b.rank, b.num_ranks, b.broken, b.last_m, b.launched_call = 0.0, 0, 1, None, M, 1
+    b.spin_secs, b.rank, b.num_ranks, b.broken = 0.0, 0, 1, None
+    b.call_record = CallRecord()
+    b.call_record.num_max_tokens, b.call_record.launched_call = M, 1
     words = (ctypes.c_int32 * READBACK_WORDS)()
     b.readback = types.SimpleNamespace(words=words, ints=memoryview(words).cast("B").cast("i"))
     b.err_record = types.SimpleNamespace(words=[0] * 4)
@@ -680,7 +682,9 @@ def test_the_wait_for_the_counts_stops_at_an_error_recorded_without_a_report():
     from deep_ep.backends.gpu.abi import ERR_BAD_EXPERT, ERR_TIMEOUT, PHASES
     b = GPUBackend.__new__(GPUBackend)
     b.config = types.SimpleNamespace(num_cpu_timeout_secs=30, num_gpu_timeout_secs=1, num_max_tokens_per_rank=M)
-    b.spin_secs, b.rank, b.num_ranks, b.broken, b.last_m, b.launched_call = 0.0, 0, 1, None, M, 1
+    b.spin_secs, b.rank, b.num_ranks, b.broken = 0.0, 0, 1, None
+    b.call_record = CallRecord()
+    b.call_record.num_max_tokens, b.call_record.launched_call = M, 1
     words = (ctypes.c_int32 * READBACK_WORDS)()
     b.readback = types.SimpleNamespace(words=words, ints=memoryview(words).cast("B").cast("i"))
     record = [ERR_TIMEOUT, 0, 0, next(iter(PHASES))]
@@ -704,10 +708,10 @@ def test_a_fresh_dispatch_with_cpu_sync_is_refused_while_capturing(monkeypatch):
     log = []
     b = _backend(log)
     monkeypatch.setattr(gpu_dispatch, "_capturing", lambda backend: True)
-    seq = b.readback_seq
+    seq = b.call_record.readback_seq
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         _dispatch(b, 24, weights=True, sync=True, align=1, stats=False)
-    assert log == [] and b.readback_seq == seq
+    assert log == [] and b.call_record.readback_seq == seq
     _dispatch(b, 24, weights=True, sync=False, align=1, stats=False)
     assert [name for name, _, _ in log] == FRESH
 

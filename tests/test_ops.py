@@ -101,7 +101,8 @@ def recorded_gpu_error(buf) -> str:
         return ""
     from deep_ep.backends.gpu.errors import raise_recorded
     try:
-        raise_recorded(record, backend.config.num_gpu_timeout_secs, backend.last_m, backend.launched_call)
+        raise_recorded(record, backend.config.num_gpu_timeout_secs, backend.call_record.num_max_tokens,
+                       backend.call_record.launched_call)
     except Exception as exc:  # noqa: BLE001 - turned into text for the assertion message
         return f" (the GPU recorded: {type(exc).__name__}: {exc})"
     return f" (the GPU recorded {record})"

@@ -25,7 +25,7 @@ from ... import envs, jit, resources
 from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, spin_until
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
-from . import window as wl
+from . import window
 from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
                   call_tag)
 from .combine import run_combine
@@ -35,7 +35,7 @@ from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, di
                       kernel_source, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
 
-__all__ = ["GPUBackend", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
+__all__ = ["GPUBackend", "CallRecord", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
            "tunable_defines", "THREADS", "num_modules_built"]
 
 # The data kernels' blocks wait for each other (receive blocks for the last send block's signal),
@@ -48,6 +48,21 @@ NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
 # The notify kernel's grid cap, in groups (warps) per SM (for emulated ranks divided by the ranks):
 # every block is resident at once (it has grid barriers).
 NOTIFY_GROUPS_PER_SM = 8
+
+
+class CallRecord:
+    """What a backend keeps of its latest calls, for what comes after them: the report number of
+    the layout stage's last report (`GPUBackend.wait_readback`), and, for an error a kernel records
+    and the host finds later, the call number of the last kernels launched and the configuration
+    of the last dispatch (its ``num_max_tokens_per_rank``, experts and top-k)."""
+
+    __slots__ = ("readback_seq", "launched_call", "num_max_tokens", "num_experts", "num_topk")
+
+    def __init__(self) -> None:
+        self.readback_seq = 0      # 1 .. 2**31 - 1 once a dispatch with CPU sync ran
+        self.launched_call = 0
+        self.num_max_tokens = 0
+        self.num_experts = self.num_topk = 0
 
 
 class GPUBackend(Backend):
@@ -75,6 +90,17 @@ class GPUBackend(Backend):
         if num_bytes <= 0:
             raise ValueError("the GPU backend needs a window size: pass num_bytes, or "
                              "num_max_tokens_per_rank and hidden to ElasticBuffer")
+        self._open_transport(group, num_bytes)
+        self._set_up_streams()
+        self._set_up_host_state(config)
+        self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
+                                       (self.num_ranks if self.emulated else 1)))
+        self._layouts: dict = {}         # row stride -> WindowLayout
+        self._destroyed = False
+
+    def _open_transport(self, group, num_bytes: int) -> None:
+        """The window of ``num_bytes`` bytes (`deep_ep.comm`), this rank's place in the group, and
+        what the device lends its kernels (SMs, cooperative launches)."""
         self.emulated = hasattr(group, "make_transport")
         if self.emulated:
             self.transport = group.make_transport(num_bytes)
@@ -86,8 +112,7 @@ class GPUBackend(Backend):
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         self.transport_nccl = bool(self.transport.kernel_define)
         self.transport_args = self.transport.kernel_args()   # fixed for the window's life
-        props = torch.cuda.get_device_properties(self._device)
-        self.num_device_sms = props.multi_processor_count
+        self.num_device_sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
         self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
         self._default_sms: dict = {}     # (experts, top-k) -> SMs of a call with num_sms=0
@@ -95,6 +120,9 @@ class GPUBackend(Backend):
         # Host waits (`deep_ep.cuda.streams.spin_until`): emulated ranks sleep between polls from the
         # start, since the peers' threads need the GIL to queue the kernels a wait depends on.
         self.spin_secs: Optional[float] = 0.0 if self.emulated else None
+
+    def _set_up_streams(self) -> None:
+        """The communication stream and what orders a call's kernels after the previous call's."""
         self.comm_stream = new_stream(self._device)   # never one of torch's pooled (shared) streams
         self.comm_handle = self.comm_stream.cuda_stream   # raw CUstream for prepared launches
         # A synchronous call on an NCCL-backed buffer runs on the caller's stream (`ElasticBuffer` sets
@@ -109,24 +137,22 @@ class GPUBackend(Backend):
         # is ordered after them, as DeepEP's calls are by sharing one communication stream.
         self._last_stream: Optional[int] = None
         self._call_done = StreamJoin(self._device)
+
+    def _set_up_host_state(self, config: BufferConfig) -> None:
+        """What the host keeps across calls: the kernels' timeout, the mapped words they report in
+        (error record, the layout stage's report), the call record, loaded modules and the fresh
+        dispatches' plans."""
         self.timeout_ns = int(config.num_gpu_timeout_secs * 1e9)
         self._host_buf = torch.empty(256, dtype=torch.int32, device="cpu", pin_memory=True)
         self.err_record = ErrorRecord(self._device)   # written by the data kernels (finish_wait)
         self.readback = MappedWords(self._device, READBACK_WORDS)   # the layout stage's report (do_cpu_sync)
-        self.readback_seq = 0
         self._ctrl_error: Optional[torch.Tensor] = None
         self.broken: Optional[str] = None
-        self.last_m = 0
-        self.last_num_experts = self.last_num_topk = 0   # of the last dispatch (for async error messages)
-        self.launched_call = 0   # the call number of the last kernels launched (an async error is theirs)
+        self.call_record = CallRecord()   # set by each call (dispatch, combine)
         self._ready_modules: dict = {}   # (kind, structure) -> loaded module
         # Fresh dispatches' plans (`dispatch.run_dispatch`): per configuration, what is derived from
         # it and the two prepared launches.
         self.fresh_plans: dict = {}
-        self.set_notify_groups_max(max(1, NOTIFY_GROUPS_PER_SM * self.num_device_sms //
-                                       (self.num_ranks if self.emulated else 1)))
-        self._layouts: dict = {}         # hidden -> WindowLayout
-        self._destroyed = False
 
     def set_notify_groups_max(self, groups_max: int) -> None:
         """Cap the notify kernel's grid at ``groups_max`` groups (warps; rounded down to whole blocks
@@ -217,12 +243,12 @@ class GPUBackend(Backend):
     def default_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs of a call that passed ``num_sms=0`` (`deep_ep.resources.theoretical_num_sms`)."""
         key = (num_experts, num_topk)
-        n = self._default_sms.get(key)
-        if n is None:
-            n = self._default_sms[key] = max(1, resources.theoretical_num_sms(
+        num_sms = self._default_sms.get(key)
+        if num_sms is None:
+            num_sms = self._default_sms[key] = max(1, resources.theoretical_num_sms(
                 num_experts, num_topk, num_ranks=self.num_ranks, resources=self.device_resources(),
                 prefer_overlap_with_compute=self.config.prefer_overlap_with_compute))
-        return n
+        return num_sms
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -239,8 +265,8 @@ class GPUBackend(Backend):
         """Queue a barrier across the ranks on the raw stream ``stream_handle``: a kernel that signals
         every peer and waits for every peer's signal (the buffer's GPU timeout applies)."""
         self.raise_if_broken()
-        mod = self.module("barrier", ())
-        mod.function(BARRIER_KERNEL).launch(
+        module = self.module("barrier", ())
+        module.function(BARRIER_KERNEL).launch(
             1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr),
                      call_tag(self.calls, 4)), stream=stream_handle, device=self._device.index)
 
@@ -263,13 +289,13 @@ class GPUBackend(Backend):
     combine = run_combine
 
     # ------------------------------------------------------------------ helpers for the primitives
-    def layout(self, stride: int) -> wl.WindowLayout:
+    def layout(self, stride: int) -> window.WindowLayout:
         """The window's layout for rows of ``stride`` bytes (`window.dispatch_row_stride`,
         `window.combine_row_stride`; computed once per stride). Every rank of a call computes the same
         stride: the call's configuration is part of its tag."""
         layout = self._layouts.get(stride)
         if layout is None:
-            layout = self._layouts[stride] = wl.make_layout(self.num_ranks, 0, 0, self.config.num_topk, False,
+            layout = self._layouts[stride] = window.make_layout(self.num_ranks, 0, 0, self.config.num_topk, False,
                                                             self.transport.num_bytes, stride=stride)
         return layout
 
@@ -277,7 +303,7 @@ class GPUBackend(Backend):
         """Launch a dispatch/combine kernel on the comm stream; a cooperative launch the device
         refuses (its blocks cannot all be resident: MPS or green contexts with fewer SMs) becomes a
         LaunchError that says which ``num_sms`` to lower."""
-        self.launched_call = self.calls
+        self.call_record.launched_call = self.calls
         try:
             prepared.launch(self.launch_stream)
         except jit.LaunchError as exc:
@@ -294,53 +320,53 @@ class GPUBackend(Backend):
     def module(self, kind: str, structure: tuple):
         """The built and loaded module of ``kind`` for ``structure`` (the arguments of its defines
         function); the first use builds and loads it, collectively for emulated ranks."""
-        mod = self._ready_modules.get((kind, structure))
-        if mod is None:
-            key, mod = build_module(kind, structure, self.transport_nccl)
+        module = self._ready_modules.get((kind, structure))
+        if module is None:
+            key, module = build_module(kind, structure, self.transport_nccl)
             if self.emulated:
-                self.group.load_collectively(key, lambda: load_module(mod, self._device.index))
+                self.group.load_collectively(key, lambda: load_module(module, self._device.index))
             else:
-                load_module(mod, self._device.index)
-            self._ready_modules[(kind, structure)] = mod
-        return mod
+                load_module(module, self._device.index)
+            self._ready_modules[(kind, structure)] = module
+        return module
 
     def num_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every
         emulated rank's blocks fit on the device at once."""
         limit = self._sm_limit
-        n = num_sms or self.default_num_sms(num_experts, num_topk)
-        if n < 1:
-            raise ValueError(f"num_sms must be >= 1, got {n}")
-        if n > limit:
+        blocks = num_sms or self.default_num_sms(num_experts, num_topk)
+        if blocks < 1:
+            raise ValueError(f"num_sms must be >= 1, got {blocks}")
+        if blocks > limit:
             if self.emulated:
                 raise ValueError(
-                    f"{self.num_ranks} emulated ranks x {n} SMs > {self.num_device_sms} SMs of the device: "
+                    f"{self.num_ranks} emulated ranks x {blocks} SMs > {self.num_device_sms} SMs of the device: "
                     f"every rank's blocks must be resident at once (ranks wait on each other); "
                     f"use num_sms <= {limit}")
-            n = limit
-        return n
+            blocks = limit
+        return blocks
 
-    def host_read(self, t: torch.Tensor, stream) -> list:
-        """``t`` (int32, on the device) as a list, once ``stream``'s work before now is done.
+    def host_read(self, tensor: torch.Tensor, stream) -> list:
+        """``tensor`` (int32, on the device) as a list, once ``stream``'s work before now is done.
 
         A pinned copy and an event, polled: a pageable copy (``.cpu()``) would wait inside the
         driver for the kernel it depends on, which spins until every peer arrives, and while it
         waits other threads' launches can block too (with emulated ranks: the peers' launches).
         """
-        n = t.numel()
-        if self._host_buf.numel() < n:
-            self._host_buf = torch.empty(max(n, 2 * self._host_buf.numel()), dtype=torch.int32, device="cpu",
+        num_words = tensor.numel()
+        if self._host_buf.numel() < num_words:
+            self._host_buf = torch.empty(max(num_words, 2 * self._host_buf.numel()), dtype=torch.int32, device="cpu",
                                          pin_memory=True)
-        dst = self._host_buf[:n]
+        pinned = self._host_buf[:num_words]
         with torch.cuda.stream(stream):
-            dst.copy_(t, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        if not poll_event(ev, self.config.num_cpu_timeout_secs, self.spin_secs):
+            pinned.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if not poll_event(event, self.config.num_cpu_timeout_secs, self.spin_secs):
             self.broken = "host timeout"
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
                                f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
-        return dst.tolist()
+        return pinned.tolist()
 
     def wait_readback(self, seq: int, num_experts: int, num_topk: int) -> list:
         """The layout stage's report of call ``seq`` (the kReadback* words), once it is written.
@@ -386,8 +412,8 @@ class GPUBackend(Backend):
 
     def read_error(self) -> Optional[tuple]:
         """(code, rank, peer, phase) recorded by a kernel of this rank, or None (waits for the stream)."""
-        v = self.host_read(self._ctrl_error_view(), self.comm_stream)
-        return tuple(v) if v[0] != 0 else None
+        words = self.host_read(self._ctrl_error_view(), self.comm_stream)
+        return tuple(words) if words[0] != 0 else None
 
     def check_errors(self) -> None:
         """Raise if a kernel of this rank recorded an error (waits for the communication stream).
@@ -408,17 +434,19 @@ class GPUBackend(Backend):
                                f"({self.broken}); destroy it and create a new one")
         if self.err_record.words[0] == 0:   # the common case: one read of mapped memory
             return
-        v = self.err_record.read()
-        if v[0] == ERR_BAD_EXPERT:
+        recorded = self.err_record.read()
+        if recorded[0] == ERR_BAD_EXPERT:
             # Found by an earlier call without a host sync; every rank voided that call alike.
             self.err_record.clear()
-            raise_bad_expert(v[1], v[2], v[3], self.last_num_experts, self.last_num_topk)
-        if v[0] != 0:
-            self._raise(v)
+            record = self.call_record
+            raise_bad_expert(recorded[1], recorded[2], recorded[3], record.num_experts, record.num_topk)
+        if recorded[0] != 0:
+            self._raise(recorded)
 
     def _raise(self, record: tuple) -> None:
         self.broken = {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls"}.get(record[0], "timeout")
-        raise_recorded(record, self.config.num_gpu_timeout_secs, self.last_m, self.launched_call)
+        raise_recorded(record, self.config.num_gpu_timeout_secs, self.call_record.num_max_tokens,
+                       self.call_record.launched_call)
 
     def _ctrl_error_view(self) -> torch.Tensor:
         if self._ctrl_error is None:

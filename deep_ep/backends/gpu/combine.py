@@ -8,20 +8,45 @@ import torch
 
 from .. import outputs
 from .abi import CombineArgs, call_tag
-from .dispatch import _ptr
+from .dispatch_plan import ptr as _ptr
 from . import modules
-from . import window as wl
+from . import window
 from .state import GPUHandleState
 
 __all__ = ["run_combine"]
 
 
-def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
-    """`Backend.combine` on the GPU backend ``b`` (see `deep_ep.backends.base`)."""
+def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
+    """`Backend.combine` on the GPU backend ``backend`` (see `deep_ep.backends.base`): the combine
+    kernel through the handle's prepared launch (`_combine_launch`), its per-call pointers and call
+    number set."""
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
+    prepared, num_blocks, out_shape, w_shape, tag, _ = _combine_launch(backend, handle, state, num_sms,
+                                                                       apply_dispatch_weights, has_weights)
+    backend.raise_if_broken()
+    device, fill = backend.device, backend.fill_stream
+    out = outputs.empty(out_shape, torch.bfloat16, device, fill)
+    out_w = outputs.empty(w_shape, torch.float32, device, fill) if has_weights else None
+    args = prepared.args[0]  # the per-call pointers (`_ptr` written out for the tensors always given)
+    args.y, args.weights_in, args.out, args.out_weights = x.data_ptr() or None, _ptr(topk_weights), \
+        out.data_ptr() or None, _ptr(out_w)
+    if bias:
+        args.bias0, args.bias1 = _ptr(bias[0]), (_ptr(bias[1]) if len(bias) > 1 else None)
+    else:
+        args.bias0 = args.bias1 = None
+    tag.seq = backend.calls & 0xFFFFFFFF   # a view into the arguments (memo)
+    backend.launch_data(prepared, num_blocks)
+    return out, out_w
+
+
+def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has_weights) -> tuple:
+    """The prepared combine launch for these options and what goes with it: ``(launch, SMs, output
+    shape, weights' shape, the launch's tag, guard)``. Found in the handle's memo
+    (`EPHandle.launch_memo`) by the call's options, else in its ``state`` by a key of the options and
+    every handle field the launch reads; the first call of a key prepares it (`_prepare`)."""
     options = ("combine", num_sms, bool(apply_dispatch_weights), has_weights)
     memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
     entry = memo.get(options)
@@ -33,47 +58,36 @@ def run_combine(b, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_wei
         key = options + guard + (state.src_meta_ptr, handle.hidden, handle.num_experts, handle.do_expand)
         launch = state.launches.get(key)
         if launch is None:
-            launch = state.launches[key] = _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights)
-        T = handle.num_tokens
-        entry = memo[options] = launch + ((T, handle.hidden), (T, handle.num_topk), launch[0].args[0].tag, guard)
-    prepared, n_sms, out_shape, w_shape, tag, _ = entry
-    b.raise_if_broken()
-    dev, fill = b.device, b.fill_stream
-    out = outputs.empty(out_shape, torch.bfloat16, dev, fill)
-    out_w = outputs.empty(w_shape, torch.float32, dev, fill) if has_weights else None
-    a = prepared.args[0]  # the per-call pointers (`_ptr` written out for the tensors always given)
-    a.y, a.weights_in, a.out, a.out_weights = x.data_ptr() or None, _ptr(topk_weights), out.data_ptr() or None, \
-        _ptr(out_w)
-    if bias:
-        a.bias0, a.bias1 = _ptr(bias[0]), (_ptr(bias[1]) if len(bias) > 1 else None)
-    else:
-        a.bias0 = a.bias1 = None
-    tag.seq = b.calls & 0xFFFFFFFF   # a view into the arguments (memo)
-    b.launch_data(prepared, n_sms)
-    return out, out_w
+            launch = state.launches[key] = _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights)
+        num_tokens = handle.num_tokens
+        entry = memo[options] = launch + ((num_tokens, handle.hidden), (num_tokens, handle.num_topk),
+                                          launch[0].args[0].tag, guard)
+    return entry
 
 
-def _prepare(b, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
+def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
     """The handle's prepared combine launch for this key, every argument but the per-call pointers
     and the call number set; returns ``(launch, SMs)``."""
-    if handle.do_expand and not b.config.allow_multiple_reduction:
+    if handle.do_expand and not backend.config.allow_multiple_reduction:
         raise NotImplementedError(
             "combine of an expanded handle with allow_multiple_reduction=False (one reduction of every "
             "(token, expert) row at the source) is not implemented on the GPU yet: create the buffer with "
             "allow_multiple_reduction=True (the default), or use the CPU backend")
     state = handle.backend_state
-    T, H, K, E = handle.num_tokens, handle.hidden, handle.num_topk, handle.num_experts
-    layout = b.layout(wl.combine_row_stride(H, b.config.num_topk))
-    n_sms = b.num_sms(num_sms, E, K)
-    mod = b.module("combine", (H, K, bool(handle.do_expand)))
-    tag = call_tag(0, 3, H, K, int(bool(handle.do_expand)), E, has_weights, int(bool(apply_dispatch_weights)))
+    hidden, num_topk, num_experts = handle.hidden, handle.num_topk, handle.num_experts
+    layout = backend.layout(window.combine_row_stride(hidden, backend.config.num_topk))
+    num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
+    module = backend.module("combine", (hidden, num_topk, bool(handle.do_expand)))
+    tag = call_tag(0, 3, hidden, num_topk, int(bool(handle.do_expand)), num_experts, has_weights,
+                   int(bool(apply_dispatch_weights)))
     args = CombineArgs(
         recv_weights=_ptr(handle.recv_topk_weights),
         src_meta=state.src_meta_ptr, layout=state.layout_ptr, pos_tok=state.pos_tok_ptr,
-        pos_pair=state.pos_pair_ptr, topk_idx=_ptr(handle.topk_idx), num_tokens=T,
-        num_experts=E, apply_weights=int(bool(apply_dispatch_weights)),
+        pos_pair=state.pos_pair_ptr, topk_idx=_ptr(handle.topk_idx), num_tokens=handle.num_tokens,
+        num_experts=num_experts, apply_weights=int(bool(apply_dispatch_weights)),
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-        timeout_ns=b.timeout_ns, err_host=b.err_record.device_ptr, tag=tag)
-    prepared = mod.function(modules.COMBINE_KERNEL).prepare(
-        n_sms, modules.THREADS, (args, b.transport_args), device=b.device.index, cooperative=b.cooperative)
-    return prepared, n_sms
+        timeout_ns=backend.timeout_ns, err_host=backend.err_record.device_ptr, tag=tag)
+    prepared = module.function(modules.COMBINE_KERNEL).prepare(
+        num_blocks, modules.THREADS, (args, backend.transport_args), device=backend.device.index,
+        cooperative=backend.cooperative)
+    return prepared, num_blocks

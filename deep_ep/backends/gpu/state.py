@@ -16,13 +16,13 @@ class WordPlan(NamedTuple):
 
     total: int
     layout_words: int   # the layout words (common/abi.cuh), at 0
-    pos_tok_at: int     # pos_tok [T, R]
-    pos_pair_at: int    # pos_pair [T, K] (expanded; else an empty piece)
+    pos_tok_at: int     # pos_tok [T, R] (tokens, ranks)
+    pos_pair_at: int    # pos_pair [T, K] (tokens, top-k; expanded, else an empty piece)
     meta_at: int        # recv_src_metadata [meta_rows, K + 2] (its rows known before the call; else empty)
-    T: int
-    R: int
-    K: int
-    L: int
+    num_tokens: int
+    num_ranks: int
+    num_topk: int
+    num_local_experts: int
     expanded: bool
     meta_rows: int
     tok_prefix: int     # the handle's three layout tensors: offsets inside the layout words
@@ -32,32 +32,37 @@ class WordPlan(NamedTuple):
     def addresses(self, base: int) -> tuple:
         """``(pos_tok, pos_pair, recv_src_metadata)`` device addresses in words starting at ``base``;
         None for an empty or absent piece (as a kernel argument: no tensor)."""
-        return (base + 4 * self.pos_tok_at if self.T * self.R else None,
-                base + 4 * self.pos_pair_at if self.expanded and self.T * self.K else None,
+        return (base + 4 * self.pos_tok_at if self.num_tokens * self.num_ranks else None,
+                base + 4 * self.pos_pair_at if self.expanded and self.num_tokens * self.num_topk else None,
                 base + 4 * self.meta_at if self.meta_rows else None)
 
 
-def _align_words(n: int) -> int:
-    """``n`` int32 words rounded up to a multiple of 32 (128 bytes)."""
-    return (n + 31) // 32 * 32
+def _align_words(num_words: int) -> int:
+    """``num_words`` int32 words rounded up to a multiple of 32 (128 bytes)."""
+    return (num_words + 31) // 32 * 32
 
 
 @functools.lru_cache(maxsize=256)
-def word_plan(ix, R: int, L: int, T: int, K: int, expanded: bool, meta_rows: int) -> WordPlan:
-    """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words, pos_tok
-    ``[T * R]``, pos_pair ``[T * K]`` (empty unless expanded), recv_src_metadata ``[meta_rows * (K +
-    2)]`` (where its rows are known before the call: without CPU sync the worst case, and T for a
-    rank alone with CPU sync that allocates before its counts; else empty), each starting on a
-    128-byte boundary as a tensor of its own would. The kernels get addresses inside the one
-    allocation; the tensor views are made only when read (`GPUHandleState`)."""
-    at = []
+def word_plan(layout_index, num_ranks: int, num_local_experts: int, num_tokens: int, num_topk: int, expanded: bool,
+              meta_rows: int) -> WordPlan:
+    """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words (their offsets
+    from ``layout_index``, `abi.layout_index`), pos_tok ``[T * R]``, pos_pair ``[T * K]`` (empty
+    unless expanded), recv_src_metadata ``[meta_rows * (K + 2)]`` (where its rows are known before
+    the call: without CPU sync the worst case, and T for a rank alone with CPU sync that allocates
+    before its counts; else empty), each starting on a 128-byte boundary as a tensor of its own
+    would. The kernels get addresses inside the one allocation; the tensor views are made only when
+    read (`GPUHandleState`)."""
+    starts = []
     end = 0
-    for n in (ix.size, T * R, T * K if expanded else 0, meta_rows * (K + 2)):
-        at.append(end)
-        end = _align_words(end + n)
-    return WordPlan(total=end, layout_words=ix.size, pos_tok_at=at[1], pos_pair_at=at[2], meta_at=at[3], T=T, R=R,
-                    K=K, L=L, expanded=bool(expanded), meta_rows=meta_rows, tok_prefix=ix.tok_prefix,
-                    psum_expert=ix.psum_expert, raw_counts=ix.raw_counts)
+    for size in (layout_index.size, num_tokens * num_ranks, num_tokens * num_topk if expanded else 0,
+                 meta_rows * (num_topk + 2)):
+        starts.append(end)
+        end = _align_words(end + size)
+    return WordPlan(total=end, layout_words=layout_index.size, pos_tok_at=starts[1], pos_pair_at=starts[2],
+                    meta_at=starts[3], num_tokens=num_tokens, num_ranks=num_ranks, num_topk=num_topk,
+                    num_local_experts=num_local_experts, expanded=bool(expanded), meta_rows=meta_rows,
+                    tok_prefix=layout_index.tok_prefix, psum_expert=layout_index.psum_expert,
+                    raw_counts=layout_index.raw_counts)
 
 
 class GPUHandleState:
@@ -86,15 +91,19 @@ class GPUHandleState:
                  "src_meta_ptr", "tok_capacity", "_src_meta", "_views")
 
     def __init__(self, words: torch.Tensor, plan: WordPlan, recv_topk_idx: Optional[torch.Tensor],
-                 src_meta: Optional[torch.Tensor], tok_capacity: int):
+                 src_meta: Optional[torch.Tensor], tok_capacity: int, addresses: Optional[tuple] = None):
         """``src_meta``: recv_src_metadata as a tensor of its own, or None when it lives in ``words``
-        (``plan``'s meta piece: its first ``tok_capacity`` rows, at most ``plan.meta_rows``)."""
+        (``plan``'s meta piece: its first ``tok_capacity`` rows, at most ``plan.meta_rows``).
+        ``addresses``: ``words``' address and ``plan.addresses`` of it, where the caller has them
+        (a fresh dispatch, which gave them to its kernels); None: computed here."""
         self.words, self.plan, self.recv_topk_idx = words, plan, recv_topk_idx
         self.launches = {}
         self._src_meta, self._views = src_meta, {}
         self.tok_capacity = tok_capacity
-        self.layout_ptr = words.data_ptr()
-        self.pos_tok_ptr, self.pos_pair_ptr, self.src_meta_ptr = plan.addresses(self.layout_ptr)
+        if addresses is None:
+            layout_ptr = words.data_ptr()
+            addresses = (layout_ptr,) + plan.addresses(layout_ptr)
+        self.layout_ptr, self.pos_tok_ptr, self.pos_pair_ptr, self.src_meta_ptr = addresses
         if src_meta is not None:
             self.src_meta_ptr = src_meta.data_ptr() if src_meta.numel() else None
 
@@ -103,27 +112,29 @@ class GPUHandleState:
         views = self._views
         if name in views:
             return views[name]
-        p, w = self.plan, self.words
+        plan, words = self.plan, self.words
         if name == "layout":
-            v = w[:p.layout_words]
+            view = words[:plan.layout_words]
         elif name == "pos_tok":
-            v = w[p.pos_tok_at: p.pos_tok_at + p.T * p.R].view(p.T, p.R)
+            view = words[plan.pos_tok_at: plan.pos_tok_at + plan.num_tokens * plan.num_ranks].view(
+                plan.num_tokens, plan.num_ranks)
         elif name == "pos_pair":
-            v = w[p.pos_pair_at: p.pos_pair_at + p.T * p.K].view(p.T, p.K) if p.expanded else None
+            view = words[plan.pos_pair_at: plan.pos_pair_at + plan.num_tokens * plan.num_topk].view(
+                plan.num_tokens, plan.num_topk) if plan.expanded else None
         elif name == "src_meta":   # in the words: their first tok_capacity rows (of meta_rows)
-            n = self.tok_capacity
-            v = self._src_meta if self._src_meta is not None else \
-                w[p.meta_at: p.meta_at + n * (p.K + 2)].view(n, p.K + 2)
+            rows = self.tok_capacity
+            view = self._src_meta if self._src_meta is not None else \
+                words[plan.meta_at: plan.meta_at + rows * (plan.num_topk + 2)].view(rows, plan.num_topk + 2)
         elif name == "tok_prefix":
-            v = w[p.tok_prefix: p.tok_prefix + p.R]
+            view = words[plan.tok_prefix: plan.tok_prefix + plan.num_ranks]
         elif name == "psum_expert":
-            v = w[p.psum_expert: p.psum_expert + p.L]
+            view = words[plan.psum_expert: plan.psum_expert + plan.num_local_experts]
         elif name == "raw_counts":
-            v = w[p.raw_counts: p.raw_counts + p.L]
+            view = words[plan.raw_counts: plan.raw_counts + plan.num_local_experts]
         else:
             raise AttributeError(name)
-        views[name] = v
-        return v
+        views[name] = view
+        return view
 
     @property
     def layout(self) -> torch.Tensor:
@@ -160,7 +171,7 @@ class GPUHandleState:
     def tensors(self) -> list:
         """The tensors the kernels read (every view of this state is a view of one of them): what a
         caller keeps alive or records on a stream for the handle (`deep_ep.handle.collect_tensors`)."""
-        return [t for t in (self.words, self.recv_topk_idx, self._src_meta) if t is not None]
+        return [tensor for tensor in (self.words, self.recv_topk_idx, self._src_meta) if tensor is not None]
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict:
