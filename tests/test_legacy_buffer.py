@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import deep_ep
 from deep_ep.legacy import LegacyHandle
+from ep_cases import ADVERSARIAL_VALUES
 from proc_utils import run_gloo_ranks
 
 FP8 = torch.float8_e4m3fn
@@ -213,6 +214,11 @@ def spec_dispatch(inputs, num_experts, dst, alignment, num_channels):
         owners=owners)
 
 
+def _order_sensitive(shape, g):
+    """bf16 values whose float32 sums round differently in different orders."""
+    return ADVERSARIAL_VALUES[torch.randint(0, len(ADVERSARIAL_VALUES), shape, generator=g)].to(torch.bfloat16)
+
+
 def spec_recv_x(inputs, rows):
     if not rows:
         x = inputs[0][0]
@@ -307,29 +313,34 @@ def _run_case(buffer, rank, R, case_index, case):
     assert cached[1:5] == (None, None, None, None)
     _assert_same("cached recv_x", _rows(cached[0], slice(0, num_recv)), spec_recv_x(new_inputs, spec["rows"]))
 
-    # combine: integer values, so that every float32 sum is exact whatever its order
+    # combine: values whose float32 sums depend on their order (biases, then ranks in rank order
+    # is DeepEP's); weights of any width, not zero where the expert is another rank's (DeepEP's test
+    # fills those too): every rank's row counts
     g = torch.Generator().manual_seed(9000 + case_index)
+    num_bias = case_index % 3
+    combine_topk = K if with_topk else 5
     ys, tws, biases = [], [], []
     for d in range(R):
-        spec_d = spec_dispatch(inputs, E, d, alignment, config.num_channels)
-        n = len(spec_d["rows"])
-        y = torch.randint(-40, 40, (num_worst or n, hidden), generator=g).to(torch.bfloat16)
+        n = len(spec_dispatch(inputs, E, d, alignment, config.num_channels)["rows"])
+        y = _order_sensitive((num_worst or n, hidden), g)
         y[n:] = float("nan")                       # never read
         ys.append(y)
-        tw = torch.rand(num_worst or n, K, generator=g)
-        tw[:n][spec_d["recv_topk_idx"] < 0] = 0    # what dispatch returns there
+        tw = torch.randn(num_worst or n, combine_topk, generator=g)
         tw[n:] = float("nan")
         tws.append(tw)
     for s in range(R):
-        biases.append(torch.randint(-8, 8, (tokens[s], hidden), generator=g).to(torch.bfloat16)
-                      if case_index % 2 else None)
-    combined_x, combined_w, event = buffer.combine(ys[rank], handle, topk_weights=tws[rank] if with_topk else None,
-                                                   bias=biases[rank], config=deep_ep.Buffer.get_combine_config(R),
+        bias = tuple(_order_sensitive((tokens[s], hidden), g) for _ in range(num_bias))
+        biases.append(None if num_bias == 0 else bias[0] if num_bias == 1 else bias)
+    combined_x, combined_w, event = buffer.combine(ys[rank], handle, topk_weights=tws[rank], bias=biases[rank],
+                                                   config=deep_ep.Buffer.get_combine_config(R),
                                                    async_finish=async_finish, previous_event=buffer.capture())
     event.current_stream_wait()
     T = len(topk_idx)
-    want = torch.zeros(T, hidden) if biases[rank] is None else biases[rank].float()
-    want_w = torch.zeros(T, K)
+    bias = biases[rank] if isinstance(biases[rank], tuple) else (biases[rank],) if num_bias else ()
+    want = torch.zeros(T, hidden)
+    for b in bias:
+        want = want + b.float()
+    want_w = torch.zeros(T, combine_topk)
     for d in range(R):
         spec_d = spec_dispatch(inputs, E, d, alignment, config.num_channels)
         for row, (s, t) in enumerate(spec_d["rows"]):
@@ -337,10 +348,8 @@ def _run_case(buffer, rank, R, case_index, case):
                 want[t] += ys[d][row].float()
                 want_w[t] += tws[d][row]
     _assert_same("combined_x", combined_x, want.to(torch.bfloat16))
-    if with_topk:
-        _assert_same("combined_topk_weights", combined_w, want_w)
-    else:
-        assert combined_w is None
+    _assert_same("combined_topk_weights", combined_w, want_w)
+    assert buffer.combine(ys[rank], handle, bias=biases[rank])[1] is None
 
     # round trip (DeepEP's check): combining what was received gives x times the token's rank count
     if not fp8:
@@ -381,11 +390,10 @@ def _check_refusals(buffer, rank, R):
         buffer.combine(recv_x, tuple(handle))
     with pytest.raises(ValueError, match="x must have shape"):
         buffer.combine(recv_x[1:], handle)
-    # a dispatch without top-k has nothing to reduce weights against
-    _, _, _, _, plain, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                           num_tokens_per_expert=per_expert)
-    with pytest.raises(NotImplementedError, match="combine"):
-        buffer.combine(recv_x, plain, topk_weights=torch.zeros(recv_x.shape[0], K))
+    with pytest.raises(ValueError, match="bias"):
+        buffer.combine(recv_x, handle, bias=x[:, :8].contiguous())
+    with pytest.raises(TypeError, match="topk_weights must have dtype float32"):
+        buffer.combine(recv_x, handle, topk_weights=torch.zeros(recv_x.shape[0], K, dtype=torch.float64))
     assert buffer.combine(recv_x, handle)[0].shape == x.shape    # still in step
 
 

@@ -10,18 +10,11 @@ from ..backends import group_rank_and_size, is_cpu_group
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap, cuda_event_of
 from .config import NUM_MAX_NVL_PEERS, Config
-from .handle import LegacyHandle, channel_counts
+from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back
+from .handle import LegacyHandle
 from .planned import PlannedMethods, planned
 
 __all__ = ["Buffer"]
-
-#: hidden of the small dispatch that carries the per-rank counts (bf16 rows of 16 bytes)
-_COUNTS_HIDDEN = 8
-#: top-k of the tokens that carry them (within every backend's top-k limit)
-_COUNTS_TOPK = 8
-#: counts travel as float32 top-k weights: exact below 2 ** 24
-_MAX_EXACT_COUNT = 2 ** 24
-
 
 class Buffer(PlannedMethods):
     """DeepEP's V1 communication buffer, normal mode within one NVLink domain (docs/design.md,
@@ -315,8 +308,6 @@ class Buffer(PlannedMethods):
         if num_experts == 0 or num_experts % R:
             raise ValueError(f"num_tokens_per_expert must have a positive multiple of {R} (the group size) "
                              f"entries, got {num_experts}")
-        if num_tokens >= _MAX_EXACT_COUNT:
-            raise ValueError(f"x has {num_tokens} tokens; deep_ep.Buffer takes fewer than {_MAX_EXACT_COUNT}")
         if not torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)):
             raise ValueError("num_tokens_per_rank must be the column sums of is_token_in_rank "
                              "(get_dispatch_layout gives both)")
@@ -340,40 +331,31 @@ class Buffer(PlannedMethods):
                 raise ValueError("num_tokens_per_expert does not match topk_idx (get_dispatch_layout gives it)")
         self._wait(previous_event)
 
-        # The counts every rank needs (DeepEP's notify step), as float32 top-k weights of a small
-        # dispatch: to each rank d, this rank's counts for d's experts, its tokens per destination
-        # rank and its token count, in tokens of `_COUNTS_TOPK` slots that all name expert d * L.
+        # The data, then the top-k ids, weights and the counts every rank needs (DeepEP's notify
+        # step), in the same order (`deep_ep.legacy.exchange`).
         L = num_experts // R
-        ranks = torch.arange(R, device=device)
-        values = torch.cat([num_tokens_per_expert.view(R, L).float(),
-                            num_tokens_per_rank.float().unsqueeze(0).expand(R, R),
-                            torch.full((R, 1), float(num_tokens), device=device)], dim=1)
-        per_dst = -(-values.shape[1] // _COUNTS_TOPK)
-        values = torch.nn.functional.pad(values, (0, per_dst * _COUNTS_TOPK - values.shape[1]))
-        counts_w = values.reshape(R * per_dst, _COUNTS_TOPK)
-        counts_idx = (ranks * L).repeat_interleave(per_dst).unsqueeze(1).repeat(1, _COUNTS_TOPK)
-        counts_x = torch.zeros((R * per_dst, _COUNTS_HIDDEN), dtype=torch.bfloat16, device=device)
-        _, _, counts_recv, _, _ = buffer.dispatch(counts_x, topk_idx=counts_idx, topk_weights=counts_w,
-                                                  num_experts=num_experts, num_sms=num_sms)
-        counts = counts_recv.reshape(R, per_dst * _COUNTS_TOPK).to(torch.int64)   # by source rank
+        routing = rank_routing(is_token_in_rank, L)
+        recv_x, _, _, ep_handle, _ = buffer.dispatch(data if sf is None else (data, sf), topk_idx=routing,
+                                                     num_experts=num_experts, num_sms=num_sms)
+        counts = torch.cat([num_tokens_per_expert.view(R, L), num_tokens_per_rank.unsqueeze(0).expand(R, R),
+                            torch.full((R, 1), num_tokens, dtype=torch.int32, device=device)], dim=1)
+        recv_topk_idx, recv_topk_weights, counts = exchange_metadata(buffer, routing, topk_idx, topk_weights, counts,
+                                                                     num_experts, num_sms)
+        counts = counts.to(torch.int64)                      # by source rank
         per_expert = counts[:, :L].sum(0).tolist()
         sent = counts[:, L:L + R]                            # N[s, d]
-        source_tokens = counts[:, L + R]
-
-        # The data: routed by topk_idx, or by one slot per destination rank without it.
-        route = topk_idx if topk_idx is not None else torch.where(
-            is_token_in_rank, (ranks * L).unsqueeze(0), torch.full_like(ranks, -1).unsqueeze(0)).contiguous()
-        recv_x, recv_topk_idx, recv_topk_weights, ep_handle, _ = buffer.dispatch(
-            data if sf is None else (data, sf), topk_idx=route, topk_weights=topk_weights, num_experts=num_experts,
-            expert_alignment=1, num_sms=num_sms)
+        source_tokens = counts[:, L + R].tolist()
+        if recv_topk_idx is not None:
+            local = (recv_topk_idx >= 0) & (recv_topk_idx // L == self.rank)
+            recv_topk_idx = torch.where(local, recv_topk_idx - self.rank * L, -1)
+            if recv_topk_weights is not None:
+                recv_topk_weights = torch.where(local, recv_topk_weights, 0.0)
         num_recv = ep_handle.num_recv_tokens
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise ValueError(f"deep_ep.Buffer.dispatch: rank {self.rank} received {num_recv} tokens, more than "
                              f"num_worst_tokens={num_worst_tokens}")
         num_rows = num_worst_tokens or num_recv
         recv_src_idx = ep_handle.recv_src_token.to(torch.int32)
-        if topk_idx is None:
-            recv_topk_idx = recv_topk_weights = None
         if num_rows > num_recv:
             recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = self._pad(
                 num_rows, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx)
@@ -387,13 +369,11 @@ class Buffer(PlannedMethods):
         recv_rank = ep_handle.recv_src_rank.long()
         recv_channel_prefix_matrix = torch.zeros((R, C), dtype=torch.int32, device=device)
         for s in range(R):
-            mine = recv_rank == s
-            inclusive = channel_counts(ep_handle.recv_src_token, mine, int(source_tokens[s]), C).cumsum(0)
+            inclusive = channel_counts(ep_handle.recv_src_token, recv_rank == s, source_tokens[s], C).cumsum(0)
             recv_channel_prefix_matrix[s, 1:] = inclusive[:-1].to(torch.int32)
         send_head = ep_handle.dst_buffer_slot_idx.to(torch.int32)
         legacy_handle = LegacyHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                      recv_src_idx, is_token_in_rank, send_head), ep_handle, num_rows,
-                                     topk_idx is not None)
+                                      recv_src_idx, is_token_in_rank, send_head), ep_handle, num_rows)
         count_list = [] if num_worst_tokens else [-(-c // expert_alignment) * expert_alignment for c in per_expert]
         event = self._finish(async_finish, (x, recv_x, recv_topk_idx, recv_topk_weights, legacy_handle))
         return recv_x, recv_topk_idx, recv_topk_weights, count_list, legacy_handle, event
@@ -444,14 +424,16 @@ class Buffer(PlannedMethods):
                 config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """Send each received row back to its source rank and sum a token's rows there (collective;
-        rows are added as they are, no weighting).
+        rows are added as they are, no weighting): in float32, the biases first, then the ranks in
+        rank order, rounded once to bf16 (DeepEP's order).
 
         Args:
             x: bf16 ``[rows, H]``, rows as the dispatch returned them (with ``num_worst_tokens``, the
                 padded count; rows past the true count are not read).
             handle: the `LegacyHandle` of the dispatch on this rank.
-            topk_weights: optional float32 ``[rows, K]`` (a dispatch with ``topk_idx``): slot ``k`` of a
-                token comes back from the rank owning its expert.
+            topk_weights: optional float32 ``[rows, K]`` (any K >= 1): returned summed over the ranks
+                each token went to, per column (DeepEP's reduction; a dispatch's own weights, 0 where
+                the expert is another rank's, come back as they were sent).
             bias: None, a bf16 ``[T, H]`` tensor, or a tuple of two, added to the sum.
             config: a `Config` (default `get_combine_config`). previous_event, async_finish,
                 allocate_on_comm_stream: as in `dispatch`.
@@ -460,8 +442,7 @@ class Buffer(PlannedMethods):
             ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``.
 
         Raises:
-            TypeError / ValueError: bad arguments (before any communication). NotImplementedError:
-            ``topk_weights`` with a handle of a dispatch without ``topk_idx``.
+            TypeError / ValueError: bad arguments (before any communication).
         """
         buffer = self._alive()
         device = buffer.device
@@ -474,18 +455,19 @@ class Buffer(PlannedMethods):
         ep_handle = handle.ep_handle
         checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_rows, ep_handle.hidden), device=device)
         if topk_weights is not None:
-            if not handle.has_topk:
-                planned("combine(topk_weights=...) after a dispatch without topk_idx",
-                         "reduced weights of handles without top-k")
-            checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32,
-                                shape=(handle.num_rows, ep_handle.num_topk), device=device)
+            checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(handle.num_rows, None),
+                                device=device)
+            if topk_weights.shape[1] == 0:
+                raise ValueError("topk_weights must have at least one column")
+        checks.normalise_bias(bias, ep_handle.num_tokens, ep_handle.hidden, device)
         num_recv = ep_handle.num_recv_tokens
         if handle.num_rows > num_recv:
             x = x[:num_recv].contiguous()
             topk_weights = None if topk_weights is None else topk_weights[:num_recv].contiguous()
         self._wait(previous_event)
-        combined_x, combined_topk_weights, _ = buffer.combine(
-            x, ep_handle, topk_weights=topk_weights, bias=bias,
-            num_sms=0 if device.type == "cpu" else config.num_sms)
+        num_sms = 0 if device.type == "cpu" else config.num_sms
+        combined_x, _, _ = buffer.combine(x, ep_handle, bias=bias, num_sms=num_sms)
+        combined_topk_weights = None if topk_weights is None else reduce_weights_back(
+            buffer, topk_weights, ep_handle.recv_src_rank[:num_recv], handle[5], ep_handle.num_experts, num_sms)
         event = self._finish(async_finish, (x, topk_weights, combined_x, combined_topk_weights, handle))
         return combined_x, combined_topk_weights, event

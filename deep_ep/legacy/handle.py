@@ -1,9 +1,7 @@
 """DeepEP's V1 intranode handle: the 6-tuple its ``dispatch`` returns and ``combine`` takes."""
 from __future__ import annotations
 
-import torch
-
-__all__ = ["LegacyHandle", "channel_counts"]
+__all__ = ["LegacyHandle"]
 
 
 class LegacyHandle(tuple):
@@ -25,17 +23,8 @@ class LegacyHandle(tuple):
                                     sent). DeepEP holds a ring-buffer slot there; only the role is shared.
     """
 
-    def __new__(cls, items: tuple, ep_handle, num_rows: int, has_topk: bool):
+    def __new__(cls, items: tuple, ep_handle, num_rows: int):
         handle = super().__new__(cls, items)
         handle.ep_handle = ep_handle
         handle.num_rows = num_rows
-        handle.has_topk = has_topk
         return handle
-
-
-def channel_counts(tokens: torch.Tensor, mask: torch.Tensor, num_tokens: int, num_channels: int) -> torch.Tensor:
-    """int64 ``[C]``: how many of ``tokens`` (indices in ``[0, num_tokens)``, where ``mask``) fall in
-    each of DeepEP's channels."""
-    per_channel = max(-(-num_tokens // num_channels), 1)
-    channel = (tokens.long() // per_channel).clamp_(max=num_channels - 1)
-    return torch.bincount(channel[mask], minlength=num_channels)[:num_channels]
