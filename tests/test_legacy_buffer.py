@@ -1,4 +1,4 @@
-"""DeepEP's V1 `deep_ep.Buffer` (normal mode, intranode) on the CPU backend over gloo, 2 and 4 ranks.
+"""DeepEP's V1 `deep_ep.Buffer` (normal mode, intranode) on the CPU backend over gloo, 1, 2 and 4 ranks.
 
 The checks are those of DeepEP's tests/legacy/test_intranode.py, re-derived: every rank builds every
 rank's inputs from a shared seed and computes here, token by token, what each rank must receive
@@ -238,26 +238,37 @@ CASES = [
     ("fp8-no-topk-worst", 1, 2, True, False, 1, 1),
     ("bf16-topk-worst-align", 2, 4, False, True, 3, 1),
 ]
-TOKENS = {2: [[13, 0], [7, 11]], 4: [[6, 0, 9, 3], [5, 8, 0, 7]]}
+TOKENS = {1: [[13], [0]], 2: [[13, 0], [7, 11]], 4: [[6, 0, 9, 3], [5, 8, 0, 7]],
+          8: [[6, 0, 9, 3, 4, 4, 1, 7], [5, 8, 0, 7, 2, 0, 6, 3]]}
 
 
-def _run_case(buffer, rank, R, case_index, case):
+def _to(obj, device):
+    """A tensor, a tuple of them or None, on ``device``."""
+    if isinstance(obj, tuple):
+        return tuple(_to(t, device) for t in obj)
+    return None if obj is None else obj.to(device)
+
+
+def _run_case(buffer, rank, R, case_index, case, device="cpu"):
+    """One case on this rank; inputs go to ``device`` (CPU over gloo, or a GPU), results come back to
+    the CPU to be compared."""
     from deep_ep import EventOverlap
     name, experts_per_rank, K, fp8, with_topk, alignment, worst = case
-    E = experts_per_rank * R
+    E = max(experts_per_rank, -(-K // R)) * R      # at least K experts
     hidden = 256 if fp8 else 64
     tokens = TOKENS[R][case_index % 2]
     inputs = _inputs(100 * R + case_index, tokens, E, K, hidden, fp8)
     x, topk_idx, topk_weights = inputs[rank]
+    x_dev, topk_idx_dev, topk_weights_dev = _to(inputs[rank], device)
     int_flags = case_index % 2 == 1              # DeepEP's tests pass flags as ints too
     async_finish = 1 if int_flags else bool(case_index % 3 == 0)
     previous = buffer.capture() if case_index % 2 == 0 else None
 
     # layout
     per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
-        topk_idx, E, previous_event=previous, async_finish=async_finish)
+        topk_idx_dev, E, previous_event=previous, async_finish=async_finish)
     assert isinstance(event, EventOverlap) and per_rdma_rank is None
-    L = experts_per_rank
+    L = E // R
     want_in_rank = torch.zeros(len(topk_idx), R, dtype=torch.bool)
     for t, row in enumerate(topk_idx.tolist()):
         for e in row:
@@ -273,13 +284,17 @@ def _run_case(buffer, rank, R, case_index, case):
     spec = spec_dispatch(inputs, E, rank, alignment, config.num_channels)
     num_recv = len(spec["rows"])
     num_worst = (sum(tokens) + 1) if worst else 0
-    args = dict(x=x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+    args = dict(x=x_dev, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 expert_alignment=alignment, num_worst_tokens=num_worst, config=config, async_finish=async_finish,
                 previous_event=previous, allocate_on_comm_stream=0 if int_flags else False)
     if with_topk:
-        args.update(topk_idx=topk_idx, topk_weights=topk_weights)
+        args.update(topk_idx=topk_idx_dev, topk_weights=topk_weights_dev)
     recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(**args)
     event.current_stream_wait()
+    assert handle[4] is in_rank
+    per_rank, per_expert, in_rank = _to((per_rank, per_expert, in_rank), "cpu")
+    recv_x, recv_topk_idx, recv_topk_weights = _to((recv_x, recv_topk_idx, recv_topk_weights), "cpu")
+    matrices = _to(tuple(handle), "cpu")
     rows = num_worst or num_recv
     want_x = spec_recv_x(inputs, spec["rows"])
     got_x = _rows(recv_x, slice(0, num_recv))
@@ -295,23 +310,22 @@ def _run_case(buffer, rank, R, case_index, case):
     assert counts == ([] if worst else spec["counts"])
     assert isinstance(handle, LegacyHandle) and isinstance(handle, tuple) and len(handle) == 6
     for i, key in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")):
-        _assert_same(key, handle[i], spec[key])
-    _assert_same("recv_src_idx", handle[3][:num_recv], spec["recv_src_idx"])
-    assert handle[3].shape == (rows,) and (handle[3][num_recv:] == -1).all()
-    assert handle[4] is in_rank
-    _assert_same("send_head", handle[5], spec["send_head"])
+        _assert_same(key, matrices[i], spec[key])
+    _assert_same("recv_src_idx", matrices[3][:num_recv], spec["recv_src_idx"])
+    assert matrices[3].shape == (rows,) and (matrices[3][num_recv:] == -1).all()
+    _assert_same("send_head", matrices[5], spec["send_head"])
     # DeepEP's test: the rows of source i sit between rank_prefix_matrix[i - 1][rank] and [i][rank]
     sources = [s for s, _ in spec["rows"]]
     for i in range(R):
-        lo = int(handle[0][i - 1][rank]) if i else 0
-        assert sources[lo:int(handle[0][i][rank])] == [i] * (int(handle[0][i][rank]) - lo)
+        lo = int(matrices[0][i - 1][rank]) if i else 0
+        assert sources[lo:int(matrices[0][i][rank])] == [i] * (int(matrices[0][i][rank]) - lo)
 
     # cached dispatch: new data, same layout
     new_inputs = _inputs(7000 + 100 * R + case_index, tokens, E, K, hidden, fp8)
-    cached = buffer.dispatch(new_inputs[rank][0], handle=handle, config=config, async_finish=async_finish,
+    cached = buffer.dispatch(_to(new_inputs[rank][0], device), handle=handle, config=config, async_finish=async_finish,
                              previous_event=buffer.capture())
     assert cached[1:5] == (None, None, None, None)
-    _assert_same("cached recv_x", _rows(cached[0], slice(0, num_recv)), spec_recv_x(new_inputs, spec["rows"]))
+    _assert_same("cached recv_x", _rows(_to(cached[0], "cpu"), slice(0, num_recv)), spec_recv_x(new_inputs, spec["rows"]))
 
     # combine: values whose float32 sums depend on their order (biases, then ranks in rank order
     # is DeepEP's); weights of any width, not zero where the expert is another rank's (DeepEP's test
@@ -331,10 +345,11 @@ def _run_case(buffer, rank, R, case_index, case):
     for s in range(R):
         bias = tuple(_order_sensitive((tokens[s], hidden), g) for _ in range(num_bias))
         biases.append(None if num_bias == 0 else bias[0] if num_bias == 1 else bias)
-    combined_x, combined_w, event = buffer.combine(ys[rank], handle, topk_weights=tws[rank], bias=biases[rank],
-                                                   config=deep_ep.Buffer.get_combine_config(R),
-                                                   async_finish=async_finish, previous_event=buffer.capture())
+    combined_x, combined_w, event = buffer.combine(
+        ys[rank].to(device), handle, topk_weights=tws[rank].to(device), bias=_to(biases[rank], device),
+        config=deep_ep.Buffer.get_combine_config(R) if R > 1 else None, async_finish=async_finish, previous_event=buffer.capture())
     event.current_stream_wait()
+    combined_x, combined_w = _to((combined_x, combined_w), "cpu")
     T = len(topk_idx)
     bias = biases[rank] if isinstance(biases[rank], tuple) else (biases[rank],) if num_bias else ()
     want = torch.zeros(T, hidden)
@@ -349,11 +364,11 @@ def _run_case(buffer, rank, R, case_index, case):
                 want_w[t] += tws[d][row]
     _assert_same("combined_x", combined_x, want.to(torch.bfloat16))
     _assert_same("combined_topk_weights", combined_w, want_w)
-    assert buffer.combine(ys[rank], handle, bias=biases[rank])[1] is None
+    assert buffer.combine(ys[rank].to(device), handle, bias=_to(biases[rank], device))[1] is None
 
     # round trip (DeepEP's check): combining what was received gives x times the token's rank count
     if not fp8:
-        back, _, _ = buffer.combine(recv_x, handle)
+        back = buffer.combine(recv_x.to(device), handle)[0].cpu()
         _assert_same("round trip", back, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
 
 
@@ -381,8 +396,9 @@ def _check_refusals(buffer, rank, R):
     for kind, message, change in bad:
         with pytest.raises(kind, match=message):
             buffer.dispatch(**{**good, **change})
-    with pytest.raises(ValueError, match="multiple of the group size"):
-        buffer.get_dispatch_layout(topk_idx, E + 1)
+    if R > 1:
+        with pytest.raises(ValueError, match="multiple of the group size"):
+            buffer.get_dispatch_layout(topk_idx, E + 1)
     recv_x, _, _, _, handle, _ = buffer.dispatch(**good)
     with pytest.raises(ValueError, match="takes no topk_idx"):
         buffer.dispatch(x, handle=handle, topk_idx=topk_idx)
@@ -452,6 +468,6 @@ def _worker(rank, world_size):
         other.get_comm_stream()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_legacy_buffer_intranode(world_size, tmp_path):
     run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)

@@ -10,7 +10,7 @@ from ..backends import group_rank_and_size, is_cpu_group
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap, cuda_event_of
 from .config import NUM_MAX_NVL_PEERS, Config
-from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back
+from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
 from .planned import PlannedMethods, planned
 
@@ -176,6 +176,10 @@ class Buffer(PlannedMethods):
     def _device(self) -> torch.device:
         return self._alive().device
 
+    def _default_config(self, table) -> Config:
+        # DeepEP's tables start at 2 ranks; a rank alone takes the default chunk sizes
+        return table(self.group_size) if self.group_size > 1 else Config(Buffer.num_sms)
+
     @staticmethod
     def _flags(async_finish, allocate_on_comm_stream, previous_event) -> bool:
         async_finish = checks.check_bool("async_finish", async_finish)
@@ -221,6 +225,7 @@ class Buffer(PlannedMethods):
         checks.check_tensor("topk_idx", topk_idx, dtype=checks.topk_idx_t, shape=(None, None), device=device)
         checks.check_topk_values(topk_idx, num_experts)
         self._wait(previous_event)
+        settle(device)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self._layout(topk_idx, num_experts)
         event = self._finish(async_finish, (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
@@ -283,7 +288,7 @@ class Buffer(PlannedMethods):
         checks.check_int("expert_alignment", expert_alignment, minimum=1)
         checks.check_int("num_worst_tokens", num_worst_tokens, minimum=0)
         if config is None:
-            config = self.get_dispatch_config(self.group_size)
+            config = self._default_config(self.get_dispatch_config)
         elif not isinstance(config, Config):
             raise TypeError(f"config must be a deep_ep.Config, got {type(config).__name__}")
         num_sms = 0 if device.type == "cpu" else config.num_sms
@@ -308,6 +313,7 @@ class Buffer(PlannedMethods):
         if num_experts == 0 or num_experts % R:
             raise ValueError(f"num_tokens_per_expert must have a positive multiple of {R} (the group size) "
                              f"entries, got {num_experts}")
+        settle(device)
         if not torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)):
             raise ValueError("num_tokens_per_rank must be the column sums of is_token_in_rank "
                              "(get_dispatch_layout gives both)")
@@ -337,6 +343,7 @@ class Buffer(PlannedMethods):
         routing = rank_routing(is_token_in_rank, L)
         recv_x, _, _, ep_handle, _ = buffer.dispatch(data if sf is None else (data, sf), topk_idx=routing,
                                                      num_experts=num_experts, num_sms=num_sms)
+        settle(device)
         counts = torch.cat([num_tokens_per_expert.view(R, L), num_tokens_per_rank.unsqueeze(0).expand(R, R),
                             torch.full((R, 1), num_tokens, dtype=torch.int32, device=device)], dim=1)
         recv_topk_idx, recv_topk_weights, counts = exchange_metadata(buffer, routing, topk_idx, topk_weights, counts,
@@ -448,7 +455,7 @@ class Buffer(PlannedMethods):
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         if config is None:
-            config = self.get_combine_config(self.group_size)
+            config = self._default_config(self.get_combine_config)
         elif not isinstance(config, Config):
             raise TypeError(f"config must be a deep_ep.Config, got {type(config).__name__}")
         handle = self._check_handle(handle)

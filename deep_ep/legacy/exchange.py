@@ -16,7 +16,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["rank_routing", "exchange_metadata", "reduce_weights_back", "channel_counts"]
+__all__ = ["rank_routing", "exchange_metadata", "reduce_weights_back", "channel_counts", "settle"]
+
+
+def settle(device: torch.device) -> None:
+    """Wait (polling, `deep_ep.emulated.wait_for_stream`) for the current stream's work on a CUDA
+    device, so that the host reads which follow (counts, masks) never block inside the driver, which
+    emulated ranks forbid. Nothing to do on CPU."""
+    if device.type == "cuda":
+        from ..emulated import wait_for_stream
+        wait_for_stream()
 
 
 def rank_routing(is_token_in_rank: torch.Tensor, num_local_experts: int) -> torch.Tensor:
@@ -57,6 +66,7 @@ def exchange_metadata(buffer, routing: torch.Tensor, topk_idx: Optional[torch.Te
     recv, _, _, handle, _ = buffer.dispatch(words.view(torch.bfloat16), topk_idx=torch.cat([routing, counts_routing]),
                                             num_experts=num_experts, num_sms=num_sms)
     recv = recv.view(torch.int32)
+    settle(device)
     # each source's block ends with its counts token
     counts_rows = handle.psum_num_recv_tokens_per_scaleup_rank.long() - 1
     is_token = torch.ones(recv.shape[0], dtype=torch.bool, device=device)
@@ -89,6 +99,7 @@ def reduce_weights_back(buffer, topk_weights: torch.Tensor, recv_src_rank: torch
     recv, _, _, handle, _ = buffer.dispatch(words.view(torch.bfloat16), topk_idx=routing, num_experts=num_experts,
                                             num_sms=num_sms)
     values = recv.view(torch.int32)[:, :num_topk].contiguous().view(torch.float32)
+    settle(device)
     ends = handle.psum_num_recv_tokens_per_scaleup_rank.tolist()
     combined = torch.zeros((num_tokens, num_topk), dtype=torch.float32, device=device)
     start = 0
