@@ -24,8 +24,8 @@ try:
 except Exception:  # not installed (run from a source tree)
     __version__ = "0.1.0"
 
-__all__ = ["ElasticBuffer", "Buffer", "Config", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "get_physical_domain_size",
-           "get_logical_domain_size", "routing", "reference", "eplb", "ops", "moe", "__version__"]
+__all__ = ["ElasticBuffer", "Buffer", "Config", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t",
+           "get_physical_domain_size", "get_logical_domain_size", "routing", "reference", "eplb", "ops", "moe", "__version__"]
 
 
 def __getattr__(name: str):

@@ -325,7 +325,8 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     cached = buffer.dispatch(_to(new_inputs[rank][0], device), handle=handle, config=config, async_finish=async_finish,
                              previous_event=buffer.capture())
     assert cached[1:5] == (None, None, None, None)
-    _assert_same("cached recv_x", _rows(_to(cached[0], "cpu"), slice(0, num_recv)), spec_recv_x(new_inputs, spec["rows"]))
+    _assert_same("cached recv_x", _rows(_to(cached[0], "cpu"), slice(0, num_recv)),
+                 spec_recv_x(new_inputs, spec["rows"]))
 
     # combine: values whose float32 sums depend on their order (biases, then ranks in rank order
     # is DeepEP's); weights of any width, not zero where the expert is another rank's (DeepEP's test
@@ -347,7 +348,8 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
         biases.append(None if num_bias == 0 else bias[0] if num_bias == 1 else bias)
     combined_x, combined_w, event = buffer.combine(
         ys[rank].to(device), handle, topk_weights=tws[rank].to(device), bias=_to(biases[rank], device),
-        config=deep_ep.Buffer.get_combine_config(R) if R > 1 else None, async_finish=async_finish, previous_event=buffer.capture())
+        config=deep_ep.Buffer.get_combine_config(R) if R > 1 else None, async_finish=async_finish,
+        previous_event=buffer.capture())
     event.current_stream_wait()
     combined_x, combined_w = _to((combined_x, combined_w), "cpu")
     T = len(topk_idx)

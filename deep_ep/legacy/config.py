@@ -98,7 +98,8 @@ class Config:
         planned("Config.get_rdma_buffer_size_hint", "internode buffers")
 
     def __repr__(self) -> str:
-        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+        return (f"Config(num_sms={self.num_sms}, "
+                f"num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
                 f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
                 f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
