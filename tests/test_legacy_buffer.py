@@ -460,6 +460,14 @@ def _worker(rank, world_size):
             _run_case(buffer, rank, world_size, index, case)
         except Exception as exc:
             raise AssertionError(f"case {case[0]}, rank {rank}: {exc}") from exc
+    # no tokens anywhere
+    empty_idx = torch.empty(0, 2, dtype=torch.int64)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(empty_idx, 2 * world_size)
+    out = buffer.dispatch(torch.empty(0, 64, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
+                          is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=empty_idx,
+                          topk_weights=torch.empty(0, 2), expert_alignment=4)
+    assert out[0].shape == (0, 64) and out[1].shape == (0, 2) and out[3] == [0, 0]
+    assert buffer.combine(out[0], out[4], topk_weights=out[2])[0].shape == (0, 64)
     _check_refusals(buffer, rank, world_size)
     _check_planned(buffer)
     with pytest.raises(RuntimeError, match="explicitly_destroy"):

@@ -225,15 +225,16 @@ class Buffer(PlannedMethods):
         checks.check_tensor("topk_idx", topk_idx, dtype=checks.topk_idx_t, shape=(None, None), device=device)
         checks.check_topk_values(topk_idx, num_experts)
         self._wait(previous_event)
-        settle(device)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self._layout(topk_idx, num_experts)
         event = self._finish(async_finish, (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
+        # device ops only (no host read): masked slots add 0 to expert 0
         num_local_experts = num_experts // self.group_size
         valid = topk_idx >= 0
-        num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device).index_add_(
+            0, topk_idx.clamp(min=0).flatten(), valid.flatten().to(torch.int32))
         owner = torch.where(valid, topk_idx // num_local_experts, self.group_size)
         is_token_in_rank = torch.zeros((topk_idx.shape[0], self.group_size + 1), dtype=torch.bool,
                                        device=topk_idx.device)
