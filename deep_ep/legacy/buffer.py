@@ -330,7 +330,7 @@ class Buffer(PlannedMethods):
             if topk_weights is not None:
                 checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
                                     device=device)
-            want_per_rank, want_per_expert, want_in_rank = self._layout(topk_idx, num_experts)
+            _, want_per_expert, want_in_rank = self._layout(topk_idx, num_experts)
             if not torch.equal(want_in_rank, is_token_in_rank):
                 raise ValueError("is_token_in_rank does not match topk_idx (a token goes to the ranks owning "
                                  "its experts; get_dispatch_layout gives it)")
@@ -372,17 +372,18 @@ class Buffer(PlannedMethods):
         C = config.num_channels
         rank_prefix_matrix = sent.cumsum(0).to(torch.int32)
         channel_prefix_matrix = torch.stack([
-            channel_counts(torch.arange(num_tokens, device=device), is_token_in_rank[:, d], num_tokens, C)
-            for d in range(R)]).cumsum(1).to(torch.int32)
+            channel_counts(torch.arange(num_tokens, device=device), is_token_in_rank[:, dst], num_tokens, C)
+            for dst in range(R)]).cumsum(1).to(torch.int32)
         recv_rank = ep_handle.recv_src_rank.long()
         recv_channel_prefix_matrix = torch.zeros((R, C), dtype=torch.int32, device=device)
-        for s in range(R):
-            inclusive = channel_counts(ep_handle.recv_src_token, recv_rank == s, source_tokens[s], C).cumsum(0)
-            recv_channel_prefix_matrix[s, 1:] = inclusive[:-1].to(torch.int32)
+        for src in range(R):
+            inclusive = channel_counts(ep_handle.recv_src_token, recv_rank == src, source_tokens[src], C).cumsum(0)
+            recv_channel_prefix_matrix[src, 1:] = inclusive[:-1].to(torch.int32)
         send_head = ep_handle.dst_buffer_slot_idx.to(torch.int32)
         legacy_handle = LegacyHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                       recv_src_idx, is_token_in_rank, send_head), ep_handle, num_rows)
-        count_list = [] if num_worst_tokens else [-(-c // expert_alignment) * expert_alignment for c in per_expert]
+        count_list = [] if num_worst_tokens else [-(-count // expert_alignment) * expert_alignment
+                                                    for count in per_expert]
         event = self._finish(async_finish, (x, recv_x, recv_topk_idx, recv_topk_weights, legacy_handle))
         return recv_x, recv_topk_idx, recv_topk_weights, count_list, legacy_handle, event
 
