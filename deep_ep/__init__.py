@@ -1,7 +1,9 @@
 """deep_ep: expert-parallel dispatch/combine for Mixture-of-Experts models.
 
 The API is DeepEP V2's: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
-`EventHandle`, `topk_idx_t`, `get_physical_domain_size`, `get_logical_domain_size`.
+`EventHandle`, `topk_idx_t`, `get_physical_domain_size`, `get_logical_domain_size`; and DeepEP's V1
+`Buffer` and `Config` (normal mode within one NVLink domain, `deep_ep.legacy`), with `deep_ep.utils`
+holding the event classes where V1 callers import them.
 `deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and routing
 generators; `deep_ep.eplb` expert load balancing; `deep_ep.ops` differentiable dispatch / combine
 (torch.library operators that torch.compile traces); `deep_ep.moe` a reference MoE layer built on
@@ -14,6 +16,7 @@ import importlib
 from .buffer import ElasticBuffer, get_logical_domain_size, get_physical_domain_size, topk_idx_t
 from .event import EventHandle, EventOverlap
 from .handle import EPHandle
+from .legacy import Buffer, Config
 
 try:
     from importlib.metadata import version as _version
@@ -21,8 +24,8 @@ try:
 except Exception:  # not installed (run from a source tree)
     __version__ = "0.1.0"
 
-__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "get_physical_domain_size",
-           "get_logical_domain_size", "routing", "reference", "eplb", "ops", "moe", "__version__"]
+__all__ = ["ElasticBuffer", "Buffer", "Config", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t",
+           "get_physical_domain_size", "get_logical_domain_size", "routing", "reference", "eplb", "ops", "moe", "__version__"]
 
 
 def __getattr__(name: str):

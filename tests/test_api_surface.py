@@ -74,7 +74,7 @@ def test_method_signature(name):
 
 
 def test_module_level_names():
-    for name in ("ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t",
+    for name in ("ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "Buffer", "Config",
                  "get_physical_domain_size", "get_logical_domain_size"):
         assert hasattr(deep_ep, name), name
     assert deep_ep.topk_idx_t == torch.int64

@@ -1,0 +1,16 @@
+"""DeepEP's V1 API, ``deep_ep.Buffer`` and ``deep_ep.Config``: its normal (high-throughput) mode within
+one NVLink domain, built on `ElasticBuffer`.
+
+Contract (docs/design.md, "DeepEP's V1 Buffer"): the same signatures, defaults, outputs, dtypes and
+receive order as DeepEP's V1 ``Buffer``; a dispatch returns rows grouped by source rank in rank order,
+tokens in source order within a rank, ``recv_topk_idx`` as local expert ids (-1 for experts of other
+ranks). Low-latency mode, receive hooks and internode (RDMA) methods exist with DeepEP's signatures and
+raise `NotImplementedError`. Bad input raises before any communication.
+"""
+from __future__ import annotations
+
+from .buffer import Buffer
+from .config import Config
+from .handle import LegacyHandle
+
+__all__ = ["Buffer", "Config", "LegacyHandle"]
