@@ -51,7 +51,8 @@ for step in $steps; do
       export DEEP_EP_CASE_LOG=$OUT/gpu_cases.log
       files=${EXTRA_FILES:-"tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
              tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py
-             tests/gpu/test_gpu_defaults.py tests/gpu/test_gpu_rank_graphs.py"}
+             tests/gpu/test_gpu_defaults.py tests/gpu/test_gpu_rank_graphs.py
+             tests/gpu/test_gpu_legacy.py"}
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
         ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     compat)
