@@ -217,6 +217,10 @@ def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden)
     with pytest.raises(TypeError, match="cumulative_local_expert_recv_stats must have dtype int32"):
         buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
                                     cumulative_local_expert_recv_stats=torch.zeros(num_experts // num_ranks))
+    mixed_hidden = 512 if rank == 0 else 384                      # every rank raises, none hangs
+    with pytest.raises(ValueError, match="ranks disagree"):
+        buffer.low_latency_dispatch(torch.zeros(1, mixed_hidden, dtype=torch.bfloat16),
+                                    torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, num_experts, use_fp8=False)
     handle = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, hidden,
               num_experts)
     with pytest.raises(NotImplementedError, match=r"low_latency_combine\(use_logfmt=True\).*planned"):

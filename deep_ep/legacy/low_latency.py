@@ -11,8 +11,6 @@ RDMA buffers do. GPU tensors raise `NotImplementedError` (planned).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -303,19 +301,17 @@ class LowLatencyMethods:
         group_start = torch.cumsum(sent_per_expert, 0) - sent_per_expert
         slot_of_pair = torch.arange(expert_of_pair.numel()) - group_start[expert_of_pair]
         send[expert_of_pair, slot_of_pair] = messages[token_of_pair]
-        header = torch.tensor([hidden, int(use_fp8), num_slots, num_experts], dtype=torch.int32)
-        counts = torch.cat([sent_per_expert.to(torch.int32).view(num_ranks, num_local_experts),
-                            header.expand(num_ranks, HEADER_WORDS)], dim=1)
-
-        # Expert e's slots go to rank e / L; the counts (and each rank's sizes) with them.
+        # Every rank's sizes first (fixed size, so a disagreement raises on every rank instead of
+        # mismatching the exchanges), then expert e's counts and slots go to rank e / L.
         group = self.group
-        recv_counts = _exchange(group, counts)                 # [source rank, L + header]
-        recv_slots = _exchange(group, send).view(num_ranks, num_local_experts, num_slots, messages.shape[1])
-        headers = recv_counts[:, num_local_experts:]
+        header = torch.tensor([hidden, int(use_fp8), num_slots, num_experts], dtype=torch.int32)
+        headers = _exchange(group, header.expand(num_ranks, HEADER_WORDS))
         if not bool((headers == header).all()):
             raise ValueError(f"deep_ep.Buffer.low_latency_dispatch: the ranks disagree on (hidden, use_fp8, "
                              f"num_max_dispatch_tokens_per_rank, num_experts): {headers.tolist()} by rank")
-        recv_counts = recv_counts[:, :num_local_experts].T.contiguous()    # [L, source rank]
+        counts = sent_per_expert.to(torch.int32).view(num_ranks, num_local_experts)
+        recv_counts = _exchange(group, counts).T.contiguous()            # [L, source rank]
+        recv_slots = _exchange(group, send).view(num_ranks, num_local_experts, num_slots, messages.shape[1])
 
         num_rows = num_ranks * num_slots
         recv_data = torch.zeros((num_local_experts, num_rows, hidden), dtype=checks.FP8 if use_fp8 else torch.bfloat16)
