@@ -109,7 +109,7 @@ def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp
                     assert torch.equal(recv_x[local_expert, row], x[token])
             begin += count
         assert int(recv_count[local_expert]) == begin
-        assert sum(int((inputs[s][1] == expert).sum()) for s in range(num_ranks)) == begin
+        assert sum(int((inputs[source][1] == expert).sum()) for source in range(num_ranks)) == begin
         total_received += begin
         rows = recv_x[0][local_expert] if use_fp8 else recv_x[local_expert]
         assert not rows[begin:].view(torch.uint8).any()                         # rows past the count
