@@ -61,10 +61,8 @@ V1_SIGNATURES = {
 }
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
-PLANNED = ("internode_dispatch", "internode_combine", "low_latency_dispatch", "low_latency_combine",
-           "clean_low_latency_buffer", "get_low_latency_rdma_size_hint", "low_latency_update_mask_buffer",
-           "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer", "get_next_low_latency_combine_buffer",
-           "get_local_buffer_tensor")
+PLANNED = ("internode_dispatch", "internode_combine", "low_latency_update_mask_buffer",
+           "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer", "get_local_buffer_tensor")
 
 
 # ------------------------------------------------------------------------------------ no process group
@@ -419,14 +417,9 @@ def _check_planned(buffer):
     calls = {
         "internode_dispatch": lambda: buffer.internode_dispatch(None),
         "internode_combine": lambda: buffer.internode_combine(None, None),
-        "low_latency_dispatch": lambda: buffer.low_latency_dispatch(None, None, 128, 8),
-        "low_latency_combine": lambda: buffer.low_latency_combine(None, None, None, None),
-        "clean_low_latency_buffer": lambda: buffer.clean_low_latency_buffer(128, 7168, 8),
-        "get_low_latency_rdma_size_hint": lambda: deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 64),
         "low_latency_update_mask_buffer": lambda: buffer.low_latency_update_mask_buffer(0, True),
         "low_latency_query_mask_buffer": lambda: buffer.low_latency_query_mask_buffer(torch.zeros(2)),
         "low_latency_clean_mask_buffer": lambda: buffer.low_latency_clean_mask_buffer(),
-        "get_next_low_latency_combine_buffer": lambda: buffer.get_next_low_latency_combine_buffer(None),
         "get_local_buffer_tensor": lambda: buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True),
     }
     assert sorted(calls) == sorted(PLANNED)
@@ -440,7 +433,7 @@ def _check_planned(buffer):
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_fp9'"):
         buffer.low_latency_dispatch(None, None, 128, 8, use_fp9=True)
     group = dist.group.WORLD
-    for kwargs, what in ((dict(low_latency_mode=True), "low_latency_mode"), (dict(enable_shrink=1), "enable_shrink"),
+    for kwargs, what in ((dict(enable_shrink=1), "enable_shrink"),
                          (dict(num_rdma_bytes=1 << 20), "num_rdma_bytes")):
         with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.__init__\({what}.*planned"):
             deep_ep.Buffer(group, **kwargs)

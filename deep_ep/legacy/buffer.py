@@ -12,19 +12,22 @@ from ..event import EventHandle, EventOverlap, cuda_event_of
 from .config import NUM_MAX_NVL_PEERS, Config
 from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
+from .low_latency import LowLatencyMethods
 from .planned import PlannedMethods, planned
 
 __all__ = ["Buffer"]
 
-class Buffer(PlannedMethods):
+class Buffer(LowLatencyMethods, PlannedMethods):
     """DeepEP's V1 communication buffer, normal mode within one NVLink domain (docs/design.md,
     "DeepEP's V1 Buffer"); an `ElasticBuffer` does the communication.
 
     Args (DeepEP's, in its order):
         group: the ranks (a gloo group runs on CPU tensors, an NCCL group on the GPU); None needs ``comm``.
         num_nvl_bytes: the GPU window per rank (`Config.get_nvl_buffer_size_hint`); unused on CPU.
-        num_rdma_bytes: must be 0 outside low-latency mode (internode is not built yet).
-        low_latency_mode: must be False (NotImplementedError otherwise).
+        num_rdma_bytes: must be 0 outside low-latency mode (internode is not built yet); in it, at
+            least `get_low_latency_rdma_size_hint` of the calls made.
+        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (CPU backend only;
+            NotImplementedError on the GPU).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: low-latency / RDMA
             settings, validated and stored.
         explicitly_destroy: resources are released by `destroy()` only.
@@ -37,7 +40,7 @@ class Buffer(PlannedMethods):
 
     Raises:
         ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
-        NotImplementedError: low-latency mode, shrink, ``comm``, RDMA bytes, more than 8 ranks.
+        NotImplementedError: low-latency mode on the GPU, shrink, ``comm``, RDMA bytes, more than 8 ranks.
     """
 
     num_sms: int = 20
@@ -60,14 +63,14 @@ class Buffer(PlannedMethods):
         allow_mnnvl = checks.check_bool("allow_mnnvl", allow_mnnvl)
         explicitly_destroy = checks.check_bool("explicitly_destroy", explicitly_destroy)
         enable_shrink = checks.check_bool("enable_shrink", enable_shrink)
-        if low_latency_mode:
-            planned("__init__(low_latency_mode=True)")
+        if low_latency_mode and not is_cpu_group(group):
+            planned("__init__(low_latency_mode=True) on the GPU", "low-latency kernels on the GPU")
         if enable_shrink:
             planned("__init__(enable_shrink=True)")
         rank, group_size = group_rank_and_size(group)
         if group_size > NUM_MAX_NVL_PEERS:
             planned(f"__init__ with {group_size} ranks (more than {NUM_MAX_NVL_PEERS}: internode)")
-        if num_rdma_bytes:
+        if num_rdma_bytes and not low_latency_mode:
             planned(f"__init__(num_rdma_bytes={num_rdma_bytes})", "RDMA buffers for low-latency mode / internode")
         self.rank = rank
         self.group = group

@@ -1,4 +1,4 @@
-"""The parts of DeepEP's V1 ``Buffer`` not built yet (low-latency mode, receive hooks, internode):
+"""The parts of DeepEP's V1 ``Buffer`` not built yet (low-latency rank masks, internode):
 present with DeepEP's signatures, raising `NotImplementedError` that names the method."""
 from __future__ import annotations
 
@@ -28,13 +28,7 @@ def _with_side_keywords(name: str, side_branch_kwargs: dict) -> str:
 
 
 class PlannedMethods:
-    """DeepEP's V1 low-latency and internode methods (`deep_ep.Buffer` inherits them)."""
-
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """Low-latency mode's RDMA size. Raises NotImplementedError (planned)."""
-        planned("get_low_latency_rdma_size_hint")
+    """DeepEP's V1 internode and low-latency rank-mask methods (`deep_ep.Buffer` inherits them)."""
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -48,24 +42,6 @@ class PlannedMethods:
         """Internode combine. Raises NotImplementedError (planned)."""
         planned("internode_combine")
 
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Low-latency mode. Raises NotImplementedError (planned)."""
-        planned("clean_low_latency_buffer")
-
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False, **side_branch_kwargs):
-        """Low-latency dispatch. Raises NotImplementedError (planned), naming keywords only DeepEP's
-        side branches accept (``use_nvfp4``, ``x_global_scale``, ...) when given."""
-        planned(_with_side_keywords("low_latency_dispatch", side_branch_kwargs))
-
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
-                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None, **side_branch_kwargs):
-        """Low-latency combine. Raises NotImplementedError (planned), naming side-branch keywords."""
-        planned(_with_side_keywords("low_latency_combine", side_branch_kwargs))
-
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
         """Low-latency rank masks. Raises NotImplementedError (planned)."""
         planned("low_latency_update_mask_buffer")
@@ -77,7 +53,3 @@ class PlannedMethods:
     def low_latency_clean_mask_buffer(self):
         """Low-latency rank masks. Raises NotImplementedError (planned)."""
         planned("low_latency_clean_mask_buffer")
-
-    def get_next_low_latency_combine_buffer(self, handle: object):
-        """Low-latency zero-copy combine. Raises NotImplementedError (planned)."""
-        planned("get_next_low_latency_combine_buffer")

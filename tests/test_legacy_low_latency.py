@@ -1,0 +1,263 @@
+"""DeepEP's V1 low-latency mode (`deep_ep.Buffer.low_latency_dispatch` / `low_latency_combine`) on the
+CPU backend over gloo, 2 and 4 ranks.
+
+The checks are those of DeepEP's tests/legacy/test_low_latency.py, re-derived: every rank builds every
+rank's inputs from a shared seed and computes here what each local expert must receive (counts, the
+per-source layout ranges, source token indices, the rows, FP8 data and scales cast per 128 channels,
+float or packed UE8M0 scales in column-major order) and what combine must return (the top-k weighted
+sum, in float32 and slot order, of the expert outputs), and compares every element. Hooks, zero-copy
+combine, ``out=`` and the refusals are checked too.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from proc_utils import run_gloo_ranks
+
+FP8 = torch.float8_e4m3fn
+MAX_TOKENS = 8                      # num_max_dispatch_tokens_per_rank
+NUM_TOPK = 3
+
+
+def _rank_inputs(seed, source, num_ranks, num_experts, hidden):
+    """Rank ``source``'s ``(x, topk_idx, topk_weights)``, with masked slots and unique experts per token."""
+    generator = torch.Generator().manual_seed(seed * 1000 + source)
+    num_tokens = (source * 5 + 3) % (MAX_TOKENS + 1)
+    x = (torch.randn(num_tokens, hidden, generator=generator) * 3).to(torch.bfloat16)
+    x[:, -128:] = torch.arange(num_tokens, dtype=torch.bfloat16).view(-1, 1)      # DeepEP's token-index tail
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    topk_idx = scores.topk(NUM_TOPK, dim=1).indices
+    mask = torch.rand(num_tokens, NUM_TOPK, generator=generator) < 0.2
+    topk_idx = torch.where(mask, -1, topk_idx).to(deep_ep.topk_idx_t)
+    topk_weights = torch.rand(num_tokens, NUM_TOPK, generator=generator) + 0.1
+    return x, topk_idx, topk_weights
+
+
+def _reference_cast(row, round_scale):
+    """One token through DeepEP's FP8 rule, block by block: (fp8 [H], scale_inv float32 [H/128])."""
+    data, scales = [], []
+    inverse_max = torch.tensor(1 / 448.0, dtype=torch.float32)
+    for block in row.float().split(128):
+        amax = torch.tensor(max(block.abs().max().item(), 1e-4), dtype=torch.float32)
+        if round_scale:
+            exponent = math.ceil(math.log2((amax * inverse_max).item()))
+            scale, scale_inv = torch.tensor(2.0 ** -exponent), torch.tensor(2.0 ** exponent)
+        else:
+            scale_inv, scale = amax * inverse_max, torch.tensor(448.0, dtype=torch.float32) / amax
+        data.append((block * scale).clamp(-448, 448).to(FP8))
+        scales.append(scale_inv.float())
+    return torch.cat(data), torch.stack(scales)
+
+
+def _cast_back(data, scales):
+    """bf16 of FP8 rows ``[N, H]`` times their float32 scales ``[N, H/128]``."""
+    rows = data.float().view(data.shape[0], -1, 128) * scales.unsqueeze(-1)
+    return rows.view(data.shape).to(torch.bfloat16)
+
+
+def _expert_output(rows, expert):
+    """The simulated expert GEMM: a factor that differs per expert, so that a misrouted row shows."""
+    return (rows.float() * (1 + expert % 3)).to(torch.bfloat16)
+
+
+def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp8, round_scale, use_ue8m0):
+    recv_x, recv_count, handle, _, _ = result
+    num_local = num_experts // num_ranks
+    num_rows = num_ranks * MAX_TOKENS
+    src_info, layout_range, max_tokens, handle_hidden, handle_experts = handle
+    assert (max_tokens, handle_hidden, handle_experts) == (MAX_TOKENS, hidden, num_experts)
+    assert src_info.dtype == torch.int32 and src_info.shape == (num_local, num_rows)
+    assert layout_range.dtype == torch.int64 and layout_range.shape == (num_local, num_ranks)
+    assert recv_count.dtype == torch.int32 and recv_count.shape == (num_local,)
+    if use_fp8:
+        data, scales = recv_x
+        assert data.dtype == FP8 and data.shape == (num_local, num_rows, hidden)
+        num_packed = hidden // 512 if use_ue8m0 else hidden // 128
+        assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+        assert scales.shape == (num_local, num_rows, num_packed)
+        assert scales.stride() == (num_rows * num_packed, 1, num_rows)          # column-major
+        if use_ue8m0:
+            exponent_bytes = scales.transpose(1, 2).contiguous().view(torch.uint8)
+            exponent_bytes = exponent_bytes.view(num_local, num_packed, num_rows, 4).permute(0, 2, 1, 3)
+            scales = (exponent_bytes.reshape(num_local, num_rows, hidden // 128).to(torch.int32) << 23) \
+                .view(torch.float32)
+    else:
+        assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (num_local, num_rows, hidden)
+    total_received = 0
+    for local_expert in range(num_local):
+        expert = rank * num_local + local_expert
+        begin = 0
+        for source in range(num_ranks):
+            x, topk_idx, _ = inputs[source]
+            tokens = (topk_idx == expert).any(dim=1).nonzero().flatten()
+            count = tokens.numel()
+            packed = int(layout_range[local_expert, source])
+            assert (packed >> 32, packed & 0xFFFFFFFF) == (begin, count), (expert, source)
+            assert src_info[local_expert, begin:begin + count].tolist() == tokens.tolist()
+            for offset, token in enumerate(tokens.tolist()):
+                row = begin + offset
+                if use_fp8:
+                    want_data, want_scales = _reference_cast(x[token], round_scale)
+                    assert torch.equal(data[local_expert, row].view(torch.uint8), want_data.view(torch.uint8))
+                    assert torch.equal(scales[local_expert, row], want_scales)
+                    if round_scale:
+                        assert torch.equal(torch.frexp(want_scales).mantissa, torch.full_like(want_scales, 0.5))
+                else:
+                    assert torch.equal(recv_x[local_expert, row], x[token])
+            begin += count
+        assert int(recv_count[local_expert]) == begin
+        assert sum(int((inputs[source][1] == expert).sum()) for source in range(num_ranks)) == begin
+        total_received += begin
+        rows = recv_x[0][local_expert] if use_fp8 else recv_x[local_expert]
+        assert not rows[begin:].view(torch.uint8).any()                         # rows past the count
+    assert total_received > 0
+    # DeepEP's own data checks: the token-index tail survives exactly without rounded scales
+    if use_fp8:
+        received = _cast_back(recv_x[0].view(-1, hidden), scales.reshape(-1, hidden // 128)).view(
+            num_local, num_rows, hidden)
+    else:
+        received = recv_x
+    for local_expert in range(num_local):
+        count = int(recv_count[local_expert])
+        tail = received[local_expert, :count, -128:].float()
+        want = src_info[local_expert, :count].float().view(-1, 1).expand_as(tail)
+        if not round_scale:
+            assert torch.equal(tail, want)
+    return received
+
+
+def _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale):
+    x, topk_idx, topk_weights = inputs[rank]
+    total = torch.zeros(x.shape[0], hidden)
+    for token in range(x.shape[0]):
+        row = x[token:token + 1]
+        if use_fp8:
+            data, scales = _reference_cast(x[token], round_scale)
+            row = _cast_back(data.view(1, -1), scales.view(1, -1))
+        for slot in range(NUM_TOPK):
+            expert = int(topk_idx[token, slot])
+            if expert >= 0:
+                total[token] += _expert_output(row[0], expert).float() * topk_weights[token, slot]
+    return total.to(torch.bfloat16)
+
+
+def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round_scale, use_ue8m0, use_hook):
+    inputs = [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+    x, topk_idx, topk_weights = inputs[rank]
+    num_local = num_experts // num_ranks
+    stats = torch.zeros(num_local, dtype=torch.int32)
+    result = None
+    for _ in range(2):                                            # stats accumulate over calls
+        result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
+                                             cumulative_local_expert_recv_stats=stats,
+                                             dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64),
+                                             use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                             async_finish=not use_hook, return_recv_hook=use_hook)
+        hook, event = result[4], result[3]
+        if use_hook:
+            hook()
+            with pytest.raises(RuntimeError, match="already called"):
+                hook()
+        else:
+            assert hook is None
+            event.current_stream_wait()
+    assert torch.equal(stats, result[1] * 2)
+    received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp8, round_scale,
+                               use_ue8m0)
+    handle = result[2]
+    expert_x = torch.stack([_expert_output(received[local], rank * num_local + local) for local in range(num_local)])
+    want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
+    for zero_copy in (False, True):
+        source_x = expert_x
+        if zero_copy:
+            buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = expert_x
+            source_x = torch.zeros_like(expert_x)                # zero-copy reads the buffer, not x
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        combined, event, hook = buffer.low_latency_combine(source_x, topk_idx, topk_weights, handle,
+                                                           zero_copy=zero_copy, async_finish=not use_hook,
+                                                           return_recv_hook=use_hook, out=out)
+        if use_hook:
+            hook()
+            with pytest.raises(RuntimeError, match="already called"):
+                hook()
+        assert combined is out
+        assert torch.equal(combined, want), (rank, use_fp8, round_scale, zero_copy)
+    combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle)
+    assert hook is None and torch.equal(combined, want)
+
+
+def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden):
+    x, topk_idx, topk_weights = _rank_inputs(99, rank, num_ranks, num_experts, hidden)
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        normal_buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts)
+    with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
+        buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, async_finish=True, return_recv_hook=True)
+    big = torch.zeros(MAX_TOKENS + 1, hidden, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"{MAX_TOKENS + 1} tokens.*num_max_dispatch_tokens_per_rank={MAX_TOKENS}"):
+        buffer.low_latency_dispatch(big, torch.zeros(MAX_TOKENS + 1, 1, dtype=torch.int64), MAX_TOKENS, num_experts)
+    with pytest.raises(ValueError, match="round_scale"):
+        buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_ue8m0=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        buffer.low_latency_dispatch(torch.zeros(2, 200, dtype=torch.bfloat16), topk_idx[:2], MAX_TOKENS,
+                                    num_experts)
+    with pytest.raises(ValueError, match="multiple of 512"):
+        buffer.low_latency_dispatch(torch.zeros(2, 384, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int64),
+                                    MAX_TOKENS, num_experts, round_scale=True, use_ue8m0=True)
+    with pytest.raises(ValueError, match="names an expert twice"):
+        buffer.low_latency_dispatch(torch.zeros(1, hidden, dtype=torch.bfloat16),
+                                    torch.tensor([[1, 1]], dtype=torch.int64), MAX_TOKENS, num_experts)
+    with pytest.raises(ValueError, match="expert id"):
+        buffer.low_latency_dispatch(torch.zeros(1, hidden, dtype=torch.bfloat16),
+                                    torch.tensor([[num_experts]], dtype=torch.int64), MAX_TOKENS, num_experts)
+    with pytest.raises(ValueError, match="num_rdma_bytes=.*get_low_latency_rdma_size_hint"):
+        buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS * 1000, num_experts)
+    with pytest.raises(TypeError, match="cumulative_local_expert_recv_stats must have dtype int32"):
+        buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
+                                    cumulative_local_expert_recv_stats=torch.zeros(num_experts // num_ranks))
+    mixed_hidden = 512 if rank == 0 else 384                      # every rank raises, none hangs
+    with pytest.raises(ValueError, match="ranks disagree"):
+        buffer.low_latency_dispatch(torch.zeros(1, mixed_hidden, dtype=torch.bfloat16),
+                                    torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, num_experts, use_fp8=False)
+    handle = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, hidden,
+              num_experts)
+    with pytest.raises(NotImplementedError, match=r"low_latency_combine\(use_logfmt=True\).*planned"):
+        buffer.low_latency_combine(None, topk_idx, topk_weights, handle, use_logfmt=True)
+    with pytest.raises(TypeError, match="handle must be"):
+        buffer.low_latency_combine(None, topk_idx, topk_weights, handle[:4])
+    with pytest.raises(ValueError, match="x must have shape"):
+        buffer.low_latency_combine(torch.zeros(1, 1, hidden, dtype=torch.bfloat16), topk_idx, topk_weights, handle)
+
+
+def _worker(rank, num_ranks):
+    num_experts = 2 * num_ranks + 2 if num_ranks == 2 else 2 * num_ranks
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
+    normal_buffer = deep_ep.Buffer(dist.group.WORLD)
+    cases = [(384, False, False, False), (384, True, False, False), (384, True, True, False), (512, True, True, True)]
+    for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(cases):
+        for use_hook in (False, True):
+            try:
+                _run_case(buffer, rank, num_ranks, num_experts, hidden, index, use_fp8, round_scale, use_ue8m0,
+                          use_hook)
+            except Exception as exc:
+                raise AssertionError(f"hidden {hidden} fp8 {use_fp8} round {round_scale} ue8m0 {use_ue8m0} "
+                                     f"hook {use_hook}, rank {rank}: {exc}") from exc
+    buffer.clean_low_latency_buffer(MAX_TOKENS, 512, num_experts)
+    _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, 512)
+
+
+def test_size_hint_is_deepeps():
+    # DeepEP's layout for 128 tokens, hidden 7168, 64 experts: two sets of send and receive buffers of
+    # 128 * 64 * (14336 + 224) bytes each (the combine messages are the larger) and of 256 signal bytes,
+    # plus one alignment step of 128.
+    assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 64) == 2 * (2 * 128 * 64 * 14560 + 256) + 128
+    with pytest.raises(ValueError, match="multiple of 128"):
+        deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 100, 8, 64)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_low_latency_dispatch_combine(world_size, tmp_path):
+    run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)
