@@ -64,10 +64,10 @@ def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
     values = x.float().view(num_tokens, hidden // NUM_CHANNELS_PER_SCALE, NUM_CHANNELS_PER_SCALE)
     amax = values.abs().amax(dim=-1).clamp(min=FP8_MARGIN)
     if round_scale:
-        exponent = _ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+        exponent = _ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device))
         scale, scale_inv = _pow2(-exponent), _pow2(exponent)
     else:
-        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
         scale = FP8_MAX / amax
     data = (values * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(checks.FP8).view(num_tokens, hidden)
     return data, scale_inv.contiguous()
@@ -159,7 +159,7 @@ class LowLatencyMethods:
             num_rows = self.group_size * num_max_dispatch_tokens_per_rank
             num_local_experts = num_experts // self.group_size
             row = hidden + 2 * (hidden // NUM_CHANNELS_PER_SCALE)
-            state["buffers"] = [torch.zeros((num_local_experts, num_rows, row), dtype=torch.bfloat16)
+            state["buffers"] = [torch.zeros((num_local_experts, num_rows, row), dtype=torch.bfloat16, device="cpu")
                                 for _ in range(2)]
             state["key"] = key
         return state["buffers"][state["index"]][:, :, :hidden]
@@ -287,11 +287,11 @@ class LowLatencyMethods:
             payload = torch.cat([data.view(torch.uint8), scale_inv.view(torch.uint8)], dim=1)
         else:
             payload = x.contiguous().view(torch.uint8)
-        source_index = torch.arange(num_tokens, dtype=torch.int32).unsqueeze(1).view(torch.uint8)
+        source_index = torch.arange(num_tokens, dtype=torch.int32, device="cpu").unsqueeze(1).view(torch.uint8)
         messages = torch.cat([source_index, payload], dim=1)
         num_slots = num_max_dispatch_tokens_per_rank
-        send = torch.zeros((num_experts, num_slots, messages.shape[1]), dtype=torch.uint8)
-        token_of_pair = torch.arange(num_tokens).repeat_interleave(topk_idx.shape[1])
+        send = torch.zeros((num_experts, num_slots, messages.shape[1]), dtype=torch.uint8, device="cpu")
+        token_of_pair = torch.arange(num_tokens, device="cpu").repeat_interleave(topk_idx.shape[1])
         expert_of_pair = topk_idx.flatten()
         valid = expert_of_pair >= 0
         token_of_pair, expert_of_pair = token_of_pair[valid], expert_of_pair[valid]
@@ -299,12 +299,12 @@ class LowLatencyMethods:
         token_of_pair, expert_of_pair = token_of_pair[order], expert_of_pair[order]
         sent_per_expert = torch.bincount(expert_of_pair, minlength=num_experts)
         group_start = torch.cumsum(sent_per_expert, 0) - sent_per_expert
-        slot_of_pair = torch.arange(expert_of_pair.numel()) - group_start[expert_of_pair]
+        slot_of_pair = torch.arange(expert_of_pair.numel(), device=expert_of_pair.device) - group_start[expert_of_pair]
         send[expert_of_pair, slot_of_pair] = messages[token_of_pair]
         # Every rank's sizes first (fixed size, so a disagreement raises on every rank instead of
         # mismatching the exchanges), then expert e's counts and slots go to rank e / L.
         group = self.group
-        header = torch.tensor([hidden, int(use_fp8), num_slots, num_experts], dtype=torch.int32)
+        header = torch.tensor([hidden, int(use_fp8), num_slots, num_experts], dtype=torch.int32, device="cpu")
         headers = _exchange(group, header.expand(num_ranks, HEADER_WORDS))
         if not bool((headers == header).all()):
             raise ValueError(f"deep_ep.Buffer.low_latency_dispatch: the ranks disagree on (hidden, use_fp8, "
@@ -314,11 +314,12 @@ class LowLatencyMethods:
         recv_slots = _exchange(group, send).view(num_ranks, num_local_experts, num_slots, messages.shape[1])
 
         num_rows = num_ranks * num_slots
-        recv_data = torch.zeros((num_local_experts, num_rows, hidden), dtype=checks.FP8 if use_fp8 else torch.bfloat16)
-        scale_rows = torch.zeros((num_local_experts, num_rows, num_scales), dtype=torch.float32)
-        recv_count = torch.zeros(num_local_experts, dtype=torch.int32)
-        src_info = torch.full((num_local_experts, num_rows), -1, dtype=torch.int32)
-        layout_range = torch.zeros((num_local_experts, num_ranks), dtype=torch.int64)
+        recv_data = torch.zeros((num_local_experts, num_rows, hidden),
+                                dtype=checks.FP8 if use_fp8 else torch.bfloat16, device="cpu")
+        scale_rows = torch.zeros((num_local_experts, num_rows, num_scales), dtype=torch.float32, device="cpu")
+        recv_count = torch.zeros(num_local_experts, dtype=torch.int32, device="cpu")
+        src_info = torch.full((num_local_experts, num_rows), -1, dtype=torch.int32, device="cpu")
+        layout_range = torch.zeros((num_local_experts, num_ranks), dtype=torch.int64, device="cpu")
         recv_scales = None
         if use_fp8:
             recv_scales = _pack_ue8m0(scale_rows) if use_ue8m0 else _column_major(scale_rows)
@@ -417,7 +418,7 @@ class LowLatencyMethods:
         rows = self._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
 
         # Rank s gets, per local expert, its tokens' rows at their source token index.
-        send = torch.zeros((num_ranks, num_local_experts, num_slots, hidden), dtype=torch.bfloat16)
+        send = torch.zeros((num_ranks, num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device="cpu")
         counts, begins = layout_range & 0xFFFFFFFF, layout_range >> 32
         for local_expert in range(num_local_experts):
             for source in range(num_ranks):
@@ -427,11 +428,11 @@ class LowLatencyMethods:
         recv = _exchange(self.group, send.view(torch.int16)).view(torch.bfloat16)
         recv = recv.view(num_experts, num_slots, hidden)              # by global expert id
 
-        combined_x = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16)
+        combined_x = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device="cpu")
 
         def receive() -> None:
-            total = torch.zeros((num_tokens, hidden), dtype=torch.float32)
-            token_ids = torch.arange(num_tokens)
+            total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device="cpu")
+            token_ids = torch.arange(num_tokens, device="cpu")
             for slot in range(num_topk):
                 experts = topk_idx[:, slot]
                 selected = experts >= 0
