@@ -5,7 +5,7 @@ GPU backend can derive a handle's fields from its layout tensors with the same c
 and the reference use). Nothing here communicates.
 
 Sizes:
-    align_up, worst_case_recv_tokens, worst_case_recv_rows, alone_recv_rows_bound, alloc_recv_sf
+    align_up, worst_case_recv_tokens, worst_case_recv_rows, alloc_recv_sf
 Row moves of any dtype:
     as_bits, as_rows, split_x
 Routing of one rank's tokens:
@@ -21,7 +21,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = [
-    "align_up", "worst_case_recv_tokens", "worst_case_recv_rows", "alone_recv_rows_bound", "alloc_recv_sf", "as_bits", "as_rows",
+    "align_up", "worst_case_recv_tokens", "worst_case_recv_rows", "alloc_recv_sf", "as_bits", "as_rows",
     "split_x", "slot_owners", "last_slot_of_rank", "expert_prefix_sum", "build_recv_src_metadata", "row_sources", "pairs_prefix_sum_per_source", "expanded_row_experts",
 ]
 
@@ -52,17 +52,6 @@ def worst_case_recv_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk:
         return worst_case_recv_tokens(num_ranks, num_max_tokens_per_rank)
     pairs = num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
     return align_up(pairs + num_local_experts * (expert_alignment - 1), expert_alignment)
-
-
-def alone_recv_rows_bound(num_tokens: int, num_topk: int, num_experts: int, expert_alignment: int,
-                          do_expand: bool) -> int:
-    """The most rows a rank alone (EP=1) can receive from its ``num_tokens`` tokens: each token once
-    (non-expanded), or every (token, slot) pair with each expert that can receive one padded by up
-    to ``expert_alignment - 1`` rows, rounded up to the alignment (expanded; ids may repeat)."""
-    if not do_expand:
-        return num_tokens
-    pairs = num_tokens * num_topk
-    return align_up(pairs + min(num_experts, pairs) * (expert_alignment - 1), expert_alignment)
 
 
 def alloc_recv_sf(rows: int, num_sf: int, dtype: torch.dtype, device, col_major: bool,

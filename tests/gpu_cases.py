@@ -101,7 +101,6 @@ _BASE = [
     Case("bf16-noweights-bias2", weights=False, num_bias=2),
     Case("bf16-nosync", do_cpu_sync=False, num_bias=1),
     Case("bf16-expand-nosync", expand=True, alignment=8, do_cpu_sync=False),
-    # little padding: a rank alone with CPU sync allocates its expanded outputs before its counts
     Case("bf16-expand-align2", expand=True, alignment=2, mask_prob=0.3),
     # Expanded without weights, and with no tokens, with and without CPU sync (the rank alone of EP=1
     # is the empty one).
@@ -110,13 +109,11 @@ _BASE = [
     Case("bf16-expand-nosync-empty-rank", expand=True, alignment=8, tokens=(0, 50, 17), do_cpu_sync=False),
     Case("bf16-empty-rank", tokens=(0, 50, 17)),
     Case("bf16-all-masked", mask_prob=1.0),
-    # About one token in seven selects no expert: fewer rows than tokens even on a rank alone, whose
-    # outputs are allocated before the counts are known and then cut to them.
+    # About one token in seven selects no expert: fewer rows than tokens even on a rank alone.
     Case("bf16-mostly-masked", mask_prob=0.6),
     Case("fp8-fp32", fp8="fp32", hidden=512),
     Case("fp8-ue8m0-colmajor", fp8="ue8m0", hidden=1024, col_major_sf=True),
     Case("fp8-fp32-expand-colmajor", fp8="fp32", hidden=512, expand=True, alignment=4, col_major_sf=True),
-    # row-major scale factors: a rank alone with CPU sync allocates them before its counts, then cuts them
     Case("fp8-fp32-expand", fp8="fp32", hidden=512, expand=True),
     Case("hidden2880-top4", hidden=2880, num_topk=4, num_experts=32, tokens=(33, 70)),
     Case("top8-expand", num_topk=8, num_experts=32, expand=True, alignment=16),

@@ -513,104 +513,37 @@ def _record_allocations_and_launches(monkeypatch) -> list:
     return events
 
 
-@pytest.mark.parametrize("masked", [0, 3])
-def test_a_single_rank_queues_its_data_kernel_before_the_wait(masked, monkeypatch):
-    """With CPU sync a rank alone receives at most its own T tokens: the outputs are allocated for T
-    rows and the data kernel launched (T rows its capacities, also the layout stage's, which refuses
-    more) before the host waits for the layout stage's report; the outputs are then cut to the rows
-    it reports (fewer when tokens select no expert). The returned tensors and the handle have exactly
-    those rows and start where the kernel writes. The notify kernel is queued before the outputs
-    are allocated."""
-    events = _record_allocations_and_launches(monkeypatch)
-    log = []
-    b = _backend(log)
-    T = 24
-    wait = b.wait_readback
-
-    def wait_readback(seq, num_experts, num_topk):
-        events.append(("wait", None))
-        report = wait(seq, num_experts, num_topk)
-        report[READBACK["out_rows"]] = report[READBACK["tok_rows"]] = T - masked
-        return report
-    b.wait_readback = wait_readback
-    (recv_x, recv_idx, recv_w, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False)
-    rows = T - masked
-    assert recv_x.shape == (rows, H) and recv_idx.shape == (rows, K) and recv_w.shape == (rows, K)
-    assert handle.num_recv_tokens == rows and handle.recv_src_metadata.shape == (rows, K + 2)
-    for t in (recv_x, recv_idx, recv_w, handle.recv_src_metadata):
-        assert t.is_contiguous()
-    kinds = [k for k, _ in events]
-    kernel = modules.DISPATCH_KERNEL
-    assert kinds[-2:] == [kernel, "wait"] and kinds.count(kernel) == 1
-    assert kinds.index(modules.NOTIFY_KERNEL) < kinds.index("alloc", kinds.index(modules.NOTIFY_KERNEL))
-    # the outputs (recv_src_metadata lives in the handle's words, their first allocation)
-    assert [s for k, s in events if k == "alloc"][-3:] == [(T, H), (T, K), (T, K)]
-    words = handle.backend_state.words
-    meta = handle.recv_src_metadata
-    assert meta.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
-    assert words.data_ptr() < meta.data_ptr() < words.data_ptr() + 4 * words.numel()
-    plan = b.fresh_plans[next(iter(b.fresh_plans))]
-    data, layout = plan.data.args[0], plan.notify.args[1]
-    assert (data.out_capacity, data.tok_capacity) == (T, T) == (layout.out_capacity, layout.tok_capacity)
-    assert data.out_x == recv_x.data_ptr() and data.out_topk_idx == recv_idx.data_ptr()
-    assert data.out_weights == recv_w.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
-    assert layout.host_out and layout.seq == b.call_record.readback_seq
-
-
-def test_early_rows_bound_what_a_rank_alone_can_receive():
-    """The rows a rank alone's outputs are allocated for before its counts: T non-expanded; expanded,
-    the pairs with each expert padded to the alignment, which holds every routing (checked here by
-    the padded counts of random routings with masked slots and repeated experts), or None (wait
-    for the counts) when that padding exceeds an eighth of the pairs."""
-    g = torch.Generator().manual_seed(5)
-    assert gpu_dispatch.early_rows(37, 8, 256, 128, False) == 37
-    assert gpu_dispatch.early_rows(4096, 8, 256, 1, True) == 4096 * 8
-    assert gpu_dispatch.early_rows(4096, 8, 256, 128, True) is None   # 256 * 127 rows of padding
-    assert gpu_dispatch.early_rows(4096, 8, 256, 16, True) == -(-(4096 * 8 + 256 * 15) // 16) * 16
-    for T, K_, E_, A in [(64, 4, 16, 1), (64, 4, 16, 2), (300, 8, 256, 4), (5, 3, 2, 1), (0, 4, 16, 1)]:
-        rows = gpu_dispatch.early_rows(T, K_, E_, A, True)
-        if rows is None:
-            continue
-        assert rows % A == 0
-        for _ in range(20):
-            idx = torch.randint(-1, E_, (T, K_), generator=g)
-            counts = torch.bincount(idx[idx >= 0], minlength=E_)
-            assert int(((counts + A - 1) // A * A).sum()) <= rows, (T, K_, E_, A)
-
-
-@pytest.mark.parametrize("align", [1, 2, 64])
-def test_a_single_rank_expanded_with_cpu_sync_queues_its_data_kernel_when_the_padding_is_small(align, monkeypatch):
-    """Expanded, with CPU sync: a rank alone queues its data kernel before the wait, its outputs (and
-    the layout stage's capacity) `early_rows` rows, then cut to the reported rows; with more padding
-    than that allows (alignment 64 here) it waits for the counts first, and allocates exact outputs."""
+@pytest.mark.parametrize("num_ranks", [1, 2])
+@pytest.mark.parametrize("expand", [False, True])
+def test_with_cpu_sync_every_rank_count_waits_for_the_counts_then_allocates_and_launches(num_ranks, expand,
+                                                                                         monkeypatch):
+    """With CPU sync a rank alone takes the path of ranks with peers: the notify kernel, the wait for
+    the layout stage's report, then outputs of exactly the reported rows and the data kernel, its
+    capacities those rows."""
     events = _record_allocations_and_launches(monkeypatch)
     b = _backend([])
-    T = 24
-    reported = 50   # rows the stand-in layout stage reports
+    b.num_ranks = num_ranks
+    T, reported, tokens = 24, 50, 22
     wait = b.wait_readback
 
     def wait_readback(seq, num_experts, num_topk):
         events.append(("wait", None))
         report = wait(seq, num_experts, num_topk)
-        report[READBACK["out_rows"]], report[READBACK["tok_rows"]] = reported, T - 2
+        report[READBACK["out_rows"]], report[READBACK["tok_rows"]] = reported, tokens
         return report
     b.wait_readback = wait_readback
-    (recv_x, recv_idx, recv_w, handle), keep = _dispatch(b, T, weights=True, sync=True, align=align, stats=False,
-                                                         expand=True)
-    assert recv_idx is None and recv_x.shape == (reported, H) and recv_w.shape == (reported,)
-    assert handle.recv_src_metadata.shape == (T - 2, K + 2)
+    (recv_x, recv_idx, recv_w, handle), keep = _dispatch(b, T, weights=True, sync=True, align=1, stats=False,
+                                                         expand=expand)
     kinds = [k for k, _ in events]
-    rows = gpu_dispatch.early_rows(T, K, E, align, True)
+    notify, kernel = modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL
+    assert kinds.index(notify) < kinds.index("wait") < kinds.index(kernel) and kinds.count(kernel) == 1
+    assert kinds[-1] == kernel
+    assert recv_x.shape == (reported, H) and handle.recv_src_metadata.shape == (tokens, K + 2)
+    assert recv_w.shape == ((reported,) if expand else (reported, K))
+    assert (recv_idx is None) == expand
     plan = b.fresh_plans[next(iter(b.fresh_plans))]
-    data, layout = plan.data.args[0], plan.notify.args[1]
-    kernel = modules.DISPATCH_KERNEL
-    if rows is None:
-        assert kinds.index("wait") < kinds.index(kernel)
-        assert (data.out_capacity, data.tok_capacity) == (reported, T - 2)
-    else:
-        assert kinds[-2:] == [kernel, "wait"]
-        assert (data.out_capacity, data.tok_capacity) == (rows, T) == (layout.out_capacity, layout.tok_capacity)
-        assert (H and (rows, H)) in [s for k, s in events if k == "alloc"]
+    data = plan.data.args[0]
+    assert (data.out_capacity, data.tok_capacity) == (reported, tokens)
     assert data.out_x == recv_x.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
 
 
@@ -767,9 +700,8 @@ def test_a_refused_notify_launch_is_retried_with_a_smaller_grid(monkeypatch):
 
 
 def test_column_major_scale_factors_with_cpu_sync_wait_for_the_counts(monkeypatch):
-    """With CPU sync and column-major scale factors (whose layout needs the exact rows) a rank alone's
-    outputs wait for the counts: the data kernel is queued after the wait, for the reported rows;
-    with row-major scale factors it is queued before the wait."""
+    """With CPU sync, FP8 outputs of either scale-factor layout wait for the counts: the data kernel
+    is queued after the wait, for the reported rows."""
     events = _record_allocations_and_launches(monkeypatch)
     b = _backend([])
     wait = b.wait_readback
@@ -792,8 +724,7 @@ def test_column_major_scale_factors_with_cpu_sync_wait_for_the_counts(monkeypatc
             handle=None, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
             use_tma_aligned_col_major_sf=col_major, cumulative_local_expert_recv_stats=None)
         kinds = [k for k, _ in events if k != "alloc"]
-        assert kinds == ([modules.NOTIFY_KERNEL, "wait", modules.DISPATCH_KERNEL] if col_major
-                         else [modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL, "wait"]), col_major
+        assert kinds == [modules.NOTIFY_KERNEL, "wait", modules.DISPATCH_KERNEL], col_major
         assert recv_x.shape == (T, H) and recv_sf.shape == (T, num_sf) and handle.num_recv_tokens == T
 
 

@@ -292,12 +292,10 @@ def _check_good_dispatch(buf, dev, g, rank: int = 0, num_ranks: int = 1, xs=None
 @pytest.mark.parametrize("cpu_sync", [True, False], ids=["sync", "nosync"])
 def test_an_out_of_range_expert_id_at_ep1_is_named_and_the_buffer_stays_usable(nccl_group, cpu_sync, T, expand):
     """EP=1 through NCCL: an expert id of num_experts in a GPU topk_idx is found by the notify kernel.
-    With CPU sync the call raises a ValueError naming the id and its place (a rank alone's data kernel
-    was already queued: it moves nothing wrong, and the outputs it writes are kept for its stream);
-    without, the next call raises it. Either way valid calls after it match the reference. With 1501
-    tokens the notify kernel runs several blocks, more than one of which finds a bad id (the first in
-    token order is named; the word that holds it is left ready for the next call). Expanded, with
-    CPU sync, the data kernel is queued before the wait too."""
+    With CPU sync the call raises a ValueError naming the id and its place before the data kernel is
+    queued; without, the next call raises it. Either way valid calls after it match the reference.
+    With 1501 tokens the notify kernel runs several blocks, more than one of which finds a bad id
+    (the first in token order is named; the word that holds it is left ready for the next call)."""
     dev = torch.device("cuda", 0)
     g = torch.Generator().manual_seed(case_seed("bad-expert-ep1", int(cpu_sync), T, int(expand)))
     M = max(MAX_TOKENS, T)

@@ -10,9 +10,7 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    layout stage, in the same kernel).
 2. With ``do_cpu_sync`` the layout stage also writes the received row counts to mapped host memory,
    which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
-   outputs are sized for the worst case and nothing waits on the host. A rank alone with CPU sync
-   receives its own tokens only: its outputs are allocated for a bound on its rows and its data
-   kernel queued before the wait (`early_rows`).
+   outputs are sized for the worst case and nothing waits on the host.
 3. ``modules.DISPATCH_KERNEL`` (num_sms blocks): the send phase moves every token row once per
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
@@ -35,7 +33,6 @@ import torch
 
 from ... import jit
 from ...handle import EPHandle
-from ...shapes import alone_recv_rows_bound
 from .. import outputs
 from .abi import READBACK, DispatchArgs, layout_index
 from . import modules
@@ -43,7 +40,7 @@ from .dispatch_plan import NOTIFY_WARPS, FreshPlan, check_config, dispatch_tag
 from .dispatch_plan import ptr as _ptr, sf_ld as _sf_ld
 from .state import GPUHandleState, word_plan
 
-__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "early_rows", "word_plan"]
+__all__ = ["run_dispatch", "run_cached", "NOTIFY_PAIRS_PER_GROUP", "notify_groups", "word_plan"]
 
 # (token, slot) pairs one notify group (a warp) numbers, at most: its two passes go over them 32
 # at a time, so fewer pairs per group mean a shorter kernel, up to the backend's cap on groups
@@ -60,23 +57,6 @@ def notify_groups(num_tokens: int, num_topk: int, groups_max: int) -> int:
     return min(groups, cap)
 
 
-# A rank alone's expanded outputs are allocated ahead of its counts only when the padding to the
-# alignment (at most alignment - 1 rows per expert) can add at most 1 / EARLY_EXPANDED_SLACK to its
-# (token, slot) pairs; with more, the outputs wait for the exact counts.
-EARLY_EXPANDED_SLACK = 8
-
-
-def early_rows(num_tokens: int, num_topk: int, num_experts: int, alignment: int, expanded: bool) -> Optional[int]:
-    """Rows a rank alone's outputs are allocated for before its counts are known (a dispatch with
-    CPU sync, which cuts them to the reported rows afterwards; `shapes.alone_recv_rows_bound`), or
-    None to wait for the counts: expanded, when the padding to ``alignment`` could add more than
-    1 / `EARLY_EXPANDED_SLACK` of the (token, slot) pairs (never for an alignment of 1)."""
-    num_pairs = num_tokens * num_topk
-    if expanded and min(num_experts, num_pairs) * (alignment - 1) * EARLY_EXPANDED_SLACK > num_pairs:
-        return None
-    return alone_recv_rows_bound(num_tokens, num_topk, num_experts, alignment, expanded)
-
-
 _MAX_PLANS = 64   # configurations kept per buffer (a model has a few; more are re-derived)
 # Where the layout stage's report (`GPUBackend.wait_readback`) holds what a fresh dispatch reads
 _OUT_ROWS, _TOK_ROWS, _COUNTS = READBACK["out_rows"], READBACK["tok_rows"], READBACK["counts"]
@@ -90,8 +70,7 @@ class DispatchCall:
     """One fresh dispatch while it runs: its arguments, then what each step derives for the next.
 
     plan (`_plan`): ``plan`` (the configuration's `FreshPlan`), ``num_tokens``, ``num_topk``,
-    ``word_plan`` (the handle's int32 words, `word_plan`), ``notify_blocks``, ``tokens_per_group``,
-    ``early_out_rows`` (rows of outputs allocated before the counts, or None: after them);
+    ``word_plan`` (the handle's int32 words, `word_plan`), ``notify_blocks``, ``tokens_per_group``;
     allocate (`_allocate_words`): ``device``, ``fill`` (the stream outputs are allocated for,
     `GPUBackend.fill_stream`), ``words``, ``handle_topk``, ``addresses`` (the words' address and
     their pieces', `WordPlan.addresses`), ``topk_ptr`` (the input topk_idx's address);
@@ -103,7 +82,7 @@ class DispatchCall:
     __slots__ = ("backend", "data", "sf", "topk_idx", "topk_weights", "num_experts", "num_max_tokens_per_rank",
                  "expert_alignment", "num_sms", "do_handle_copy", "do_cpu_sync", "do_expand", "do_zero_padding",
                  "col_major_sf", "stats",
-                 "plan", "num_tokens", "num_topk", "word_plan", "notify_blocks", "tokens_per_group", "early_out_rows",
+                 "plan", "num_tokens", "num_topk", "word_plan", "notify_blocks", "tokens_per_group",
                  "device", "fill", "words", "handle_topk", "addresses", "topk_ptr",
                  "report", "recv", "state")
 
@@ -165,8 +144,8 @@ def _lower_notify_grid(backend, refused: _NotifyRefused) -> None:
 
 def _plan(call: DispatchCall) -> None:
     """The plan step: the configuration's `FreshPlan` (kept per configuration in
-    `GPUBackend.fresh_plans`) and what the call's token count derives (the handle's word plan, the
-    notify grid, the rows of outputs allocated before the counts), both derived on first use; checks
+    `GPUBackend.fresh_plans`) and what the call's token count derives (the handle's word plan and
+    the notify grid), both derived on first use; checks
     the token count and that the buffer is usable."""
     backend, sf = call.backend, call.sf
     if call.do_cpu_sync and _capturing(backend):   # before a new configuration would build or load a module
@@ -189,16 +168,11 @@ def _plan(call: DispatchCall) -> None:
                          f"rank the buffer holds (num_max_tokens_per_rank)")
     backend.call_record.num_max_tokens = plan.num_max_tokens
     backend.raise_if_broken()
-    # With CPU sync a rank alone receives its own tokens only: its outputs are allocated for a bound
-    # on their rows (`early_rows`) and its data kernel queued while the notify kernel runs, and the
-    # layout stage refuses more rows than that before the data kernel could write them. Not for
-    # column-major scale factors, whose layout depends on the exact rows.
-    early = plan.early and (sf is None or not call.col_major_sf)
-    grid_key = (num_tokens, early, backend.notify_groups_max, NOTIFY_PAIRS_PER_GROUP)
+    grid_key = (num_tokens, backend.notify_groups_max, NOTIFY_PAIRS_PER_GROUP)
     per_tokens = plan.per_tokens.get(grid_key)
     if per_tokens is None:
         per_tokens = _plan_tokens(plan, grid_key, backend.num_ranks, num_topk, bool(call.do_expand))
-    call.word_plan, call.notify_blocks, call.tokens_per_group, call.early_out_rows = per_tokens
+    call.word_plan, call.notify_blocks, call.tokens_per_group = per_tokens
 
 
 def _new_fresh_plan(call: DispatchCall, key: tuple, num_topk: int) -> FreshPlan:
@@ -214,19 +188,18 @@ def _new_fresh_plan(call: DispatchCall, key: tuple, num_topk: int) -> FreshPlan:
 
 
 def _plan_tokens(plan: FreshPlan, grid_key: tuple, num_ranks: int, num_topk: int, expanded: bool) -> tuple:
-    """What a token count derives under ``plan`` (``grid_key``: tokens, early, the notify grid's
-    settings), kept in ``plan.per_tokens``: ``(word plan, notify blocks, tokens per group, early
-    rows)``. The handle's int32 words are one allocation: layout words, pos_tok [T, R], (expanded)
-    pos_pair [T, K], recv_src_metadata when its rows are known before the call (no CPU sync: the
-    worst case; early: T) (`word_plan`); the kernels get addresses inside it."""
-    num_tokens, early, groups_max, _ = grid_key
+    """What a token count derives under ``plan`` (``grid_key``: tokens, the notify grid's settings),
+    kept in ``plan.per_tokens``: ``(word plan, notify blocks, tokens per group)``. The handle's int32
+    words are one allocation: layout words, pos_tok [T, R], (expanded) pos_pair [T, K], and
+    recv_src_metadata when its rows are known before the call (no CPU sync: the worst case)
+    (`word_plan`); the kernels get addresses inside it."""
+    num_tokens, groups_max, _ = grid_key
     if len(plan.per_tokens) >= _MAX_PLANS:
         plan.per_tokens.clear()
-    rows = early_rows(num_tokens, num_topk, plan.num_experts, plan.alignment, expanded) if early else None
     words = word_plan(plan.layout_index, num_ranks, plan.num_local_experts, num_tokens, num_topk, expanded,
-                      plan.meta_rows if rows is None else num_tokens)
+                      plan.meta_rows)
     groups = notify_groups(num_tokens, num_topk, groups_max)
-    per_tokens = plan.per_tokens[grid_key] = (words, groups // NOTIFY_WARPS, max(1, -(-num_tokens // groups)), rows)
+    per_tokens = plan.per_tokens[grid_key] = (words, groups // NOTIFY_WARPS, max(1, -(-num_tokens // groups)))
     return per_tokens
 
 
@@ -259,9 +232,6 @@ def _launch_notify(call: DispatchCall) -> None:
     record = backend.call_record
     if call.do_cpu_sync:
         record.readback_seq = layout_args.seq = (record.readback_seq % (2 ** 31 - 1)) + 1
-        early_out_rows = call.early_out_rows
-        layout_args.out_capacity, layout_args.tok_capacity = (plan.out_capacity, plan.tok_capacity) \
-            if early_out_rows is None else (early_out_rows, call.num_tokens)
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = backend.calls & 0xFFFFFFFF
     record.launched_call = backend.calls
@@ -276,18 +246,14 @@ def _launch_notify(call: DispatchCall) -> None:
 
 def _launch_data(call: DispatchCall) -> None:
     """The data kernel: its arguments that do not depend on the counts (set while the notify kernel
-    runs), then, unless the outputs come before the counts (`_launch_data_before_counts`), with CPU
-    sync the wait for the exact rows (known only once every peer's counts are in), else the worst
-    case; then the outputs and the launch."""
+    runs), then, with CPU sync, the wait for the exact rows (known only once every peer's counts are
+    in), else the worst case; then the outputs and the launch."""
     backend, plan = call.backend, call.plan
     data_args = plan.data_args
     data_args.x, data_args.sf, data_args.topk_idx, data_args.topk_weights, data_args.num_tokens = \
         call.data.data_ptr() or None, _ptr(call.sf), call.topk_ptr, _ptr(call.topk_weights), call.num_tokens
     layout_ptr, pos_tok_ptr, pos_pair_ptr, _ = call.addresses
     data_args.pos_tok, data_args.pos_pair, data_args.layout = pos_tok_ptr, pos_pair_ptr, layout_ptr
-    if call.early_out_rows is not None:
-        _launch_data_before_counts(call, data_args)
-        return
     if call.do_cpu_sync:
         report = call.report = backend.wait_readback(backend.call_record.readback_seq, plan.num_experts,
                                                      call.num_topk)
@@ -300,27 +266,6 @@ def _launch_data(call: DispatchCall) -> None:
     _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
     backend.launch_data(plan.data, plan.num_sms)
     call.recv = (out_x, out_sf, out_w, out_idx)
-
-
-def _launch_data_before_counts(call: DispatchCall, data_args) -> None:
-    """Outputs before the counts, for a bound on the rows (``early_out_rows``), the data kernel,
-    then the wait; the outputs are cut to the rows the layout stage reports (non-expanded: all T
-    unless a token selects no expert; the kernel marks the rows past them as it marks any spare
-    rows)."""
-    backend, plan, rows = call.backend, call.plan, call.early_out_rows
-    out_x, out_sf, out_w, out_idx, _, sf_ld = _allocate_outputs(call, rows, None)
-    _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, call.addresses[3], rows, call.num_tokens)
-    backend.launch_data(plan.data, plan.num_sms)
-    # If the wait raises, the caller's stream is still ordered after the queued kernels
-    # (`call_streams.run_call`), so the dropped outputs are not reused while they write.
-    report = call.report = backend.wait_readback(backend.call_record.readback_seq, plan.num_experts, call.num_topk)
-    out_rows = report[_OUT_ROWS]
-    if out_rows < rows:
-        out_x, out_sf, out_w, out_idx = (None if tensor is None else tensor[:out_rows]
-                                         for tensor in (out_x, out_sf, out_w, out_idx))
-    call.recv = (out_x, out_sf, out_w, out_idx)
-    # recv_src_metadata: the first tok_capacity rows of the words' piece (a view made when read)
-    call.state = GPUHandleState(call.words, call.word_plan, out_idx, None, report[_TOK_ROWS], call.addresses)
 
 
 def _make_handle(call: DispatchCall) -> tuple:

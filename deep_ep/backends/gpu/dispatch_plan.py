@@ -40,8 +40,7 @@ class FreshPlan:
     (blocks of the data kernel), ``layout_index`` (`abi.layout_index`); ``out_capacity`` /
     ``tok_capacity`` (the outputs' rows and token rows: the worst case without CPU sync, no limit
     with it), ``expanded_capacity`` (the handle's expanded rows without CPU sync), ``meta_rows``
-    (recv_src_metadata's rows known before a call: the worst case without CPU sync, else 0),
-    ``early`` (a rank alone with CPU sync: the data kernel may be queued before the wait);
+    (recv_src_metadata's rows known before a call: the worst case without CPU sync, else 0);
     ``notify`` / ``data`` (the prepared launches), ``notify_args`` / ``layout_args`` / ``data_args``
     (their argument structs, which each call fills), ``tags`` (their call tags), ``handle_fields``
     (`EPHandle.field_dict` with each call's own fields at placeholders) and ``per_tokens`` (what
@@ -49,7 +48,7 @@ class FreshPlan:
     """
 
     __slots__ = ("num_experts", "alignment", "num_local_experts", "hidden", "layout_index", "num_max_tokens",
-                 "num_sms", "out_capacity", "tok_capacity", "expanded_capacity", "meta_rows", "early", "notify",
+                 "num_sms", "out_capacity", "tok_capacity", "expanded_capacity", "meta_rows", "notify",
                  "data", "notify_args", "layout_args", "data_args", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, backend, data, sf, num_topk, num_experts, alignment, num_max_tokens_per_rank, num_sms,
@@ -60,13 +59,11 @@ class FreshPlan:
         self.num_experts, self.alignment, self.num_local_experts = num_experts, alignment, num_experts // num_ranks
         self.hidden, self.num_max_tokens = int(data.shape[1]), num_max_tokens
         self.layout_index = layout_index(num_ranks, self.num_local_experts, num_experts)
-        # (tokens, early, the notify grid's settings) -> (word plan, blocks of the notify kernel,
-        # tokens per group, early rows); the settings: the backend's cap on groups and the grouping
+        # (tokens, the notify grid's settings) -> (word plan, blocks of the notify kernel, tokens per
+        # group); the settings: the backend's cap on groups and the grouping
         # constant of `dispatch`
         self.per_tokens = {}
         self.num_sms = backend.num_sms(num_sms, num_experts, num_topk)
-        # A rank alone with CPU sync queues its data kernel before the wait (`dispatch.early_rows`).
-        self.early = num_ranks == 1 and bool(do_cpu_sync)
         # do_cpu_sync=False: outputs are sized now for the worst case; the layout stage refuses
         # (error code 2) a receive that would not fit, e.g. a peer with a larger M.
         no_limit = 2 ** 31 - 1

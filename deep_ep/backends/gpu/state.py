@@ -48,8 +48,7 @@ def word_plan(layout_index, num_ranks: int, num_local_experts: int, num_tokens: 
     """How a fresh dispatch's int32 words are laid out (`WordPlan`): the layout words (their offsets
     from ``layout_index``, `abi.layout_index`), pos_tok ``[T * R]``, pos_pair ``[T * K]`` (empty
     unless expanded), recv_src_metadata ``[meta_rows * (K + 2)]`` (where its rows are known before
-    the call: without CPU sync the worst case, and T for a rank alone with CPU sync that allocates
-    before its counts; else empty), each starting on a 128-byte boundary as a tensor of its own
+    the call: without CPU sync the worst case; else empty), each starting on a 128-byte boundary as a tensor of its own
     would. The kernels get addresses inside the one allocation; the tensor views are made only when
     read (`GPUHandleState`)."""
     starts = []
