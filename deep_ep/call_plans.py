@@ -2,16 +2,16 @@
 
 The rules are `deep_ep.checks.validate_dispatch` / `validate_combine`'s; this module decides when
 they run. A call's signature holds every value a rule reads except what may differ between calls
-that share it: the dtypes and shapes of the tensors (without their rows), the ints, the flags (as
-bools), the kinds of events, and the fields of the handle that the rules read (its layout, not its
+that share it: the dtypes and shapes of the tensors (without their rows), the ints, the flags
+(bools), the kinds of events, and the fields of the handle that the rules read (its layout, not its
 identity: every step of a model makes new handles of the same layout). The first call of a
 signature runs the full checks and keeps their `CallPlan` in the buffer's ``_plans`` (at most
 `MAX_PLANS`, the oldest dropped first). A later call of the signature re-checks only the rest: every
 tensor's device and contiguity, the rows (the token count: equal across ``x``, its scale factors,
 the routing and the weights, within ``num_max_tokens_per_rank``; a handle's rows, also when its
 routing tensor changed in place) and, for a fresh dispatch of CPU tensors, the expert ids. A call
-that fails these, or whose arguments are not of the usual kinds (an int of another type, an object
-where a tensor goes), takes the full checks, which say what is wrong. The buffer's own
+that fails these, or whose arguments are not of the usual kinds (an int or a flag of another type,
+such as a flag given as 0 / 1; an object where a tensor goes), takes the full checks, which say what is wrong. The buffer's own
 configuration is fixed at its construction.
 """
 from __future__ import annotations
@@ -54,8 +54,13 @@ def _remember(buf, key, plan) -> None:
     plans[key] = plan
 
 
-# A tensor's part of a signature is its dtype and its sizes after the rows: ``sizes[1]`` for the
-# usual 2-D tensor (cheaper than a slice, and never equal to one), else ``sizes[1:]``.
+def _sizes_and_key(tensor) -> tuple:
+    """``(sizes, key)``: a tensor's sizes (read once: each read makes a new `torch.Size`) and its part
+    of a signature, its dtype and its sizes after the rows: ``sizes[1]`` for the usual 2-D tensor
+    (cheaper than a slice, and never equal to one), else ``sizes[1:]``."""
+    sizes = tensor.shape
+    return sizes, (tensor.dtype, sizes[1] if len(sizes) == 2 else sizes[1:])
+
 
 def dispatch_plan(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment,
                   num_sms, num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
@@ -64,22 +69,13 @@ def dispatch_plan(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_to
     """`checks.validate_dispatch` for ``buf`` (an `ElasticBuffer`), once per signature; the same
     arguments (``stats`` is ``cumulative_local_expert_recv_stats``), the same result ``(data, sf,
     plan)`` and the same exceptions."""
-    if not (type(async_with_compute_stream) is bool and type(allocate_on_comm_stream) is bool
-            and type(do_handle_copy) is bool and type(do_expand) is bool and type(do_zero_padding) is bool
-            and type(use_tma_aligned_col_major_sf) is bool and (do_cpu_sync is None or type(do_cpu_sync) is bool)):
-        # Flags given as ints 0 / 1 (or numpy / torch ones) share the signature of their bools.
-        check_bool = checks.check_bool
-        async_with_compute_stream = check_bool("async_with_compute_stream", async_with_compute_stream)
-        allocate_on_comm_stream = check_bool("allocate_on_comm_stream", allocate_on_comm_stream)
-        do_handle_copy = check_bool("do_handle_copy", do_handle_copy)
-        do_expand = check_bool("do_expand", do_expand)
-        do_zero_padding = check_bool("do_zero_padding", do_zero_padding)
-        use_tma_aligned_col_major_sf = check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
-        if do_cpu_sync is not None:
-            do_cpu_sync = check_bool("do_cpu_sync", do_cpu_sync)
     try:
-        # Equal values of other types (True, 8.0) would share an int's signature: the full checks take those.
-        if not (type(num_sms) is int and type(num_qps) is int and (num_experts is None or type(num_experts) is int)
+        # Flags of other types (ints 0 / 1, numpy or torch bools) and equal values of other types for ints
+        # (True, 8.0) would share a signature with values they may differ from: the full checks take those.
+        if not (type(async_with_compute_stream) is bool and type(allocate_on_comm_stream) is bool
+                and type(do_handle_copy) is bool and type(do_expand) is bool and type(do_zero_padding) is bool
+                and type(use_tma_aligned_col_major_sf) is bool and (do_cpu_sync is None or type(do_cpu_sync) is bool)
+                and type(num_sms) is int and type(num_qps) is int and (num_experts is None or type(num_experts) is int)
                 and (num_max_tokens_per_rank is None or type(num_max_tokens_per_rank) is int)
                 and (expert_alignment is None or type(expert_alignment) is int)):
             raise _Unusual
@@ -88,8 +84,7 @@ def dispatch_plan(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_to
         elif (type(x) is tuple or type(x) is list) and len(x) == 2 and isinstance(x[0], _Tensor) \
                 and isinstance(x[1], _Tensor):
             data, sf = x
-            sf_sizes = sf.shape
-            sf_key = (sf.dtype, sf_sizes[1] if len(sf_sizes) == 2 else sf_sizes[1:])
+            sf_sizes, sf_key = _sizes_and_key(sf)
         else:
             raise _Unusual
         if handle is None and isinstance(topk_idx, _Tensor):
@@ -101,8 +96,7 @@ def dispatch_plan(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_to
         if topk_weights is None:
             weights_key = None
         elif isinstance(topk_weights, _Tensor):
-            weights_sizes = topk_weights.shape
-            weights_key = (topk_weights.dtype, weights_sizes[1] if len(weights_sizes) == 2 else weights_sizes[1:])
+            weights_sizes, weights_key = _sizes_and_key(topk_weights)
         else:
             raise _Unusual
         if stats is None:
@@ -148,21 +142,15 @@ def combine_plan(buf, x, handle, topk_weights, bias, num_sms, num_qps, previous_
                  async_with_compute_stream, allocate_on_comm_stream, apply_dispatch_weights) -> tuple:
     """`checks.validate_combine` for ``buf``, once per signature: the same arguments, the same result
     ``(bias, plan)`` and the same exceptions."""
-    if not (type(async_with_compute_stream) is bool and type(allocate_on_comm_stream) is bool
-            and type(apply_dispatch_weights) is bool):
-        check_bool = checks.check_bool
-        async_with_compute_stream = check_bool("async_with_compute_stream", async_with_compute_stream)
-        allocate_on_comm_stream = check_bool("allocate_on_comm_stream", allocate_on_comm_stream)
-        apply_dispatch_weights = check_bool("apply_dispatch_weights", apply_dispatch_weights)
     try:
-        if not (type(num_sms) is int and type(num_qps) is int and isinstance(x, _Tensor)
-                and isinstance(handle, EPHandle)):
+        if not (type(async_with_compute_stream) is bool and type(allocate_on_comm_stream) is bool
+                and type(apply_dispatch_weights) is bool and type(num_sms) is int and type(num_qps) is int
+                and isinstance(x, _Tensor) and isinstance(handle, EPHandle)):
             raise _Unusual
         if topk_weights is None:
             weights_key = None
         elif isinstance(topk_weights, _Tensor):
-            weights_sizes = topk_weights.shape
-            weights_key = (topk_weights.dtype, weights_sizes[1] if len(weights_sizes) == 2 else weights_sizes[1:])
+            weights_sizes, weights_key = _sizes_and_key(topk_weights)
         else:
             raise _Unusual
         if bias is None:
