@@ -11,8 +11,8 @@ tensor's device and contiguity, the rows (the token count: equal across ``x``, i
 the routing and the weights, within ``num_max_tokens_per_rank``; a handle's rows, also when its
 routing tensor changed in place) and, for a fresh dispatch of CPU tensors, the expert ids. A call
 that fails these, or whose arguments are not of the usual kinds (an int or a flag of another type,
-such as a flag given as 0 / 1; an object where a tensor goes), takes the full checks, which say what is wrong. The buffer's own
-configuration is fixed at its construction.
+such as a flag given as 0 / 1; an object where a tensor goes), takes the full checks, which say
+what is wrong. The buffer's own configuration is fixed at its construction.
 """
 from __future__ import annotations
 
