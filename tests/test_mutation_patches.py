@@ -8,28 +8,18 @@ compiles, under a cache key of its own, to kernel code that differs from the cle
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 
 from deep_ep import jit
 from deep_ep.backends import gpu
+from test_mutations_cpu import _tool
 
 ROOT = Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "deep_ep" / "include"
-
-
-def _tool():
-    """tools/mutation_check.py as a module."""
-    spec = importlib.util.spec_from_file_location("mutation_check", ROOT / "tools" / "mutation_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mutation_check", mod)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 TOOL = _tool()
