@@ -31,8 +31,9 @@ def test_parse_variant():
 
 def test_host_python_cost_stamps_show_where_each_call_allocates_and_launches():
     """tools/host_python_cost.py --stamps runs, and shows the full dispatch with CPU sync making its
-    two handle allocations, launching the notify kernel, making its three outputs and launching the
-    data kernel, in that order; the cached dispatch and the combine one launch each."""
+    two handle allocations, launching the notify kernel, making its four outputs once the counts
+    are in (recv_x, recv_topk_idx, recv_topk_weights, recv_src_metadata) and launching the data
+    kernel, in that order; the cached dispatch and the combine one launch each."""
     import re
     import subprocess
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def test_host_python_cost_stamps_show_where_each_call_allocates_and_launches():
         name, _, stamps = line.strip().partition("  ")
         kinds[name] = [re.match(r"([a-zL]+)([0-9.]+)$", s).groups() for s in stamps.split()]
     full = kinds["public: full dispatch, CPU sync"]
-    assert [k for k, _ in full] == ["a", "a", "L", "a", "a", "a", "L", "end"], full
+    assert [k for k, _ in full] == ["a", "a", "L", "a", "a", "a", "a", "L", "end"], full
     times = [float(t) for _, t in full]
     assert times == sorted(times) and times[0] > 0, full
     assert [k for k, _ in kinds["public: cached dispatch"]] == ["a", "a", "L", "end"]
