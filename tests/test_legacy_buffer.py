@@ -162,6 +162,7 @@ def _assert_same(name, got, want):
             _assert_same(f"{name}[{i}]", g, w)
         return
     assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype, got.shape, want.shape)
+    want = want.to(got.device)  # the spec is computed on the CPU
     assert torch.equal(got, want), f"{name} differs at {(got != want).nonzero()[:4].tolist()}"
 
 
