@@ -323,6 +323,7 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     new_inputs = _inputs(7000 + 100 * R + case_index, tokens, E, K, hidden, fp8)
     cached = buffer.dispatch(_to(new_inputs[rank][0], device), handle=handle, config=config, async_finish=async_finish,
                              previous_event=buffer.capture())
+    cached[5].current_stream_wait()
     assert cached[1:5] == (None, None, None, None)
     _assert_same("cached recv_x", _rows(_to(cached[0], "cpu"), slice(0, num_recv)),
                  spec_recv_x(new_inputs, spec["rows"]))

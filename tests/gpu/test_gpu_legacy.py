@@ -44,4 +44,11 @@ def test_one_rank_nccl(nccl_group):
 def test_emulated(num_ranks):
     from deep_ep.emulated import EmulatedGroup
     group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0))
-    group.run(_body, num_ranks)
+    # every emulated rank's blocks must be resident at once: 8 ranks x 20 SMs would not fit
+    num_sms = deep_ep.Buffer.num_sms
+    deep_ep.Buffer.set_num_sms(min(num_sms, torch.cuda.get_device_properties(0).multi_processor_count
+                                   // num_ranks // 2 * 2))
+    try:
+        group.run(_body, num_ranks)
+    finally:
+        deep_ep.Buffer.set_num_sms(num_sms)
