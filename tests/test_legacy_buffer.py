@@ -242,7 +242,12 @@ TOKENS = {1: [[13], [0]], 2: [[13, 0], [7, 11]], 4: [[6, 0, 9, 3], [5, 8, 0, 7]]
 
 
 def _to(obj, device):
-    """A tensor, a tuple of them or None, on ``device``."""
+    """A tensor, a tuple of them or None, on ``device``. To the CPU, after the current stream's work
+    is done (polled: emulated ranks must never block inside the driver while a peer still has to
+    reach a call, `deep_ep.legacy.exchange.settle`)."""
+    if str(device) == "cpu" and torch.cuda.is_available():
+        from deep_ep.legacy.exchange import settle
+        settle(torch.device("cuda"))
     if isinstance(obj, tuple):
         return tuple(_to(t, device) for t in obj)
     return None if obj is None else obj.to(device)
@@ -370,7 +375,7 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
 
     # round trip (DeepEP's check): combining what was received gives x times the token's rank count
     if not fp8:
-        back = buffer.combine(recv_x.to(device), handle)[0].cpu()
+        back = _to(buffer.combine(recv_x.to(device), handle)[0], "cpu")
         _assert_same("round trip", back, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
 
 
