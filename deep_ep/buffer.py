@@ -27,6 +27,7 @@ from . import call_plans, call_streams, checks, resources
 from .backends import BufferConfig, group_domain_sizes, group_rank_and_size, is_cpu_group, make_backend
 from .event import EventHandle
 from .handle import EPHandle
+from .primitives import AllGatherReduceScatterMixin, EngramMixin, PipelineMixin, WindowUse
 
 __all__ = ["ElasticBuffer", "topk_idx_t", "get_physical_domain_size", "get_logical_domain_size"]
 
@@ -69,7 +70,7 @@ def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple:
     return group_domain_sizes(group, allow_hybrid_mode)[1]
 
 
-class ElasticBuffer:
+class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
     """Expert-parallel communication buffer: dispatch tokens to experts, combine the results back.
 
     Args (DeepEP V2's, in its order):
@@ -151,6 +152,7 @@ class ElasticBuffer:
         self.num_ranks = num_ranks
         self.buffer_id = next(_buffer_ids)
         self._plans: dict = {}   # validated call signatures (`deep_ep.call_plans`)
+        self._window_use = WindowUse()   # dispatch/combine and the primitives share the window
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
@@ -372,6 +374,7 @@ class ElasticBuffer:
         self._alive()
         backend = self._backend
         backend.calls += 1   # every call counts, a refused one too (ranks that disagree are found)
+        self._window_use.check_free("dispatch")
         stats = cumulative_local_expert_recv_stats
         data, sf, plan = call_plans.dispatch_plan(
             self, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment, num_sms,
@@ -426,6 +429,7 @@ class ElasticBuffer:
         self._alive()
         backend = self._backend
         backend.calls += 1
+        self._window_use.check_free("combine")
         bias_t, plan = call_plans.combine_plan(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                                previous_event_before_epilogue, async_with_compute_stream,
                                                allocate_on_comm_stream, apply_dispatch_weights)
