@@ -1,0 +1,225 @@
+"""Engram storage of the CPU backend: each rank's shard in a POSIX shared-memory segment, fetched
+one-sided.
+
+`EngramTable.write` is collective (every rank of the group calls it): the ranks exchange a header
+(the call, the shard's format, the host), each rank creates a fresh segment under ``/dev/shm`` with
+its shard, every rank maps every peer's segment, and each owner then unlinks its file (the mappings
+stay; nothing is left behind in ``/dev/shm``, even if a process dies later). Each phase is a bounded
+gloo exchange (`deep_ep.backends.cpu.collectives`), and any rank's failure in a phase is raised by
+every rank at the end of that phase. `EngramTable.fetch` is local: it reads the owners' rows
+straight from their mappings, with no communication, so ranks fetch independently, as DeepEP's
+RDMA gets do. The ranks must share one ``/dev/shm``: a group spanning several hosts raises
+`NotImplementedError` in `write`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+from typing import Optional
+
+import torch
+
+from .. import outputs
+from ... import shapes
+from .collectives import HEADER_FIELDS, OP, OP_COMBINE, OP_DISPATCH, SEQ, Collectives
+
+__all__ = ["EngramTable", "SHM_DIR", "OP_ENGRAM_WRITE", "host_identity"]
+
+SHM_DIR = "/dev/shm"
+#: The operation field of engram_write's header (the header has the size of dispatch's, so that a rank
+#: in engram_write facing a rank in dispatch or combine reads a mismatch, not a failed exchange).
+OP_ENGRAM_WRITE = 8
+_OP_NAMES = {OP_DISPATCH: "dispatch", OP_COMBINE: "combine", OP_ENGRAM_WRITE: "engram_write"}
+
+# Header fields of engram_write (int64; OP and SEQ at the collectives' positions).
+HOST, NUM_ENTRIES, HIDDEN, FORMAT, NUM_SF_PACKS, SF_ROWS, SF_DIGEST, PID, TOKEN = range(1, 10)
+_AGREE = {NUM_ENTRIES: "num_entries (rows of each rank's storage)", HIDDEN: "hidden",
+          FORMAT: "storage format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 int32 sf)",
+          NUM_SF_PACKS: "num_sf_packs (columns of sf)", SF_ROWS: "rows of sf",
+          SF_DIGEST: "the values of sf (a digest; the table is replicated: every rank passes the same)"}
+_FORMATS = {(torch.bfloat16, None): 0, (torch.float8_e4m3fn, torch.float32): 1,
+            (torch.float8_e4m3fn, torch.int32): 2}
+
+
+def host_identity() -> str:
+    """This process's host as far as shared memory goes: the host name and the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def _hash64(data) -> int:
+    """A signed 64-bit digest of a string or a bytes-like object."""
+    raw = data.encode() if isinstance(data, str) else data
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+
+
+def _segment_path(pid: int, token: int, rank: int) -> str:
+    return os.path.join(SHM_DIR, f"deep_ep-engram-{pid}-{token & (2 ** 64 - 1):016x}-rank{rank}")
+
+
+def _map(path: str, num_bytes: int) -> torch.Tensor:
+    """uint8 ``[num_bytes]`` mapping (shared) of an existing file of exactly that size."""
+    size = os.stat(path).st_size    # FileNotFoundError when the file is not visible here
+    if size != num_bytes:
+        raise RuntimeError(f"{path} holds {size} bytes, expected {num_bytes}")
+    # from_file would create a missing file: the stat above makes sure it exists.
+    return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8, device="cpu")
+
+
+class EngramTable:
+    """One buffer's Engram storage on one rank: every rank's shard (mapped), and the replicated
+    scale factors of FP8 storage."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_entries = 0          # rows per rank; 0 until the first write
+        self.hidden = 0
+        self.dtype: Optional[torch.dtype] = None
+        self.sf: Optional[torch.Tensor] = None   # [num_ranks * num_entries, num_sf_packs], this rank's copy
+        self._shards: list = []       # per rank: integer rows [num_entries, *] of its mapped segment
+
+    @property
+    def written(self) -> bool:
+        return self.num_entries > 0
+
+    @property
+    def num_sf_packs(self) -> int:
+        return 0 if self.sf is None else self.sf.shape[1]
+
+    # ------------------------------------------------------------------ write (collective)
+    def write(self, comm: Collectives, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
+        """Replace this rank's shard with ``storage`` (validated: bf16 / FP8 ``[N, H]``, contiguous;
+        ``sf`` the replicated table, or None for bf16) and map every rank's. Collective.
+
+        Raises (on every rank): RuntimeError when ranks disagree on the format or are at different
+        calls, or a rank could not create its segment; NotImplementedError when the ranks do not
+        share one host's shared memory; TimeoutError when a peer does not arrive."""
+        comm.begin("engram_write", call)
+        num_entries, hidden = storage.shape
+        fields = [0] * HEADER_FIELDS
+        fields[OP], fields[SEQ] = OP_ENGRAM_WRITE, comm.calls
+        fields[HOST] = _hash64(host_identity())
+        fields[NUM_ENTRIES], fields[HIDDEN] = num_entries, hidden
+        fields[FORMAT] = _FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
+        fields[NUM_SF_PACKS], fields[SF_ROWS] = (0, 0) if sf is None else sf.shape
+        fields[SF_DIGEST] = 0 if sf is None else _hash64(sf.view(-1).view(torch.uint8).numpy())
+        fields[PID], fields[TOKEN] = os.getpid(), secrets.randbits(63)
+        header = torch.zeros(HEADER_FIELDS + 2 * self.num_ranks, dtype=torch.int64, device="cpu")
+        header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64, device="cpu")
+        headers = comm.all_gather(header, "engram_write header")[:, :HEADER_FIELDS]
+        self._check_headers(comm, headers)
+
+        path = _segment_path(fields[PID], fields[TOKEN], self.rank)
+        num_bytes = storage.numel() * storage.element_size()
+        created = False
+        try:
+            try:
+                descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                created = True
+                try:
+                    os.ftruncate(descriptor, num_bytes)
+                finally:
+                    os.close(descriptor)
+                own = _map(path, num_bytes)
+                own.copy_(storage.view(-1).view(torch.uint8))
+                problem = ""
+            except (OSError, RuntimeError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            self._agree_or_raise(comm, "engram_write segments", problem, RuntimeError,
+                                 f"could not create its shared-memory segment under {SHM_DIR}")
+
+            row_bytes = hidden * storage.element_size()
+            shards, problem = [], ""
+            for peer in range(self.num_ranks):
+                peer_path = _segment_path(int(headers[peer, PID]), int(headers[peer, TOKEN]), peer)
+                try:
+                    segment = own if peer == self.rank else _map(peer_path, num_bytes)
+                except (OSError, RuntimeError) as exc:
+                    problem = f"rank {peer}'s segment {peer_path}: {type(exc).__name__}: {exc}"
+                    break
+                shards.append(shapes.as_rows(segment.view(num_entries, row_bytes)))
+            self._agree_or_raise(comm, "engram_write mappings", problem, NotImplementedError,
+                                 f"could not map a peer's segment (the ranks must share one host's {SHM_DIR})")
+        finally:
+            if created:
+                os.unlink(path)
+        self.num_entries, self.hidden, self.dtype = num_entries, hidden, storage.dtype
+        self.sf = None if sf is None else sf.clone()
+        self._shards = shards
+
+    def _check_headers(self, comm: Collectives, headers: torch.Tensor) -> None:
+        """Raise (the same on every rank) unless all ranks are in this call of engram_write with the
+        same format, on one host."""
+        seqs, ops = headers[:, SEQ].tolist(), headers[:, OP].tolist()
+        if ops != [OP_ENGRAM_WRITE] * self.num_ranks:
+            names = [_OP_NAMES.get(op, f"operation {op}") for op in ops]
+            raise comm.error(f"ranks called different operations: {names}: every rank must call engram_write "
+                             f"together (it is collective)")
+        if len(set(seqs)) > 1:
+            comm._broken = "ranks at different calls"
+            where = ", ".join(f"rank {peer} at call #{seq}" for peer, seq in enumerate(seqs))
+            raise comm.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or "
+                             f"repeated a call. Every rank raises this; the buffer is no longer usable")
+        for field, name in _AGREE.items():
+            values = headers[:, field].tolist()
+            if len(set(values)) > 1:
+                raise comm.error(f"engram_write: ranks disagree on {name}: per-rank values {values}")
+        hosts = headers[:, HOST].tolist()
+        if len(set(hosts)) > 1:
+            groups: dict = {}
+            for peer, host in enumerate(hosts):
+                groups.setdefault(host, []).append(peer)
+            raise NotImplementedError(
+                f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): engram_write needs every rank "
+                f"of the gloo group on one host (fetch reads the owners' shared memory, one-sided); the ranks "
+                f"are on {len(groups)} hosts: {sorted(groups.values())}. Engram across hosts is not "
+                f"implemented on the CPU backend")
+
+    def _agree_or_raise(self, comm: Collectives, phase: str, problem: str, kind: type, what: str) -> None:
+        """All-gather whether each rank met ``problem`` (empty: none) and raise ``kind`` on every rank
+        if one did, naming the ranks (and this rank's own problem)."""
+        failed = comm.all_gather(torch.tensor([1 if problem else 0], dtype=torch.int64, device="cpu"), phase)
+        bad = [peer for peer, flag in enumerate(failed.view(-1).tolist()) if flag]
+        if bad:
+            mine = f"; here: {problem}" if problem else ""
+            message = f"engram_write: rank(s) {bad} {what}{mine}"
+            if kind is RuntimeError:
+                raise comm.error(message)
+            raise kind(f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): {message}")
+
+    # ------------------------------------------------------------------ fetch (local, one-sided)
+    def fetch(self, indices: torch.Tensor, use_tma_aligned_col_major_sf: bool) -> tuple:
+        """``(data [T, E * H], sf or None)`` of validated int32 ``indices [T, E]`` (every value in
+        ``[0, num_ranks * num_entries)``): row ``t`` of ``data`` concatenates the entries
+        ``indices[t]``; ``sf`` is ``[T, E * num_sf_packs]``, row-major or TMA-aligned column-major
+        (strides ``(1, align(T, 4))``). No communication."""
+        num_tokens, num_per_token = indices.shape
+        count = num_tokens * num_per_token
+        data = outputs.empty((num_tokens, num_per_token * self.hidden), self.dtype, "cpu")
+        row_bytes = self.hidden * data.element_size()
+        rows = shapes.as_rows(data.view(torch.uint8).view(count, row_bytes))
+        flat = indices.view(-1)
+        owners = torch.div(flat, self.num_entries, rounding_mode="floor")
+        local = flat - owners * self.num_entries
+        for owner in range(self.num_ranks):
+            picks = (owners == owner).nonzero().view(-1)
+            if picks.numel():
+                rows.index_copy_(0, picks, self._shards[owner].index_select(0, local.index_select(0, picks)))
+        if self.sf is None:
+            return data, None
+        columns = num_per_token * self.num_sf_packs
+        if use_tma_aligned_col_major_sf:
+            token_stride = shapes.align_up(num_tokens, 4)
+            room = outputs.empty((columns * token_stride,), self.sf.dtype, "cpu")
+            sf = room.as_strided((num_tokens, columns), (1, token_stride))
+        else:
+            sf = outputs.empty((num_tokens, columns), self.sf.dtype, "cpu")
+        sf.copy_(self.sf.index_select(0, flat).view(num_tokens, columns))
+        return data, sf
