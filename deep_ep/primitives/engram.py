@@ -1,8 +1,246 @@
-"""`deep_ep.ElasticBuffer`'s Engram remote-memory fetch (engram_write, engram_fetch, get_engram_storage_size_hint)."""
+"""`deep_ep.ElasticBuffer`'s Engram remote-memory fetch (engram_write, engram_fetch, get_engram_storage_size_hint).
+
+Every rank owns a shard of a table (``num_entries`` rows of ``hidden`` bf16 or FP8 values); global
+entry ``owner * num_entries + local`` is row ``local`` of rank ``owner``'s shard. `engram_write`
+publishes the shards (collective), `engram_fetch` gathers any entries from their owners. The CPU
+backend implements both (`deep_ep.backends.cpu.engram`: shared memory, fetch one-sided); on a GPU
+buffer every method but the size hint raises `NotImplementedError` before any communication.
+`engram_fetch_reference` is the per-rank semantics of a fetch, given the whole table.
+"""
 from __future__ import annotations
 
-__all__ = ["EngramMixin"]
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .. import checks, shapes
+
+__all__ = ["EngramMixin", "EngramFetchHook", "engram_fetch_reference"]
+
+_BUFFER_ALIGNMENT = 2 * 1024 * 1024   # DeepEP's size hints come in 2 MiB units
+_ENTRY_ALIGNMENT = 32                  # DeepEP's entries are sized in 32-byte loads
+_STORAGE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_SF_DTYPES = (torch.float32, torch.int32)
+
+
+def engram_fetch_reference(table: torch.Tensor, sf_table: Optional[torch.Tensor], indices: torch.Tensor,
+                           use_tma_aligned_col_major_sf: bool = False) -> tuple:
+    """What `EngramMixin.engram_fetch`'s hook returns, from the whole table.
+
+    Args:
+        table: ``[num_ranks * num_entries, hidden]`` (every rank's shard, in rank order).
+        sf_table: ``[num_ranks * num_entries, num_sf_packs]`` or None.
+        indices: int ``[T, E]``, every value a row of ``table``.
+        use_tma_aligned_col_major_sf: lay the gathered factors out column-major, strides ``(1, align(T, 4))``.
+
+    Returns:
+        ``(data [T, E * hidden], sf [T, E * num_sf_packs] or None)``.
+    """
+    num_tokens, num_per_token = indices.shape
+    flat = indices.reshape(-1).long()
+    bits = shapes.as_bits(table)
+    data = bits.index_select(0, flat).view(num_tokens, num_per_token * table.shape[1]).view(table.dtype)
+    if sf_table is None:
+        return data, None
+    gathered = sf_table.index_select(0, flat).view(num_tokens, -1)
+    if not use_tma_aligned_col_major_sf:
+        return data, gathered.contiguous()
+    token_stride = shapes.align_up(num_tokens, 4)
+    room = torch.zeros(gathered.shape[1] * token_stride, dtype=sf_table.dtype, device=sf_table.device)
+    sf = room.as_strided(tuple(gathered.shape), (1, token_stride))
+    sf.copy_(gathered)
+    return data, sf
+
+
+class EngramFetchHook:
+    """What `EngramMixin.engram_fetch` returns: call it (no arguments) for ``(data, sf)``.
+
+    The first call releases the buffer's window; later calls return the same tensors."""
+
+    __slots__ = ("_result", "_window_use", "_pending")
+
+    def __init__(self, result: tuple, window_use) -> None:
+        self._result = result
+        self._window_use = window_use
+        self._pending = True
+
+    def __call__(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self._pending:
+            self._pending = False
+            self._window_use.release("engram")
+        return self._result
 
 
 class EngramMixin:
     """Methods of `deep_ep.ElasticBuffer` (a mixin: it uses the buffer's backend and window)."""
+
+    @staticmethod
+    def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
+                                     dtype: torch.dtype = torch.bfloat16) -> Tuple[int, int]:
+        """(Experimental) Bytes an Engram table needs, DeepEP's numbers, each rounded up to 2 MiB.
+
+        An entry takes ``hidden * dtype.itemsize`` bytes rounded up to 32.
+
+        Args:
+            num_entries: rows of each rank's shard (>= 0).
+            hidden: values per entry (>= 0).
+            num_max_tokens_per_rank: the most entries one fetch gathers, ``T * E`` (>= 0).
+            dtype: ``torch.bfloat16`` (default) or ``torch.float8_e4m3fn``.
+
+        Returns:
+            ``(num_gpu_bytes, num_cpu_bytes)``: the fetch's receive area (part of ``num_bytes``) and
+            the shard's storage (``num_cpu_bytes``). A buffer for Engram takes
+            ``num_bytes=num_gpu_bytes + num_cpu_bytes, num_cpu_bytes=num_cpu_bytes``.
+
+        Raises:
+            TypeError: a count that is not an int, or another dtype. ValueError: a negative count.
+        """
+        checks.check_int("num_entries", num_entries, minimum=0, maximum=None)
+        checks.check_int("hidden", hidden, minimum=0, maximum=None)
+        checks.check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=0, maximum=None)
+        if dtype not in _STORAGE_DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {dtype!r}")
+        entry_bytes = shapes.align_up(hidden * dtype.itemsize, _ENTRY_ALIGNMENT)
+        return (shapes.align_up(entry_bytes * num_max_tokens_per_rank, _BUFFER_ALIGNMENT),
+                shapes.align_up(entry_bytes * num_entries, _BUFFER_ALIGNMENT))
+
+    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
+        """(Experimental) Publish this rank's shard of the Engram table. Collective: every rank calls
+        it, with the same shapes and format; it includes a barrier before and after, so every rank
+        can fetch every rank's new entries once it returns. A later call replaces the table.
+
+        Args:
+            storage: ``[num_entries, hidden]`` on the buffer's device, contiguous, ``torch.bfloat16``
+                or ``torch.float8_e4m3fn``; at most ``num_cpu_bytes`` (the buffer's) bytes. Copied:
+                the caller may change or free it afterwards.
+            sf: FP8 only (required then, refused for bf16): the scale factors of every rank's entries,
+                replicated, ``[num_ranks * num_entries, num_sf_packs]`` row-major contiguous, each pack
+                an opaque 4-byte value (``torch.float32``, or ``torch.int32`` holding four UE8M0
+                exponents). Copied; a fetch takes the factors from this rank's copy.
+
+        Raises:
+            NotImplementedError: a GPU buffer (the CPU backend has Engram), or ranks on several hosts.
+            TypeError / ValueError: bad arguments, raised on this rank before any communication.
+            RuntimeError: destroyed buffer; or, on every rank, ranks that disagree on the shapes or
+            format. TimeoutError: a peer did not call it.
+        """
+        self._alive()
+        backend = self._engram_backend("engram_write")
+        backend.calls += 1   # collective: every call counts, a refused one too (as dispatch's)
+        device = backend.device
+        checks.check_tensor("storage", storage, dtype=_STORAGE_DTYPES, shape=(None, None), device=device)
+        num_entries, hidden = storage.shape
+        if num_entries < 1 or hidden < 1:
+            raise ValueError(f"storage must have at least one entry of at least one value, got shape "
+                             f"{list(storage.shape)}")
+        if self.num_ranks * num_entries > checks.INT32_MAX:
+            raise ValueError(f"num_ranks * num_entries = {self.num_ranks * num_entries} does not fit the int32 "
+                             f"indices of engram_fetch")
+        if storage.dtype == torch.float8_e4m3fn:
+            if sf is None:
+                raise ValueError("FP8 storage needs sf, the replicated scale factors "
+                                 "[num_ranks * num_entries, num_sf_packs] (float32 or int32)")
+            checks.check_tensor("sf", sf, dtype=_SF_DTYPES, shape=(self.num_ranks * num_entries, None),
+                                device=device)
+            if sf.shape[1] < 1:
+                raise ValueError(f"sf must have at least one pack per entry, got shape {list(sf.shape)}")
+        elif sf is not None:
+            raise ValueError(f"sf is for FP8 storage only; storage is {storage.dtype}")
+        num_bytes = storage.numel() * storage.element_size()
+        if num_bytes > self.num_cpu_bytes:
+            need = EngramMixin.get_engram_storage_size_hint(num_entries, hidden, 0, storage.dtype)[1]
+            raise ValueError(f"storage takes {num_bytes} bytes, more than the buffer's num_cpu_bytes "
+                             f"({self.num_cpu_bytes}); create the buffer with num_cpu_bytes={need} "
+                             f"(ElasticBuffer.get_engram_storage_size_hint) and num_bytes including it")
+        table = self._engram_table()
+        table.write(backend.comm, backend.calls, storage, sf)
+
+    def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0,
+                     use_tma_aligned_col_major_sf: bool = False) -> Callable:
+        """(Experimental) Gather Engram entries from their owners.
+
+        On the CPU backend the fetch is one-sided, like DeepEP's RDMA gets: it reads the owners'
+        shared memory and involves no other rank (ranks fetch independently, any number of times,
+        any shapes). Between this call and its hook's first call the buffer's window is held:
+        dispatch, combine and the other primitives raise `RuntimeError` meanwhile, and so does a
+        second `engram_fetch` (DeepEP gathers every fetch into the same receive area).
+
+        Args:
+            indices: int32 ``[T, E]`` on the buffer's device, contiguous: token ``t`` concatenates
+                entries ``indices[t, 0..E-1]`` along hidden; each a global entry
+                ``owner * num_entries + local`` in ``[0, num_ranks * num_entries)``.
+            num_qps: RDMA queue pairs (0 = all allocated); validated, no effect on the CPU.
+            use_tma_aligned_col_major_sf: FP8 only: the factors in the TMA-aligned column-major
+                layout (strides ``(1, align(T, 4))``), else row-major.
+
+        Returns:
+            hook: call it (no arguments) for ``(data, sf)``: ``data`` ``[T, E * hidden]`` in the
+            storage's dtype (entry ``e`` of token ``t`` at columns ``e * hidden`` onwards; DeepEP's
+            docstring says ``[T * E, hidden]``, the same bytes, while its code returns this shape),
+            ``sf`` ``[T, E * num_sf_packs]`` in sf's dtype for FP8 (pack ``p`` of entry ``e`` at
+            column ``e * num_sf_packs + p``), else None. Calling the hook releases the window; later
+            calls return the same tensors.
+
+        Raises:
+            NotImplementedError: a GPU buffer (the CPU backend has Engram).
+            TypeError / ValueError: bad arguments, an index out of range, or a receive area too small
+            (``T * E * hidden * itemsize`` over ``num_bytes - num_cpu_bytes``; not checked on CPU
+            buffers made without ``num_bytes``, which allocate per call); all before anything is read.
+            RuntimeError: destroyed buffer, no `engram_write` yet, or the window held (by an earlier
+            fetch whose hook was not called, or by another primitive).
+        """
+        self._alive()
+        backend = self._engram_backend("engram_fetch")
+        checks.check_int("num_qps", num_qps, minimum=0)
+        col_major = checks.check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+        table = self._engram_table()
+        if not table.written:
+            raise RuntimeError("engram_fetch needs an Engram table: call engram_write (on every rank) first")
+        checks.check_tensor("indices", indices, dtype=torch.int32, shape=(None, None), device=backend.device)
+        num_tokens, num_per_token = indices.shape
+        num_total = table.num_ranks * table.num_entries
+        if indices.numel():
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= num_total:
+                bad = low if low < 0 else high
+                where = (indices == bad).nonzero()[0].tolist()
+                raise ValueError(f"indices holds entry {bad} at {where}: entries must be in [0, {num_total}) "
+                                 f"({table.num_ranks} ranks x {table.num_entries} entries)")
+        self._check_receive_area(num_tokens * num_per_token * table.hidden * table.dtype.itemsize)
+        if self._window_use.holder == "engram":
+            raise RuntimeError("engram_fetch: an earlier fetch's hook has not been called; call it first (both "
+                               "would gather into the buffer's one receive area)")
+        self._window_use.hold("engram", "Engram entries fetched; calling the hook engram_fetch returned ends it")
+        try:
+            result = table.fetch(indices, col_major)
+        except BaseException:
+            self._window_use.release("engram")
+            raise
+        return EngramFetchHook(result, self._window_use)
+
+    # ------------------------------------------------------------------ helpers
+    def _engram_backend(self, method: str):
+        """The CPU backend, or NotImplementedError naming ``method`` (before any communication)."""
+        from ..backends.cpu import CPUBackend
+        backend = self._backend
+        if not isinstance(backend, CPUBackend):
+            raise NotImplementedError(
+                f"ElasticBuffer.{method} (Engram) is not implemented on GPU buffers yet: the CPU backend "
+                f"(a gloo group with CPU tensors) has it")
+        return backend
+
+    def _engram_table(self):
+        from ..backends.cpu.engram import EngramTable
+        table = getattr(self, "_engram", None)
+        if table is None:
+            table = self._engram = EngramTable(self.rank_idx, self.num_ranks)
+        return table
+
+    def _check_receive_area(self, num_fetched_bytes: int) -> None:
+        if self.num_bytes <= 0:
+            return   # a CPU buffer made without num_bytes: fetches allocate their own outputs
+        area = self.num_bytes - self.num_cpu_bytes
+        if num_fetched_bytes > area:
+            raise ValueError(f"engram_fetch gathers {num_fetched_bytes} bytes, more than the buffer's receive "
+                             f"area num_bytes - num_cpu_bytes = {self.num_bytes} - {self.num_cpu_bytes} = "
+                             f"{area}; size the buffer with ElasticBuffer.get_engram_storage_size_hint")
