@@ -116,8 +116,8 @@ def _fetch_ranks(rank, num_ranks, round_seed, under_defaults):
             storage, local_sf = _shard(x_format, hidden, seed + rank)
             table = _all_gather_rows(storage, num_ranks)
             sf_table = None if local_sf is None else _all_gather_rows(local_sf, num_ranks)
-            if under_defaults:
-                with caller_defaults(torch.bfloat16, "meta"):
+            if under_defaults:   # DeepEP's harness: its defaults, and inference mode
+                with caller_defaults(torch.bfloat16, "meta"), torch.inference_mode():
                     buffer.engram_write(storage, sf=sf_table)
             else:
                 buffer.engram_write(storage, sf=sf_table)
@@ -126,7 +126,7 @@ def _fetch_ranks(rank, num_ranks, round_seed, under_defaults):
             indices = _indices(num_tokens, num_total, seed + 7 * rank + 1)
             for col_major in ((False, True) if local_sf is not None else (False,)):
                 if under_defaults:
-                    with caller_defaults(torch.bfloat16, "meta"):
+                    with caller_defaults(torch.bfloat16, "meta"), torch.inference_mode():
                         _check_fetch(buffer, table, sf_table, indices, col_major)
                 else:
                     _check_fetch(buffer, table, sf_table, indices, col_major)

@@ -44,13 +44,13 @@ _FORMATS = {(torch.bfloat16, None): 0, (torch.float8_e4m3fn, torch.float32): 1,
 
 
 def host_identity() -> str:
-    """This process's host as far as shared memory goes: the host name and the kernel's boot id."""
+    """This process's host as far as shared memory goes: the running kernel's boot id (the same in
+    every container of a host, whatever its host name), else the host name."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
+            return "boot " + boot.read().strip()
     except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
+        return "host " + socket.gethostname()
 
 
 def _hash64(data) -> int:
