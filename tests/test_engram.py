@@ -202,8 +202,29 @@ def _write_refusals(rank, num_ranks):
     buffer.engram_write(bf16)
     table = _all_gather_rows(bf16, num_ranks)
     _check_fetch(buffer, table, None, _indices(3, num_ranks * NUM_ENTRIES, 5), False)
-    # A group over several hosts (faked): refused on every rank.
+    # A rank that cannot create its segment, or cannot map a peer's (faked): every rank raises, no
+    # file is left behind, and the buffer stays usable.
     import deep_ep.backends.cpu.engram as cpu_engram
+    shm_dir, map_segment = cpu_engram.SHM_DIR, cpu_engram._map
+    if rank == 1:
+        cpu_engram.SHM_DIR = "/nonexistent-shm-dir"
+    with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]: could not create a shared-memory segment"):
+        buffer.engram_write(bf16)
+    cpu_engram.SHM_DIR = shm_dir
+
+    def unreachable(path, num_bytes):   # this rank's own segment only
+        if not path.endswith(f"-rank{rank}"):
+            raise FileNotFoundError(path)
+        return map_segment(path, num_bytes)
+    if rank == 0:
+        cpu_engram._map = unreachable
+    with pytest.raises(NotImplementedError, match=r"failed on rank\(s\) \[0\]: could not map a peer's segment"):
+        buffer.engram_write(bf16 + 1)
+    cpu_engram._map = map_segment
+    assert not glob.glob(f"/dev/shm/deep_ep-engram-{os.getpid()}-*")
+    _check_fetch(buffer, table, None, _indices(3, num_ranks * NUM_ENTRIES, 6), False)
+    buffer.engram_write(bf16)
+    # A group over several hosts (faked): refused on every rank.
     cpu_engram.host_identity = lambda: f"host-{rank % 2}"
     with pytest.raises(NotImplementedError, match=r"one host.*2 hosts: \[\[0\], \[1\]\]"):
         buffer.engram_write(bf16)

@@ -133,7 +133,7 @@ class EngramTable:
             except (OSError, RuntimeError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             self._agree_or_raise(comm, "engram_write segments", problem, RuntimeError,
-                                 f"could not create its shared-memory segment under {SHM_DIR}")
+                                 f"could not create a shared-memory segment under {SHM_DIR}")
 
             row_bytes = hidden * storage.element_size()
             shards, problem = [], ""
@@ -146,7 +146,8 @@ class EngramTable:
                     break
                 shards.append(shapes.as_rows(segment.view(num_entries, row_bytes)))
             self._agree_or_raise(comm, "engram_write mappings", problem, NotImplementedError,
-                                 f"could not map a peer's segment (the ranks must share one host's {SHM_DIR})")
+                                 f"could not map a peer's segment (the ranks must share one host's {SHM_DIR}; "
+                                 f"Engram across hosts is not implemented on the CPU backend)")
         finally:
             if created:
                 os.unlink(path)
@@ -189,7 +190,7 @@ class EngramTable:
         bad = [peer for peer, flag in enumerate(failed.view(-1).tolist()) if flag]
         if bad:
             mine = f"; here: {problem}" if problem else ""
-            message = f"engram_write: rank(s) {bad} {what}{mine}"
+            message = f"engram_write failed on rank(s) {bad}: {what}{mine}"
             if kind is RuntimeError:
                 raise comm.error(message)
             raise kind(f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): {message}")
