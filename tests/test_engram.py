@@ -297,3 +297,25 @@ def test_gpu_buffer_refuses_every_method():
         with pytest.raises(NotImplementedError, match=rf"ElasticBuffer.{method} .*GPU buffers.*CPU backend"):
             getattr(buffer, method)(*args)
     buffer._destroyed = True   # nothing to release
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU buffers)")
+def test_gpu_buffer_refuses_on_emulated_ranks():
+    """A real GPU buffer (2 emulated ranks): each method refuses at once, and the ranks' calls stay in
+    step (a barrier and a destroy after it work)."""
+    from deep_ep.emulated import EmulatedGroup
+    group = EmulatedGroup(2, device=torch.device("cuda", 0))
+
+    def body(rank_group):
+        buffer = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=8, hidden=128, num_topk=2,
+                                       explicitly_destroy=True)
+        storage = torch.zeros(4, 128, dtype=torch.bfloat16, device=buffer.device)
+        indices = torch.zeros(1, 1, dtype=torch.int32, device=buffer.device)
+        for method, args in (("engram_write", (storage,)), ("engram_fetch", (indices,))):
+            with pytest.raises(NotImplementedError, match=rf"ElasticBuffer.{method} .*CPU backend"):
+                getattr(buffer, method)(*args)
+        buffer.barrier()
+        buffer.destroy()
+        return True
+
+    assert group.run(body) == [True, True]
