@@ -261,8 +261,10 @@ class AllGatherReduceScatterMixin:
         exception). ``enabled=False`` makes it a no-op.
 
         Raises:
-            TypeError: ``enabled`` not a flag; otherwise what the two methods raise.
+            TypeError: ``enabled`` not a flag. NotImplementedError: a GPU buffer (``enabled`` or not);
+            otherwise what the two methods raise.
         """
+        self._agrs("agrs_new_session")
         if not checks.check_bool("enabled", enabled):
             yield
             return
