@@ -205,3 +205,175 @@ def _stress_body(rank, num_ranks, seeds):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_stress_matches_reference(tmp_path, num_ranks):
     run_gloo_ranks(_stress_body, num_ranks, tmp_path, (7 * num_ranks, 7 * num_ranks + 1), deadline=300)
+
+
+# ---------------------------------------------------------------------------- refusals
+def _raises(kind, pattern, call):
+    with pytest.raises(kind, match=pattern):
+        call()
+
+
+def _refusals_body(rank, num_ranks):
+    group = torch.distributed.group.WORLD
+    buf = deep_ep.ElasticBuffer(group, num_bytes=2 * 1024 * 1024)
+    rows = torch.arange(6 * num_ranks, dtype=torch.float32, device="cpu").view(2 * num_ranks, 3) + rank
+    # before agrs_set_config, and outside a session
+    _raises(RuntimeError, "agrs_set_config before", buf.create_agrs_session)
+    _raises(RuntimeError, "inside an AGRS session", lambda: buf.all_gather(rows))
+    _raises(RuntimeError, "inside an AGRS session", lambda: buf.reduce_scatter(rows))
+    _raises(RuntimeError, "inside an AGRS session", lambda: buf.agrs_get_inplace_tensor((4,), torch.float32))
+    _raises(RuntimeError, "inside an AGRS session", buf.destroy_agrs_session)
+    # bad configurations
+    _raises(ValueError, ">= 1", lambda: buf.agrs_set_config(0, 1))
+    _raises(ValueError, ">= 1", lambda: buf.agrs_set_config(1024, 0))
+    _raises(ValueError, "<= 32", lambda: buf.agrs_set_config(1024, 33))
+    _raises(TypeError, "int", lambda: buf.agrs_set_config(1024.0, 2))
+    _raises(ValueError, "exceeds the buffer's num_bytes", lambda: buf.agrs_set_config(4 * 1024 * 1024, 2))
+    room = deep_ep.ElasticBuffer.get_agrs_num_max_session_bytes(group, [(2, 3)] * 2, torch.float32)
+    buf.agrs_set_config(room + 1, 2)   # rounded up to 32: room for two [2, 3] all-gathers and 32 bytes
+    buf.create_agrs_session()
+    _raises(RuntimeError, "already open", buf.create_agrs_session)
+    _raises(RuntimeError, "while an AGRS session is open", lambda: buf.agrs_set_config(room, 2))
+    # bad tensors, before any communication
+    _raises(ValueError, "contiguous", lambda: buf.all_gather(rows.t()))
+    _raises(ValueError, "buffer's device", lambda: buf.all_gather(torch.empty(3, device="meta")))
+    _raises(TypeError, "torch.Tensor", lambda: buf.all_gather([rows, 3]))
+    _raises(ValueError, "at least one tensor", lambda: buf.all_gather([]))
+    _raises(TypeError, "bfloat16 or float32", lambda: buf.reduce_scatter(rows.to(torch.float64)))
+    _raises(TypeError, "bfloat16 or float32", lambda: buf.reduce_scatter(rows.to(torch.int32)))
+    _raises(ValueError, r"\[R \* n", lambda: buf.reduce_scatter(rows[:2 * num_ranks - 1]))
+    _raises(ValueError, r"\[R \* n", lambda: buf.reduce_scatter(torch.ones((), device="cpu")))
+    _raises(TypeError, "average", lambda: buf.reduce_scatter(rows, average="yes"))
+    # an in-place tensor at the wrong slot, and another view of the space
+    slot = buf.agrs_get_inplace_tensor((2, 3), torch.float32)
+    slot.copy_(rows[:2])
+    _raises(ValueError, "agrs_get_inplace_tensor returned", lambda: buf.all_gather(slot[1:]))
+    _raises(ValueError, "unused part", lambda: buf.reduce_scatter(buf.agrs_get_inplace_tensor(
+        (num_ranks, 1), torch.float32)))
+    gathered, handle = buf.all_gather(slot)
+    handle()
+    assert torch.equal(gathered, torch.stack([rows[:2] - rank + peer for peer in range(num_ranks)]))
+    _raises(ValueError, "agrs_get_inplace_tensor returned", lambda: buf.all_gather(gathered[0]))
+    # the session space: 64 + 32 bytes left, one call left
+    _raises(RuntimeError, "bytes of the session space", lambda: buf.all_gather(torch.zeros(
+        100, dtype=torch.float32, device="cpu")))
+    _raises(RuntimeError, "bytes of the session space", lambda: buf.agrs_get_inplace_tensor([(2, 3)] * 2,
+                                                                                           torch.float32))
+    small = torch.full((1,), rank, dtype=torch.int16, device="cpu")
+    out, handle = buf.all_gather(small)
+    _raises(RuntimeError, "already holds 2", lambda: buf.all_gather(small))
+    _raises(RuntimeError, "already holds 2", lambda: buf.agrs_get_inplace_tensor((1,), torch.int16))
+    handle()
+    assert out.tolist() == [[peer] for peer in range(num_ranks)]
+    buf.destroy_agrs_session()
+    _raises(RuntimeError, "after that session ended", handle)
+    # the context manager: disabled is a no-op; an exception inside still ends the session
+    with buf.agrs_new_session(enabled=False):
+        _raises(RuntimeError, "inside an AGRS session", lambda: buf.all_gather(small))
+    with pytest.raises(KeyError):
+        with buf.agrs_new_session():
+            raise KeyError("inside")
+    assert buf._window_use.holder is None
+    _raises(TypeError, "enabled", lambda: buf.agrs_new_session(enabled="no").__enter__())
+    buf.destroy()
+    _raises(RuntimeError, "destroyed", buf.create_agrs_session)
+    return True
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_refusals_on_every_rank(tmp_path, num_ranks):
+    assert run_gloo_ranks(_refusals_body, num_ranks, tmp_path, deadline=120) == {r: True for r in range(num_ranks)}
+
+
+def _unwaited_and_window_body(rank, num_ranks):
+    group = torch.distributed.group.WORLD
+    buf = deep_ep.ElasticBuffer(group)   # CPU: no window size given, the session space is allocated
+    buf.agrs_set_config(64 * 1024, 8)
+    num_experts = 2 * num_ranks
+    x = torch.randn((5, 128), dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    topk_idx = torch.randint(0, num_experts, (5, 2), dtype=torch.int64, device="cpu")
+    outputs = []
+    with buf.agrs_new_session():
+        assert buf._window_use.holder == "agrs"
+        _raises(RuntimeError, "dispatch cannot use the buffer's window while agrs holds it",
+                lambda: buf.dispatch(x, topk_idx, num_experts=num_experts))
+        first = _tensor((1, rank), (3, 5), torch.bfloat16)
+        second = _tensor((2, rank), (num_ranks * 2, 4), torch.float32)
+        outputs.append(buf.all_gather(first))
+        outputs.append(buf.reduce_scatter(second, average=True))
+        outputs.append(buf.all_gather([first, second]))
+        outputs[1][1]()   # one handle waited; the session's end waits for the others
+    gathered, _ = outputs[0]
+    assert torch.equal(gathered, torch.stack([_tensor((1, peer), (3, 5), torch.bfloat16)
+                                              for peer in range(num_ranks)]))
+    reduced, _ = outputs[1]
+    assert torch.equal(reduced, _reduce_reference([_tensor((2, peer), (num_ranks * 2, 4), torch.float32)
+                                                   for peer in range(num_ranks)], rank, True))
+    pair_first, pair_second, _ = outputs[2]
+    assert torch.equal(pair_first, gathered)
+    assert torch.equal(pair_second, torch.stack([_tensor((2, peer), (num_ranks * 2, 4), torch.float32)
+                                                 for peer in range(num_ranks)]))
+    assert all(output[-1].done for output in outputs)
+    # the window is free again: a dispatch runs; another primitive holding it refuses a session
+    recv_x, *_ = buf.dispatch(x, topk_idx, num_experts=num_experts)
+    assert recv_x.shape[1] == 128
+    buf._window_use.hold("pp", "a tensor in flight")
+    _raises(RuntimeError, "agrs cannot use the buffer's window while pp holds it", buf.create_agrs_session)
+    _raises(RuntimeError, "agrs cannot use the buffer's window while pp holds it",
+            lambda: buf.agrs_set_config(1024, 1))
+    buf._window_use.release("pp")
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_unwaited_handles_and_the_window(tmp_path, num_ranks):
+    run_gloo_ranks(_unwaited_and_window_body, num_ranks, tmp_path, deadline=120)
+
+
+def _disagreement_body(rank, num_ranks):
+    buf = deep_ep.ElasticBuffer(torch.distributed.group.WORLD)
+    _raises(RuntimeError, "disagree on the num_max_session_bytes", lambda: buf.agrs_set_config(1024 + 32 * rank, 2))
+    buf.agrs_set_config(1024, 2)
+    buf.create_agrs_session()
+    mine = torch.zeros((rank + 1, 2), dtype=torch.float32, device="cpu")
+    _raises(RuntimeError, "disagree on the size of all_gather", lambda: buf.all_gather(mine))
+    same_size = torch.zeros(2, dtype=torch.float32 if rank else torch.int32, device="cpu")
+    _raises(RuntimeError, "disagree on the tensor shapes and dtypes", lambda: buf.all_gather(same_size))
+    # nothing moved: the session goes on
+    gathered, handle = buf.all_gather(torch.full((2,), rank, dtype=torch.int32, device="cpu"))
+    handle()
+    assert gathered.tolist() == [[peer, peer] for peer in range(num_ranks)]
+    # rank 0 gathers, the others reduce-scatter: different calls, every rank raises; the buffer is broken
+    rows = torch.ones((num_ranks, 1), dtype=torch.float32, device="cpu")
+    _raises(RuntimeError, "different calls", lambda: buf.all_gather(rows) if rank == 0 else buf.reduce_scatter(rows))
+    _raises(RuntimeError, "no longer communicate", lambda: buf.all_gather(rows))
+    _raises(RuntimeError, "no longer communicate", buf.destroy_agrs_session)
+    assert buf._window_use.holder is None   # the session ended all the same
+    return True
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_ranks_that_disagree_raise_together(tmp_path, num_ranks):
+    run_gloo_ranks(_disagreement_body, num_ranks, tmp_path, deadline=120)
+
+
+class _GPUBackend:
+    device = torch.device("cuda", 0)
+
+
+def test_gpu_buffers_refuse_every_method():
+    buf = object.__new__(deep_ep.ElasticBuffer)   # a GPU buffer's state as the AGRS methods see it
+    buf._destroyed, buf._backend = False, _GPUBackend()
+    tensor = torch.ones(4, dtype=torch.float32, device="cpu")
+    calls = {"agrs_set_config": lambda: buf.agrs_set_config(1024, 2),
+             "create_agrs_session": buf.create_agrs_session,
+             "destroy_agrs_session": buf.destroy_agrs_session,
+             "agrs_new_session": lambda: buf.agrs_new_session(enabled=False).__enter__(),
+             "agrs_get_inplace_tensor": lambda: buf.agrs_get_inplace_tensor((4,), torch.float32),
+             "all_gather": lambda: buf.all_gather(tensor),
+             "reduce_scatter": lambda: buf.reduce_scatter(tensor)}
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=rf"ElasticBuffer\.{name}: .*CPU backend"):
+            call()
+    buf._destroyed = True
