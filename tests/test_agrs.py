@@ -6,6 +6,7 @@ compared bit for bit with a reference each rank computes for all ranks from a sh
 are fresh random values, the session space is poisoned before each session). Then the refusals (each
 raised on every rank), ranks that disagree, the window held against a dispatch, and the GPU refusal.
 """
+import inspect
 import random
 
 import pytest
@@ -31,6 +32,35 @@ class _Group:
 
     def size(self):
         return self._size
+
+
+_ = inspect.Parameter.empty
+#: DeepEP V2's experimental AGRS signatures (deep_ep/buffers/elastic.py), then deep_ep's extension.
+SIGNATURES = {
+    "get_agrs_num_max_session_bytes": [("group", _), ("shapes", _), ("dtype", _)],
+    "get_agrs_buffer_size_hint": [("group", _), ("num_max_session_bytes", _)],
+    "agrs_set_config": [("self", _), ("num_max_session_bytes", _), ("num_max_all_gathers_per_session", _)],
+    "create_agrs_session": [("self", _)],
+    "destroy_agrs_session": [("self", _)],
+    "agrs_new_session": [("self", _), ("enabled", True)],
+    "agrs_get_inplace_tensor": [("self", _), ("shapes", _), ("dtype", _)],
+    "all_gather": [("self", _), ("t", _)],
+    "reduce_scatter": [("self", _), ("t", _), ("average", False)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signatures_match_deepep(name):
+    member = inspect.getattr_static(deep_ep.ElasticBuffer, name)
+    assert isinstance(member, staticmethod) == name.startswith("get_"), name
+    params = list(inspect.signature(getattr(deep_ep.ElasticBuffer, name)).parameters.values())
+    assert [(p.name, p.default) for p in params] == SIGNATURES[name]
+    kinds = [p.kind for p in params]
+    if name == "reduce_scatter":   # the extension's options are keyword-only
+        assert kinds[-1] == inspect.Parameter.KEYWORD_ONLY
+        kinds = kinds[:-1]
+    assert all(kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for kind in kinds), name
+    assert getattr(deep_ep.ElasticBuffer, name).__doc__.count("Raises") == 1, name
 
 
 def test_size_helpers_match_deepep():
@@ -197,12 +227,12 @@ def _stress_body(rank, num_ranks, seeds):
             for output, ref in pairs:
                 assert torch.equal(output, ref), f"rank {rank}: seed {seed}, call {job_id} {jobs[job_id]}"
                 checked += output.numel()
-    assert checked > 1000
+    assert checked > 500
     buf.destroy()
     return checked
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
 def test_stress_matches_reference(tmp_path, num_ranks):
     run_gloo_ranks(_stress_body, num_ranks, tmp_path, (7 * num_ranks, 7 * num_ranks + 1), deadline=300)
 
