@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import deep_ep
+from caller_defaults import caller_defaults
 from proc_utils import run_gloo_ranks
 
 AG_DTYPES = (torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.uint8, torch.bool)
@@ -386,6 +387,33 @@ def _disagreement_body(rank, num_ranks):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_ranks_that_disagree_raise_together(tmp_path, num_ranks):
     run_gloo_ranks(_disagreement_body, num_ranks, tmp_path, deadline=120)
+
+
+def _caller_defaults_body(rank, num_ranks, device):
+    """A session run under DeepEP's harness defaults (bf16 default dtype, maybe a default device)."""
+    inputs = [_tensor((3, peer), (2, 7), torch.float32) for peer in range(num_ranks)]
+    grads = [_tensor((4, peer), (num_ranks * 3, 5), torch.bfloat16) for peer in range(num_ranks)]
+    with caller_defaults(torch.bfloat16, device):
+        buf = deep_ep.ElasticBuffer(torch.distributed.group.WORLD)
+        buf.agrs_set_config(deep_ep.ElasticBuffer.get_agrs_num_max_session_bytes(
+            torch.distributed.group.WORLD, [(2, 7), (3, 5)], torch.float32), 2)
+        with buf.agrs_new_session():
+            slot = buf.agrs_get_inplace_tensor((2, 7), torch.float32)
+            slot.copy_(inputs[rank])
+            gathered, gather_handle = buf.all_gather(slot)
+            reduced, reduce_handle = buf.reduce_scatter(grads[rank])
+            reduce_handle()
+            gather_handle()
+            gathered = gathered.clone()
+        buf.destroy()
+    assert torch.equal(gathered, torch.stack(inputs))
+    assert torch.equal(reduced, _reduce_reference(grads, rank, False))
+    return True
+
+
+@pytest.mark.parametrize("device", [None, "meta"])
+def test_sessions_under_caller_defaults(tmp_path, device):
+    run_gloo_ranks(_caller_defaults_body, 2, tmp_path, device, deadline=120)
 
 
 class _GPUBackend:
