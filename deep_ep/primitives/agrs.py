@@ -80,9 +80,12 @@ class _Session:
 class AgrsHandle:
     """Waits for the data of one `all_gather` / `reduce_scatter` call: call it (``handle()``).
 
-    Calling it again is a no-op. Handles may be waited in any order. Called after its session ended
-    it raises `RuntimeError` (the session's end already waited for it; its outputs may be
-    overwritten by a later session), as DeepEP's handle does.
+    Calling it again is a no-op. Handles may be waited in any order.
+
+    Raises:
+        RuntimeError: called after its session ended (the session's end already waited for it; its
+        outputs may be overwritten by a later session), as DeepEP's handle does; or a peer failed.
+        TimeoutError: a peer did not arrive within the buffer's timeout.
     """
 
     __slots__ = ("_session", "_index", "_wait", "op")
@@ -95,7 +98,7 @@ class AgrsHandle:
 
     @property
     def done(self) -> bool:
-        """Whether the data arrived (the handle, or its session's end, waited for it)."""
+        """Whether the handle, or its session's end, waited for the data."""
         return self._wait is None
 
     def __call__(self) -> None:
