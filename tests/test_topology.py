@@ -281,7 +281,8 @@ def _run(buf, rank):
         rows_weights = recv_w if do_expand else None
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=rows_weights, bias=bias)
         out += [combined, combined_w]
-    return out, handle.psum_num_recv_tokens_per_scaleup_rank
+    plain = buf.dispatch(x, topk_idx, weights, num_experts=EXPERTS)[3]
+    return out, plain.psum_num_recv_tokens_per_scaleup_rank, plain.rank_prefix_sum
 
 
 def _same(a, b) -> bool:
@@ -297,7 +298,7 @@ def _two_nodes_worker(rank, world_size):
     os.environ.pop("EP_CPU_NUM_NVLINK_RANKS", None)
     one_node = ElasticBuffer(group)
     assert (one_node.get_physical_domain_size(), one_node.get_logical_domain_size()) == ((1, 4), (1, 4))
-    want, want_psum = _run(one_node, rank)
+    want, want_psum, _ = _run(one_node, rank)
     one_node.destroy()
     os.environ["EP_CPU_NUM_NVLINK_RANKS"] = "2"
     try:
@@ -310,11 +311,12 @@ def _two_nodes_worker(rank, world_size):
                 "num_rdma_ranks", "num_nvlink_ranks", "num_scaleout_ranks", "num_scaleup_ranks",
                 "scaleout_rank_idx", "scaleup_rank_idx", "num_allocated_qps")}
             assert buf.get_theoretical_num_sms(EXPERTS, TOPK) == 0 and buf.get_theoretical_num_qps(0) == 0
-            got, psum = _run(buf, rank)
+            got, psum, rank_prefix_sum = _run(buf, rank)
             assert len(got) == len(want)
             for i, (g, w) in enumerate(zip(got, want)):
                 assert _same(g, w), (hybrid, i)
             seen[hybrid]["psum"] = psum.tolist()
+            seen[hybrid]["rank_prefix_sum"] = rank_prefix_sum.tolist()
             buf.destroy()
     finally:
         del os.environ["EP_CPU_NUM_NVLINK_RANKS"]
@@ -324,9 +326,37 @@ def _two_nodes_worker(rank, world_size):
 def test_cpu_two_nodes_of_two(tmp_path):
     results = run_gloo_ranks(_two_nodes_worker, 4, tmp_path, deadline=120)
     for rank, (seen, one_node_psum) in results.items():
+        # hybrid: per scale-up rank j, the tokens from rank j of both nodes (DeepEP's hybrid handle)
+        per_source = [b - a for a, b in zip([0] + one_node_psum[:-1], one_node_psum)]
+        per_scaleup = [per_source[0] + per_source[2], per_source[1] + per_source[3]]
         assert seen[True] == dict(num_rdma_ranks=2, num_nvlink_ranks=2, num_scaleout_ranks=2, num_scaleup_ranks=2,
                                   scaleout_rank_idx=rank // 2, scaleup_rank_idx=rank % 2, num_allocated_qps=0,
-                                  psum=seen[True]["psum"])
+                                  psum=[per_scaleup[0], sum(per_scaleup)],
+                                  rank_prefix_sum=seen[True]["rank_prefix_sum"])
+        assert per_scaleup[0] > 0 and per_scaleup[1] > 0
         assert seen[False] == dict(num_rdma_ranks=2, num_nvlink_ranks=2, num_scaleout_ranks=1, num_scaleup_ranks=4,
                                    scaleout_rank_idx=0, scaleup_rank_idx=rank, num_allocated_qps=0,
-                                   psum=one_node_psum)
+                                   psum=one_node_psum, rank_prefix_sum=one_node_psum)
+        assert seen[True]["rank_prefix_sum"] == one_node_psum        # still per source rank
+
+
+def _deepep_modes_worker(rank, world_size):
+    from deep_ep import ElasticBuffer
+    from deepep_cases import run_ep_modes
+    os.environ["EP_CPU_NUM_NVLINK_RANKS"] = "2"
+    try:
+        buffer = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=10, hidden=128, deterministic=True,
+                               explicitly_destroy=True, num_cpu_timeout_secs=60)
+        assert buffer.get_logical_domain_size() == (2, 2)
+        try:
+            return run_ep_modes(buffer, torch.device("cpu"), num_tokens=10, hidden=128, num_topk=4, num_experts=16,
+                                do_cpu_sync=True, masked_ratio=0.1, seed=11)
+        finally:
+            buffer.destroy()
+    finally:
+        del os.environ["EP_CPU_NUM_NVLINK_RANKS"]
+
+
+def test_deepep_modes_two_nodes_hybrid(tmp_path):
+    """DeepEP's own checks (tests/deepep_cases.py), hybrid handle semantics included: 144 modes."""
+    assert run_gloo_ranks(_deepep_modes_worker, 4, tmp_path, deadline=400) == {r: 144 for r in range(4)}
