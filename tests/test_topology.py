@@ -360,3 +360,23 @@ def _deepep_modes_worker(rank, world_size):
 def test_deepep_modes_two_nodes_hybrid(tmp_path):
     """DeepEP's own checks (tests/deepep_cases.py), hybrid handle semantics included: 144 modes."""
     assert run_gloo_ranks(_deepep_modes_worker, 4, tmp_path, deadline=400) == {r: 144 for r in range(4)}
+
+
+def _legacy_worker(rank, world_size):
+    import deep_ep
+    from test_legacy_buffer import CASES, _run_case
+    os.environ["EP_CPU_NUM_NVLINK_RANKS"] = "2"
+    try:
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=0, num_rdma_bytes=0)
+        assert buffer.elastic_buffer.get_logical_domain_size() == (2, 2)
+        for index, case in enumerate(CASES):
+            _run_case(buffer, rank, world_size, index, case)
+        return len(CASES)
+    finally:
+        del os.environ["EP_CPU_NUM_NVLINK_RANKS"]
+
+
+def test_legacy_buffer_two_nodes_hybrid(tmp_path):
+    """DeepEP's V1 Buffer over a hybrid-mode ElasticBuffer: the same checks as on one node."""
+    results = run_gloo_ranks(_legacy_worker, 4, tmp_path, deadline=200)
+    assert set(results.values()) == {len(__import__("test_legacy_buffer").CASES)}
