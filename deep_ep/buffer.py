@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 
-from . import call_plans, call_streams, checks, resources
-from .backends import BufferConfig, group_domain_sizes, group_rank_and_size, is_cpu_group, make_backend
+from . import call_plans, call_streams, checks, resources, topology
+from .backends import (BufferConfig, group_domain_sizes, group_domains, group_rank_and_size, is_cpu_group,
+                       make_backend)
 from .event import EventHandle
 from .handle import EPHandle
 from .primitives import AllGatherReduceScatterMixin, EngramMixin, PipelineMixin, WindowUse
@@ -50,21 +51,24 @@ def _release_live_buffers() -> None:
 
 
 def get_physical_domain_size(group) -> tuple:
-    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group``'s hardware: ``(1, R)`` for every group
-    deep_ep runs on today (one gloo or NVLink domain; scale-out over RDMA is not built yet).
+    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group``'s hardware (`deep_ep.topology`): NCCL's LSA
+    team on GPU; one domain on a gloo group unless ``EP_CPU_NUM_NVLINK_RANKS`` declares its size; one
+    domain for emulated ranks.
 
     Raises:
-        TypeError: ``group`` is not a process group or an emulated group.
+        TypeError: ``group`` is not a process group or an emulated group. ValueError: a bad
+        ``EP_CPU_NUM_NVLINK_RANKS``, or NVLink domains that do not split the group evenly.
     """
     return group_domain_sizes(group)[0]
 
 
 def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple:
-    """``(num_scaleout_ranks, num_scaleup_ranks)`` the algorithms use for ``group`` (``(1, R)`` today;
-    ``allow_hybrid_mode`` matters only with several NVLink domains).
+    """``(num_scaleout_ranks, num_scaleup_ranks)`` the algorithms use for ``group``: the physical split
+    with ``allow_hybrid_mode`` (hybrid), ``(1, R)`` without (direct).
 
     Raises:
         TypeError: a bad ``group`` or an ``allow_hybrid_mode`` that is not a flag (`checks.check_bool`).
+        ValueError: as `get_physical_domain_size`.
     """
     allow_hybrid_mode = checks.check_bool("allow_hybrid_mode", allow_hybrid_mode)
     return group_domain_sizes(group, allow_hybrid_mode)[1]
@@ -87,8 +91,9 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             not fixed). use_fp8_dispatch: size the window for FP8 data.
         deterministic: accepted; every backend already returns the deterministic order (by source
             rank, then source token), which DeepEP produces only with this flag.
-        allow_hybrid_mode: DeepEP's hierarchical RDMA + NVLink algorithm across NVLink domains;
-            no effect within one domain (every group today).
+        allow_hybrid_mode: DeepEP's hierarchical RDMA + NVLink algorithm across NVLink domains
+            (logical domains = physical ones); False is direct mode (logical ``(1, R)``). No effect
+            within one domain. docs/scaleout.md.
         allow_multiple_reduction: combine reduces each rank's rows before the final sum (the order of
             `deep_ep.reference`); False reduces expanded rows in one pass (and then refuses to reduce
             expanded ``topk_weights``, as DeepEP does).
@@ -114,8 +119,10 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
     one-element torch tensor holding 0 or 1, as DeepEP takes them; it is kept as a bool.
 
     Raises:
-        TypeError / ValueError: invalid arguments. NotImplementedError: the group needs the GPU
-        backend and it is not available.
+        TypeError / ValueError: invalid arguments (a bad ``EP_CPU_NUM_NVLINK_RANKS`` too).
+        NotImplementedError: the group needs the GPU backend and it is not available, or it spans
+        more than one NVLink domain on GPU (scale-out is not built yet; RuntimeError instead when
+        the NCCL loaded is older than GIN's 2.28.7), raised on every rank before any allocation.
     """
 
     def __init__(self, group, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
@@ -161,6 +168,10 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_cpu_bytes = num_cpu_bytes
         self.sl_idx = sl_idx
+        domains = group_domains(group, allow_hybrid_mode)[2]
+        if not is_cpu_group(group) and domains.num_rdma_ranks > 1:
+            from .comm.nccl import nccl_version
+            topology.require_scaleout_support(domains, rank, nccl_version())
         self.config = BufferConfig(
             buffer_id=self.buffer_id, rank=rank, num_ranks=num_ranks, num_bytes=num_bytes,
             num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
@@ -171,11 +182,11 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             num_allocated_qps=num_allocated_qps)
         self._backend = make_backend(group, self.config)
         self._resources = self._backend.device_resources()
-        self.num_allocated_qps = num_allocated_qps or resources.default_num_allocated_qps(self._resources)
-        (self.num_rdma_ranks, self.num_nvlink_ranks), (self.num_scaleout_ranks, self.num_scaleup_ranks) = \
-            group_domain_sizes(group, allow_hybrid_mode)
-        self.scaleout_rank_idx = rank // self.num_scaleup_ranks
-        self.scaleup_rank_idx = rank % self.num_scaleup_ranks
+        self.num_allocated_qps = num_allocated_qps or resources.default_num_allocated_qps(self._resources,
+                                                                                          allow_hybrid_mode)
+        self.num_rdma_ranks, self.num_nvlink_ranks = domains.physical
+        self.num_scaleout_ranks, self.num_scaleup_ranks = domains.logical
+        self.scaleout_rank_idx, self.scaleup_rank_idx = domains.scaleout_rank_idx, domains.scaleup_rank_idx
         _live_buffers.add(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -253,14 +264,14 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """SMs a dispatch/combine should use (`deep_ep.resources` derives the model; 0 on CPU, which
-        ``dispatch`` reads as automatic).
+        """SMs a dispatch/combine should use: DeepEP's model over this buffer's domains
+        (`deep_ep.resources`; 0 on CPU, which ``dispatch`` reads as automatic).
 
         Args:
             num_experts: E (divisible by the ranks). num_topk: K in ``[1, E]``.
-            num_scaleout_topk: reserved, must be 0. rdma_gbs: RDMA GB/s (used with scale-out ranks
-                only). nvlink_gbs: NVLink GB/s per direction (0: the device's). sm_read_gbs,
-                sm_write_gbs: one SM's read / write rate in GB/s.
+            num_scaleout_topk: reserved, must be 0. rdma_gbs: RDMA GB/s (0: the device's, else
+                `deep_ep.resources.DEFAULT_RDMA_GBS`). nvlink_gbs: NVLink GB/s per direction (0: the
+                device's). sm_read_gbs, sm_write_gbs: one SM's read / write rate in GB/s.
 
         Raises:
             TypeError / ValueError: invalid arguments. RuntimeError: destroyed buffer.
@@ -270,15 +281,18 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                               sm_read_gbs, sm_write_gbs)
         return resources.theoretical_num_sms(
             num_experts, num_topk, num_ranks=self.num_ranks, resources=self._resources, nvlink_gbs=nvlink_gbs,
-            sm_read_gbs=sm_read_gbs, sm_write_gbs=sm_write_gbs,
-            prefer_overlap_with_compute=self.prefer_overlap_with_compute)
+            rdma_gbs=rdma_gbs, sm_read_gbs=sm_read_gbs, sm_write_gbs=sm_write_gbs,
+            prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+            num_scaleout_ranks=self.num_scaleout_ranks, num_scaleup_ranks=self.num_scaleup_ranks,
+            num_rdma_ranks=self.num_rdma_ranks, num_nvlink_ranks=self.num_nvlink_ranks)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """RDMA QPs for a call on ``num_sms`` SMs (`deep_ep.resources.theoretical_num_qps`), at most
-        ``num_allocated_qps``. Raises TypeError / ValueError on a bad ``num_sms``."""
+        """RDMA QPs for a call on ``num_sms`` SMs (`deep_ep.resources.theoretical_num_qps`): ``num_sms * 16
+        + 1`` with ``allow_hybrid_mode``, else ``min(num_sms, 9)``, at most ``num_allocated_qps``.
+        Raises TypeError / ValueError on a bad ``num_sms``."""
         self._alive()
         checks.check_int("num_sms", num_sms, minimum=0)
-        return resources.theoretical_num_qps(num_sms, self.num_allocated_qps)
+        return resources.theoretical_num_qps(num_sms, self.num_allocated_qps, self.allow_hybrid_mode)
 
     def get_logical_domain_size(self) -> tuple:
         """``(num_scaleout_ranks, num_scaleup_ranks)`` as the algorithms use them."""

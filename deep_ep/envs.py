@@ -82,6 +82,9 @@ VARIABLES = {v.name: v for v in (
              "always launch plainly); a plain grid that cannot be resident at once stalls until the GPU "
              "timeout instead of being refused"),
     Variable("EP_BUFFER_DEBUG", "0", "print each buffer's size, backend and device when it is made"),
+    Variable("EP_CPU_NUM_NVLINK_RANKS", None, "ranks per NVLink domain a gloo (CPU) group acts as: the CPU "
+             "backend then reports `R / N` RDMA ranks of `N` NVLink ranks (unset: one domain of every rank); "
+             "must divide the group size and be equal on every rank"),
     Variable("EP_OVERRIDE_RDMA_SL", None, "RDMA service level 0..15 for every buffer, over `sl_idx` (same "
              "name as DeepEP's)"),
     Variable("CUDA_HOME", None, "CUDA toolkit to search for headers and tools (after the pip wheels)"),

@@ -22,9 +22,11 @@ DeepEP's fields (same names, same meanings)
                                    sync the worst case ``R * M * min(K, L) + L * (A - 1)``, aligned
     num_recv_tokens_per_expert_list  list[int]  received pairs per local expert, aligned up to A;
                                    ``[]`` without CPU sync
-    psum_num_recv_tokens_per_scaleup_rank  int32 [R]  inclusive prefix sum over source ranks of
+    psum_num_recv_tokens_per_scaleup_rank  int32 [S]  inclusive prefix sum over scale-up ranks of
                                    received tokens (both layouts); the last element is the true
-                                   number of received tokens
+                                   number of received tokens. S = R (one node, or direct mode):
+                                   per source rank; hybrid mode across nodes, S ranks per node: entry
+                                   j counts the tokens from rank j of every node (DeepEP's)
     psum_num_recv_tokens_per_expert  int32 [L]  non-expanded: inclusive prefix sum of the aligned
                                    counts; expanded: aligned count of the experts before i plus the
                                    unaligned count of i (`deep_ep.shapes.expert_prefix_sum`)
@@ -213,8 +215,13 @@ class EPHandle:
         """int32 ``[R]``: inclusive prefix sum over source ranks of what was received: tokens
         (non-expanded; ``psum_num_recv_tokens_per_scaleup_rank``) or (token, expert) pairs, the unpadded
         rows (expanded)."""
-        if not self.do_expand:
-            return self.psum_num_recv_tokens_per_scaleup_rank
+        psum = self.psum_num_recv_tokens_per_scaleup_rank
+        if not self.do_expand and psum.numel() == self.num_ranks:
+            return psum
+        if not self.do_expand:       # hybrid mode: the prefix sum is per scale-up rank, not per source
+            meta = self.recv_src_metadata[:int(psum[-1]), 1].to(torch.int64)
+            src = torch.div(meta, max(self.num_topk, 1), rounding_mode="floor")
+            return torch.cumsum(torch.bincount(src, minlength=self.num_ranks), 0).to(torch.int32)
         return shapes.pairs_prefix_sum_per_source(self.recv_src_metadata, self.num_ranks)
 
     @property

@@ -120,7 +120,7 @@ def _attributes_worker(rank, world_size):
     assert buf.num_bytes == deep_ep.ElasticBuffer.get_buffer_size_hint(group, 8, 128, 4, False, False, True) > 0
     assert buf.get_logical_domain_size() == deep_ep.get_logical_domain_size(group) == (1, world_size)
     assert buf.get_physical_domain_size() == deep_ep.get_physical_domain_size(group) == (1, world_size)
-    assert buf.get_theoretical_num_sms(16, 4) == 0 and buf.get_theoretical_num_qps(3) == 4
+    assert buf.get_theoretical_num_sms(16, 4) == 0 and buf.get_theoretical_num_qps(3) == 3   # direct: min(3, 9)
     assert buf.get_comm_stream() is None
     buf.barrier(False, True, False)
     buf.destroy()
@@ -151,25 +151,22 @@ def test_buffer_attributes(tmp_path):
 
 
 def test_resource_model():
-    """deep_ep/resources.py on the numbers its docstring derives."""
+    """deep_ep/resources.py on DeepEP's numbers (tests/test_topology.py checks the model in depth)."""
     from deep_ep.resources import (DeviceResources, default_num_allocated_qps, expected_ranks_per_token,
                                    theoretical_num_qps, theoretical_num_sms)
     h200 = DeviceResources(num_device_sms=132, max_sms=132, nvlink_gbs=450.0)
-    assert expected_ranks_per_token(256, 8, 1) == 1.0 and expected_ranks_per_token(16, 1, 4) == pytest.approx(1.0)
-    assert expected_ranks_per_token(8, 8, 4) == 4.0           # every expert: every rank
+    assert expected_ranks_per_token(256, 8, 1) == 1.0 and expected_ranks_per_token(8, 8, 4) == 4.0
     miss = math.prod((128 - i) / (256 - i) for i in range(8))
     assert expected_ranks_per_token(256, 8, 2) == pytest.approx(2 * (1 - miss))
-    # R = 2: remote = k / 2, so the write bound is (k + k/2) / (k/2) * 450 / 50 = 27 SMs, rounded to even
-    assert theoretical_num_sms(256, 8, num_ranks=2, resources=h200) == 28
-    k = expected_ranks_per_token(256, 8, 8)
-    remote = k * 7 / 8
-    want = math.ceil(max((1 + remote) / 200, (k + remote) / 50) * 450 / remote)
-    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200) == want + want % 2
-    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200, nvlink_gbs=900) > want
+    # one node of 8: NVLink-bound writes, 450 / (7/8) / 50 = 10.3 SMs, +25 % -> 13 -> 14
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200) == 14
+    assert theoretical_num_sms(256, 8, num_ranks=16, resources=h200, num_scaleout_ranks=2, num_rdma_ranks=2) == 12
     assert theoretical_num_sms(256, 8, num_ranks=1, resources=h200) == 132          # EP=1: every SM
-    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200, prefer_overlap_with_compute=False) == 132
-    emulated = DeviceResources(num_device_sms=132, max_sms=16, nvlink_gbs=450.0)
-    assert theoretical_num_sms(256, 8, num_ranks=8, resources=emulated) == 16
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=h200, prefer_overlap_with_compute=False) == 64
+    emulated = DeviceResources(num_device_sms=132, max_sms=10, nvlink_gbs=450.0)
+    assert theoretical_num_sms(256, 8, num_ranks=8, resources=emulated) == 10
     assert theoretical_num_sms(256, 8, num_ranks=8, resources=None) == 0              # no SMs (CPU)
-    assert theoretical_num_qps(0, 133) == 0 and theoretical_num_qps(20, 133) == 21 and theoretical_num_qps(20, 9) == 9
-    assert default_num_allocated_qps(h200) == 133 and default_num_allocated_qps(None) == 0
+    assert theoretical_num_qps(0, 129) == 0 and theoretical_num_qps(20, 129) == 129
+    assert theoretical_num_qps(5, 129) == 81 and theoretical_num_qps(20, 17, False) == 9
+    assert default_num_allocated_qps(h200) == 129 and default_num_allocated_qps(h200, False) == 17
+    assert default_num_allocated_qps(None) == 0

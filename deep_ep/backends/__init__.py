@@ -9,11 +9,11 @@
 """
 from __future__ import annotations
 
-from .. import envs
+from .. import envs, topology
 from .base import Backend, BufferConfig
 
 __all__ = ["Backend", "BufferConfig", "make_backend", "is_cpu_group", "group_rank_and_size",
-           "group_domain_sizes"]
+           "group_domain_sizes", "group_domains"]
 
 
 def group_rank_and_size(group) -> tuple:
@@ -26,15 +26,22 @@ def group_rank_and_size(group) -> tuple:
 
 
 def group_domain_sizes(group, allow_hybrid_mode: bool = True) -> tuple:
-    """``((scale-out, scale-up) physical, (scale-out, scale-up) logical)`` rank counts of ``group``.
+    """``((num_rdma_ranks, num_nvlink_ranks) physical, (num_scaleout_ranks, num_scaleup_ranks) logical)``
+    of ``group`` (`deep_ep.topology` says how each kind of group gets them; ``allow_hybrid_mode=False``
+    makes the logical split ``(1, R)``).
 
-    Every group deep_ep runs on today is one scale-up domain (gloo on CPU; NVLink / LSA on the GPU:
-    a group spanning several NVLink domains cannot create a GPU buffer until the scale-out path
-    exists), so both are ``(1, R)``; ``allow_hybrid_mode`` only matters with several domains.
+    Raises:
+        TypeError: not a group. ValueError: a bad ``EP_CPU_NUM_NVLINK_RANKS``, or NVLink domains that
+        do not split the group evenly.
     """
-    del allow_hybrid_mode
-    _, size = group_rank_and_size(group)
-    return (1, size), (1, size)
+    return group_domains(group, allow_hybrid_mode)[:2]
+
+
+def group_domains(group, allow_hybrid_mode: bool = True) -> tuple:
+    """``(physical, logical, topology.Domains)`` of this rank of ``group`` (see `group_domain_sizes`)."""
+    rank, size = group_rank_and_size(group)
+    domains = topology.group_domains(group, rank, size, is_cpu_group(group), allow_hybrid_mode)
+    return domains.physical, domains.logical, domains
 
 
 def _backend_name(group) -> str:

@@ -68,7 +68,7 @@ def exchange_metadata(buffer, routing: torch.Tensor, topk_idx: Optional[torch.Te
     recv = recv.view(torch.int32)
     settle(device)
     # each source's block ends with its counts token
-    counts_rows = handle.psum_num_recv_tokens_per_scaleup_rank.long() - 1
+    counts_rows = handle.rank_prefix_sum.long() - 1
     is_token = torch.ones(recv.shape[0], dtype=torch.bool, device=device)
     is_token[counts_rows] = False
     tokens = recv[is_token]
@@ -100,7 +100,7 @@ def reduce_weights_back(buffer, topk_weights: torch.Tensor, recv_src_rank: torch
                                             num_sms=num_sms)
     values = recv.view(torch.int32)[:, :num_topk].contiguous().view(torch.float32)
     settle(device)
-    ends = handle.psum_num_recv_tokens_per_scaleup_rank.tolist()
+    ends = handle.rank_prefix_sum.tolist()
     combined = torch.zeros((num_tokens, num_topk), dtype=torch.float32, device=device)
     start = 0
     for rank in range(num_ranks):

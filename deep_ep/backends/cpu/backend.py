@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import topology
 from ..base import Backend, BufferConfig
 from . import combine as combine_impl
 from . import dispatch as dispatch_impl
@@ -25,6 +26,9 @@ class CPUBackend(Backend):
         self.rank = config.rank
         self.num_ranks = config.num_ranks
         self.comm = Collectives(group, config.rank, config.num_ranks, config.num_cpu_timeout_secs)
+        # Handles follow DeepEP's hybrid layout when the group acts as several nodes (`deep_ep.topology`).
+        self.num_scaleup_ranks = topology.group_domains(group, config.rank, config.num_ranks, True,
+                                                        config.allow_hybrid_mode).num_scaleup_ranks
 
     @property
     def device(self) -> torch.device:
@@ -49,7 +53,8 @@ class CPUBackend(Backend):
             num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, handle=handle,
             do_handle_copy=do_handle_copy, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
             do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, call=self.calls)
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, call=self.calls,
+            num_scaleup_ranks=self.num_scaleup_ranks)
 
     def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
         del num_sms

@@ -39,9 +39,10 @@ def _destination_rows(h, x, topk_weights, multi: bool, apply_dispatch_weights: b
     """What this rank returns to its sources: ``(rows bf16 [n, H], weights float32 [n, w] or None,
     rows per source rank int64 [R])``."""
     R, K = h.num_ranks, h.num_topk
-    psum = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
-    n_tok = int(psum[-1]) if R else 0
-    tokens_per_src = psum - torch.cat([psum.new_zeros(1), psum[:-1]])
+    n_tok = int(h.psum_num_recv_tokens_per_scaleup_rank[-1]) if R else 0
+    # per source rank from the metadata: in hybrid mode the prefix sum counts per scale-up rank
+    src = torch.div(h.recv_src_metadata[:n_tok, 1].to(torch.int64), K, rounding_mode="floor")
+    tokens_per_src = torch.bincount(src, minlength=R)
     slots = h.recv_src_metadata[:n_tok, 2:].to(torch.int64)
     if multi and not h.do_expand:
         return x[:n_tok], (topk_weights[:n_tok] if topk_weights is not None else None), tokens_per_src
@@ -61,7 +62,6 @@ def _destination_rows(h, x, topk_weights, multi: bool, apply_dispatch_weights: b
         return partial.to(torch.bfloat16), weights, tokens_per_src
     used = slots >= 0
     rows = slots[used]                                           # ascending (token, slot)
-    src = torch.div(h.recv_src_metadata[:n_tok, 1].to(torch.int64), K, rounding_mode="floor")
     pairs_per_src = torch.zeros(R, dtype=torch.int64, device="cpu").index_add_(0, src, used.sum(1))
     weights = h.recv_topk_weights.index_select(0, rows).view(-1, 1) if apply_dispatch_weights else None
     return x.index_select(0, rows), weights, pairs_per_src

@@ -85,9 +85,12 @@ def _send_positions(counts, pair_counts, hit, topk_idx, rank, num_local_experts,
 
 def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
              expert_alignment, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-             use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats, call: int):
+             use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats, call: int,
+             num_scaleup_ranks: int = 0):
     """One dispatch on this rank (`deep_ep.backends.base.Backend.dispatch`); ``comm`` is the buffer's
-    `Collectives`, ``call`` this rank's call number."""
+    `Collectives`, ``call`` this rank's call number, ``num_scaleup_ranks`` the logical scale-up size
+    (0: every rank): the handle's ``psum_num_recv_tokens_per_scaleup_rank`` counts per scale-up rank,
+    the tokens of every node's rank of that index (DeepEP's hybrid layout)."""
     comm.begin("dispatch", call)
     R, r = comm.num_ranks, comm.rank
     cached = handle is not None
@@ -218,7 +221,8 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
         topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, num_recv_tokens=tok_capacity,
         num_expanded_tokens=expanded_capacity,
         num_recv_tokens_per_expert_list=aligned.tolist() if do_cpu_sync else [],
-        psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(recv_counts, 0).to(torch.int32),
+        psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(
+            recv_counts.view(-1, num_scaleup_ranks or R).sum(0), 0).to(torch.int32),
         psum_num_recv_tokens_per_expert=shapes.expert_prefix_sum(expert_counts, A, do_expand),
         num_unaligned_recv_tokens_per_expert=expert_counts,
         recv_src_metadata=shapes.build_recv_src_metadata(in_src, in_tok, local, slot_rows, M, tok_capacity),

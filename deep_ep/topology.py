@@ -1,0 +1,164 @@
+"""Domains of a group: physical ``(RDMA ranks, NVLink ranks)`` and logical ``(scale-out, scale-up)``.
+
+Physical: the group's ``R`` ranks form ``R / N`` NVLink domains of ``N`` ranks each, reached from one
+another over RDMA. ``N`` is
+
+* on an NCCL group: the size of NCCL's LSA team (``ncclTeamLsa``), which must divide ``R``, with the
+  ranks of one domain consecutive (rank ``r`` is NVLink rank ``r % N`` of RDMA rank ``r // N``);
+* on a CPU (gloo) group: ``R`` (one domain), unless ``EP_CPU_NUM_NVLINK_RANKS`` declares ``N``, so
+  that the CPU backend can act as ``R / N`` nodes;
+* on an emulated-rank group: ``R`` (one GPU is one domain).
+
+Logical: what the algorithms use. With ``allow_hybrid_mode`` (hybrid: RDMA between nodes, then
+NVLink forwarding inside a node) it is the physical split; without (direct: every rank reaches every
+rank itself) it is ``(1, R)``. Rank ``r`` is scale-out rank ``r // S`` and scale-up rank ``r % S``
+(``S`` scale-up ranks).
+
+GPU buffers spanning more than one NVLink domain need NCCL GIN (GPU-initiated networking, NCCL >=
+2.28.7); `require_scaleout_support` names the versions, and raises `NotImplementedError` while the
+GIN transport is not built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import envs
+
+__all__ = ["Domains", "NCCL_GIN_MIN_VERSION", "NCCL_GIN_FEATURES", "domains_from_nvlink_ranks",
+           "cpu_num_nvlink_ranks", "group_num_nvlink_ranks", "group_domains", "nccl_version_text",
+           "require_scaleout_support"]
+
+#: The first NCCL whose device API has GIN (``nccl_device/gin.h``), as ``ncclGetVersion`` codes it.
+NCCL_GIN_MIN_VERSION = 22807
+
+#: NCCL versions that bring the GIN features a scale-out transport may use (docs/scaleout.md).
+NCCL_GIN_FEATURES = {
+    "GIN put, signal, counter, flush; World / LSA / Rail teams": 22807,
+    "GIN connection types (FULL / RAIL), exclusive contexts, queue depth, VA signals": 22907,
+    "GIN traffic class (RDMA service level)": 23003,
+}
+
+_CPU_VARIABLE = "EP_CPU_NUM_NVLINK_RANKS"
+
+
+@dataclass(frozen=True)
+class Domains:
+    """One rank's place in its group's domains (every field is DeepEP's buffer attribute of that name)."""
+    num_rdma_ranks: int
+    num_nvlink_ranks: int
+    num_scaleout_ranks: int
+    num_scaleup_ranks: int
+    scaleout_rank_idx: int
+    scaleup_rank_idx: int
+
+    @property
+    def physical(self) -> tuple:
+        """``(num_rdma_ranks, num_nvlink_ranks)``."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    @property
+    def logical(self) -> tuple:
+        """``(num_scaleout_ranks, num_scaleup_ranks)``."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+
+def domains_from_nvlink_ranks(num_ranks: int, rank: int, num_nvlink_ranks: int,
+                              allow_hybrid_mode: bool = True) -> Domains:
+    """The domains of rank ``rank`` of ``num_ranks`` when NVLink domains hold ``num_nvlink_ranks``.
+
+    Raises:
+        ValueError: ``num_nvlink_ranks`` is not in ``[1, num_ranks]`` or does not divide ``num_ranks``,
+        or ``rank`` is not in ``[0, num_ranks)``.
+    """
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} is outside a group of {num_ranks} ranks")
+    if not 1 <= num_nvlink_ranks <= num_ranks or num_ranks % num_nvlink_ranks:
+        raise ValueError(f"NVLink domains of {num_nvlink_ranks} ranks cannot split a group of {num_ranks} "
+                         f"ranks evenly")
+    num_rdma_ranks = num_ranks // num_nvlink_ranks
+    if allow_hybrid_mode:
+        scaleout, scaleup = num_rdma_ranks, num_nvlink_ranks
+    else:
+        scaleout, scaleup = 1, num_ranks
+    return Domains(num_rdma_ranks=num_rdma_ranks, num_nvlink_ranks=num_nvlink_ranks, num_scaleout_ranks=scaleout,
+                   num_scaleup_ranks=scaleup, scaleout_rank_idx=rank // scaleup, scaleup_rank_idx=rank % scaleup)
+
+
+def cpu_num_nvlink_ranks(num_ranks: int) -> int:
+    """NVLink ranks of a CPU group of ``num_ranks``: ``EP_CPU_NUM_NVLINK_RANKS`` when set, else all.
+
+    Raises:
+        ValueError: the variable is not a positive integer dividing ``num_ranks``.
+    """
+    text = envs.get(_CPU_VARIABLE)
+    if text is None:
+        return num_ranks
+    value = text.strip()
+    if not value.isdigit() or int(value) < 1 or num_ranks % int(value):
+        raise ValueError(f"{_CPU_VARIABLE}={text!r}: expected the ranks of one emulated NVLink domain, a "
+                         f"positive integer dividing the group's {num_ranks} ranks")
+    return int(value)
+
+
+def _nccl_lsa_team(group) -> tuple:
+    """``(LSA team size, this rank's index in it)`` of a torch NCCL group (initialises its communicator)."""
+    import torch
+    from .comm.nccl import comm_ptr, lsa_team
+    return lsa_team(comm_ptr(group, torch.device("cuda", torch.cuda.current_device())))
+
+
+def group_num_nvlink_ranks(group, rank: int, num_ranks: int, is_cpu: bool) -> int:
+    """Ranks of ``group``'s NVLink domains (the module docstring says how each kind of group gets it).
+
+    Raises:
+        ValueError: a bad ``EP_CPU_NUM_NVLINK_RANKS``, or NCCL LSA teams that do not split the group
+        into consecutive, equal domains.
+    """
+    if is_cpu:
+        return cpu_num_nvlink_ranks(num_ranks)
+    import torch.distributed as dist
+    if not isinstance(group, dist.ProcessGroup):
+        return num_ranks                      # emulated ranks share one GPU
+    team_size, team_rank = _nccl_lsa_team(group)
+    if team_size < 1 or num_ranks % team_size or team_rank != rank % team_size:
+        raise ValueError(f"rank {rank}: NCCL's LSA team ({team_size} ranks, this rank's index {team_rank}) does "
+                         f"not split the group of {num_ranks} ranks into NVLink domains of consecutive ranks")
+    return team_size
+
+
+def group_domains(group, rank: int, num_ranks: int, is_cpu: bool, allow_hybrid_mode: bool = True) -> Domains:
+    """`Domains` of rank ``rank`` of ``group`` (``is_cpu``: the group runs on the CPU backend)."""
+    num_nvlink_ranks = group_num_nvlink_ranks(group, rank, num_ranks, is_cpu)
+    return domains_from_nvlink_ranks(num_ranks, rank, num_nvlink_ranks, allow_hybrid_mode)
+
+
+def nccl_version_text(code: int) -> str:
+    """``ncclGetVersion``'s code as ``major.minor.patch`` (22809 -> ``2.28.9``)."""
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def require_scaleout_support(domains: Domains, rank: int, nccl_version: int) -> None:
+    """Refuse a GPU buffer over more than one NVLink domain: GIN needs NCCL >= 2.28.7, and the
+    scale-out (GIN) transport and kernels are not built yet. Every rank of such a group raises the
+    same error (each sees more than one domain), before anything is allocated.
+
+    Args:
+        domains: the rank's `Domains`. rank: for the message. nccl_version: the loaded libnccl's
+            ``ncclGetVersion`` code.
+
+    Raises:
+        RuntimeError: more than one NVLink domain and an NCCL older than 2.28.7.
+        NotImplementedError: more than one NVLink domain with a GIN-capable NCCL.
+    """
+    if domains.num_rdma_ranks <= 1:
+        return
+    where = (f"rank {rank}: the group spans {domains.num_rdma_ranks} NVLink domains of {domains.num_nvlink_ranks} "
+             f"ranks, which needs the scale-out path over NCCL GIN")
+    found = nccl_version_text(nccl_version)
+    needed = nccl_version_text(NCCL_GIN_MIN_VERSION)
+    if nccl_version < NCCL_GIN_MIN_VERSION:
+        raise RuntimeError(f"{where}: GIN needs NCCL >= {needed}, and the NCCL torch loaded is {found}; "
+                           f"install a newer nvidia-nccl wheel (docs/scaleout.md)")
+    mode = "hybrid" if domains.num_scaleout_ranks > 1 else "direct"
+    raise NotImplementedError(f"{where} (NCCL {found} found, >= {needed} needed: met); the {mode}-mode "
+                              f"scale-out kernels and the GIN transport are not built yet (docs/scaleout.md)")
