@@ -40,9 +40,10 @@ def _buffer(b, **over):
 def _public(b):
     """An `ElasticBuffer` over the stand-in backend ``b``, without streams."""
     from deep_ep.buffer import ElasticBuffer
+    from deep_ep.primitives import WindowUse
     pub = ElasticBuffer.__new__(ElasticBuffer)
     pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
-                        allow_multiple_reduction=True, num_allocated_qps=0, _plans={})
+                        allow_multiple_reduction=True, num_allocated_qps=0, _plans={}, _window_use=WindowUse())
     b.get_comm_stream = lambda: None
     return pub
 
