@@ -369,3 +369,19 @@ def test_gpu_buffers_refuse_every_method_before_communicating():
             getattr(buf, method)(*args)
     assert buf._window_use.holder is None
     buf._destroyed = True
+
+
+def test_signatures_are_deepep_s():
+    """Names, order, defaults and the static hint as in DeepEP V2's ElasticBuffer."""
+    import inspect
+    from deep_ep import ElasticBuffer
+    empty = inspect.Parameter.empty
+    expected = {"get_pp_buffer_size_hint": [("num_max_tensor_bytes", empty), ("num_max_inflight_tensors", empty)],
+                "pp_set_config": [("self", empty), ("num_max_tensor_bytes", empty),
+                                  ("num_max_inflight_tensors", empty)],
+                "pp_send": [("self", empty), ("t", empty), ("dst_rank_idx", empty), ("num_sms", 0)],
+                "pp_recv": [("self", empty), ("t", empty), ("src_rank_idx", empty), ("num_sms", 0)]}
+    for name, params in expected.items():
+        got = [(p.name, p.default) for p in inspect.signature(getattr(ElasticBuffer, name)).parameters.values()]
+        assert got == params, name
+        assert isinstance(inspect.getattr_static(ElasticBuffer, name), staticmethod) == (name == "get_pp_buffer_size_hint")
