@@ -315,6 +315,22 @@ def test_window_is_held_from_pp_traffic_until_the_flush(world_size, tmp_path):
     run_gloo_ranks(_window_worker, world_size, tmp_path, deadline=120)
 
 
+def _timeout_worker(rank, world_size):
+    from deep_ep import ElasticBuffer
+    buf = ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=2)
+    buf.pp_set_config(64, 2)
+    if rank == 0:
+        out = torch.full((4,), float("nan"))
+        _expect(TimeoutError, "pp_recv with rank 1 did not complete within 2 s", buf.pp_recv, out, 1)
+        _expect(RuntimeError, "can no longer be used", buf.pp_send, out, 1)
+    else:
+        time.sleep(4)   # never sends: rank 0 gives up after the buffer's timeout, not the group's
+
+
+def test_a_recv_with_no_sender_times_out(tmp_path):
+    run_gloo_ranks(_timeout_worker, 2, tmp_path, deadline=60, leave_together=False)
+
+
 def _one_rank_worker(rank, world_size):
     from deep_ep import ElasticBuffer
     buf = ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=30)

@@ -137,8 +137,8 @@ class CPUPipeline:
         group = self.comm.group
         sequence = self.sent[peer]
         staging = byte_view(t).clone()
-        header = torch.tensor([staging.numel(), sequence], dtype=torch.int64)
-        ack = torch.full((1,), -1, dtype=torch.int64)
+        header = torch.tensor([staging.numel(), sequence], dtype=torch.int64, device="cpu")
+        ack = torch.full((1,), -1, dtype=torch.int64, device="cpu")
         # The acknowledgement's receive is posted first, so that the receiver's answer never waits.
         ack_work = group.recv([ack], peer, self._tag + _ACK)
         send_works = [group.send([header], peer, self._tag + _HEADER)]
@@ -164,18 +164,18 @@ class CPUPipeline:
             self._fill(t, payload, peer)
             return
         group = self.comm.group
-        header = torch.empty(2, dtype=torch.int64)
+        header = torch.empty(2, dtype=torch.int64, device="cpu")
         self._wait(group.recv([header], peer, self._tag + _HEADER), "pp_recv", peer)
         num_bytes, sequence = (int(v) for v in header.tolist())
         if sequence != self.received[peer]:
             self.broken = "tensors out of order"
             raise self.comm.error(f"rank {peer} sent tensor #{sequence} where #{self.received[peer]} was expected; "
                                   f"destroy the buffer and the process group")
-        target = byte_view(t) if num_bytes == t.nbytes else torch.empty(num_bytes, dtype=torch.uint8)
+        target = byte_view(t) if num_bytes == t.nbytes else torch.empty(num_bytes, dtype=torch.uint8, device="cpu")
         if num_bytes:
             self._wait(group.recv([target], peer, self._tag + _PAYLOAD), "pp_recv", peer)
         self.received[peer] += 1
-        ack = torch.tensor([sequence], dtype=torch.int64)
+        ack = torch.tensor([sequence], dtype=torch.int64, device="cpu")
         # The sender posted this receive with its send, so the wait ends as soon as the bytes leave.
         self._wait(group.send([ack], peer, self._tag + _ACK), "acknowledging a pp_recv", peer)
         if num_bytes != t.nbytes:
@@ -209,11 +209,11 @@ def configure(comm: Collectives, call: int, old: Optional[CPUPipeline], num_slot
         old._check_usable()
     num_ranks = comm.num_ranks
     comm.begin("pp_set_config", call)
-    row = torch.zeros(2 + 2 * num_ranks, dtype=torch.int64)
+    row = torch.zeros(2 + 2 * num_ranks, dtype=torch.int64, device="cpu")
     row[0], row[1] = num_slot_bytes, num_max_inflight_tensors
     if old is not None:
-        row[2:2 + num_ranks] = torch.tensor(old.sent, dtype=torch.int64)
-        row[2 + num_ranks:] = torch.tensor(old.received, dtype=torch.int64)
+        row[2:2 + num_ranks] = torch.tensor(old.sent, dtype=torch.int64, device="cpu")
+        row[2 + num_ranks:] = torch.tensor(old.received, dtype=torch.int64, device="cpu")
     rows = comm.all_gather(row, "pp_set_config count exchange")
     for column, name in ((0, "num_max_tensor_bytes (rounded up to 32)"), (1, "num_max_inflight_tensors")):
         values = rows[:, column]
