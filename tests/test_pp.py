@@ -44,14 +44,14 @@ def _random_tensor(generator, max_bytes):
     return data.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
 
 
-def _poisoned_like(t):
-    out = torch.empty_like(t)
+def _poisoned_like(tensor):
+    out = torch.empty_like(tensor)
     out.reshape(-1).view(torch.uint8).fill_(POISON)   # not a valid bool either: only compared as bytes
     return out
 
 
-def _bytes(t):
-    return t.reshape(-1).view(torch.uint8)
+def _bytes(tensor):
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _assert_received(actual, expected, where):
@@ -63,19 +63,19 @@ def _stress_plan(seed, num_ranks, num_sends, limit):
     """Every rank's ops in time order: ``(time, 'send'|'recv', peer, index)``; deadlock-free: a recv
     comes after its send, and a send that finds ``limit`` tensors in flight comes after the receive
     of the oldest (every blocking call waits for an op with a smaller time on another rank)."""
-    rng = random.Random(seed)
+    random_source = random.Random(seed)
     channels = sorted({(src, (src + step) % num_ranks) for src in range(num_ranks) for step in (1, -1)})
     per_channel = {channel: 0 for channel in channels}
     for _ in range(num_sends):
-        per_channel[channels[rng.randrange(len(channels))]] += 1
+        per_channel[channels[random_source.randrange(len(channels))]] += 1
     ops = {rank: [] for rank in range(num_ranks)}
     index = 0
     for (src, dst), count in per_channel.items():
         send_times, recv_times = [], []
-        for k in range(count):
-            send_time = max(rng.uniform(0, 100), send_times[-1] + 1e-3 if send_times else 0,
-                            recv_times[k - limit] + 1e-3 if k >= limit else 0)
-            recv_time = max(send_time + rng.uniform(1e-3, 5), recv_times[-1] + 1e-3 if recv_times else 0)
+        for position in range(count):
+            send_time = max(random_source.uniform(0, 100), send_times[-1] + 1e-3 if send_times else 0,
+                            recv_times[position - limit] + 1e-3 if position >= limit else 0)
+            recv_time = max(send_time + random_source.uniform(1e-3, 5), recv_times[-1] + 1e-3 if recv_times else 0)
             send_times.append(send_time)
             recv_times.append(recv_time)
             ops[src].append((send_time, "send", dst, index))
@@ -129,25 +129,25 @@ def _ring_worker(rank, world_size, rounds):
     assert buf.num_bytes == 0
     limit = rounds if world_size > 2 else 2 * rounds
     buf.pp_set_config(4096, limit)
-    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    next_rank, prev_rank = (rank + 1) % world_size, (rank - 1) % world_size
 
-    def tensor(src, direction, k):
-        generator = torch.Generator().manual_seed(1000 * src + 100 * direction + k)
-        return torch.randn((k + 1, 7), generator=generator).to(torch.bfloat16)
+    def tensor(src, direction, position):
+        generator = torch.Generator().manual_seed(1000 * src + 100 * direction + position)
+        return torch.randn((position + 1, 7), generator=generator).to(torch.bfloat16)
 
-    for k in range(rounds):
-        buf.pp_send(tensor(rank, 0, k), nxt)
-    for k in range(rounds):
-        buf.pp_send(tensor(rank, 1, k), prev)
-    for k in range(rounds):
-        out = _poisoned_like(tensor(prev, 0, k))
-        buf.pp_recv(out, prev)
-        _assert_received(out, tensor(prev, 0, k), f"rank {rank} forward #{k}")
-    for k in range(rounds):
-        out = _poisoned_like(tensor(nxt, 1, k))
-        buf.pp_recv(out, nxt)
-        # with 2 ranks next == prev: one channel, so the backward tensors follow the forward ones
-        _assert_received(out, tensor(nxt, 1, k), f"rank {rank} backward #{k}")
+    for position in range(rounds):
+        buf.pp_send(tensor(rank, 0, position), next_rank)
+    for position in range(rounds):
+        buf.pp_send(tensor(rank, 1, position), prev_rank)
+    for position in range(rounds):
+        out = _poisoned_like(tensor(prev_rank, 0, position))
+        buf.pp_recv(out, prev_rank)
+        _assert_received(out, tensor(prev_rank, 0, position), f"rank {rank} forward #{position}")
+    for position in range(rounds):
+        out = _poisoned_like(tensor(next_rank, 1, position))
+        buf.pp_recv(out, next_rank)
+        # with 2 ranks next == prev_rank: one channel, so the backward tensors follow the forward ones
+        _assert_received(out, tensor(next_rank, 1, position), f"rank {rank} backward #{position}")
     buf.pp_set_config(4096, limit)
     buf.destroy()
 
@@ -163,20 +163,20 @@ def _limit_worker(rank, world_size, limit, delay):
     buf = ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=30)
     buf.pp_set_config(64, limit)
     result = {}
-    tensors = [torch.full((8,), k + 1, dtype=torch.int64) for k in range(limit + 1)]
+    tensors = [torch.full((8,), position + 1, dtype=torch.int64) for position in range(limit + 1)]
     if rank == 0:
         returned = []
-        for t in tensors:
-            buf.pp_send(t, 1)
+        for tensor in tensors:
+            buf.pp_send(tensor, 1)
             returned.append(time.time())
         result["send_returned"] = returned
     elif rank == 1:
         time.sleep(delay)
         result["recv_started"] = time.time()
-        for t in tensors:
+        for tensor in tensors:
             out = torch.full((8,), -7, dtype=torch.int64)
             buf.pp_recv(out, 0)
-            assert torch.equal(out, t)
+            assert torch.equal(out, tensor)
     buf.pp_set_config(64, limit)
     buf.destroy()
     return result
@@ -201,35 +201,35 @@ def _expect(error, match, fn, *args, **kwargs):
 def _refusals_worker(rank, world_size):
     from deep_ep import ElasticBuffer
     buf = ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=30)
-    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
-    t = torch.arange(6, dtype=torch.float32) + 10 * rank
-    _expect(RuntimeError, "pp_set_config.*on every rank first", buf.pp_send, t, nxt)
-    _expect(RuntimeError, "pp_set_config.*on every rank first", buf.pp_recv, t, prev)
+    next_rank, prev_rank = (rank + 1) % world_size, (rank - 1) % world_size
+    sent = torch.arange(6, dtype=torch.float32) + 10 * rank
+    _expect(RuntimeError, "pp_set_config.*on every rank first", buf.pp_send, sent, next_rank)
+    _expect(RuntimeError, "pp_set_config.*on every rank first", buf.pp_recv, sent, prev_rank)
     _expect(TypeError, "num_max_tensor_bytes must be an int", buf.pp_set_config, 64.0, 2)
     _expect(ValueError, "num_max_inflight_tensors must be >= 1", buf.pp_set_config, 64, 0)
     _expect(ValueError, "num_max_tensor_bytes must be >= 1", buf.pp_set_config, 0, 2)
     _expect(TypeError, "num_max_inflight_tensors must be an int", buf.pp_set_config, 64, True)
     buf.pp_set_config(64, 2)
     bad_calls = [
-        (TypeError, "t must be a torch.Tensor", (t.tolist(), nxt), {}),
-        (TypeError, "dst_rank_idx must be an int", (t, float(nxt)), {}),
-        (TypeError, "dst_rank_idx must be an int", (t, True), {}),
-        (ValueError, "dst_rank_idx must be <= ", (t, world_size), {}),
-        (ValueError, "dst_rank_idx must be >= 0", (t, -1), {}),
-        (ValueError, "must be contiguous", (torch.arange(12.0).view(2, 6).t(), nxt), {}),
-        (ValueError, "more than the configured num_max_tensor_bytes", (torch.zeros(17, dtype=torch.float32), nxt), {}),
-        (ValueError, "t is on meta", (torch.empty(4, device="meta"), nxt), {}),
-        (TypeError, "dense", (torch.zeros(4).to_sparse(), nxt), {}),
-        (ValueError, "num_sms must be >= 0", (t, nxt), {"num_sms": -1}),
-        (TypeError, "num_sms must be an int", (t, nxt), {"num_sms": 1.5}),
+        (TypeError, "t must be a torch.Tensor", (sent.tolist(), next_rank), {}),
+        (TypeError, "dst_rank_idx must be an int", (sent, float(next_rank)), {}),
+        (TypeError, "dst_rank_idx must be an int", (sent, True), {}),
+        (ValueError, "dst_rank_idx must be <= ", (sent, world_size), {}),
+        (ValueError, "dst_rank_idx must be >= 0", (sent, -1), {}),
+        (ValueError, "must be contiguous", (torch.arange(12.0).view(2, 6).t(), next_rank), {}),
+        (ValueError, "more than the configured num_max_tensor_bytes", (torch.zeros(17, dtype=torch.float32), next_rank), {}),
+        (ValueError, "t is on meta", (torch.empty(4, device="meta"), next_rank), {}),
+        (TypeError, "dense", (torch.zeros(4).to_sparse(), next_rank), {}),
+        (ValueError, "num_sms must be >= 0", (sent, next_rank), {"num_sms": -1}),
+        (TypeError, "num_sms must be an int", (sent, next_rank), {"num_sms": 1.5}),
     ]
     if world_size > 2:
-        bad_calls.append((ValueError, "not a neighbour.*previous rank", (t, rank), {}))
+        bad_calls.append((ValueError, "not a neighbour.*previous rank", (sent, rank), {}))
     if world_size > 3:
-        bad_calls.append((ValueError, "not a neighbour", (t, (rank + 2) % world_size), {}))
+        bad_calls.append((ValueError, "not a neighbour", (sent, (rank + 2) % world_size), {}))
     for error, match, args, kwargs in bad_calls:
         _expect(error, match, buf.pp_send, *args, **kwargs)
-        recv_args = (args[0], prev) if type(args[1]) is int and args[1] == nxt else args
+        recv_args = (args[0], prev_rank) if type(args[1]) is int and args[1] == next_rank else args
         _expect(error, match.replace("dst_", "src_"), buf.pp_recv, *recv_args, **kwargs)
     # a window too small for the sizes (only a buffer with a window, num_bytes > 0, checks)
     small = ElasticBuffer(dist.group.WORLD, num_bytes=2 * 1024 * 1024)
@@ -237,31 +237,31 @@ def _refusals_worker(rank, world_size):
     small.pp_set_config(256 * 1024, 2)   # exactly 2 MiB
     small.destroy()
     # nothing moved: the first real tensor on each channel is the first one received
-    buf.pp_send(t, nxt)
+    buf.pp_send(sent, next_rank)
     out = torch.full((6,), float("nan"))
-    buf.pp_recv(out, prev)
-    assert torch.equal(out, torch.arange(6, dtype=torch.float32) + 10 * prev)
+    buf.pp_recv(out, prev_rank)
+    assert torch.equal(out, torch.arange(6, dtype=torch.float32) + 10 * prev_rank)
     # a receive tensor of another byte size: refused after the tensor arrived, which is consumed
-    buf.pp_send(t, nxt)
+    buf.pp_send(sent, next_rank)
     wrong = torch.full((5,), -1.0)
-    _expect(ValueError, "24 bytes, but t holds 20 bytes", buf.pp_recv, wrong, prev)
+    _expect(ValueError, "24 bytes, but t holds 20 bytes", buf.pp_recv, wrong, prev_rank)
     assert torch.equal(wrong, torch.full((5,), -1.0))
-    buf.pp_send(t * 2, nxt)
-    buf.pp_recv(out, prev)
-    assert torch.equal(out, (torch.arange(6, dtype=torch.float32) + 10 * prev) * 2)
+    buf.pp_send(sent * 2, next_rank)
+    buf.pp_recv(out, prev_rank)
+    assert torch.equal(out, (torch.arange(6, dtype=torch.float32) + 10 * prev_rank) * 2)
     # tensors sent and not received: pp_set_config refuses on every rank, keeps the channels
-    buf.pp_send(t * 3, nxt)
-    _expect(RuntimeError, f"sent and not received .*1 from rank {prev} to rank {rank}", buf.pp_set_config, 64, 2)
-    buf.pp_recv(out, prev)
-    assert torch.equal(out, (torch.arange(6, dtype=torch.float32) + 10 * prev) * 3)
+    buf.pp_send(sent * 3, next_rank)
+    _expect(RuntimeError, f"sent and not received .*1 from rank {prev_rank} to rank {rank}", buf.pp_set_config, 64, 2)
+    buf.pp_recv(out, prev_rank)
+    assert torch.equal(out, (torch.arange(6, dtype=torch.float32) + 10 * prev_rank) * 3)
     # ranks that disagree on the sizes: every rank raises, the configuration stays
     _expect(RuntimeError, "ranks disagree on num_max_inflight_tensors", buf.pp_set_config, 64, 2 + rank)
     buf.pp_set_config(96, 2)
-    buf.pp_send(torch.zeros(24, dtype=torch.float32), nxt)    # 96 bytes now fit
-    buf.pp_recv(torch.empty(24, dtype=torch.float32), prev)
+    buf.pp_send(torch.zeros(24, dtype=torch.float32), next_rank)    # 96 bytes now fit
+    buf.pp_recv(torch.empty(24, dtype=torch.float32), prev_rank)
     buf.pp_set_config(96, 2)
     buf.destroy()
-    _expect(RuntimeError, "was destroyed", buf.pp_send, t, nxt)
+    _expect(RuntimeError, "was destroyed", buf.pp_send, sent, next_rank)
     _expect(RuntimeError, "was destroyed", buf.pp_set_config, 64, 2)
 
 
@@ -278,14 +278,14 @@ def _window_worker(rank, world_size):
     x = (torch.arange(num_tokens * hidden, dtype=torch.float32).view(num_tokens, hidden) + 1000 * rank)
     x = x.to(torch.bfloat16)
     topk_idx = torch.zeros((num_tokens, 1), dtype=torch.int64)   # every token to expert 0 (rank 0)
-    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    next_rank, prev_rank = (rank + 1) % world_size, (rank - 1) % world_size
     sent = torch.randn(16, generator=torch.Generator().manual_seed(rank))
-    buf.pp_send(sent, nxt)
+    buf.pp_send(sent, next_rank)
     _expect(RuntimeError, "dispatch cannot use the buffer's window while pp holds it.*pp_set_config",
             buf.dispatch, x, topk_idx, num_experts=world_size)
     out = torch.full((16,), float("nan"))
-    buf.pp_recv(out, prev)
-    assert torch.equal(out, torch.randn(16, generator=torch.Generator().manual_seed(prev)))
+    buf.pp_recv(out, prev_rank)
+    assert torch.equal(out, torch.randn(16, generator=torch.Generator().manual_seed(prev_rank)))
     # received, but only the collective flush tells every rank that every peer is done
     _expect(RuntimeError, "while pp holds it", buf.dispatch, x, topk_idx, num_experts=world_size)
     buf.pp_set_config(1024, 2)
@@ -298,13 +298,13 @@ def _window_worker(rank, world_size):
         assert recv_x.shape[0] == 0
     # another user holding the window: PP refuses before communicating, on every rank
     buf._window_use.hold("agrs", "a session is open")
-    _expect(RuntimeError, "pp cannot use the buffer's window while agrs holds it", buf.pp_send, sent, nxt)
-    _expect(RuntimeError, "pp cannot use the buffer's window while agrs holds it", buf.pp_recv, out, prev)
+    _expect(RuntimeError, "pp cannot use the buffer's window while agrs holds it", buf.pp_send, sent, next_rank)
+    _expect(RuntimeError, "pp cannot use the buffer's window while agrs holds it", buf.pp_recv, out, prev_rank)
     _expect(RuntimeError, "pp cannot use the buffer's window while agrs holds it", buf.pp_set_config, 1024, 2)
     buf._window_use.release("agrs")
-    buf.pp_send(sent * 2, nxt)
-    buf.pp_recv(out, prev)
-    assert torch.equal(out, torch.randn(16, generator=torch.Generator().manual_seed(prev)) * 2)
+    buf.pp_send(sent * 2, next_rank)
+    buf.pp_recv(out, prev_rank)
+    assert torch.equal(out, torch.randn(16, generator=torch.Generator().manual_seed(prev_rank)) * 2)
     buf.pp_set_config(1024, 2)
     buf.destroy()
 
@@ -354,9 +354,9 @@ def test_one_rank_loops_back(tmp_path):
 
 def test_size_hint_is_deepep_s():
     from deep_ep import ElasticBuffer
-    mib2 = 2 * 1024 * 1024
-    for num_bytes, inflight in ((1, 1), (4096 * 7168 * 2, 4), (1000, 3), (mib2 // 4, 1), (mib2 // 4 + 1, 1)):
-        expected = _align(_align(num_bytes, 32) * inflight * 4, mib2)
+    two_mib = 2 * 1024 * 1024
+    for num_bytes, inflight in ((1, 1), (4096 * 7168 * 2, 4), (1000, 3), (two_mib // 4, 1), (two_mib // 4 + 1, 1)):
+        expected = _align(_align(num_bytes, 32) * inflight * 4, two_mib)
         assert ElasticBuffer.get_pp_buffer_size_hint(num_bytes, inflight) == expected
     assert ElasticBuffer.get_pp_buffer_size_hint(4096 * 7168 * 2, 4) == 896 * 1024 * 1024   # DeepEP test_pp.py defaults: 56 MiB tensors, 4 in flight
     with pytest.raises(ValueError, match="num_max_tensor_bytes must be >= 1"):
@@ -379,8 +379,8 @@ def test_gpu_buffers_refuse_every_method_before_communicating():
     from deep_ep.primitives import WindowUse
     buf = ElasticBuffer.__new__(ElasticBuffer)
     buf._destroyed, buf._backend, buf._window_use = False, _NoCommunicationBackend(), WindowUse()
-    t = torch.zeros(4)
-    for method, args in (("pp_set_config", (64, 2)), ("pp_send", (t, 1)), ("pp_recv", (t, 1))):
+    tensor = torch.zeros(4)
+    for method, args in (("pp_set_config", (64, 2)), ("pp_send", (tensor, 1)), ("pp_recv", (tensor, 1))):
         with pytest.raises(NotImplementedError, match=f"ElasticBuffer.{method}: .*GPU buffers.*CPU backend"):
             getattr(buf, method)(*args)
     assert buf._window_use.holder is None

@@ -166,7 +166,7 @@ class CPUPipeline:
         group = self.comm.group
         header = torch.empty(2, dtype=torch.int64, device="cpu")
         self._wait(group.recv([header], peer, self._tag + _HEADER), "pp_recv", peer)
-        num_bytes, sequence = (int(v) for v in header.tolist())
+        num_bytes, sequence = (int(value) for value in header.tolist())
         if sequence != self.received[peer]:
             self.broken = "tensors out of order"
             raise self.comm.error(f"rank {peer} sent tensor #{sequence} where #{self.received[peer]} was expected; "
