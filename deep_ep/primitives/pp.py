@@ -1,8 +1,200 @@
-"""`deep_ep.ElasticBuffer`'s pipeline-parallel send/recv (pp_set_config, pp_send, pp_recv, get_pp_buffer_size_hint)."""
+"""`deep_ep.ElasticBuffer`'s pipeline-parallel send/recv (pp_set_config, pp_send, pp_recv, get_pp_buffer_size_hint).
+
+DeepEP V2's experimental PP primitive: a byte copy of a contiguous tensor to the previous or next
+rank of the ring, first in, first out per channel (an ordered pair of neighbours), at most
+``num_max_inflight_tensors`` tensors in flight per channel. It runs on the CPU backend
+(`deep_ep.backends.cpu.pp`); on a GPU buffer every method raises `NotImplementedError` before any
+communication.
+
+Window: a rank that sent or received a PP tensor holds the buffer's window (dispatch, combine and
+the other primitives raise) until the next `pp_set_config`, which is collective and frees it on
+every rank once every tensor sent was received. A rank cannot tell on its own when its peers are
+done (a receiver does not know what more is coming, a sender learns of receipts late), so the only
+point where every rank agrees that nothing is in flight is that collective flush.
+"""
 from __future__ import annotations
 
-__all__ = ["PipelineMixin"]
+import torch
+
+from .. import checks
+
+__all__ = ["PipelineMixin", "PP_SLOT_ALIGNMENT"]
+
+#: Bytes each tensor slot is rounded up to (DeepEP's 256-bit loads).
+PP_SLOT_ALIGNMENT = 32
+
+_HOLD_DETAIL = ("pipeline send/recv moved tensors since the last pp_set_config; after the last pp_recv, "
+                "call pp_set_config on every rank to flush them and free the window")
+
+
+def _align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def _check_sizes(num_max_tensor_bytes, num_max_inflight_tensors) -> None:
+    checks.check_int("num_max_tensor_bytes", num_max_tensor_bytes, minimum=1, maximum=None)
+    checks.check_int("num_max_inflight_tensors", num_max_inflight_tensors, minimum=1)
 
 
 class PipelineMixin:
     """Methods of `deep_ep.ElasticBuffer` (a mixin: it uses the buffer's backend and window)."""
+
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """(Experimental) Bytes of window that pipeline send/recv needs, rounded up to 2 MiB.
+
+        Each slot holds ``num_max_tensor_bytes`` rounded up to 32 bytes; there are
+        ``num_max_inflight_tensors`` slots for each of the two neighbours, on the send side and on
+        the receive side: ``align(align(num_max_tensor_bytes, 32) * num_max_inflight_tensors * 4, 2 MiB)``,
+        DeepEP's number. Pass it (or more) as ``num_bytes`` to a buffer used for PP; a CPU buffer
+        with ``num_bytes=0`` needs none.
+
+        Args:
+            num_max_tensor_bytes: int >= 1, the largest tensor one pp_send / pp_recv moves, in bytes.
+            num_max_inflight_tensors: int >= 1, the most tensors in flight per channel.
+
+        Returns:
+            int, bytes (a multiple of 2 MiB).
+
+        Raises:
+            TypeError / ValueError: an argument that is not a positive int.
+        """
+        _check_sizes(num_max_tensor_bytes, num_max_inflight_tensors)
+        num_slot_bytes = _align(num_max_tensor_bytes, PP_SLOT_ALIGNMENT)
+        return _align(num_slot_bytes * num_max_inflight_tensors * 2 * 2, checks.BUFFER_ALIGNMENT)
+
+    # ------------------------------------------------------------------ helpers
+    def _pp_require_cpu(self, method: str) -> None:
+        from ..backends.cpu import CPUBackend
+        if not isinstance(self._backend, CPUBackend):
+            raise NotImplementedError(
+                f"ElasticBuffer.{method}: pipeline send/recv is not implemented for GPU buffers in this release; "
+                f"the CPU backend (a gloo group with CPU tensors) has it")
+
+    def _pp_checked_pipeline(self, method: str, t, peer, peer_name: str, num_sms):
+        """The configured pipeline after checking one pp_send / pp_recv call's arguments."""
+        self._alive()
+        self._pp_require_cpu(method)
+        pipeline = getattr(self, "_pp_pipeline", None)
+        if pipeline is None:
+            raise RuntimeError(f"{method}: pipeline send/recv is not configured on this buffer; call "
+                               f"pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors) on every rank first")
+        checks.check_int("num_sms", num_sms, minimum=0)
+        checks.check_int(peer_name, peer, minimum=0, maximum=self.num_ranks - 1)
+        if peer not in (pipeline.prev_rank, pipeline.next_rank):
+            raise ValueError(f"{method}: {peer_name}={peer} is not a neighbour of rank {self.rank_idx} in the ring of "
+                             f"{self.num_ranks} ranks; pass the previous rank {pipeline.prev_rank} or the next rank "
+                             f"{pipeline.next_rank}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{method}: t must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{method}: t must be a dense (strided) tensor, got layout {t.layout}")
+        if t.device != self.device:
+            raise ValueError(f"{method}: t is on {t.device}, this buffer's tensors live on {self.device}; move it "
+                             f"with .to('{self.device}')")
+        if not t.is_contiguous():
+            raise ValueError(f"{method}: t (shape {tuple(t.shape)}, strides {t.stride()}) must be contiguous; pass "
+                             f"t.contiguous() (pp_recv fills t in place, so receive into a contiguous tensor and "
+                             f"copy it where it belongs)")
+        if t.nbytes > pipeline.num_slot_bytes:
+            raise ValueError(f"{method}: t holds {t.nbytes} bytes (shape {tuple(t.shape)}, {t.dtype}), more than the "
+                             f"configured num_max_tensor_bytes ({pipeline.num_slot_bytes} after rounding up to "
+                             f"{PP_SLOT_ALIGNMENT}); call pp_set_config with a larger num_max_tensor_bytes on every "
+                             f"rank")
+        return pipeline
+
+    # ------------------------------------------------------------------ public methods
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """(Experimental) Configure pipeline send/recv (collective: every rank calls it).
+
+        Flushes earlier PP traffic first: every rank reports what it sent to and received from each
+        rank; if any tensor sent was not received, every rank raises (the earlier configuration
+        stays: make the missing pp_recv calls and call again). Otherwise each rank waits until its
+        sends are acknowledged, starts fresh channels and frees the buffer's window (see the module
+        docstring): call it between PP traffic and dispatch / combine. Also the only way to change
+        the sizes.
+
+        Args:
+            num_max_tensor_bytes: int >= 1, the largest tensor in bytes (rounded up to 32).
+            num_max_inflight_tensors: int >= 1, tensors sent and not yet received allowed per
+                channel (an ordered pair of neighbours); a pp_send beyond waits for the receiver.
+
+        Raises:
+            TypeError / ValueError: a bad size, or (a buffer with a window, ``num_bytes > 0``) sizes
+                that need more than ``num_bytes`` (`get_pp_buffer_size_hint`): before any communication.
+            NotImplementedError: a GPU buffer.
+            RuntimeError: destroyed buffer; another primitive holds the window; on every rank, ranks
+                that disagree on the sizes, or tensors sent and not received.
+            TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``.
+        """
+        self._alive()
+        self._pp_require_cpu("pp_set_config")
+        backend = self._backend
+        backend.calls += 1   # collective: counted like dispatch, a refused call too
+        _check_sizes(num_max_tensor_bytes, num_max_inflight_tensors)
+        num_slot_bytes = _align(num_max_tensor_bytes, PP_SLOT_ALIGNMENT)
+        num_window_bytes = num_slot_bytes * num_max_inflight_tensors * 2 * 2
+        if self.num_bytes and num_window_bytes > self.num_bytes:
+            raise ValueError(f"pp_set_config: {num_max_inflight_tensors} tensors of {num_slot_bytes} bytes in flight "
+                             f"need {num_window_bytes} bytes of window, the buffer has num_bytes={self.num_bytes}; "
+                             f"create it with num_bytes >= ElasticBuffer.get_pp_buffer_size_hint("
+                             f"{num_max_tensor_bytes}, {num_max_inflight_tensors}) or lower the sizes")
+        self._window_use.check_free("pp")
+        from ..backends.cpu import pp as cpu_pp
+        self._pp_pipeline = cpu_pp.configure(backend.comm, backend.calls, getattr(self, "_pp_pipeline", None),
+                                             num_slot_bytes, num_max_inflight_tensors)
+        self._window_use.release("pp")
+
+    def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """(Experimental) Send tensor ``t``'s bytes to a ring neighbour.
+
+        The bytes are copied before the call returns, so ``t`` may be reused at once. Tensors reach
+        ``dst_rank_idx`` in the order they were sent. When ``num_max_inflight_tensors`` tensors sent
+        to ``dst_rank_idx`` are still unreceived, the call waits (at most ``num_cpu_timeout_secs``)
+        until the receiver takes the oldest. With 2 ranks the previous and the next rank are the
+        same rank: one channel each way. With 1 rank the tensor loops back to this rank.
+
+        Args:
+            t: any dtype and shape (0-dim and empty included), contiguous, on the buffer's device,
+                at most ``num_max_tensor_bytes`` (rounded up to 32) bytes.
+            dst_rank_idx: int, the previous (``(rank - 1) % num_ranks``) or next (``(rank + 1) %
+                num_ranks``) rank.
+            num_sms: int >= 0, SMs on the GPU (0 = all); ignored on CPU.
+
+        Raises (argument errors before any communication):
+            TypeError / ValueError: bad ``t``, ``dst_rank_idx`` or ``num_sms``.
+            NotImplementedError: a GPU buffer.
+            RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
+                1-rank group with the in-flight limit reached; a failed connection.
+            TimeoutError: the receiver did not take the oldest tensor in time (the buffer's PP
+                traffic is then unusable).
+        """
+        pipeline = self._pp_checked_pipeline("pp_send", t, dst_rank_idx, "dst_rank_idx", num_sms)
+        self._window_use.hold("pp", _HOLD_DETAIL)
+        pipeline.send(t, dst_rank_idx)
+
+    def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
+        """(Experimental) Receive the oldest tensor a ring neighbour sent to this rank, into ``t``.
+
+        Waits (at most ``num_cpu_timeout_secs``) for it to arrive, then fills ``t`` in place with
+        its bytes. ``t`` must have the sent tensor's byte count; its dtype and shape are the
+        caller's (the copy is byte-wise).
+
+        Args:
+            t: the output, contiguous, on the buffer's device, at most ``num_max_tensor_bytes``
+                (rounded up to 32) bytes.
+            src_rank_idx: int, the previous or next rank (as in `pp_send`).
+            num_sms: int >= 0, SMs on the GPU (0 = all); ignored on CPU.
+
+        Raises (argument errors before any communication):
+            TypeError / ValueError: bad ``t``, ``src_rank_idx`` or ``num_sms``; ValueError also when
+                the tensor that arrived has another byte count than ``t`` (it is consumed, ``t`` is
+                unchanged).
+            NotImplementedError: a GPU buffer.
+            RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
+                1-rank group with nothing in flight; a failed connection.
+            TimeoutError: nothing arrived in time (the buffer's PP traffic is then unusable).
+        """
+        pipeline = self._pp_checked_pipeline("pp_recv", t, src_rank_idx, "src_rank_idx", num_sms)
+        self._window_use.hold("pp", _HOLD_DETAIL)
+        pipeline.recv(t, src_rank_idx)
