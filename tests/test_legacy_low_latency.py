@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import deep_ep
 from proc_utils import run_gloo_ranks
+from test_legacy_buffer import _to
 
 FP8 = torch.float8_e4m3fn
 MAX_TOKENS = 8                      # num_max_dispatch_tokens_per_rank
@@ -144,16 +145,27 @@ def _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale):
     return total.to(torch.bfloat16)
 
 
-def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round_scale, use_ue8m0, use_hook):
+def _host(obj):
+    """Tensors (in tuples) back on the CPU, other values as they are (`test_legacy_buffer._to`)."""
+    if isinstance(obj, tuple):
+        return tuple(_host(item) for item in obj)
+    return _to(obj, "cpu") if isinstance(obj, torch.Tensor) else obj
+
+
+def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round_scale, use_ue8m0, use_hook,
+              device="cpu"):
+    """One case on this rank; inputs go to ``device`` (CPU over gloo, or a GPU), results come back to
+    the CPU to be compared."""
     inputs = [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
-    x, topk_idx, topk_weights = inputs[rank]
+    x, topk_idx, topk_weights = _to(inputs[rank], device)
     num_local = num_experts // num_ranks
-    stats = torch.zeros(num_local, dtype=torch.int32)
+    stats = torch.zeros(num_local, dtype=torch.int32, device=device)
     result = None
     for _ in range(2):                                            # stats accumulate over calls
         result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
                                              cumulative_local_expert_recv_stats=stats,
-                                             dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64),
+                                             dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64,
+                                                                                       device=device),
                                              use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                              async_finish=not use_hook, return_recv_hook=use_hook)
         hook, event = result[4], result[3]
@@ -164,18 +176,20 @@ def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round
         else:
             assert hook is None
             event.current_stream_wait()
-    assert torch.equal(stats, result[1] * 2)
-    received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp8, round_scale,
+    host_result = _host(result[:3]) + (None, None)
+    assert torch.equal(_host(stats), host_result[1] * 2)
+    received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, host_result, use_fp8, round_scale,
                                use_ue8m0)
     handle = result[2]
     expert_x = torch.stack([_expert_output(received[local], rank * num_local + local) for local in range(num_local)])
+    expert_x = _to(expert_x, device)
     want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
     for zero_copy in (False, True):
         source_x = expert_x
         if zero_copy:
             buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = expert_x
             source_x = torch.zeros_like(expert_x)                # zero-copy reads the buffer, not x
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
         combined, event, hook = buffer.low_latency_combine(source_x, topk_idx, topk_weights, handle,
                                                            zero_copy=zero_copy, async_finish=not use_hook,
                                                            return_recv_hook=use_hook, out=out)
@@ -183,10 +197,12 @@ def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round
             hook()
             with pytest.raises(RuntimeError, match="already called"):
                 hook()
+        else:
+            event.current_stream_wait()
         assert combined is out
-        assert torch.equal(combined, want), (rank, use_fp8, round_scale, zero_copy)
+        assert torch.equal(_host(combined), want), (rank, use_fp8, round_scale, zero_copy)
     combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle)
-    assert hook is None and torch.equal(combined, want)
+    assert hook is None and torch.equal(_host(combined), want)
 
 
 def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden):
@@ -217,10 +233,11 @@ def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden)
     with pytest.raises(TypeError, match="cumulative_local_expert_recv_stats must have dtype int32"):
         buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
                                     cumulative_local_expert_recv_stats=torch.zeros(num_experts // num_ranks))
-    mixed_hidden = 512 if rank == 0 else 384                      # every rank raises, none hangs
-    with pytest.raises(ValueError, match="ranks disagree"):
-        buffer.low_latency_dispatch(torch.zeros(1, mixed_hidden, dtype=torch.bfloat16),
-                                    torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, num_experts, use_fp8=False)
+    if num_ranks > 1:
+        mixed_hidden = 512 if rank == 0 else 384                  # every rank raises, none hangs
+        with pytest.raises(RuntimeError, match="ranks disagree on hidden"):
+            buffer.low_latency_dispatch(torch.zeros(1, mixed_hidden, dtype=torch.bfloat16),
+                                        torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, num_experts, use_fp8=False)
     handle = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, hidden,
               num_experts)
     with pytest.raises(NotImplementedError, match=r"low_latency_combine\(use_logfmt=True\).*planned"):
@@ -231,20 +248,34 @@ def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden)
         buffer.low_latency_combine(torch.zeros(1, 1, hidden, dtype=torch.bfloat16), topk_idx, topk_weights, handle)
 
 
-def _worker(rank, num_ranks):
-    num_experts = 2 * num_ranks + 2 if num_ranks == 2 else 2 * num_ranks
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
-    normal_buffer = deep_ep.Buffer(dist.group.WORLD)
-    cases = [(384, False, False, False), (384, True, False, False), (384, True, True, False), (512, True, True, True)]
-    for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(cases):
+def num_experts_for(num_ranks):
+    """Experts of the cases: at least NUM_TOPK, two or more per rank (three at 2 ranks)."""
+    return max(2 * num_ranks + 2 if num_ranks == 2 else 2 * num_ranks, NUM_TOPK + 1)
+
+
+#: (hidden, use_fp8, round_scale, use_ue8m0)
+CASES = [(384, False, False, False), (384, True, False, False), (384, True, True, False), (512, True, True, True)]
+
+
+def run_cases(buffer, rank, num_ranks, device="cpu"):
+    """Every case, with and without receive hooks, on ``device`` (the GPU suite runs them too)."""
+    num_experts = num_experts_for(num_ranks)
+    for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(CASES):
         for use_hook in (False, True):
             try:
                 _run_case(buffer, rank, num_ranks, num_experts, hidden, index, use_fp8, round_scale, use_ue8m0,
-                          use_hook)
+                          use_hook, device)
             except Exception as exc:
                 raise AssertionError(f"hidden {hidden} fp8 {use_fp8} round {round_scale} ue8m0 {use_ue8m0} "
-                                     f"hook {use_hook}, rank {rank}: {exc}") from exc
+                                     f"hook {use_hook}, rank {rank} of {num_ranks}: {exc}") from exc
+
+
+def _worker(rank, num_ranks):
+    num_experts = num_experts_for(num_ranks)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
+    normal_buffer = deep_ep.Buffer(dist.group.WORLD)
+    run_cases(buffer, rank, num_ranks)
     buffer.clean_low_latency_buffer(MAX_TOKENS, 512, num_experts)
     _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, 512)
 
@@ -258,6 +289,6 @@ def test_size_hint_is_deepeps():
         deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 100, 8, 64)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_low_latency_dispatch_combine(world_size, tmp_path):
     run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)

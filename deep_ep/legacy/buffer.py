@@ -17,6 +17,9 @@ from .planned import PlannedMethods, planned
 
 __all__ = ["Buffer"]
 
+#: GPU windows are allocated in steps of 2 MiB
+WINDOW_ALIGNMENT = 2 * 1024 * 1024
+
 class Buffer(LowLatencyMethods, PlannedMethods):
     """DeepEP's V1 communication buffer, normal mode within one NVLink domain (docs/design.md,
     "DeepEP's V1 Buffer"); an `ElasticBuffer` does the communication.
@@ -26,8 +29,8 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         num_nvl_bytes: the GPU window per rank (`Config.get_nvl_buffer_size_hint`); unused on CPU.
         num_rdma_bytes: must be 0 outside low-latency mode (internode is not built yet); in it, at
             least `get_low_latency_rdma_size_hint` of the calls made.
-        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (CPU backend only;
-            NotImplementedError on the GPU).
+        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (on the GPU the
+            window is ``num_nvl_bytes + num_rdma_bytes``, rounded up to 2 MiB).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: low-latency / RDMA
             settings, validated and stored.
         explicitly_destroy: resources are released by `destroy()` only.
@@ -40,7 +43,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
 
     Raises:
         ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
-        NotImplementedError: low-latency mode on the GPU, shrink, ``comm``, RDMA bytes, more than 8 ranks.
+        NotImplementedError: shrink, ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
     """
 
     num_sms: int = 20
@@ -63,8 +66,6 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         allow_mnnvl = checks.check_bool("allow_mnnvl", allow_mnnvl)
         explicitly_destroy = checks.check_bool("explicitly_destroy", explicitly_destroy)
         enable_shrink = checks.check_bool("enable_shrink", enable_shrink)
-        if low_latency_mode and not is_cpu_group(group):
-            planned("__init__(low_latency_mode=True) on the GPU", "low-latency kernels on the GPU")
         if enable_shrink:
             planned("__init__(enable_shrink=True)")
         rank, group_size = group_rank_and_size(group)
@@ -83,8 +84,12 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         self.allow_mnnvl = allow_mnnvl
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.elastic_buffer = ElasticBuffer(group, num_bytes=None if is_cpu_group(group) else num_nvl_bytes,
-                                            explicitly_destroy=explicitly_destroy)
+        num_bytes = None
+        if not is_cpu_group(group):
+            # one window for both modes: a low-latency call that does not fit gets its own, sized for it
+            num_bytes = num_nvl_bytes + (num_rdma_bytes if low_latency_mode else 0)
+            num_bytes = -(-num_bytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT
+        self.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy)
 
     # ------------------------------------------------------------------ lifecycle, settings
     def _alive(self) -> ElasticBuffer:
@@ -109,6 +114,9 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         if self.elastic_buffer is not None:
             self.elastic_buffer.destroy()
             self.elastic_buffer = None
+        extra = self.__dict__.pop("_low_latency_extra_buffer", None)
+        if extra is not None:
+            extra.destroy()
 
     @staticmethod
     def is_sm90_compiled() -> bool:
