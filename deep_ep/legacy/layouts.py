@@ -3,6 +3,8 @@ UE8M0 packing, the handle, and the per-expert receive layout from an expanded `E
 dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import checks
@@ -57,7 +59,7 @@ def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
         scale, scale_inv = _pow2(-exponent), _pow2(exponent)
     else:
         scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
-        scale = FP8_MAX / amax
+        scale = torch.full_like(amax, FP8_MAX) / amax       # a true division (a scalar over a tensor is not)
     data = (values * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(checks.FP8).view(num_tokens, hidden)
     return data, scale_inv.contiguous()
 
@@ -80,14 +82,17 @@ class LowLatencyHandle(tuple):
     num_max_dispatch_tokens_per_rank, hidden, num_experts)``, plus what its combine needs: the
     `EPHandle` of the pair dispatch behind it (``ep_handle``), the top-k width (``num_topk``) and,
     for every expanded receive row of that dispatch, its place in the per-expert layout
-    (``row_expert``, ``row_slot``: int64 ``[rows]``)."""
+    (``row_expert``, ``row_slot``: int64 ``[rows]``; ``row_kept``: bool ``[rows]``, False for rows
+    left out by the rank mask, which go back as zeros)."""
 
-    def __new__(cls, items: tuple, ep_handle, num_topk: int, row_expert: torch.Tensor, row_slot: torch.Tensor):
+    def __new__(cls, items: tuple, ep_handle, num_topk: int, row_expert: torch.Tensor, row_slot: torch.Tensor,
+                row_kept: torch.Tensor):
         handle = super().__new__(cls, items)
         handle.ep_handle = ep_handle
         handle.num_topk = num_topk
         handle.row_expert = row_expert
         handle.row_slot = row_slot
+        handle.row_kept = row_kept
         return handle
 
 
@@ -97,17 +102,19 @@ def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.element_size() == 1 else tensor
 
 
-def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int) -> tuple:
+def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int,
+                      masked: Optional[torch.Tensor] = None) -> tuple:
     """DeepEP's per-expert receive layout from the expanded pair dispatch's handle, device ops only.
 
     The pair dispatch sends ``(token, slot)`` pair ``p = t * K + k`` of rank ``s`` to the owner of its
     expert; its expanded receive rows are grouped by local expert, then ordered by ``(s, p)``, hence
-    by ``(s, t)`` since a token names an expert once: row ``j`` of expert ``e``'s group is row ``j``
-    of DeepEP's layout.
+    by ``(s, t)`` since a token names an expert once: DeepEP's order. ``masked``: int32 ``[R]``, the
+    rank mask; rows from masked source ranks are left out (the later rows move up).
 
     Returns ``(recv_count int32 [L], src_info int32 [L, R*T_max], layout_range int64 [L, R],
     gather int64 [L, R*T_max] (the expanded row of each slot, 0 past the count), valid bool [L, R*T_max],
-    row_expert int64 [rows], row_slot int64 [rows])``.
+    row_expert int64 [rows], row_slot int64 [rows], row_kept bool [rows])``: the last three give every
+    expanded row's place in DeepEP's layout, and whether it has one.
     """
     num_local_experts = ep_handle.num_local_experts
     num_rows = num_ranks * num_slots
@@ -118,28 +125,35 @@ def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int) 
     source_rank = torch.where(received, metadata[:, 0] // max_pairs, 0)
     source_token = torch.where(received, metadata[:, 0] % max_pairs // num_topk, -1)
     expanded_row = metadata[:, 2]
-    recv_count = ep_handle.num_unaligned_recv_tokens_per_expert.to(torch.int32)
     ends = ep_handle.psum_num_recv_tokens_per_expert.long()            # alignment 1: inclusive prefix sums
-    starts = ends - recv_count.long()
+    starts = ends - ep_handle.num_unaligned_recv_tokens_per_expert.long()
     expert = torch.searchsorted(ends, expanded_row.clamp(min=0), right=True).clamp(max=num_local_experts - 1)
     slot = expanded_row - starts[expert]
-    # per-expert tables, one spare entry taking what was not received
-    flat = torch.where(received, expert * num_rows + slot, num_local_experts * num_rows)
-    src_info = torch.full((num_local_experts * num_rows + 1,), -1, dtype=torch.int32, device=device)
-    src_info.index_copy_(0, flat, source_token.to(torch.int32))
+    # per-expert tables, one spare entry taking what has no place
     pair_counts = torch.zeros(num_local_experts * num_ranks + 1, dtype=torch.int64, device=device)
     pair_counts.index_add_(0, torch.where(received, expert * num_ranks + source_rank, num_local_experts * num_ranks),
                            torch.ones_like(source_rank))
     pair_counts = pair_counts[:-1].view(num_local_experts, num_ranks)
+    kept = received
+    if masked is not None:
+        dropped = masked.to(torch.bool)
+        kept = received & ~dropped[source_rank]
+        dropped_counts = torch.where(dropped.unsqueeze(0), pair_counts, 0)
+        slot = slot - (dropped_counts.cumsum(1) - dropped_counts)[expert, source_rank]
+        pair_counts = pair_counts - dropped_counts
+    recv_count = pair_counts.sum(1).to(torch.int32)
     layout_range = ((pair_counts.cumsum(1) - pair_counts) << 32) | pair_counts
-    positions = torch.arange(num_rows, device=device).unsqueeze(0)
-    valid = positions < recv_count.unsqueeze(1)
-    gather = torch.where(valid, starts.unsqueeze(1) + positions, 0)
+    flat = torch.where(kept, expert * num_rows + slot, num_local_experts * num_rows)
+    src_info = torch.full((num_local_experts * num_rows + 1,), -1, dtype=torch.int32, device=device)
+    src_info.index_copy_(0, flat, source_token.to(torch.int32))
+    gather = torch.zeros(num_local_experts * num_rows + 1, dtype=torch.int64, device=device)
+    gather.index_copy_(0, flat, expanded_row.clamp(min=0))
+    valid = torch.arange(num_rows, device=device).unsqueeze(0) < recv_count.unsqueeze(1)
     num_expanded = ep_handle.num_expanded_tokens
-    row_expert = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device)
-    row_slot = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device)
-    target = torch.where(received, expanded_row, num_expanded)
-    row_expert.index_copy_(0, target, expert)
-    row_slot.index_copy_(0, target, slot)
-    return (recv_count, src_info[:-1].view(num_local_experts, num_rows), layout_range, gather, valid,
-            row_expert[:-1], row_slot[:-1])
+    target = torch.where(kept, expanded_row, num_expanded)
+    row_expert = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device).index_copy_(0, target, expert)
+    row_slot = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device).index_copy_(0, target, slot)
+    row_kept = torch.zeros(num_expanded + 1, dtype=torch.bool, device=device).index_fill_(0, target, True)
+    return (recv_count, src_info[:-1].view(num_local_experts, num_rows), layout_range,
+            torch.where(valid, gather[:-1].view(num_local_experts, num_rows), 0), valid, row_expert[:-1],
+            row_slot[:-1], row_kept[:-1])
