@@ -61,8 +61,7 @@ V1_SIGNATURES = {
 }
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
-PLANNED = ("internode_dispatch", "internode_combine", "low_latency_update_mask_buffer",
-           "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer", "get_local_buffer_tensor")
+PLANNED = ("internode_dispatch", "internode_combine", "get_local_buffer_tensor")
 
 
 # ------------------------------------------------------------------------------------ no process group
@@ -424,9 +423,6 @@ def _check_planned(buffer):
     calls = {
         "internode_dispatch": lambda: buffer.internode_dispatch(None),
         "internode_combine": lambda: buffer.internode_combine(None, None),
-        "low_latency_update_mask_buffer": lambda: buffer.low_latency_update_mask_buffer(0, True),
-        "low_latency_query_mask_buffer": lambda: buffer.low_latency_query_mask_buffer(torch.zeros(2)),
-        "low_latency_clean_mask_buffer": lambda: buffer.low_latency_clean_mask_buffer(),
         "get_local_buffer_tensor": lambda: buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True),
     }
     assert sorted(calls) == sorted(PLANNED)
@@ -440,8 +436,7 @@ def _check_planned(buffer):
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_fp9'"):
         buffer.low_latency_dispatch(None, None, 128, 8, use_fp9=True)
     group = dist.group.WORLD
-    for kwargs, what in ((dict(enable_shrink=1), "enable_shrink"),
-                         (dict(num_rdma_bytes=1 << 20), "num_rdma_bytes")):
+    for kwargs, what in ((dict(num_rdma_bytes=1 << 20), "num_rdma_bytes"),):
         with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.__init__\({what}.*planned"):
             deep_ep.Buffer(group, **kwargs)
     with pytest.raises(NotImplementedError, match="comm=.*planned"):

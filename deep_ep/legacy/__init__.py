@@ -5,9 +5,9 @@ Contract (docs/design.md, "DeepEP's V1 Buffer"): the same signatures, defaults, 
 receive order as DeepEP's V1 ``Buffer``; a dispatch returns rows grouped by source rank in rank order,
 tokens in source order within a rank, ``recv_topk_idx`` as local expert ids (-1 for experts of other
 ranks). Low-latency mode (`deep_ep.legacy.low_latency`: DeepEP's per-expert layouts, FP8 / UE8M0,
-receive hooks) runs on the same `ElasticBuffer` calls, CPU backend or GPU; the rank masks and the
-internode (RDMA) methods exist with DeepEP's signatures and raise `NotImplementedError`. Bad input
-raises before any communication.
+receive hooks, rank masks) runs on the same `ElasticBuffer` calls, CPU backend or GPU; the internode
+(RDMA) methods exist with DeepEP's signatures and raise `NotImplementedError`. Bad input raises
+before any communication.
 """
 from __future__ import annotations
 

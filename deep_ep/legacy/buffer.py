@@ -34,7 +34,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: low-latency / RDMA
             settings, validated and stored.
         explicitly_destroy: resources are released by `destroy()` only.
-        enable_shrink: must be False (the rank mask of low-latency mode; NotImplementedError).
+        enable_shrink: keep a rank mask for low-latency mode (`low_latency_update_mask_buffer`).
         comm: an ``mpi4py`` communicator instead of ``group``: NotImplementedError.
 
     Attributes: ``num_sms`` (class-wide, `set_num_sms`), ``rank``, ``group_size``, ``group``,
@@ -43,7 +43,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
 
     Raises:
         ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
-        NotImplementedError: shrink, ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
+        NotImplementedError: ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
     """
 
     num_sms: int = 20
@@ -66,8 +66,6 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         allow_mnnvl = checks.check_bool("allow_mnnvl", allow_mnnvl)
         explicitly_destroy = checks.check_bool("explicitly_destroy", explicitly_destroy)
         enable_shrink = checks.check_bool("enable_shrink", enable_shrink)
-        if enable_shrink:
-            planned("__init__(enable_shrink=True)")
         rank, group_size = group_rank_and_size(group)
         if group_size > NUM_MAX_NVL_PEERS:
             planned(f"__init__ with {group_size} ranks (more than {NUM_MAX_NVL_PEERS}: internode)")

@@ -18,6 +18,8 @@ writes the results.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import checks
@@ -155,6 +157,54 @@ class LowLatencyMethods:
     def _low_latency_num_sms(self, device: torch.device) -> int:
         return 0 if device.type == "cpu" else type(self).num_sms
 
+    def _mask_if_shrink(self) -> Optional[torch.Tensor]:
+        """The rank mask, int32 ``[R]`` on the buffer's device (1 = masked), with ``enable_shrink``;
+        else None."""
+        if not self.enable_shrink:
+            return None
+        mask = self.__dict__.get("_rank_mask")
+        if mask is None:
+            mask = self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self._alive().device)
+        return mask
+
+    def _shrink_mask(self, name: str) -> torch.Tensor:
+        self._alive()
+        if not self.enable_shrink:
+            raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with enable_shrink=True")
+        return self._mask_if_shrink()
+
+    # ------------------------------------------------------------------ rank masks
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls: this rank sends
+        nothing to a masked rank and takes nothing from it (its rows are left out of the dispatch's
+        layout, its experts' slots add nothing in combine). The mask is this rank's own (DeepEP's);
+        a masked rank must still make the calls (deep_ep does not detect a rank that stops: its peers'
+        calls time out with an error). A device write on the current stream, no host read.
+
+        Raises:
+            RuntimeError: no ``enable_shrink``. TypeError / ValueError: ``rank_to_mask`` outside
+            ``[0, group_size)``, ``mask`` not a bool.
+        """
+        rank_mask = self._shrink_mask("low_latency_update_mask_buffer")
+        checks.check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
+        rank_mask[rank_to_mask] = int(checks.check_bool("mask", mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask into ``mask_status`` (int32 ``[group_size]`` on the buffer's device; 1 =
+        masked), on the current stream.
+
+        Raises:
+            RuntimeError: no ``enable_shrink``. TypeError / ValueError: a bad ``mask_status``.
+        """
+        rank_mask = self._shrink_mask("low_latency_query_mask_buffer")
+        checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,),
+                            device=self._alive().device)
+        mask_status.copy_(rank_mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank. Raises RuntimeError without ``enable_shrink``."""
+        self._shrink_mask("low_latency_clean_mask_buffer").zero_()
+
     # ------------------------------------------------------------------ public methods
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency buffers (DeepEP needs it after normal-mode calls; here it zeroes the two
@@ -269,8 +319,13 @@ class LowLatencyMethods:
                        scale_inv.repeat_interleave(num_topk, dim=0))
         else:
             pairs_x = x.repeat_interleave(num_topk, dim=0)
+        masked = self._mask_if_shrink()
+        pairs_topk = topk_idx.reshape(-1, 1)
+        if masked is not None:                     # nothing goes to a masked rank
+            owner_masked = masked[(pairs_topk // num_local_experts).clamp(min=0)] != 0
+            pairs_topk = torch.where(owner_masked, -1, pairs_topk)
         recv, _, _, ep_handle, _ = buffer.dispatch(
-            pairs_x, topk_idx=topk_idx.reshape(-1, 1), num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
+            pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
             expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True, do_cpu_sync=False)
 
         num_rows = num_ranks * num_slots
@@ -284,9 +339,9 @@ class LowLatencyMethods:
         if use_fp8:
             empty = torch.empty((num_local_experts, num_rows, num_scales), dtype=torch.float32, device=device)
             recv_scales = pack_ue8m0(empty) if use_ue8m0 else column_major(empty)
-        layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk)
+        layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk, masked)
         handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
-                                  layout[5], layout[6])
+                                  *layout[5:])
 
         def receive() -> None:
             count, sources, ranges, gather, valid = layout[:5]
@@ -387,6 +442,9 @@ class LowLatencyMethods:
 
         # Every received pair's row, in the pair dispatch's expanded layout, goes back alone.
         rows = source[handle.row_expert, handle.row_slot]
+        masked = self._mask_if_shrink()
+        if masked is not None:                     # rows of masked ranks go back as zeros
+            rows = torch.where(handle.row_kept.unsqueeze(1), rows, 0)
         pairs, _, _ = buffer.combine(rows, ep_handle, num_sms=self._low_latency_num_sms(device))
         pairs = pairs.view(num_tokens, num_topk, hidden)
         combined_x = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
@@ -396,6 +454,8 @@ class LowLatencyMethods:
             total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
             for slot in range(num_topk):
                 selected = topk_idx[:, slot] >= 0
+                if masked is not None:             # nothing comes from a masked rank
+                    selected &= masked[(topk_idx[:, slot] // num_local_experts).clamp(min=0)] == 0
                 weight = torch.where(selected, topk_weights[:, slot], 0.0)
                 total += torch.where(selected.unsqueeze(1), pairs[:, slot].float() * weight.unsqueeze(1), 0.0)
             combined_x.copy_(total.to(torch.bfloat16))

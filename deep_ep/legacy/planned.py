@@ -1,8 +1,6 @@
-"""The parts of DeepEP's V1 ``Buffer`` not built yet (low-latency rank masks, internode):
+"""The parts of DeepEP's V1 ``Buffer`` not built yet (internode):
 present with DeepEP's signatures, raising `NotImplementedError` that names the method."""
 from __future__ import annotations
-
-import torch
 
 __all__ = ["planned", "PlannedMethods", "SIDE_BRANCH_KEYWORDS"]
 
@@ -28,7 +26,7 @@ def _with_side_keywords(name: str, side_branch_kwargs: dict) -> str:
 
 
 class PlannedMethods:
-    """DeepEP's V1 internode and low-latency rank-mask methods (`deep_ep.Buffer` inherits them)."""
+    """DeepEP's V1 internode methods (`deep_ep.Buffer` inherits them)."""
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -41,15 +39,3 @@ class PlannedMethods:
                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Internode combine. Raises NotImplementedError (planned)."""
         planned("internode_combine")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        """Low-latency rank masks. Raises NotImplementedError (planned)."""
-        planned("low_latency_update_mask_buffer")
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        """Low-latency rank masks. Raises NotImplementedError (planned)."""
-        planned("low_latency_query_mask_buffer")
-
-    def low_latency_clean_mask_buffer(self):
-        """Low-latency rank masks. Raises NotImplementedError (planned)."""
-        planned("low_latency_clean_mask_buffer")
