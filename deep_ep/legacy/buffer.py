@@ -13,7 +13,7 @@ from .config import NUM_MAX_NVL_PEERS, Config
 from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
 from .low_latency import LowLatencyMethods
-from .planned import PlannedMethods, planned
+from .planned import PlannedMethods, planned, refuse_side_keywords
 
 __all__ = ["Buffer"]
 
@@ -36,6 +36,8 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         explicitly_destroy: resources are released by `destroy()` only.
         enable_shrink: keep a rank mask for low-latency mode (`low_latency_update_mask_buffer`).
         comm: an ``mpi4py`` communicator instead of ``group``: NotImplementedError.
+        use_fabric, allow_nvlink_for_normal_mode, eager_support: keywords of DeepEP's side branches
+            (keyword-only here): only their defaults (False, True, False), else NotImplementedError.
 
     Attributes: ``num_sms`` (class-wide, `set_num_sms`), ``rank``, ``group_size``, ``group``,
     ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``,
@@ -51,8 +53,11 @@ class Buffer(LowLatencyMethods, PlannedMethods):
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None) -> None:
+                 comm=None, *, use_fabric: bool = False, allow_nvlink_for_normal_mode: bool = True,
+                 eager_support: bool = False) -> None:
         self.elastic_buffer = None
+        refuse_side_keywords("__init__", {"use_fabric": use_fabric, "eager_support": eager_support,
+                                          "allow_nvlink_for_normal_mode": allow_nvlink_for_normal_mode})
         if group is None:
             if comm is None:
                 raise ValueError("deep_ep.Buffer: either 'group' or 'comm' must be provided")

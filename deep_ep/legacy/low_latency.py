@@ -27,7 +27,7 @@ from ..event import EventHandle, EventOverlap
 from .exchange import settle
 from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, column_major, low_latency_rdma_size_hint,
                       pack_ue8m0, per_expert_layout, raw_bits)
-from .planned import _with_side_keywords, planned
+from .planned import planned, refuse_side_keywords
 
 __all__ = ["LowLatencyMethods"]
 
@@ -63,14 +63,16 @@ class LowLatencyMethods:
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+                                       num_experts: int, *, eager_support: bool = False) -> int:
         """The RDMA bytes low-latency mode needs (``num_rdma_bytes`` of a low-latency `Buffer`),
         DeepEP's formula.
 
         Raises:
             TypeError / ValueError: non-int or non-positive arguments, ``hidden`` not a multiple of 128,
-            ``num_experts`` not a multiple of ``num_ranks``.
+            ``num_experts`` not a multiple of ``num_ranks``. NotImplementedError: ``eager_support``
+            (a keyword of DeepEP's side branches) set.
         """
+        refuse_side_keywords("get_low_latency_rdma_size_hint", {"eager_support": eager_support})
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             checks.check_int(name, value, minimum=1)
@@ -234,7 +236,9 @@ class LowLatencyMethods:
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False, **side_branch_kwargs):
+                             async_finish: bool = False, return_recv_hook: bool = False, *, topk_weights=None,
+                             x_global_scale=None, use_nvfp4: bool = False, use_ue8m0_for_sf: bool = False,
+                             use_eager: bool = False):
         """Send each token to every expert in its row of ``topk_idx`` (collective; every rank passes the
         same ``num_max_dispatch_tokens_per_rank``, ``num_experts``, hidden and ``use_fp8``).
 
@@ -251,6 +255,8 @@ class LowLatencyMethods:
                 as packed UE8M0 exponents (needs ``round_scale``).
             async_finish: return an event marking the end. return_recv_hook: the results are written
                 when the returned hook is called (once).
+            topk_weights, x_global_scale, use_nvfp4, use_ue8m0_for_sf, use_eager: keywords of DeepEP's
+                side branches (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``. ``recv_x``: bf16 ``[L, R*T_max, H]``; with
@@ -267,8 +273,9 @@ class LowLatencyMethods:
             low-latency buffer; on every rank, ranks that disagree on the sizes. NotImplementedError:
             DeepEP's side-branch keywords.
         """
-        if side_branch_kwargs:
-            planned(_with_side_keywords("low_latency_dispatch", side_branch_kwargs))
+        refuse_side_keywords("low_latency_dispatch", {
+            "topk_weights": topk_weights, "x_global_scale": x_global_scale, "use_nvfp4": use_nvfp4,
+            "use_ue8m0_for_sf": use_ue8m0_for_sf, "use_eager": use_eager})
         use_fp8 = checks.check_bool("use_fp8", use_fp8)
         round_scale = checks.check_bool("round_scale", round_scale)
         use_ue8m0 = checks.check_bool("use_ue8m0", use_ue8m0)
@@ -375,7 +382,10 @@ class LowLatencyMethods:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None, **side_branch_kwargs):
+                            out=None, combine_wait_recv_cost_stats=None, *, overlap: bool = False,
+                            packed_recv_count=None, comp_signal=None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 3, src_signals=None, src_signal_expect_value: int = 0,
+                            use_eager: bool = False):
         """Send each expert's rows back to their source ranks and reduce them there with the top-k
         weights (collective): ``combined[t] = sum_k topk_weights[t, k] * row(t, topk_idx[t, k])`` in
         float32, slots in order, -1 slots skipped, rounded once to bf16.
@@ -391,6 +401,9 @@ class LowLatencyMethods:
                 return_recv_hook: as in `low_latency_dispatch`.
             out: optional bf16 ``[T, H]`` contiguous, written and returned.
             combine_wait_recv_cost_stats: optional int64 ``[R]`` (not measured: adds 0).
+            overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals,
+                src_signal_expect_value, use_eager: keywords of DeepEP's side branches
+                (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
         Returns:
             ``(combined_x bf16 [T, H], event, hook)``.
@@ -399,8 +412,10 @@ class LowLatencyMethods:
             TypeError / ValueError: bad arguments (before any communication). RuntimeError: not a
             low-latency buffer. NotImplementedError: ``use_logfmt``, side-branch keywords.
         """
-        if side_branch_kwargs:
-            planned(_with_side_keywords("low_latency_combine", side_branch_kwargs))
+        refuse_side_keywords("low_latency_combine", {
+            "overlap": overlap, "packed_recv_count": packed_recv_count, "comp_signal": comp_signal, "block_m": block_m,
+            "threshold": threshold, "num_sms": num_sms, "src_signals": src_signals,
+            "src_signal_expect_value": src_signal_expect_value, "use_eager": use_eager})
         if checks.check_bool("use_logfmt", use_logfmt):
             planned("low_latency_combine(use_logfmt=True)", "LogFMT combine messages")
         zero_copy = checks.check_bool("zero_copy", zero_copy)
