@@ -80,7 +80,7 @@ SIDE_BRANCH_VALUES = {"use_fabric": True, "allow_nvlink_for_normal_mode": False,
                       "src_signal_expect_value": 2}
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
-PLANNED = ("internode_dispatch", "internode_combine", "get_local_buffer_tensor")
+PLANNED = ("internode_dispatch", "internode_combine")
 
 
 # ------------------------------------------------------------------------------------ no process group
@@ -445,7 +445,6 @@ def _check_planned(buffer):
     calls = {
         "internode_dispatch": lambda: buffer.internode_dispatch(None),
         "internode_combine": lambda: buffer.internode_combine(None, None),
-        "get_local_buffer_tensor": lambda: buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True),
     }
     assert sorted(calls) == sorted(PLANNED)
     for name, call in calls.items():
@@ -479,6 +478,25 @@ def _check_planned(buffer):
         deep_ep.Buffer(None)
 
 
+def _check_local_buffer_tensor(rank):
+    """DeepEP's views of its buffers: sizes, offsets, dtypes, writes kept; bad requests refused."""
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=4096, num_rdma_bytes=1 << 16, low_latency_mode=True)
+    rdma = buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
+    assert rdma.dtype == torch.int8 and rdma.shape == (1 << 16,)
+    rdma.fill_(rank + 1)
+    again = buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()
+    assert not rdma.any() and again.data_ptr() == rdma.data_ptr()
+    nvl = buffer.get_local_buffer_tensor(torch.float32, torch.Size([4, 8]), offset=64)
+    assert nvl.shape == (4, 8) and nvl.dtype == torch.float32
+    assert buffer.get_local_buffer_tensor(torch.bfloat16, offset=4000).shape == (48,)
+    with pytest.raises(ValueError, match="more than the"):
+        buffer.get_local_buffer_tensor(torch.int32, torch.Size([1025]))
+    with pytest.raises(ValueError, match="multiple of"):
+        buffer.get_local_buffer_tensor(torch.int32, offset=2)
+    with pytest.raises(TypeError, match="dtype"):
+        buffer.get_local_buffer_tensor("int8")
+
+
 def _worker(rank, world_size):
     from deep_ep import EventOverlap
     buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=0, num_rdma_bytes=0)
@@ -499,6 +517,7 @@ def _worker(rank, world_size):
     assert buffer.combine(out[0], out[4], topk_weights=out[2])[0].shape == (0, 64)
     _check_refusals(buffer, rank, world_size)
     _check_planned(buffer)
+    _check_local_buffer_tensor(rank)
     with pytest.raises(RuntimeError, match="explicitly_destroy"):
         buffer.destroy()
     other = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)

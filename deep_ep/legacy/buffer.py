@@ -148,15 +148,6 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         """The communication stream (a ``torch.cuda.Stream``), or None on CPU."""
         return self._alive().get_comm_stream()
 
-    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
-                                use_rdma_buffer: bool = False) -> torch.Tensor:
-        """DeepEP's raw view of its buffer: not built (deep_ep's window is not exposed).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        planned("get_local_buffer_tensor", "views of the communication window")
-
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """The recommended dispatch `Config` for ``num_ranks`` (DeepEP's table, with `Buffer.num_sms`).

@@ -1,6 +1,6 @@
 """DeepEP's V1 low-latency layouts as torch ops on any device: the RDMA size hint, the FP8 cast and
-UE8M0 packing, the handle, and the per-expert receive layout from an expanded `ElasticBuffer`
-dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`)."""
+UE8M0 packing, the handle and the receive hook, and the per-expert receive layout from an expanded
+`ElasticBuffer` dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,9 +8,10 @@ from typing import Optional
 import torch
 
 from .. import checks
+from .exchange import settle
 
-__all__ = ["LowLatencyHandle", "low_latency_rdma_size_hint", "cast_to_fp8", "pack_ue8m0", "column_major",
-           "raw_bits", "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
+__all__ = ["LowLatencyHandle", "ReceiveHook", "host_reads_allowed", "low_latency_rdma_size_hint", "cast_to_fp8",
+           "pack_ue8m0", "column_major", "raw_bits", "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
 
 NUM_CHANNELS_PER_SCALE = 128      # FP8 scales cover 128 channels of a token
 FP8_MARGIN = 1e-4                 # the smallest amax a scale is computed from
@@ -75,6 +76,32 @@ def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def column_major(scales: torch.Tensor) -> torch.Tensor:
     return scales.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+class ReceiveHook:
+    """A receive hook: the first call makes the results visible, a second call raises RuntimeError."""
+
+    def __init__(self, receive, name: str) -> None:
+        self._receive = receive
+        self._name = name
+
+    def __call__(self) -> None:
+        if self._receive is None:
+            raise RuntimeError(f"the receive hook of this {self._name} was already called")
+        receive, self._receive = self._receive, None
+        receive()
+
+
+def host_reads_allowed(device: torch.device) -> bool:
+    """Whether argument checks may read tensors on the host: always on CPU; on a CUDA device after
+    the current stream's work is done (`deep_ep.legacy.exchange.settle`, so that no read blocks
+    inside the driver), and never while a CUDA graph is being captured (the checks are skipped)."""
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    settle(device)
+    return True
 
 
 class LowLatencyHandle(tuple):

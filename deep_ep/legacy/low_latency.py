@@ -24,38 +24,11 @@ import torch
 
 from .. import checks
 from ..event import EventHandle, EventOverlap
-from .exchange import settle
-from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, column_major, low_latency_rdma_size_hint,
-                      pack_ue8m0, per_expert_layout, raw_bits)
+from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, ReceiveHook, cast_to_fp8, column_major,
+                      host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, raw_bits)
 from .planned import planned, refuse_side_keywords
 
 __all__ = ["LowLatencyMethods"]
-
-class _Hook:
-    """A receive hook: the first call makes the results visible, a second call raises RuntimeError."""
-
-    def __init__(self, receive, name: str) -> None:
-        self._receive = receive
-        self._name = name
-
-    def __call__(self) -> None:
-        if self._receive is None:
-            raise RuntimeError(f"the receive hook of this {self._name} was already called")
-        receive, self._receive = self._receive, None
-        receive()
-
-
-def _host_reads_allowed(device: torch.device) -> bool:
-    """Whether argument checks may read tensors on the host: always on CPU; on a CUDA device after
-    the current stream's work is done (`deep_ep.legacy.exchange.settle`, so that no read blocks
-    inside the driver), and never while a CUDA graph is being captured (the checks are skipped)."""
-    if device.type != "cuda":
-        return True
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    settle(device)
-    return True
-
 
 class LowLatencyMethods:
     """DeepEP's V1 low-latency methods (`deep_ep.Buffer` inherits them), on the `ElasticBuffer` of
@@ -208,6 +181,44 @@ class LowLatencyMethods:
         self._shrink_mask("low_latency_clean_mask_buffer").zero_()
 
     # ------------------------------------------------------------------ public methods
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """DeepEP's view of its local NVLink (or, ``use_rdma_buffer``, RDMA) buffer as ``dtype``: here a
+        tensor of ``num_nvl_bytes`` (``num_rdma_bytes``) bytes on the buffer's device, kept by the
+        Buffer and made on first use, which deep_ep's kernels do not read: callers that zero or fill
+        it (vLLM zeroes the RDMA one) change nothing in the communication.
+
+        Returns:
+            ``dtype [(bytes - offset) / itemsize]`` from byte ``offset``, or the first
+            ``size.numel()`` of those as ``size``.
+
+        Raises:
+            TypeError / ValueError: a bad ``dtype``, ``offset`` (negative, past the end, not a multiple of
+            the item size) or a ``size`` larger than what is left.
+        """
+        device = self._alive().device
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        use_rdma_buffer = checks.check_bool("use_rdma_buffer", use_rdma_buffer)
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        checks.check_int("offset", offset, minimum=0, maximum=num_bytes)
+        item_size = torch.empty(0, dtype=dtype).element_size()
+        if offset % item_size:
+            raise ValueError(f"offset={offset} must be a multiple of {dtype}'s {item_size} bytes")
+        key = "_local_rdma_bytes" if use_rdma_buffer else "_local_nvl_bytes"
+        storage = self.__dict__.get(key)
+        if storage is None:
+            storage = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+            self.__dict__[key] = storage
+        tensor = storage[offset:offset + (num_bytes - offset) // item_size * item_size].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(f"size {list(size)} holds {size.numel()} elements, more than the {tensor.numel()} "
+                             f"left from offset {offset}")
+        return tensor[:size.numel()].view(size)
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency buffers (DeepEP needs it after normal-mode calls; here it zeroes the two
         zero-copy combine buffers, the only state kept between calls).
@@ -306,7 +317,7 @@ class LowLatencyMethods:
         self._check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
                           num_local_experts)
         self._check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, num_ranks)
-        if _host_reads_allowed(device):
+        if host_reads_allowed(device):
             checks.check_topk_values(topk_idx, num_experts)
             if num_topk > 1:
                 ordered = topk_idx.sort(dim=1).values
@@ -365,7 +376,7 @@ class LowLatencyMethods:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
         self._flip()
-        hook = _Hook(receive, "low_latency_dispatch") if return_recv_hook else None
+        hook = ReceiveHook(receive, "low_latency_dispatch") if return_recv_hook else None
         if not return_recv_hook:
             receive()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
@@ -448,7 +459,7 @@ class LowLatencyMethods:
         if (num_tokens, num_topk) != (ep_handle.num_tokens // handle.num_topk, handle.num_topk):
             raise ValueError(f"topk_idx must have the dispatch's shape [{ep_handle.num_tokens // handle.num_topk}, "
                              f"{handle.num_topk}], got {list(topk_idx.shape)}")
-        if _host_reads_allowed(device):
+        if host_reads_allowed(device):
             checks.check_topk_values(topk_idx, num_experts)
         if out is not None:
             checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
@@ -476,7 +487,7 @@ class LowLatencyMethods:
             combined_x.copy_(total.to(torch.bfloat16))
 
         self._flip()
-        hook = _Hook(receive, "low_latency_combine") if return_recv_hook else None
+        hook = ReceiveHook(receive, "low_latency_combine") if return_recv_hook else None
         if not return_recv_hook:
             receive()
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, combined_x)) \
