@@ -11,7 +11,7 @@ from .. import checks
 from .exchange import settle
 
 __all__ = ["LowLatencyHandle", "ReceiveHook", "host_reads_allowed", "low_latency_rdma_size_hint", "cast_to_fp8",
-           "pack_ue8m0", "column_major", "raw_bits", "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
+           "pack_ue8m0", "column_major", "raw_bits", "per_pair", "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
 
 NUM_CHANNELS_PER_SCALE = 128      # FP8 scales cover 128 channels of a token
 FP8_MARGIN = 1e-4                 # the smallest amax a scale is computed from
@@ -127,6 +127,12 @@ def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
     """The same bytes as an integer tensor (bf16 / fp8 rows move bit for bit through gathers)."""
     return tensor.view(torch.int16) if tensor.element_size() == 2 else tensor.view(torch.uint8) \
         if tensor.element_size() == 1 else tensor
+
+
+def per_pair(rows: torch.Tensor, num_topk: int) -> torch.Tensor:
+    """Each row repeated ``num_topk`` times in a row (a copy through a broadcast view, no host sync)."""
+    rows = raw_bits(rows)
+    return rows.unsqueeze(1).expand(rows.shape[0], num_topk, rows.shape[1]).reshape(-1, rows.shape[1])
 
 
 def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int,

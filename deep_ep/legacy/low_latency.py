@@ -25,7 +25,8 @@ import torch
 from .. import checks
 from ..event import EventHandle, EventOverlap
 from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, ReceiveHook, cast_to_fp8, column_major,
-                      host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, raw_bits)
+                      host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, per_pair,
+                      raw_bits)
 from .planned import planned, refuse_side_keywords
 
 __all__ = ["LowLatencyMethods"]
@@ -265,7 +266,8 @@ class LowLatencyMethods:
             use_fp8: cast to FP8 before sending. round_scale: power-of-two scales. use_ue8m0: scales
                 as packed UE8M0 exponents (needs ``round_scale``).
             async_finish: return an event marking the end. return_recv_hook: the results are written
-                when the returned hook is called (once).
+                when the returned hook is called (once); the data itself arrives during this call, so
+                the hook does not yet leave the SMs free while waiting.
             topk_weights, x_global_scale, use_nvfp4, use_ue8m0_for_sf, use_eager: keywords of DeepEP's
                 side branches (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
@@ -333,10 +335,9 @@ class LowLatencyMethods:
         buffer = self._low_latency_elastic_buffer(max_pairs, hidden)
         if use_fp8:
             data, scale_inv = cast_to_fp8(x, round_scale)
-            pairs_x = (raw_bits(data).repeat_interleave(num_topk, dim=0).view(checks.FP8),
-                       scale_inv.repeat_interleave(num_topk, dim=0))
+            pairs_x = (per_pair(data, num_topk).view(checks.FP8), per_pair(scale_inv, num_topk))
         else:
-            pairs_x = x.repeat_interleave(num_topk, dim=0)
+            pairs_x = per_pair(x, num_topk).view(torch.bfloat16)
         masked = self._mask_if_shrink()
         pairs_topk = topk_idx.reshape(-1, 1)
         if masked is not None:                     # nothing goes to a masked rank
