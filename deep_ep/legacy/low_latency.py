@@ -203,7 +203,7 @@ class LowLatencyMethods:
         use_rdma_buffer = checks.check_bool("use_rdma_buffer", use_rdma_buffer)
         num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         checks.check_int("offset", offset, minimum=0, maximum=num_bytes)
-        item_size = torch.empty(0, dtype=dtype).element_size()
+        item_size = torch.empty(0, dtype=dtype, device="cpu").element_size()
         if offset % item_size:
             raise ValueError(f"offset={offset} must be a multiple of {dtype}'s {item_size} bytes")
         key = "_local_rdma_bytes" if use_rdma_buffer else "_local_nvl_bytes"
