@@ -253,6 +253,14 @@ def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden)
         buffer.low_latency_combine(None, topk_idx, topk_weights, handle[:4])
     with pytest.raises(ValueError, match="x must have shape"):
         buffer.low_latency_combine(torch.zeros(1, 1, hidden, dtype=torch.bfloat16), topk_idx, topk_weights, handle)
+    # a real handle: passed back rebuilt, or with another top-k width, it is refused before sending
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
+    with pytest.raises(TypeError, match="rebuilt from its items"):
+        buffer.low_latency_combine(recv_x, topk_idx, topk_weights, tuple(handle))
+    with pytest.raises(ValueError, match="the dispatch's shape"):
+        buffer.low_latency_combine(recv_x, topk_idx[:, :2].contiguous(), topk_weights[:, :2].contiguous(), handle)
+    combined, _, _ = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle)     # still in step
+    assert combined.shape == x.shape
 
 
 def num_experts_for(num_ranks):
