@@ -59,10 +59,28 @@ V1_SIGNATURES = {
     "get_comm_stream": [], "destroy": [], "capture": [], "is_sm90_compiled": [], "set_num_sms": [("new_num_sms", _)],
     "get_dispatch_config": [("num_ranks", _)], "get_combine_config": [("num_ranks", _)],
 }
+#: keywords of DeepEP's side branches (antgroup-opt, hybrid-ep, eager-rdma, mori-ep and the overlap
+#: pull requests), keyword-only here, with their defaults there
+SIDE_BRANCH_SIGNATURES = {
+    "__init__": [("use_fabric", False), ("allow_nvlink_for_normal_mode", True), ("eager_support", False)],
+    "get_low_latency_rdma_size_hint": [("eager_support", False)],
+    "internode_dispatch": [("num_worst_tokens", 0)],
+    "low_latency_dispatch": [("topk_weights", None), ("x_global_scale", None), ("use_nvfp4", False),
+                             ("use_ue8m0_for_sf", False), ("use_eager", False)],
+    "low_latency_combine": [("overlap", False), ("packed_recv_count", None), ("comp_signal", None), ("block_m", 64),
+                            ("threshold", 0), ("num_sms", 3), ("src_signals", None),
+                            ("src_signal_expect_value", 0), ("use_eager", False)],
+}
+#: a value other than the default for each of them
+SIDE_BRANCH_VALUES = {"use_fabric": True, "allow_nvlink_for_normal_mode": False, "eager_support": True,
+                      "num_worst_tokens": 16, "topk_weights": torch.ones(1, 1), "x_global_scale": torch.ones(1),
+                      "use_nvfp4": True, "use_ue8m0_for_sf": 1, "use_eager": True, "overlap": True,
+                      "packed_recv_count": torch.zeros(1, dtype=torch.int32), "comp_signal": torch.zeros(1),
+                      "block_m": 128, "threshold": 1, "num_sms": 8, "src_signals": torch.zeros(1),
+                      "src_signal_expect_value": 2}
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
-PLANNED = ("internode_dispatch", "internode_combine", "low_latency_update_mask_buffer",
-           "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer", "get_local_buffer_tensor")
+PLANNED = ("internode_dispatch", "internode_combine")
 
 
 # ------------------------------------------------------------------------------------ no process group
@@ -72,8 +90,11 @@ def test_signature_is_deepeps(name):
     if name not in STATIC:
         assert params[0].name == "self"
         params = params[1:]
-    named = [(p.name, p.default) for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    named = [(p.name, p.default) for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert named == V1_SIGNATURES[name]
+    keyword_only = [(p.name, p.default) for p in params if p.kind == p.KEYWORD_ONLY]
+    assert keyword_only == SIDE_BRANCH_SIGNATURES.get(name, [])
+    assert not [p for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     assert (name in STATIC) == isinstance(inspect.getattr_static(deep_ep.Buffer, name), staticmethod)
     assert name == "__init__" or getattr(deep_ep.Buffer, name).__doc__
 
@@ -424,30 +445,56 @@ def _check_planned(buffer):
     calls = {
         "internode_dispatch": lambda: buffer.internode_dispatch(None),
         "internode_combine": lambda: buffer.internode_combine(None, None),
-        "low_latency_update_mask_buffer": lambda: buffer.low_latency_update_mask_buffer(0, True),
-        "low_latency_query_mask_buffer": lambda: buffer.low_latency_query_mask_buffer(torch.zeros(2)),
-        "low_latency_clean_mask_buffer": lambda: buffer.low_latency_clean_mask_buffer(),
-        "get_local_buffer_tensor": lambda: buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True),
     }
     assert sorted(calls) == sorted(PLANNED)
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.{name}.*planned"):
             call()
-    with pytest.raises(NotImplementedError, match="use_nvfp4.*side branches.*planned"):
-        buffer.low_latency_dispatch(None, None, 128, 8, use_nvfp4=True)
-    with pytest.raises(NotImplementedError, match="comp_signal, overlap.*planned"):
-        buffer.low_latency_combine(None, None, None, None, overlap=True, comp_signal=None)
+    group = dist.group.WORLD
+    calls = {"__init__": lambda **kwargs: deep_ep.Buffer(group, **kwargs),
+             "get_low_latency_rdma_size_hint": lambda **kwargs: deep_ep.Buffer.get_low_latency_rdma_size_hint(
+                 128, 512, 2, 8, **kwargs),
+             "internode_dispatch": lambda **kwargs: buffer.internode_dispatch(None, **kwargs),
+             "low_latency_dispatch": lambda **kwargs: buffer.low_latency_dispatch(None, None, 128, 8, **kwargs),
+             "low_latency_combine": lambda **kwargs: buffer.low_latency_combine(None, None, None, None, **kwargs)}
+    for method, keywords in SIDE_BRANCH_SIGNATURES.items():
+        for keyword, default in keywords:
+            with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.{method}\({keyword}=.*side branches"):
+                calls[method](**{keyword: SIDE_BRANCH_VALUES[keyword]})
+    # the defaults pass on to the usual checks (flags as ints too)
+    assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 512, 2, 8, eager_support=0) > 0
+    deep_ep.Buffer(group, use_fabric=False, allow_nvlink_for_normal_mode=1, eager_support=False)
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        buffer.low_latency_dispatch(torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64),
+                                    128, 8, topk_weights=None, use_nvfp4=0, use_eager=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_fp9'"):
         buffer.low_latency_dispatch(None, None, 128, 8, use_fp9=True)
-    group = dist.group.WORLD
-    for kwargs, what in ((dict(enable_shrink=1), "enable_shrink"),
-                         (dict(num_rdma_bytes=1 << 20), "num_rdma_bytes")):
+    for kwargs, what in ((dict(num_rdma_bytes=1 << 20), "num_rdma_bytes"),):
         with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.__init__\({what}.*planned"):
             deep_ep.Buffer(group, **kwargs)
     with pytest.raises(NotImplementedError, match="comm=.*planned"):
         deep_ep.Buffer(None, comm=object())
     with pytest.raises(ValueError, match="either 'group' or 'comm'"):
         deep_ep.Buffer(None)
+
+
+def _check_local_buffer_tensor(rank):
+    """DeepEP's views of its buffers: sizes, offsets, dtypes, writes kept; bad requests refused."""
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=4096, num_rdma_bytes=1 << 16, low_latency_mode=True)
+    rdma = buffer.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
+    assert rdma.dtype == torch.int8 and rdma.shape == (1 << 16,)
+    rdma.fill_(rank + 1)
+    again = buffer.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_()
+    assert not rdma.any() and again.data_ptr() == rdma.data_ptr()
+    nvl = buffer.get_local_buffer_tensor(torch.float32, torch.Size([4, 8]), offset=64)
+    assert nvl.shape == (4, 8) and nvl.dtype == torch.float32
+    assert buffer.get_local_buffer_tensor(torch.bfloat16, offset=4000).shape == (48,)
+    with pytest.raises(ValueError, match="more than the"):
+        buffer.get_local_buffer_tensor(torch.int32, torch.Size([1025]))
+    with pytest.raises(ValueError, match="multiple of"):
+        buffer.get_local_buffer_tensor(torch.int32, offset=2)
+    with pytest.raises(TypeError, match="dtype"):
+        buffer.get_local_buffer_tensor("int8")
 
 
 def _worker(rank, world_size):
@@ -470,6 +517,7 @@ def _worker(rank, world_size):
     assert buffer.combine(out[0], out[4], topk_weights=out[2])[0].shape == (0, 64)
     _check_refusals(buffer, rank, world_size)
     _check_planned(buffer)
+    _check_local_buffer_tensor(rank)
     with pytest.raises(RuntimeError, match="explicitly_destroy"):
         buffer.destroy()
     other = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)

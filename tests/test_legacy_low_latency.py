@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import deep_ep
 from proc_utils import run_gloo_ranks
+from test_legacy_buffer import _to
 
 FP8 = torch.float8_e4m3fn
 MAX_TOKENS = 8                      # num_max_dispatch_tokens_per_rank
@@ -63,7 +64,11 @@ def _expert_output(rows, expert):
     return (rows.float() * (1 + expert % 3)).to(torch.bfloat16)
 
 
-def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp8, round_scale, use_ue8m0):
+def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp8, round_scale, use_ue8m0,
+                    linked=None):
+    """Every element of a dispatch's results; ``linked``: the source ranks this rank exchanges with
+    under the rank masks (default all)."""
+    linked = set(range(num_ranks)) if linked is None else linked
     recv_x, recv_count, handle, _, _ = result
     num_local = num_experts // num_ranks
     num_rows = num_ranks * MAX_TOKENS
@@ -93,6 +98,8 @@ def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp
         for source in range(num_ranks):
             x, topk_idx, _ = inputs[source]
             tokens = (topk_idx == expert).any(dim=1).nonzero().flatten()
+            if source not in linked:
+                tokens = tokens[:0]
             count = tokens.numel()
             packed = int(layout_range[local_expert, source])
             assert (packed >> 32, packed & 0xFFFFFFFF) == (begin, count), (expert, source)
@@ -109,11 +116,11 @@ def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp
                     assert torch.equal(recv_x[local_expert, row], x[token])
             begin += count
         assert int(recv_count[local_expert]) == begin
-        assert sum(int((inputs[source][1] == expert).sum()) for source in range(num_ranks)) == begin
+        assert sum(int((inputs[source][1] == expert).sum()) for source in linked) == begin
         total_received += begin
         rows = recv_x[0][local_expert] if use_fp8 else recv_x[local_expert]
         assert not rows[begin:].view(torch.uint8).any()                         # rows past the count
-    assert total_received > 0
+    assert total_received > 0 or len(linked) < num_ranks
     # DeepEP's own data checks: the token-index tail survives exactly without rounded scales
     if use_fp8:
         received = _cast_back(recv_x[0].view(-1, hidden), scales.reshape(-1, hidden // 128)).view(
@@ -129,8 +136,9 @@ def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp
     return received
 
 
-def _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale):
+def _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale, linked=None):
     x, topk_idx, topk_weights = inputs[rank]
+    num_local = num_experts // len(inputs)
     total = torch.zeros(x.shape[0], hidden)
     for token in range(x.shape[0]):
         row = x[token:token + 1]
@@ -139,21 +147,32 @@ def _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale):
             row = _cast_back(data.view(1, -1), scales.view(1, -1))
         for slot in range(NUM_TOPK):
             expert = int(topk_idx[token, slot])
-            if expert >= 0:
+            if expert >= 0 and (linked is None or expert // num_local in linked):
                 total[token] += _expert_output(row[0], expert).float() * topk_weights[token, slot]
     return total.to(torch.bfloat16)
 
 
-def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round_scale, use_ue8m0, use_hook):
+def _host(obj):
+    """Tensors (in tuples) back on the CPU, other values as they are (`test_legacy_buffer._to`)."""
+    if isinstance(obj, tuple):
+        return tuple(_host(item) for item in obj)
+    return _to(obj, "cpu") if isinstance(obj, torch.Tensor) else obj
+
+
+def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round_scale, use_ue8m0, use_hook,
+              device="cpu"):
+    """One case on this rank; inputs go to ``device`` (CPU over gloo, or a GPU), results come back to
+    the CPU to be compared."""
     inputs = [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
-    x, topk_idx, topk_weights = inputs[rank]
+    x, topk_idx, topk_weights = _to(inputs[rank], device)
     num_local = num_experts // num_ranks
-    stats = torch.zeros(num_local, dtype=torch.int32)
+    stats = torch.zeros(num_local, dtype=torch.int32, device=device)
     result = None
     for _ in range(2):                                            # stats accumulate over calls
         result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
                                              cumulative_local_expert_recv_stats=stats,
-                                             dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64),
+                                             dispatch_wait_recv_cost_stats=torch.zeros(num_ranks, dtype=torch.int64,
+                                                                                       device=device),
                                              use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                                              async_finish=not use_hook, return_recv_hook=use_hook)
         hook, event = result[4], result[3]
@@ -164,18 +183,20 @@ def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round
         else:
             assert hook is None
             event.current_stream_wait()
-    assert torch.equal(stats, result[1] * 2)
-    received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp8, round_scale,
+    host_result = _host(result[:3]) + (None, None)
+    assert torch.equal(_host(stats), host_result[1] * 2)
+    received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, host_result, use_fp8, round_scale,
                                use_ue8m0)
     handle = result[2]
     expert_x = torch.stack([_expert_output(received[local], rank * num_local + local) for local in range(num_local)])
+    expert_x = _to(expert_x, device)
     want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
     for zero_copy in (False, True):
         source_x = expert_x
         if zero_copy:
             buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = expert_x
             source_x = torch.zeros_like(expert_x)                # zero-copy reads the buffer, not x
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
         combined, event, hook = buffer.low_latency_combine(source_x, topk_idx, topk_weights, handle,
                                                            zero_copy=zero_copy, async_finish=not use_hook,
                                                            return_recv_hook=use_hook, out=out)
@@ -183,10 +204,12 @@ def _run_case(buffer, rank, num_ranks, num_experts, hidden, seed, use_fp8, round
             hook()
             with pytest.raises(RuntimeError, match="already called"):
                 hook()
+        else:
+            event.current_stream_wait()
         assert combined is out
-        assert torch.equal(combined, want), (rank, use_fp8, round_scale, zero_copy)
+        assert torch.equal(_host(combined), want), (rank, use_fp8, round_scale, zero_copy)
     combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle)
-    assert hook is None and torch.equal(combined, want)
+    assert hook is None and torch.equal(_host(combined), want)
 
 
 def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden):
@@ -217,10 +240,11 @@ def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden)
     with pytest.raises(TypeError, match="cumulative_local_expert_recv_stats must have dtype int32"):
         buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts,
                                     cumulative_local_expert_recv_stats=torch.zeros(num_experts // num_ranks))
-    mixed_hidden = 512 if rank == 0 else 384                      # every rank raises, none hangs
-    with pytest.raises(ValueError, match="ranks disagree"):
-        buffer.low_latency_dispatch(torch.zeros(1, mixed_hidden, dtype=torch.bfloat16),
-                                    torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, num_experts, use_fp8=False)
+    if num_ranks > 1:
+        mixed_hidden = 512 if rank == 0 else 384                  # every rank raises, none hangs
+        with pytest.raises(RuntimeError, match="ranks disagree on hidden"):
+            buffer.low_latency_dispatch(torch.zeros(1, mixed_hidden, dtype=torch.bfloat16),
+                                        torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, num_experts, use_fp8=False)
     handle = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64), MAX_TOKENS, hidden,
               num_experts)
     with pytest.raises(NotImplementedError, match=r"low_latency_combine\(use_logfmt=True\).*planned"):
@@ -229,24 +253,102 @@ def _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, hidden)
         buffer.low_latency_combine(None, topk_idx, topk_weights, handle[:4])
     with pytest.raises(ValueError, match="x must have shape"):
         buffer.low_latency_combine(torch.zeros(1, 1, hidden, dtype=torch.bfloat16), topk_idx, topk_weights, handle)
+    # a real handle: passed back rebuilt, or with another top-k width, it is refused before sending
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
+    with pytest.raises(TypeError, match="rebuilt from its items"):
+        buffer.low_latency_combine(recv_x, topk_idx, topk_weights, tuple(handle))
+    with pytest.raises(ValueError, match="the dispatch's shape"):
+        buffer.low_latency_combine(recv_x, topk_idx[:, :2].contiguous(), topk_weights[:, :2].contiguous(), handle)
+    combined, _, _ = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle)     # still in step
+    assert combined.shape == x.shape
 
 
-def _worker(rank, num_ranks):
-    num_experts = 2 * num_ranks + 2 if num_ranks == 2 else 2 * num_ranks
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
-    normal_buffer = deep_ep.Buffer(dist.group.WORLD)
-    cases = [(384, False, False, False), (384, True, False, False), (384, True, True, False), (512, True, True, True)]
-    for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(cases):
+def num_experts_for(num_ranks):
+    """Experts of the cases: at least NUM_TOPK, two or more per rank (three at 2 ranks)."""
+    return max(2 * num_ranks + 2 if num_ranks == 2 else 2 * num_ranks, NUM_TOPK + 1)
+
+
+#: (hidden, use_fp8, round_scale, use_ue8m0)
+CASES = [(384, False, False, False), (384, True, False, False), (384, True, True, False), (512, True, True, True)]
+
+
+def run_cases(buffer, rank, num_ranks, device="cpu"):
+    """Every case, with and without receive hooks, on ``device`` (the GPU suite runs them too)."""
+    num_experts = num_experts_for(num_ranks)
+    for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(CASES):
         for use_hook in (False, True):
             try:
                 _run_case(buffer, rank, num_ranks, num_experts, hidden, index, use_fp8, round_scale, use_ue8m0,
-                          use_hook)
+                          use_hook, device)
             except Exception as exc:
                 raise AssertionError(f"hidden {hidden} fp8 {use_fp8} round {round_scale} ue8m0 {use_ue8m0} "
-                                     f"hook {use_hook}, rank {rank}: {exc}") from exc
+                                     f"hook {use_hook}, rank {rank} of {num_ranks}: {exc}") from exc
+
+
+def _linked(masks, rank, num_ranks):
+    """The ranks ``rank`` exchanges with when rank ``r`` masks ``masks[r]``: neither masks the other."""
+    return {peer for peer in range(num_ranks) if peer not in masks[rank] and rank not in masks[peer]}
+
+
+def run_mask_cases(buffer, rank, num_ranks, device="cpu"):
+    """Rank masks (``enable_shrink``): every rank but rank 1 masks rank 1, rank 0 also masks the last
+    rank (4 ranks and more); a rank exchanges with a peer when neither masks the other. Then the
+    masks are cleared and everything is exchanged again."""
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    masks = {r: set() for r in range(num_ranks)}
+    if num_ranks >= 2:
+        for r in range(num_ranks):
+            if r != 1:
+                masks[r].add(1)
+    if num_ranks >= 4:
+        masks[0].add(num_ranks - 1)
+    status = torch.full((num_ranks,), 7, dtype=torch.int32, device=device)
+    buffer.low_latency_query_mask_buffer(status)
+    assert _host(status).tolist() == [0] * num_ranks
+    buffer.low_latency_update_mask_buffer(0, True)             # then unmasked again
+    buffer.low_latency_update_mask_buffer(0)
+    for peer in masks[rank]:
+        buffer.low_latency_update_mask_buffer(peer, mask=True)
+    buffer.low_latency_query_mask_buffer(status)
+    assert _host(status).tolist() == [int(r in masks[rank]) for r in range(num_ranks)]
+    for round_index, linked in enumerate((_linked(masks, rank, num_ranks), None)):
+        hidden, use_fp8, round_scale, use_ue8m0 = CASES[1 + round_index]
+        inputs = [_rank_inputs(50 + round_index, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+        x, topk_idx, topk_weights = _to(inputs[rank], device)
+        result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=use_fp8,
+                                             round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=True)
+        result[4]()
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
+                                   use_fp8, round_scale, use_ue8m0, linked)
+        expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                for local in range(num_local)])
+        combined, _, _ = buffer.low_latency_combine(_to(expert_x, device), topk_idx, topk_weights, result[2])
+        want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale, linked)
+        assert torch.equal(_host(combined), want), (rank, linked)
+        buffer.low_latency_clean_mask_buffer()
+    buffer.low_latency_query_mask_buffer(status)
+    assert _host(status).tolist() == [0] * num_ranks
+    with pytest.raises(ValueError, match="rank_to_mask"):
+        buffer.low_latency_update_mask_buffer(num_ranks, True)
+    with pytest.raises(TypeError, match="mask_status must have dtype int32"):
+        buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int64, device=device))
+
+
+def _worker(rank, num_ranks):
+    num_experts = num_experts_for(num_ranks)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
+    normal_buffer = deep_ep.Buffer(dist.group.WORLD)
+    run_cases(buffer, rank, num_ranks)
     buffer.clean_low_latency_buffer(MAX_TOKENS, 512, num_experts)
     _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, 512)
+    shrink_buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True)
+    run_mask_cases(shrink_buffer, rank, num_ranks)
+    for call in (lambda: buffer.low_latency_update_mask_buffer(0, True), buffer.low_latency_clean_mask_buffer,
+                 lambda: buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int32))):
+        with pytest.raises(RuntimeError, match="enable_shrink=True"):
+            call()
 
 
 def test_size_hint_is_deepeps():
@@ -258,6 +360,6 @@ def test_size_hint_is_deepeps():
         deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 100, 8, 64)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_low_latency_dispatch_combine(world_size, tmp_path):
     run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)

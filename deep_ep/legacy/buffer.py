@@ -13,9 +13,12 @@ from .config import NUM_MAX_NVL_PEERS, Config
 from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
 from .low_latency import LowLatencyMethods
-from .planned import PlannedMethods, planned
+from .planned import PlannedMethods, planned, refuse_side_keywords
 
 __all__ = ["Buffer"]
+
+#: GPU windows are allocated in steps of 2 MiB
+WINDOW_ALIGNMENT = 2 * 1024 * 1024
 
 class Buffer(LowLatencyMethods, PlannedMethods):
     """DeepEP's V1 communication buffer, normal mode within one NVLink domain (docs/design.md,
@@ -26,13 +29,15 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         num_nvl_bytes: the GPU window per rank (`Config.get_nvl_buffer_size_hint`); unused on CPU.
         num_rdma_bytes: must be 0 outside low-latency mode (internode is not built yet); in it, at
             least `get_low_latency_rdma_size_hint` of the calls made.
-        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (CPU backend only;
-            NotImplementedError on the GPU).
+        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (on the GPU the
+            window is ``num_nvl_bytes + num_rdma_bytes``, rounded up to 2 MiB).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: low-latency / RDMA
             settings, validated and stored.
         explicitly_destroy: resources are released by `destroy()` only.
-        enable_shrink: must be False (the rank mask of low-latency mode; NotImplementedError).
+        enable_shrink: keep a rank mask for low-latency mode (`low_latency_update_mask_buffer`).
         comm: an ``mpi4py`` communicator instead of ``group``: NotImplementedError.
+        use_fabric, allow_nvlink_for_normal_mode, eager_support: keywords of DeepEP's side branches
+            (keyword-only here): only their defaults (False, True, False), else NotImplementedError.
 
     Attributes: ``num_sms`` (class-wide, `set_num_sms`), ``rank``, ``group_size``, ``group``,
     ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``,
@@ -40,7 +45,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
 
     Raises:
         ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
-        NotImplementedError: low-latency mode on the GPU, shrink, ``comm``, RDMA bytes, more than 8 ranks.
+        NotImplementedError: ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
     """
 
     num_sms: int = 20
@@ -48,8 +53,11 @@ class Buffer(LowLatencyMethods, PlannedMethods):
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None) -> None:
+                 comm=None, *, use_fabric: bool = False, allow_nvlink_for_normal_mode: bool = True,
+                 eager_support: bool = False) -> None:
         self.elastic_buffer = None
+        refuse_side_keywords("__init__", {"use_fabric": use_fabric, "eager_support": eager_support,
+                                          "allow_nvlink_for_normal_mode": allow_nvlink_for_normal_mode})
         if group is None:
             if comm is None:
                 raise ValueError("deep_ep.Buffer: either 'group' or 'comm' must be provided")
@@ -63,10 +71,6 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         allow_mnnvl = checks.check_bool("allow_mnnvl", allow_mnnvl)
         explicitly_destroy = checks.check_bool("explicitly_destroy", explicitly_destroy)
         enable_shrink = checks.check_bool("enable_shrink", enable_shrink)
-        if low_latency_mode and not is_cpu_group(group):
-            planned("__init__(low_latency_mode=True) on the GPU", "low-latency kernels on the GPU")
-        if enable_shrink:
-            planned("__init__(enable_shrink=True)")
         rank, group_size = group_rank_and_size(group)
         if group_size > NUM_MAX_NVL_PEERS:
             planned(f"__init__ with {group_size} ranks (more than {NUM_MAX_NVL_PEERS}: internode)")
@@ -83,8 +87,12 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         self.allow_mnnvl = allow_mnnvl
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.elastic_buffer = ElasticBuffer(group, num_bytes=None if is_cpu_group(group) else num_nvl_bytes,
-                                            explicitly_destroy=explicitly_destroy)
+        num_bytes = None
+        if not is_cpu_group(group):
+            # one window for both modes: a low-latency call that does not fit gets its own, sized for it
+            num_bytes = num_nvl_bytes + (num_rdma_bytes if low_latency_mode else 0)
+            num_bytes = -(-num_bytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT
+        self.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy)
 
     # ------------------------------------------------------------------ lifecycle, settings
     def _alive(self) -> ElasticBuffer:
@@ -109,6 +117,9 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         if self.elastic_buffer is not None:
             self.elastic_buffer.destroy()
             self.elastic_buffer = None
+        extra = self.__dict__.pop("_low_latency_extra_buffer", None)
+        if extra is not None:
+            extra.destroy()
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -136,15 +147,6 @@ class Buffer(LowLatencyMethods, PlannedMethods):
     def get_comm_stream(self):
         """The communication stream (a ``torch.cuda.Stream``), or None on CPU."""
         return self._alive().get_comm_stream()
-
-    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
-                                use_rdma_buffer: bool = False) -> torch.Tensor:
-        """DeepEP's raw view of its buffer: not built (deep_ep's window is not exposed).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        planned("get_local_buffer_tensor", "views of the communication window")
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -1,4 +1,6 @@
-"""DeepEP's V1 low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) on the CPU backend.
+"""DeepEP's V1 low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) on the
+`ElasticBuffer` of a `deep_ep.Buffer`: the CPU backend over gloo, or the GPU (one node, NVLink, or
+emulated ranks), through the same code.
 
 Contract (docs/design.md, "DeepEP's V1 Buffer"): DeepEP's layouts exactly. A dispatch returns, per
 local expert, ``num_ranks * num_max_dispatch_tokens_per_rank`` rows of which the first ``recv_count``
@@ -6,121 +8,45 @@ are valid, grouped by source rank in rank order, source tokens in order within a
 token and 128 channels with DeepEP's scale rule; the handle is ``(src_info, layout_range,
 num_max_dispatch_tokens_per_rank, hidden, num_experts)``. A combine returns, per token, the top-k
 weighted sum (float32, top-k slot order, one bf16 rounding) of the rows the experts send back.
-Every rank exchanges fixed-size slots with every rank (gloo ``all_to_all_single``), as DeepEP's
-RDMA buffers do. GPU tensors raise `NotImplementedError` (planned).
+
+How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dispatch` without host
+synchronisation (DeepEP sends one message per pair too), and comes back alone through
+`ElasticBuffer.combine`; torch ops on the device rearrange the rows into DeepEP's layouts and sum
+the pairs with their weights. Host reads remain only in argument checks (skipped while a CUDA graph
+is captured). A receive hook does not yet free the SMs: the data arrives during the call, the hook
+writes the results.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-import torch.distributed as dist
 
 from .. import checks
 from ..event import EventHandle, EventOverlap
-from .planned import _with_side_keywords, planned
+from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, ReceiveHook, cast_to_fp8, column_major,
+                      host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, per_pair,
+                      raw_bits)
+from .planned import planned, refuse_side_keywords
 
-__all__ = ["LowLatencyMethods", "low_latency_rdma_size_hint", "cast_to_fp8"]
-
-NUM_CHANNELS_PER_SCALE = 128      # FP8 scales cover 128 channels of a token
-FP8_MARGIN = 1e-4                 # the smallest amax a scale is computed from
-FP8_MAX = 448.0                   # largest finite float8_e4m3fn
-BUFFER_ALIGNMENT_BYTES = 128
-HEADER_WORDS = 4                  # hidden, use_fp8, num_max_dispatch_tokens_per_rank, num_experts
-
-
-def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                               num_experts: int) -> int:
-    """DeepEP's RDMA bytes of low-latency mode: two (send, receive, signal) buffer sets sized for BF16
-    or FP8 dispatch messages and BF16 combine messages, rounded up past a multiple of 128."""
-    num_scales = hidden // NUM_CHANNELS_PER_SCALE
-    dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
-    combine_msg = num_scales * 4 + hidden * 2
-    send = max(num_max_dispatch_tokens_per_rank * dispatch_msg, num_experts * num_max_dispatch_tokens_per_rank *
-               combine_msg)
-    recv = num_experts * num_max_dispatch_tokens_per_rank * max(dispatch_msg, combine_msg)
-    signal = -(-(num_experts * 4) // BUFFER_ALIGNMENT_BYTES) * BUFFER_ALIGNMENT_BYTES
-    total = 2 * (send + recv + signal)
-    return (total + BUFFER_ALIGNMENT_BYTES) // BUFFER_ALIGNMENT_BYTES * BUFFER_ALIGNMENT_BYTES
-
-
-def _ceil_log2(values: torch.Tensor) -> torch.Tensor:
-    """Exponent of the smallest power of two >= each positive normal float32 (exact, from the bits)."""
-    bits = values.view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-
-
-def _pow2(exponents: torch.Tensor) -> torch.Tensor:
-    return ((exponents + 127) << 23).to(torch.int32).view(torch.float32)
-
-
-def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
-    """DeepEP's per-token, per-128-channel FP8 cast of bf16 ``[T, H]``.
-
-    Returns ``(float8_e4m3fn [T, H], scale_inv float32 [T, H/128])``: amax is the channels' largest
-    magnitude (at least 1e-4); ``scale_inv = amax / 448`` (``round_scale``: the power of two at or above
-    it); data is ``x / scale_inv`` rounded to nearest, saturated to +-448.
-    """
-    num_tokens, hidden = x.shape
-    values = x.float().view(num_tokens, hidden // NUM_CHANNELS_PER_SCALE, NUM_CHANNELS_PER_SCALE)
-    amax = values.abs().amax(dim=-1).clamp(min=FP8_MARGIN)
-    if round_scale:
-        exponent = _ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device))
-        scale, scale_inv = _pow2(-exponent), _pow2(exponent)
-    else:
-        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
-        scale = FP8_MAX / amax
-    data = (values * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(checks.FP8).view(num_tokens, hidden)
-    return data, scale_inv.contiguous()
-
-
-def _pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
-    """float32 powers of two ``[L, N, S]`` -> int32 ``[L, N, S/4]``, column-major in the last two
-    dims, byte ``j`` (little-endian) of word ``p`` holding the biased exponent of scale ``4p + j``."""
-    num_local_experts, num_rows, num_scales = scale_inv.shape
-    exponents = ((scale_inv.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    words = exponents.view(num_local_experts, num_rows, num_scales // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return words.view(torch.int32).view(num_local_experts, num_scales // 4, num_rows).transpose(1, 2)
-
-
-def _column_major(scales: torch.Tensor) -> torch.Tensor:
-    return scales.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-class _Hook:
-    """A receive hook: the first call makes the results visible, a second call raises RuntimeError."""
-
-    def __init__(self, receive, name: str) -> None:
-        self._receive = receive
-        self._name = name
-
-    def __call__(self) -> None:
-        if self._receive is None:
-            raise RuntimeError(f"the receive hook of this {self._name} was already called")
-        receive, self._receive = self._receive, None
-        receive()
-
-
-def _exchange(group, send: torch.Tensor) -> torch.Tensor:
-    """``all_to_all_single`` of equal blocks along dim 0 (raw bytes, so any dtype travels)."""
-    raw = send.contiguous().view(torch.uint8)
-    recv = torch.empty_like(raw)
-    dist.all_to_all_single(recv, raw, group=group)
-    return recv.view(send.dtype)
-
+__all__ = ["LowLatencyMethods"]
 
 class LowLatencyMethods:
-    """DeepEP's V1 low-latency methods (`deep_ep.Buffer` inherits them; CPU backend)."""
+    """DeepEP's V1 low-latency methods (`deep_ep.Buffer` inherits them), on the `ElasticBuffer` of
+    the `Buffer` (CPU backend, or the GPU through `_low_latency_elastic_buffer`)."""
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+                                       num_experts: int, *, eager_support: bool = False) -> int:
         """The RDMA bytes low-latency mode needs (``num_rdma_bytes`` of a low-latency `Buffer`),
         DeepEP's formula.
 
         Raises:
             TypeError / ValueError: non-int or non-positive arguments, ``hidden`` not a multiple of 128,
-            ``num_experts`` not a multiple of ``num_ranks``.
+            ``num_experts`` not a multiple of ``num_ranks``. NotImplementedError: ``eager_support``
+            (a keyword of DeepEP's side branches) set.
         """
+        refuse_side_keywords("get_low_latency_rdma_size_hint", {"eager_support": eager_support})
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             checks.check_int(name, value, minimum=1)
@@ -133,11 +59,9 @@ class LowLatencyMethods:
     # ------------------------------------------------------------------ checks and state
     def _low_latency_check(self, name: str, num_max_dispatch_tokens_per_rank: int, hidden: int,
                            num_experts: int) -> None:
-        buffer = self._alive()
+        self._alive()
         if not self.low_latency_mode:
             raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with low_latency_mode=True")
-        if buffer.device.type != "cpu":
-            planned(name, "low-latency kernels on the GPU")
         checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         checks.check_int("num_experts", num_experts, minimum=1)
         if hidden <= 0 or hidden % NUM_CHANNELS_PER_SCALE:
@@ -150,17 +74,43 @@ class LowLatencyMethods:
                              f"needs here (get_low_latency_rdma_size_hint({num_max_dispatch_tokens_per_rank}, "
                              f"{hidden}, {self.group_size}, {num_experts}))")
 
+    def _low_latency_elastic_buffer(self, max_pairs: int, hidden: int):
+        """The `ElasticBuffer` a low-latency call of up to ``max_pairs`` (token, expert) pairs per rank
+        at ``hidden`` runs on: the Buffer's own on CPU, and on the GPU too when its window holds the
+        call; else a second one sized for the call, made here (collective: every rank makes the same
+        calls; not while a CUDA graph is being captured) and kept for later calls."""
+        buffer = self._alive()
+        if buffer.device.type == "cpu":
+            return buffer
+        from ..backends.gpu import window
+        need = window.buffer_size_hint(self.group_size, max_pairs, hidden, 0, False)
+        if buffer.num_bytes >= need:
+            return buffer
+        extra = self.__dict__.get("_low_latency_extra_buffer")
+        if extra is not None and extra.num_bytes >= need:
+            return extra
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs a {need}-byte window, larger than the "
+                               f"buffer's {buffer.num_bytes}; make the first such call before CUDA-graph capture "
+                               f"(or pass a larger num_nvl_bytes / num_rdma_bytes)")
+        from ..buffer import ElasticBuffer
+        if extra is not None:
+            extra.destroy()
+        extra = ElasticBuffer(self.group, num_bytes=need, explicitly_destroy=self.explicitly_destroy)
+        self._low_latency_extra_buffer = extra
+        return extra
+
     def _combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> torch.Tensor:
         """The current (of two) zero-copy combine buffer: bf16 ``[L, R*T, hidden]`` with DeepEP's row
-        stride (``hidden`` plus two bf16 per 128 channels)."""
+        stride (``hidden`` plus two bf16 per 128 channels), on the buffer's device."""
         key = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         state = self.__dict__.setdefault("_low_latency_state", {"index": 0, "key": None, "buffers": None})
         if state["key"] != key:
             num_rows = self.group_size * num_max_dispatch_tokens_per_rank
             num_local_experts = num_experts // self.group_size
             row = hidden + 2 * (hidden // NUM_CHANNELS_PER_SCALE)
-            state["buffers"] = [torch.zeros((num_local_experts, num_rows, row), dtype=torch.bfloat16, device="cpu")
-                                for _ in range(2)]
+            state["buffers"] = [torch.zeros((num_local_experts, num_rows, row), dtype=torch.bfloat16,
+                                            device=self._alive().device) for _ in range(2)]
             state["key"] = key
         return state["buffers"][state["index"]][:, :, :hidden]
 
@@ -180,14 +130,102 @@ class LowLatencyMethods:
         if stats is not None:
             checks.check_tensor(name, stats, dtype=dtype, shape=(size,), device=self._alive().device)
 
+    def _low_latency_num_sms(self, device: torch.device) -> int:
+        return 0 if device.type == "cpu" else type(self).num_sms
+
+    def _mask_if_shrink(self) -> Optional[torch.Tensor]:
+        """The rank mask, int32 ``[R]`` on the buffer's device (1 = masked), with ``enable_shrink``;
+        else None."""
+        if not self.enable_shrink:
+            return None
+        mask = self.__dict__.get("_rank_mask")
+        if mask is None:
+            mask = self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self._alive().device)
+        return mask
+
+    def _shrink_mask(self, name: str) -> torch.Tensor:
+        self._alive()
+        if not self.enable_shrink:
+            raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with enable_shrink=True")
+        return self._mask_if_shrink()
+
+    # ------------------------------------------------------------------ rank masks
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls: this rank sends
+        nothing to a masked rank and takes nothing from it (its rows are left out of the dispatch's
+        layout, its experts' slots add nothing in combine). The mask is this rank's own (DeepEP's);
+        a masked rank must still make the calls (deep_ep does not detect a rank that stops: its peers'
+        calls time out with an error). A device write on the current stream, no host read.
+
+        Raises:
+            RuntimeError: no ``enable_shrink``. TypeError / ValueError: ``rank_to_mask`` outside
+            ``[0, group_size)``, ``mask`` not a bool.
+        """
+        rank_mask = self._shrink_mask("low_latency_update_mask_buffer")
+        checks.check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
+        rank_mask[rank_to_mask] = int(checks.check_bool("mask", mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask into ``mask_status`` (int32 ``[group_size]`` on the buffer's device; 1 =
+        masked), on the current stream.
+
+        Raises:
+            RuntimeError: no ``enable_shrink``. TypeError / ValueError: a bad ``mask_status``.
+        """
+        rank_mask = self._shrink_mask("low_latency_query_mask_buffer")
+        checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,),
+                            device=self._alive().device)
+        mask_status.copy_(rank_mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank. Raises RuntimeError without ``enable_shrink``."""
+        self._shrink_mask("low_latency_clean_mask_buffer").zero_()
+
     # ------------------------------------------------------------------ public methods
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """DeepEP's view of its local NVLink (or, ``use_rdma_buffer``, RDMA) buffer as ``dtype``: here a
+        tensor of ``num_nvl_bytes`` (``num_rdma_bytes``) bytes on the buffer's device, kept by the
+        Buffer and made on first use, which deep_ep's kernels do not read: callers that zero or fill
+        it (vLLM zeroes the RDMA one) change nothing in the communication.
+
+        Returns:
+            ``dtype [(bytes - offset) / itemsize]`` from byte ``offset``, or the first
+            ``size.numel()`` of those as ``size``.
+
+        Raises:
+            TypeError / ValueError: a bad ``dtype``, ``offset`` (negative, past the end, not a multiple of
+            the item size) or a ``size`` larger than what is left.
+        """
+        device = self._alive().device
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        use_rdma_buffer = checks.check_bool("use_rdma_buffer", use_rdma_buffer)
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        checks.check_int("offset", offset, minimum=0, maximum=num_bytes)
+        item_size = torch.empty(0, dtype=dtype, device="cpu").element_size()
+        if offset % item_size:
+            raise ValueError(f"offset={offset} must be a multiple of {dtype}'s {item_size} bytes")
+        key = "_local_rdma_bytes" if use_rdma_buffer else "_local_nvl_bytes"
+        storage = self.__dict__.get(key)
+        if storage is None:
+            storage = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+            self.__dict__[key] = storage
+        tensor = storage[offset:offset + (num_bytes - offset) // item_size * item_size].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(f"size {list(size)} holds {size.numel()} elements, more than the {tensor.numel()} "
+                             f"left from offset {offset}")
+        return tensor[:size.numel()].view(size)
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency buffers (DeepEP needs it after normal-mode calls; here it zeroes the two
         zero-copy combine buffers, the only state kept between calls).
 
         Raises:
             RuntimeError: not a low-latency buffer. ValueError: bad sizes or too few ``num_rdma_bytes``.
-            NotImplementedError: a GPU buffer (planned).
         """
         self._low_latency_check("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -200,8 +238,7 @@ class LowLatencyMethods:
         DeepEP's), to be filled by the caller. Dispatch and combine alternate two such buffers.
 
         Raises:
-            TypeError: not a low-latency handle. RuntimeError / ValueError / NotImplementedError: as
-            `clean_low_latency_buffer`.
+            TypeError: not a low-latency handle. RuntimeError / ValueError: as `clean_low_latency_buffer`.
         """
         _, _, num_max_dispatch_tokens_per_rank, hidden, num_experts = self._unpack_handle(handle)
         self._low_latency_check("get_next_low_latency_combine_buffer", num_max_dispatch_tokens_per_rank, hidden,
@@ -211,7 +248,9 @@ class LowLatencyMethods:
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False, **side_branch_kwargs):
+                             async_finish: bool = False, return_recv_hook: bool = False, *, topk_weights=None,
+                             x_global_scale=None, use_nvfp4: bool = False, use_ue8m0_for_sf: bool = False,
+                             use_eager: bool = False):
         """Send each token to every expert in its row of ``topk_idx`` (collective; every rank passes the
         same ``num_max_dispatch_tokens_per_rank``, ``num_experts``, hidden and ``use_fp8``).
 
@@ -223,28 +262,33 @@ class LowLatencyMethods:
             num_max_dispatch_tokens_per_rank: T_max, the slots per (expert, source rank).
             num_experts: E, a multiple of the group size R; L = E / R local experts.
             cumulative_local_expert_recv_stats: optional int32 ``[L]``: the received counts are added.
-            dispatch_wait_recv_cost_stats: optional int64 ``[R]`` (nothing waits on CPU: adds 0).
+            dispatch_wait_recv_cost_stats: optional int64 ``[R]`` (not measured: adds 0).
             use_fp8: cast to FP8 before sending. round_scale: power-of-two scales. use_ue8m0: scales
                 as packed UE8M0 exponents (needs ``round_scale``).
-            async_finish: return an event marking the end. return_recv_hook: the results are filled
-                when the returned hook is called (once).
+            async_finish: return an event marking the end. return_recv_hook: the results are written
+                when the returned hook is called (once); the data itself arrives during this call, so
+                the hook does not yet leave the SMs free while waiting.
+            topk_weights, x_global_scale, use_nvfp4, use_ue8m0_for_sf, use_eager: keywords of DeepEP's
+                side branches (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``. ``recv_x``: bf16 ``[L, R*T_max, H]``; with
             ``use_fp8`` ``(float8_e4m3fn [L, R*T_max, H], scales)``, scales float32 ``[L, R*T_max,
             H/128]`` (scale_inv, column-major in the last two dims) or, with ``use_ue8m0``, int32
             ``[L, R*T_max, H/512]`` (four exponent bytes each, column-major). Rows past ``recv_count``
-            are zero. ``recv_count`` int32 ``[L]``. ``handle``: ``(src_info int32 [L, R*T_max] (source
-            token index, -1 past the count), layout_range int64 [L, R] (begin << 32 | count per source
-            rank), T_max, H, E)``. ``hook``: a callable with ``return_recv_hook``, else None.
+            are zero. ``recv_count`` int32 ``[L]``. ``handle``: a `LowLatencyHandle`, the tuple
+            ``(src_info int32 [L, R*T_max] (source token index, -1 past the count), layout_range int64
+            [L, R] (begin << 32 | count per source rank), T_max, H, E)``. ``hook``: a callable with
+            ``return_recv_hook``, else None.
 
         Raises:
-            TypeError / ValueError: bad arguments (before any communication); ValueError on every rank
-            when ranks disagree on the sizes. RuntimeError: not a low-latency buffer.
-            NotImplementedError: GPU tensors (planned), DeepEP's side-branch keywords.
+            TypeError / ValueError: bad arguments (before any communication). RuntimeError: not a
+            low-latency buffer; on every rank, ranks that disagree on the sizes. NotImplementedError:
+            DeepEP's side-branch keywords.
         """
-        if side_branch_kwargs:
-            planned(_with_side_keywords("low_latency_dispatch", side_branch_kwargs))
+        refuse_side_keywords("low_latency_dispatch", {
+            "topk_weights": topk_weights, "x_global_scale": x_global_scale, "use_nvfp4": use_nvfp4,
+            "use_ue8m0_for_sf": use_ue8m0_for_sf, "use_eager": use_eager})
         use_fp8 = checks.check_bool("use_fp8", use_fp8)
         round_scale = checks.check_bool("round_scale", round_scale)
         use_ue8m0 = checks.check_bool("use_ue8m0", use_ue8m0)
@@ -263,13 +307,9 @@ class LowLatencyMethods:
             raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_max_dispatch_tokens_per_rank}")
         checks.check_tensor("topk_idx", topk_idx, dtype=checks.topk_idx_t, shape=(num_tokens, None), device=device)
-        checks.check_topk_values(topk_idx, num_experts)
-        if topk_idx.shape[1] > 1:
-            ordered = topk_idx.sort(dim=1).values
-            repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-            if repeated.any():
-                token = int(repeated.any(dim=1).nonzero()[0])
-                raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
+        num_topk = topk_idx.shape[1]
+        if num_topk == 0:
+            raise ValueError("topk_idx must have at least one column")
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
         if use_fp8 and use_ue8m0 and hidden % (4 * NUM_CHANNELS_PER_SCALE):
@@ -279,77 +319,68 @@ class LowLatencyMethods:
         self._check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
                           num_local_experts)
         self._check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, num_ranks)
+        if host_reads_allowed(device):
+            checks.check_topk_values(topk_idx, num_experts)
+            if num_topk > 1:
+                ordered = topk_idx.sort(dim=1).values
+                repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+                if repeated.any():
+                    token = int(repeated.any(dim=1).nonzero()[0])
+                    raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
-        # The messages: source token index, then the data (bf16, or FP8 and float32 scale_inv).
-        num_scales = hidden // NUM_CHANNELS_PER_SCALE
+        # One (token, slot) pair per row, each routed to its expert alone: the expanded receive is
+        # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
+        num_slots = num_max_dispatch_tokens_per_rank
+        max_pairs = num_slots * num_topk
+        buffer = self._low_latency_elastic_buffer(max_pairs, hidden)
         if use_fp8:
             data, scale_inv = cast_to_fp8(x, round_scale)
-            payload = torch.cat([data.view(torch.uint8), scale_inv.view(torch.uint8)], dim=1)
+            pairs_x = (per_pair(data, num_topk).view(checks.FP8), per_pair(scale_inv, num_topk))
         else:
-            payload = x.contiguous().view(torch.uint8)
-        source_index = torch.arange(num_tokens, dtype=torch.int32, device="cpu").unsqueeze(1).view(torch.uint8)
-        messages = torch.cat([source_index, payload], dim=1)
-        num_slots = num_max_dispatch_tokens_per_rank
-        send = torch.zeros((num_experts, num_slots, messages.shape[1]), dtype=torch.uint8, device="cpu")
-        token_of_pair = torch.arange(num_tokens, device="cpu").repeat_interleave(topk_idx.shape[1])
-        expert_of_pair = topk_idx.flatten()
-        valid = expert_of_pair >= 0
-        token_of_pair, expert_of_pair = token_of_pair[valid], expert_of_pair[valid]
-        order = torch.sort(expert_of_pair, stable=True).indices      # by expert, then token
-        token_of_pair, expert_of_pair = token_of_pair[order], expert_of_pair[order]
-        sent_per_expert = torch.bincount(expert_of_pair, minlength=num_experts)
-        group_start = torch.cumsum(sent_per_expert, 0) - sent_per_expert
-        slot_of_pair = torch.arange(expert_of_pair.numel(), device=expert_of_pair.device) - group_start[expert_of_pair]
-        send[expert_of_pair, slot_of_pair] = messages[token_of_pair]
-        # Every rank's sizes first (fixed size, so a disagreement raises on every rank instead of
-        # mismatching the exchanges), then expert e's counts and slots go to rank e / L.
-        group = self.group
-        header = torch.tensor([hidden, int(use_fp8), num_slots, num_experts], dtype=torch.int32, device="cpu")
-        headers = _exchange(group, header.expand(num_ranks, HEADER_WORDS))
-        if not bool((headers == header).all()):
-            raise ValueError(f"deep_ep.Buffer.low_latency_dispatch: the ranks disagree on (hidden, use_fp8, "
-                             f"num_max_dispatch_tokens_per_rank, num_experts): {headers.tolist()} by rank")
-        counts = sent_per_expert.to(torch.int32).view(num_ranks, num_local_experts)
-        recv_counts = _exchange(group, counts).T.contiguous()            # [L, source rank]
-        recv_slots = _exchange(group, send).view(num_ranks, num_local_experts, num_slots, messages.shape[1])
+            pairs_x = per_pair(x, num_topk).view(torch.bfloat16)
+        masked = self._mask_if_shrink()
+        pairs_topk = topk_idx.reshape(-1, 1)
+        if masked is not None:                     # nothing goes to a masked rank
+            owner_masked = masked[(pairs_topk // num_local_experts).clamp(min=0)] != 0
+            pairs_topk = torch.where(owner_masked, -1, pairs_topk)
+        recv, _, _, ep_handle, _ = buffer.dispatch(
+            pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
+            expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True, do_cpu_sync=False)
 
         num_rows = num_ranks * num_slots
-        recv_data = torch.zeros((num_local_experts, num_rows, hidden),
-                                dtype=checks.FP8 if use_fp8 else torch.bfloat16, device="cpu")
-        scale_rows = torch.zeros((num_local_experts, num_rows, num_scales), dtype=torch.float32, device="cpu")
-        recv_count = torch.zeros(num_local_experts, dtype=torch.int32, device="cpu")
-        src_info = torch.full((num_local_experts, num_rows), -1, dtype=torch.int32, device="cpu")
-        layout_range = torch.zeros((num_local_experts, num_ranks), dtype=torch.int64, device="cpu")
+        num_scales = hidden // NUM_CHANNELS_PER_SCALE
+        recv_data = torch.empty((num_local_experts, num_rows, hidden), dtype=checks.FP8 if use_fp8 else torch.bfloat16,
+                                device=device)
+        recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+        src_info = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
+        layout_range = torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device)
         recv_scales = None
         if use_fp8:
-            recv_scales = _pack_ue8m0(scale_rows) if use_ue8m0 else _column_major(scale_rows)
+            empty = torch.empty((num_local_experts, num_rows, num_scales), dtype=torch.float32, device=device)
+            recv_scales = pack_ue8m0(empty) if use_ue8m0 else column_major(empty)
+        layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk, masked)
+        handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
+                                  *layout[5:])
 
         def receive() -> None:
-            data_bytes = hidden * (1 if use_fp8 else 2)
-            begins = torch.cumsum(recv_counts, 1) - recv_counts
-            for local_expert in range(num_local_experts):
-                for source in range(num_ranks):
-                    count, begin = int(recv_counts[local_expert, source]), int(begins[local_expert, source])
-                    layout_range[local_expert, source] = (begin << 32) | count
-                    block = recv_slots[source, local_expert, :count]
-                    src_info[local_expert, begin:begin + count] = block[:, :4].contiguous().view(torch.int32)[:, 0]
-                    rows = block[:, 4:4 + data_bytes].contiguous()
-                    recv_data[local_expert, begin:begin + count] = rows.view(recv_data.dtype)
-                    if use_fp8:
-                        scale_rows[local_expert, begin:begin + count] = \
-                            block[:, 4 + data_bytes:].contiguous().view(torch.float32)
-            recv_count.copy_(recv_counts.sum(1, dtype=torch.int32))
+            count, sources, ranges, gather, valid = layout[:5]
+            recv_count.copy_(count)
+            src_info.copy_(sources)
+            layout_range.copy_(ranges)
+            rows = recv[0] if use_fp8 else recv
+            keep = valid.unsqueeze(-1)
+            raw_bits(recv_data).copy_(torch.where(keep, raw_bits(rows)[gather], 0))
             if use_fp8:
-                recv_scales.copy_(_pack_ue8m0(scale_rows) if use_ue8m0 else scale_rows)
+                scales = torch.where(keep, recv[1][gather], 0.0)
+                recv_scales.copy_(pack_ue8m0(scales) if use_ue8m0 else scales)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
         self._flip()
-        hook = _Hook(receive, "low_latency_dispatch") if return_recv_hook else None
+        hook = ReceiveHook(receive, "low_latency_dispatch") if return_recv_hook else None
         if not return_recv_hook:
             receive()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
-        handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         event = EventOverlap(EventHandle(), (x, topk_idx, recv_data, recv_scales, recv_count, src_info, layout_range,
                                              cumulative_local_expert_recv_stats)) if async_finish else EventOverlap()
         return recv_x, recv_count, handle, event, hook
@@ -363,14 +394,17 @@ class LowLatencyMethods:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None, **side_branch_kwargs):
+                            out=None, combine_wait_recv_cost_stats=None, *, overlap: bool = False,
+                            packed_recv_count=None, comp_signal=None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 3, src_signals=None, src_signal_expect_value: int = 0,
+                            use_eager: bool = False):
         """Send each expert's rows back to their source ranks and reduce them there with the top-k
         weights (collective): ``combined[t] = sum_k topk_weights[t, k] * row(t, topk_idx[t, k])`` in
         float32, slots in order, -1 slots skipped, rounded once to bf16.
 
         Args:
-            x: bf16 ``[L, R*T_max, H]`` contiguous, rows as `low_latency_dispatch` returned them (rows
-                past ``recv_count`` are not read).
+            x: bf16 ``[L, R*T_max, H]``, rows as `low_latency_dispatch` returned them (rows past
+                ``recv_count`` are not read).
             topk_idx: `deep_ep.topk_idx_t` ``[T, K]``, the dispatch's (ids may be masked to -1).
             topk_weights: float32 ``[T, K]``.
             handle: the dispatch's handle on this rank.
@@ -378,17 +412,22 @@ class LowLatencyMethods:
                 `get_next_low_latency_combine_buffer` instead of ``x``. async_finish,
                 return_recv_hook: as in `low_latency_dispatch`.
             out: optional bf16 ``[T, H]`` contiguous, written and returned.
-            combine_wait_recv_cost_stats: optional int64 ``[R]`` (adds 0 on CPU).
+            combine_wait_recv_cost_stats: optional int64 ``[R]`` (not measured: adds 0).
+            overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals,
+                src_signal_expect_value, use_eager: keywords of DeepEP's side branches
+                (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
         Returns:
             ``(combined_x bf16 [T, H], event, hook)``.
 
         Raises:
             TypeError / ValueError: bad arguments (before any communication). RuntimeError: not a
-            low-latency buffer. NotImplementedError: ``use_logfmt``, GPU tensors, side-branch keywords.
+            low-latency buffer. NotImplementedError: ``use_logfmt``, side-branch keywords.
         """
-        if side_branch_kwargs:
-            planned(_with_side_keywords("low_latency_combine", side_branch_kwargs))
+        refuse_side_keywords("low_latency_combine", {
+            "overlap": overlap, "packed_recv_count": packed_recv_count, "comp_signal": comp_signal, "block_m": block_m,
+            "threshold": threshold, "num_sms": num_sms, "src_signals": src_signals,
+            "src_signal_expect_value": src_signal_expect_value, "use_eager": use_eager})
         if checks.check_bool("use_logfmt", use_logfmt):
             planned("low_latency_combine(use_logfmt=True)", "LogFMT combine messages")
         zero_copy = checks.check_bool("zero_copy", zero_copy)
@@ -399,50 +438,57 @@ class LowLatencyMethods:
         num_ranks = self.group_size
         num_local_experts = num_experts // num_ranks
         num_rows = num_ranks * num_slots
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, num_rows, hidden), device=device)
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local_experts, num_rows, hidden), device=device,
+                            contiguous=False)
         checks.check_tensor("topk_idx", topk_idx, dtype=checks.topk_idx_t, shape=(None, None), device=device)
         num_tokens, num_topk = topk_idx.shape
         if num_tokens > num_slots:
             raise ValueError(f"topk_idx has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_slots}")
-        checks.check_topk_values(topk_idx, num_experts)
         checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, num_topk),
                             device=device)
-        checks.check_tensor("src_info (handle[0])", src_info, dtype=torch.int32, shape=(num_local_experts, num_rows),
-                            device=device)
-        checks.check_tensor("layout_range (handle[1])", layout_range, dtype=torch.int64,
-                            shape=(num_local_experts, num_ranks), device=device)
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError("handle must be the handle low_latency_dispatch returned (passed back as it is), got a "
+                            f"{type(handle).__name__} rebuilt from its items")
+        ep_handle = handle.ep_handle
+        buffer = self._alive()
+        extra = self.__dict__.get("_low_latency_extra_buffer")
+        if extra is not None and ep_handle.buffer_id == extra.buffer_id:
+            buffer = extra
+        ep_handle.check_matches(buffer_id=buffer.buffer_id, num_ranks=buffer.num_ranks, rank=buffer.rank,
+                                device=buffer.device)
+        if (num_tokens, num_topk) != (ep_handle.num_tokens // handle.num_topk, handle.num_topk):
+            raise ValueError(f"topk_idx must have the dispatch's shape [{ep_handle.num_tokens // handle.num_topk}, "
+                             f"{handle.num_topk}], got {list(topk_idx.shape)}")
+        if host_reads_allowed(device):
+            checks.check_topk_values(topk_idx, num_experts)
         if out is not None:
             checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
         self._check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, num_ranks)
-        rows = self._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
+        source = self._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
 
-        # Rank s gets, per local expert, its tokens' rows at their source token index.
-        send = torch.zeros((num_ranks, num_local_experts, num_slots, hidden), dtype=torch.bfloat16, device="cpu")
-        counts, begins = layout_range & 0xFFFFFFFF, layout_range >> 32
-        for local_expert in range(num_local_experts):
-            for source in range(num_ranks):
-                count, begin = int(counts[local_expert, source]), int(begins[local_expert, source])
-                tokens = src_info[local_expert, begin:begin + count].long()
-                send[source, local_expert, tokens] = rows[local_expert, begin:begin + count]
-        recv = _exchange(self.group, send.view(torch.int16)).view(torch.bfloat16)
-        recv = recv.view(num_experts, num_slots, hidden)              # by global expert id
-
-        combined_x = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device="cpu")
+        # Every received pair's row, in the pair dispatch's expanded layout, goes back alone.
+        rows = source[handle.row_expert, handle.row_slot]
+        masked = self._mask_if_shrink()
+        if masked is not None:                     # rows of masked ranks go back as zeros
+            rows = torch.where(handle.row_kept.unsqueeze(1), rows, 0)
+        pairs, _, _ = buffer.combine(rows, ep_handle, num_sms=self._low_latency_num_sms(device))
+        pairs = pairs.view(num_tokens, num_topk, hidden)
+        combined_x = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
+                                                             device=device)
 
         def receive() -> None:
-            total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device="cpu")
-            token_ids = torch.arange(num_tokens, device="cpu")
+            total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
             for slot in range(num_topk):
-                experts = topk_idx[:, slot]
-                selected = experts >= 0
-                gathered = recv[experts.clamp(min=0), token_ids].float()
+                selected = topk_idx[:, slot] >= 0
+                if masked is not None:             # nothing comes from a masked rank
+                    selected &= masked[(topk_idx[:, slot] // num_local_experts).clamp(min=0)] == 0
                 weight = torch.where(selected, topk_weights[:, slot], 0.0)
-                total += torch.where(selected.unsqueeze(1), gathered * weight.unsqueeze(1), 0.0)
+                total += torch.where(selected.unsqueeze(1), pairs[:, slot].float() * weight.unsqueeze(1), 0.0)
             combined_x.copy_(total.to(torch.bfloat16))
 
         self._flip()
-        hook = _Hook(receive, "low_latency_combine") if return_recv_hook else None
+        hook = ReceiveHook(receive, "low_latency_combine") if return_recv_hook else None
         if not return_recv_hook:
             receive()
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, combined_x)) \

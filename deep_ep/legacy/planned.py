@@ -1,10 +1,11 @@
-"""The parts of DeepEP's V1 ``Buffer`` not built yet (low-latency rank masks, internode):
-present with DeepEP's signatures, raising `NotImplementedError` that names the method."""
+"""The parts of DeepEP's V1 ``Buffer`` not built yet (internode), present with DeepEP's signatures
+and raising `NotImplementedError` that names the method; and the keywords of DeepEP's side branches,
+taken and refused (`refuse_side_keywords`) unless they hold their defaults."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["planned", "PlannedMethods", "SIDE_BRANCH_KEYWORDS"]
+__all__ = ["planned", "PlannedMethods", "SIDE_BRANCH_KEYWORDS", "refuse_side_keywords"]
 
 
 def planned(name: str, what: str = "low-latency mode / internode"):
@@ -12,44 +13,53 @@ def planned(name: str, what: str = "low-latency mode / internode"):
     raise NotImplementedError(f"deep_ep.Buffer.{name}: not built yet ({what} are planned)")
 
 
-#: keywords only DeepEP's side branches give the low-latency calls (NVFP4 dispatch, single-batch
-#: overlap, signalled sources)
-SIDE_BRANCH_KEYWORDS = frozenset({"use_nvfp4", "x_global_scale", "overlap", "packed_recv_count", "comp_signal",
-                                  "block_m", "threshold", "num_sms", "src_signals", "src_signal_expect_value"})
+#: Keywords only DeepEP's side branches give these methods (NVFP4 dispatch, single-batch overlap,
+#: signalled sources, eager RDMA, MNNVL fabric memory, PCIe normal mode, internode worst-case
+#: padding), with their defaults there. deep_ep takes them (keyword-only: the branches place them
+#: differently) and refuses any other value.
+SIDE_BRANCH_KEYWORDS = {
+    "__init__": {"use_fabric": False, "allow_nvlink_for_normal_mode": True, "eager_support": False},
+    "get_low_latency_rdma_size_hint": {"eager_support": False},
+    "internode_dispatch": {"num_worst_tokens": 0},
+    "low_latency_dispatch": {"topk_weights": None, "x_global_scale": None, "use_nvfp4": False,
+                             "use_ue8m0_for_sf": False, "use_eager": False},
+    "low_latency_combine": {"overlap": False, "packed_recv_count": None, "comp_signal": None, "block_m": 64,
+                            "threshold": 0, "num_sms": 3, "src_signals": None, "src_signal_expect_value": 0,
+                            "use_eager": False},
+}
 
 
-def _with_side_keywords(name: str, side_branch_kwargs: dict) -> str:
-    unknown = sorted(set(side_branch_kwargs) - SIDE_BRANCH_KEYWORDS)
-    if unknown:
-        raise TypeError(f"deep_ep.Buffer.{name}() got an unexpected keyword argument {unknown[0]!r}")
-    if not side_branch_kwargs:
-        return name
-    return f"{name}(keywords {', '.join(sorted(side_branch_kwargs))} of DeepEP's side branches)"
+def _is_default(value, default) -> bool:
+    if default is None or value is None:
+        return value is default
+    return isinstance(value, (bool, int)) and value == default      # flags may come as 0 / 1
+
+
+def refuse_side_keywords(method: str, values: dict) -> None:
+    """Raise `NotImplementedError` naming the first of ``values`` (keyword -> value given) that is
+    not its side-branch default (`SIDE_BRANCH_KEYWORDS`)."""
+    for name, default in SIDE_BRANCH_KEYWORDS[method].items():
+        value = values[name]
+        if not _is_default(value, default):
+            shown = type(value).__name__ if isinstance(value, torch.Tensor) else repr(value)
+            raise NotImplementedError(
+                f"deep_ep.Buffer.{method}({name}={shown}): {name} is a keyword of DeepEP's side branches; deep_ep "
+                f"takes only its default ({default!r}), the feature behind it is not built")
 
 
 class PlannedMethods:
-    """DeepEP's V1 internode and low-latency rank-mask methods (`deep_ep.Buffer` inherits them)."""
+    """DeepEP's V1 internode methods (`deep_ep.Buffer` inherits them)."""
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                            expert_alignment: int = 1, config=None, previous_event=None, async_finish: bool = False,
-                           allocate_on_comm_stream: bool = False):
-        """Internode dispatch. Raises NotImplementedError (planned)."""
+                           allocate_on_comm_stream: bool = False, *, num_worst_tokens: int = 0):
+        """Internode dispatch. Raises NotImplementedError (planned; ``num_worst_tokens``, of DeepEP's
+        side branches, likewise when not 0)."""
+        refuse_side_keywords("internode_dispatch", {"num_worst_tokens": num_worst_tokens})
         planned("internode_dispatch")
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Internode combine. Raises NotImplementedError (planned)."""
         planned("internode_combine")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        """Low-latency rank masks. Raises NotImplementedError (planned)."""
-        planned("low_latency_update_mask_buffer")
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        """Low-latency rank masks. Raises NotImplementedError (planned)."""
-        planned("low_latency_query_mask_buffer")
-
-    def low_latency_clean_mask_buffer(self):
-        """Low-latency rank masks. Raises NotImplementedError (planned)."""
-        planned("low_latency_clean_mask_buffer")

@@ -1,0 +1,192 @@
+"""DeepEP's V1 low-latency layouts as torch ops on any device: the RDMA size hint, the FP8 cast and
+UE8M0 packing, the handle and the receive hook, and the per-expert receive layout from an expanded
+`ElasticBuffer` dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import checks
+from .exchange import settle
+
+__all__ = ["LowLatencyHandle", "ReceiveHook", "host_reads_allowed", "low_latency_rdma_size_hint", "cast_to_fp8",
+           "pack_ue8m0", "column_major", "raw_bits", "per_pair", "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
+
+NUM_CHANNELS_PER_SCALE = 128      # FP8 scales cover 128 channels of a token
+FP8_MARGIN = 1e-4                 # the smallest amax a scale is computed from
+FP8_MAX = 448.0                   # largest finite float8_e4m3fn
+BUFFER_ALIGNMENT_BYTES = 128
+
+
+def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                               num_experts: int) -> int:
+    """DeepEP's RDMA bytes of low-latency mode: two (send, receive, signal) buffer sets sized for BF16
+    or FP8 dispatch messages and BF16 combine messages, rounded up past a multiple of 128."""
+    num_scales = hidden // NUM_CHANNELS_PER_SCALE
+    dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
+    combine_msg = num_scales * 4 + hidden * 2
+    send = max(num_max_dispatch_tokens_per_rank * dispatch_msg, num_experts * num_max_dispatch_tokens_per_rank *
+               combine_msg)
+    recv = num_experts * num_max_dispatch_tokens_per_rank * max(dispatch_msg, combine_msg)
+    signal = -(-(num_experts * 4) // BUFFER_ALIGNMENT_BYTES) * BUFFER_ALIGNMENT_BYTES
+    total = 2 * (send + recv + signal)
+    return (total + BUFFER_ALIGNMENT_BYTES) // BUFFER_ALIGNMENT_BYTES * BUFFER_ALIGNMENT_BYTES
+
+
+def _ceil_log2(values: torch.Tensor) -> torch.Tensor:
+    """Exponent of the smallest power of two >= each positive normal float32 (exact, from the bits)."""
+    bits = values.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def _pow2(exponents: torch.Tensor) -> torch.Tensor:
+    return ((exponents + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
+    """DeepEP's per-token, per-128-channel FP8 cast of bf16 ``[T, H]``.
+
+    Returns ``(float8_e4m3fn [T, H], scale_inv float32 [T, H/128])``: amax is the channels' largest
+    magnitude (at least 1e-4); ``scale_inv = amax / 448`` (``round_scale``: the power of two at or above
+    it); data is ``x / scale_inv`` rounded to nearest, saturated to +-448.
+    """
+    num_tokens, hidden = x.shape
+    values = x.float().view(num_tokens, hidden // NUM_CHANNELS_PER_SCALE, NUM_CHANNELS_PER_SCALE)
+    amax = values.abs().amax(dim=-1).clamp(min=FP8_MARGIN)
+    if round_scale:
+        exponent = _ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device))
+        scale, scale_inv = _pow2(-exponent), _pow2(exponent)
+    else:
+        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+        scale = torch.full_like(amax, FP8_MAX) / amax       # a true division (a scalar over a tensor is not)
+    data = (values * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(checks.FP8).view(num_tokens, hidden)
+    return data, scale_inv.contiguous()
+
+
+def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 powers of two ``[L, N, S]`` -> int32 ``[L, N, S/4]``, column-major in the last two
+    dims, byte ``j`` (little-endian) of word ``p`` holding the biased exponent of scale ``4p + j``."""
+    num_local_experts, num_rows, num_scales = scale_inv.shape
+    exponents = ((scale_inv.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    words = exponents.view(num_local_experts, num_rows, num_scales // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return words.view(torch.int32).view(num_local_experts, num_scales // 4, num_rows).transpose(1, 2)
+
+
+def column_major(scales: torch.Tensor) -> torch.Tensor:
+    return scales.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+class ReceiveHook:
+    """A receive hook: the first call makes the results visible, a second call raises RuntimeError."""
+
+    def __init__(self, receive, name: str) -> None:
+        self._receive = receive
+        self._name = name
+
+    def __call__(self) -> None:
+        if self._receive is None:
+            raise RuntimeError(f"the receive hook of this {self._name} was already called")
+        receive, self._receive = self._receive, None
+        receive()
+
+
+def host_reads_allowed(device: torch.device) -> bool:
+    """Whether argument checks may read tensors on the host: always on CPU; on a CUDA device after
+    the current stream's work is done (`deep_ep.legacy.exchange.settle`, so that no read blocks
+    inside the driver), and never while a CUDA graph is being captured (the checks are skipped)."""
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    settle(device)
+    return True
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle, the 5-tuple ``(src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)``, plus what its combine needs: the
+    `EPHandle` of the pair dispatch behind it (``ep_handle``), the top-k width (``num_topk``) and,
+    for every expanded receive row of that dispatch, its place in the per-expert layout
+    (``row_expert``, ``row_slot``: int64 ``[rows]``; ``row_kept``: bool ``[rows]``, False for rows
+    left out by the rank mask, which go back as zeros)."""
+
+    def __new__(cls, items: tuple, ep_handle, num_topk: int, row_expert: torch.Tensor, row_slot: torch.Tensor,
+                row_kept: torch.Tensor):
+        handle = super().__new__(cls, items)
+        handle.ep_handle = ep_handle
+        handle.num_topk = num_topk
+        handle.row_expert = row_expert
+        handle.row_slot = row_slot
+        handle.row_kept = row_kept
+        return handle
+
+
+def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor (bf16 / fp8 rows move bit for bit through gathers)."""
+    return tensor.view(torch.int16) if tensor.element_size() == 2 else tensor.view(torch.uint8) \
+        if tensor.element_size() == 1 else tensor
+
+
+def per_pair(rows: torch.Tensor, num_topk: int) -> torch.Tensor:
+    """Each row repeated ``num_topk`` times in a row (a copy through a broadcast view, no host sync)."""
+    rows = raw_bits(rows)
+    return rows.unsqueeze(1).expand(rows.shape[0], num_topk, rows.shape[1]).reshape(-1, rows.shape[1])
+
+
+def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int,
+                      masked: Optional[torch.Tensor] = None) -> tuple:
+    """DeepEP's per-expert receive layout from the expanded pair dispatch's handle, device ops only.
+
+    The pair dispatch sends ``(token, slot)`` pair ``p = t * K + k`` of rank ``s`` to the owner of its
+    expert; its expanded receive rows are grouped by local expert, then ordered by ``(s, p)``, hence
+    by ``(s, t)`` since a token names an expert once: DeepEP's order. ``masked``: int32 ``[R]``, the
+    rank mask; rows from masked source ranks are left out (the later rows move up).
+
+    Returns ``(recv_count int32 [L], src_info int32 [L, R*T_max], layout_range int64 [L, R],
+    gather int64 [L, R*T_max] (the expanded row of each slot, 0 past the count), valid bool [L, R*T_max],
+    row_expert int64 [rows], row_slot int64 [rows], row_kept bool [rows])``: the last three give every
+    expanded row's place in DeepEP's layout, and whether it has one.
+    """
+    num_local_experts = ep_handle.num_local_experts
+    num_rows = num_ranks * num_slots
+    max_pairs = num_slots * num_topk
+    device = ep_handle.device
+    metadata = ep_handle.recv_src_metadata.long()                      # [received pairs, 3]
+    received = metadata[:, 0] >= 0
+    source_rank = torch.where(received, metadata[:, 0] // max_pairs, 0)
+    source_token = torch.where(received, metadata[:, 0] % max_pairs // num_topk, -1)
+    expanded_row = metadata[:, 2]
+    ends = ep_handle.psum_num_recv_tokens_per_expert.long()            # alignment 1: inclusive prefix sums
+    starts = ends - ep_handle.num_unaligned_recv_tokens_per_expert.long()
+    expert = torch.searchsorted(ends, expanded_row.clamp(min=0), right=True).clamp(max=num_local_experts - 1)
+    slot = expanded_row - starts[expert]
+    # per-expert tables, one spare entry taking what has no place
+    pair_counts = torch.zeros(num_local_experts * num_ranks + 1, dtype=torch.int64, device=device)
+    pair_counts.index_add_(0, torch.where(received, expert * num_ranks + source_rank, num_local_experts * num_ranks),
+                           torch.ones_like(source_rank))
+    pair_counts = pair_counts[:-1].view(num_local_experts, num_ranks)
+    kept = received
+    if masked is not None:
+        dropped = masked.to(torch.bool)
+        kept = received & ~dropped[source_rank]
+        dropped_counts = torch.where(dropped.unsqueeze(0), pair_counts, 0)
+        slot = slot - (dropped_counts.cumsum(1) - dropped_counts)[expert, source_rank]
+        pair_counts = pair_counts - dropped_counts
+    recv_count = pair_counts.sum(1).to(torch.int32)
+    layout_range = ((pair_counts.cumsum(1) - pair_counts) << 32) | pair_counts
+    flat = torch.where(kept, expert * num_rows + slot, num_local_experts * num_rows)
+    src_info = torch.full((num_local_experts * num_rows + 1,), -1, dtype=torch.int32, device=device)
+    src_info.index_copy_(0, flat, source_token.to(torch.int32))
+    gather = torch.zeros(num_local_experts * num_rows + 1, dtype=torch.int64, device=device)
+    gather.index_copy_(0, flat, expanded_row.clamp(min=0))
+    valid = torch.arange(num_rows, device=device).unsqueeze(0) < recv_count.unsqueeze(1)
+    num_expanded = ep_handle.num_expanded_tokens
+    target = torch.where(kept, expanded_row, num_expanded)
+    row_expert = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device).index_copy_(0, target, expert)
+    row_slot = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device).index_copy_(0, target, slot)
+    row_kept = torch.zeros(num_expanded + 1, dtype=torch.bool, device=device).index_fill_(0, target, True)
+    return (recv_count, src_info[:-1].view(num_local_experts, num_rows), layout_range,
+            torch.where(valid, gather[:-1].view(num_local_experts, num_rows), 0), valid, row_expert[:-1],
+            row_slot[:-1], row_kept[:-1])
