@@ -93,6 +93,10 @@ class Buffer(LowLatencyMethods, PlannedMethods):
             num_bytes = num_nvl_bytes + (num_rdma_bytes if low_latency_mode else 0)
             num_bytes = -(-num_bytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT
         self.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy)
+        if enable_shrink:
+            # Made and zeroed here: a mask first made inside a CUDA-graph capture would hold garbage
+            # until the first replay, and every replay would zero it again.
+            self._rank_mask = torch.zeros(group_size, dtype=torch.int32, device=self.elastic_buffer.device)
 
     # ------------------------------------------------------------------ lifecycle, settings
     def _alive(self) -> ElasticBuffer:

@@ -134,14 +134,9 @@ class LowLatencyMethods:
         return 0 if device.type == "cpu" else type(self).num_sms
 
     def _mask_if_shrink(self) -> Optional[torch.Tensor]:
-        """The rank mask, int32 ``[R]`` on the buffer's device (1 = masked), with ``enable_shrink``;
-        else None."""
-        if not self.enable_shrink:
-            return None
-        mask = self.__dict__.get("_rank_mask")
-        if mask is None:
-            mask = self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self._alive().device)
-        return mask
+        """The rank mask, int32 ``[R]`` on the buffer's device (1 = masked; made with the `Buffer`),
+        with ``enable_shrink``; else None."""
+        return self._rank_mask if self.enable_shrink else None
 
     def _shrink_mask(self, name: str) -> torch.Tensor:
         self._alive()

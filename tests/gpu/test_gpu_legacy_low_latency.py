@@ -1,7 +1,8 @@
 """DeepEP's V1 low-latency mode of `deep_ep.Buffer` on the GPU: the cases of
 tests/test_legacy_low_latency.py (every element compared with the spec there: layouts, FP8 and UE8M0
 scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, rank masks) on a one-rank
-NCCL group and on 2, 4 and 8 emulated ranks of one device. Run by
+NCCL group and on 2, 4 and 8 emulated ranks of one device; and the decode step captured in a CUDA
+graph and replayed with fresh inputs, rank masks set after capture included. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_low_latency.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
-from test_legacy_low_latency import MAX_TOKENS, num_experts_for, run_cases, run_mask_cases  # noqa: E402
+from test_legacy_low_latency import (MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
+                                     _expert_output, _host, _rank_inputs, num_experts_for, run_cases,
+                                     run_mask_cases)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -56,3 +59,61 @@ def test_emulated(num_ranks):
         group.run(_body, num_ranks)
     finally:
         deep_ep.Buffer.set_num_sms(num_sms)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_graph_replays_with_fresh_inputs_and_masks(nccl_group, use_fp8):
+    """The decode step as serving frameworks capture it: `low_latency_dispatch` (receive hook), the
+    simulated expert GEMM and `low_latency_combine` on a fresh ``enable_shrink`` Buffer of one rank,
+    captured once in a CUDA graph, then replayed with fresh inputs copied into the static tensors:
+    every replay is compared with the spec. A mask set after capture must hold across a replay (the
+    graph must not zero it) and take effect there; cleared, the next replay exchanges again."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    hidden, num_experts = MAX_HIDDEN, num_experts_for(1)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden, 1, num_experts)
+    buffer = deep_ep.Buffer(nccl_group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True,
+                            enable_shrink=True)
+    try:
+        x, topk_idx, topk_weights = _rank_inputs(70, 0, 1, num_experts, hidden)
+        x_static, idx_static, weights_static = x.to(device), topk_idx.to(device), topk_weights.to(device)
+
+        def step():
+            recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+                x_static, idx_static, MAX_TOKENS, num_experts, use_fp8=use_fp8, return_recv_hook=True)
+            hook()
+            rows = _cast_back(recv_x[0].view(-1, hidden), recv_x[1].reshape(-1, hidden // 128)).view(
+                recv_x[0].shape) if use_fp8 else recv_x
+            expert_x = torch.stack([_expert_output(rows[local], local) for local in range(num_experts)])
+            combined, _, _ = buffer.low_latency_combine(expert_x, idx_static, weights_static, handle)
+            return recv_x, recv_count, handle, combined
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):             # windows, plans and module loads outside capture
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recv_x, recv_count, handle, combined = step()
+        status = torch.zeros(1, dtype=torch.int32, device=device)
+        for replay, masked in enumerate((False, False, True, False)):
+            inputs = [_rank_inputs(71 + replay, 0, 1, num_experts, hidden)]
+            x_static.copy_(inputs[0][0])
+            idx_static.copy_(inputs[0][1])
+            weights_static.copy_(inputs[0][2])
+            if masked:
+                buffer.low_latency_update_mask_buffer(0, True)
+            graph.replay()
+            torch.cuda.synchronize()
+            buffer.low_latency_query_mask_buffer(status)
+            assert _host(status).tolist() == [int(masked)]
+            linked = set() if masked else None
+            _check_dispatch(0, 1, num_experts, hidden, inputs, _host((recv_x, recv_count, handle)) + (None, None),
+                            use_fp8, False, False, linked)
+            want = _expected_combine(0, num_experts, hidden, inputs, use_fp8, False, linked)
+            assert want.abs().sum() > 0 or masked
+            assert torch.equal(_host(combined), want), (replay, masked)
+            buffer.low_latency_clean_mask_buffer()
+    finally:
+        buffer.destroy()
