@@ -247,7 +247,9 @@ class LowLatencyMethods:
                              x_global_scale=None, use_nvfp4: bool = False, use_ue8m0_for_sf: bool = False,
                              use_eager: bool = False):
         """Send each token to every expert in its row of ``topk_idx`` (collective; every rank passes the
-        same ``num_max_dispatch_tokens_per_rank``, ``num_experts``, hidden and ``use_fp8``).
+        same ``num_max_dispatch_tokens_per_rank``, ``num_experts``, hidden, top-k width K and
+        ``use_fp8``; unlike DeepEP, K too, as it sizes the pair dispatch underneath: the CPU backend
+        raises on every rank, naming ``num_max_tokens_per_rank`` = ``T_max * K``).
 
         Args:
             x: bf16 ``[T, H]``, H a multiple of 128 (512 with ``use_ue8m0``), T <=
