@@ -79,17 +79,26 @@ def column_major(scales: torch.Tensor) -> torch.Tensor:
 
 
 class ReceiveHook:
-    """A receive hook: the first call makes the results visible, a second call raises RuntimeError."""
+    """A receive hook: the first call makes the results visible, a second call raises RuntimeError.
 
-    def __init__(self, receive, name: str) -> None:
+    On a CUDA device its work goes to the stream that was current when the call made it (DeepEP's
+    hook launches there too), whichever stream is current when it is called: that work reads what
+    the call's kernels wrote on that stream."""
+
+    def __init__(self, receive, name: str, device: torch.device) -> None:
         self._receive = receive
         self._name = name
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def __call__(self) -> None:
         if self._receive is None:
             raise RuntimeError(f"the receive hook of this {self._name} was already called")
         receive, self._receive = self._receive, None
-        receive()
+        if self._stream is None:
+            receive()
+            return
+        with torch.cuda.stream(self._stream):
+            receive()
 
 
 def host_reads_allowed(device: torch.device) -> bool:

@@ -263,8 +263,9 @@ class LowLatencyMethods:
             use_fp8: cast to FP8 before sending. round_scale: power-of-two scales. use_ue8m0: scales
                 as packed UE8M0 exponents (needs ``round_scale``).
             async_finish: return an event marking the end. return_recv_hook: the results are written
-                when the returned hook is called (once); the data itself arrives during this call, so
-                the hook does not yet leave the SMs free while waiting.
+                when the returned hook is called (once), on the stream current at this call; the data
+                itself arrives during this call, so the hook does not yet leave the SMs free while
+                waiting.
             topk_weights, x_global_scale, use_nvfp4, use_ue8m0_for_sf, use_eager: keywords of DeepEP's
                 side branches (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
@@ -374,7 +375,7 @@ class LowLatencyMethods:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
         self._flip()
-        hook = ReceiveHook(receive, "low_latency_dispatch") if return_recv_hook else None
+        hook = ReceiveHook(receive, "low_latency_dispatch", device) if return_recv_hook else None
         if not return_recv_hook:
             receive()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
@@ -485,7 +486,7 @@ class LowLatencyMethods:
             combined_x.copy_(total.to(torch.bfloat16))
 
         self._flip()
-        hook = ReceiveHook(receive, "low_latency_combine") if return_recv_hook else None
+        hook = ReceiveHook(receive, "low_latency_combine", device) if return_recv_hook else None
         if not return_recv_hook:
             receive()
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, combined_x)) \

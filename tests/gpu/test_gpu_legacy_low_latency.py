@@ -117,3 +117,35 @@ def test_graph_replays_with_fresh_inputs_and_masks(nccl_group, use_fp8):
             buffer.low_latency_clean_mask_buffer()
     finally:
         buffer.destroy()
+
+
+def test_hook_runs_on_the_stream_of_its_call(nccl_group):
+    """A receive hook called under another stream still writes on the stream that was current at its
+    call (DeepEP's): the other stream is held busy by a sleep, and the results read on the call's
+    stream alone, before that stream waits for the other, must already be the spec's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    hidden, num_experts = MAX_HIDDEN, num_experts_for(1)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden, 1, num_experts)
+    buffer = deep_ep.Buffer(nccl_group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    try:
+        inputs = [_rank_inputs(90, 0, 1, num_experts, hidden)]
+        x, topk_idx, topk_weights = (tensor.to(device) for tensor in inputs[0])
+        result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False,
+                                             return_recv_hook=True)
+        other = torch.cuda.Stream(device)
+        with torch.cuda.stream(other):
+            torch.cuda._sleep(200_000_000)       # about 0.1 s on an H200: long past the copies below
+            result[4]()
+        received = _check_dispatch(0, 1, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
+                                   False, False, False)
+        expert_x = torch.stack([_expert_output(received[local], local) for local in range(num_experts)])
+        combined, _, hook = buffer.low_latency_combine(expert_x.to(device), topk_idx, topk_weights, result[2],
+                                                       return_recv_hook=True)
+        with torch.cuda.stream(other):
+            torch.cuda._sleep(200_000_000)
+            hook()
+        want = _expected_combine(0, num_experts, hidden, inputs, False, False)
+        assert want.abs().sum() > 0 and torch.equal(_host(combined), want)
+        torch.cuda.synchronize()
+    finally:
+        buffer.destroy()
