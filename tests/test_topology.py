@@ -380,3 +380,24 @@ def test_legacy_buffer_two_nodes_hybrid(tmp_path):
     """DeepEP's V1 Buffer over a hybrid-mode ElasticBuffer: the same checks as on one node."""
     results = run_gloo_ranks(_legacy_worker, 4, tmp_path, deadline=200)
     assert set(results.values()) == {len(__import__("test_legacy_buffer").CASES)}
+
+
+def _low_latency_worker(rank, world_size):
+    import deep_ep
+    from test_legacy_low_latency import MAX_TOKENS, num_experts_for, run_cases, run_mask_cases
+    os.environ["EP_CPU_NUM_NVLINK_RANKS"] = "2"
+    try:
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, world_size, num_experts_for(world_size))
+        for enable_shrink in (False, True):
+            buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True,
+                                    enable_shrink=enable_shrink)
+            assert buffer.elastic_buffer.get_logical_domain_size() == (2, 2)
+            (run_mask_cases if enable_shrink else run_cases)(buffer, rank, world_size)
+        return True
+    finally:
+        del os.environ["EP_CPU_NUM_NVLINK_RANKS"]
+
+
+def test_legacy_low_latency_two_nodes_hybrid(tmp_path):
+    """DeepEP's V1 low-latency mode over a hybrid-mode ElasticBuffer: the same checks as on one node."""
+    assert run_gloo_ranks(_low_latency_worker, 4, tmp_path, deadline=300) == {r: True for r in range(4)}
