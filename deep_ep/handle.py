@@ -26,7 +26,8 @@ DeepEP's fields (same names, same meanings)
                                    received tokens (both layouts); the last element is the true
                                    number of received tokens. S = R (one node, or direct mode):
                                    per source rank; hybrid mode across nodes, S ranks per node: entry
-                                   j counts the tokens from rank j of every node (DeepEP's)
+                                   j counts the tokens from rank j of every node (DeepEP's); rows stay
+                                   in source-rank order, so these are then counts, not row blocks
     psum_num_recv_tokens_per_expert  int32 [L]  non-expanded: inclusive prefix sum of the aligned
                                    counts; expanded: aligned count of the experts before i plus the
                                    unaligned count of i (`deep_ep.shapes.expert_prefix_sum`)
