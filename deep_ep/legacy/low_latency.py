@@ -27,6 +27,7 @@ from ..event import EventHandle, EventOverlap
 from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, ReceiveHook, cast_to_fp8, column_major,
                       host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, per_pair,
                       raw_bits)
+from .exchange import settle
 from .planned import planned, refuse_side_keywords
 
 __all__ = ["LowLatencyMethods"]
@@ -322,7 +323,9 @@ class LowLatencyMethods:
             if num_topk > 1:
                 ordered = topk_idx.sort(dim=1).values
                 repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-                if repeated.any():
+                any_repeated = repeated.any()
+                settle(device)                     # the read below then never waits inside the driver
+                if any_repeated:
                     token = int(repeated.any(dim=1).nonzero()[0])
                     raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
