@@ -335,13 +335,32 @@ def run_mask_cases(buffer, rank, num_ranks, device="cpu"):
         buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int64, device=device))
 
 
+def _check_clean(buffer, rank, num_ranks, num_experts):
+    """`clean_low_latency_buffer` zeroes both zero-copy combine buffers of its sizes, which a dispatch
+    alternates between, and a fresh buffer's come zeroed (a clean there makes none)."""
+    x, topk_idx, _ = _rank_inputs(77, rank, num_ranks, num_experts, 512)
+    handle = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)[2]
+    first = buffer.get_next_low_latency_combine_buffer(handle)
+    first.fill_(1.5)
+    handle = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)[2]
+    second = buffer.get_next_low_latency_combine_buffer(handle)
+    second.fill_(-2.0)
+    assert first.data_ptr() != second.data_ptr() and bool((first == 1.5).all()) and bool((second == -2.0).all())
+    buffer.clean_low_latency_buffer(MAX_TOKENS, 512, num_experts)
+    assert not first.any() and not second.any()
+    fresh = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=buffer.num_rdma_bytes, low_latency_mode=True)
+    fresh.clean_low_latency_buffer(MAX_TOKENS, 512, num_experts)
+    assert "_low_latency_state" not in fresh.__dict__
+    assert not fresh.get_next_low_latency_combine_buffer(handle).any()
+
+
 def _worker(rank, num_ranks):
     num_experts = num_experts_for(num_ranks)
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
     buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
     normal_buffer = deep_ep.Buffer(dist.group.WORLD)
     run_cases(buffer, rank, num_ranks)
-    buffer.clean_low_latency_buffer(MAX_TOKENS, 512, num_experts)
+    _check_clean(buffer, rank, num_ranks, num_experts)
     _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, 512)
     shrink_buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True)
     run_mask_cases(shrink_buffer, rank, num_ranks)

@@ -135,8 +135,7 @@ class LowLatencyMethods:
         return 0 if device.type == "cpu" else type(self).num_sms
 
     def _mask_if_shrink(self) -> Optional[torch.Tensor]:
-        """The rank mask, int32 ``[R]`` on the buffer's device (1 = masked; made with the `Buffer`),
-        with ``enable_shrink``; else None."""
+        """The rank mask (int32 ``[R]``, 1 = masked, made with the `Buffer`) with ``enable_shrink``, else None."""
         return self._rank_mask if self.enable_shrink else None
 
     def _shrink_mask(self, name: str) -> torch.Tensor:
@@ -218,15 +217,19 @@ class LowLatencyMethods:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency buffers (DeepEP needs it after normal-mode calls; here it zeroes the two
-        zero-copy combine buffers, the only state kept between calls).
+        zero-copy combine buffers, the only state kept between calls, where they exist: they are made
+        zeroed on first use, so a clean allocates nothing; buffers of other sizes are dropped).
 
         Raises:
             RuntimeError: not a low-latency buffer. ValueError: bad sizes or too few ``num_rdma_bytes``.
         """
         self._low_latency_check("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        for buffer in self._low_latency_state["buffers"]:
-            buffer.zero_()
+        state = self.__dict__.get("_low_latency_state")
+        if state is not None and state["key"] == (num_max_dispatch_tokens_per_rank, hidden, num_experts):
+            for buffer in state["buffers"]:
+                buffer.zero_()
+        elif state is not None:                    # other sizes: made again, zeroed, on first use
+            state["key"], state["buffers"] = None, None
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The buffer the next `low_latency_combine` with ``zero_copy=True`` reads: bf16
