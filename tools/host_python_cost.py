@@ -35,6 +35,7 @@ from deep_ep.backends.base import BufferConfig  # noqa: E402
 from deep_ep.backends.gpu import combine as gpu_combine  # noqa: E402
 from deep_ep.backends.gpu import dispatch as gpu_dispatch  # noqa: E402
 from deep_ep.bench.gpu_timing import best_host_us  # noqa: E402
+from deep_ep.primitives import WindowUse  # noqa: E402
 
 T, H, E, K = 4096, 7168, 256, 8
 
@@ -110,7 +111,7 @@ def main() -> None:
         b.calls += 1
         return gpu_combine.run_combine(b, y, handle, None, (), num_sms=24)
     buf = types.SimpleNamespace(device=torch.device("cpu"), config=b.config, num_ranks=1, buffer_id=0, rank_idx=0,
-                                num_allocated_qps=0, _plans={})
+                                num_allocated_qps=0, _plans={}, _window_use=WindowUse())
     checks.check_topk_values = lambda *a: None
     rows = [
         ("backend: full dispatch, CPU sync", lambda: dispatch(sync=True)),
@@ -138,7 +139,7 @@ def main() -> None:
     from deep_ep.buffer import ElasticBuffer
     pub = ElasticBuffer.__new__(ElasticBuffer)
     pub.__dict__.update(_backend=b, _destroyed=False, buffer_id=0, num_ranks=1, rank_idx=0, config=b.config,
-                        allow_multiple_reduction=True, num_allocated_qps=0, _plans={})
+                        allow_multiple_reduction=True, num_allocated_qps=0, _plans={}, _window_use=WindowUse())
     b.get_comm_stream = lambda: None
     rows += [
         ("public: full dispatch, CPU sync", lambda: pub.dispatch(x, idx, w, num_experts=E)),
