@@ -80,6 +80,7 @@ def test_host_mirrors_match_the_header():
         words = "".join(part.capitalize() for part in name.split("_"))
         assert f"constexpr int kMode{words} = {value};" in selftest
     assert f"constexpr int kReportWords = {gin.REPORT_WORDS};" in selftest
+    assert f"constexpr int kPhase = {gin.SELFTEST_PHASE};" in selftest
 
 
 def test_selftest_window_size():

@@ -16,11 +16,14 @@ import torch
 from .. import jit
 from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 
-__all__ = ["MODES", "SELFTEST_SOURCE", "QUEUE_BYTES", "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin",
-           "selftest_window_bytes", "build_selftest", "run_selftest"]
+__all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
+           "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest"]
 
-#: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs
-MODES = {"strong": 0, "weak_each": 1, "weak_last": 2, "no_flush": 3, "counter": 4}
+#: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
+#: "no_signal" sends no signal, so every rank's first wait times out (and records it)
+MODES = {"strong": 0, "weak_each": 1, "weak_last": 2, "no_flush": 3, "counter": 4, "no_signal": 5}
+#: the phase the self-test's waits record on a timeout (kPhase of gin_selftest.cuh)
+SELFTEST_PHASE = 8
 #: the modes whose user of GIN is wrong: the emulated GIN must make them fail
 BUGGY_MODES = ("weak_last", "no_flush")
 SELFTEST_SOURCE = "#include <deep_ep/kernels/gin_selftest.cuh>\n"

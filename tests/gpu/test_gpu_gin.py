@@ -62,3 +62,13 @@ def test_reusing_a_source_before_flush_fails(num_ranks):
     result = gin.run_selftest("no_flush", num_ranks=num_ranks, num_contexts=2, rounds=ROUNDS, pieces=2, seed=5, **DELAYS)
     assert result["errors"] == [(0, 0, 0, 0)] * num_ranks, result
     assert result["bad_rounds"] == [ROUNDS] * num_ranks, result
+
+
+def test_a_wait_that_times_out_records_rank_peer_and_phase():
+    """Nothing signals: each rank's first wait (for its left neighbour, on signal 0) gives up and its
+    window's error record names it, the neighbour and the phase; no round completes."""
+    from deep_ep.backends.gpu.abi import ERR_TIMEOUT
+    result = gin.run_selftest("no_signal", num_ranks=3, num_contexts=2, rounds=2, pieces=2, seed=0,
+                              min_delay_ns=1_000, max_delay_ns=2_000, timeout_s=0.05)
+    assert result["errors"] == [(ERR_TIMEOUT, rank, (rank + 2) % 3, gin.SELFTEST_PHASE) for rank in range(3)], result
+    assert result["rounds_done"] == [0, 0, 0], result

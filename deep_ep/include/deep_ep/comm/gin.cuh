@@ -63,6 +63,9 @@ __device__ __forceinline__ void st_release_gpu_u64(uint64_t* p, uint64_t v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// CUDA's 64-bit atomics take unsigned long long, which uint64_t need not be.
+__device__ __forceinline__ unsigned long long* as_ull(uint64_t* p) { return reinterpret_cast<unsigned long long*>(p); }
+
 #if EP_GIN_NCCL
 struct NcclGinTransport {
     const ncclDevComm* comm;
@@ -79,15 +82,16 @@ struct NcclGinTransport {
     __device__ __forceinline__ void put(int context, int peer, int64_t dst_offset, int64_t src_offset, uint64_t bytes,
                                         GinSignal signal = {}, int counter = -1) const {
         ncclGin gin(*comm, context);
+        const size_t dst = dst_offset, src = src_offset;
         if (signal.signal < 0) {
-            if (counter < 0) gin.put(team, peer, window, dst_offset, window, src_offset, bytes);
-            else gin.put(team, peer, window, dst_offset, window, src_offset, bytes, ncclGin_None{}, counter_action(counter));
+            if (counter < 0) gin.put(team, peer, window, dst, window, src, bytes);
+            else gin.put(team, peer, window, dst, window, src, bytes, ncclGin_None{}, counter_action(counter));
         } else if (signal.weak) {
-            if (counter < 0) gin.put(team, peer, window, dst_offset, window, src_offset, bytes, weak_add(signal));
-            else gin.put(team, peer, window, dst_offset, window, src_offset, bytes, weak_add(signal), counter_action(counter));
+            if (counter < 0) gin.put(team, peer, window, dst, window, src, bytes, weak_add(signal));
+            else gin.put(team, peer, window, dst, window, src, bytes, weak_add(signal), counter_action(counter));
         } else {
-            if (counter < 0) gin.put(team, peer, window, dst_offset, window, src_offset, bytes, strong_add(signal));
-            else gin.put(team, peer, window, dst_offset, window, src_offset, bytes, strong_add(signal), counter_action(counter));
+            if (counter < 0) gin.put(team, peer, window, dst, window, src, bytes, strong_add(signal));
+            else gin.put(team, peer, window, dst, window, src, bytes, strong_add(signal), counter_action(counter));
         }
     }
     // A signal alone: strong, so it tells the peer that every earlier put of this context has landed.
@@ -145,15 +149,24 @@ struct NcclGinTransport {
 
   private:
 #if EP_GIN_NCCL_WEAK_ACTIONS
-    static __device__ __forceinline__ ncclGin_StrongSignalAdd strong_add(GinSignal s) { return {static_cast<ncclGinSignal_t>(s.signal), s.value}; }
-    static __device__ __forceinline__ ncclGin_WeakSignalAdd weak_add(GinSignal s) { return {static_cast<ncclGinSignal_t>(s.signal), s.value}; }
-    static __device__ __forceinline__ ncclGin_WeakCounterInc counter_action(int c) { return {static_cast<ncclGinCounter_t>(c)}; }
+    using StrongAdd = ncclGin_StrongSignalAdd;
+    using WeakAdd = ncclGin_WeakSignalAdd;
+    using CounterInc = ncclGin_WeakCounterInc;
 #else
     // Before explicit actions every signal is strong, which also satisfies a weak request.
-    static __device__ __forceinline__ ncclGin_SignalAdd strong_add(GinSignal s) { return {static_cast<ncclGinSignal_t>(s.signal), s.value}; }
-    static __device__ __forceinline__ ncclGin_SignalAdd weak_add(GinSignal s) { return strong_add(s); }
-    static __device__ __forceinline__ ncclGin_CounterInc counter_action(int c) { return {static_cast<ncclGinCounter_t>(c)}; }
+    using StrongAdd = ncclGin_SignalAdd;
+    using WeakAdd = ncclGin_SignalAdd;
+    using CounterInc = ncclGin_CounterInc;
 #endif
+    static __device__ __forceinline__ StrongAdd strong_add(GinSignal s) {
+        return {static_cast<ncclGinSignal_t>(s.signal), s.value};
+    }
+    static __device__ __forceinline__ WeakAdd weak_add(GinSignal s) {
+        return {static_cast<ncclGinSignal_t>(s.signal), s.value};
+    }
+    static __device__ __forceinline__ CounterInc counter_action(int counter) {
+        return {static_cast<ncclGinCounter_t>(counter)};
+    }
 };
 #endif  // EP_GIN_NCCL
 
@@ -208,7 +221,7 @@ __device__ __forceinline__ int gin_queue_index(const EmulatedGinArgs& a, int src
 struct EmulatedGinTransport {
     const EmulatedGinArgs* args;
     int rank;
-    int num_contexts;
+    int num_contexts;  // contexts used (num_qps), at most args->num_contexts (allocated)
 
     __device__ __forceinline__ int num_ranks() const { return args->num_ranks; }
     __device__ __forceinline__ uint8_t* local() const { return args->windows[rank]; }
@@ -228,12 +241,15 @@ struct EmulatedGinTransport {
         const uint64_t start = global_timer_ns();
         while (true) {
             if (index - ld_acquire_gpu_u64(&queue->freed) < static_cast<uint64_t>(args->queue_depth)) {
-                const uint64_t seen = atomicCAS(reinterpret_cast<unsigned long long*>(&queue->issued), index, index + 1);
+                const uint64_t seen = atomicCAS(as_ull(&queue->issued), index, index + 1);
                 if (seen == index) break;
                 index = seen;
                 continue;
             }
-            if (!counted) { atomicAdd(reinterpret_cast<unsigned long long*>(&queue->full_waits), 1ull); counted = true; }
+            if (!counted) {
+                atomicAdd(as_ull(&queue->full_waits), 1ull);
+                counted = true;
+            }
             if (global_timer_ns() - start > args->issue_timeout_ns) {
                 record_error(local(), kErrTimeout, rank, peer, kGinPhasePut);
                 return;
@@ -269,10 +285,12 @@ struct EmulatedGinTransport {
         }
     }
     __device__ __forceinline__ uint64_t* signal_word(int context, int signal_id) const {
-        return args->signals + (static_cast<int64_t>(rank) * args->num_contexts + context) * args->num_signals + signal_id;
+        const int64_t row = static_cast<int64_t>(rank) * args->num_contexts + context;
+        return args->signals + row * args->num_signals + signal_id;
     }
     __device__ __forceinline__ uint64_t* counter_word(int context, int counter) const {
-        return args->counters + (static_cast<int64_t>(rank) * args->num_contexts + context) * args->num_counters + counter;
+        const int64_t row = static_cast<int64_t>(rank) * args->num_contexts + context;
+        return args->counters + row * args->num_counters + counter;
     }
     __device__ __forceinline__ uint64_t read_signal(int context, int signal_id) const {
         return ld_acquire_gpu_u64(signal_word(context, signal_id));
@@ -280,8 +298,12 @@ struct EmulatedGinTransport {
     __device__ __forceinline__ uint64_t read_counter(int context, int counter) const {
         return ld_acquire_gpu_u64(counter_word(context, counter)) & ((1ull << 56) - 1);
     }
-    __device__ __forceinline__ void reset_signal(int context, int signal_id) const { st_release_gpu_u64(signal_word(context, signal_id), 0); }
-    __device__ __forceinline__ void reset_counter(int context, int counter) const { st_release_gpu_u64(counter_word(context, counter), 0); }
+    __device__ __forceinline__ void reset_signal(int context, int signal_id) const {
+        st_release_gpu_u64(signal_word(context, signal_id), 0);
+    }
+    __device__ __forceinline__ void reset_counter(int context, int counter) const {
+        st_release_gpu_u64(counter_word(context, counter), 0);
+    }
 
     __device__ __forceinline__ bool wait_signal(int context, int signal_id, uint64_t least, int peer, int phase,
                                                 uint64_t timeout_ns) const {
@@ -331,7 +353,9 @@ __device__ __forceinline__ GinEntry gin_load_entry(const GinEntry* p) {
     return e;
 }
 
-__device__ __forceinline__ bool gin_weak_signal(const GinEntry* p) { return __ldcg(&p->weak) != 0u && __ldcg(&p->signal) >= 0; }
+__device__ __forceinline__ bool gin_weak_signal(const GinEntry* p) {
+    return __ldcg(&p->weak) != 0u && __ldcg(&p->signal) >= 0;
+}
 
 __device__ __forceinline__ uint64_t gin_random(uint64_t& state) {
     state ^= state << 13;
@@ -354,7 +378,7 @@ __device__ __forceinline__ void gin_copy_words(uint32_t* dst, const uint32_t* sr
 __device__ __forceinline__ void gin_add_signal(const EmulatedGinArgs& a, const GinEntry& e, int dst, int context) {
     uint64_t* word = a.signals + (static_cast<int64_t>(dst) * a.num_contexts + context) * a.num_signals + e.signal;
     __threadfence();  // the landed words before the signal
-    atomicAdd(reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(e.signal_value));
+    atomicAdd(as_ull(word), static_cast<unsigned long long>(e.signal_value));
 }
 
 // Every thread of the NIC's blocks; `nic_warp` counts this warp among all NIC warps of the launch and
@@ -381,7 +405,11 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
         int ready = 0;
         uint64_t first_seen = 0;
         while (true) {
-            while (ready < batch && ld_acquire_gpu_u64(&entries[(consumed + ready) % depth].seq) == consumed + ready + 1) ++ready;
+            while (ready < batch) {
+                const uint64_t index = consumed + ready;
+                if (ld_acquire_gpu_u64(&entries[index % depth].seq) != index + 1) break;
+                ++ready;
+            }
             if (ready == batch) break;
             const uint64_t now = global_timer_ns();
             if (ready > 0) {
@@ -398,13 +426,14 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
             const GinEntry e = gin_load_entry(&entries[(consumed + i) % depth]);
             gin_delay(a, rng, e.issue_ns);
             uint8_t* slot = staging + ((consumed + i) % depth) * static_cast<int64_t>(a.stage_bytes);
-            gin_copy_words(reinterpret_cast<uint32_t*>(slot), reinterpret_cast<const uint32_t*>(e.src), e.bytes / 4, lane);
+            gin_copy_words(reinterpret_cast<uint32_t*>(slot), reinterpret_cast<const uint32_t*>(e.src), e.bytes / 4,
+                           lane);
             __threadfence();
             __syncwarp();
             if (lane == 0) {
                 if (e.counter >= 0) {
-                    uint64_t* word = a.counters + (static_cast<int64_t>(src_rank) * a.num_contexts + context) * a.num_counters + e.counter;
-                    atomicAdd(reinterpret_cast<unsigned long long*>(word), 1ull);
+                    const int64_t row = static_cast<int64_t>(src_rank) * a.num_contexts + context;
+                    atomicAdd(as_ull(a.counters + row * a.num_counters + e.counter), 1ull);
                 }
                 st_release_gpu_u64(&queue->consumed, consumed + i + 1);
             }
@@ -423,12 +452,16 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
                 uint64_t chosen = landed_prefix;
                 for (uint64_t j = landed_prefix; j < consumed; ++j) {
                     const bool weak = gin_weak_signal(&entries[j % depth]);
-                    if (!(landed_mask >> (j - landed_prefix) & 1ull) && (pass == 1 || weak) && pick-- == 0) { chosen = j; break; }
+                    if (!(landed_mask >> (j - landed_prefix) & 1ull) && (pass == 1 || weak) && pick-- == 0) {
+                        chosen = j;
+                        break;
+                    }
                 }
                 const GinEntry e = gin_load_entry(&entries[chosen % depth]);
                 gin_delay(a, rng, global_timer_ns());
                 const uint8_t* slot = staging + (chosen % depth) * static_cast<int64_t>(a.stage_bytes);
-                gin_copy_words(reinterpret_cast<uint32_t*>(e.dst), reinterpret_cast<const uint32_t*>(slot), e.bytes / 4, lane);
+                gin_copy_words(reinterpret_cast<uint32_t*>(e.dst), reinterpret_cast<const uint32_t*>(slot), e.bytes / 4,
+                               lane);
                 __threadfence();
                 __syncwarp();
                 if (lane == 0 && e.signal >= 0 && e.weak) gin_add_signal(a, e, dst_rank, context);

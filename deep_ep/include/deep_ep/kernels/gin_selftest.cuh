@@ -4,7 +4,8 @@
 // the source, wait for the signals and count the words that differ from what was sent; the other
 // blocks are the emulated NIC. Two modes are bugs of a GIN user that the emulated NIC must expose:
 // trusting a weak signal for the other puts (kModeWeakLast), and overwriting a source before flush
-// (kModeNoFlush). `gin_nccl_probe` only compiles the NCCL transport (NCCL >= 2.28.7 headers).
+// (kModeNoFlush); kModeNoSignal checks that a wait's timeout is recorded. `gin_nccl_probe` only
+// compiles the NCCL transport (NCCL >= 2.28.7 headers).
 #pragma once
 
 #include "../comm/gin.cuh"
@@ -16,6 +17,7 @@ constexpr int kModeWeakEach = 1;   // a weak signal on every piece, the reader w
 constexpr int kModeWeakLast = 2;   // bug: a weak signal on the last piece only, trusted for every piece
 constexpr int kModeNoFlush = 3;    // bug: a strong signal, the source overwritten without a flush
 constexpr int kModeCounter = 4;    // every piece counted; the source is reused after wait_counter
+constexpr int kModeNoSignal = 5;   // nothing signals: every rank's first wait times out and records it
 constexpr int kPhase = 8;          // the phase this test's waits record on a timeout
 constexpr int kReportWords = 4;    // per rank: mismatched words, rounds with a mismatch, rounds completed, 0
 
@@ -37,7 +39,7 @@ __device__ __forceinline__ void issue(const comm::EmulatedGinTransport& tr, int 
         comm::GinSignal signal;
         const bool last = piece == pieces - 1;
         if (mode == kModeWeakEach || (mode == kModeWeakLast && last)) signal = comm::GinSignal{signal_id, 1, true};
-        else if (last) signal = comm::GinSignal{signal_id, 1, false};
+        else if (last && mode != kModeNoSignal) signal = comm::GinSignal{signal_id, 1, false};
         tr.put(context, peer, dst_offset + piece * piece_bytes, source_offset() + piece * piece_bytes, piece_bytes,
                signal, mode == kModeCounter ? 0 : -1);
     }
