@@ -1,0 +1,105 @@
+"""The GIN transports (deep_ep/include/deep_ep/comm/gin.cuh) compile under NVRTC, on machines without a GPU.
+
+* the emulated transport, its NIC and the self-test kernel (kernels/gin_selftest.cuh), with no spills
+  and no stack;
+* the NCCL transport (``ncclGin``) against NCCL 2.28.9's and 2.32.3's headers (fetched as
+  tests/nccl_wheels.py does): no spills, and no more stack than NCCL's own ``ncclGin::put`` needs
+  (its put keeps a few bytes on the stack in both releases, ours adds none);
+* the host mirrors of the emulated GIN's structures, and the self-test runner's input checks.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from deep_ep import jit
+from deep_ep.comm import gin
+
+import nccl_wheels
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    """A JIT cache of this test session: the builds are compiled here, not found in a stale cache."""
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jit-cache"))
+    jit.clear_memory_cache()
+
+
+def _nccl_include(version: str):
+    try:
+        return nccl_wheels.include_dir(version)
+    except nccl_wheels.FetchError as e:
+        pytest.skip(str(e))
+
+
+# NCCL's own put alone: the stack it needs, against which the transport's probe is measured.
+RAW_PUT = """
+#include <nccl.h>
+#include <nccl_device.h>
+extern "C" __global__ void raw_put(const __grid_constant__ ncclDevComm comm, ncclWindow_t window, int context) {
+    ncclGin gin(comm, context);
+    ncclTeam world = ncclTeamWorld(comm);
+    gin.put(world, (world.rank + 1) % world.nRanks, window, 4096, window, 0, 1024);
+}
+"""
+
+
+def test_emulated_transport_and_selftest_compile_without_spills():
+    module = gin.build_selftest(check_spills=True)
+    assert module.kernel_names() == ["gin_selftest"]          # no NCCL probe without NCCL's headers
+    info = module.info["gin_selftest"]
+    assert info["stack"] == info["spill_stores"] == info["spill_loads"] == 0
+    assert 0 < info["registers"] <= 128
+
+
+@pytest.mark.parametrize("version", [nccl_wheels.OLDEST, nccl_wheels.NEWEST])
+def test_nccl_transport_compiles(version):
+    inc = _nccl_include(version)
+    assert jit.nccl_header_version(inc) == nccl_wheels.version_code(version)
+    module = gin.build_selftest(check_spills=False, use_nccl=True, nccl_include_dir=inc,
+                                defines={"EP_TRANSPORT_NCCL": 1})
+    assert sorted(module.kernel_names()) == ["gin_nccl_probe", "gin_selftest"]
+    emulated, probe = module.info["gin_selftest"], module.info["gin_nccl_probe"]
+    assert emulated["stack"] == emulated["spill_stores"] == emulated["spill_loads"] == 0
+    assert probe["spill_stores"] == probe["spill_loads"] == 0 and probe["registers"] > 0
+    raw = jit.build("deep_ep_gin_raw_put", RAW_PUT, use_nccl=True, nccl_include_dir=inc, check_spills=False)
+    assert probe["stack"] <= raw.info["raw_put"]["stack"], (probe, raw.info)
+
+
+def test_host_mirrors_match_the_header():
+    """gin.cuh static_asserts the same sizes and offsets: a change on one side fails one of the two."""
+    args = gin.EmulatedGinArgs
+    assert ctypes.sizeof(args) == 112
+    assert args.min_delay_ns.offset == 72 and args.batch.offset == 108
+    assert (gin.QUEUE_BYTES, gin.ENTRY_BYTES) == (32, 64)
+    header = (jit.locate.deep_ep_include_dir() / "deep_ep" / "comm" / "gin.cuh").read_text()
+    assert "sizeof(GinQueue) == 32" in header and "sizeof(GinEntry) == 64" in header
+    selftest = (jit.locate.deep_ep_include_dir() / "deep_ep" / "kernels" / "gin_selftest.cuh").read_text()
+    for name, value in gin.MODES.items():
+        words = "".join(part.capitalize() for part in name.split("_"))
+        assert f"constexpr int kMode{words} = {value};" in selftest
+    assert f"constexpr int kReportWords = {gin.REPORT_WORDS};" in selftest
+    assert f"constexpr int kPhase = {gin.SELFTEST_PHASE};" in selftest
+
+
+def test_selftest_window_size():
+    # control region, the source, 2 x 3 receive slots of 1024 words
+    assert gin.selftest_window_bytes(1024, 3) == 65536 + 4096 * 7
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mode="weak"), "mode"),
+    (dict(payload_words=1000, pieces=3), "pieces"),
+    (dict(rounds=0), "rounds"),
+    (dict(payload_words=1 << 16, pieces=1), "staging"),
+])
+def test_selftest_refuses_bad_input_before_any_launch(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gin.run_selftest(**kwargs)
+
+
+def test_emulated_gin_refuses_cpu_windows():
+    import torch
+    with pytest.raises(ValueError, match="CUDA"):
+        gin.EmulatedGin([torch.zeros(16, dtype=torch.uint8)])
