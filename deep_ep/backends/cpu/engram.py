@@ -89,6 +89,12 @@ class EngramTable:
     def num_sf_packs(self) -> int:
         return 0 if self.sf is None else self.sf.shape[1]
 
+    def release(self) -> None:
+        """Unmap the shards (the mappings go with their last tensor) and forget the table."""
+        self._shards = []
+        self.sf = None
+        self.num_entries, self.hidden, self.dtype = 0, 0, None
+
     # ------------------------------------------------------------------ write (collective)
     def write(self, comm: Collectives, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
         """Replace this rank's shard with ``storage`` (validated: bf16 / FP8 ``[N, H]``, contiguous;
