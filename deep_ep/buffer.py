@@ -215,10 +215,15 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             raise RuntimeError(f"ElasticBuffer #{self.buffer_id} was destroyed; create a new one")
 
     def destroy(self) -> None:
-        """Release the buffer's resources (also without ``explicitly_destroy``, unlike DeepEP). Calling
-        it again is a no-op; any other method then raises `RuntimeError`. Collective on GPU."""
+        """Release the buffer's resources (also without ``explicitly_destroy``, unlike DeepEP): the
+        primitives' state first (PP channels, an open AGRS session and its space, the Engram
+        mappings; tensors in flight are abandoned), then the backend's. Calling it again is a no-op;
+        any other method then raises `RuntimeError`. Collective on GPU."""
         if not self._destroyed and self._backend is not None:
             self._destroyed = True
+            for primitive in (PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
+                primitive._release_primitives(self)
+            self._window_use = WindowUse()   # nothing holds a destroyed buffer's window
             self._backend.destroy()
         self._destroyed = True
 

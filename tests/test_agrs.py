@@ -8,6 +8,7 @@ raised on every rank), ranks that disagree, the window held against a dispatch, 
 """
 import inspect
 import random
+import re
 
 import pytest
 import torch
@@ -375,9 +376,15 @@ def _disagreement_body(rank, num_ranks):
     gathered, handle = buf.all_gather(torch.full((2,), rank, dtype=torch.int32, device="cpu"))
     handle()
     assert gathered.tolist() == [[peer, peer] for peer in range(num_ranks)]
-    # rank 0 gathers, the others reduce-scatter: different calls, every rank raises; the buffer is broken
+    # rank 0 gathers, the others reduce-scatter: every rank raises, naming each rank's operation; nothing moved
     rows = torch.ones((num_ranks, 1), dtype=torch.float32, device="cpu")
-    _raises(RuntimeError, "different calls", lambda: buf.all_gather(rows) if rank == 0 else buf.reduce_scatter(rows))
+    others = ", ".join(f"rank {peer} at call #6 (reduce_scatter)" for peer in range(1, num_ranks))
+    _raises(RuntimeError, re.escape(f"different operations (rank 0 at call #6 (all_gather), {others})"),
+            lambda: buf.all_gather(rows) if rank == 0 else buf.reduce_scatter(rows))
+    # a call refused on the other ranks counts there: the ranks are at different calls, the buffer is broken
+    if rank:
+        _raises(TypeError, "t must be a tensor", lambda: buf.all_gather(3))
+    _raises(RuntimeError, "different calls", lambda: buf.all_gather(rows))
     _raises(RuntimeError, "no longer communicate", lambda: buf.all_gather(rows))
     _raises(RuntimeError, "no longer communicate", buf.destroy_agrs_session)
     assert buf._window_use.holder is None   # the session ended all the same

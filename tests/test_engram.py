@@ -4,8 +4,9 @@ all-gathered with plain torch.distributed, and every fetched element (data bits,
 factors of both kinds in both layouts, strides included) is compared with the table's rows, outputs
 poisoned. Also: the size hint's numbers, out-of-range and other refusals before anything moves, the
 window held between a fetch and its hook (dispatch refused), one-sided fetches (one rank fetches while
-the others wait in a barrier), ranks that disagree, a group over several hosts, and GPU buffers
-refusing every method before any communication.
+the others wait in a barrier), ranks that disagree, a group over several hosts, GPU buffers
+refusing every method before any communication, and `destroy` releasing every primitive's state
+(the Engram mappings, PP channels, an open AGRS session).
 """
 import glob
 import inspect
@@ -237,6 +238,65 @@ def _write_refusals(rank, num_ranks):
 
 def test_engram_write_refusals(tmp_path):
     assert run_gloo_ranks(_write_refusals, 2, tmp_path, deadline=120) == {0: True, 1: True}
+
+
+def _mapped_segments() -> list:
+    """This process's mappings of Engram shared-memory segments (/proc/self/maps lines)."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "deep_ep-engram-" in line]
+
+
+def _destroy_releases(rank, num_ranks):
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_bytes=MIB2, num_cpu_timeout_secs=30,
+                                   explicitly_destroy=True)
+    assert not _mapped_segments()
+    buffer.engram_write(torch.full((8, 64), rank + 1, dtype=torch.bfloat16))
+    indices = torch.tensor([[8 * peer for peer in range(num_ranks)]], dtype=torch.int32)
+    data, _ = buffer.engram_fetch(indices)()
+    buffer.pp_set_config(64, 2)
+    buffer.agrs_set_config(1024, 2)
+    buffer.create_agrs_session()   # left open: destroy ends it
+    gathered, handle = buffer.all_gather(torch.full((2,), rank + 1, dtype=torch.int32))
+    handle()
+    session = buffer._agrs_session
+    mapped_before = len(_mapped_segments())
+    buffer.destroy()
+    released = {"mapped after": len(_mapped_segments()), "engram": buffer._engram,
+                "pipeline": buffer._pp_pipeline, "session open": session.open, "space": session.space,
+                "window": buffer._window_use.holder}
+    row = torch.zeros(2, dtype=torch.int32)
+    calls = {"engram_write": lambda: buffer.engram_write(torch.zeros((8, 64), dtype=torch.bfloat16)),
+             "engram_fetch": lambda: buffer.engram_fetch(indices),
+             "pp_set_config": lambda: buffer.pp_set_config(64, 2),
+             "pp_send": lambda: buffer.pp_send(row, (rank + 1) % num_ranks),
+             "pp_recv": lambda: buffer.pp_recv(row, (rank - 1) % num_ranks),
+             "agrs_set_config": lambda: buffer.agrs_set_config(1024, 2),
+             "create_agrs_session": buffer.create_agrs_session,
+             "all_gather": lambda: buffer.all_gather(row),
+             "reduce_scatter": lambda: buffer.reduce_scatter(torch.zeros(num_ranks)),
+             "destroy_agrs_session": buffer.destroy_agrs_session}
+    refusals = {}
+    for name, call in calls.items():
+        try:
+            call()
+            refusals[name] = "no exception"
+        except RuntimeError as exc:
+            refusals[name] = str(exc)
+    return {"data": data[0].tolist(), "gathered": gathered.tolist(), "mapped before": mapped_before,
+            "released": released, "refusals": refusals}
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_destroy_releases_every_primitive(num_ranks, tmp_path):
+    results = run_gloo_ranks(_destroy_releases, num_ranks, tmp_path, deadline=90)
+    for rank, result in results.items():
+        assert result["data"] == [float(peer + 1) for peer in range(num_ranks) for _ in range(64)], rank
+        assert result["gathered"] == [[peer + 1] * 2 for peer in range(num_ranks)], rank   # outputs outlive destroy
+        assert result["mapped before"] == num_ranks, result   # every rank's shard was mapped
+        assert result["released"] == {"mapped after": 0, "engram": None, "pipeline": None, "session open": False,
+                                      "space": None, "window": None}, result
+        for name, message in result["refusals"].items():
+            assert "was destroyed; create a new one" in message, (rank, name, message)
 
 
 @pytest.mark.parametrize("num_entries,hidden,max_tokens,dtype,want", [

@@ -172,6 +172,17 @@ class AllGatherReduceScatterMixin:
             moves = self._agrs_cpu_moves = CPUAgrsMoves(self._backend)
         return moves
 
+    def _release_primitives(self) -> None:
+        """Close an open session without waiting for its handles and drop the session space
+        (`ElasticBuffer.destroy`); outputs the caller still holds keep their bytes."""
+        session = getattr(self, "_agrs_session", None)
+        if session is not None:
+            session.open = False
+            session.handles = []
+            session.space = None
+            session.num_max_session_bytes = 0
+        self._agrs_cpu_moves = None
+
     def _agrs_in_session(self, method: str) -> _Session:
         session = self._agrs(method)
         if not session.open:

@@ -229,6 +229,14 @@ class EngramMixin:
                 f"(a gloo group with CPU tensors) has it")
         return backend
 
+    def _release_primitives(self) -> None:
+        """Unmap every rank's Engram shard and drop the table (`ElasticBuffer.destroy`); tensors a
+        fetch returned are copies and stay valid."""
+        table = getattr(self, "_engram", None)
+        if table is not None:
+            table.release()
+        self._engram = None
+
     def _engram_table(self):
         from ..backends.cpu.engram import EngramTable
         table = getattr(self, "_engram", None)

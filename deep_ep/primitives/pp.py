@@ -103,6 +103,10 @@ class PipelineMixin:
                              f"rank")
         return pipeline
 
+    def _release_primitives(self) -> None:
+        """Drop the PP channels (`ElasticBuffer.destroy`); tensors still in flight are abandoned."""
+        self._pp_pipeline = None
+
     # ------------------------------------------------------------------ public methods
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
         """(Experimental) Configure pipeline send/recv (collective: every rank calls it).

@@ -5,9 +5,9 @@ The session space is a uint8 host tensor. An all-gather of ``k`` tensors is one 
 all-gather per tensor, each straight into its ``[R, nbytes]`` room of the space (an in-place tensor
 already sits at its rank's row). A reduce-scatter is one asynchronous gloo all-to-all per tensor
 into a ``[R, chunk]`` room (chunk ``r`` of every rank lands on rank ``r``), summed in float32 in rank
-order when its handle is waited. Before any data moves, each call exchanges a small int64 header, so
-ranks making different calls raise the same `RuntimeError` instead of hanging; each wait is bounded
-by the buffer's ``num_cpu_timeout_secs``.
+order when its handle is waited. Before any data moves, each call exchanges the buffer's common
+header (`deep_ep.backends.cpu.collectives`), so ranks making different calls raise the same
+`RuntimeError` instead of hanging; each wait is bounded by the buffer's ``num_cpu_timeout_secs``.
 """
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from .collectives import (OP_AGRS_SET_CONFIG, OP_ALL_GATHER, OP_DESTROY_AGRS_SESSION, OP_REDUCE_SCATTER,
+                          new_fields, operation_name)
+
 __all__ = ["CPUAgrsMoves"]
 
-OP_CONFIG, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_SESSION_END = 1, 2, 3, 4
-_OP_NAMES = {OP_CONFIG: "agrs_set_config", OP_ALL_GATHER: "all_gather", OP_REDUCE_SCATTER: "reduce_scatter",
-             OP_SESSION_END: "destroy_agrs_session"}
-# Header fields (int64), each equal on every rank.
-SEQ, OP, SESSION, NUM_OPS, OFFSET, VALUE, DIGEST = range(7)
+# Fields of an AGRS call's header (int64, slots of the common header of
+# `deep_ep.backends.cpu.collectives`), each equal on every rank.
+SESSION, NUM_OPS, OFFSET, VALUE, DIGEST = range(1, 6)
 _FIELD_NAMES = {SESSION: "session number", NUM_OPS: "calls earlier in the session",
                 OFFSET: "session bytes used", VALUE: "size", DIGEST: "tensor shapes and dtypes"}
-HEADER_FIELDS = 7
 
 
 def _digest(tensors: list, extra: str = "") -> int:
@@ -52,25 +52,16 @@ class CPUAgrsMoves:
                detail: str = "", names: dict = _FIELD_NAMES) -> None:
         """Exchange this call's header; raise the same `RuntimeError` on every rank when they differ."""
         comm = self.comm
-        comm.begin(_OP_NAMES[op], call)
-        fields = [0] * HEADER_FIELDS
-        fields[SEQ], fields[OP], fields[SESSION], fields[NUM_OPS] = call, op, session, num_ops
-        fields[OFFSET], fields[VALUE], fields[DIGEST] = offset, value, digest
-        header = torch.tensor(fields, dtype=torch.int64, device="cpu")
-        headers = comm.all_gather(header, f"{_OP_NAMES[op]} header exchange")
-        ops = headers[:, OP]
-        seqs = headers[:, SEQ]
-        if (seqs != seqs[0]).any() or (ops != ops[0]).any():
-            where = ", ".join(f"rank {rank} at call #{seq} ({_OP_NAMES.get(code, '?')})"
-                              for rank, (seq, code) in enumerate(zip(seqs.tolist(), ops.tolist())))
-            comm._broken = "ranks at different calls"
-            raise comm.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or repeated a "
-                             f"call. Every rank raises this; the buffer is no longer usable (destroy it on every rank)")
+        comm.begin(op, call)
+        fields = new_fields()
+        fields[SESSION], fields[NUM_OPS], fields[OFFSET], fields[VALUE], fields[DIGEST] = \
+            session, num_ops, offset, value, digest
+        headers = comm.exchange_header(fields)
         for field, name in names.items():
             column = headers[:, field]
             if (column != column[0]).any():
                 values = "differ" if field == DIGEST else f"per-rank values {column.tolist()}"
-                raise comm.error(f"ranks disagree on the {name} of {_OP_NAMES[op]} ({values}; this rank: "
+                raise comm.error(f"ranks disagree on the {name} of {operation_name(op)} ({values}; this rank: "
                                  f"{detail or fields[field]}). Every rank raises this; nothing was sent")
 
     def _wait(self, phase: str, works: list) -> None:
@@ -87,13 +78,13 @@ class CPUAgrsMoves:
     # ------------------------------------------------------------------ calls
     def configure(self, num_bytes: int, num_max_ops: int, call: int) -> torch.Tensor:
         """Agree on the configuration (a flush: every rank reaches this point); the new space."""
-        self._agree(OP_CONFIG, call, 0, num_max_ops, 0, num_bytes, 0,
+        self._agree(OP_AGRS_SET_CONFIG, call, 0, num_max_ops, 0, num_bytes, 0,
                     names={NUM_OPS: "num_max_all_gathers_per_session", VALUE: "num_max_session_bytes"})
         return torch.empty(num_bytes, dtype=torch.uint8, device="cpu")
 
     def end_session(self, session: int, num_ops: int, offset: int, call: int) -> None:
         """Agree that every rank's session held the same calls."""
-        self._agree(OP_SESSION_END, call, session, num_ops, offset, 0, 0)
+        self._agree(OP_DESTROY_AGRS_SESSION, call, session, num_ops, offset, 0, 0)
 
     def all_gather(self, session, tensors: list, offsets: list, in_place: list, call: int):
         """Start the all-gathers of ``tensors`` into their rooms at ``offsets``; the wait function."""

@@ -11,10 +11,13 @@ closes its connections after a timeout, so the buffer is then unusable: every la
 `RuntimeError` saying so; destroy the buffer and the process group (both return promptly).
 The stamps assume SPMD buffer creation: ranks create the buffers of one group in the same order.
 
-The header (int64 ``[F + 2R]``): the call's configuration, this rank's token count, and two rows of
-``R`` counts (what this rank sends to every rank, and what it expects from every rank). Every rank
-checks that all ranks agree on the configuration; any violation raises the same `RuntimeError` on
-every rank, before data moves.
+Every collective call of a buffer (dispatch, combine, barrier and the primitives' collective calls,
+`OPERATIONS`) first exchanges one header of the same size, int64 ``[F + 2R]``: the operation's code
+at ``OP``, this rank's call number at ``SEQ``, the operation's own fields in the other ``F - 2``
+slots, and two rows of ``R`` values (dispatch / combine: what this rank sends to every rank and
+expects from every rank). Ranks at different calls, or in different operations, or that disagree on
+a configuration all raise the same `RuntimeError` on every rank, naming each rank's operation and
+call number, before data moves; the exchange never mismatches in size, whatever the calls.
 """
 from __future__ import annotations
 
@@ -25,17 +28,31 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Collectives", "HEADER_FIELDS"]
+__all__ = ["Collectives", "HEADER_FIELDS", "OPERATIONS", "operation_name"]
 
-# Header fields (int64). The ones in _AGREE must be equal on every rank.
+# Header fields (int64): OP and SEQ in every call's header; the others are dispatch's and combine's
+# (other operations put their own fields in slots 1..12). The ones in _AGREE must be equal on every rank.
 OP, E, H, K, XKIND, NSF, EXPAND, ALIGN, M, SYNC, HASW, T, REDUCE, SEQ = range(14)
 HEADER_FIELDS = 14
-_AGREE = {OP: "operation", E: "num_experts", H: "hidden", K: "num_topk",
+_AGREE = {E: "num_experts", H: "hidden", K: "num_topk",
           XKIND: "x format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 sf)",
           NSF: "number of scale factors", EXPAND: "do_expand", ALIGN: "expert_alignment",
           SYNC: "do_cpu_sync", HASW: "weights given",
           REDUCE: "combine reduction (allow_multiple_reduction, apply_dispatch_weights)"}
-OP_DISPATCH, OP_COMBINE = 1, 2
+
+# The collective calls of a CPU buffer: the code each writes at OP (unique; 0 is no call).
+(OP_DISPATCH, OP_COMBINE, OP_BARRIER, OP_PP_SET_CONFIG, OP_AGRS_SET_CONFIG, OP_ALL_GATHER, OP_REDUCE_SCATTER,
+ OP_ENGRAM_WRITE, OP_DESTROY_AGRS_SESSION) = range(1, 10)
+#: Operation code -> the public method's name, used in every message.
+OPERATIONS = {OP_DISPATCH: "dispatch", OP_COMBINE: "combine", OP_BARRIER: "barrier",
+              OP_PP_SET_CONFIG: "pp_set_config", OP_AGRS_SET_CONFIG: "agrs_set_config",
+              OP_ALL_GATHER: "all_gather", OP_REDUCE_SCATTER: "reduce_scatter", OP_ENGRAM_WRITE: "engram_write",
+              OP_DESTROY_AGRS_SESSION: "destroy_agrs_session"}
+
+
+def operation_name(code: int) -> str:
+    """The name of operation ``code`` (`OPERATIONS`), or ``"unknown operation <code>"``."""
+    return OPERATIONS.get(code, f"unknown operation {code}")
 
 #: Buffers created so far per process group (by group name): the n-th buffer of a group has the same
 #: number on every rank, which names its arrival stamps in the group's store.
@@ -51,8 +68,9 @@ class Collectives:
         self.num_ranks = num_ranks
         self.timeout_secs = timeout_secs
         self._timeout = datetime.timedelta(seconds=timeout_secs)
-        self.calls = 0               # calls (dispatch / combine / barrier) entered on this rank
-        self._op = ""                # the current (or last) call
+        self.calls = 0               # collective calls entered on this rank
+        self._op = ""                # the current (or last) call's name
+        self._op_code = 0            # and its code (`OPERATIONS`)
         self._broken: Optional[str] = None   # the failure that made the group unusable
         name = str(getattr(group, "group_name", "") or id(group))
         counter = _buffers_per_group.setdefault(name, itertools.count())
@@ -64,18 +82,20 @@ class Collectives:
         """A `RuntimeError` naming this rank (raised by every rank for conditions they all see)."""
         return RuntimeError(f"deep_ep (CPU backend, rank {self.rank} of {self.num_ranks}): {msg}")
 
-    def begin(self, op: str, call: int) -> None:
-        """Start ``op``, this rank's call number ``call`` of the buffer (counted by the buffer, refused
-        calls included): refuse if an earlier failure broke the group, stamp the arrival."""
+    def begin(self, op: int, call: int) -> None:
+        """Start operation ``op`` (a code of `OPERATIONS`), this rank's call number ``call`` of the
+        buffer (counted by the buffer, refused calls included): refuse if an earlier failure broke the
+        group, stamp the arrival. `exchange_header` then sends ``op`` and ``call``."""
         if self._broken is not None:
             raise self.error(f"this buffer can no longer communicate after an earlier failure "
                              f"({self._broken}); destroy it and the process group, and start again")
         self.calls = call
-        self._op = op
+        self._op_code = op
+        self._op = operation_name(op)
         store = self._store()
         if store is not None:
             try:
-                store.set(self._stamp_prefix + str(self.rank), f"{self.calls} {op}")
+                store.set(self._stamp_prefix + str(self.rank), f"{self.calls} {self._op}")
             except Exception:  # the store is only used to name a missing peer
                 self._use_store = False
 
@@ -165,44 +185,52 @@ class Collectives:
         return out.view(R, *t.shape)
 
     def barrier(self, call: int) -> None:
-        """A gloo barrier bounded by ``num_cpu_timeout_secs`` (call number ``call``)."""
-        self.begin("barrier", call)
-        opts = dist.BarrierOptions()
-        opts.timeout = self._timeout
-        try:
-            work = self.group.barrier(opts)
-        except Exception as exc:
-            raise self._failed("barrier", exc) from exc
-        self._wait("barrier", work)
+        """Wait for every rank (call number ``call``), bounded by ``num_cpu_timeout_secs``: a header
+        exchange, so that a rank in another call raises like any call's header (an all-to-all
+        returns on a rank only once every rank's row has arrived)."""
+        self.begin(OP_BARRIER, call)
+        self.exchange_header(new_fields())
 
-    def exchange_header(self, fields: list, send_counts: torch.Tensor,
-                        expect_counts: Optional[torch.Tensor]) -> torch.Tensor:
-        """All ranks' headers ``[R, F + 2R]`` (same on every rank); raises on every rank when they
-        disagree on a configuration field."""
+    def exchange_header(self, fields: list, tail: Optional[torch.Tensor] = None,
+                        agree: Optional[dict] = None) -> torch.Tensor:
+        """All ranks' headers ``[R, F + 2R]`` (the same on every rank) for the call `begin` started.
+
+        Args:
+            fields: ``F`` ints, the operation's own fields (``OP`` and ``SEQ`` are filled in here).
+            tail: up to ``2R`` int64 values after the fields (zeros after them), or None.
+            agree: ``{field: name}`` that must be equal on every rank; default: dispatch's and
+                combine's configuration (`_AGREE`) for those two, none for other operations.
+
+        Raises (the same on every rank, before data moves):
+            RuntimeError: ranks at different calls (the buffer is then unusable), in different
+                operations, or that disagree on a field of ``agree``.
+        """
         R = self.num_ranks
         header = torch.zeros(HEADER_FIELDS + 2 * R, dtype=torch.int64, device="cpu")
         fields = list(fields)
-        fields[SEQ] = self.calls
+        fields[OP], fields[SEQ] = self._op_code, self.calls
         header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64, device="cpu")
-        header[HEADER_FIELDS:HEADER_FIELDS + R] = send_counts
-        if expect_counts is not None:
-            header[HEADER_FIELDS + R:] = expect_counts
-        headers = self.all_gather(header, "header exchange")
-        seqs = headers[:, SEQ]
-        if (seqs != seqs[0]).any():
-            ops = ["dispatch" if v == OP_DISPATCH else "combine" for v in headers[:, OP].tolist()]
-            where = ", ".join(f"rank {p} at call #{n} ({op})" for p, (n, op) in enumerate(zip(seqs.tolist(), ops)))
-            self._broken = "ranks at different calls"
-            raise self.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or repeated "
-                             f"a call (a call refused for bad arguments counts on the rank that refused it). Every "
-                             f"rank raises this; the buffer is no longer usable (destroy it on every rank)")
-        for i, name in _AGREE.items():
-            col = headers[:, i]
-            if (col != col[0]).any():
-                if i == OP:
-                    ops = ["dispatch" if v == OP_DISPATCH else "combine" for v in col.tolist()]
-                    raise self.error(f"ranks called different operations: {ops}")
-                raise self.error(f"ranks disagree on {name}: per-rank values {col.tolist()}")
+        if tail is not None:
+            header[HEADER_FIELDS:HEADER_FIELDS + tail.numel()] = tail.reshape(-1)
+        headers = self.all_gather(header, f"{self._op} header exchange")
+        seqs, ops = headers[:, SEQ], headers[:, OP]
+        if (seqs != seqs[0]).any() or (ops != ops[0]).any():
+            where = ", ".join(f"rank {peer} at call #{seq} ({operation_name(code)})"
+                              for peer, (seq, code) in enumerate(zip(seqs.tolist(), ops.tolist())))
+            if (seqs != seqs[0]).any():
+                self._broken = "ranks at different calls"
+                raise self.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or "
+                                 f"repeated a call (a call refused for bad arguments counts on the rank that "
+                                 f"refused it). Every rank raises this; the buffer is no longer usable (destroy "
+                                 f"it on every rank)")
+            raise self.error(f"ranks called different operations ({where}): every rank must make the same "
+                             f"collective calls in the same order. Every rank raises this; nothing was sent")
+        if agree is None:
+            agree = _AGREE if self._op_code in (OP_DISPATCH, OP_COMBINE) else {}
+        for field, name in agree.items():
+            column = headers[:, field]
+            if (column != column[0]).any():
+                raise self.error(f"ranks disagree on {name}: per-rank values {column.tolist()}")
         return headers
 
 

@@ -71,7 +71,7 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
             apply_dispatch_weights: bool, call: int):
     """One combine on this rank (`deep_ep.backends.base.Backend.combine`); ``call``: this rank's call
     number."""
-    comm.begin("combine", call)
+    comm.begin(hdr.OP_COMBINE, call)
     R = comm.num_ranks
     h = handle
     T, H, K = h.num_tokens, h.hidden, h.num_topk
@@ -89,12 +89,12 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
         expect = torch.stack([(owner == d).sum() for d in range(R)]).to(torch.int64)
 
     fields = hdr.new_fields()
-    fields[hdr.OP], fields[hdr.E], fields[hdr.H], fields[hdr.K] = hdr.OP_COMBINE, h.num_experts, H, K
+    fields[hdr.E], fields[hdr.H], fields[hdr.K] = h.num_experts, H, K
     fields[hdr.EXPAND], fields[hdr.ALIGN], fields[hdr.M] = int(h.do_expand), h.expert_alignment, \
         h.num_max_tokens_per_rank
     fields[hdr.SYNC], fields[hdr.HASW], fields[hdr.T] = int(h.do_cpu_sync), int(has_w), T
     fields[hdr.REDUCE] = 2 * int(multi) + int(apply_dispatch_weights)
-    headers = comm.exchange_header(fields, send_counts, expect)
+    headers = comm.exchange_header(fields, torch.cat([send_counts, expect]))
     sends = headers[:, hdr.HEADER_FIELDS:hdr.HEADER_FIELDS + R]    # sends[d, s]: rows d returns to s
     expects = headers[:, hdr.HEADER_FIELDS + R:]                    # expects[s, d]
     if (sends != expects.t()).any():

@@ -91,7 +91,7 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
     `Collectives`, ``call`` this rank's call number, ``num_scaleup_ranks`` the logical scale-up size
     (0: every rank): the handle's ``psum_num_recv_tokens_per_scaleup_rank`` counts per scale-up rank,
     the tokens of every node's rank of that index (DeepEP's hybrid layout)."""
-    comm.begin("dispatch", call)
+    comm.begin(hdr.OP_DISPATCH, call)
     R, r = comm.num_ranks, comm.rank
     cached = handle is not None
     if cached:
@@ -110,11 +110,11 @@ def dispatch(comm, buffer_id: int, data, sf, topk_idx, topk_weights, *, num_expe
     send_counts = hit.sum(0).to(torch.int64)
 
     fields = hdr.new_fields()
-    fields[hdr.OP], fields[hdr.E], fields[hdr.H], fields[hdr.K] = hdr.OP_DISPATCH, E, H, K
+    fields[hdr.E], fields[hdr.H], fields[hdr.K] = E, H, K
     fields[hdr.XKIND] = 0 if sf is None else (1 if sf.dtype == torch.float32 else 2)
     fields[hdr.NSF], fields[hdr.EXPAND], fields[hdr.ALIGN] = num_sf, int(do_expand), A
     fields[hdr.M], fields[hdr.SYNC], fields[hdr.HASW], fields[hdr.T] = M, int(do_cpu_sync), int(has_w), T
-    headers = comm.exchange_header(fields, send_counts, None)
+    headers = comm.exchange_header(fields, send_counts)
     counts = headers[:, hdr.HEADER_FIELDS:hdr.HEADER_FIELDS + R]    # counts[s, d]: tokens s -> d
     pair_counts = _check_capacity(comm, headers, topk_idx, M, A, L, do_expand, do_cpu_sync)
     recv_counts = counts[:, r]                                      # tokens s -> r

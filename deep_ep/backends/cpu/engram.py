@@ -23,17 +23,13 @@ import torch
 
 from .. import outputs
 from ... import shapes
-from .collectives import HEADER_FIELDS, OP, OP_COMBINE, OP_DISPATCH, SEQ, Collectives
+from .collectives import OP_ENGRAM_WRITE, Collectives, new_fields
 
-__all__ = ["EngramTable", "SHM_DIR", "OP_ENGRAM_WRITE", "host_identity"]
+__all__ = ["EngramTable", "SHM_DIR", "host_identity"]
 
 SHM_DIR = "/dev/shm"
-#: The operation field of engram_write's header (the header has the size of dispatch's, so that a rank
-#: in engram_write facing a rank in dispatch or combine reads a mismatch, not a failed exchange).
-OP_ENGRAM_WRITE = 8
-_OP_NAMES = {OP_DISPATCH: "dispatch", OP_COMBINE: "combine", OP_ENGRAM_WRITE: "engram_write"}
 
-# Header fields of engram_write (int64; OP and SEQ at the collectives' positions).
+# engram_write's fields in the common call header (`deep_ep.backends.cpu.collectives`).
 HOST, NUM_ENTRIES, HIDDEN, FORMAT, NUM_SF_PACKS, SF_ROWS, SF_DIGEST, PID, TOKEN = range(1, 10)
 _AGREE = {NUM_ENTRIES: "num_entries (rows of each rank's storage)", HIDDEN: "hidden",
           FORMAT: "storage format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 int32 sf)",
@@ -93,6 +89,12 @@ class EngramTable:
     def num_sf_packs(self) -> int:
         return 0 if self.sf is None else self.sf.shape[1]
 
+    def release(self) -> None:
+        """Unmap the shards (the mappings go with their last tensor) and forget the table."""
+        self._shards = []
+        self.sf = None
+        self.num_entries, self.hidden, self.dtype = 0, 0, None
+
     # ------------------------------------------------------------------ write (collective)
     def write(self, comm: Collectives, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
         """Replace this rank's shard with ``storage`` (validated: bf16 / FP8 ``[N, H]``, contiguous;
@@ -101,19 +103,16 @@ class EngramTable:
         Raises (on every rank): RuntimeError when ranks disagree on the format or are at different
         calls, or a rank could not create its segment; NotImplementedError when the ranks do not
         share one host's shared memory; TimeoutError when a peer does not arrive."""
-        comm.begin("engram_write", call)
+        comm.begin(OP_ENGRAM_WRITE, call)
         num_entries, hidden = storage.shape
-        fields = [0] * HEADER_FIELDS
-        fields[OP], fields[SEQ] = OP_ENGRAM_WRITE, comm.calls
+        fields = new_fields()
         fields[HOST] = _hash64(host_identity())
         fields[NUM_ENTRIES], fields[HIDDEN] = num_entries, hidden
         fields[FORMAT] = _FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
         fields[NUM_SF_PACKS], fields[SF_ROWS] = (0, 0) if sf is None else sf.shape
         fields[SF_DIGEST] = 0 if sf is None else _hash64(sf.view(-1).view(torch.uint8).numpy())
         fields[PID], fields[TOKEN] = os.getpid(), secrets.randbits(63)
-        header = torch.zeros(HEADER_FIELDS + 2 * self.num_ranks, dtype=torch.int64, device="cpu")
-        header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64, device="cpu")
-        headers = comm.all_gather(header, "engram_write header")[:, :HEADER_FIELDS]
+        headers = comm.exchange_header(fields)
         self._check_headers(comm, headers)
 
         path = _segment_path(fields[PID], fields[TOKEN], self.rank)
@@ -156,18 +155,8 @@ class EngramTable:
         self._shards = shards
 
     def _check_headers(self, comm: Collectives, headers: torch.Tensor) -> None:
-        """Raise (the same on every rank) unless all ranks are in this call of engram_write with the
-        same format, on one host."""
-        seqs, ops = headers[:, SEQ].tolist(), headers[:, OP].tolist()
-        if ops != [OP_ENGRAM_WRITE] * self.num_ranks:
-            names = [_OP_NAMES.get(op, f"operation {op}") for op in ops]
-            raise comm.error(f"ranks called different operations: {names}: every rank must call engram_write "
-                             f"together (it is collective)")
-        if len(set(seqs)) > 1:
-            comm._broken = "ranks at different calls"
-            where = ", ".join(f"rank {peer} at call #{seq}" for peer, seq in enumerate(seqs))
-            raise comm.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or "
-                             f"repeated a call. Every rank raises this; the buffer is no longer usable")
+        """Raise (the same on every rank) unless all ranks (in this call of engram_write: checked by
+        the header exchange) have the same format, on one host."""
         for field, name in _AGREE.items():
             values = headers[:, field].tolist()
             if len(set(values)) > 1:

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from . import collectives
 from .collectives import Collectives
 
 __all__ = ["CPUPipeline", "configure"]
@@ -28,6 +29,9 @@ __all__ = ["CPUPipeline", "configure"]
 _TAG_BASE = 0x50500000            # gloo point-to-point tags of PP traffic (0 <= tag < 2**31)
 _HEADER, _PAYLOAD, _ACK = range(3)
 _TAGS_PER_CONFIGURATION = 4
+# pp_set_config's fields in the common call header (`deep_ep.backends.cpu.collectives`); its tail
+# holds the tensors this rank sent to, then received from, every rank.
+_SLOT_BYTES, _INFLIGHT = 1, 2
 
 #: PP configurations made so far per process group (by name): the n-th has the same number on every
 #: rank (pp_set_config is collective), which keeps two buffers' channels on one group apart.
@@ -208,20 +212,22 @@ def configure(comm: Collectives, call: int, old: Optional[CPUPipeline], num_slot
     if old is not None:
         old._check_usable()
     num_ranks = comm.num_ranks
-    comm.begin("pp_set_config", call)
-    row = torch.zeros(2 + 2 * num_ranks, dtype=torch.int64, device="cpu")
-    row[0], row[1] = num_slot_bytes, num_max_inflight_tensors
+    comm.begin(collectives.OP_PP_SET_CONFIG, call)
+    fields = collectives.new_fields()
+    fields[_SLOT_BYTES], fields[_INFLIGHT] = num_slot_bytes, num_max_inflight_tensors
+    counts = torch.zeros(2 * num_ranks, dtype=torch.int64, device="cpu")
     if old is not None:
-        row[2:2 + num_ranks] = torch.tensor(old.sent, dtype=torch.int64, device="cpu")
-        row[2 + num_ranks:] = torch.tensor(old.received, dtype=torch.int64, device="cpu")
-    rows = comm.all_gather(row, "pp_set_config count exchange")
-    for column, name in ((0, "num_max_tensor_bytes (rounded up to 32)"), (1, "num_max_inflight_tensors")):
-        values = rows[:, column]
+        counts[:num_ranks] = torch.tensor(old.sent, dtype=torch.int64, device="cpu")
+        counts[num_ranks:] = torch.tensor(old.received, dtype=torch.int64, device="cpu")
+    headers = comm.exchange_header(fields, counts)
+    for column, name in ((_SLOT_BYTES, "num_max_tensor_bytes (rounded up to 32)"),
+                         (_INFLIGHT, "num_max_inflight_tensors")):
+        values = headers[:, column]
         if (values != values[0]).any():
             raise comm.error(f"pp_set_config: ranks disagree on {name}: per-rank values {values.tolist()}; "
                              f"every rank must pass the same values")
-    sent = rows[:, 2:2 + num_ranks]
-    received = rows[:, 2 + num_ranks:]
+    sent = headers[:, collectives.HEADER_FIELDS:collectives.HEADER_FIELDS + num_ranks]
+    received = headers[:, collectives.HEADER_FIELDS + num_ranks:]
     missing = [(src, dst, int(sent[src, dst] - received[dst, src]))
                for src in range(num_ranks) for dst in range(num_ranks) if sent[src, dst] != received[dst, src]]
     if missing:
