@@ -57,17 +57,25 @@ def test_combine_module_compiles(structure):
 
 NCCL_STRUCTURES = [("dispatch", (14336, 0, 8, False)), ("dispatch", (14336, 0, 8, True)),
                    ("dispatch", (7168, 56, 8, False)), ("combine", (7168, 8, False)), ("combine", (7168, 8, True)),
-                   ("barrier", ())]
+                   ("barrier", ()), ("pp", ())]
 
 
 @pytest.mark.parametrize("kind, structure", NCCL_STRUCTURES, ids=lambda v: v if isinstance(v, str) else "")
 def test_nccl_transport_module_compiles(kind, structure):
     """The modules of NCCL-backed buffers (EP_TRANSPORT_NCCL=1: ncclDevComm and the symmetric window)."""
     defines = {"dispatch": gpu.dispatch_defines, "combine": gpu.combine_defines,
-               "barrier": modules.barrier_defines}[kind](*structure, transport_nccl=True)
+               "barrier": modules.barrier_defines, "pp": modules.pp_defines}[kind](*structure, transport_nccl=True)
     mod = jit.build(f"deep_ep_{kind}_nccl_test", gpu.kernel_source(kind), defines=defines, use_nccl=True,
                     check_spills=True)
     assert mod.kernel_names()
+
+
+def test_pp_module_compiles():
+    """Pipeline send/recv (kernels/pp.cuh) for emulated ranks: the three entry points, no spills (the
+    NCCL transport's build is among `NCCL_STRUCTURES`)."""
+    mod = jit.build("deep_ep_pp_test", gpu.kernel_source("pp"), defines=modules.pp_defines(), check_spills=True)
+    assert sorted(mod.kernel_names()) == sorted([modules.PP_SEND_KERNEL, modules.PP_RECV_KERNEL,
+                                                 modules.PP_FLUSH_KERNEL])
 
 
 def test_tunable_defines_from_environment(monkeypatch):

@@ -52,7 +52,7 @@ for step in $steps; do
       files=${EXTRA_FILES:-"tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
              tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py
              tests/gpu/test_gpu_defaults.py tests/gpu/test_gpu_rank_graphs.py
-             tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py"}
+             tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py tests/gpu/test_gpu_pp.py"}
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
         ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     compat)

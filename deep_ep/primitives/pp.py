@@ -2,9 +2,9 @@
 
 DeepEP V2's experimental PP primitive: a byte copy of a contiguous tensor to the previous or next
 rank of the ring, first in, first out per channel (an ordered pair of neighbours), at most
-``num_max_inflight_tensors`` tensors in flight per channel. It runs on the CPU backend
-(`deep_ep.backends.cpu.pp`); on a GPU buffer every method raises `NotImplementedError` before any
-communication.
+``num_max_inflight_tensors`` tensors in flight per channel. The CPU backend runs it over gloo
+(`deep_ep.backends.cpu.pp`); the GPU backend with one kernel per tensor on the caller's stream
+(`deep_ep.backends.gpu.pp`), for ranks emulated on one GPU and NCCL windows alike.
 
 Window: a rank that sent or received a PP tensor holds the buffer's window (dispatch, combine and
 the other primitives raise) until the next `pp_set_config`, which is collective and frees it on
@@ -64,17 +64,22 @@ class PipelineMixin:
         return _align(num_slot_bytes * num_max_inflight_tensors * 2 * 2, checks.BUFFER_ALIGNMENT)
 
     # ------------------------------------------------------------------ helpers
-    def _pp_require_cpu(self, method: str) -> None:
+    def _pp_on_gpu(self, method: str) -> bool:
+        """True for a GPU buffer, False for a CPU one; any other backend raises."""
         from ..backends.cpu import CPUBackend
-        if not isinstance(self._backend, CPUBackend):
-            raise NotImplementedError(
-                f"ElasticBuffer.{method}: pipeline send/recv is not implemented for GPU buffers in this release; "
-                f"the CPU backend (a gloo group with CPU tensors) has it")
+        if isinstance(self._backend, CPUBackend):
+            return False
+        from ..backends.gpu import GPUBackend
+        if isinstance(self._backend, GPUBackend):
+            return True
+        raise NotImplementedError(
+            f"ElasticBuffer.{method}: pipeline send/recv is not implemented for this backend "
+            f"({type(self._backend).__name__}); GPU buffers and the CPU backend have it")
 
     def _pp_checked_pipeline(self, method: str, t, peer, peer_name: str, num_sms):
         """The configured pipeline after checking one pp_send / pp_recv call's arguments."""
         self._alive()
-        self._pp_require_cpu(method)
+        self._pp_on_gpu(method)
         pipeline = getattr(self, "_pp_pipeline", None)
         if pipeline is None:
             raise RuntimeError(f"{method}: pipeline send/recv is not configured on this buffer; call "
@@ -116,7 +121,9 @@ class PipelineMixin:
         stays: make the missing pp_recv calls and call again). Otherwise each rank waits until its
         sends are acknowledged, starts fresh channels and frees the buffer's window (see the module
         docstring): call it between PP traffic and dispatch / combine. Also the only way to change
-        the sizes.
+        the sizes. On a GPU buffer it also waits on the host for this rank's current stream and
+        communication stream, cannot be captured in a CUDA graph, and is needed after a dispatch or
+        combine before the next PP traffic (they write over the slots).
 
         Args:
             num_max_tensor_bytes: int >= 1, the largest tensor in bytes (rounded up to 32).
@@ -124,29 +131,42 @@ class PipelineMixin:
                 channel (an ordered pair of neighbours); a pp_send beyond waits for the receiver.
 
         Raises:
-            TypeError / ValueError: a bad size, or (a buffer with a window, ``num_bytes > 0``) sizes
-                that need more than ``num_bytes`` (`get_pp_buffer_size_hint`): before any communication.
-            NotImplementedError: a GPU buffer.
-            RuntimeError: destroyed buffer; another primitive holds the window; on every rank, ranks
-                that disagree on the sizes, or tensors sent and not received.
-            TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``.
+            TypeError / ValueError: a bad size, or (a buffer with a window, ``num_bytes > 0``; every
+                GPU buffer) sizes that need more than ``num_bytes`` (`get_pp_buffer_size_hint`): before
+                any communication.
+            RuntimeError: destroyed buffer; another primitive holds the window; during CUDA-graph
+                capture (GPU); on every rank, ranks that disagree on the sizes, or tensors sent and
+                not received.
+            TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``; a GPU wait of an
+                earlier pp_send / pp_recv gave up (GPU).
         """
         self._alive()
-        self._pp_require_cpu("pp_set_config")
+        on_gpu = self._pp_on_gpu("pp_set_config")
         backend = self._backend
         backend.calls += 1   # collective: counted like dispatch, a refused call too
         _check_sizes(num_max_tensor_bytes, num_max_inflight_tensors)
         num_slot_bytes = _align(num_max_tensor_bytes, PP_SLOT_ALIGNMENT)
         num_window_bytes = num_slot_bytes * num_max_inflight_tensors * 2 * 2
-        if self.num_bytes and num_window_bytes > self.num_bytes:
+        if on_gpu:
+            from ..backends.gpu import pp as gpu_pp
+            # the GPU rings need half the hint's slot sets, after the control region
+            num_window_bytes = gpu_pp.pp_layout(backend.num_ranks, num_slot_bytes, num_max_inflight_tensors).end
+        if (self.num_bytes or on_gpu) and num_window_bytes > self.num_bytes:
             raise ValueError(f"pp_set_config: {num_max_inflight_tensors} tensors of {num_slot_bytes} bytes in flight "
                              f"need {num_window_bytes} bytes of window, the buffer has num_bytes={self.num_bytes}; "
                              f"create it with num_bytes >= ElasticBuffer.get_pp_buffer_size_hint("
                              f"{num_max_tensor_bytes}, {num_max_inflight_tensors}) or lower the sizes")
         self._window_use.check_free("pp")
-        from ..backends.cpu import pp as cpu_pp
-        self._pp_pipeline = cpu_pp.configure(backend.comm, backend.calls, getattr(self, "_pp_pipeline", None),
-                                             num_slot_bytes, num_max_inflight_tensors)
+        if on_gpu:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("pp_set_config waits on the host for every rank and cannot be captured in a CUDA "
+                                   "graph; call it before the capture (pp_send / pp_recv can be captured)")
+            self._pp_pipeline = gpu_pp.configure(backend, getattr(self, "_pp_pipeline", None), num_slot_bytes,
+                                                 num_max_inflight_tensors)
+        else:
+            from ..backends.cpu import pp as cpu_pp
+            self._pp_pipeline = cpu_pp.configure(backend.comm, backend.calls, getattr(self, "_pp_pipeline", None),
+                                                 num_slot_bytes, num_max_inflight_tensors)
         self._window_use.release("pp")
 
     def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
@@ -158,22 +178,34 @@ class PipelineMixin:
         until the receiver takes the oldest. With 2 ranks the previous and the next rank are the
         same rank: one channel each way. With 1 rank the tensor loops back to this rank.
 
+        On a GPU buffer the call only queues a kernel on the current stream and returns: the kernel
+        waits on the GPU for a free slot (at most ``num_gpu_timeout_secs``), copies the bytes into
+        the receiver's window and publishes them; ``t`` may be reused by work queued after it on
+        the same stream. A GPU timeout is raised by the next PP call (or pp_set_config).
+
         Args:
             t: any dtype and shape (0-dim and empty included), contiguous, on the buffer's device,
                 at most ``num_max_tensor_bytes`` (rounded up to 32) bytes.
             dst_rank_idx: int, the previous (``(rank - 1) % num_ranks``) or next (``(rank + 1) %
                 num_ranks``) rank.
-            num_sms: int >= 0, SMs on the GPU (0 = all); ignored on CPU.
+            num_sms: int >= 0, blocks of the GPU's copy kernel (0 = one block; emulated ranks: at most
+                the device's SMs / ranks); ignored on CPU.
 
         Raises (argument errors before any communication):
             TypeError / ValueError: bad ``t``, ``dst_rank_idx`` or ``num_sms``.
-            NotImplementedError: a GPU buffer.
             RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
-                1-rank group with the in-flight limit reached; a failed connection.
+                1-rank group with the in-flight limit reached; a failed connection; (GPU) a
+                dispatch or combine since the last pp_set_config.
             TimeoutError: the receiver did not take the oldest tensor in time (the buffer's PP
                 traffic is then unusable).
         """
         pipeline = self._pp_checked_pipeline("pp_send", t, dst_rank_idx, "dst_rank_idx", num_sms)
+        self._window_use.check_free("pp")
+        if self._pp_on_gpu("pp_send"):
+            blocks = pipeline.check("pp_send", t, dst_rank_idx, num_sms)
+            self._window_use.hold("pp", _HOLD_DETAIL)
+            pipeline.send(t, dst_rank_idx, blocks)
+            return
         self._window_use.hold("pp", _HOLD_DETAIL)
         pipeline.send(t, dst_rank_idx)
 
@@ -182,23 +214,31 @@ class PipelineMixin:
 
         Waits (at most ``num_cpu_timeout_secs``) for it to arrive, then fills ``t`` in place with
         its bytes. ``t`` must have the sent tensor's byte count; its dtype and shape are the
-        caller's (the copy is byte-wise).
+        caller's (the copy is byte-wise). On a GPU buffer the call queues a kernel on the current
+        stream that waits on the GPU (at most ``num_gpu_timeout_secs``), fills ``t`` and hands the
+        slot back to the sender; work queued after it on the stream sees ``t`` filled.
 
         Args:
             t: the output, contiguous, on the buffer's device, at most ``num_max_tensor_bytes``
                 (rounded up to 32) bytes.
             src_rank_idx: int, the previous or next rank (as in `pp_send`).
-            num_sms: int >= 0, SMs on the GPU (0 = all); ignored on CPU.
+            num_sms: int >= 0, blocks of the GPU's copy kernel (0 = one block); ignored on CPU.
 
         Raises (argument errors before any communication):
             TypeError / ValueError: bad ``t``, ``src_rank_idx`` or ``num_sms``; ValueError also when
                 the tensor that arrived has another byte count than ``t`` (it is consumed, ``t`` is
-                unchanged).
-            NotImplementedError: a GPU buffer.
+                unchanged). On a GPU buffer the kernel finds that, and the next PP call raises the
+                ValueError; the buffer is then unusable.
             RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
                 1-rank group with nothing in flight; a failed connection.
             TimeoutError: nothing arrived in time (the buffer's PP traffic is then unusable).
         """
         pipeline = self._pp_checked_pipeline("pp_recv", t, src_rank_idx, "src_rank_idx", num_sms)
+        self._window_use.check_free("pp")
+        if self._pp_on_gpu("pp_recv"):
+            blocks = pipeline.check("pp_recv", t, src_rank_idx, num_sms)
+            self._window_use.hold("pp", _HOLD_DETAIL)
+            pipeline.recv(t, src_rank_idx, blocks)
+            return
         self._window_use.hold("pp", _HOLD_DETAIL)
         pipeline.recv(t, src_rank_idx)

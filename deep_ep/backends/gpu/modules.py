@@ -13,8 +13,9 @@ import threading
 from ... import jit
 
 __all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
-           "BARRIER_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
-           "dispatch_defines", "combine_defines", "barrier_defines", "build_module", "load_module",
+           "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "TUNABLES", "kernel_source",
+           "tunable_defines", "dispatch_defines", "combine_defines", "barrier_defines", "pp_defines", "build_module",
+           "load_module",
            "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
@@ -29,6 +30,9 @@ DISPATCH_KERNEL = "deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl"   # a
 CACHED_DISPATCH_KERNEL = "deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl"
 COMBINE_KERNEL = "deep_ep_combine_impl_with_combine_reduce_epilogue_impl"
 BARRIER_KERNEL = "deep_ep_barrier"   # `ElasticBuffer.barrier`
+PP_SEND_KERNEL = "deep_ep_pp_send"     # `ElasticBuffer.pp_send`
+PP_RECV_KERNEL = "deep_ep_pp_recv"     # `ElasticBuffer.pp_recv`
+PP_FLUSH_KERNEL = "deep_ep_pp_flush"   # `ElasticBuffer.pp_set_config`'s steps
 
 # Build-time tunables of the data kernels, each #defined with its default in
 # include/deep_ep/common/tunables.cuh (tests/test_kernels_compile.py holds the two lists equal): they
@@ -40,9 +44,9 @@ TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_SINGLE_
 
 
 def kernel_source(kind: str) -> str:
-    """The CUDA source of a ``kind`` module ("dispatch", "combine" or "barrier"); the structure comes
-    in as defines."""
-    if kind not in ("dispatch", "combine", "barrier"):
+    """The CUDA source of a ``kind`` module ("dispatch", "combine", "barrier" or "pp"); the structure
+    comes in as defines."""
+    if kind not in ("dispatch", "combine", "barrier", "pp"):
         raise ValueError(f"unknown kernel module kind {kind!r}")
     return f"#include <deep_ep/kernels/{kind}.cuh>\n"
 
@@ -90,7 +94,13 @@ def barrier_defines(transport_nccl: bool = False) -> dict:
     return {"EP_TRANSPORT_NCCL": int(transport_nccl)}
 
 
-_DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines}
+def pp_defines(transport_nccl: bool = False) -> dict:
+    """Defines of the pipeline send/recv module (kernels/pp.cuh)."""
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl)}
+
+
+_DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines,
+            "pp": pp_defines}
 _modules: dict = {}
 _modules_lock = threading.Lock()
 
