@@ -173,26 +173,37 @@ def _limit_body(group, limit, num_sends):
     try:
         buf.pp_set_config(4096, limit)
         tensors = [torch.full((1024,), position + 1, dtype=torch.int32, device=DEVICE) for position in range(num_sends)]
-        outs = []
+        outs, events = [], []
         if rank == 0:
             for tensor in tensors:
                 buf.pp_send(tensor, 1)
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()   # the send's kernel has returned
         elif rank == 1:
             outs = [torch.full((1024,), -7, dtype=torch.int32, device=DEVICE) for _ in tensors]
             torch.cuda._sleep(500_000_000)   # about a quarter of a second at H200 clocks
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()   # the receiver starts taking tensors
             for out in outs:
                 buf.pp_recv(out, 0)
         _wait()
         for tensor, out in zip(tensors, outs):
             assert torch.equal(out.cpu(), tensor.cpu())
         buf.pp_set_config(4096, limit)
+        return events
     finally:
         buf.destroy()
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_send_beyond_the_limit_waits_for_the_receiver(num_ranks):
-    _run(num_ranks, _limit_body, 2, 7)
+    """The first ``limit`` sends end before the receiver starts; the next one only after."""
+    limit = 2
+    results = _run(num_ranks, _limit_body, limit, 7)
+    sent, (started,) = results[0], results[1]
+    after_start_ms = [started.elapsed_time(event) for event in sent]   # negative: before the receiver started
+    assert all(ms < 0 for ms in after_start_ms[:limit]), after_start_ms
+    assert all(ms >= 0 for ms in after_start_ms[limit:]), after_start_ms
 
 
 def _expect(error, match, fn, *args, **kwargs):
@@ -318,14 +329,15 @@ def _graph_replays(group, buf, rank, num_ranks, next_rank, prev_rank, replays):
     x = torch.zeros(1000, dtype=torch.float32, device=DEVICE)
     out = torch.zeros(1000, dtype=torch.float32, device=DEVICE)
     _wait()
-    if num_ranks > 1:
-        group.barrier()   # capture synchronises the device: no rank may be replaying yet
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-        buf.pp_send(x, next_rank, num_sms=1)
-        buf.pp_recv(out, prev_rank, num_sms=1)
-    if num_ranks > 1:
-        group.barrier()
+    # One rank captures at a time (a capture synchronises the device), and none replays before all did.
+    for capturing in range(num_ranks):
+        if capturing == rank:
+            with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+                buf.pp_send(x, next_rank, num_sms=1)
+                buf.pp_recv(out, prev_rank, num_sms=1)
+        if num_ranks > 1:
+            group.barrier()
     for replay in range(replays):
         x.copy_(torch.arange(1000, dtype=torch.float32, device=DEVICE) * (replay + 1) + 10_000 * rank)
         out.fill_(float("nan"))
