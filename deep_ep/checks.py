@@ -149,6 +149,9 @@ def check_x(x, device: torch.device, name: str = "x") -> tuple:
     if isinstance(x, torch.Tensor) and x.dtype == FP8:
         raise TypeError(f"FP8 {name} must be given as a tuple (data, scale factors), got a bare "
                         f"{_fmt_tensor(x)}")
+    if isinstance(x, torch.Tensor) and x.dtype is not torch.bfloat16:
+        raise TypeError(f"{name} must have dtype bfloat16, got {_fmt_tensor(x)}: cast it with .to(torch.bfloat16), "
+                        f"or pass FP8 as a tuple (float8_e4m3fn data, scale factors)")
     check_tensor(name, x, dtype=torch.bfloat16, shape=(None, None), device=device)
     return x, None
 

@@ -117,7 +117,9 @@ class Buffer(LowLatencyMethods, PlannedMethods):
             released when collected).
         """
         if not self.explicitly_destroy:
-            raise RuntimeError("deep_ep.Buffer.destroy: `explicitly_destroy` flag must be set")
+            raise RuntimeError("deep_ep.Buffer.destroy: `explicitly_destroy` flag must be set: create the Buffer "
+                               "with explicitly_destroy=True to release it with destroy(); without it, it is "
+                               "released when garbage-collected")
         if self.elastic_buffer is not None:
             self.elastic_buffer.destroy()
             self.elastic_buffer = None

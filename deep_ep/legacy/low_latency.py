@@ -66,14 +66,14 @@ class LowLatencyMethods:
         checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         checks.check_int("num_experts", num_experts, minimum=1)
         if hidden <= 0 or hidden % NUM_CHANNELS_PER_SCALE:
-            raise ValueError(f"hidden={hidden} must be a positive multiple of {NUM_CHANNELS_PER_SCALE}")
+            raise ValueError(f"{name}: hidden={hidden} must be a positive multiple of {NUM_CHANNELS_PER_SCALE}")
         if num_experts % self.group_size:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {self.group_size}")
         need = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         if need > self.num_rdma_bytes:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is less than the {need} bytes low-latency mode "
                              f"needs here (get_low_latency_rdma_size_hint({num_max_dispatch_tokens_per_rank}, "
-                             f"{hidden}, {self.group_size}, {num_experts}))")
+                             f"{hidden}, {self.group_size}, {num_experts})); pass at least that as num_rdma_bytes")
 
     def _low_latency_elastic_buffer(self, max_pairs: int, hidden: int):
         """The `ElasticBuffer` a low-latency call of up to ``max_pairs`` (token, expert) pairs per rank
@@ -307,7 +307,7 @@ class LowLatencyMethods:
         num_tokens = x.shape[0]
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{num_max_dispatch_tokens_per_rank}")
+                             f"{num_max_dispatch_tokens_per_rank}: raise it (and num_rdma_bytes) or split the batch")
         checks.check_tensor("topk_idx", topk_idx, dtype=checks.topk_idx_t, shape=(num_tokens, None), device=device)
         num_topk = topk_idx.shape[1]
         if num_topk == 0:
@@ -448,7 +448,7 @@ class LowLatencyMethods:
         num_tokens, num_topk = topk_idx.shape
         if num_tokens > num_slots:
             raise ValueError(f"topk_idx has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{num_slots}")
+                             f"{num_slots} of the dispatch that made the handle; pass that dispatch's topk_idx")
         checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, num_topk),
                             device=device)
         if not isinstance(handle, LowLatencyHandle):

@@ -85,7 +85,7 @@ class PipelineMixin:
             raise RuntimeError(f"{method}: pipeline send/recv is not configured on this buffer; call "
                                f"pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors) on every rank first")
         checks.check_int("num_sms", num_sms, minimum=0)
-        checks.check_int(peer_name, peer, minimum=0, maximum=self.num_ranks - 1)
+        checks.check_int(peer_name, peer, maximum=None)   # the range: the neighbour check names the ranks to pass
         if peer not in (pipeline.prev_rank, pipeline.next_rank):
             raise ValueError(f"{method}: {peer_name}={peer} is not a neighbour of rank {self.rank_idx} in the ring of "
                              f"{self.num_ranks} ranks; pass the previous rank {pipeline.prev_rank} or the next rank "

@@ -135,10 +135,12 @@ class Collectives:
         missing = sorted(p for p, (n, _) in stamps.items() if n < self.calls)
         timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
         if missing:
-            seen = ", ".join(f"rank {p} last entered call #{stamps[p][0]}" +
+            seen = ", ".join(f"rank {p} has entered no call of this buffer" if stamps[p][0] == 0 else
+                             f"rank {p} last entered call #{stamps[p][0]}" +
                              (f" ({stamps[p][1]})" if stamps[p][1] else "") for p in missing)
+            how = f"within {secs} s" if timed_out else f"(the connection failed before the {secs} s timeout: {exc})"
             msg = (f"deep_ep CPU timeout on rank {self.rank}: peer rank{'s' if len(missing) > 1 else ''} "
-                   f"{', '.join(map(str, missing))} did not arrive within {secs} s in {where} ({seen}). "
+                   f"{', '.join(map(str, missing))} did not arrive {how} in {where} ({seen}). "
                    f"A rank skipped or failed a call: check its log; this buffer and its process group "
                    f"cannot be used any more (destroy them)")
             err: Exception = TimeoutError(msg)
