@@ -53,16 +53,6 @@ __device__ __forceinline__ bool gin_reached(uint64_t value, uint64_t least) {
     return static_cast<int64_t>(value - least) >= 0;
 }
 
-__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
-    uint64_t v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release_gpu_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 // CUDA's 64-bit atomics take unsigned long long, which uint64_t need not be.
 __device__ __forceinline__ unsigned long long* as_ull(uint64_t* p) { return reinterpret_cast<unsigned long long*>(p); }
 

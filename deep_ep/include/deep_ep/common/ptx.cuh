@@ -51,4 +51,15 @@ __device__ __forceinline__ void store_row_vec(int4* p, const int4& v) {
 #endif
 }
 
+// Device-scope acquire / release of 64-bit words (the emulated GIN's queues and signals, one GPU).
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_gpu_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 }  // namespace deep_ep
