@@ -170,3 +170,19 @@ RANK_COUNTS = (1, 2, 4, 8)
 
 def all_cases() -> list:
     return [c for r in RANK_COUNTS for c in cases_for(r)]
+
+
+def run_legacy_on_emulated_ranks(body, num_ranks: int) -> None:
+    """``body(group, num_ranks)`` on ``num_ranks`` ranks emulated on GPU 0, with `deep_ep.Buffer`'s
+    class-wide SM count lowered for the call so that every rank's blocks are resident at once (8
+    ranks x DeepEP's 20 SMs would not fit on 132), then restored."""
+    import deep_ep
+    from deep_ep.emulated import EmulatedGroup
+    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0))
+    num_sms = deep_ep.Buffer.num_sms
+    deep_ep.Buffer.set_num_sms(min(num_sms, torch.cuda.get_device_properties(0).multi_processor_count
+                                   // num_ranks // 2 * 2))
+    try:
+        group.run(body, num_ranks)
+    finally:
+        deep_ep.Buffer.set_num_sms(num_sms)

@@ -201,13 +201,10 @@ class PipelineMixin:
         """
         pipeline = self._pp_checked_pipeline("pp_send", t, dst_rank_idx, "dst_rank_idx", num_sms)
         self._window_use.check_free("pp")
-        if self._pp_on_gpu("pp_send"):
-            blocks = pipeline.check("pp_send", t, dst_rank_idx, num_sms)
-            self._window_use.hold("pp", _HOLD_DETAIL)
-            pipeline.send(t, dst_rank_idx, blocks)
-            return
+        # the GPU pipeline's own checks (blocks, a dispatch since the flush) come before the hold
+        blocks = (pipeline.check("pp_send", t, dst_rank_idx, num_sms),) if self._pp_on_gpu("pp_send") else ()
         self._window_use.hold("pp", _HOLD_DETAIL)
-        pipeline.send(t, dst_rank_idx)
+        pipeline.send(t, dst_rank_idx, *blocks)
 
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         """(Experimental) Receive the oldest tensor a ring neighbour sent to this rank, into ``t``.
@@ -235,10 +232,7 @@ class PipelineMixin:
         """
         pipeline = self._pp_checked_pipeline("pp_recv", t, src_rank_idx, "src_rank_idx", num_sms)
         self._window_use.check_free("pp")
-        if self._pp_on_gpu("pp_recv"):
-            blocks = pipeline.check("pp_recv", t, src_rank_idx, num_sms)
-            self._window_use.hold("pp", _HOLD_DETAIL)
-            pipeline.recv(t, src_rank_idx, blocks)
-            return
+        # the GPU pipeline's own checks (blocks, a dispatch since the flush) come before the hold
+        blocks = (pipeline.check("pp_recv", t, src_rank_idx, num_sms),) if self._pp_on_gpu("pp_recv") else ()
         self._window_use.hold("pp", _HOLD_DETAIL)
-        pipeline.recv(t, src_rank_idx)
+        pipeline.recv(t, src_rank_idx, *blocks)

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
+from gpu_cases import run_legacy_on_emulated_ranks  # noqa: E402
 from test_legacy_buffer import CASES, _run_case  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,13 +43,4 @@ def test_one_rank_nccl(nccl_group):
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_emulated(num_ranks):
-    from deep_ep.emulated import EmulatedGroup
-    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0))
-    # every emulated rank's blocks must be resident at once: 8 ranks x 20 SMs would not fit
-    num_sms = deep_ep.Buffer.num_sms
-    deep_ep.Buffer.set_num_sms(min(num_sms, torch.cuda.get_device_properties(0).multi_processor_count
-                                   // num_ranks // 2 * 2))
-    try:
-        group.run(_body, num_ranks)
-    finally:
-        deep_ep.Buffer.set_num_sms(num_sms)
+    run_legacy_on_emulated_ranks(_body, num_ranks)

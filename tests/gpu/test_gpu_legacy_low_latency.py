@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
+from gpu_cases import run_legacy_on_emulated_ranks  # noqa: E402
 from test_legacy_low_latency import (MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
                                      _expert_output, _host, _rank_inputs, num_experts_for, run_cases,
                                      run_mask_cases)
@@ -49,16 +50,7 @@ def test_one_rank_nccl(nccl_group):
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_emulated(num_ranks):
-    from deep_ep.emulated import EmulatedGroup
-    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0))
-    # every emulated rank's blocks must be resident at once: 8 ranks x 20 SMs would not fit
-    num_sms = deep_ep.Buffer.num_sms
-    deep_ep.Buffer.set_num_sms(min(num_sms, torch.cuda.get_device_properties(0).multi_processor_count
-                                   // num_ranks // 2 * 2))
-    try:
-        group.run(_body, num_ranks)
-    finally:
-        deep_ep.Buffer.set_num_sms(num_sms)
+    run_legacy_on_emulated_ranks(_body, num_ranks)
 
 
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
