@@ -201,8 +201,8 @@ struct EmulatedGinArgs {
     uint32_t linger_ns;                   // how long the NIC waits to gather `batch` entries of a queue
     int num_ranks, num_contexts, num_signals, num_counters, queue_depth, stage_bytes, batch;
 };
-static_assert(sizeof(EmulatedGinArgs) == 112 && __builtin_offsetof(EmulatedGinArgs, min_delay_ns) == 72 &&
-              __builtin_offsetof(EmulatedGinArgs, batch) == 108, "mirrored by deep_ep/comm/gin.py");
+// NVRTC has no offsetof: the size pins the layout, and tests/test_gin_compile.py checks the offsets on the host.
+static_assert(sizeof(EmulatedGinArgs) == 112, "mirrored by deep_ep/comm/gin.py");
 
 __device__ __forceinline__ int gin_queue_index(const EmulatedGinArgs& a, int src, int context, int dst) {
     return (src * a.num_contexts + context) * a.num_ranks + dst;
