@@ -55,11 +55,12 @@ def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
     num_tokens, hidden = x.shape
     values = x.float().view(num_tokens, hidden // NUM_CHANNELS_PER_SCALE, NUM_CHANNELS_PER_SCALE)
     amax = values.abs().amax(dim=-1).clamp(min=FP8_MARGIN)
+    # full_like, not torch.tensor(..., device=): a fill kernel, which CUDA graph capture allows
     if round_scale:
-        exponent = _ceil_log2(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device))
+        exponent = _ceil_log2(amax * torch.full_like(amax, 1.0 / FP8_MAX))
         scale, scale_inv = _pow2(-exponent), _pow2(exponent)
     else:
-        scale_inv = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+        scale_inv = amax * torch.full_like(amax, 1.0 / FP8_MAX)
         scale = torch.full_like(amax, FP8_MAX) / amax       # a true division (a scalar over a tensor is not)
     data = (values * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(checks.FP8).view(num_tokens, hidden)
     return data, scale_inv.contiguous()
@@ -141,7 +142,8 @@ def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
 def per_pair(rows: torch.Tensor, num_topk: int) -> torch.Tensor:
     """Each row repeated ``num_topk`` times in a row (a copy through a broadcast view, no host sync)."""
     rows = raw_bits(rows)
-    return rows.unsqueeze(1).expand(rows.shape[0], num_topk, rows.shape[1]).reshape(-1, rows.shape[1])
+    # contiguous(): with one row, reshape returns the broadcast view itself (row stride 0), not a copy
+    return rows.unsqueeze(1).expand(rows.shape[0], num_topk, rows.shape[1]).reshape(-1, rows.shape[1]).contiguous()
 
 
 def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int,
