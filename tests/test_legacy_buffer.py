@@ -394,10 +394,11 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     _assert_same("combined_topk_weights", combined_w, want_w)
     assert buffer.combine(ys[rank].to(device), handle, bias=_to(biases[rank], device))[1] is None
 
-    # round trip (DeepEP's check): combining what was received gives x times the token's rank count
+    # round trip (DeepEP's check): combining what was received gives x times the token's rank count;
+    # the sum starts from +0.0, so a token sent nowhere comes back +0.0, never x * 0 (-0.0 where x < 0)
     if not fp8:
         back = _to(buffer.combine(recv_x.to(device), handle)[0], "cpu")
-        _assert_same("round trip", back, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+        _assert_same("round trip", back, (x.float() * in_rank.sum(1, keepdim=True) + 0.0).to(torch.bfloat16))
 
 
 def _check_refusals(buffer, rank, R):

@@ -224,7 +224,7 @@ def _refusals_body(group):
         buf.pp_set_config(64, 2)
         bad_calls = [
             (TypeError, "t must be a torch.Tensor", (sent.tolist(), next_rank), {}),
-            (ValueError, "dst_rank_idx must be <= ", (sent, num_ranks), {}),
+            (ValueError, f"dst_rank_idx={num_ranks} is not a neighbour", (sent, num_ranks), {}),
             (ValueError, "must be contiguous", (torch.arange(12.0, device=DEVICE).view(2, 6).t(), next_rank), {}),
             (ValueError, "more than the configured num_max_tensor_bytes",
              (torch.zeros(17, dtype=torch.float32, device=DEVICE), next_rank), {}),
