@@ -116,8 +116,8 @@ for step in $steps; do
       timeout ${HOSTPROF_TIMEOUT:-200} python3 tools/profile_gpu.py --host-profile > "$OUT/host_profile.log" 2>&1
       grep -A30 "===== host cost" "$OUT/host_profile.log" ;;
     mutate)  # MUTATE_BUDGET seconds for all its runs (each prints its time); MUTATE_BENCH_ARGS e.g. "--tokens 1024"
-      timeout $(( ${MUTATE_BUDGET:-360} + 60 )) python3 tools/mutation_check.py --out "$OUT/mutation" \
-        --budget ${MUTATE_BUDGET:-360} --bench-args "${MUTATE_BENCH_ARGS:-}" 2>&1 | tee "$OUT/mutation.log" | grep -E "^(clean build|defect|mutation check|  all runs|Traceback)" ;;
+      timeout $(( ${MUTATE_BUDGET:-480} + 60 )) python3 tools/mutation_check.py --out "$OUT/mutation" \
+        --budget ${MUTATE_BUDGET:-480} --bench-args "${MUTATE_BENCH_ARGS:-}" 2>&1 | tee "$OUT/mutation.log" | grep -E "^(clean build|defect|mutation check|  all runs|Traceback)" ;;
     summary)
       python3 tools/mutation_check.py --write-summary "$OUT" ;;
     pack)

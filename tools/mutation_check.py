@@ -25,7 +25,7 @@ a defect's edits no longer apply.
 
 Usage (the ``mutate`` step of tools/device_suite.sh, on a GPU machine)::
 
-    python3 tools/mutation_check.py [--defects 1,3] [--out DIR] [--budget 360] [--dry-run]
+    python3 tools/mutation_check.py [--defects 1,3] [--out DIR] [--budget 480] [--dry-run]
     python3 tools/mutation_check.py --plant 3 DIR    # DIR: a copy of the include tree with defect 3
 
 ``--dry-run`` checks that every edit applies, prints the commands and runs nothing (no GPU needed).
@@ -620,7 +620,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--defects", default="", help="comma-separated defect numbers (default: all)")
     p.add_argument("--out", default=None, help="folder of logs and results (default: $OUT/mutation)")
-    p.add_argument("--budget", type=float, default=360.0, help="seconds for all runs (default 360)")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for all runs (default 480)")
     p.add_argument("--suite-timeout", type=float, default=150.0, help="seconds per suite run")
     p.add_argument("--bench-timeout", type=float, default=150.0, help="seconds per bench run")
     p.add_argument("--bench-args", default="", help="arguments added to every bench run (e.g. \"--tokens 1024\")")
