@@ -154,7 +154,7 @@ def stream_write_u32(stream: int, address: int, value: int) -> int:
     read was written first)."""
     d = driver()
     (err,) = d.cuStreamWriteValue32(stream, address, value & 0xFFFFFFFF,
-                                    d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+                                    int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
     return int(err)
 
 
@@ -163,5 +163,5 @@ def stream_wait_u32(stream: int, address: int, value: int) -> int:
     (``(int32)(word - value) >= 0``, so counters may wrap). No timeout: the stream waits until then."""
     d = driver()
     (err,) = d.cuStreamWaitValue32(stream, address, value & 0xFFFFFFFF,
-                                   d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+                                   int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
     return int(err)

@@ -7,7 +7,7 @@
 // The host reads these constants (one `constexpr int` per line).
 #pragma once
 
-#include "../comm/lsa.cuh"
+#include "../comm/pp.cuh"
 
 namespace deep_ep {
 
@@ -20,7 +20,8 @@ constexpr int kAgrsHeaderRows = kAgrsFlagRow + kAgrsMaxOps;
 
 // Every peer's window base, as a 64-bit address per rank.
 __device__ __forceinline__ void agrs_peers_impl(const comm::LsaTransport& tr, uint64_t* out) {
-    for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x) out[p] = reinterpret_cast<uint64_t>(tr.bases[p]);
+    for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x)
+        out[p] = reinterpret_cast<uint64_t>(comm::peer_bytes(tr, p, 0));
 }
 
 }  // namespace deep_ep
