@@ -119,11 +119,12 @@ class AllGatherReduceScatterMixin:
 
     def _agrs_pp_mark(self):
         """What pipeline send/recv did to the window so far (GPU: PP's slots and counters share the
-        region after the control words with AGRS): the channels' identity and tensors moved."""
+        region after the control words with AGRS): the channels (the object itself, kept alive, so a
+        new configuration never compares equal) and the tensors moved."""
         pipeline = getattr(self, "_pp_pipeline", None)
         if pipeline is None:
             return None
-        return id(pipeline), sum(getattr(pipeline, "sent", ())), sum(getattr(pipeline, "received", ()))
+        return pipeline, sum(getattr(pipeline, "sent", ())), sum(getattr(pipeline, "received", ()))
 
     def _agrs_check_window(self, method: str) -> None:
         """GPU only, before anything is queued: no earlier GPU error, and nothing wrote over the AGRS
@@ -142,7 +143,8 @@ class AllGatherReduceScatterMixin:
 
     def _release_primitives(self) -> None:
         """Close an open session without waiting for its handles and drop the session space
-        (`ElasticBuffer.destroy`); outputs the caller still holds keep their bytes."""
+        (`ElasticBuffer.destroy`); on CPU, outputs the caller still holds keep their bytes (on GPU
+        they are views of the window the backend frees)."""
         session = getattr(self, "_agrs_session", None)
         if session is not None:
             session.open = False

@@ -7,7 +7,8 @@ per session, reduce-scatters of bf16 and float32 (average too, batched), handles
 order with outputs read right after each handle (GPU-side delays on random ranks: a handle that did
 not wait would read poison), a slow reader of the previous session's outputs (a peer that did not
 wait for it to enter the next session would overwrite them), bad input refused before any launch,
-dispatch against an open session and after one, and CUDA-graph capture refused. Hosts never block
+dispatch against an open session, dispatch and pp_set_config between sessions (refused until the
+next agrs_set_config), and CUDA-graph capture refused. Hosts never block
 on a call or a handle; they wait with `deep_ep.emulated.wait_for_stream` before reading results.
 Run by ``EXTRA_FILES=tests/gpu/test_gpu_agrs.py bash tools/device_suite.sh extra``.
 """
@@ -222,10 +223,20 @@ def _refusals_body(group):
             again, handle = buf.all_gather(mine * 2)
             handle()
             again_copy = again.clone()
+        # pipeline send/recv's configuration writes over the flags too
+        buf.pp_set_config(64, 2)
+        _expect(RuntimeError, "pipeline send/recv ran on this buffer since the last agrs_set_config",
+                buf.create_agrs_session)
+        buf.agrs_set_config(1024, 2)
+        with buf.agrs_new_session():
+            third, handle = buf.all_gather(mine * 3)
+            handle()
+            third_copy = third.clone()
         _wait()
         _assert_same(gathered_copy.cpu(), expected, f"rank {rank} gathered")
         _assert_same(reduced_copy.cpu(), _reduce_reference(grads, rank, False), f"rank {rank} reduced")
         _assert_same(again_copy.cpu(), expected * 2, f"rank {rank} gathered after the dispatch")
+        _assert_same(third_copy.cpu(), expected * 3, f"rank {rank} gathered after pp_set_config")
     finally:
         buf.destroy()
 
