@@ -76,8 +76,12 @@ def test_size_helpers_match_deepep():
     assert buffer_class.get_agrs_num_max_session_bytes(_Group(2), (), torch.float64) == 32
     assert buffer_class.get_agrs_num_max_session_bytes(_Group(4), (0, 9), torch.float32) == 0
     mib = 1024 * 1024
-    for value, hint in ((0, 0), (1, 2 * mib), (2 * mib, 2 * mib), (2 * mib + 1, 4 * mib)):
+    # the GPU window's control region (64 KiB) and flag words (35 rows of R words, in 4 KiB) come first
+    header = 64 * 1024 + 4096
+    for value, hint in ((0, 0), (1, 2 * mib), (2 * mib - header, 2 * mib), (2 * mib - header + 1, 4 * mib),
+                        (2 * mib, 4 * mib), (2 * mib + 1, 4 * mib)):
         assert buffer_class.get_agrs_buffer_size_hint(_Group(2), value) == hint
+    assert buffer_class.get_agrs_buffer_size_hint(_Group(64), 2 * mib - header) == 4 * mib   # 35 * 64 * 4 > 4 KiB
     with pytest.raises(ValueError, match="at least one shape"):
         buffer_class.get_agrs_num_max_session_bytes(_Group(2), [], torch.float32)
     with pytest.raises(TypeError, match="dtype"):
@@ -423,13 +427,13 @@ def test_sessions_under_caller_defaults(tmp_path, device):
     run_gloo_ranks(_caller_defaults_body, 2, tmp_path, device, deadline=120)
 
 
-class _GPUBackend:
+class _OtherBackend:
     device = torch.device("cuda", 0)
 
 
-def test_gpu_buffers_refuse_every_method():
-    buf = object.__new__(deep_ep.ElasticBuffer)   # a GPU buffer's state as the AGRS methods see it
-    buf._destroyed, buf._backend = False, _GPUBackend()
+def test_other_backends_refuse_every_method():
+    buf = object.__new__(deep_ep.ElasticBuffer)   # a backend neither CPU nor GPU, as the AGRS methods see it
+    buf._destroyed, buf._backend = False, _OtherBackend()
     tensor = torch.ones(4, dtype=torch.float32, device="cpu")
     calls = {"agrs_set_config": lambda: buf.agrs_set_config(1024, 2),
              "create_agrs_session": buf.create_agrs_session,
@@ -439,6 +443,6 @@ def test_gpu_buffers_refuse_every_method():
              "all_gather": lambda: buf.all_gather(tensor),
              "reduce_scatter": lambda: buf.reduce_scatter(tensor)}
     for name, call in calls.items():
-        with pytest.raises(NotImplementedError, match=rf"ElasticBuffer\.{name}: .*CPU backend"):
+        with pytest.raises(NotImplementedError, match=rf"ElasticBuffer\.{name}: .*_OtherBackend.*GPU buffers"):
             call()
     buf._destroyed = True

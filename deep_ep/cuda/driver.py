@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 
 __all__ = ["DriverError", "driver", "error_name", "device_count", "primary_context", "ensure_context",
-           "enter_context", "leave_context", "launch_kernel", "event_record", "stream_wait_event"]
+           "enter_context", "leave_context", "launch_kernel", "event_record", "stream_wait_event",
+           "memcpy_async", "stream_write_u32", "stream_wait_u32"]
 
 
 class DriverError(RuntimeError):
@@ -136,4 +137,31 @@ def event_record(event, stream: int) -> int:
 def stream_wait_event(stream: int, event) -> int:
     """The raw ``stream`` waits for ``event``'s last record (in the current context)."""
     (err,) = driver().cuStreamWaitEvent(stream, event, 0)
+    return int(err)
+
+
+# ============================================================================ copy engines and stream memory operations
+def memcpy_async(dst: int, src: int, num_bytes: int, stream: int) -> int:
+    """Queue a copy of ``num_bytes`` between device addresses (a peer's mapped window included) on the
+    raw ``stream`` (a copy engine, no SM), in the current context; returns the ``CUresult`` as an int."""
+    (err,) = driver().cuMemcpyDtoDAsync(dst, src, num_bytes, stream)
+    return int(err)
+
+
+def stream_write_u32(stream: int, address: int, value: int) -> int:
+    """Queue a write of the u32 ``value`` to the device ``address`` on the raw ``stream``, after the
+    stream's earlier work and with a memory barrier before it (what a peer that sees the value may
+    read was written first)."""
+    d = driver()
+    (err,) = d.cuStreamWriteValue32(stream, address, value & 0xFFFFFFFF,
+                                    int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
+    return int(err)
+
+
+def stream_wait_u32(stream: int, address: int, value: int) -> int:
+    """Make the raw ``stream`` wait until the u32 at the device ``address`` reaches ``value``
+    (``(int32)(word - value) >= 0``, so counters may wrap). No timeout: the stream waits until then."""
+    d = driver()
+    (err,) = d.cuStreamWaitValue32(stream, address, value & 0xFFFFFFFF,
+                                   int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
     return int(err)

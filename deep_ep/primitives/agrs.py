@@ -7,17 +7,19 @@ copy at ``r * nbytes`` inside it, and the gathered ``[R, *shape]`` tensor is a v
 Every session starts again at offset 0, so outputs stay valid until the next session reuses the
 space. Each call returns at once with a handle that waits for its data; handles may be waited in any
 order, and the session's end (`destroy_agrs_session`) waits for those left. This module keeps the
-per-rank bookkeeping and the checks; backends move the bytes (CPU: `deep_ep.backends.cpu.agrs`).
+per-rank bookkeeping and every check (all before anything is sent); backends move the bytes (CPU:
+`deep_ep.backends.cpu.agrs` over gloo; GPU: `deep_ep.backends.gpu.agrs`, copy engines and stream
+memory operations on the caller's stream, no SM).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 
 from .. import checks
+from .agrs_session import AgrsHandle, _check_dtype, _parse_shapes, _Session
 
 __all__ = ["AllGatherReduceScatterMixin", "AgrsHandle", "AGRS_TENSOR_ALIGNMENT", "AGRS_MAX_OPS_PER_SESSION"]
 
@@ -36,85 +38,6 @@ def _align(value: int, alignment: int) -> int:
 def _group_size(group) -> int:
     from ..backends import group_rank_and_size
     return group_rank_and_size(group)[1]
-
-
-def _parse_shapes(name: str, shapes) -> tuple:
-    """``(list of shape tuples, batched)``: one shape (a tuple, `torch.Size` or list of ints; ``()``
-    is a scalar) or a non-empty sequence of shapes (batched mode), as DeepEP tells them apart."""
-    if not isinstance(shapes, (tuple, list, torch.Size)):
-        raise TypeError(f"{name} must be a shape (tuple of ints) or a sequence of shapes, got {type(shapes).__name__}")
-    batched = len(shapes) > 0 and isinstance(shapes[0], (tuple, list, torch.Size))
-    parsed = []
-    for shape in (shapes if batched else (shapes,)):
-        if not isinstance(shape, (tuple, list, torch.Size)):
-            raise TypeError(f"{name}: every entry of a sequence of shapes must be a shape, got {shape!r}")
-        parsed.append(tuple(checks.check_int(f"{name} entry {shape!r}", size, minimum=0, maximum=None)
-                            for size in shape))
-    if isinstance(shapes, list) and not shapes:
-        raise ValueError(f"{name} must hold at least one shape, got an empty list")
-    return parsed, batched
-
-
-def _check_dtype(name: str, dtype) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
-    return dtype
-
-
-class _Session:
-    """One buffer's AGRS bookkeeping on one rank (identical on every rank that makes the same calls)."""
-
-    __slots__ = ("num_max_session_bytes", "num_max_ops", "open", "index", "offset", "num_ops", "handles", "space")
-
-    def __init__(self) -> None:
-        self.num_max_session_bytes = 0   # 0: agrs_set_config not called yet
-        self.num_max_ops = 0
-        self.open = False
-        self.index = 0                   # sessions created so far
-        self.offset = 0                  # bytes of the space the open session has used
-        self.num_ops = 0                 # all-gathers / reduce-scatters in the open session
-        self.handles: list = []          # handles of the open session not waited yet
-        self.space: Optional[torch.Tensor] = None   # uint8 [num_max_session_bytes] (CPU backend)
-
-
-class AgrsHandle:
-    """Waits for the data of one `all_gather` / `reduce_scatter` call: call it (``handle()``).
-
-    Calling it again is a no-op. Handles may be waited in any order.
-
-    Raises:
-        RuntimeError: called after its session ended (the session's end already waited for it; its
-        outputs may be overwritten by a later session), as DeepEP's handle does; or a peer failed.
-        TimeoutError: a peer did not arrive within the buffer's timeout.
-    """
-
-    __slots__ = ("_session", "_index", "_wait", "op")
-
-    def __init__(self, session: _Session, op: str, wait) -> None:
-        self._session = session
-        self._index = session.index
-        self._wait = wait
-        self.op = op
-
-    @property
-    def done(self) -> bool:
-        """Whether the handle, or its session's end, waited for the data."""
-        return self._wait is None
-
-    def __call__(self) -> None:
-        if not self._session.open or self._session.index != self._index:
-            raise RuntimeError(f"deep_ep: the handle of {self.op} in AGRS session #{self._index} was called after "
-                               f"that session ended; wait handles inside their session")
-        self._finish()
-
-    def _finish(self) -> None:
-        if self._wait is not None:
-            wait, self._wait = self._wait, None
-            self._session.handles.remove(self)
-            wait()
-
-    def __repr__(self) -> str:
-        return f"AgrsHandle({self.op}, session #{self._index}, {'done' if self.done else 'in flight'})"
 
 
 class AllGatherReduceScatterMixin:
@@ -142,46 +65,93 @@ class AllGatherReduceScatterMixin:
 
     @staticmethod
     def get_agrs_buffer_size_hint(group, num_max_session_bytes: int) -> int:
-        """Buffer bytes (``num_bytes``) for sessions of ``num_max_session_bytes``: that number rounded
-        up to 2 MiB (`deep_ep.checks.BUFFER_ALIGNMENT`).
+        """Buffer bytes (``num_bytes``) for sessions of ``num_max_session_bytes``: that number plus
+        what a GPU window holds before the session space (its control region and the AGRS flag
+        words, `deep_ep.backends.gpu.agrs.window_bytes`), rounded up to 2 MiB
+        (`deep_ep.checks.BUFFER_ALIGNMENT`); 0 for 0. DeepEP's hint leaves out the first part (its
+        flags live outside the buffer), so this one is 2 MiB larger when the space is close to a
+        multiple of 2 MiB.
 
         Raises:
             TypeError / ValueError: a bad group, or ``num_max_session_bytes`` not an int >= 0.
         """
-        _group_size(group)
+        num_ranks = _group_size(group)
         checks.check_int("num_max_session_bytes", num_max_session_bytes, minimum=0, maximum=None)
-        return _align(num_max_session_bytes, checks.BUFFER_ALIGNMENT)
+        if not num_max_session_bytes:
+            return 0
+        from ..backends.gpu.agrs import window_bytes
+        return _align(window_bytes(num_ranks, _align(num_max_session_bytes, AGRS_TENSOR_ALIGNMENT)),
+                      checks.BUFFER_ALIGNMENT)
 
     # ------------------------------------------------------------------ sessions
     def _agrs(self, method: str) -> _Session:
         """The session state, once the buffer is known to be alive and on a backend that has AGRS."""
         self._alive()
-        if self._backend.device.type != "cpu":
-            raise NotImplementedError(f"ElasticBuffer.{method}: all-gather / reduce-scatter sessions are not "
-                                      f"implemented on GPU buffers yet; the CPU backend (gloo groups) has them")
+        self._agrs_on_gpu(method)
         session = getattr(self, "_agrs_session", None)
         if session is None:
             session = self._agrs_session = _Session()
         return session
 
+    def _agrs_on_gpu(self, method: str) -> bool:
+        """True for a GPU buffer, False for a CPU one; any other backend raises NotImplementedError."""
+        from ..backends.cpu import CPUBackend
+        if isinstance(self._backend, CPUBackend):
+            return False
+        from ..backends.gpu import GPUBackend
+        if isinstance(self._backend, GPUBackend):
+            return True
+        raise NotImplementedError(f"ElasticBuffer.{method}: all-gather / reduce-scatter sessions are not implemented "
+                                  f"for this backend ({type(self._backend).__name__}); GPU buffers and the CPU "
+                                  f"backend have them")
+
     def _agrs_moves(self):
         """The backend's AGRS data mover (made on first use)."""
-        moves = getattr(self, "_agrs_cpu_moves", None)
+        moves = getattr(self, "_agrs_mover", None)
         if moves is None:
-            from ..backends.cpu.agrs import CPUAgrsMoves
-            moves = self._agrs_cpu_moves = CPUAgrsMoves(self._backend)
+            if self._agrs_on_gpu("agrs"):
+                from ..backends.gpu.agrs import GPUAgrsMoves
+                moves = self._agrs_mover = GPUAgrsMoves(self._backend)
+            else:
+                from ..backends.cpu.agrs import CPUAgrsMoves
+                moves = self._agrs_mover = CPUAgrsMoves(self._backend)
         return moves
+
+    def _agrs_pp_mark(self):
+        """What pipeline send/recv did to the window so far (GPU: PP's slots and counters share the
+        region after the control words with AGRS): the channels (the object itself, kept alive, so a
+        new configuration never compares equal) and the tensors moved."""
+        pipeline = getattr(self, "_pp_pipeline", None)
+        if pipeline is None:
+            return None
+        return pipeline, sum(getattr(pipeline, "sent", ())), sum(getattr(pipeline, "received", ()))
+
+    def _agrs_check_window(self, method: str) -> None:
+        """GPU only, before anything is queued: no earlier GPU error, and nothing wrote over the AGRS
+        region since agrs_set_config (dispatch, combine, pipeline send/recv)."""
+        if not self._agrs_on_gpu(method):
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"deep_ep: {method} cannot be captured in a CUDA graph on a GPU buffer: its flags "
+                               f"carry the session's number, which every replay would repeat (replays would not "
+                               f"wait for the peers); call it outside the capture")
+        self._agrs_moves().check(method)
+        if self._agrs_pp_mark() != getattr(self, "_agrs_pp_configured", None):
+            raise RuntimeError(f"deep_ep: {method}: pipeline send/recv ran on this buffer since the last "
+                               f"agrs_set_config, and on a GPU buffer it writes over the AGRS region of the window; "
+                               f"call agrs_set_config on every rank after it, before the next session")
 
     def _release_primitives(self) -> None:
         """Close an open session without waiting for its handles and drop the session space
-        (`ElasticBuffer.destroy`); outputs the caller still holds keep their bytes."""
+        (`ElasticBuffer.destroy`); on CPU, outputs the caller still holds keep their bytes (on GPU
+        they are views of the window the backend frees)."""
         session = getattr(self, "_agrs_session", None)
         if session is not None:
             session.open = False
             session.handles = []
             session.space = None
             session.num_max_session_bytes = 0
-        self._agrs_cpu_moves = None
+        self._agrs_mover = None
 
     def _agrs_in_session(self, method: str) -> _Session:
         session = self._agrs(method)
@@ -201,12 +171,19 @@ class AllGatherReduceScatterMixin:
                 once, a batched one too.
 
         The CPU backend allocates the space here (a host tensor); outputs of earlier sessions keep
-        the old space alive. Unlike DeepEP's GPU path, one rank is allowed.
+        the old space alive. On a GPU buffer the space is a region of the window (after its control
+        region and the AGRS flag words; `get_agrs_buffer_size_hint` counts them): the call waits on
+        the host for this rank's streams, meets the other ranks, compares their values and clears
+        the flags; it cannot be captured in a CUDA graph, and is needed again after a dispatch,
+        combine or pipeline send/recv on the buffer (they write over the region). Unlike DeepEP's
+        GPU path, one rank is allowed.
 
         Raises:
-            TypeError / ValueError: bad values. RuntimeError: a session is open, another primitive
-            holds the window, a destroyed buffer, or (on every rank) ranks that disagree on the values.
-            NotImplementedError: a GPU buffer.
+            TypeError / ValueError: bad values; a space larger than the window holds (GPU: including
+            the header). RuntimeError: a session is open, another primitive holds the window, a
+            destroyed buffer, CUDA-graph capture (GPU), or (on every rank) ranks that disagree on
+            the values. TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``.
+            NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs("agrs_set_config")
         backend = self._backend
@@ -214,32 +191,54 @@ class AllGatherReduceScatterMixin:
         checks.check_int("num_max_session_bytes", num_max_session_bytes, minimum=1, maximum=None)
         checks.check_int("num_max_all_gathers_per_session", num_max_all_gathers_per_session, minimum=1,
                          maximum=AGRS_MAX_OPS_PER_SESSION)
-        if self.num_bytes and num_max_session_bytes > self.num_bytes:
+        on_gpu = self._agrs_on_gpu("agrs_set_config")
+        size = _align(num_max_session_bytes, AGRS_TENSOR_ALIGNMENT)
+        if on_gpu:
+            from ..backends.gpu.agrs import window_bytes
+            needed = window_bytes(self.num_ranks, size)
+            if needed > backend.transport.num_bytes:
+                raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) needs {needed} bytes of a GPU "
+                                 f"buffer's window (control region and AGRS flags included), the buffer has "
+                                 f"{backend.transport.num_bytes}; size it with get_agrs_buffer_size_hint")
+        elif self.num_bytes and num_max_session_bytes > self.num_bytes:
             raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) exceeds the buffer's num_bytes "
                              f"({self.num_bytes}); size the buffer with get_agrs_buffer_size_hint")
         if session.open:
             raise RuntimeError("deep_ep: agrs_set_config cannot be called while an AGRS session is open; "
                                "call destroy_agrs_session first")
         self._window_use.check_free("agrs")
-        size = _align(num_max_session_bytes, AGRS_TENSOR_ALIGNMENT)
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("agrs_set_config waits on the host for every rank and cannot be captured in a CUDA "
+                               "graph; call it outside the capture")
+        session.space = None   # a failed configuration leaves none
+        session.num_max_session_bytes = 0
         session.space = self._agrs_moves().configure(size, num_max_all_gathers_per_session, backend.calls)
         session.num_max_session_bytes = size
         session.num_max_ops = num_max_all_gathers_per_session
+        self._agrs_pp_configured = self._agrs_pp_mark()
 
     def create_agrs_session(self) -> None:
         """Open a session (local; pair it with `destroy_agrs_session`, or use `agrs_new_session`).
         The buffer's window is held until the session ends: dispatch, combine and the other
         primitives raise meanwhile.
 
+        On a GPU buffer it queues, on the current stream, this rank's "entered" flag into every
+        rank's window: peers write this session's data into this rank's space only after the work
+        queued before it (reading the previous session's outputs) is done.
+
         Raises:
             RuntimeError: a session is already open, `agrs_set_config` was not called, another
-            primitive holds the window, or a destroyed buffer. NotImplementedError: a GPU buffer.
+            primitive holds the window, a destroyed buffer, or (GPU) a dispatch, combine or pipeline
+            send/recv since agrs_set_config, or an earlier GPU error.
+            NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs("create_agrs_session")
         if session.open:
             raise RuntimeError("deep_ep: an AGRS session is already open; call destroy_agrs_session first")
         if not session.num_max_session_bytes:
             raise RuntimeError("deep_ep: call agrs_set_config before create_agrs_session")
+        self._window_use.check_free("agrs")
+        self._agrs_check_window("create_agrs_session")
         self._window_use.hold("agrs", "an all-gather / reduce-scatter session is open; destroy_agrs_session "
                                       "(or leaving agrs_new_session) releases it")
         session.open = True
@@ -247,15 +246,22 @@ class AllGatherReduceScatterMixin:
         session.offset = 0
         session.num_ops = 0
         session.handles = []
+        begin = getattr(self._agrs_moves(), "begin_session", None)
+        if begin is not None:
+            begin(session.index)
 
     def destroy_agrs_session(self) -> None:
         """End the open session (collective): wait for every handle not waited yet, check that all
         ranks made the same calls in it, release the window. The session is closed even when this
         raises. Outputs stay valid until the next session's calls reuse the space.
 
+        On a GPU buffer the waits are queued on the current stream (the host does not wait), and
+        ranks whose sessions differ are not detected (their outputs are undefined).
+
         Raises:
-            RuntimeError: no session is open, a destroyed buffer, or (on every rank) ranks whose
-            sessions differ. TimeoutError: a peer did not arrive. NotImplementedError: a GPU buffer.
+            RuntimeError: no session is open, a destroyed buffer, or (CPU, on every rank) ranks whose
+            sessions differ. TimeoutError: (CPU) a peer did not arrive.
+            NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs_in_session("destroy_agrs_session")
         backend = self._backend
@@ -275,8 +281,8 @@ class AllGatherReduceScatterMixin:
         exception). ``enabled=False`` makes it a no-op.
 
         Raises:
-            TypeError: ``enabled`` not a flag. NotImplementedError: a GPU buffer (``enabled`` or not);
-            otherwise what the two methods raise.
+            TypeError: ``enabled`` not a flag. NotImplementedError: a backend other than CPU and GPU
+            (``enabled`` or not); otherwise what the two methods raise.
         """
         self._agrs("agrs_new_session")
         if not checks.check_bool("enabled", enabled):
@@ -321,7 +327,8 @@ class AllGatherReduceScatterMixin:
 
         Raises:
             TypeError / ValueError: bad shapes or dtype. RuntimeError: outside a session, or the
-            session's space or call count would be exceeded. NotImplementedError: a GPU buffer.
+            session's space or call count would be exceeded. NotImplementedError: a backend other
+            than CPU and GPU.
         """
         session = self._agrs_in_session("agrs_get_inplace_tensor")
         parsed, batched = _parse_shapes("shapes", shapes)
@@ -383,12 +390,20 @@ class AllGatherReduceScatterMixin:
             ``(gathered, handle)`` for one tensor, ``(*gathered, handle)`` for a sequence: each
             ``gathered`` is ``[R, *t.shape]`` of ``t.dtype``, row ``r`` rank ``r``'s tensor; a view of
             the session space, defined once ``handle()`` returned, valid until a later session reuses
-            the space (clone it to keep it).
+            the space (clone it to keep it). On a GPU buffer the space is part of the window: a
+            dispatch, combine or pipeline send/recv writes over it, and `destroy` frees it.
+
+        On a GPU buffer no SM moves the data: the copies (one per rank and tensor, copy engines)
+        and a flag per rank are queued on the current stream and the call returns; ``t`` may be
+        changed by work queued after the call on that stream. ``handle()`` queues the wait for
+        every rank's flag on the stream current at its call.
 
         Raises:
             TypeError / ValueError: bad tensors (before any communication). RuntimeError: outside a
-            session, the session's space or call count exceeded, a destroyed buffer, or (on every
-            rank) ranks passing different shapes or dtypes. NotImplementedError: a GPU buffer.
+            session, the session's space or call count exceeded, a destroyed buffer, (CPU, on every
+            rank) ranks passing different shapes or dtypes (not detected on GPU: the outputs are
+            then undefined), or (GPU) a dispatch, combine or pipeline send/recv since agrs_set_config.
+            NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs_in_session("all_gather")
         backend = self._backend
@@ -397,6 +412,7 @@ class AllGatherReduceScatterMixin:
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
         offsets = self._agrs_room(session, sizes, "all_gather")
         in_place = [self._agrs_place(session, tensor, offset) for tensor, offset in zip(tensors, offsets)]
+        self._agrs_check_window("all_gather")
         wait = self._agrs_moves().all_gather(session, tensors, offsets, in_place, backend.calls)
         gathered = tuple(session.space[offset:offset + nbytes * self.num_ranks].view(tensor.dtype)
                          .view(self.num_ranks, *tensor.shape)
@@ -419,13 +435,18 @@ class AllGatherReduceScatterMixin:
             ``(reduced, handle)`` or ``(*reduced, handle)``: ``reduced`` is a new ``[n, *rest]``
             tensor of ``t.dtype``, filled once ``handle()`` returned (or the session ended). The sum
             is deterministic: float32, ranks added in rank order (0, 1, ..., R-1), one rounding to
-            the input dtype at the end. Its received chunks take ``align(t.nbytes, 32)`` bytes of
-            the session space and it counts as one call of the session.
+            the input dtype at the end (the same bits on CPU and GPU). Its received chunks take
+            ``align(t.nbytes, 32)`` bytes of the session space and it counts as one call of the
+            session.
+
+        On a GPU buffer the chunks move on copy engines as in `all_gather`; ``handle()`` queues the
+        wait and then the sum (a few elementwise kernels: the only SM work of AGRS) on the stream
+        current at its call.
 
         Raises:
             TypeError / ValueError: bad tensors or flag (before any communication), an input inside
             the unused part of the session space. RuntimeError: as `all_gather`.
-            NotImplementedError: a GPU buffer.
+            NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs_in_session("reduce_scatter")
         backend = self._backend
@@ -447,6 +468,7 @@ class AllGatherReduceScatterMixin:
                 if tensor.numel() and unused[0] <= tensor.data_ptr() < unused[1]:
                     raise ValueError("deep_ep: reduce_scatter: an input must not lie in the unused part of the AGRS "
                                      "session space (agrs_get_inplace_tensor serves all_gather only)")
+        self._agrs_check_window("reduce_scatter")
         reduced, wait = self._agrs_moves().reduce_scatter(session, tensors, offsets, average, backend.calls)
         handle = self._agrs_record(session, "reduce_scatter", wait, offsets, sizes)
         return (*reduced, handle) if batched else (reduced[0], handle)

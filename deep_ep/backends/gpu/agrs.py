@@ -1,0 +1,279 @@
+"""All-gather / reduce-scatter sessions of the GPU backend (`deep_ep.primitives.agrs` keeps the
+session's bookkeeping and every check; this module moves the bytes).
+
+No SM moves data: everything is queued on the caller's current stream with the CUDA driver. An
+all-gather copies this rank's tensor with a copy engine (``cuMemcpyDtoDAsync``) into its row of the
+call's room in every rank's window, then raises its flag word of that call in every window
+(``cuStreamWriteValue32``, which fences the copies before the write); its handle makes the stream
+wait (``cuStreamWaitValue32``) until every rank's flag of the call is raised. A reduce-scatter sends
+chunk ``p`` of its input to rank ``p`` the same way; its handle waits, then sums the received chunks
+in float32 in rank order with torch operations on the stream (the CPU backend's formula, so the same
+bits). The host never waits in a call or a handle. The flags carry the session's number, which a
+CUDA graph's replays would repeat, so sessions refuse capture. There is no GPU-side timeout: a
+stream whose peer never makes the call waits until it does.
+
+Window: the AGRS region starts after the control region (`AGRS_OFFSET`): header words (layout in
+``include/deep_ep/impls/agrs.cuh``), then the session space. Flags hold the number of the session,
+so none is cleared between sessions. `GPUAgrsMoves.begin_session` writes this rank's "entered"
+word into every window, and a call writes into rank ``p``'s space only after the stream saw ``p``
+enter the session: ``p``'s work on the previous session's outputs, queued before, is done.
+`GPUAgrsMoves.configure` (agrs_set_config: collective, blocking) compares the ranks' configurations,
+zeroes the header and learns the peers' window addresses. Dispatch, combine and pipeline traffic
+write over the region, so AGRS refuses after them until the next agrs_set_config.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...cuda.driver import enter_context, error_name, leave_context, memcpy_async, stream_wait_u32, stream_write_u32
+from ...cuda.streams import poll_event
+from .abi import CTRL_BYTES, _read_constants
+from .modules import AGRS_PEERS_KERNEL
+
+__all__ = ["AGRS_OFFSET", "AGRS_CONSTANTS", "space_offset", "window_bytes", "GPUAgrsMoves"]
+
+AGRS_CONSTANTS = _read_constants(Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "impls" / "agrs.cuh")
+_ENTERED_ROW = AGRS_CONSTANTS["kAgrsEnteredRow"]
+_CONFIG_ROW = AGRS_CONSTANTS["kAgrsConfigRow"]
+_FLAG_ROW = AGRS_CONSTANTS["kAgrsFlagRow"]
+_HEADER_ROWS = AGRS_CONSTANTS["kAgrsHeaderRows"]
+#: Byte offset of the AGRS region in every window: right after the dispatch/combine control region.
+AGRS_OFFSET = CTRL_BYTES
+_SPACE_ALIGNMENT = 4096
+
+
+def _align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def space_offset(num_ranks: int) -> int:
+    """Byte offset of the session space in every window of a group of ``num_ranks`` ranks."""
+    return AGRS_OFFSET + _align(4 * _HEADER_ROWS * num_ranks, _SPACE_ALIGNMENT)
+
+
+def window_bytes(num_ranks: int, num_max_session_bytes: int) -> int:
+    """Window bytes a session space of ``num_max_session_bytes`` needs (control region and header included)."""
+    return space_offset(num_ranks) + num_max_session_bytes
+
+
+class _WindowBytes:
+    """Device memory torch did not allocate (an NCCL window), exposed through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, num_bytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class GPUAgrsMoves:
+    """AGRS data moves of one GPU buffer on one rank (see the module docstring).
+
+    ``configured_call``: the buffer's call count when agrs_set_config last finished (or when this
+    rank last queued AGRS work); a dispatch or combine launched after it wrote over the region.
+    """
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.rank, self.num_ranks = backend.rank, backend.num_ranks
+        self.device = backend.device
+        self.peers: list = []          # every rank's window base, as this GPU addresses it
+        self.configured_call = -1
+        self.space_offset = space_offset(self.num_ranks)
+
+    # ------------------------------------------------------------------ the window
+    def _window_view(self, offset: int, num_bytes: int) -> torch.Tensor:
+        """uint8 ``[num_bytes]`` view of this rank's window from ``offset``."""
+        transport = self.backend.transport
+        if self.backend.emulated:
+            return transport.window_tensor()[offset:offset + num_bytes]
+        return torch.as_tensor(_WindowBytes(transport.window.ptr + offset, num_bytes), dtype=torch.uint8,
+                               device=self.device)
+
+    def _word(self, rank: int, row: int, column: int) -> int:
+        """Address of header word ``[row][column]`` in ``rank``'s window."""
+        return self.peers[rank] + AGRS_OFFSET + 4 * (row * self.num_ranks + column)
+
+    def _read_peers(self, stream) -> list:
+        """Every rank's window base: the slices' addresses for emulated ranks, else NCCL's LSA pointers
+        (one kernel, read back once)."""
+        backend = self.backend
+        if backend.emulated:
+            base = backend.transport.windows.storage.data_ptr()
+            return [base + rank * backend.transport.num_bytes for rank in range(self.num_ranks)]
+        module = backend.module("agrs", ())
+        out = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
+        module.function(AGRS_PEERS_KERNEL).launch(1, AGRS_CONSTANTS["kAgrsThreads"], (backend.transport_args, out),
+                                                  stream=stream.cuda_stream, device=self.device.index)
+        words = backend.host_read(out.view(torch.int32), stream)
+        return [(words[2 * rank] & 0xFFFFFFFF) | ((words[2 * rank + 1] & 0xFFFFFFFF) << 32)
+                for rank in range(self.num_ranks)]
+
+    def _queue(self, what: str, calls: list) -> None:
+        """Run driver calls ``(function, args)`` (each returning a ``CUresult`` int) in order in the
+        device's context. A refusal leaves the peers waiting for this rank: the buffer is then unusable.
+
+        Raises:
+            RuntimeError: the driver refused a call.
+        """
+        previous = enter_context(self.device.index)
+        try:
+            for function, args in calls:
+                err = function(*args)
+                if err != 0:
+                    self.backend.broken = f"{what} could not be queued"
+                    raise RuntimeError(f"deep_ep: rank {self.rank}: queueing {what} failed: {error_name(err)}; "
+                                       f"this buffer can no longer be used (destroy it and create a new one)")
+        finally:
+            leave_context(previous)
+        self.backend.call_record.launched_call = self.backend.calls
+        self.configured_call = self.backend.calls
+
+    def _wait_stream(self, stream) -> None:
+        backend = self.backend
+        event = torch.cuda.Event()
+        event.record(stream)
+        if not poll_event(event, backend.config.num_cpu_timeout_secs, backend.spin_secs):
+            backend.broken = "host timeout"
+            raise TimeoutError(f"deep_ep: rank {self.rank} waited {backend.config.num_cpu_timeout_secs} s on the "
+                               f"host for its stream in agrs_set_config (num_cpu_timeout_secs)")
+
+    # ------------------------------------------------------------------ calls
+    def check(self, method: str) -> None:
+        """What a session, a call or a handle checks on this rank before queueing anything.
+
+        Raises:
+            RuntimeError: an earlier GPU error, or a dispatch or combine since agrs_set_config.
+        """
+        self.backend.raise_if_broken()
+        if self.backend.call_record.launched_call > self.configured_call:
+            raise RuntimeError(f"deep_ep: {method}: dispatch or combine ran on this buffer since the last "
+                               f"agrs_set_config, and on a GPU buffer they write over the AGRS region of the window; "
+                               f"call agrs_set_config on every rank after them, before the next session")
+
+    def configure(self, num_bytes: int, num_max_ops: int, call: int) -> torch.Tensor:
+        """Collective, blocks the host: every rank's earlier window work done, the configurations
+        compared, the header zeroed on every rank before any rank writes again; the session space
+        (a uint8 view of this rank's window).
+
+        Raises:
+            RuntimeError: (on every rank) ranks that disagree on the values; an earlier GPU error.
+            TimeoutError: a host wait beyond ``num_cpu_timeout_secs``.
+        """
+        backend = self.backend
+        backend.raise_if_broken()
+        num_ranks, rank = self.num_ranks, self.rank
+        stream = torch.cuda.current_stream(self.device)
+        self._wait_stream(stream)
+        if backend.emulated:
+            self._wait_stream(backend.comm_stream)   # polled: a blocking wait can stall the peers' threads
+        else:
+            backend.drain()
+        backend.transport.host_barrier()
+        if not self.peers:
+            self.peers = self._read_peers(stream)
+        header = self._window_view(AGRS_OFFSET, 4 * _HEADER_ROWS * num_ranks).view(torch.int32)
+        self._queue("agrs_set_config's report", [
+            (stream_write_u32, (stream.cuda_stream, self._word(peer, _CONFIG_ROW + row, rank), value))
+            for peer in range(num_ranks) for row, value in enumerate((num_bytes // 32, num_max_ops))])
+        self._wait_stream(stream)
+        backend.transport.host_barrier()
+        reports = backend.host_read(header[_CONFIG_ROW * num_ranks:(_CONFIG_ROW + 2) * num_ranks], stream)
+        with torch.cuda.stream(stream):
+            header.zero_()
+        self._wait_stream(stream)
+        backend.transport.host_barrier()   # no rank writes into a header before every header is zeroed
+        for row, name, scale in ((0, "num_max_session_bytes (rounded up to 32)", 32),
+                                 (1, "num_max_all_gathers_per_session", 1)):
+            values = [(value & 0xFFFFFFFF) * scale for value in reports[row * num_ranks:(row + 1) * num_ranks]]
+            if any(value != values[0] for value in values):
+                raise RuntimeError(f"deep_ep: ranks disagree on the {name} of agrs_set_config (per-rank values "
+                                   f"{values}); every rank raises this")
+        self.configured_call = backend.calls
+        return self._window_view(self.space_offset, num_bytes)
+
+    def begin_session(self, session: int) -> None:
+        """Queue this rank's "entered session ``session``" word into every window (current stream)."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._queue("create_agrs_session", [(stream_write_u32, (stream, self._word(peer, _ENTERED_ROW, self.rank),
+                                                                session))
+                                            for peer in range(self.num_ranks)])
+
+    def end_session(self, session: int, num_ops: int, offset: int, call: int) -> None:
+        """Nothing to queue: the handles were waited; calls that differ between ranks are not detected
+        on GPU (no exchange of the calls' shapes)."""
+
+    def _send(self, session, pieces: list, what: str) -> int:
+        """Queue, on the current stream, the waits for every rank to have entered the session, the
+        copies ``(rank, offset in its window, source address, bytes)`` and this call's flag in every
+        window; the call's flag row."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        row = _FLAG_ROW + session.num_ops
+        calls = [(stream_wait_u32, (stream, self._word(self.rank, _ENTERED_ROW, peer), session.index))
+                 for peer in range(self.num_ranks)]
+        calls += [(memcpy_async, (self.peers[peer] + offset, source, num_bytes, stream))
+                  for peer, offset, source, num_bytes in pieces if num_bytes]
+        calls += [(stream_write_u32, (stream, self._word(peer, row, self.rank), session.index))
+                  for peer in range(self.num_ranks)]
+        self._queue(what, calls)
+        return row
+
+    def _waiter(self, session, row: int, what: str, then=None):
+        """The handle's wait: the current stream (at the handle's call) waits for every rank's flag of
+        ``row`` in this session, then runs ``then(stream)``."""
+        index = session.index
+
+        def wait() -> None:
+            self.backend.raise_if_broken()
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"deep_ep: the handle of {what} cannot be waited during CUDA-graph capture on a "
+                                   f"GPU buffer (a replay would not wait for the peers); wait it outside the capture")
+            stream = torch.cuda.current_stream(self.device)
+            self._queue(what, [(stream_wait_u32, (stream.cuda_stream, self._word(self.rank, row, peer), index))
+                               for peer in range(self.num_ranks)])
+            if then is not None:
+                then(stream)
+        return wait
+
+    def all_gather(self, session, tensors: list, offsets: list, in_place: list, call: int):
+        """Queue the all-gathers of ``tensors`` into their rooms at ``offsets``; the wait function."""
+        pieces = []
+        space = self.space_offset
+        for tensor, offset, local in zip(tensors, offsets, in_place):
+            num_bytes = tensor.numel() * tensor.element_size()
+            row_offset = space + offset + self.rank * num_bytes
+            source = self.peers[self.rank] + row_offset if local else tensor.data_ptr()
+            pieces += [(peer, row_offset, source, num_bytes) for peer in range(self.num_ranks)
+                       if not (local and peer == self.rank)]
+        what = f"all_gather #{session.num_ops + 1} of AGRS session #{session.index}"
+        return self._waiter(session, self._send(session, pieces, what), what)
+
+    def reduce_scatter(self, session, tensors: list, offsets: list, average: bool, call: int):
+        """Queue the sends of ``tensors``' chunks into their rooms at ``offsets``; ``(outputs, wait)``,
+        the outputs filled by work the wait queues."""
+        num_ranks, space = self.num_ranks, self.space_offset
+        pieces, rooms, outputs = [], [], []
+        for tensor, offset in zip(tensors, offsets):
+            chunk = tensor.numel() * tensor.element_size() // num_ranks
+            pieces += [(peer, space + offset + self.rank * chunk, tensor.data_ptr() + peer * chunk, chunk)
+                       for peer in range(num_ranks)]
+            rooms.append(session.space[offset:offset + chunk * num_ranks])
+            outputs.append(torch.empty((tensor.shape[0] // num_ranks, *tensor.shape[1:]), dtype=tensor.dtype,
+                                       device=self.device))
+        allocated_on = torch.cuda.current_stream(self.device)
+        what = f"reduce_scatter #{session.num_ops + 1} of AGRS session #{session.index}"
+
+        def reduce(stream) -> None:
+            with torch.cuda.stream(stream):
+                for room, output in zip(rooms, outputs):
+                    if stream != allocated_on:
+                        output.record_stream(stream)
+                    received = room.view(output.dtype).view(num_ranks, *output.shape)
+                    total = received[0].to(torch.float32, copy=True)
+                    for rank in range(1, num_ranks):   # rank order: the CPU backend's sums, bit for bit
+                        total.add_(received[rank])
+                    if average:
+                        # a device divisor: a true division, as on CPU (a host scalar becomes a reciprocal)
+                        total.div_(torch.full((), float(num_ranks), dtype=torch.float32, device=self.device))
+                    output.copy_(total)
+        return outputs, self._waiter(session, self._send(session, pieces, what), what, reduce)
