@@ -26,6 +26,7 @@ import torch
 from . import call_plans, call_streams, checks, resources, topology
 from .backends import (BufferConfig, group_domain_sizes, group_domains, group_rank_and_size, is_cpu_group,
                        make_backend)
+from .comm.nccl import creation_hold
 from .event import EventHandle
 from .handle import EPHandle
 from .primitives import AllGatherReduceScatterMixin, EngramMixin, PipelineMixin, WindowUse
@@ -74,12 +75,30 @@ def get_logical_domain_size(group, allow_hybrid_mode: bool = True) -> tuple:
     return group_domain_sizes(group, allow_hybrid_mode)[1]
 
 
+def _buffer_size_hint(num_ranks: int, on_cpu: bool, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                      use_fp8_dispatch: bool, allow_hybrid_mode: bool, allow_multiple_reduction: bool) -> int:
+    """`ElasticBuffer.get_buffer_size_hint` for validated arguments, on the backend ``on_cpu`` names."""
+    if not on_cpu:
+        from .backends.gpu import window as window_layout
+        return int(window_layout.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                                                  use_fp8_dispatch, allow_hybrid_mode=allow_hybrid_mode,
+                                                  allow_multiple_reduction=allow_multiple_reduction))
+    row = (hidden + hidden // 128 * 4) if use_fp8_dispatch else 2 * hidden
+    row += num_topk * 12 + 4
+    total = 2 * num_ranks * num_max_tokens_per_rank * row
+    return checks.BUFFER_ALIGNMENT * -(-total // checks.BUFFER_ALIGNMENT)
+
+
 class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
     """Expert-parallel communication buffer: dispatch tokens to experts, combine the results back.
 
     Args (DeepEP V2's, in its order):
-        group: the ranks taking part. A ``torch.distributed`` gloo group runs on CPU tensors; an NCCL
-            group, or an emulated-rank group from `deep_ep.emulated`, runs on the GPU.
+        group: the ranks taking part: a ``torch.distributed`` group, or an emulated-rank group from
+            `deep_ep.emulated` (GPU). Where torch sees a CUDA device, a torch group runs on the GPU,
+            whatever its backend, as in DeepEP V2: an NCCL group lends its communicator, any other
+            (a gloo group whose ranks hold GPU tensors, vLLM's way) gets a private NCCL communicator,
+            as does an NCCL group under ``EP_REUSE_NCCL_COMM=0``. Without CUDA, or with
+            ``device="cpu"``, a gloo group runs on CPU tensors (docs/design.md, "Which backend").
         num_bytes: communication window per rank in bytes; ``None`` computes it with
             `get_buffer_size_hint` from ``num_max_tokens_per_rank``, ``hidden``, ``num_topk`` (0 on CPU
             when they are not given: the CPU backend allocates per call).
@@ -108,6 +127,10 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         explicitly_destroy: resources are only released by `destroy()` (a warning is issued if the
             buffer is garbage-collected alive); otherwise they are released when it is collected.
 
+    Keyword-only (deep_ep's extension): device: None (default: the GPU where torch sees a CUDA device,
+    else the CPU), ``"cpu"`` (the CPU backend; a CPU job on a machine with GPUs passes it) or
+    ``"cuda"`` (the GPU backend, on the current CUDA device; an index must be that device).
+
     Attributes (DeepEP's): ``group``, ``rank_idx``, ``num_ranks``, ``num_bytes``,
     ``num_max_tokens_per_rank``, ``num_scaleout_ranks``, ``num_scaleup_ranks``, ``scaleout_rank_idx``,
     ``scaleup_rank_idx``, ``num_rdma_ranks``, ``num_nvlink_ranks``, ``num_allocated_qps``,
@@ -119,7 +142,9 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
     one-element torch tensor holding 0 or 1, as DeepEP takes them; it is kept as a bool.
 
     Raises:
-        TypeError / ValueError: invalid arguments (a bad ``EP_CPU_NUM_NVLINK_RANKS`` too).
+        TypeError / ValueError: invalid arguments (a bad ``EP_CPU_NUM_NVLINK_RANKS`` too; ``device="cpu"``
+        with an NCCL-only or emulated group).
+        deep_ep.cuda.nccl.NcclError: creating the private NCCL communicator failed.
         NotImplementedError: the group needs the GPU backend and it is not available, or it spans
         more than one NVLink domain on GPU (scale-out is not built yet; RuntimeError instead when
         the NCCL loaded is older than GIN's 2.28.7), raised on every rank before any allocation.
@@ -130,7 +155,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                  use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True,
                  sl_idx: int = 3, num_allocated_qps: int = 0, num_cpu_timeout_secs: float = 300,
-                 num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False) -> None:
+                 num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False, *, device=None) -> None:
         self._backend = None
         self._destroyed = False
         rank, num_ranks = group_rank_and_size(group)
@@ -139,6 +164,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, deterministic,
             allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
             num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
+        on_cpu = is_cpu_group(group, device)
         if "EP_OVERRIDE_RDMA_SL" in os.environ:
             text = os.environ["EP_OVERRIDE_RDMA_SL"]
             if not text.strip().isdigit() or not 0 <= int(text) <= 15:
@@ -146,10 +172,9 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             sl_idx = int(text)
         if num_bytes is None:
             if num_max_tokens_per_rank and hidden:
-                num_bytes = ElasticBuffer.get_buffer_size_hint(
-                    group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-                    allow_multiple_reduction)
-            elif is_cpu_group(group):
+                num_bytes = _buffer_size_hint(num_ranks, on_cpu, num_max_tokens_per_rank, hidden, num_topk,
+                                              use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+            elif on_cpu:
                 num_bytes = 0          # the CPU backend allocates per call
             else:
                 raise ValueError("a GPU buffer needs num_bytes, or num_max_tokens_per_rank and hidden to "
@@ -168,11 +193,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_cpu_bytes = num_cpu_bytes
         self.sl_idx = sl_idx
-        domains = group_domains(group, allow_hybrid_mode)[2]
-        if not is_cpu_group(group) and domains.num_rdma_ranks > 1:
-            from .comm.nccl import nccl_version
-            topology.require_scaleout_support(domains, rank, nccl_version())
-        self.config = BufferConfig(
+        config = BufferConfig(
             buffer_id=self.buffer_id, rank=rank, num_ranks=num_ranks, num_bytes=num_bytes,
             num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
             use_fp8_dispatch=use_fp8_dispatch, deterministic=deterministic, allow_hybrid_mode=allow_hybrid_mode,
@@ -180,14 +201,26 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             num_gpu_timeout_secs=num_gpu_timeout_secs, num_cpu_timeout_secs=num_cpu_timeout_secs,
             explicitly_destroy=explicitly_destroy, num_cpu_bytes=num_cpu_bytes, sl_idx=sl_idx,
             num_allocated_qps=num_allocated_qps)
-        self._backend = make_backend(group, self.config)
+        with creation_hold(group, on_cpu):
+            self._make_backend(group, device, on_cpu, config)
+        _live_buffers.add(self)
+
+    def _make_backend(self, group, device, on_cpu: bool, config: BufferConfig) -> None:
+        """The domains, the backend and what is read from them (the rest of `__init__`, while the
+        communicator of a GPU buffer is held)."""
+        allow_hybrid_mode = config.allow_hybrid_mode
+        domains = group_domains(group, allow_hybrid_mode, device)[2]
+        if not on_cpu and domains.num_rdma_ranks > 1:
+            from .comm.nccl import nccl_version
+            topology.require_scaleout_support(domains, config.rank, nccl_version())
+        self.config = config
+        self._backend = make_backend(group, config, device)
         self._resources = self._backend.device_resources()
-        self.num_allocated_qps = num_allocated_qps or resources.default_num_allocated_qps(self._resources,
-                                                                                          allow_hybrid_mode)
+        self.num_allocated_qps = config.num_allocated_qps or resources.default_num_allocated_qps(
+            self._resources, allow_hybrid_mode)
         self.num_rdma_ranks, self.num_nvlink_ranks = domains.physical
         self.num_scaleout_ranks, self.num_scaleup_ranks = domains.logical
         self.scaleout_rank_idx, self.scaleup_rank_idx = domains.scaleout_rank_idx, domains.scaleup_rank_idx
-        _live_buffers.add(self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -246,8 +279,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes of communication window one rank needs, rounded up to 2 MiB.
 
-        GPU groups: `deep_ep.backends.gpu.window.buffer_size_hint` (both flags passed on). CPU
-        (gloo) groups: the staging memory of one dispatch, send and receive buffers of ``R * M``
+        GPU groups: `deep_ep.backends.gpu.window.buffer_size_hint` (both flags passed on). Groups on
+        the CPU backend (`deep_ep.backends.is_cpu_group`, automatic choice): the staging memory of one dispatch, send and receive buffers of ``R * M``
         packed rows each (data, FP8 scale factors, ``num_topk`` ids and weights, a source index).
 
         Raises:
@@ -256,15 +289,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         _, num_ranks = group_rank_and_size(group)
         use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction = checks.check_size_hint_args(
             num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
-        if not is_cpu_group(group):
-            from .backends.gpu import window as window_layout
-            return int(window_layout.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk,
-                                                      use_fp8_dispatch, allow_hybrid_mode=allow_hybrid_mode,
-                                                      allow_multiple_reduction=allow_multiple_reduction))
-        row = (hidden + hidden // 128 * 4) if use_fp8_dispatch else 2 * hidden
-        row += num_topk * 12 + 4
-        total = 2 * num_ranks * num_max_tokens_per_rank * row
-        return checks.BUFFER_ALIGNMENT * -(-total // checks.BUFFER_ALIGNMENT)
+        return _buffer_size_hint(num_ranks, is_cpu_group(group), num_max_tokens_per_rank, hidden, num_topk,
+                                 use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,

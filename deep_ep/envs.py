@@ -85,6 +85,9 @@ VARIABLES = {v.name: v for v in (
     Variable("EP_CPU_NUM_NVLINK_RANKS", None, "ranks per NVLink domain a gloo (CPU) group acts as: the CPU "
              "backend then reports `R / N` RDMA ranks of `N` NVLink ranks (unset: one domain of every rank); "
              "must divide the group size and be equal on every rank"),
+    Variable("EP_REUSE_NCCL_COMM", "1", "a GPU buffer of a torch NCCL group works on that group's communicator "
+             "(`0`: on a private one, created from an NCCL unique id broadcast over the group, as for a gloo "
+             "group; same name as DeepEP's)"),
     Variable("EP_OVERRIDE_RDMA_SL", None, "RDMA service level 0..15 for every buffer, over `sl_idx` (same "
              "name as DeepEP's)"),
     Variable("CUDA_HOME", None, "CUDA toolkit to search for headers and tools (after the pip wheels)"),

@@ -3,9 +3,10 @@
 Physical: the group's ``R`` ranks form ``R / N`` NVLink domains of ``N`` ranks each, reached from one
 another over RDMA. ``N`` is
 
-* on an NCCL group: the size of NCCL's LSA team (``ncclTeamLsa``), which must divide ``R``, with the
-  ranks of one domain consecutive (rank ``r`` is NVLink rank ``r % N`` of RDMA rank ``r // N``);
-* on a CPU (gloo) group: ``R`` (one domain), unless ``EP_CPU_NUM_NVLINK_RANKS`` declares ``N``, so
+* on a torch group on GPUs: the size of NCCL's LSA team (``ncclTeamLsa``) on the buffer's
+  communicator (torch's NCCL one, or a private one: `deep_ep.comm.nccl`), which must divide ``R``, with
+  the ranks of one domain consecutive (rank ``r`` is NVLink rank ``r % N`` of RDMA rank ``r // N``);
+* on a group on the CPU backend: ``R`` (one domain), unless ``EP_CPU_NUM_NVLINK_RANKS`` declares ``N``, so
   that the CPU backend can act as ``R / N`` nodes;
 * on an emulated-rank group: ``R`` (one GPU is one domain).
 
@@ -101,10 +102,11 @@ def cpu_num_nvlink_ranks(num_ranks: int) -> int:
 
 
 def _nccl_lsa_team(group) -> tuple:
-    """``(LSA team size, this rank's index in it)`` of a torch NCCL group (initialises its communicator)."""
+    """``(LSA team size, this rank's index in it)`` on the NCCL communicator a GPU buffer of the torch
+    group ``group`` uses (`deep_ep.comm.nccl.group_lsa_team`: torch's, or a private one)."""
     import torch
-    from .comm.nccl import comm_ptr, lsa_team
-    return lsa_team(comm_ptr(group, torch.device("cuda", torch.cuda.current_device())))
+    from .comm.nccl import group_lsa_team
+    return group_lsa_team(group, torch.device("cuda", torch.cuda.current_device()))
 
 
 def group_num_nvlink_ranks(group, rank: int, num_ranks: int, is_cpu: bool) -> int:

@@ -151,7 +151,7 @@ def _cpu_rank(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
                             timeout=datetime.timedelta(seconds=120))
-    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=args.tokens)
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=args.tokens, device="cpu")
     losses = train_rank(args, buffer, rank, args.ranks, dist.all_reduce, torch.device("cpu"))
     buffer.destroy()
     dist.barrier()   # leave together: tearing gloo down while a peer is still in a collective can abort

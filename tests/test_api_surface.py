@@ -43,7 +43,7 @@ DEEPEP_SIGNATURES = {
     "destroy": [],
 }
 #: deep_ep's extensions: keyword-only, after DeepEP's parameters, off by default.
-EXTENSIONS = {"combine": [("apply_dispatch_weights", False)]}
+EXTENSIONS = {"__init__": [("device", None)], "combine": [("apply_dispatch_weights", False)]}
 STATIC = ("get_buffer_size_hint", "capture")
 DEEPEP_ATTRIBUTES = ("group", "rank_idx", "num_ranks", "num_bytes", "num_max_tokens_per_rank", "num_scaleout_ranks",
                      "num_scaleup_ranks", "scaleout_rank_idx", "scaleup_rank_idx", "num_rdma_ranks",

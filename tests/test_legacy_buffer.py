@@ -78,6 +78,8 @@ SIDE_BRANCH_VALUES = {"use_fabric": True, "allow_nvlink_for_normal_mode": False,
                       "packed_recv_count": torch.zeros(1, dtype=torch.int32), "comp_signal": torch.zeros(1),
                       "block_m": 128, "threshold": 1, "num_sms": 8, "src_signals": torch.zeros(1),
                       "src_signal_expect_value": 2}
+#: deep_ep's own keyword-only extensions, after the side branches' keywords, off by default
+EXTENSIONS = {"__init__": [("device", None)]}
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
 PLANNED = ("internode_dispatch", "internode_combine")
@@ -93,7 +95,7 @@ def test_signature_is_deepeps(name):
     named = [(p.name, p.default) for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert named == V1_SIGNATURES[name]
     keyword_only = [(p.name, p.default) for p in params if p.kind == p.KEYWORD_ONLY]
-    assert keyword_only == SIDE_BRANCH_SIGNATURES.get(name, [])
+    assert keyword_only == SIDE_BRANCH_SIGNATURES.get(name, []) + EXTENSIONS.get(name, [])
     assert not [p for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     assert (name in STATIC) == isinstance(inspect.getattr_static(deep_ep.Buffer, name), staticmethod)
     assert name == "__init__" or getattr(deep_ep.Buffer, name).__doc__

@@ -90,8 +90,8 @@ def _fake_nccl_group(monkeypatch, rank, num_ranks, team_size, version):
     import deep_ep.buffer
     import deep_ep.comm.nccl
     group = dist.ProcessGroup(dist.HashStore(), rank, num_ranks)
-    monkeypatch.setattr(deep_ep.backends, "is_cpu_group", lambda g: False)
-    monkeypatch.setattr(deep_ep.buffer, "is_cpu_group", lambda g: False)
+    monkeypatch.setattr(deep_ep.backends, "is_cpu_group", lambda g, device=None: False)
+    monkeypatch.setattr(deep_ep.buffer, "is_cpu_group", lambda g, device=None: False)
     monkeypatch.setattr(topology, "_nccl_lsa_team", lambda g: (team_size, rank % team_size))
     monkeypatch.setattr(deep_ep.comm.nccl, "nccl_version", lambda: version)
 

@@ -131,7 +131,7 @@ def _cpu_pass(work: Workload, rank: int, group, progress: Progress) -> Optional[
         del inputs
         progress.say(f"rank {rank}: reference computed")
     buffer = ElasticBuffer(group, num_max_tokens_per_rank=cfg.max_tokens, hidden=cfg.hidden, num_topk=cfg.top_k,
-                           use_fp8_dispatch=cfg.fp8, explicitly_destroy=True)
+                           use_fp8_dispatch=cfg.fp8, explicitly_destroy=True, device="cpu")
     try:
         sess = RankSession(work, rank, buffer, torch.device("cpu"), lambda: dist.barrier(group), HostClock(),
                            progress, expected)

@@ -1,8 +1,10 @@
-"""The scale-up transport of a torch NCCL group: a symmetric window reached over NVLink (LSA).
+"""The scale-up transport of a torch process group on GPUs: a symmetric window reached over NVLink (LSA).
 
-Every rank allocates and registers its window on the user's communicator (`SymmetricWindow`), and a
-device communicator (`DeviceCommunicator`) is made from the same communicator. The kernels receive
-both and resolve each peer's window with NCCL's device API (``ncclTeamLsa``, ``ncclGetLsaPointer``).
+The communicator is the group's (`deep_ep.comm.nccl.acquire_communicator`): torch's for an NCCL
+group, a private one for any other (a gloo group whose ranks hold GPU tensors) or with
+``EP_REUSE_NCCL_COMM=0``. Every rank allocates and registers its window on it (`SymmetricWindow`),
+and a device communicator (`DeviceCommunicator`) is made from it. The kernels receive both and
+resolve each peer's window with NCCL's device API (``ncclTeamLsa``, ``ncclGetLsaPointer``).
 
 Only ranks of one LSA team (one NVLink domain) are reachable this way; a group that spans more
 (other nodes, reached over RDMA through GIN) raises `NotImplementedError` until the scale-out
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .devcomm import DeviceCommunicator
-from .nccl import SymmetricWindow, comm_ptr, lsa_team
+from .nccl import SymmetricWindow, acquire_communicator, lsa_team
 from .transport import Transport
 
 __all__ = ["NcclLsaTransport"]
@@ -28,8 +30,9 @@ class _DeviceBytes:
 
 
 class NcclLsaTransport(Transport):
-    """A symmetric window of ``num_bytes`` per rank on the NCCL group ``group``, and its device
-    communicator. Collective: every rank of ``group`` creates it with the same ``num_bytes``.
+    """A symmetric window of ``num_bytes`` per rank on ``group``'s communicator, and its device
+    communicator. Collective: every rank of ``group`` creates it with the same ``num_bytes``; it holds
+    a lease on the communicator until `destroy`.
 
     Raises:
         NotImplementedError: some ranks of the group are outside this rank's NVLink (LSA) domain.
@@ -44,19 +47,38 @@ class NcclLsaTransport(Transport):
         self.rank, self.num_ranks = int(group.rank()), int(group.size())
         self.num_bytes = int(num_bytes)
         self.window = self.devcomm = None
-        self.comm = comm_ptr(group, device)
-        team_size, team_rank = lsa_team(self.comm)
-        if team_size != self.num_ranks:
-            raise NotImplementedError(
-                f"rank {self.rank}: only {team_size} of the group's {self.num_ranks} ranks share this GPU's "
-                f"NVLink (LSA) domain; scale-out over RDMA (NCCL GIN) is not implemented yet")
-        if team_rank != self.rank:
-            raise NotImplementedError(f"LSA rank {team_rank} differs from group rank {self.rank}: "
-                                      f"a group whose NVLink domain is permuted is not supported yet")
-        self.window = SymmetricWindow(self.comm, self.num_bytes, device)
-        self.devcomm = DeviceCommunicator(self.comm, self.num_ranks)
-        self._args = self.devcomm.transport_args(self.window.handle)
         self._window_view = None
+        self.lease = acquire_communicator(group, device)
+        self.comm = self.lease.comm
+        try:
+            team_size, team_rank = lsa_team(self.comm)
+            if team_size != self.num_ranks:
+                raise NotImplementedError(
+                    f"rank {self.rank}: only {team_size} of the group's {self.num_ranks} ranks share this GPU's "
+                    f"NVLink (LSA) domain; scale-out over RDMA (NCCL GIN) is not implemented yet")
+            if team_rank != self.rank:
+                raise NotImplementedError(f"LSA rank {team_rank} differs from group rank {self.rank}: "
+                                          f"a group whose NVLink domain is permuted is not supported yet")
+            self.window = SymmetricWindow(self.comm, self.num_bytes, device)
+            self.devcomm = DeviceCommunicator(self.comm, self.num_ranks)
+            self._args = self.devcomm.transport_args(self.window.handle)
+        except BaseException:
+            self._release_resources()
+            raise
+
+    @property
+    def private_communicator(self) -> bool:
+        """Whether the communicator was created by deep_ep (not torch's NCCL group's)."""
+        return self.lease.private
+
+    def _release_resources(self) -> None:
+        if self.devcomm is not None:
+            self.devcomm.destroy()
+            self.devcomm = None
+        if self.window is not None:
+            self.window.destroy()
+            self.window = None
+        self.lease.release()
 
     def kernel_args(self):
         return self._args
@@ -73,13 +95,9 @@ class NcclLsaTransport(Transport):
         dist.barrier(group=self.group)
 
     def destroy(self) -> None:
-        """Destroy the device communicator, deregister and free the window. Collective: a barrier
-        first, so that no peer is still reading this rank's window (combine pulls from peers)."""
+        """Destroy the device communicator, deregister and free the window, release the communicator
+        (a private one is destroyed with its last lease). Collective: a barrier first, so that no peer
+        is still reading this rank's window (combine pulls from peers). Idempotent."""
         if self.window is not None and self.window.handle:
             self.host_barrier()
-        if self.devcomm is not None:
-            self.devcomm.destroy()
-            self.devcomm = None
-        if self.window is not None:
-            self.window.destroy()
-            self.window = None
+        self._release_resources()

@@ -25,7 +25,10 @@ class Buffer(LowLatencyMethods, PlannedMethods):
     "DeepEP's V1 Buffer"); an `ElasticBuffer` does the communication.
 
     Args (DeepEP's, in its order):
-        group: the ranks (a gloo group runs on CPU tensors, an NCCL group on the GPU); None needs ``comm``.
+        group: the ranks; None needs ``comm``. Where torch sees a CUDA device the Buffer runs on the GPU
+            whatever the group's backend (a gloo group gets a private NCCL communicator: vLLM passes its
+            CPU group with GPU tensors); without CUDA, or with ``device="cpu"``, a gloo group runs on CPU
+            tensors (`deep_ep.ElasticBuffer`, docs/design.md "Which backend").
         num_nvl_bytes: the GPU window per rank (`Config.get_nvl_buffer_size_hint`); unused on CPU.
         num_rdma_bytes: must be 0 outside low-latency mode (internode is not built yet); in it, at
             least `get_low_latency_rdma_size_hint` of the calls made.
@@ -38,13 +41,16 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         comm: an ``mpi4py`` communicator instead of ``group``: NotImplementedError.
         use_fabric, allow_nvlink_for_normal_mode, eager_support: keywords of DeepEP's side branches
             (keyword-only here): only their defaults (False, True, False), else NotImplementedError.
+        device: (deep_ep's extension, keyword-only) None (automatic, as above), ``"cpu"`` or ``"cuda"``:
+            the backend, as `deep_ep.ElasticBuffer`'s ``device``.
 
     Attributes: ``num_sms`` (class-wide, `set_num_sms`), ``rank``, ``group_size``, ``group``,
     ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``,
     ``enable_shrink``, ``elastic_buffer`` (the `ElasticBuffer` underneath).
 
     Raises:
-        ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
+        ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments (``device``
+        too);
         NotImplementedError: ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
     """
 
@@ -54,7 +60,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None, *, use_fabric: bool = False, allow_nvlink_for_normal_mode: bool = True,
-                 eager_support: bool = False) -> None:
+                 eager_support: bool = False, device=None) -> None:
         self.elastic_buffer = None
         refuse_side_keywords("__init__", {"use_fabric": use_fabric, "eager_support": eager_support,
                                           "allow_nvlink_for_normal_mode": allow_nvlink_for_normal_mode})
@@ -88,11 +94,12 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         num_bytes = None
-        if not is_cpu_group(group):
+        if not is_cpu_group(group, device):
             # one window for both modes: a low-latency call that does not fit gets its own, sized for it
             num_bytes = num_nvl_bytes + (num_rdma_bytes if low_latency_mode else 0)
             num_bytes = -(-num_bytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT
-        self.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy)
+        self.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
+                                            device=device)
         if enable_shrink:
             # Made and zeroed here: a mask first made inside a CUDA-graph capture would hold garbage
             # until the first replay, and every replay would zero it again.

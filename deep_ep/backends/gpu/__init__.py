@@ -12,8 +12,8 @@ One room per concern:
 
 Every kernel runs on the backend's communication stream (`ElasticBuffer` orders it after the
 compute stream or ``previous_event``); outputs are allocated on the caller's current stream. The
-transport (`deep_ep.comm`) is NCCL's symmetric window and device communicator for a torch NCCL
-group, or one allocation shared by ranks emulated on one GPU; kernels are built for the one in use.
+transport (`deep_ep.comm`) is NCCL's symmetric window and device communicator for a torch group
+(NCCL, or gloo on a private communicator), or one allocation shared by ranks emulated on one GPU; kernels are built for the one in use.
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class CallRecord:
 class GPUBackend(Backend):
     """Dispatch/combine on CUDA tensors for one rank of a buffer.
 
-    ``group`` is a torch NCCL process group (transport: `deep_ep.comm.lsa.NcclLsaTransport`) or a
-    rank of an emulated group, which makes its own transport (``group.make_transport``) and loads
+    ``group`` is a torch process group, NCCL or not (transport: `deep_ep.comm.lsa.NcclLsaTransport`,
+    on the group's NCCL communicator or a private one), or a rank of an emulated group, which makes its own transport (``group.make_transport``) and loads
     modules collectively (``group.load_collectively``).
 
     Raises:
