@@ -25,7 +25,7 @@ import torch
 from .. import outputs
 from ... import jit, shapes
 from ...cuda.streams import poll_event
-from .abi import CTRL_BYTES, _read_constants
+from .abi import _read_constants
 from .errors import MappedWords
 from .modules import ENGRAM_GATHER_KERNEL, ENGRAM_STORE_KERNEL
 
@@ -155,7 +155,10 @@ class GPUEngramTable:
         # 1. This rank's earlier fetches (they read peers' shards) and kernels are done.
         self._wait_for_fetches()
         self._wait_stream(stream, "its stream in engram_write")
-        self._wait_stream(backend.comm_stream, "its communication stream in engram_write")
+        if backend.emulated:
+            self._wait_stream(backend.comm_stream, "its communication stream in engram_write")
+        else:
+            backend.drain()   # also calls that ran on other caller streams
         num_entries, hidden = storage.shape
         words = [0] * _HEADER_WORDS
         words[_MAGIC], words[_CALL] = _MAGIC_VALUE, call & 0x7FFFFFFF
@@ -173,7 +176,7 @@ class GPUEngramTable:
         headers = torch.empty((self.num_ranks, _HEADER_WORDS), dtype=torch.int32, device=device)
         self._gather(module, stream, torch.arange(self.num_ranks, dtype=torch.int32, device=device), headers,
                      header_offset, HEADER_BYTES, 1, 1, None, None, 0, 0, None)
-        values = backend.host_read(headers, stream)
+        values = backend.host_read(headers.view(-1), stream)
         backend.transport.host_barrier()
         rows = [values[peer * _HEADER_WORDS:(peer + 1) * _HEADER_WORDS] for peer in range(self.num_ranks)]
         self._check_headers(rows)

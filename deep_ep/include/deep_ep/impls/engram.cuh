@@ -12,6 +12,7 @@
 #pragma once
 
 #include "../comm/lsa.cuh"
+#include "../comm/pp.cuh"   // peer_bytes: a peer's window bytes at an offset
 
 namespace deep_ep {
 
@@ -88,7 +89,8 @@ __device__ __forceinline__ void engram_gather_impl(const comm::LsaTransport& tr,
         if (valid) {
             const int owner = index / a.num_entries;
             const int64_t local = index - owner * a.num_entries;
-            engram::copy_row(dst, tr.bases[owner] + a.storage_offset + local * a.row_bytes, a.row_bytes, lane);
+            engram::copy_row(dst, comm::peer_bytes(tr, owner, a.storage_offset + local * a.row_bytes), a.row_bytes,
+                             lane);
         } else {
             engram::zero_row(dst, a.row_bytes, lane);
             if (lane == 0 && a.bad_index_host != nullptr) {
