@@ -58,25 +58,25 @@ class _Kernels:
             ctypes.memmove(bases[rank] + offset, source.data_ptr(), num_bytes)
             return
         assert name == modules.ENGRAM_GATHER_KERNEL
-        a = args[1]
-        num_total = len(bases) * a.num_entries
-        for row in range(a.num_fetched):
-            index = ctypes.c_int32.from_address(a.indices + 4 * row).value
+        gather = args[1]
+        num_total = len(bases) * gather.num_entries
+        for row in range(gather.num_fetched):
+            index = ctypes.c_int32.from_address(gather.indices + 4 * row).value
             valid = 0 <= index < num_total
-            dst = a.out + row * a.row_bytes
+            dst = gather.out + row * gather.row_bytes
             if valid:
-                owner, local = divmod(index, a.num_entries)
-                assert a.storage_offset + (local + 1) * a.row_bytes <= self.windows[owner].numel()
-                ctypes.memmove(dst, bases[owner] + a.storage_offset + local * a.row_bytes, a.row_bytes)
+                owner, local = divmod(index, gather.num_entries)
+                assert gather.storage_offset + (local + 1) * gather.row_bytes <= self.windows[owner].numel()
+                ctypes.memmove(dst, bases[owner] + gather.storage_offset + local * gather.row_bytes, gather.row_bytes)
             else:
-                ctypes.memset(dst, 0, a.row_bytes)
-                if a.bad_index_host:
-                    ctypes.c_uint64.from_address(a.bad_index_host).value = ((index & 0xFFFFFFFF) << 32) | (row + 1)
-            token, slot = divmod(row, a.num_per_token)
-            for pack in range(a.num_sf_packs):
-                value = ctypes.c_uint32.from_address(a.sf + 4 * (index * a.num_sf_packs + pack)).value if valid else 0
-                where = token * a.sf_token_stride + (slot * a.num_sf_packs + pack) * a.sf_column_stride
-                ctypes.c_uint32.from_address(a.out_sf + 4 * where).value = value
+                ctypes.memset(dst, 0, gather.row_bytes)
+                if gather.bad_index_host:
+                    ctypes.c_uint64.from_address(gather.bad_index_host).value = ((index & 0xFFFFFFFF) << 32) | (row + 1)
+            token, slot = divmod(row, gather.num_per_token)
+            for pack in range(gather.num_sf_packs):
+                value = ctypes.c_uint32.from_address(gather.sf + 4 * (index * gather.num_sf_packs + pack)).value if valid else 0
+                where = token * gather.sf_token_stride + (slot * gather.num_sf_packs + pack) * gather.sf_column_stride
+                ctypes.c_uint32.from_address(gather.out_sf + 4 * where).value = value
 
 
 @pytest.fixture

@@ -78,35 +78,35 @@ __device__ __forceinline__ void zero_row(uint8_t* dst, int64_t num_bytes, int la
 
 }  // namespace engram
 
-__device__ __forceinline__ void engram_gather_impl(const comm::LsaTransport& tr, const EngramArgs& a) {
+__device__ __forceinline__ void engram_gather_impl(const comm::LsaTransport& tr, const EngramArgs& args) {
     const int lane = threadIdx.x % 32;
     const int num_warps = gridDim.x * kEngramWarps;
-    const int64_t num_total = static_cast<int64_t>(tr.num_ranks) * a.num_entries;
-    for (int row = blockIdx.x * kEngramWarps + threadIdx.x / 32; row < a.num_fetched; row += num_warps) {
-        const int index = __ldg(a.indices + row);
+    const int64_t num_total = static_cast<int64_t>(tr.num_ranks) * args.num_entries;
+    for (int row = blockIdx.x * kEngramWarps + threadIdx.x / 32; row < args.num_fetched; row += num_warps) {
+        const int index = __ldg(args.indices + row);
         const bool valid = index >= 0 && index < num_total;
-        uint8_t* dst = a.out + static_cast<int64_t>(row) * a.row_bytes;
+        uint8_t* dst = args.out + static_cast<int64_t>(row) * args.row_bytes;
         if (valid) {
-            const int owner = index / a.num_entries;
-            const int64_t local = index - owner * a.num_entries;
-            engram::copy_row(dst, comm::peer_bytes(tr, owner, a.storage_offset + local * a.row_bytes), a.row_bytes,
+            const int owner = index / args.num_entries;
+            const int64_t local = index - owner * args.num_entries;
+            engram::copy_row(dst, comm::peer_bytes(tr, owner, args.storage_offset + local * args.row_bytes), args.row_bytes,
                              lane);
         } else {
-            engram::zero_row(dst, a.row_bytes, lane);
-            if (lane == 0 && a.bad_index_host != nullptr) {
+            engram::zero_row(dst, args.row_bytes, lane);
+            if (lane == 0 && args.bad_index_host != nullptr) {
                 // one 8-byte store: the host never sees half of one record and half of another
                 const uint64_t record = (static_cast<uint64_t>(static_cast<uint32_t>(index)) << 32) |
                                         static_cast<uint32_t>(row + 1);
-                *reinterpret_cast<volatile uint64_t*>(a.bad_index_host) = record;
+                *reinterpret_cast<volatile uint64_t*>(args.bad_index_host) = record;
                 __threadfence_system();
             }
         }
-        if (a.num_sf_packs > 0) {
-            const int token = row / a.num_per_token;
-            const int64_t first_column = static_cast<int64_t>(row - token * a.num_per_token) * a.num_sf_packs;
-            for (int pack = lane; pack < a.num_sf_packs; pack += 32) {
-                const uint32_t value = valid ? __ldg(a.sf + static_cast<int64_t>(index) * a.num_sf_packs + pack) : 0u;
-                a.out_sf[token * a.sf_token_stride + (first_column + pack) * a.sf_column_stride] = value;
+        if (args.num_sf_packs > 0) {
+            const int token = row / args.num_per_token;
+            const int64_t first_column = static_cast<int64_t>(row - token * args.num_per_token) * args.num_sf_packs;
+            for (int pack = lane; pack < args.num_sf_packs; pack += 32) {
+                const uint32_t value = valid ? __ldg(args.sf + static_cast<int64_t>(index) * args.num_sf_packs + pack) : 0u;
+                args.out_sf[token * args.sf_token_stride + (first_column + pack) * args.sf_column_stride] = value;
             }
         }
     }
