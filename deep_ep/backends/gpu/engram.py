@@ -4,11 +4,11 @@ Window: the shard lives in the last ``num_cpu_bytes`` bytes of every rank's wind
 dispatch and combine lay their rows out before it, `GPUBackend.layout`), and `engram_write`'s header
 takes the `HEADER_BYTES` just below it. DeepEP maps host memory there; here it is device memory.
 
-`GPUEngramTable.write` is collective and blocks the host: it waits for this rank's earlier fetches
-and kernels, then each rank stores a header (the call, the shard's format, a digest of ``sf``) into
-its window, gathers every rank's header and checks that they agree (the same `RuntimeError` on every
-rank otherwise, and the old table stays), stores its shard, and meets the others again, so every
-rank can fetch every rank's new entries once it returns. `GPUEngramTable.fetch` is local: one gather
+`GPUEngramTable.write` is collective and blocks the host: every rank waits for its earlier fetches
+and kernels and meets the others; each stores a header (the call, the shard's format, a digest of
+``sf``) into its window, gathers every rank's header and checks that they agree (the same
+`RuntimeError` on every rank otherwise, and the old table stays), stores its shard and meets the
+others again, so every rank can fetch every rank's new entries once it returns. `GPUEngramTable.fetch` is local: one gather
 kernel on the caller's stream reads the rows from their owners' windows (NVLink LSA pointers, or
 slices of one allocation for emulated ranks) and the scale factors from this rank's copy. Indices
 are checked on the GPU: an out-of-range one is never read, its row is zeroed and the host raises
@@ -152,13 +152,15 @@ class GPUEngramTable:
         module = backend.module("engram", ())   # first use: loaded collectively before any Engram kernel
         offset = storage_offset(backend)
         header_offset = offset - HEADER_BYTES
-        # 1. This rank's earlier fetches (they read peers' shards) and kernels are done.
+        # 1. Every rank's earlier fetches (they read peers' shards) and kernels are done (a peer's
+        # combine may still read rows of this window until then).
         self._wait_for_fetches()
         self._wait_stream(stream, "its stream in engram_write")
         if backend.emulated:
             self._wait_stream(backend.comm_stream, "its communication stream in engram_write")
         else:
             backend.drain()   # also calls that ran on other caller streams
+        backend.transport.host_barrier()
         num_entries, hidden = storage.shape
         words = [0] * _HEADER_WORDS
         words[_MAGIC], words[_CALL] = _MAGIC_VALUE, call & 0x7FFFFFFF
