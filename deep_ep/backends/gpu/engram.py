@@ -8,11 +8,11 @@ takes the `HEADER_BYTES` just below it. DeepEP maps host memory there; here it i
 and kernels and meets the others; each stores a header (the call, the shard's format, a digest of
 ``sf``) into its window, gathers every rank's header and checks that they agree (the same
 `RuntimeError` on every rank otherwise, and the old table stays), stores its shard and meets the
-others again, so every rank can fetch every rank's new entries once it returns. `GPUEngramTable.fetch` is local: one gather
-kernel on the caller's stream reads the rows from their owners' windows (NVLink LSA pointers, or
-slices of one allocation for emulated ranks) and the scale factors from this rank's copy. Indices
-are checked on the GPU: an out-of-range one is never read, its row is zeroed and the host raises
-`ValueError` at this rank's next fetch (`raise_bad_index`).
+others again, so every rank can fetch every rank's new entries once it returns.
+`GPUEngramTable.fetch` is local: one gather kernel on the caller's stream reads the rows from their
+owners' windows (NVLink LSA pointers, or slices of one allocation for emulated ranks) and the scale
+factors from this rank's copy. Indices are checked on the GPU: an out-of-range one is never read,
+its row is zeroed and the host raises `ValueError` at this rank's next fetch (`raise_bad_index`).
 """
 from __future__ import annotations
 
