@@ -114,8 +114,8 @@ def _write(buf, fmt, seed, rank, num_ranks, num_entries: int = NUM_ENTRIES) -> t
     """Write this rank's shard of a fresh table; the device copies passed are spoiled afterwards (the
     table is a copy). Returns the whole table (CPU)."""
     table, sf_table = _table(fmt, seed, num_ranks, num_entries)
-    storage = table[rank * num_entries:(rank + 1) * num_entries].to(DEVICE)
-    sf = None if sf_table is None else sf_table.to(DEVICE)
+    storage = table[rank * num_entries:(rank + 1) * num_entries].to(DEVICE, copy=True)
+    sf = None if sf_table is None else sf_table.to(DEVICE, copy=True)
     buf.engram_write(storage, sf=sf)
     storage.view(torch.uint8).fill_(0xAB)
     if sf is not None:
@@ -207,8 +207,8 @@ def _refusals_body(group):
         on_device = good.to(DEVICE)
         _expect(RuntimeError, "call engram_write", buf.engram_fetch, on_device)
         table, sf_table = _table(fmt, case_seed("engram refusals", num_ranks), num_ranks)
-        storage = table[rank * NUM_ENTRIES:(rank + 1) * NUM_ENTRIES].to(DEVICE)
-        sf = sf_table.to(DEVICE)
+        storage = table[rank * NUM_ENTRIES:(rank + 1) * NUM_ENTRIES].to(DEVICE, copy=True)
+        sf = sf_table.to(DEVICE, copy=True)
         bf16 = _random_bits((NUM_ENTRIES, 256), torch.bfloat16, torch.Generator().manual_seed(rank)).to(DEVICE)
         # engram_write: refused on every rank alike, before any communication
         for args, kind, text in (((storage,), ValueError, "FP8 storage needs sf"),
