@@ -7,7 +7,8 @@ window held between a fetch and its hook (dispatch refused), one-sided fetches (
 the others wait in a barrier), ranks that disagree, a group over several hosts, a backend without
 Engram refusing every method before any communication, and `destroy` releasing every primitive's
 state (the Engram mappings, PP channels, an open AGRS session). GPU buffers: tests/test_engram_gpu.py
-(the kernels' build and argument layout, on the CPU) and tests/gpu/test_gpu_engram.py.
+(the kernels' build and argument layout), tests/test_engram_gpu_host.py (the host code, kernels stood
+in for), both on the CPU, and tests/gpu/test_gpu_engram.py.
 """
 import glob
 import inspect
