@@ -42,7 +42,8 @@ struct EngramArgs {
 
 namespace engram {
 
-// One warp: copy a row, 16 bytes per lane and load where both ends and the size allow it.
+// One warp: copy a row in 16-byte vectors where both ends and the size are 16-byte aligned, else in
+// 4-byte words or bytes.
 __device__ __forceinline__ void copy_row(uint8_t* dst, const uint8_t* src, int64_t num_bytes, int lane) {
     const uint64_t alignment = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
                                static_cast<uint64_t>(num_bytes);
