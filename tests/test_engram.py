@@ -4,9 +4,11 @@ all-gathered with plain torch.distributed, and every fetched element (data bits,
 factors of both kinds in both layouts, strides included) is compared with the table's rows, outputs
 poisoned. Also: the size hint's numbers, out-of-range and other refusals before anything moves, the
 window held between a fetch and its hook (dispatch refused), one-sided fetches (one rank fetches while
-the others wait in a barrier), ranks that disagree, a group over several hosts, GPU buffers
-refusing every method before any communication, and `destroy` releasing every primitive's state
-(the Engram mappings, PP channels, an open AGRS session).
+the others wait in a barrier), ranks that disagree, a group over several hosts, a backend without
+Engram refusing every method before any communication, and `destroy` releasing every primitive's
+state (the Engram mappings, PP channels, an open AGRS session). GPU buffers: tests/test_engram_gpu.py
+(the kernels' build and argument layout), tests/test_engram_gpu_host.py (the host code, kernels stood
+in for), both on the CPU, and tests/gpu/test_gpu_engram.py.
 """
 import glob
 import inspect
@@ -341,41 +343,20 @@ def test_signatures():
         assert got == params, name
 
 
-class _GpuBackendStub:
-    """Stands for a GPU backend: any use of it (a communication) fails the test."""
+class _BackendStub:
+    """Stands for a backend without Engram: any use of it (a communication) fails the test."""
 
     def __getattr__(self, name):
-        raise AssertionError(f"the GPU backend was used ({name}) before the refusal")
+        raise AssertionError(f"the backend was used ({name}) before the refusal")
 
 
-def test_gpu_buffer_refuses_every_method():
+def test_a_backend_without_engram_refuses_every_method():
     buffer = deep_ep.ElasticBuffer.__new__(deep_ep.ElasticBuffer)
     buffer._destroyed = False
-    buffer._backend = _GpuBackendStub()
+    buffer._backend = _BackendStub()
     storage = torch.zeros(4, 128, dtype=torch.bfloat16)
     for method, args in (("engram_write", (storage,)), ("engram_fetch", (torch.zeros(1, 1, dtype=torch.int32),))):
-        with pytest.raises(NotImplementedError, match=rf"ElasticBuffer.{method} .*GPU buffers.*CPU backend"):
+        with pytest.raises(NotImplementedError, match=rf"ElasticBuffer.{method} .*not implemented for this backend "
+                                                      rf"\(_BackendStub\).*GPU buffers and the CPU backend"):
             getattr(buffer, method)(*args)
     buffer._destroyed = True   # nothing to release
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU buffers)")
-def test_gpu_buffer_refuses_on_emulated_ranks():
-    """A real GPU buffer (2 emulated ranks): each method refuses at once, and the ranks' calls stay in
-    step (a barrier and a destroy after it work)."""
-    from deep_ep.emulated import EmulatedGroup
-    group = EmulatedGroup(2, device=torch.device("cuda", 0))
-
-    def body(rank_group):
-        buffer = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=8, hidden=128, num_topk=2,
-                                       explicitly_destroy=True)
-        storage = torch.zeros(4, 128, dtype=torch.bfloat16, device=buffer.device)
-        indices = torch.zeros(1, 1, dtype=torch.int32, device=buffer.device)
-        for method, args in (("engram_write", (storage,)), ("engram_fetch", (indices,))):
-            with pytest.raises(NotImplementedError, match=rf"ElasticBuffer.{method} .*CPU backend"):
-                getattr(buffer, method)(*args)
-        buffer.barrier()
-        buffer.destroy()
-        return True
-
-    assert group.run(body) == [True, True]

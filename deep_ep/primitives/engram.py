@@ -3,8 +3,11 @@
 Every rank owns a shard of a table (``num_entries`` rows of ``hidden`` bf16 or FP8 values); global
 entry ``owner * num_entries + local`` is row ``local`` of rank ``owner``'s shard. `engram_write`
 publishes the shards (collective), `engram_fetch` gathers any entries from their owners. The CPU
-backend implements both (`deep_ep.backends.cpu.engram`: shared memory, fetch one-sided); on a GPU
-buffer every method but the size hint raises `NotImplementedError` before any communication.
+backend (`deep_ep.backends.cpu.engram`: shared memory) is the executable specification; GPU buffers
+(`deep_ep.backends.gpu.engram`) keep each shard in the last ``num_cpu_bytes`` of the rank's window and
+gather with one kernel on the caller's stream. Argument checks live here, for both. Out-of-range
+indices: the CPU checks them on the host before reading; a GPU kernel checks them while it gathers
+(an index is never read outside the table), and the next fetch on that rank raises.
 `engram_fetch_reference` is the per-rank semantics of a fetch, given the whole table.
 """
 from __future__ import annotations
@@ -55,16 +58,20 @@ def engram_fetch_reference(table: torch.Tensor, sf_table: Optional[torch.Tensor]
 class EngramFetchHook:
     """What `EngramMixin.engram_fetch` returns: call it (no arguments) for ``(data, sf)``.
 
-    The first call releases the buffer's window; later calls return the same tensors."""
+    The first call releases the buffer's window; later calls return the same tensors. On a GPU
+    buffer every call also makes the caller's current stream wait for the fetch's kernel."""
 
-    __slots__ = ("_result", "_window_use", "_pending")
+    __slots__ = ("_result", "_window_use", "_pending", "_done")
 
-    def __init__(self, result: tuple, window_use) -> None:
+    def __init__(self, result: tuple, window_use, done=None) -> None:
         self._result = result
         self._window_use = window_use
         self._pending = True
+        self._done = done   # a torch.cuda.Event recorded after the gather (GPU), or None
 
     def __call__(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self._done is not None:
+            torch.cuda.current_stream(self._result[0].device).wait_event(self._done)
         if self._pending:
             self._pending = False
             self._window_use.release("engram")
@@ -118,14 +125,21 @@ class EngramMixin:
                 an opaque 4-byte value (``torch.float32``, or ``torch.int32`` holding four UE8M0
                 exponents). Copied; a fetch takes the factors from this rank's copy.
 
+        On a GPU buffer the shard is stored in device memory, the last ``num_cpu_bytes`` of the
+        window (dispatch and combine use the bytes before them), and the call blocks the host: it
+        waits for this rank's earlier fetches and kernels, and cannot be captured in a CUDA graph.
+
         Raises:
-            NotImplementedError: a GPU buffer (the CPU backend has Engram), or ranks on several hosts.
-            TypeError / ValueError: bad arguments, raised on this rank before any communication.
+            NotImplementedError: a backend without Engram; ranks on several hosts (CPU backend).
+            TypeError / ValueError: bad arguments, raised on this rank before any communication;
+                on a GPU buffer also a window with less than 64 KiB + 64 bytes before its last
+                ``num_cpu_bytes`` (the control region and the write's header).
             RuntimeError: destroyed buffer; or, on every rank, ranks that disagree on the shapes or
-            format. TimeoutError: a peer did not call it.
+            format, or that are at different calls; (GPU) during CUDA-graph capture, or an earlier
+            GPU error made the buffer unusable. TimeoutError: a peer did not call it.
         """
         self._alive()
-        backend = self._engram_backend("engram_write")
+        backend, on_gpu = self._engram_backend("engram_write")
         backend.calls += 1   # collective: every call counts, a refused one too (as dispatch's)
         device = backend.device
         checks.check_tensor("storage", storage, dtype=_STORAGE_DTYPES, shape=(None, None), device=device)
@@ -152,16 +166,33 @@ class EngramMixin:
             raise ValueError(f"storage takes {num_bytes} bytes, more than the buffer's num_cpu_bytes "
                              f"({self.num_cpu_bytes}); create the buffer with num_cpu_bytes={need} "
                              f"(ElasticBuffer.get_engram_storage_size_hint) and num_bytes including it")
-        table = self._engram_table()
-        table.write(backend.comm, backend.calls, storage, sf)
+        table = self._engram_table(on_gpu)
+        if not on_gpu:
+            table.write(backend.comm, backend.calls, storage, sf)
+            return
+        from ..backends.gpu import engram as gpu_engram
+        from ..backends.gpu.abi import CTRL_BYTES
+        room = gpu_engram.storage_offset(backend)
+        if room < CTRL_BYTES + gpu_engram.HEADER_BYTES:
+            raise ValueError(f"engram_write on a GPU buffer needs {CTRL_BYTES + gpu_engram.HEADER_BYTES} bytes of "
+                             f"window before the storage (num_bytes - num_cpu_bytes = {self.num_bytes} - "
+                             f"{self.num_cpu_bytes} = {room}); size the buffer with "
+                             f"ElasticBuffer.get_engram_storage_size_hint and num_max_tokens_per_rank >= 1")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("engram_write waits on the host for every rank and cannot be captured in a CUDA "
+                               "graph; call it before the capture")
+        backend.raise_if_broken()
+        table.write(backend.calls, storage, sf)
 
     def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0,
                      use_tma_aligned_col_major_sf: bool = False) -> Callable:
         """(Experimental) Gather Engram entries from their owners.
 
-        On the CPU backend the fetch is one-sided, like DeepEP's RDMA gets: it reads the owners'
-        shared memory and involves no other rank (ranks fetch independently, any number of times,
-        any shapes). Between this call and its hook's first call the buffer's window is held:
+        The fetch is one-sided, like DeepEP's RDMA gets: it reads the owners' storage (shared
+        memory on the CPU, their windows on a GPU) and involves no other rank (ranks fetch
+        independently, any number of times, any shapes). On a GPU buffer it queues one gather
+        kernel on the current stream and returns without waiting; the hook makes the current stream
+        wait for it. Between this call and its hook's first call the buffer's window is held:
         dispatch, combine and the other primitives raise `RuntimeError` meanwhile, and so does a
         second `engram_fetch` (DeepEP gathers every fetch into the same receive area).
 
@@ -169,7 +200,7 @@ class EngramMixin:
             indices: int32 ``[T, E]`` on the buffer's device, contiguous: token ``t`` concatenates
                 entries ``indices[t, 0..E-1]`` along hidden; each a global entry
                 ``owner * num_entries + local`` in ``[0, num_ranks * num_entries)``.
-            num_qps: RDMA queue pairs (0 = all allocated); validated, no effect on the CPU.
+            num_qps: RDMA queue pairs (0 = all allocated); validated, no effect (no RDMA path).
             use_tma_aligned_col_major_sf: FP8 only: the factors in the TMA-aligned column-major
                 layout (strides ``(1, align(T, 4))``), else row-major.
 
@@ -179,27 +210,38 @@ class EngramMixin:
             docstring says ``[T * E, hidden]``, the same bytes, while its code returns this shape),
             ``sf`` ``[T, E * num_sf_packs]`` in sf's dtype for FP8 (pack ``p`` of entry ``e`` at
             column ``e * num_sf_packs + p``), else None. Calling the hook releases the window; later
-            calls return the same tensors.
+            calls return the same tensors. Fresh tensors, on the buffer's device.
 
         Raises:
-            NotImplementedError: a GPU buffer (the CPU backend has Engram).
+            NotImplementedError: a backend without Engram.
             TypeError / ValueError: bad arguments, an index out of range, or a receive area too small
             (``T * E * hidden * itemsize`` over ``num_bytes - num_cpu_bytes``; not checked on CPU
             buffers made without ``num_bytes``, which allocate per call); all before anything is read.
+            On a GPU buffer the kernel checks the range as it gathers: an index out of range is not
+            read, its row and factors come back zeroed, and this rank's next `engram_fetch` raises
+            the `ValueError` (naming the index and its position) before its own launch.
             RuntimeError: destroyed buffer, no `engram_write` yet, or the window held (by an earlier
-            fetch whose hook was not called, or by another primitive).
+            fetch whose hook was not called, or by another primitive); (GPU) during CUDA-graph
+            capture, or an earlier GPU error made the buffer unusable.
         """
         self._alive()
-        backend = self._engram_backend("engram_fetch")
+        backend, on_gpu = self._engram_backend("engram_fetch")
         checks.check_int("num_qps", num_qps, minimum=0)
         col_major = checks.check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
-        table = self._engram_table()
+        table = self._engram_table(on_gpu)
+        if on_gpu:
+            backend.raise_if_broken()
+            table.raise_bad_index()   # found by an earlier fetch's kernel
         if not table.written:
             raise RuntimeError("engram_fetch needs an Engram table: call engram_write (on every rank) first")
         checks.check_tensor("indices", indices, dtype=torch.int32, shape=(None, None), device=backend.device)
         num_tokens, num_per_token = indices.shape
         num_total = table.num_ranks * table.num_entries
-        if indices.numel():
+        if on_gpu:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("engram_fetch on a GPU buffer cannot be captured in a CUDA graph yet; call it "
+                                   "outside the capture")
+        elif indices.numel():
             low, high = int(indices.min()), int(indices.max())
             if low < 0 or high >= num_total:
                 bad = low if low < 0 else high
@@ -216,32 +258,43 @@ class EngramMixin:
         except BaseException:
             self._window_use.release("engram")
             raise
+        if on_gpu:
+            data, sf, done = result
+            return EngramFetchHook((data, sf), self._window_use, done)
         return EngramFetchHook(result, self._window_use)
 
     # ------------------------------------------------------------------ helpers
-    def _engram_backend(self, method: str):
-        """The CPU backend, or NotImplementedError naming ``method`` (before any communication)."""
+    def _engram_backend(self, method: str) -> tuple:
+        """``(backend, on_gpu)``; NotImplementedError naming ``method`` for a backend without Engram
+        (before any communication)."""
         from ..backends.cpu import CPUBackend
         backend = self._backend
-        if not isinstance(backend, CPUBackend):
-            raise NotImplementedError(
-                f"ElasticBuffer.{method} (Engram) is not implemented on GPU buffers yet: the CPU backend "
-                f"(a gloo group with CPU tensors) has it")
-        return backend
+        if isinstance(backend, CPUBackend):
+            return backend, False
+        from ..backends.gpu import GPUBackend
+        if isinstance(backend, GPUBackend):
+            return backend, True
+        raise NotImplementedError(
+            f"ElasticBuffer.{method} (Engram) is not implemented for this backend ({type(backend).__name__}); "
+            f"GPU buffers and the CPU backend (a gloo group with CPU tensors) have it")
 
     def _release_primitives(self) -> None:
-        """Unmap every rank's Engram shard and drop the table (`ElasticBuffer.destroy`); tensors a
-        fetch returned are copies and stay valid."""
+        """Unmap every rank's Engram shard (CPU) or wait for this rank's last fetch (GPU), and drop the
+        table (`ElasticBuffer.destroy`); tensors a fetch returned are copies and stay valid."""
         table = getattr(self, "_engram", None)
         if table is not None:
             table.release()
         self._engram = None
 
-    def _engram_table(self):
-        from ..backends.cpu.engram import EngramTable
+    def _engram_table(self, on_gpu: bool):
         table = getattr(self, "_engram", None)
         if table is None:
-            table = self._engram = EngramTable(self.rank_idx, self.num_ranks)
+            if on_gpu:
+                from ..backends.gpu.engram import GPUEngramTable
+                table = self._engram = GPUEngramTable(self._backend)
+            else:
+                from ..backends.cpu.engram import EngramTable
+                table = self._engram = EngramTable(self.rank_idx, self.num_ranks)
         return table
 
     def _check_receive_area(self, num_fetched_bytes: int) -> None:

@@ -295,8 +295,14 @@ class GPUBackend(Backend):
         stride: the call's configuration is part of its tag."""
         layout = self._layouts.get(stride)
         if layout is None:
+            # the window's last num_cpu_bytes hold the Engram storage (deep_ep/backends/gpu/engram.py)
+            usable = self.transport.num_bytes - self.config.num_cpu_bytes
+            if usable <= 0:
+                raise ValueError(f"num_bytes={self.transport.num_bytes} leaves no window for dispatch and combine "
+                                 f"beside num_cpu_bytes={self.config.num_cpu_bytes} (the Engram storage); pass "
+                                 f"num_bytes = ElasticBuffer.get_buffer_size_hint(...) + num_cpu_bytes")
             layout = self._layouts[stride] = window.make_layout(self.num_ranks, 0, 0, self.config.num_topk, False,
-                                                            self.transport.num_bytes, stride=stride)
+                                                            usable, stride=stride)
         return layout
 
     def launch_data(self, prepared, n_sms: int) -> None:

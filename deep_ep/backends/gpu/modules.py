@@ -13,9 +13,10 @@ import threading
 from ... import jit
 
 __all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
-           "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL", "TUNABLES",
-           "kernel_source", "tunable_defines", "dispatch_defines", "combine_defines", "barrier_defines", "pp_defines",
-           "agrs_defines", "build_module",
+           "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL",
+           "ENGRAM_GATHER_KERNEL", "ENGRAM_STORE_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
+           "dispatch_defines", "combine_defines", "barrier_defines", "pp_defines", "agrs_defines", "engram_defines",
+           "build_module",
            "load_module",
            "num_modules_built"]
 
@@ -35,6 +36,8 @@ PP_SEND_KERNEL = "deep_ep_pp_send"     # `ElasticBuffer.pp_send`
 PP_RECV_KERNEL = "deep_ep_pp_recv"     # `ElasticBuffer.pp_recv`
 PP_FLUSH_KERNEL = "deep_ep_pp_flush"   # `ElasticBuffer.pp_set_config`'s steps
 AGRS_PEERS_KERNEL = "deep_ep_agrs_peers"   # `ElasticBuffer.agrs_set_config`: the peers' window addresses
+ENGRAM_GATHER_KERNEL = "deep_ep_engram_gather"   # `ElasticBuffer.engram_fetch`
+ENGRAM_STORE_KERNEL = "deep_ep_engram_store"     # `ElasticBuffer.engram_write`
 
 # Build-time tunables of the data kernels, each #defined with its default in
 # include/deep_ep/common/tunables.cuh (tests/test_kernels_compile.py holds the two lists equal): they
@@ -46,9 +49,9 @@ TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_SINGLE_
 
 
 def kernel_source(kind: str) -> str:
-    """The CUDA source of a ``kind`` module ("dispatch", "combine", "barrier", "pp" or "agrs"); the
-    structure comes in as defines."""
-    if kind not in ("dispatch", "combine", "barrier", "pp", "agrs"):
+    """The CUDA source of a ``kind`` module ("dispatch", "combine", "barrier", "pp", "agrs" or "engram");
+    the structure comes in as defines."""
+    if kind not in ("dispatch", "combine", "barrier", "pp", "agrs", "engram"):
         raise ValueError(f"unknown kernel module kind {kind!r}")
     return f"#include <deep_ep/kernels/{kind}.cuh>\n"
 
@@ -106,8 +109,13 @@ def agrs_defines(transport_nccl: bool = False) -> dict:
     return {"EP_TRANSPORT_NCCL": int(transport_nccl)}
 
 
+def engram_defines(transport_nccl: bool = False) -> dict:
+    """Defines of the Engram module (kernels/engram.cuh)."""
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl)}
+
+
 _DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines,
-            "pp": pp_defines, "agrs": agrs_defines}
+            "pp": pp_defines, "agrs": agrs_defines, "engram": engram_defines}
 _modules: dict = {}
 _modules_lock = threading.Lock()
 

@@ -1,0 +1,256 @@
+"""Engram storage of the GPU backend: each rank's shard in its own window, fetched one-sided.
+
+Window: the shard lives in the last ``num_cpu_bytes`` bytes of every rank's window (`storage_offset`;
+dispatch and combine lay their rows out before it, `GPUBackend.layout`), and `engram_write`'s header
+takes the `HEADER_BYTES` just below it. DeepEP maps host memory there; here it is device memory.
+
+`GPUEngramTable.write` is collective and blocks the host: every rank waits for its earlier fetches
+and kernels and meets the others; each stores a header (the call, the shard's format, a digest of
+``sf``) into its window, gathers every rank's header and checks that they agree (the same
+`RuntimeError` on every rank otherwise, and the old table stays), stores its shard and meets the
+others again, so every rank can fetch every rank's new entries once it returns.
+`GPUEngramTable.fetch` is local: one gather kernel on the caller's stream reads the rows from their
+owners' windows (NVLink LSA pointers, or slices of one allocation for emulated ranks) and the scale
+factors from this rank's copy. Indices are checked on the GPU: an out-of-range one is never read,
+its row is zeroed and the host raises `ValueError` at this rank's next fetch (`raise_bad_index`).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import outputs
+from ... import jit, shapes
+from ...cuda.streams import poll_event
+from .abi import _read_constants
+from .errors import MappedWords
+from .modules import ENGRAM_GATHER_KERNEL, ENGRAM_STORE_KERNEL
+
+__all__ = ["ENGRAM_CONSTANTS", "EngramArgs", "GPUEngramTable", "HEADER_BYTES", "storage_offset"]
+
+ENGRAM_CONSTANTS = _read_constants(Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "impls" /
+                                   "engram.cuh")
+ENGRAM_THREADS = ENGRAM_CONSTANTS["kEngramThreads"]
+_ROWS_PER_BLOCK = ENGRAM_CONSTANTS["kEngramWarps"]
+HEADER_BYTES = ENGRAM_CONSTANTS["kEngramHeaderBytes"]
+_MAX_BLOCKS = 65535
+
+# engram_write's header: int32 words (HEADER_BYTES in all).
+_MAGIC, _CALL, _NUM_ENTRIES, _HIDDEN, _FORMAT, _NUM_SF_PACKS, _SF_ROWS, _SF_DIGEST = range(8)   # digest: 2 words
+_HEADER_WORDS = HEADER_BYTES // 4
+_MAGIC_VALUE = 0x456E6772   # "Engr": a header that was stored, not a leftover of another use of the window
+_AGREE = ((_NUM_ENTRIES, "num_entries (rows of each rank's storage)"), (_HIDDEN, "hidden"),
+          (_FORMAT, "storage format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 int32 sf)"),
+          (_NUM_SF_PACKS, "num_sf_packs (columns of sf)"), (_SF_ROWS, "rows of sf"),
+          (_SF_DIGEST, "the values of sf (a digest; the table is replicated: every rank passes the same)"))
+_FORMATS = {(torch.bfloat16, None): 0, (torch.float8_e4m3fn, torch.float32): 1,
+            (torch.float8_e4m3fn, torch.int32): 2}
+
+
+class EngramArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::EngramArgs`` (include/deep_ep/impls/engram.cuh)."""
+    _fields_ = [("storage_offset", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("sf_token_stride", ctypes.c_int64), ("sf_column_stride", ctypes.c_int64),
+                ("indices", ctypes.c_void_p), ("out", ctypes.c_void_p), ("sf", ctypes.c_void_p),
+                ("out_sf", ctypes.c_void_p), ("bad_index_host", ctypes.c_void_p), ("num_entries", ctypes.c_int),
+                ("num_fetched", ctypes.c_int), ("num_per_token", ctypes.c_int), ("num_sf_packs", ctypes.c_int)]
+
+
+def storage_offset(backend) -> int:
+    """Byte offset of the Engram shard in every window of ``backend``: its last ``num_cpu_bytes``."""
+    return backend.transport.num_bytes - backend.config.num_cpu_bytes
+
+
+def _sf_digest(sf: torch.Tensor) -> torch.Tensor:
+    """int32 ``[2]`` on ``sf``'s device: a position-weighted sum of its words (int64, wrapping; exact,
+    so every rank computes the same value for the same bytes), computed on the stream."""
+    words = sf.reshape(-1).view(torch.int32).to(torch.int64)
+    weights = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=sf.device)
+    return ((words + 0x9E3779B9) * weights).sum().reshape(1).view(torch.int32)
+
+
+class GPUEngramTable:
+    """One buffer's Engram table on one rank of a GPU buffer (see the module docstring)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.rank, self.num_ranks = backend.rank, backend.num_ranks
+        self.num_entries = 0          # rows per rank; 0 until the first write
+        self.hidden = 0
+        self.dtype: Optional[torch.dtype] = None
+        self.sf: Optional[torch.Tensor] = None   # [num_ranks * num_entries, num_sf_packs], this rank's copy
+        self.bad_index = MappedWords(backend.device, 2)   # one u64: (position + 1) | index << 32
+        self.last_fetch: Optional[torch.cuda.Event] = None
+
+    @property
+    def written(self) -> bool:
+        return self.num_entries > 0
+
+    @property
+    def num_sf_packs(self) -> int:
+        return 0 if self.sf is None else self.sf.shape[1]
+
+    def _wait_for_fetches(self) -> None:
+        """Poll until this rank's last fetch kernel finished."""
+        if self.last_fetch is not None:
+            self._poll(self.last_fetch, "its last engram_fetch")
+            self.last_fetch = None
+
+    def _poll(self, event, what: str) -> None:
+        backend = self.backend
+        if not poll_event(event, backend.config.num_cpu_timeout_secs, backend.spin_secs):
+            backend.broken = "host timeout"
+            raise TimeoutError(f"deep_ep: rank {self.rank} waited {backend.config.num_cpu_timeout_secs} s on the "
+                               f"host for {what} (num_cpu_timeout_secs); the buffer can no longer be used")
+
+    def _wait_stream(self, stream, what: str) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._poll(event, what)
+
+    def release(self) -> None:
+        """Forget the table and free the mapped word (after this rank's last fetch kernel finished)."""
+        try:
+            self._wait_for_fetches()
+        finally:
+            self.bad_index.free()
+            self.sf = None
+            self.num_entries, self.hidden, self.dtype = 0, 0, None
+
+    # ------------------------------------------------------------------ bad indices (found on the GPU)
+    def raise_bad_index(self) -> None:
+        """Raise `ValueError` for an out-of-range index an earlier fetch's kernel found (and forget it).
+
+        Raises:
+            ValueError: naming the index, its position and the valid range.
+        """
+        word = ctypes.c_uint64.from_address(self.bad_index.host_ptr)
+        record = word.value
+        if record == 0:
+            return
+        word.value = 0
+        position = (record & 0xFFFFFFFF) - 1
+        index = ctypes.c_int32(record >> 32).value
+        num_total = self.num_ranks * self.num_entries
+        raise ValueError(f"an earlier engram_fetch on rank {self.rank} had entry {index} at flat position {position} "
+                         f"of its indices (row-major [T, E]): entries must be in [0, {num_total}) ({self.num_ranks} "
+                         f"ranks x {self.num_entries} entries). The GPU checks indices while it gathers: that row "
+                         f"(and its scale factors) came back zeroed; nothing else was affected")
+
+    # ------------------------------------------------------------------ write (collective)
+    def write(self, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
+        """Replace this rank's shard with ``storage`` (validated by the caller) and make every rank's
+        new shard fetchable. Collective; see the module docstring.
+
+        Raises (on every rank): RuntimeError when ranks disagree on the format or are at different
+        calls; TimeoutError when a host wait exceeds ``num_cpu_timeout_secs``."""
+        backend = self.backend
+        device, stream = backend.device, torch.cuda.current_stream(backend.device)
+        module = backend.module("engram", ())   # first use: loaded collectively before any Engram kernel
+        offset = storage_offset(backend)
+        header_offset = offset - HEADER_BYTES
+        # 1. Every rank's earlier fetches (they read peers' shards) and kernels are done (a peer's
+        # combine may still read rows of this window until then).
+        self._wait_for_fetches()
+        self._wait_stream(stream, "its stream in engram_write")
+        if backend.emulated:
+            self._wait_stream(backend.comm_stream, "its communication stream in engram_write")
+        else:
+            backend.drain()   # also calls that ran on other caller streams
+        backend.transport.host_barrier()
+        num_entries, hidden = storage.shape
+        words = [0] * _HEADER_WORDS
+        words[_MAGIC], words[_CALL] = _MAGIC_VALUE, call & 0x7FFFFFFF
+        words[_NUM_ENTRIES], words[_HIDDEN] = num_entries, hidden
+        words[_FORMAT] = _FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
+        words[_NUM_SF_PACKS], words[_SF_ROWS] = (0, 0) if sf is None else sf.shape
+        header = torch.tensor(words, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+        if sf is not None:
+            header[_SF_DIGEST:_SF_DIGEST + 2] = _sf_digest(sf)
+        self._store(module, stream, header_offset, header)
+        self._wait_stream(stream, "its header in engram_write")
+        backend.transport.host_barrier()
+        # 2. Every rank's header, gathered like a fetch of one entry per rank; read, then a barrier
+        # before anything is written again.
+        headers = torch.empty((self.num_ranks, _HEADER_WORDS), dtype=torch.int32, device=device)
+        self._gather(module, stream, torch.arange(self.num_ranks, dtype=torch.int32, device=device), headers,
+                     header_offset, HEADER_BYTES, 1, 1, None, None, 0, 0, None)
+        values = backend.host_read(headers.view(-1), stream)
+        backend.transport.host_barrier()
+        rows = [values[peer * _HEADER_WORDS:(peer + 1) * _HEADER_WORDS] for peer in range(self.num_ranks)]
+        self._check_headers(rows)
+        # 3. The shard, then every rank's before any rank fetches.
+        self._store(module, stream, offset, storage)
+        self.num_entries, self.hidden, self.dtype = num_entries, hidden, storage.dtype
+        self.sf = None if sf is None else sf.clone()
+        self._wait_stream(stream, "its shard in engram_write")
+        backend.transport.host_barrier()
+
+    def _check_headers(self, rows: list) -> None:
+        prefix = f"deep_ep (GPU backend, rank {self.rank} of {self.num_ranks}): engram_write"
+        calls = [row[_CALL] for row in rows]
+        if any(row[_MAGIC] != _MAGIC_VALUE for row in rows) or len(set(calls)) > 1:
+            self.backend.broken = "ranks at different calls"
+            raise RuntimeError(f"{prefix}: ranks are at different calls of this buffer (per-rank call numbers "
+                               f"{calls}; a rank that is in another collective call shows a wrong one): a rank "
+                               f"skipped or repeated a call. The buffer can no longer be used")
+        for field, name in _AGREE:
+            width = 2 if field == _SF_DIGEST else 1
+            values = [tuple(row[field:field + width]) if width > 1 else row[field] for row in rows]
+            if len(set(values)) > 1:
+                shown = values if width == 1 else [f"{value[0] & 0xFFFFFFFF:08x}{value[1] & 0xFFFFFFFF:08x}"
+                                                   for value in values]
+                raise RuntimeError(f"{prefix}: ranks disagree on {name}: per-rank values {shown}")
+
+    def _store(self, module, stream, offset: int, source: torch.Tensor) -> None:
+        backend = self.backend
+        num_bytes = source.numel() * source.element_size()
+        blocks = max(1, min(4 * backend.num_device_sms, -(-num_bytes // (16 * ENGRAM_THREADS))))
+        module.function(ENGRAM_STORE_KERNEL).launch(
+            blocks, ENGRAM_THREADS, (backend.transport_args, jit.i64(offset), source, jit.i64(num_bytes)),
+            stream=stream.cuda_stream, device=backend.device.index)
+
+    def _gather(self, module, stream, indices, out, offset, row_bytes, num_entries, num_per_token, sf, out_sf,
+                sf_token_stride, sf_column_stride, bad_index_host) -> None:
+        backend = self.backend
+        count = indices.numel()
+        args = EngramArgs(offset, row_bytes, sf_token_stride, sf_column_stride, indices.data_ptr(), out.data_ptr(),
+                          None if sf is None else sf.data_ptr(), None if out_sf is None else out_sf.data_ptr(),
+                          bad_index_host, num_entries, count, num_per_token, 0 if sf is None else sf.shape[1])
+        blocks = max(1, min(_MAX_BLOCKS, -(-count // _ROWS_PER_BLOCK)))
+        module.function(ENGRAM_GATHER_KERNEL).launch(blocks, ENGRAM_THREADS, (backend.transport_args, args),
+                                                     stream=stream.cuda_stream, device=backend.device.index)
+
+    # ------------------------------------------------------------------ fetch (local, one-sided)
+    def fetch(self, indices: torch.Tensor, use_tma_aligned_col_major_sf: bool) -> tuple:
+        """``(data [T, E * H], sf or None, event)`` of int32 ``indices [T, E]`` (validated but for the
+        range, which the kernel checks): one gather kernel on the current stream; ``event`` is recorded
+        after it. The outputs are allocated on the current stream; ``sf`` row-major or TMA-aligned
+        column-major (strides ``(1, align(T, 4))``). No communication with the other ranks' hosts."""
+        backend = self.backend
+        device, stream = backend.device, torch.cuda.current_stream(backend.device)
+        module = backend.module("engram", ())
+        num_tokens, num_per_token = indices.shape
+        data = outputs.empty((num_tokens, num_per_token * self.hidden), self.dtype, device)
+        sf = None
+        token_stride = column_stride = 0
+        if self.sf is not None:
+            columns = num_per_token * self.num_sf_packs
+            if use_tma_aligned_col_major_sf:
+                token_stride, column_stride = 1, shapes.align_up(num_tokens, 4)
+                room = outputs.empty((columns * column_stride,), self.sf.dtype, device)
+                sf = room.as_strided((num_tokens, columns), (token_stride, column_stride))
+            else:
+                token_stride, column_stride = columns, 1
+                sf = outputs.empty((num_tokens, columns), self.sf.dtype, device)
+        if indices.numel():
+            self._gather(module, stream, indices, data, storage_offset(backend), self.hidden * data.element_size(),
+                         self.num_entries, num_per_token, self.sf, sf, token_stride, column_stride,
+                         self.bad_index.device_ptr)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self.last_fetch = done
+        return data, sf, done
