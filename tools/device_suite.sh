@@ -2,7 +2,8 @@
 # Everything one H200 run needs: environment facts, the GPU test suite, the bench. Logs go to $OUT.
 # Usage (device tool): bash tools/device_suite.sh [steps...]
 #   steps: env jit gpu bench summary (default); extra (CUDA graphs, cached calls, stream semantics,
-#          GPU reliability, EPLB, autograd operators, a caller's torch defaults;
+#          GPU reliability, EPLB, autograd operators, a caller's torch defaults, DeepEP's V1 Buffer,
+#          the primitives, the emulated GIN, a gloo group with GPU tensors;
 #          EXTRA_FILES="tests/gpu/a.py ..." runs only those);
 #          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2, 4 and 8 emulated ranks;
 #                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
@@ -52,7 +53,9 @@ for step in $steps; do
       files=${EXTRA_FILES:-"tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
              tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py
              tests/gpu/test_gpu_defaults.py tests/gpu/test_gpu_rank_graphs.py
-             tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py tests/gpu/test_gpu_pp.py"}
+             tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py tests/gpu/test_gpu_pp.py
+             tests/gpu/test_gpu_agrs.py tests/gpu/test_gpu_engram.py tests/gpu/test_gpu_gin.py
+             tests/gpu/test_gpu_gloo_group.py"}
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
         ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;
     compat)
