@@ -162,7 +162,9 @@ class DeferredReceive:
         self.backend, self.prepared, self.num_blocks, self.call, self.keep = backend, prepared, num_blocks, call, keep
 
     def launch(self) -> None:
-        """Launch the receive phase on the backend's current launch stream (once).
+        """Launch the receive phase on the backend's current launch stream (once). An error a kernel
+        recorded meanwhile does not stop it: its wait keeps the window's epochs in step with the
+        peers' (it moves nothing then), and the error is raised at the next call, as without a split.
 
         Raises:
             RuntimeError: launched before, or the buffer is unusable after an earlier GPU error.
@@ -171,7 +173,8 @@ class DeferredReceive:
             raise RuntimeError("deep_ep: this receive phase was launched already")
         prepared, self.prepared, self.keep = self.prepared, None, ()
         backend = self.backend
-        backend.raise_if_broken()
+        if backend.broken is not None:
+            backend.raise_if_broken()
         backend.launch_data(prepared, self.num_blocks)
         backend.call_record.launched_call = self.call   # errors name the call the send belonged to
 
