@@ -460,3 +460,22 @@ def test_size_hint_is_deepeps():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_low_latency_dispatch_combine(world_size, tmp_path):
     run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)
+
+
+@pytest.mark.parametrize("phase", ["send", "receive"])
+def test_split_phase_kernels_compile(phase):
+    """The data kernels a receive hook splits (kernels/dispatch.cuh, kernels/combine.cuh with
+    EP_DATA_PHASES) compile under NVRTC without spills, for the pair dispatch of the decode shape
+    (FP8, hidden 7168, one expert per row, expanded) and its combine."""
+    from deep_ep import jit
+    from deep_ep.backends import gpu
+    from deep_ep.backends.gpu import modules
+    phases = modules.SEND_PHASE if phase == "send" else modules.RECEIVE_PHASE
+    dispatch = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"),
+                         defines=gpu.dispatch_defines(7168, 56, 1, True, phases), check_spills=True)
+    assert modules.DISPATCH_KERNEL in dispatch.kernel_names()
+    combine = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"),
+                        defines=gpu.combine_defines(7168, 1, True, phases), check_spills=True)
+    assert combine.kernel_names() == [modules.COMBINE_KERNEL]
+    with pytest.raises(ValueError, match="phases"):
+        gpu.dispatch_defines(7168, 56, 1, True, 0)
