@@ -479,3 +479,11 @@ def test_split_phase_kernels_compile(phase):
     assert combine.kernel_names() == [modules.COMBINE_KERNEL]
     with pytest.raises(ValueError, match="phases"):
         gpu.dispatch_defines(7168, 56, 1, True, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_legacy_ll_needs_a_gpu():
+    """``python -m deep_ep bench --legacy-ll`` (deep_ep/bench/legacy_ll.py) runs on the GPU only."""
+    from deep_ep.__main__ import main
+    with pytest.raises(SystemExit, match="--legacy-ll runs on the GPU"):
+        main(["bench", "--legacy-ll"])
