@@ -6,7 +6,9 @@ rank's inputs from a shared seed and computes here what each local expert must r
 per-source layout ranges, source token indices, the rows, FP8 data and scales cast per 128 channels,
 float or packed UE8M0 scales in column-major order) and what combine must return (the top-k weighted
 sum, in float32 and slot order, of the expert outputs), and compares every element. Hooks, zero-copy
-combine, ``out=`` and the refusals are checked too.
+combine, ``out=`` and the refusals are checked too, and DeepEP's double buffering: two results alive
+at once (hooks called in either order, equal bit for bit to calls without hooks), and the errors of
+a third call, a combine before its dispatch's hook or on a held buffer half, and a second hook call.
 """
 import math
 
@@ -335,6 +337,81 @@ def run_mask_cases(buffer, rank, num_ranks, device="cpu"):
         buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int64, device=device))
 
 
+def _raw(result):
+    """A dispatch's ``(recv_x, recv_count, handle)`` on the host, FP8 data as bytes: compared bit for bit."""
+    recv_x, recv_count, handle = _host(result[:3])
+    if isinstance(recv_x, tuple):
+        recv_x = (recv_x[0].view(torch.uint8), recv_x[1])
+    return recv_x, recv_count, tuple(handle)
+
+
+def _equal(left, right) -> bool:
+    if isinstance(left, tuple):
+        return len(left) == len(right) and all(_equal(a, b) for a, b in zip(left, right))
+    return torch.equal(left, right) if isinstance(left, torch.Tensor) else left == right
+
+
+def run_double_buffer_cases(buffer, rank, num_ranks, device="cpu"):
+    """DeepEP's double buffering. Two FP8 dispatches with receive hooks in flight, hooked in the other
+    order, equal bit for bit to the same dispatches without hooks (and the spec); a third call while
+    both are pending (with or without a hook), a combine before its dispatch's hook, a combine on the
+    buffer half another pending hook holds and a second call of a hook raise RuntimeError on every
+    rank, before anything is sent (the calls after them still pair up); combines with hooks equal the
+    spec and the combine without a hook."""
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    hidden, use_fp8, round_scale, use_ue8m0 = CASES[2]
+    seeds = (60, 61, 62)
+    inputs = {seed: [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+              for seed in seeds}
+    local = {seed: _to(inputs[seed][rank], device) for seed in seeds}
+
+    def dispatch(seed, use_hook):
+        x, topk_idx, _ = local[seed]
+        return buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=use_fp8,
+                                           round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=use_hook)
+
+    def combine(seed, expert_x, handle, use_hook):
+        _, topk_idx, topk_weights = local[seed]
+        return buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle, return_recv_hook=use_hook)
+
+    plain = {seed: _raw(dispatch(seed, False)) for seed in seeds}
+    first, second = dispatch(60, True), dispatch(61, True)
+    for use_hook in (True, False):
+        with pytest.raises(RuntimeError, match="two low-latency results are alive"):
+            dispatch(62, use_hook)
+    empty = torch.zeros(num_local, num_ranks * MAX_TOKENS, hidden, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match="receive hook of the low_latency_dispatch that made this handle was not"):
+        combine(60, empty, first[2], False)
+    second[4]()
+    first[4]()
+    with pytest.raises(RuntimeError, match="already called"):
+        first[4]()
+    expert_x = {}
+    for seed, result in ((60, first), (61, second)):
+        assert _equal(_raw(result), plain[seed]), (rank, seed)
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs[seed], _host(result[:3]) + (None, None),
+                                   use_fp8, round_scale, use_ue8m0)
+        expert_x[seed] = _to(torch.stack([_expert_output(received[index], rank * num_local + index)
+                                          for index in range(num_local)]), device)
+    # first's combine holds its half (0); the next dispatch takes the other, the second dispatch's
+    combine_first = combine(60, expert_x[60], first[2], True)
+    third = dispatch(62, True)
+    with pytest.raises(RuntimeError, match="buffer half of this handle's dispatch is held by a low_latency_dispatch"):
+        combine(61, expert_x[61], second[2], True)
+    third[4]()
+    combine_first[2]()
+    with pytest.raises(RuntimeError, match="already called"):
+        combine_first[2]()
+    assert _equal(_raw(third), plain[62])
+    combine_second = combine(61, expert_x[61], second[2], True)
+    combine_second[2]()
+    for seed, result, handle in ((60, combine_first, first[2]), (61, combine_second, second[2])):
+        want = _expected_combine(rank, num_experts, hidden, inputs[seed], use_fp8, round_scale)
+        assert torch.equal(_host(result[0]), want), (rank, seed)
+        assert torch.equal(_host(combine(seed, expert_x[seed], handle, False)[0]), want), (rank, seed)
+
+
 def _check_clean(buffer, rank, num_ranks, num_experts):
     """`clean_low_latency_buffer` zeroes both zero-copy combine buffers of its sizes, which a dispatch
     alternates between, and a fresh buffer's come zeroed (a clean there makes none)."""
@@ -360,6 +437,7 @@ def _worker(rank, num_ranks):
     buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
     normal_buffer = deep_ep.Buffer(dist.group.WORLD)
     run_cases(buffer, rank, num_ranks)
+    run_double_buffer_cases(buffer, rank, num_ranks)
     _check_clean(buffer, rank, num_ranks, num_experts)
     _check_refusals(buffer, normal_buffer, rank, num_ranks, num_experts, 512)
     shrink_buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True)
@@ -382,3 +460,30 @@ def test_size_hint_is_deepeps():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_low_latency_dispatch_combine(world_size, tmp_path):
     run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)
+
+
+@pytest.mark.parametrize("phase", ["send", "receive"])
+def test_split_phase_kernels_compile(phase):
+    """The data kernels a receive hook splits (kernels/dispatch.cuh, kernels/combine.cuh with
+    EP_DATA_PHASES) compile under NVRTC without spills, for the pair dispatch of the decode shape
+    (FP8, hidden 7168, one expert per row, expanded) and its combine."""
+    from deep_ep import jit
+    from deep_ep.backends import gpu
+    from deep_ep.backends.gpu import modules
+    phases = modules.SEND_PHASE if phase == "send" else modules.RECEIVE_PHASE
+    dispatch = jit.build("deep_ep_dispatch_test", gpu.kernel_source("dispatch"),
+                         defines=gpu.dispatch_defines(7168, 56, 1, True, phases), check_spills=True)
+    assert modules.DISPATCH_KERNEL in dispatch.kernel_names()
+    combine = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"),
+                        defines=gpu.combine_defines(7168, 1, True, phases), check_spills=True)
+    assert combine.kernel_names() == [modules.COMBINE_KERNEL]
+    with pytest.raises(ValueError, match="phases"):
+        gpu.dispatch_defines(7168, 56, 1, True, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_legacy_ll_needs_a_gpu():
+    """``python -m deep_ep bench --legacy-ll`` (deep_ep/bench/legacy_ll.py) runs on the GPU only."""
+    from deep_ep.__main__ import main
+    with pytest.raises(SystemExit, match="--legacy-ll runs on the GPU"):
+        main(["bench", "--legacy-ll"])

@@ -104,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="compare combine outputs bit for bit (default) or to bf16 tolerance")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the comparison with deep_ep.reference")
+    parser.add_argument("--legacy-ll", action="store_true",
+                        help="GPU: DeepEP's V1 low-latency decode step instead (deep_ep.Buffer, 128 tokens per rank, "
+                             "hidden 7168, top-8 of 256, FP8 dispatch, BF16 combine): graph times of dispatch and "
+                             "combine, and of each with a receive hook and a matmul between call and hook "
+                             "(deep_ep.bench.legacy_ll); reads --virtual-ranks, --iters, --seed, --num-sms")
     return parser
 
 
@@ -162,6 +167,12 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
     """
     if args.plot:
         require_matplotlib()
+    if getattr(args, "legacy_ll", False):
+        if args.virtual_ranks is not None:
+            os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+        from .legacy_ll import run as run_legacy_ll  # noqa: WPS433 (needs CUDA)
+        return run_legacy_ll(args)
     if args.virtual_ranks is not None:
         # Emulated ranks need eager kernel loading and enough hardware queues, set before CUDA
         # initialises (deep_ep.emulated).

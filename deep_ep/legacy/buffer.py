@@ -130,9 +130,10 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         if self.elastic_buffer is not None:
             self.elastic_buffer.destroy()
             self.elastic_buffer = None
-        extra = self.__dict__.pop("_low_latency_extra_buffer", None)
-        if extra is not None:
-            extra.destroy()
+        for key in ("_low_latency_extra_buffer", "_low_latency_second_buffer"):
+            extra = self.__dict__.pop(key, None)
+            if extra is not None:
+                extra.destroy()
 
     @staticmethod
     def is_sm90_compiled() -> bool:

@@ -80,14 +80,16 @@ def column_major(scales: torch.Tensor) -> torch.Tensor:
 
 
 class ReceiveHook:
-    """A receive hook: the first call makes the results visible, a second call raises RuntimeError.
+    """A receive hook: the first call runs ``receive`` (the results become visible), a second call
+    raises RuntimeError; ``release`` runs first, once (the V1 layer frees the call's buffer half).
 
     On a CUDA device its work goes to the stream that was current when the call made it (DeepEP's
     hook launches there too), whichever stream is current when it is called: that work reads what
     the call's kernels wrote on that stream."""
 
-    def __init__(self, receive, name: str, device: torch.device) -> None:
+    def __init__(self, receive, name: str, device: torch.device, release=None) -> None:
         self._receive = receive
+        self._release = release
         self._name = name
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
@@ -95,6 +97,9 @@ class ReceiveHook:
         if self._receive is None:
             raise RuntimeError(f"the receive hook of this {self._name} was already called")
         receive, self._receive = self._receive, None
+        release, self._release = self._release, None
+        if release is not None:
+            release()
         if self._stream is None:
             receive()
             return
@@ -117,20 +122,24 @@ def host_reads_allowed(device: torch.device) -> bool:
 class LowLatencyHandle(tuple):
     """DeepEP's low-latency handle, the 5-tuple ``(src_info, layout_range,
     num_max_dispatch_tokens_per_rank, hidden, num_experts)``, plus what its combine needs: the
-    `EPHandle` of the pair dispatch behind it (``ep_handle``), the top-k width (``num_topk``) and,
-    for every expanded receive row of that dispatch, its place in the per-expert layout
-    (``row_expert``, ``row_slot``: int64 ``[rows]``; ``row_kept``: bool ``[rows]``, False for rows
-    left out by the rank mask, which go back as zeros)."""
+    `EPHandle` of the pair dispatch behind it (``ep_handle``), the top-k width (``num_topk``), the
+    buffer half (``slot``, 0 or 1) the dispatch used, which its combine uses too, and, for every
+    expanded receive row of that dispatch, its place in the per-expert layout (``row_expert``,
+    ``row_slot``: int64 ``[rows]``; ``row_kept``: bool ``[rows]``, False for rows left out by the rank
+    mask, which go back as zeros). Those three are None until the dispatch's receive is done (with a
+    receive hook: until the hook is called)."""
 
-    def __new__(cls, items: tuple, ep_handle, num_topk: int, row_expert: torch.Tensor, row_slot: torch.Tensor,
-                row_kept: torch.Tensor):
+    def __new__(cls, items: tuple, ep_handle, num_topk: int, slot: int = 0):
         handle = super().__new__(cls, items)
         handle.ep_handle = ep_handle
         handle.num_topk = num_topk
-        handle.row_expert = row_expert
-        handle.row_slot = row_slot
-        handle.row_kept = row_kept
+        handle.slot = slot
+        handle.row_expert = handle.row_slot = handle.row_kept = None
         return handle
+
+    def set_rows(self, row_expert: torch.Tensor, row_slot: torch.Tensor, row_kept: torch.Tensor) -> None:
+        """Record every expanded row's place in the per-expert layout (`per_expert_layout`)."""
+        self.row_expert, self.row_slot, self.row_kept = row_expert, row_slot, row_kept
 
 
 def raw_bits(tensor: torch.Tensor) -> torch.Tensor:

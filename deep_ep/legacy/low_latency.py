@@ -13,8 +13,17 @@ How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dis
 synchronisation (DeepEP sends one message per pair too), and comes back alone through
 `ElasticBuffer.combine`; torch ops on the device rearrange the rows into DeepEP's layouts and sum
 the pairs with their weights. Host reads remain only in argument checks (skipped while a CUDA graph
-is captured). A receive hook does not yet free the SMs: the data arrives during the call, the hook
-writes the results.
+is captured).
+
+Receive hooks (``return_recv_hook=True``) on the GPU: the call launches the send half of its data
+kernel (`deep_ep.legacy.deferred`) and returns; the hook launches the receive half (the wait for the
+peers' rows) and the layout work that reads it. Between the two no kernel of the call holds an SM;
+a dispatch's notify kernel (the counts exchange) runs in the call and holds its SMs until every
+peer's counts are in. Double buffering as DeepEP's: two buffer halves (on the GPU, two windows),
+a dispatch takes the first one no pending hook holds and its combine takes the dispatch's; a call
+that finds no free half (two results alive), or its half held, raises `RuntimeError` before any
+communication, as does a combine before its dispatch's hook. On the CPU the data moves during the
+call (the hook writes the results), with the same rules.
 """
 from __future__ import annotations
 
@@ -24,15 +33,17 @@ import torch
 
 from .. import checks
 from ..event import EventHandle, EventOverlap
-from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, ReceiveHook, cast_to_fp8, column_major,
+from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, column_major,
                       host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, per_pair,
                       raw_bits)
+from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
+from .ll_state import LowLatencyState
 from .planned import planned, refuse_side_keywords
 
 __all__ = ["LowLatencyMethods"]
 
-class LowLatencyMethods:
+class LowLatencyMethods(LowLatencyState):
     """DeepEP's V1 low-latency methods (`deep_ep.Buffer` inherits them), on the `ElasticBuffer` of
     the `Buffer` (CPU backend, or the GPU through `_low_latency_elastic_buffer`)."""
 
@@ -56,93 +67,6 @@ class LowLatencyMethods:
         if num_experts % num_ranks:
             raise ValueError(f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
         return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-
-    # ------------------------------------------------------------------ checks and state
-    def _low_latency_check(self, name: str, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                           num_experts: int) -> None:
-        self._alive()
-        if not self.low_latency_mode:
-            raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with low_latency_mode=True")
-        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        checks.check_int("num_experts", num_experts, minimum=1)
-        if hidden <= 0 or hidden % NUM_CHANNELS_PER_SCALE:
-            raise ValueError(f"{name}: hidden={hidden} must be a positive multiple of {NUM_CHANNELS_PER_SCALE}")
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {self.group_size}")
-        need = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
-        if need > self.num_rdma_bytes:
-            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is less than the {need} bytes low-latency mode "
-                             f"needs here (get_low_latency_rdma_size_hint({num_max_dispatch_tokens_per_rank}, "
-                             f"{hidden}, {self.group_size}, {num_experts})); pass at least that as num_rdma_bytes")
-
-    def _low_latency_elastic_buffer(self, max_pairs: int, hidden: int):
-        """The `ElasticBuffer` a low-latency call of up to ``max_pairs`` (token, expert) pairs per rank
-        at ``hidden`` runs on: the Buffer's own on CPU, and on the GPU too when its window holds the
-        call; else a second one sized for the call, made here (collective: every rank makes the same
-        calls; not while a CUDA graph is being captured) and kept for later calls."""
-        buffer = self._alive()
-        if buffer.device.type == "cpu":
-            return buffer
-        from ..backends.gpu import window
-        need = window.buffer_size_hint(self.group_size, max_pairs, hidden, 0, False)
-        if buffer.num_bytes >= need:
-            return buffer
-        extra = self.__dict__.get("_low_latency_extra_buffer")
-        if extra is not None and extra.num_bytes >= need:
-            return extra
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs a {need}-byte window, larger than the "
-                               f"buffer's {buffer.num_bytes}; make the first such call before CUDA-graph capture "
-                               f"(or pass a larger num_nvl_bytes / num_rdma_bytes)")
-        from ..buffer import ElasticBuffer
-        if extra is not None:
-            extra.destroy()
-        extra = ElasticBuffer(self.group, num_bytes=need, explicitly_destroy=self.explicitly_destroy)
-        self._low_latency_extra_buffer = extra
-        return extra
-
-    def _combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> torch.Tensor:
-        """The current (of two) zero-copy combine buffer: bf16 ``[L, R*T, hidden]`` with DeepEP's row
-        stride (``hidden`` plus two bf16 per 128 channels), on the buffer's device."""
-        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        state = self.__dict__.setdefault("_low_latency_state", {"index": 0, "key": None, "buffers": None})
-        if state["key"] != key:
-            num_rows = self.group_size * num_max_dispatch_tokens_per_rank
-            num_local_experts = num_experts // self.group_size
-            row = hidden + 2 * (hidden // NUM_CHANNELS_PER_SCALE)
-            state["buffers"] = [torch.zeros((num_local_experts, num_rows, row), dtype=torch.bfloat16,
-                                            device=self._alive().device) for _ in range(2)]
-            state["key"] = key
-        return state["buffers"][state["index"]][:, :, :hidden]
-
-    def _flip(self) -> None:
-        state = self.__dict__.setdefault("_low_latency_state", {"index": 0, "key": None, "buffers": None})
-        state["index"] ^= 1
-
-    @staticmethod
-    def _hook_flags(async_finish, return_recv_hook) -> tuple:
-        async_finish = checks.check_bool("async_finish", async_finish)
-        return_recv_hook = checks.check_bool("return_recv_hook", return_recv_hook)
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set (DeepEP's rule)")
-        return async_finish, return_recv_hook
-
-    def _check_stats(self, name: str, stats, dtype, size: int) -> None:
-        if stats is not None:
-            checks.check_tensor(name, stats, dtype=dtype, shape=(size,), device=self._alive().device)
-
-    def _low_latency_num_sms(self, device: torch.device) -> int:
-        return 0 if device.type == "cpu" else type(self).num_sms
-
-    def _mask_if_shrink(self) -> Optional[torch.Tensor]:
-        """The rank mask (int32 ``[R]``, 1 = masked, made with the `Buffer`) with ``enable_shrink``, else None."""
-        return self._rank_mask if self.enable_shrink else None
-
-    def _shrink_mask(self, name: str) -> torch.Tensor:
-        self._alive()
-        if not self.enable_shrink:
-            raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with enable_shrink=True")
-        return self._mask_if_shrink()
 
     # ------------------------------------------------------------------ rank masks
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
@@ -266,10 +190,12 @@ class LowLatencyMethods:
             dispatch_wait_recv_cost_stats: optional int64 ``[R]`` (not measured: adds 0).
             use_fp8: cast to FP8 before sending. round_scale: power-of-two scales. use_ue8m0: scales
                 as packed UE8M0 exponents (needs ``round_scale``).
-            async_finish: return an event marking the end. return_recv_hook: the results are written
-                when the returned hook is called (once), on the stream current at this call; the data
-                itself arrives during this call, so the hook does not yet leave the SMs free while
-                waiting.
+            async_finish: return an event marking the end. return_recv_hook: return once the rows are
+                sent; the returned hook (called once) receives them and writes the results, on the
+                stream current at this call. On the GPU the call's kernels are the notify kernel
+                (which waits for the peers' counts) and the send half; the hook's the receive half
+                (which waits for the peers' rows): in between none holds an SM. The call holds one of
+                two buffer halves until its hook is called (every rank passes the same flag).
             topk_weights, x_global_scale, use_nvfp4, use_ue8m0_for_sf, use_eager: keywords of DeepEP's
                 side branches (`deep_ep.legacy.planned.SIDE_BRANCH_KEYWORDS`): only their defaults.
 
@@ -285,8 +211,9 @@ class LowLatencyMethods:
 
         Raises:
             TypeError / ValueError: bad arguments (before any communication). RuntimeError: not a
-            low-latency buffer; on every rank, ranks that disagree on the sizes. NotImplementedError:
-            DeepEP's side-branch keywords.
+            low-latency buffer; both buffer halves held by pending receive hooks (two results
+            alive: call one of them first); on every rank, ranks that disagree on the sizes.
+            NotImplementedError: DeepEP's side-branch keywords.
         """
         refuse_side_keywords("low_latency_dispatch", {
             "topk_weights": topk_weights, "x_global_scale": x_global_scale, "use_nvfp4": use_nvfp4,
@@ -336,7 +263,8 @@ class LowLatencyMethods:
         # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
         num_slots = num_max_dispatch_tokens_per_rank
         max_pairs = num_slots * num_topk
-        buffer = self._low_latency_elastic_buffer(max_pairs, hidden)
+        half = self._free_half("low_latency_dispatch")
+        buffer = self._low_latency_elastic_buffer(max_pairs, hidden, half)
         if use_fp8:
             data, scale_inv = cast_to_fp8(x, round_scale)
             pairs_x = (per_pair(data, num_topk).view(checks.FP8), per_pair(scale_inv, num_topk))
@@ -347,9 +275,16 @@ class LowLatencyMethods:
         if masked is not None:                     # nothing goes to a masked rank
             owner_masked = masked[(pairs_topk // num_local_experts).clamp(min=0)] != 0
             pairs_topk = torch.where(owner_masked, -1, pairs_topk)
-        recv, _, _, ep_handle, _ = buffer.dispatch(
-            pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
-            expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True, do_cpu_sync=False)
+            if return_recv_hook:                   # the mask of the call, whenever the hook runs
+                masked = masked.clone()
+        deferred = None
+        if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
+            recv, ep_handle, deferred = send_dispatch(buffer, pairs_x, pairs_topk, num_experts, max_pairs,
+                                                      self._low_latency_num_sms(device))
+        else:
+            recv, _, _, ep_handle, _ = buffer.dispatch(
+                pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
+                expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True, do_cpu_sync=False)
 
         num_rows = num_ranks * num_slots
         num_scales = hidden // NUM_CHANNELS_PER_SCALE
@@ -362,11 +297,15 @@ class LowLatencyMethods:
         if use_fp8:
             empty = torch.empty((num_local_experts, num_rows, num_scales), dtype=torch.float32, device=device)
             recv_scales = pack_ue8m0(empty) if use_ue8m0 else column_major(empty)
-        layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk, masked)
         handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
-                                  *layout[5:])
+                                  half)
 
         def receive() -> None:
+            if deferred is not None:
+                launch_receive(buffer, deferred)
+            # The layout reads the handle's recv_src_metadata, which the receive writes.
+            layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk, masked)
+            handle.set_rows(*layout[5:])
             count, sources, ranges, gather, valid = layout[:5]
             recv_count.copy_(count)
             src_info.copy_(sources)
@@ -381,7 +320,7 @@ class LowLatencyMethods:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
         self._flip()
-        hook = ReceiveHook(receive, "low_latency_dispatch", device) if return_recv_hook else None
+        hook = self._hook(receive, "low_latency_dispatch", device, half) if return_recv_hook else None
         if not return_recv_hook:
             receive()
         recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
@@ -426,7 +365,9 @@ class LowLatencyMethods:
 
         Raises:
             TypeError / ValueError: bad arguments (before any communication). RuntimeError: not a
-            low-latency buffer. NotImplementedError: ``use_logfmt``, side-branch keywords.
+            low-latency buffer; the dispatch's receive hook not called yet; the dispatch's buffer half
+            held by another pending receive hook (call it first). NotImplementedError:
+            ``use_logfmt``, side-branch keywords.
         """
         refuse_side_keywords("low_latency_combine", {
             "overlap": overlap, "packed_recv_count": packed_recv_count, "comp_signal": comp_signal, "block_m": block_m,
@@ -454,11 +395,16 @@ class LowLatencyMethods:
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError("handle must be the handle low_latency_dispatch returned (passed back as it is), got a "
                             f"{type(handle).__name__} rebuilt from its items")
+        if handle.row_expert is None:
+            raise RuntimeError("low_latency_combine: the receive hook of the low_latency_dispatch that made this "
+                               "handle was not called yet; call it first (its results are not there before)")
+        holder = self._pending_hooks()[handle.slot]
+        if holder is not None:
+            raise RuntimeError(f"low_latency_combine: the buffer half of this handle's dispatch is held by a {holder} "
+                               f"whose receive hook was not called yet: at most two low-latency results can be "
+                               f"alive (DeepEP's double buffering); call that hook first. Nothing was sent")
         ep_handle = handle.ep_handle
-        buffer = self._alive()
-        extra = self.__dict__.get("_low_latency_extra_buffer")
-        if extra is not None and ep_handle.buffer_id == extra.buffer_id:
-            buffer = extra
+        buffer = next((b for b in self._low_latency_buffers() if b.buffer_id == ep_handle.buffer_id), self._alive())
         ep_handle.check_matches(buffer_id=buffer.buffer_id, num_ranks=buffer.num_ranks, rank=buffer.rank,
                                 device=buffer.device)
         if (num_tokens, num_topk) != (ep_handle.num_tokens // handle.num_topk, handle.num_topk):
@@ -476,12 +422,20 @@ class LowLatencyMethods:
         masked = self._mask_if_shrink()
         if masked is not None:                     # rows of masked ranks go back as zeros
             rows = torch.where(handle.row_kept.unsqueeze(1), rows, 0)
-        pairs, _, _ = buffer.combine(rows, ep_handle, num_sms=self._low_latency_num_sms(device))
+            if return_recv_hook:                   # the mask of the call, whenever the hook runs
+                masked = masked.clone()
+        deferred = None
+        if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
+            pairs, deferred = send_combine(buffer, rows, ep_handle, self._low_latency_num_sms(device))
+        else:
+            pairs, _, _ = buffer.combine(rows, ep_handle, num_sms=self._low_latency_num_sms(device))
         pairs = pairs.view(num_tokens, num_topk, hidden)
         combined_x = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                              device=device)
 
         def receive() -> None:
+            if deferred is not None:
+                launch_receive(buffer, deferred)
             total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
             for slot in range(num_topk):
                 selected = topk_idx[:, slot] >= 0
@@ -492,7 +446,7 @@ class LowLatencyMethods:
             combined_x.copy_(total.to(torch.bfloat16))
 
         self._flip()
-        hook = ReceiveHook(receive, "low_latency_combine", device) if return_recv_hook else None
+        hook = self._hook(receive, "low_latency_combine", device, handle.slot) if return_recv_hook else None
         if not return_recv_hook:
             receive()
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, combined_x)) \

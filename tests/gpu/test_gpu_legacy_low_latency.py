@@ -1,13 +1,17 @@
 """DeepEP's V1 low-latency mode of `deep_ep.Buffer` on the GPU: the cases of
 tests/test_legacy_low_latency.py (every element compared with the spec there: layouts, FP8 and UE8M0
-scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, rank masks) on a one-rank
-NCCL group and on 2, 4 and 8 emulated ranks of one device; and the decode step captured in a CUDA
-graph and replayed with fresh inputs, rank masks set after capture included. Run by
+scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, rank masks, double
+buffering with hook results equal bit for bit to those without hooks) on a one-rank NCCL group and
+on 2, 4 and 8 emulated ranks of one device; that a call with a receive hook launches only the send
+half of its data kernel and the hook the receive half, with a matmul between them that finishes
+while peers have not even made their call; and the decode step captured in a CUDA graph and
+replayed with fresh inputs, rank masks set after capture included. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_low_latency.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -16,9 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from gpu_cases import run_legacy_on_emulated_ranks  # noqa: E402
+from deep_ep.backends.gpu import modules  # noqa: E402
 from test_legacy_low_latency import (MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
                                      _expert_output, _host, _rank_inputs, num_experts_for, run_cases,
-                                     run_mask_cases)
+                                     run_double_buffer_cases, run_mask_cases)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,6 +44,7 @@ def _body(group, num_ranks):
                 run_mask_cases(buffer, buffer.rank, num_ranks, device)
             else:
                 run_cases(buffer, buffer.rank, num_ranks, device)
+                run_double_buffer_cases(buffer, buffer.rank, num_ranks, device)
                 buffer.clean_low_latency_buffer(MAX_TOKENS, MAX_HIDDEN, num_experts)
         finally:
             buffer.destroy()
@@ -51,6 +57,101 @@ def test_one_rank_nccl(nccl_group):
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_emulated(num_ranks):
     run_legacy_on_emulated_ranks(_body, num_ranks)
+
+
+def _record_data_launches(buffer, hidden: int) -> list:
+    """From now on, the phases (``"send"``, ``"receive"``, ``"both"``) of every data kernel the
+    low-latency windows of ``buffer`` launch (a bf16 dispatch at ``hidden`` and its combine), in order."""
+    phases = {modules.SEND_PHASE: "send", modules.RECEIVE_PHASE: "receive", modules.BOTH_PHASES: "both"}
+    launches = []
+    for elastic in buffer._low_latency_buffers():
+        backend = elastic._backend
+        names = {}
+        for phase, label in phases.items():
+            names[id(backend.module("dispatch", (2 * hidden, 0, 1, True, phase)))] = label
+            names[id(backend.module("combine", (hidden, 1, True, phase)))] = label
+
+        def record(prepared, num_blocks, launch=backend.launch_data, names=names):
+            launches.append(names.get(id(prepared.function.module), prepared.function.name))
+            launch(prepared, num_blocks)
+
+        backend.launch_data = record
+    return launches
+
+
+def _idle_within(stream, seconds: float) -> bool:
+    """Whether ``stream``'s work queued so far finishes within ``seconds`` (polled: never a blocking wait)."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _hooks_hold_no_sm(group, num_ranks):
+    """A dispatch and a combine with receive hooks: each call launches the send half of its data
+    kernel only, its hook the receive half. For the combine, rank 0 then runs a matmul on its stream,
+    which finishes while every other rank has not made its combine call yet (they wait at a host
+    barrier): no kernel of rank 0's call waits for them. Then the others call, every rank calls its
+    hook, and the results are the spec's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts, hidden = num_experts_for(num_ranks), MAX_HIDDEN
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    rank, barrier = buffer.rank, (group.barrier if num_ranks > 1 else (lambda: None))
+    try:
+        inputs = [_rank_inputs(95, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+        x, topk_idx, topk_weights = (tensor.to(device) for tensor in inputs[rank])
+        warm = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
+        buffer.low_latency_combine(warm[0], topk_idx, topk_weights, warm[2])
+        launches = _record_data_launches(buffer, hidden)
+        result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False,
+                                             return_recv_hook=True)
+        assert launches == ["send"], launches
+        result[4]()
+        assert launches == ["send", "receive"], launches
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
+                                   False, False, False)
+        num_local = num_experts // num_ranks
+        expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                for local in range(num_local)]).to(device)
+        weight = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+        launches.clear()
+        barrier()
+        idle = True
+        if rank == 0:
+            combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, result[2],
+                                                           return_recv_hook=True)
+            product = weight @ weight
+            idle = _idle_within(torch.cuda.current_stream(device), 30.0)
+            barrier()
+        else:
+            barrier()
+            combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, result[2],
+                                                           return_recv_hook=True)
+            product = weight @ weight
+        assert launches == ["send"], launches
+        hook()
+        assert launches == ["send", "receive"], launches
+        want = _expected_combine(rank, num_experts, hidden, inputs, False, False)
+        assert want.abs().sum() > 0 and torch.equal(_host(combined), want)
+        assert bool(torch.isfinite(product).all())
+        assert idle, "rank 0's combine call left a kernel waiting for the peers' call"
+        torch.cuda.current_stream(device).synchronize()
+    finally:
+        buffer.destroy()
+
+
+def test_hook_launches_the_receive_half_one_rank(nccl_group):
+    _hooks_hold_no_sm(nccl_group, 1)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_emulated_hooks_hold_no_sm(num_ranks):
+    run_legacy_on_emulated_ranks(_hooks_hold_no_sm, num_ranks)
 
 
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])

@@ -1,6 +1,7 @@
 """Host side of combine on the GPU backend: one kernel, ``modules.COMBINE_KERNEL`` (each destination
 stages the rows that came from peers in its own window and signals; each source then pulls and sums
-its tokens' rows), launched through the handle's prepared launch.
+its tokens' rows), launched through the handle's prepared launch; with ``phases=SEND_PHASE``
+(`modules.launch_send_phase`) the staging alone, the pull and sum left to a `modules.DeferredReceive`.
 """
 from __future__ import annotations
 
@@ -16,13 +17,18 @@ from .state import GPUHandleState
 __all__ = ["run_combine"]
 
 
-def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
+def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False,
+                phases=modules.BOTH_PHASES):
     """`Backend.combine` on the GPU backend ``backend`` (see `deep_ep.backends.base`): the combine
     kernel through the handle's prepared launch (`_combine_launch`), its per-call pointers and call
-    number set."""
+    number set. ``phases`` as in `deep_ep.backends.gpu.dispatch.run_dispatch`: with
+    `modules.SEND_PHASE` the result has a third item, the `modules.DeferredReceive` (which keeps
+    ``x``, read again by the receive)."""
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
+    if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
+        raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
     has_weights = topk_weights is not None
     prepared, num_blocks, out_shape, w_shape, tag, _ = _combine_launch(backend, handle, state, num_sms,
                                                                        apply_dispatch_weights, has_weights)
@@ -38,8 +44,13 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     else:
         args.bias0 = args.bias1 = None
     tag.seq = backend.calls & 0xFFFFFFFF   # a view into the arguments (memo)
-    backend.launch_data(prepared, num_blocks)
-    return out, out_w
+    if phases == modules.BOTH_PHASES:
+        backend.launch_data(prepared, num_blocks)
+        return out, out_w
+    structure = (handle.hidden, handle.num_topk, bool(handle.do_expand))
+    deferred = modules.launch_send_phase(backend, "combine", structure, prepared, num_blocks,
+                                         keep=(x, topk_weights, bias))
+    return out, out_w, deferred
 
 
 def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has_weights) -> tuple:

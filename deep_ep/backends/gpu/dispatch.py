@@ -15,6 +15,10 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    destination rank (peers: into their window; this rank: straight into the outputs) and signals;
    the receive phase waits for every peer, then copies peers' rows into the outputs.
 
+With ``phases=SEND_PHASE`` (`modules.launch_send_phase`) step 3 launches the send phase alone and the
+call returns the receive phase as a `modules.DeferredReceive`, launched later by its owner (a V1
+low-latency receive hook): between the two, no kernel of the call holds an SM.
+
 A cached dispatch runs step 3 only (``modules.CACHED_DISPATCH_KERNEL``) with the handle's prepared
 launch. Rounds alternate between the two halves of the receive region (see `window`).
 
@@ -81,7 +85,7 @@ class DispatchCall:
 
     __slots__ = ("backend", "data", "sf", "topk_idx", "topk_weights", "num_experts", "num_max_tokens_per_rank",
                  "expert_alignment", "num_sms", "do_handle_copy", "do_cpu_sync", "do_expand", "do_zero_padding",
-                 "col_major_sf", "stats",
+                 "col_major_sf", "stats", "phases", "deferred",
                  "plan", "num_tokens", "num_topk", "word_plan", "notify_blocks", "tokens_per_group",
                  "device", "fill", "words", "handle_topk", "addresses", "topk_ptr",
                  "report", "recv", "state")
@@ -94,12 +98,18 @@ class DispatchCall:
         self.expert_alignment, self.num_sms, self.do_handle_copy = expert_alignment, num_sms, do_handle_copy
         self.do_cpu_sync, self.do_expand, self.do_zero_padding = do_cpu_sync, do_expand, do_zero_padding
         self.col_major_sf, self.stats = col_major_sf, stats
+        self.phases, self.deferred = modules.BOTH_PHASES, None
 
 
 def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
-                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
+                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats,
+                 phases=modules.BOTH_PHASES):
     """`Backend.dispatch` on the GPU backend ``backend`` (see `deep_ep.backends.base`).
+
+    ``phases`` (fresh dispatches only; internal, for V1 receive hooks): `modules.SEND_PHASE` launches
+    the data kernel's send phase alone and adds the `modules.DeferredReceive` of its receive phase
+    to the result, which the caller must launch before any other call on the buffer.
 
     A fresh dispatch whose notify kernel the device refuses to launch cooperatively (its blocks
     cannot all be resident: fewer SMs than the device has, under MPS or a green context) is started
@@ -110,11 +120,16 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
             CUDA-graph capture.
     """
     if handle is not None:
+        if phases != modules.BOTH_PHASES:
+            raise ValueError("a cached dispatch runs both phases in one launch")
         return run_cached(backend, data, sf, topk_weights, handle, num_sms, do_zero_padding,
                           use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
     call = DispatchCall(backend, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                         expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                         use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+    if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
+        raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
+    call.phases = phases
     while True:   # the steps up to the notify kernel's launch, again after a refused grid
         try:
             _plan(call)
@@ -124,7 +139,8 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
         except _NotifyRefused as refused:
             _lower_notify_grid(backend, refused)
     _launch_data(call)
-    return _make_handle(call)
+    result = _make_handle(call)
+    return result if call.deferred is None else result + (call.deferred,)
 
 
 def _lower_notify_grid(backend, refused: _NotifyRefused) -> None:
@@ -264,7 +280,12 @@ def _launch_data(call: DispatchCall) -> None:
     out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _allocate_outputs(call, out_rows, meta_rows)
     state = call.state = GPUHandleState(call.words, call.word_plan, out_idx, src_meta, tok_capacity, call.addresses)
     _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
-    backend.launch_data(plan.data, plan.num_sms)
+    if call.phases == modules.BOTH_PHASES:
+        backend.launch_data(plan.data, plan.num_sms)
+    else:
+        structure = (int(call.data.shape[1]) * call.data.element_size(), 0 if call.sf is None else int(call.sf.shape[1]),
+                     call.num_topk, bool(call.do_expand))
+        call.deferred = modules.launch_send_phase(backend, "dispatch", structure, plan.data, plan.num_sms)
     call.recv = (out_x, out_sf, out_w, out_idx)
 
 

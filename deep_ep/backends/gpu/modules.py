@@ -12,7 +12,8 @@ import threading
 
 from ... import jit
 
-__all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
+__all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredReceive", "launch_send_phase",
+           "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
            "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL",
            "ENGRAM_GATHER_KERNEL", "ENGRAM_STORE_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
            "dispatch_defines", "combine_defines", "barrier_defines", "pp_defines", "agrs_defines", "engram_defines",
@@ -21,6 +22,14 @@ __all__ = ["THREADS", "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNE
            "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
+
+# The phases a data kernel runs (EP_DATA_PHASES, a bit mask: kernels/dispatch.cuh): the send phase
+# alone (rows out, then the signal; it never waits), the receive phase alone (the wait, rows in), or
+# both in one launch (every call but a V1 low-latency call with a receive hook, which goes through
+# `launch_send_phase`).
+SEND_PHASE = 1
+RECEIVE_PHASE = 2
+BOTH_PHASES = SEND_PHASE | RECEIVE_PHASE
 
 # The kernels every rank count launches (extern "C" entry points of include/deep_ep/kernels/*.cuh).
 # DeepEP V2's test (tests/elastic/test_ep.py) times a dispatch by the kernels whose names contain
@@ -83,15 +92,26 @@ def _common(transport_nccl: bool) -> dict:
             **tunable_defines()}
 
 
-def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
-    """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure."""
+def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, phases: int = BOTH_PHASES,
+                     transport_nccl: bool = False) -> dict:
+    """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure;
+    ``phases``: what its data kernels run (`SEND_PHASE`, `RECEIVE_PHASE` or `BOTH_PHASES`)."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
+            **_phases_define(phases), **_common(transport_nccl)}
+
+
+def combine_defines(hidden: int, num_topk: int, expand: bool, phases: int = BOTH_PHASES,
+                    transport_nccl: bool = False) -> dict:
+    """Defines of the combine module for one structure (``phases`` as in `dispatch_defines`)."""
+    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand), **_phases_define(phases),
             **_common(transport_nccl)}
 
 
-def combine_defines(hidden: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
-    """Defines of the combine module for one structure."""
-    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand), **_common(transport_nccl)}
+def _phases_define(phases: int) -> dict:
+    # Only a half is named: the kernels' default is both, so the usual modules keep their cache keys.
+    if phases not in (SEND_PHASE, RECEIVE_PHASE, BOTH_PHASES):
+        raise ValueError(f"phases must be SEND_PHASE, RECEIVE_PHASE or BOTH_PHASES, got {phases!r}")
+    return {} if phases == BOTH_PHASES else {"EP_DATA_PHASES": int(phases)}
 
 
 def barrier_defines(transport_nccl: bool = False) -> dict:
@@ -145,3 +165,52 @@ def load_module(mod, device_index: int) -> None:
 def num_modules_built() -> int:
     """Distinct kernel modules this process has built or loaded (the bench reports it)."""
     return len(_modules)
+
+
+class DeferredReceive:
+    """The receive phase of a data kernel whose send phase `launch_send_phase` launched alone: a launch
+    of the receive-only variant with a copy of the send's arguments (the same outputs, layout and
+    call tag), made when the send was. ``keep`` holds the tensors the receive still reads."""
+
+    __slots__ = ("backend", "prepared", "num_blocks", "call", "keep")
+
+    def __init__(self, backend, prepared, num_blocks: int, call: int, keep: tuple) -> None:
+        self.backend, self.prepared, self.num_blocks, self.call, self.keep = backend, prepared, num_blocks, call, keep
+
+    def launch(self) -> None:
+        """Launch the receive phase on the backend's current launch stream (once). An error a kernel
+        recorded meanwhile does not stop it: its wait keeps the window's epochs in step with the
+        peers' (it moves nothing then), and the error is raised at the next call, as without a split.
+
+        Raises:
+            RuntimeError: launched before, or the buffer is unusable after an earlier GPU error.
+        """
+        if self.prepared is None:
+            raise RuntimeError("deep_ep: this receive phase was launched already")
+        prepared, self.prepared, self.keep = self.prepared, None, ()
+        backend = self.backend
+        if backend.broken is not None:
+            backend.raise_if_broken()
+        backend.launch_data(prepared, self.num_blocks)
+        backend.call_record.launched_call = self.call   # errors name the call the send belonged to
+
+
+def launch_send_phase(backend, kind: str, structure: tuple, prepared, num_blocks: int, keep: tuple = ()):
+    """Launch the send phase alone of the data kernel of ``prepared`` (a launch of the ``kind``
+    module of ``structure`` with both phases, its arguments set for this call): the send-only
+    variant with the same arguments. Returns the `DeferredReceive` of the receive-only variant.
+    With the default `BOTH_PHASES` a call launches ``prepared`` itself; these are the only other
+    variants launched.
+
+    Raises:
+        jit.LaunchError: as `GPUBackend.launch_data`.
+    """
+    name, device, cooperative = prepared.function.name, backend.device.index, backend.cooperative
+    send = backend.module(kind, tuple(structure) + (SEND_PHASE,)).function(name).prepare(
+        num_blocks, THREADS, prepared.args, device=device, cooperative=cooperative)
+    # The arguments as they are now: the next call through ``prepared`` may change them before the receive.
+    snapshot = tuple(type(arg).from_buffer_copy(arg) for arg in prepared.args)
+    receive = backend.module(kind, tuple(structure) + (RECEIVE_PHASE,)).function(name).prepare(
+        num_blocks, THREADS, snapshot, device=device, cooperative=cooperative)
+    backend.launch_data(send, num_blocks)
+    return DeferredReceive(backend, receive, num_blocks, backend.calls, keep)

@@ -1,10 +1,29 @@
-// Entry point of a combine module, compiled per EP_HIDDEN, EP_TOPK, EP_EXPAND, EP_THREADS and
-// EP_TRANSPORT_NCCL (conventions of kernels/dispatch.cuh).
+// Entry point of a combine module, compiled per EP_HIDDEN, EP_TOPK, EP_EXPAND, EP_DATA_PHASES,
+// EP_THREADS and EP_TRANSPORT_NCCL (conventions of kernels/dispatch.cuh).
 #pragma once
 
 #include "../comm/transport.cuh"
 #include "../impls/combine_recv.cuh"
 #include "../impls/combine_send.cuh"
+
+// Both phases in one launch unless modules.py asks for a half (it passes the define only then, so the
+// usual modules keep their names and cache keys).
+#ifndef EP_DATA_PHASES
+#define EP_DATA_PHASES 3
+#endif
+
+namespace deep_ep {
+
+// EP_DATA_PHASES as in kernels/dispatch.cuh: 1 stage and signal (no wait), 2 wait, pull and sum, 3 both.
+template <int kPhases>
+__device__ __forceinline__ void combine_phases(const CombineArgs& a, const comm::LsaTransport& tr) {
+    static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
+    if constexpr ((kPhases & 1) != 0)
+        if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+    if constexpr ((kPhases & 2) != 0) combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+}
+
+}  // namespace deep_ep
 
 // Stage the rows that came from peers and signal, then pull and sum every token's rows; all blocks
 // resident at once, as in the dispatch data kernels.
@@ -13,6 +32,5 @@ deep_ep_combine_impl_with_combine_reduce_epilogue_impl(
         deep_ep::CombineArgs a, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    if (tr.exchanges()) deep_ep::combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
-    deep_ep::combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+    deep_ep::combine_phases<EP_DATA_PHASES>(a, tr);
 }

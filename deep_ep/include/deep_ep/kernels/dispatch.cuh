@@ -1,6 +1,7 @@
 // Entry points of a dispatch module, compiled by deep_ep/backends/gpu/modules.py once per structure
 // from -D defines: EP_DATA_BYTES (bytes per token row), EP_NUM_SF (4-byte scale factors per row, 0
-// for BF16), EP_TOPK, EP_EXPAND (0/1), EP_THREADS, EP_TRANSPORT_NCCL and any common/tunables.cuh.
+// for BF16), EP_TOPK, EP_EXPAND (0/1), EP_DATA_PHASES (the data kernels' phases, below), EP_THREADS,
+// EP_TRANSPORT_NCCL and any common/tunables.cuh.
 // Token and rank counts and buffer sizes are run-time arguments, so a new batch size never compiles.
 // The data kernels' names hold DeepEP's profiler substrings (modules.DISPATCH_KERNEL).
 #pragma once
@@ -10,6 +11,12 @@
 #include "../impls/dispatch_send.cuh"
 #include "../impls/layout.cuh"
 #include "../impls/notify.cuh"
+
+// Both phases in one launch unless modules.py asks for a half (it passes the define only then, so the
+// usual modules keep their names and cache keys).
+#ifndef EP_DATA_PHASES
+#define EP_DATA_PHASES 3
+#endif
 
 // Notify and layout in one launch; all blocks resident, as they meet at grid barriers
 // (impls/notify.cuh). The block that finishes last signals the peers, then waits for theirs and
@@ -24,6 +31,23 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep
     if (deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr)) deep_ep::layout_impl(layout, EP_EXPAND != 0, tr, smem);
 }
 
+namespace deep_ep {
+
+// The phases a data kernel runs, a bit mask (modules.py names the values): 1 the send phase (rows
+// out, then the last block signals; it never waits), 2 the receive phase (the wait, rows in, then
+// finish_wait), 3 both in one launch. A receive hook (deep_ep/legacy/low_latency.py) launches the
+// halves apart: the window sees the same signal, wait and epoch steps in the same order either way,
+// and the send and receive count their blocks on separate words (kCtrlDone, kCtrlDoneWait).
+template <int kPhases, bool kCached>
+__device__ __forceinline__ void dispatch_phases(const DispatchArgs& a, const comm::LsaTransport& tr, bool zero_padding) {
+    static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
+    if constexpr ((kPhases & 1) != 0) dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, tr);
+    if constexpr ((kPhases & 2) != 0)
+        dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, zero_padding, tr);
+}
+
+}  // namespace deep_ep
+
 // One kernel per data stage: send, then receive, whose wait includes this rank's own signal, raised
 // by the last sending block (a rank alone neither signals nor waits). Blocks wait for other blocks,
 // so all must be resident (num_sms <= SMs, summed over emulated ranks; checked on the host). The host
@@ -34,8 +58,7 @@ deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, tr);
-    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0, tr);
+    deep_ep::dispatch_phases<EP_DATA_PHASES, false>(a, tr, zero_padding != 0);
 }
 
 // The same for a cached dispatch: the handle's layout, no numbering.
@@ -44,6 +67,5 @@ deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
-    deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, tr);
-    deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0, tr);
+    deep_ep::dispatch_phases<EP_DATA_PHASES, true>(a, tr, zero_padding != 0);
 }

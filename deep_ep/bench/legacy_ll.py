@@ -1,0 +1,200 @@
+"""``python -m deep_ep bench --legacy-ll``: DeepEP's V1 low-latency decode step (`deep_ep.Buffer`'s
+``low_latency_dispatch`` / ``low_latency_combine``) on the GPU, EP=1 (a one-rank NCCL group), one
+rank per GPU under torchrun, or ``--virtual-ranks N`` emulated ranks on one GPU.
+
+The shape is DeepEP's decode benchmark: 128 tokens per rank, hidden 7168, top-8 of 256 experts, FP8
+dispatch, BF16 combine. Printed, as device times from CUDA graphs (emulated ranks: every rank's
+calls in one graph, `deep_ep.bench.rank_graphs`): dispatch and combine each; then the receive-hook
+variant of each call with a matmul issued between the call (the send half) and the hook (the
+receive half), its time against the larger of the matmul alone and the call with its hook alone
+(``overlap ratio``: 1.0 is a perfect overlap, the sum of both over the larger is none). The matmul is
+sized to take about as long as the call. Results are not checked here (the GPU tests do).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+__all__ = ["TOKENS", "HIDDEN", "TOP_K", "NUM_EXPERTS", "run"]
+
+TOKENS = 128
+HIDDEN = 7168
+TOP_K = 8
+NUM_EXPERTS = 256
+CALLS_PER_GRAPH = 10
+
+
+def run(args) -> int:
+    """Run the low-latency bench for parsed ``args`` (``--virtual-ranks``, ``--iters``, ``--seed``,
+    ``--num-sms`` are read); returns the exit code.
+
+    Raises:
+        SystemExit: no CUDA device, or ``--virtual-ranks`` under torchrun.
+    """
+    if not torch.cuda.is_available():
+        raise SystemExit("error: --legacy-ll runs on the GPU; no CUDA device is visible")
+    from .runner_gpu import setup
+    gs = setup(args)
+    iters = max(20, args.iters or 50)
+    if args.num_sms:
+        import deep_ep
+        deep_ep.Buffer.set_num_sms(args.num_sms)
+    results: List[Optional[Dict[str, float]]] = [None] * gs.num_ranks
+    if gs.emulated:
+        from .. import emulated
+        group = emulated.EmulatedGroup(gs.num_ranks, device=gs.device)
+        _limit_sms(gs.num_ranks)
+        group.run(lambda rank_group: _emulated_body(rank_group, group, gs.num_ranks, args.seed, iters, results))
+    else:
+        import torch.distributed as dist
+        from .gpu_timing import single_rank_nccl_group
+        process_group = single_rank_nccl_group(gs.device)
+        barrier = (lambda: dist.barrier()) if gs.multiprocess else (lambda: None)
+        results[gs.rank] = _process_body(process_group, gs.num_ranks, gs.rank, args.seed, iters, barrier)
+        if gs.multiprocess and gs.rank != 0:
+            return 0
+    _print(gs, results[0])
+    return 0
+
+
+def _limit_sms(num_ranks: int) -> None:
+    """Emulated ranks share the device: every rank's blocks must be resident at once."""
+    import deep_ep
+    per_rank = torch.cuda.get_device_properties(0).multi_processor_count // num_ranks // 2 * 2
+    deep_ep.Buffer.set_num_sms(max(2, min(deep_ep.Buffer.num_sms, per_rank)))
+
+
+class _Step:
+    """One rank's buffer, inputs and calls."""
+
+    def __init__(self, group, num_ranks: int, rank: int, seed: int) -> None:
+        import deep_ep
+        device = torch.device("cuda", torch.cuda.current_device())
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, num_ranks, NUM_EXPERTS)
+        self.buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+        generator = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+        self.x = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
+        self.topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=generator).topk(TOP_K, dim=1).indices.to(
+            deep_ep.topk_idx_t).to(device)
+        self.topk_weights = torch.rand(TOKENS, TOP_K, generator=generator).to(device)
+        num_local = NUM_EXPERTS // num_ranks
+        self.expert_x = torch.randn(num_local, num_ranks * TOKENS, HIDDEN, generator=generator).to(
+            torch.bfloat16).to(device)
+        self.handle = None
+        self.weight = torch.randn(HIDDEN, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
+        self.activations = torch.randn(1024, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
+
+    def dispatch(self, use_hook: bool = False):
+        return self.buffer.low_latency_dispatch(self.x, self.topk_idx, TOKENS, NUM_EXPERTS, use_fp8=True,
+                                                return_recv_hook=use_hook)
+
+    def first_dispatch(self) -> None:
+        """A dispatch outside any graph, whose handle every combine uses."""
+        self.handle = self.dispatch()[2]
+
+    def combine(self, use_hook: bool = False):
+        return self.buffer.low_latency_combine(self.expert_x, self.topk_idx, self.topk_weights, self.handle,
+                                               return_recv_hook=use_hook)
+
+    def matmul(self):
+        return self.activations @ self.weight
+
+    def calls(self) -> Dict[str, Callable[[], Any]]:
+        """The timed calls: each low-latency call alone (with its hook called at once), the matmul
+        alone, and each call with the matmul between the call and its hook."""
+        def with_hook(call, matmul: bool):
+            def step():
+                hook = call(True)[-1]
+                if matmul:
+                    self.matmul()
+                hook()
+            return step
+
+        return {"dispatch": lambda: self.dispatch(), "combine": lambda: self.combine(),
+                "dispatch_hook": with_hook(self.dispatch, False), "combine_hook": with_hook(self.combine, False),
+                "matmul": self.matmul,
+                "dispatch_hook_matmul": with_hook(self.dispatch, True),
+                "combine_hook_matmul": with_hook(self.combine, True)}
+
+    def size_matmul(self, rows: int) -> None:
+        generator = torch.Generator(device="cpu").manual_seed(rows)
+        self.activations = torch.randn(rows, HIDDEN, generator=generator).to(torch.bfloat16).to(self.x.device)
+
+
+def _matmul_rows(call_us: float, matmul_us: float, rows: int) -> int:
+    """Rows of the matmul that takes about ``call_us`` (it took ``matmul_us`` with ``rows``)."""
+    return max(64, min(16384, int(rows * call_us / max(matmul_us, 1e-3)) // 64 * 64))
+
+
+def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barrier) -> Dict[str, float]:
+    """One rank per process: each call captured CALLS_PER_GRAPH times in a graph and timed."""
+    from .gpu_timing import graph_time_us
+    step = _Step(group, num_ranks, rank, seed)
+    try:
+        step.first_dispatch()
+        torch.cuda.synchronize()
+        times: Dict[str, float] = {}
+        calls = step.calls()
+        for name in ("dispatch", "combine", "dispatch_hook", "combine_hook", "matmul"):
+            times[name] = graph_time_us(calls[name], iters, barrier, CALLS_PER_GRAPH) or float("nan")
+        step.size_matmul(_matmul_rows(max(times["dispatch_hook"], times["combine_hook"]), times["matmul"], 1024))
+        times["matmul"] = graph_time_us(calls["matmul"], iters, barrier, CALLS_PER_GRAPH) or float("nan")
+        for name in ("dispatch_hook_matmul", "combine_hook_matmul"):
+            times[name] = graph_time_us(calls[name], iters, barrier, CALLS_PER_GRAPH) or float("nan")
+        times["matmul_rows"] = step.activations.shape[0]
+        return times
+    finally:
+        step.buffer.destroy()
+
+
+def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, results: list) -> None:
+    """Emulated ranks: each rank makes its calls once in its thread (windows, plans, modules), then
+    rank 0's thread captures every rank's call in one graph per call while the others wait."""
+    from .rank_graphs import capture_rank_calls, time_replays
+    rank = rank_group.rank()
+    step = _Step(rank_group, num_ranks, rank, seed)
+    steps = group.__dict__.setdefault("_legacy_ll_steps", [None] * num_ranks)
+    steps[rank] = step
+    try:
+        step.first_dispatch()
+        for call in step.calls().values():
+            call()
+        torch.cuda.current_stream().synchronize()
+        rank_group.barrier()
+        if rank == 0:
+            times: Dict[str, float] = {}
+
+            def measure(name: str) -> float:
+                captured = capture_rank_calls(group, [s.calls()[name] for s in steps])
+                replays = None if captured is None else time_replays(captured[0], iters)
+                return float("nan") if not replays else sorted(replays)[len(replays) // 2]
+
+            for name in ("dispatch", "combine", "dispatch_hook", "combine_hook", "matmul"):
+                times[name] = measure(name)
+            rows = _matmul_rows(max(times["dispatch_hook"], times["combine_hook"]), times["matmul"], 1024)
+            for s in steps:
+                s.size_matmul(rows)
+            times["matmul"] = measure("matmul")
+            for name in ("dispatch_hook_matmul", "combine_hook_matmul"):
+                times[name] = measure(name)
+            times["matmul_rows"] = rows
+            results[0] = times
+        rank_group.barrier()
+    finally:
+        step.buffer.destroy()
+
+
+def _print(gs, times: Dict[str, float]) -> None:
+    where = f"{gs.num_ranks} emulated ranks on one GPU" if gs.emulated else f"{gs.num_ranks} rank(s), NCCL"
+    per = "per replay of every rank's call" if gs.emulated else "per call"
+    print(f"legacy low-latency decode ({where}; {gs.device_name}): {TOKENS} tokens per rank, hidden {HIDDEN}, "
+          f"top-{TOP_K} of {NUM_EXPERTS} experts, FP8 dispatch, BF16 combine; CUDA-graph device time {per}")
+    print(f"  dispatch                  {times['dispatch']:9.1f} us")
+    print(f"  combine                   {times['combine']:9.1f} us")
+    print(f"  matmul [{int(times['matmul_rows'])}, {HIDDEN}] x [{HIDDEN}, {HIDDEN}] alone {times['matmul']:9.1f} us")
+    for name in ("dispatch", "combine"):
+        comm, both = times[f"{name}_hook"], times[f"{name}_hook_matmul"]
+        ratio = both / max(comm, times["matmul"])
+        print(f"  {name} with hook: call + hook {comm:9.1f} us; call, matmul, hook {both:9.1f} us; "
+              f"overlap ratio {ratio:.2f} (total / max(matmul, call + hook))")

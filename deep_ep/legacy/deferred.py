@@ -1,0 +1,90 @@
+"""The split calls behind V1 low-latency receive hooks on the GPU (`deep_ep.legacy.low_latency`):
+a dispatch or combine of an `ElasticBuffer` whose data kernel runs its send phase in the call and
+its receive phase when the hook launches it (`deep_ep.backends.gpu.modules.launch_send_phase`).
+
+Contract: `send_dispatch` / `send_combine` are `ElasticBuffer.dispatch` / `combine` as the V1 layer
+calls them (synchronous, on the caller's stream order), with the same checks and call numbering;
+they return the `DeferredReceive` too and hold the buffer's window until `launch_receive`, so that
+no other call of the buffer (dispatch, combine, a primitive) runs between the two halves: every
+such call raises `RuntimeError` naming the pending receive. The receive is not a call of its own:
+it keeps the send's call number and tag, so ranks may call their hooks at different times.
+"""
+from __future__ import annotations
+
+from .. import call_plans, call_streams
+from ..backends.gpu.modules import SEND_PHASE
+
+__all__ = ["HOLDER", "send_dispatch", "send_combine", "launch_receive"]
+
+HOLDER = "a low-latency receive hook"
+_DETAIL = ("its call sent the rows and the receive waits for the hook; calling the hook that "
+           "low_latency_dispatch / low_latency_combine returned ends it")
+
+
+def send_dispatch(buffer, x, topk_idx, num_experts: int, num_max_tokens_per_rank: int, num_sms: int) -> tuple:
+    """A fresh, expanded dispatch without CPU sync (alignment 1) of ``x`` (a tensor, or an FP8
+    ``(data, sf)`` tuple) routed by ``topk_idx`` on ``buffer`` (a GPU `ElasticBuffer`), send phase
+    only. Returns ``(recv_x, handle, deferred)``: the outputs (written by the receive) and the
+    handle, as `ElasticBuffer.dispatch` returns them, and the receive's `DeferredReceive`.
+
+    Raises:
+        as `ElasticBuffer.dispatch`; RuntimeError: the window is held (another hook is pending).
+    """
+    backend = _begin(buffer, "dispatch")
+    data, sf, plan = call_plans.dispatch_plan(
+        buffer, x, topk_idx, None, None, num_experts, num_max_tokens_per_rank, 1, num_sms, 0, None, None, False,
+        False, None, True, False, True, False, False)
+    outputs, _ = call_streams.run_call(
+        backend, lambda: backend.dispatch(
+            data, sf, topk_idx, None, num_experts=plan.num_experts,
+            num_max_tokens_per_rank=plan.num_max_tokens_per_rank, expert_alignment=plan.expert_alignment,
+            num_sms=plan.num_sms, handle=None, do_handle_copy=plan.do_handle_copy, do_cpu_sync=plan.do_cpu_sync,
+            do_expand=plan.do_expand, do_zero_padding=plan.do_zero_padding,
+            use_tma_aligned_col_major_sf=plan.use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats=None,
+            phases=SEND_PHASE),
+        None, None, False, False, (data, sf, topk_idx))
+    recv_x, _, _, handle, deferred = outputs
+    buffer._window_use.hold(HOLDER, _DETAIL)
+    return recv_x, handle, deferred
+
+
+def send_combine(buffer, x, handle, num_sms: int) -> tuple:
+    """`ElasticBuffer.combine` of ``x`` (bf16, the handle's rows) with ``handle``, no weights or
+    biases, send phase only. Returns ``(combined_x, deferred)``: the output (written by the
+    receive) and the receive's `DeferredReceive`.
+
+    Raises:
+        as `ElasticBuffer.combine`; RuntimeError: the window is held (another hook is pending).
+    """
+    backend = _begin(buffer, "combine")
+    bias, plan = call_plans.combine_plan(buffer, x, handle, None, None, num_sms, 0, None, None, False, False, False)
+    num_sms = num_sms or handle.num_sms
+    outputs, _ = call_streams.run_call(
+        backend, lambda: backend.combine(x, handle, None, bias, num_sms=num_sms,
+                                         apply_dispatch_weights=plan.apply_dispatch_weights, phases=SEND_PHASE),
+        None, None, False, False, (x, handle))
+    combined_x, _, deferred = outputs
+    buffer._window_use.hold(HOLDER, _DETAIL)
+    return combined_x, deferred
+
+
+def launch_receive(buffer, deferred) -> None:
+    """Launch the receive of ``deferred`` (from `send_dispatch` / `send_combine` on ``buffer``) on
+    the current stream's order, as a synchronous call's kernels go, and free the window.
+
+    Raises:
+        RuntimeError: the buffer was destroyed, or is unusable after an earlier GPU error.
+    """
+    buffer._window_use.release(HOLDER)
+    buffer._alive()
+    call_streams.run_call(buffer._backend, deferred.launch, None, None, False, False, ())
+
+
+def _begin(buffer, name: str):
+    """What `ElasticBuffer.dispatch` / `combine` do first: the buffer alive, the call counted (a
+    refused one too), the window free."""
+    buffer._alive()
+    backend = buffer._backend
+    backend.calls += 1
+    buffer._window_use.check_free(name)
+    return backend

@@ -1,0 +1,150 @@
+"""The state and checks behind DeepEP's V1 low-latency methods (`deep_ep.legacy.low_latency`, which
+inherits them): argument checks, the window of each buffer half, the pending receive hooks (double
+buffering), the zero-copy combine buffers, the rank mask.
+
+Contract: two buffer halves. A low-latency dispatch takes the first one no pending receive hook
+holds (`_free_half`; every rank makes the same calls and hooks, so every rank takes the same), its
+combine takes the dispatch's; a call with a receive hook holds its half until the hook is called
+(`_hook`). On the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the
+Buffer's when it holds the call, half 1 one made on its first use (collective).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import checks
+from .layouts import NUM_CHANNELS_PER_SCALE, ReceiveHook, low_latency_rdma_size_hint
+
+__all__ = ["LowLatencyState"]
+
+# The attributes holding a low-latency window made for each buffer half (half 0 uses the Buffer's
+# own when it is large enough).
+_HALF_BUFFERS = ("_low_latency_extra_buffer", "_low_latency_second_buffer")
+
+
+class LowLatencyState:
+    """Helpers of `deep_ep.legacy.low_latency.LowLatencyMethods` (a mixin of `deep_ep.Buffer`)."""
+
+    def _low_latency_check(self, name: str, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                           num_experts: int) -> None:
+        self._alive()
+        if not self.low_latency_mode:
+            raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with low_latency_mode=True")
+        checks.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        checks.check_int("num_experts", num_experts, minimum=1)
+        if hidden <= 0 or hidden % NUM_CHANNELS_PER_SCALE:
+            raise ValueError(f"{name}: hidden={hidden} must be a positive multiple of {NUM_CHANNELS_PER_SCALE}")
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {self.group_size}")
+        need = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+        if need > self.num_rdma_bytes:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is less than the {need} bytes low-latency mode "
+                             f"needs here (get_low_latency_rdma_size_hint({num_max_dispatch_tokens_per_rank}, "
+                             f"{hidden}, {self.group_size}, {num_experts})); pass at least that as num_rdma_bytes")
+
+    def _low_latency_elastic_buffer(self, max_pairs: int, hidden: int, slot: int = 0):
+        """The `ElasticBuffer` a low-latency call of up to ``max_pairs`` (token, expert) pairs per rank
+        at ``hidden`` runs on in buffer half ``slot``: the Buffer's own on CPU (both halves), and on the
+        GPU for half 0 when its window holds the call; else one sized for the call (one per half), made
+        here (collective: every rank makes the same calls; not while a CUDA graph is being captured)
+        and kept for later calls."""
+        buffer = self._alive()
+        if buffer.device.type == "cpu":
+            return buffer
+        from ..backends.gpu import window
+        need = window.buffer_size_hint(self.group_size, max_pairs, hidden, 0, False)
+        if slot == 0 and buffer.num_bytes >= need:
+            return buffer
+        key = _HALF_BUFFERS[slot]
+        extra = self.__dict__.get(key)
+        if extra is not None and extra.num_bytes >= need:
+            return extra
+        if torch.cuda.is_current_stream_capturing():
+            why = (f"a {need}-byte window, larger than the buffer's {buffer.num_bytes}" if extra is not None or slot == 0
+                   else "the second window of double buffering (two low-latency results alive)")
+            raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs {why}; make the first such call before "
+                               f"CUDA-graph capture (or pass a larger num_nvl_bytes / num_rdma_bytes)")
+        from ..buffer import ElasticBuffer
+        if extra is not None:
+            extra.destroy()
+        extra = ElasticBuffer(self.group, num_bytes=need, explicitly_destroy=self.explicitly_destroy)
+        self.__dict__[key] = extra
+        return extra
+
+    def _low_latency_buffers(self) -> list:
+        """The `ElasticBuffer` objects low-latency calls may have run on."""
+        return [b for b in [self._alive()] + [self.__dict__.get(key) for key in _HALF_BUFFERS] if b is not None]
+
+    def _pending_hooks(self) -> list:
+        """Per buffer half, the name of the call whose receive hook is pending there, or None."""
+        return self.__dict__.setdefault("_low_latency_pending", [None, None])
+
+    def _free_half(self, name: str) -> int:
+        """The first buffer half no pending receive hook holds (every rank makes the same calls and
+        hooks, so every rank picks the same).
+
+        Raises:
+            RuntimeError: both are held (two low-latency results alive).
+        """
+        pending = self._pending_hooks()
+        for slot, holder in enumerate(pending):
+            if holder is None:
+                return slot
+        raise RuntimeError(f"deep_ep.Buffer.{name}: two low-latency results are alive, the receive hooks of a "
+                           f"{pending[0]} and a {pending[1]} were not called yet: at most two can be (DeepEP's "
+                           f"double buffering); call one of those hooks first. Nothing was sent")
+
+    def _hook(self, receive, name: str, device: torch.device, slot: int) -> ReceiveHook:
+        """A `ReceiveHook` for ``receive`` that holds buffer half ``slot`` until it is called."""
+        pending = self._pending_hooks()
+        pending[slot] = name
+
+        def release() -> None:
+            pending[slot] = None
+
+        return ReceiveHook(receive, name, device, release)
+
+    def _combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> torch.Tensor:
+        """The current (of two) zero-copy combine buffer: bf16 ``[L, R*T, hidden]`` with DeepEP's row
+        stride (``hidden`` plus two bf16 per 128 channels), on the buffer's device."""
+        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        state = self.__dict__.setdefault("_low_latency_state", {"index": 0, "key": None, "buffers": None})
+        if state["key"] != key:
+            num_rows = self.group_size * num_max_dispatch_tokens_per_rank
+            num_local_experts = num_experts // self.group_size
+            row = hidden + 2 * (hidden // NUM_CHANNELS_PER_SCALE)
+            state["buffers"] = [torch.zeros((num_local_experts, num_rows, row), dtype=torch.bfloat16,
+                                            device=self._alive().device) for _ in range(2)]
+            state["key"] = key
+        return state["buffers"][state["index"]][:, :, :hidden]
+
+    def _flip(self) -> None:
+        state = self.__dict__.setdefault("_low_latency_state", {"index": 0, "key": None, "buffers": None})
+        state["index"] ^= 1
+
+    @staticmethod
+    def _hook_flags(async_finish, return_recv_hook) -> tuple:
+        async_finish = checks.check_bool("async_finish", async_finish)
+        return_recv_hook = checks.check_bool("return_recv_hook", return_recv_hook)
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (DeepEP's rule)")
+        return async_finish, return_recv_hook
+
+    def _check_stats(self, name: str, stats, dtype, size: int) -> None:
+        if stats is not None:
+            checks.check_tensor(name, stats, dtype=dtype, shape=(size,), device=self._alive().device)
+
+    def _low_latency_num_sms(self, device: torch.device) -> int:
+        return 0 if device.type == "cpu" else type(self).num_sms
+
+    def _mask_if_shrink(self) -> Optional[torch.Tensor]:
+        """The rank mask (int32 ``[R]``, 1 = masked, made with the `Buffer`) with ``enable_shrink``, else None."""
+        return self._rank_mask if self.enable_shrink else None
+
+    def _shrink_mask(self, name: str) -> torch.Tensor:
+        self._alive()
+        if not self.enable_shrink:
+            raise RuntimeError(f"deep_ep.Buffer.{name} needs a Buffer made with enable_shrink=True")
+        return self._mask_if_shrink()
