@@ -100,7 +100,8 @@ def test_tunable_defines_from_environment(monkeypatch):
 def test_the_tunables_are_defined_in_one_header():
     """Every tunable of `modules.TUNABLES` is #defined with its default in common/tunables.cuh, and no
     other: no kernel file defines a default of its own (a switch the host would have to mirror). The
-    only other defaults are the transport (structural) and the test-only defect."""
+    only other defaults are structural, named by the host only when they differ: the transport, and
+    the data kernels' phases (both, unless a receive hook launches the halves apart)."""
     import re
     from pathlib import Path
     include = Path(modules.__file__).parents[2] / "include" / "deep_ep"
@@ -109,7 +110,8 @@ def test_the_tunables_are_defined_in_one_header():
     elsewhere = {(path.relative_to(include).as_posix(), name)
                  for path in include.rglob("*.cuh") if path.name != "tunables.cuh"
                  for name in re.findall(r"^#ifndef (EP_\w+)", path.read_text(), re.M)}
-    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL")}
+    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("kernels/dispatch.cuh", "EP_DATA_PHASES"),
+                         ("kernels/combine.cuh", "EP_DATA_PHASES")}
 
 
 def test_the_combines_single_source_path_can_be_left_out():

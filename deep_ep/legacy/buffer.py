@@ -49,8 +49,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
     ``enable_shrink``, ``elastic_buffer`` (the `ElasticBuffer` underneath).
 
     Raises:
-        ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments (``device``
-        too);
+        ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
         NotImplementedError: ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
     """
 
