@@ -171,7 +171,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         domains = group_domains(group, allow_hybrid_mode)[2]
         if not is_cpu_group(group) and domains.num_rdma_ranks > 1:
             from .comm.nccl import nccl_version
-            topology.require_scaleout_support(domains, rank, nccl_version())
+            emulated = hasattr(group, "make_transport")
+            topology.require_scaleout_support(domains, rank, 0 if emulated else nccl_version(), emulated=emulated)
         self.config = BufferConfig(
             buffer_id=self.buffer_id, rank=rank, num_ranks=num_ranks, num_bytes=num_bytes,
             num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,

@@ -85,6 +85,8 @@ VARIABLES = {v.name: v for v in (
     Variable("EP_CPU_NUM_NVLINK_RANKS", None, "ranks per NVLink domain a gloo (CPU) group acts as: the CPU "
              "backend then reports `R / N` RDMA ranks of `N` NVLink ranks (unset: one domain of every rank); "
              "must divide the group size and be equal on every rank"),
+    Variable("EP_EMULATED_NUM_NVLINK_RANKS", None, "ranks per node of an `EmulatedGroup` (unset: one node of "
+             "every rank): several nodes on one GPU, reached through an emulated GIN (docs/scaleout.md)"),
     Variable("EP_OVERRIDE_RDMA_SL", None, "RDMA service level 0..15 for every buffer, over `sl_idx` (same "
              "name as DeepEP's)"),
     Variable("CUDA_HOME", None, "CUDA toolkit to search for headers and tools (after the pip wheels)"),

@@ -46,7 +46,7 @@ TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_SINGLE_
 def kernel_source(kind: str) -> str:
     """The CUDA source of a ``kind`` module ("dispatch", "combine", "barrier" or "pp"); the structure
     comes in as defines."""
-    if kind not in ("dispatch", "combine", "barrier", "pp"):
+    if kind not in ("dispatch", "combine", "barrier", "pp", "gin_nic"):
         raise ValueError(f"unknown kernel module kind {kind!r}")
     return f"#include <deep_ep/kernels/{kind}.cuh>\n"
 
@@ -73,20 +73,29 @@ def tunable_defines() -> dict:
     return out
 
 
-def _common(transport_nccl: bool) -> dict:
-    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS,
+def _common(transport_nccl: bool, transport_gin: bool = False) -> dict:
+    gin = {"EP_TRANSPORT_GIN": 1} if transport_gin else {}   # emulated nodes (comm/transport.cuh)
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, **gin,
             **tunable_defines()}
 
 
-def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
+def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, transport_nccl: bool = False,
+                     transport_gin: bool = False) -> dict:
     """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
-            **_common(transport_nccl)}
+            **_common(transport_nccl, transport_gin)}
 
 
-def combine_defines(hidden: int, num_topk: int, expand: bool, transport_nccl: bool = False) -> dict:
+def combine_defines(hidden: int, num_topk: int, expand: bool, transport_nccl: bool = False,
+                    transport_gin: bool = False) -> dict:
     """Defines of the combine module for one structure."""
-    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand), **_common(transport_nccl)}
+    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
+            **_common(transport_nccl, transport_gin)}
+
+
+def gin_nic_defines(transport_nccl: bool = False, transport_gin: bool = True) -> dict:
+    """Defines of the emulated NIC's module (kernels/gin_nic.cuh; emulated nodes only)."""
+    return {"EP_TRANSPORT_NCCL": 0, "EP_TRANSPORT_GIN": 1}
 
 
 def barrier_defines(transport_nccl: bool = False) -> dict:
@@ -100,15 +109,18 @@ def pp_defines(transport_nccl: bool = False) -> dict:
 
 
 _DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines,
-            "pp": pp_defines}
+            "pp": pp_defines, "gin_nic": gin_nic_defines}
+_GIN_KINDS = ("dispatch", "combine", "gin_nic")   # the kinds built for the emulated GIN
 _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
-def build_module(kind: str, structure: tuple, transport_nccl: bool):
+def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gin: bool = False):
     """``(key, module)`` for ``kind`` and ``structure`` (the arguments of its ``*_defines``), built once
-    per process. Modules of the NCCL transport compile against NCCL's device headers."""
-    defines = _DEFINES[kind](*structure, transport_nccl=transport_nccl)
+    per process. Modules of the NCCL transport compile against NCCL's device headers; with
+    ``transport_gin`` (emulated nodes) the data kernels use the emulated GIN."""
+    gin = {"transport_gin": True} if transport_gin and kind in _GIN_KINDS else {}
+    defines = _DEFINES[kind](*structure, transport_nccl=transport_nccl, **gin)
     key = (kind, tuple(sorted(defines.items())))
     mod = _modules.get(key)
     if mod is None:

@@ -33,9 +33,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
 deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    const deep_ep::comm::DataTransport tr = deep_ep::comm::make_data_transport(transport, peers);
     deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, tr);
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, false>(a, zero_padding != 0, tr);
+    deep_ep::comm::end_data_block(tr);
 }
 
 // The same for a cached dispatch: the handle's layout, no numbering.
@@ -43,7 +44,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
 deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    const deep_ep::comm::DataTransport tr = deep_ep::comm::make_data_transport(transport, peers);
     deep_ep::dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, tr);
     deep_ep::dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, true>(a, zero_padding != 0, tr);
+    deep_ep::comm::end_data_block(tr);
 }
