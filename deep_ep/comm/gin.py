@@ -312,6 +312,10 @@ class EmulatedGinDirectTransport:
             self._nic_stream = None
         self._join.destroy()
         self.base.destroy()
+        windows = self.base.windows
+        with windows.lock:
+            if windows.refs == 0:
+                windows.gin_state = None   # the last rank out frees the GIN's memory with the windows'
 
     def launch_data(self, nic_module, stream: int, num_user_blocks: int, launch) -> None:
         """Launch this rank's NIC kernel (from ``nic_module``) on its own stream, after the work queued
