@@ -33,7 +33,7 @@ SHAPES = [(2, 1), (2, 2), (4, 2)]
 # the emulated NIC: seed and contexts used
 NICS = [(1, 2), (2, 3)]
 CASE_NAMES = ("bf16", "bf16-expand", "bf16-expand-align128", "bf16-noweights-bias2", "bf16-nosync",
-              "bf16-empty-rank", "fp8-fp32", "fp8-fp32-expand")
+              "bf16-empty-rank", "fp8-fp32")
 
 
 def _group(nodes: int, per_node: int, seed: int, contexts: int):

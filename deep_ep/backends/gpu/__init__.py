@@ -77,6 +77,8 @@ class GPUBackend(Backend):
         ValueError: no window size. NotImplementedError: the group spans more than one NVLink domain.
     """
 
+    transport_gin = False   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
+
     def __init__(self, group, config: BufferConfig) -> None:
         super().__init__(group, config)
         if not torch.cuda.is_available():
