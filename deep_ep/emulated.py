@@ -23,8 +23,8 @@ host thread (a host-side wait in one rank must not block another)::
 
 Several nodes on one GPU: ``EmulatedGroup(8, num_nvlink_ranks=2)`` (or ``EP_EMULATED_NUM_NVLINK_RANKS=2``)
 makes 4 nodes of 2 ranks (`ElasticBuffer.num_rdma_ranks` 4, ``num_nvlink_ranks`` 2). Buffers of such a
-group run direct mode (``allow_hybrid_mode=False``): dispatch and combine reach every other rank
-through an emulated GIN whose NIC lands puts after seeded delays and in a seeded order
+group run direct mode (``allow_hybrid_mode=False``): dispatch and combine reach the ranks of other
+nodes through an emulated GIN whose NIC lands puts after seeded delays and in a seeded order
 (``gin_settings``, `deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
 
 One thread can also make the ranks' calls one after another (`EmulatedGroup.acting_as`), for calls
@@ -249,7 +249,8 @@ class EmulatedGroup:
                 slices = [windows.storage[r * windows.num_bytes:(r + 1) * windows.num_bytes]
                           for r in range(self.num_ranks)]
                 state = windows.gin_state = EmulatedGinState(slices, windows.num_bytes, num_allocated,
-                                                             self.gin_settings or EmulatedGinSettings(), timeout_ns)
+                                                             self.gin_settings or EmulatedGinSettings(), timeout_ns,
+                                                             self.num_nvlink_ranks)
             return state
 
     # called by the ranks' transports

@@ -127,10 +127,10 @@ def test_gin_transport_args_mirror():
     """comm/transport.cuh's TransportArgs with EP_TRANSPORT_GIN=1: the emulated fields first (kernels
     built without GIN read the same prefix), then the GIN's."""
     args = gin.GinTransportArgs
-    assert ctypes.sizeof(args) == 56
+    assert ctypes.sizeof(args) == 64
     assert (args.peers.offset, args.rank.offset, args.num_ranks.offset, args.gin.offset) == (0, 8, 12, 16)
     assert (args.recv_offset.offset, args.half_bytes.offset, args.stage_offset.offset) == (24, 32, 40)
-    assert (args.max_put_bytes.offset, args.num_contexts.offset) == (48, 52)
+    assert (args.max_put_bytes.offset, args.num_contexts.offset, args.node_ranks.offset) == (48, 52, 56)
     from deep_ep.comm.emulated import EmulatedTransportArgs
     assert [f[0] for f in EmulatedTransportArgs._fields_] == [f[0] for f in args._fields_[:3]]
 

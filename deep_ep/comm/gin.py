@@ -198,7 +198,8 @@ class GinTransportArgs(ctypes.Structure):
     the emulated transport's fields, then the GIN's."""
     _fields_ = [("peers", ctypes.c_void_p), ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
                 ("gin", ctypes.c_void_p), ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
-                ("stage_offset", ctypes.c_int64), ("max_put_bytes", ctypes.c_int), ("num_contexts", ctypes.c_int)]
+                ("stage_offset", ctypes.c_int64), ("max_put_bytes", ctypes.c_int), ("num_contexts", ctypes.c_int),
+                ("node_ranks", ctypes.c_int)]
 
 
 class EmulatedGinSettings:
@@ -207,6 +208,8 @@ class EmulatedGinSettings:
     Args:
         seed: seeds the NIC's delays and landing order (two seeds: two orders).
         num_contexts: contexts the kernels use (num_qps), at most those allocated.
+        gin_within_node: reach the peers of a rank's own node through the GIN too (default: by loads
+            and stores, as DeepEP's direct mode reaches NVLink peers).
         queue_depth, stage_bytes, batch, min_delay_ns, max_delay_ns, linger_ns: see `EmulatedGin` and
             `EmulatedGin.kernel_args`.
 
@@ -215,7 +218,8 @@ class EmulatedGinSettings:
     """
 
     def __init__(self, seed: int = 0, num_contexts: int = 2, queue_depth: int = 16, stage_bytes: int = 4096,
-                 batch: int = 4, min_delay_ns: int = 500, max_delay_ns: int = 4000, linger_ns: int = 20000) -> None:
+                 batch: int = 4, min_delay_ns: int = 500, max_delay_ns: int = 4000, linger_ns: int = 20000,
+                 gin_within_node: bool = False) -> None:
         if num_contexts < 1 or not 1 <= batch <= queue_depth <= 64 or stage_bytes < 16 or stage_bytes % 16:
             raise ValueError(f"EmulatedGinSettings: contexts {num_contexts} >= 1, 1 <= batch {batch} <= queue depth "
                              f"{queue_depth} <= 64 and stage_bytes {stage_bytes} a positive multiple of 16 needed")
@@ -224,6 +228,7 @@ class EmulatedGinSettings:
                              f"linger {linger_ns} ns must be non-negative, the range ordered")
         self.seed, self.num_contexts, self.queue_depth, self.stage_bytes = seed, num_contexts, queue_depth, stage_bytes
         self.batch, self.min_delay_ns, self.max_delay_ns, self.linger_ns = batch, min_delay_ns, max_delay_ns, linger_ns
+        self.gin_within_node = bool(gin_within_node)
 
 
 def receive_halves(num_ranks: int, num_bytes: int) -> tuple:
@@ -243,12 +248,14 @@ class EmulatedGinState:
         windows: the ranks' windows (`EmulatedGin`). num_bytes: a window's size.
         num_allocated: contexts allocated (the buffer's ``num_allocated_qps``).
         settings: `EmulatedGinSettings`. timeout_ns: a put's wait for room and a flush.
+        num_nvlink_ranks: ranks of a node.
     """
 
     def __init__(self, windows: list, num_bytes: int, num_allocated: int, settings: EmulatedGinSettings,
-                 timeout_ns: int) -> None:
+                 timeout_ns: int, num_nvlink_ranks: int = 1) -> None:
         num_ranks = len(windows)
         self.settings = settings
+        self.node_ranks = 1 if settings.gin_within_node else num_nvlink_ranks
         self.num_contexts = min(settings.num_contexts, num_allocated)
         self.gin = EmulatedGin(windows, num_contexts=num_allocated, num_signals=2 * num_ranks, num_counters=1,
                                queue_depth=settings.queue_depth, stage_bytes=settings.stage_bytes)
@@ -273,7 +280,7 @@ class EmulatedGinState:
             peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
             gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
             half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
-            max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts)
+            max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts, node_ranks=self.node_ranks)
 
 
 class EmulatedGinDirectTransport:

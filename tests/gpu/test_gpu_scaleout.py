@@ -1,8 +1,9 @@
 """Direct-mode scale-out on emulated nodes: one GPU acting as M nodes of S ranks, every rank reaching
-every other rank through the emulated GIN (deep_ep/comm/gin.py, comm/gin_direct.cuh).
+the ranks of other nodes through the emulated GIN (deep_ep/comm/gin.py, comm/gin_direct.cuh).
 
 For 2 nodes x 1, 2 x 2 and 4 x 2 ranks, and two seeds of the emulated NIC (its delays and the order
-it lands puts in; the second also uses three contexts instead of two), runs dispatch + combine cases of
+it lands puts in; the first reaches a rank's own node by loads and stores and uses two contexts, the
+second sends every peer through the NIC on three contexts), runs dispatch + combine cases of
 tests/gpu_cases.py through `test_gpu_backend.run_case`: fresh random inputs per case, outputs poisoned
 first, every element compared with deep_ep.reference (dispatch bit for bit, combine bit for bit in the
 reference's fp32 order), a cached dispatch and a second combine with the same handle. Also checks the
@@ -30,17 +31,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # (nodes, ranks per node)
 SHAPES = [(2, 1), (2, 2), (4, 2)]
-# the emulated NIC: seed and contexts used
-NICS = [(1, 2), (2, 3)]
+# the emulated NIC: seed, contexts used, and whether peers of a rank's own node go through it too
+NICS = [(1, 2, False), (2, 3, True)]
 CASE_NAMES = ("bf16", "bf16-expand", "bf16-expand-align128", "bf16-noweights-bias2", "bf16-nosync",
               "bf16-empty-rank", "fp8-fp32")
 
 
-def _group(nodes: int, per_node: int, seed: int, contexts: int):
+def _group(nodes: int, per_node: int, seed: int, contexts: int, gin_within_node: bool = False):
     from deep_ep.comm.gin import EmulatedGinSettings
     from deep_ep.emulated import EmulatedGroup
     return EmulatedGroup(nodes * per_node, device=torch.device("cuda", 0), num_nvlink_ranks=per_node,
-                         gin_settings=EmulatedGinSettings(seed=seed, num_contexts=contexts))
+                         gin_settings=EmulatedGinSettings(seed=seed, num_contexts=contexts,
+                                                          gin_within_node=gin_within_node))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -62,7 +64,7 @@ def test_domains_and_hybrid_refused(shape):
         assert got == (nodes, per_node, 1, nodes * per_node), f"rank {r}: {got}"
 
 
-@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}")
+@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_dispatch_combine(shape, nic, monkeypatch):
     """Every case at this shape; stops at the first failure (a failed case can leave kernels behind)."""
@@ -70,9 +72,9 @@ def test_dispatch_combine(shape, nic, monkeypatch):
 
     from test_gpu_backend import run_case
     nodes, per_node = shape
-    seed, contexts = nic
+    seed, contexts, gin_within_node = nic
     num_ranks = nodes * per_node
-    group = _group(nodes, per_node, seed, contexts)
+    group = _group(nodes, per_node, seed, contexts, gin_within_node)
     monkeypatch.setattr(deep_ep, "ElasticBuffer", functools.partial(deep_ep.ElasticBuffer, allow_hybrid_mode=False))
     cases = [c for c in cases_for(num_ranks) if c.name.split("-", 1)[1] in CASE_NAMES]
     assert len(cases) == len(CASE_NAMES)

@@ -1,14 +1,15 @@
-// The direct-mode scale-out transport: every peer but this rank itself is reached by GIN puts, with
-// the member functions the data kernels call on LsaTransport (comm/lsa.cuh), so that dispatch and
-// combine are the same kernels with another transport type. What differs:
+// The direct-mode scale-out transport: peers of this rank's node (`node_ranks` consecutive ranks;
+// 1: this rank alone) are reached by loads and stores as LsaTransport reaches them, every other peer
+// by GIN puts, with the member functions the data kernels call on LsaTransport (comm/lsa.cuh), so
+// that dispatch and combine are the same kernels with another transport type. For a GIN peer:
 //   - put / put_chunk write into this rank's staging area (one slice of half_bytes per peer, after
 //     the window), at the destination's offset within its receive half; `end_row` (one warp, after
 //     a row's last store) puts the staged row into the peer's window, on the warp's context;
 //   - get / get_chunk read this rank's own window: combine rows were pushed here by their owners
 //     (`kPushes`, comm/push.cuh; the kernels choose the row's offset);
 //   - signal_all (the last block of a send phase) puts the call tag and a strong signal per context
-//     to every peer, then flushes, so staging may be rewritten by the next phase; this rank itself
-//     is signalled through its own control words, as LsaTransport does;
+//     to every GIN peer, then flushes, so staging may be rewritten by the next phase; node peers and
+//     this rank itself are signalled through their control words, as LsaTransport does;
 //   - wait_all waits for each peer's signal on every context: a strong signal lands after every
 //     earlier put of its (context, peer). Signals are [epoch parity][source rank]: a peer signals
 //     the slot of phase e + 2 only after this rank's phase e + 1, so `end_block` resets the slot of
@@ -25,25 +26,32 @@ namespace deep_ep::comm {
 
 template <typename Gin>
 struct GinDirectTransport {
-    LsaTransport lsa;      // this rank's own window (self is signalled through its control words)
+    LsaTransport lsa;      // the windows of this rank and its node (as the NVLink kernels reach them)
     Gin gin;
     int rank, num_ranks;
     int num_contexts;
     int max_put_bytes;     // the largest single put (the emulated NIC's staging slot)
+    int node_ranks;        // ranks of a node, reached by loads and stores
     int64_t recv_offset, half_bytes, stage_offset;
     uint32_t* done;        // [2] user blocks that ended, NIC warps that ended (the emulated NIC's stop)
 
     __device__ __forceinline__ uint8_t* local() const { return lsa.local(); }
     __device__ __forceinline__ bool exchanges() const { return num_ranks > 1; }
+    __device__ __forceinline__ bool by_lsa(int peer) const { return peer / node_ranks == rank / node_ranks; }
 
     // Where a row bound for `peer` at `offset` of its window is staged in this rank's window.
     __device__ __forceinline__ int64_t stage_of(int peer, int64_t offset) const {
         return stage_offset + peer * half_bytes + (offset - recv_offset) % half_bytes;
     }
 
+    // Where a row bound for `peer` at `offset` of its window is written: there, or staged here.
+    __device__ __forceinline__ uint8_t* row_target(int peer, int64_t offset) const {
+        return by_lsa(peer) ? lsa.bases[peer] + offset : local() + stage_of(peer, offset);
+    }
+
     template <typename T>
     __device__ __forceinline__ void put(int peer, int64_t offset, T value) const {
-        *reinterpret_cast<T*>(local() + stage_of(peer, offset)) = value;
+        *reinterpret_cast<T*>(row_target(peer, offset)) = value;
     }
     template <typename T>
     __device__ __forceinline__ T get(int, int64_t offset) const {
@@ -51,7 +59,7 @@ struct GinDirectTransport {
     }
     template <int kUnroll, int kVecs>
     __device__ __forceinline__ void put_chunk(int peer, int64_t offset, int base, int lane, const int4 (&v)[kUnroll]) const {
-        store_chunk<kUnroll, kVecs>(reinterpret_cast<int4*>(local() + stage_of(peer, offset)), base, lane, v);
+        store_chunk<kUnroll, kVecs>(reinterpret_cast<int4*>(row_target(peer, offset)), base, lane, v);
     }
     template <int kUnroll, int kVecs>
     __device__ __forceinline__ void get_chunk(int, int64_t offset, int base, int lane, int4 (&v)[kUnroll]) const {
@@ -60,6 +68,7 @@ struct GinDirectTransport {
 
     // Every lane of a warp, after its stores of the row bound for `peer` at `offset` (`bytes` long).
     __device__ __forceinline__ void end_row(int peer, int64_t offset, int bytes, int lane) const {
+        if (by_lsa(peer)) return;  // stored in place; signal_all's fence publishes it
         __threadfence();  // this lane's stores before lane 0's puts, which the NIC reads later
         __syncwarp();
         if (lane == 0) {
@@ -90,6 +99,13 @@ struct GinDirectTransport {
         const int64_t tag_offset = reinterpret_cast<uint8_t*>(my_tag) - mine;
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
             if (p == rank) continue;
+            if (by_lsa(p)) {
+                uint32_t* t = tag_words(lsa.bases[p], slot, rank);
+                t[0] = tag.seq;
+                t[1] = tag.fingerprint;
+                red_release_sys_add(ctrl_of(lsa.bases[p]) + kCtrlArrive + rank, 1u);
+                continue;
+            }
             gin.put(0, p, tag_offset, tag_offset, 8);
             for (int c = 0; c < num_contexts; ++c) gin.signal(c, p, slot * num_ranks + rank, 1);
         }
@@ -107,7 +123,7 @@ struct GinDirectTransport {
         const uint32_t epoch = ld_volatile(ctrl + kCtrlEpoch);
         const int slot = static_cast<int>(epoch & 1u);
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
-            if (p == rank) {
+            if (by_lsa(p)) {
                 const uint64_t start = global_timer_ns();
                 while (static_cast<int32_t>(ld_acquire_sys(ctrl + kCtrlArrive + p) - (epoch + 1u)) < 0) {
                     if (global_timer_ns() - start > timeout_ns) {
@@ -143,7 +159,7 @@ struct GinDirectTransport {
         uint32_t* ctrl = ctrl_of(local());
         const int slot = static_cast<int>((ld_volatile(ctrl + kCtrlEpoch) - 1u) & 1u);
         for (int p = 0; p < num_ranks; ++p) {
-            if (p == rank) continue;
+            if (by_lsa(p)) continue;
             for (int c = 0; c < num_contexts; ++c) gin.reset_signal(c, slot * num_ranks + p);
             atomicAdd(ctrl + kCtrlArrive + p, 1u);
         }

@@ -53,6 +53,7 @@ struct TransportArgs {
     int64_t stage_offset;           // this rank's staging area: [num_ranks][half_bytes] after the window
     int max_put_bytes;              // the emulated NIC's staging slot
     int num_contexts;               // contexts used (num_qps)
+    int node_ranks;                 // ranks of a node, reached by loads and stores (1: every peer by GIN)
 #endif
 };
 
@@ -74,6 +75,7 @@ __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs
     tr.num_ranks = t.num_ranks;
     tr.num_contexts = t.num_contexts;
     tr.max_put_bytes = t.max_put_bytes;
+    tr.node_ranks = t.node_ranks;
     tr.recv_offset = t.recv_offset;
     tr.half_bytes = t.half_bytes;
     tr.stage_offset = t.stage_offset;

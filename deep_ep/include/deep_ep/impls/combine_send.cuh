@@ -1,8 +1,8 @@
 // Combine, send phase on destination d: rows that came from peers are staged in d's own window at
 // the row index they arrived at (expanded: d's partial, combine_args.cuh), with their top-k weights
 // in a trailer; rows from d itself stay in the caller's tensor. The last block signals every peer.
-// A pushing transport (comm/push.cuh) stages each row for its source and puts it into the source's
-// window at `pushed_row_offset`.
+// A pushing transport (comm/push.cuh) writes each row for its source (in place, or staged and put)
+// into the source's window at `pushed_row_offset`.
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -34,7 +34,7 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const Tr
             while (source < R - 1 && j >= a.layout[ix.tok_prefix() + source]) ++source;
             const int first = source == 0 ? 0 : a.layout[ix.tok_prefix() + source - 1];
             pushed = pushed_row_offset(a, half, R, rank, j - first);
-            dst = my_window + tr.stage_of(source, pushed);
+            dst = tr.row_target(source, pushed);
         }
         float* dst_w = reinterpret_cast<float*>(dst + Row::kWeightOffset);
         if (!kExpand) {
