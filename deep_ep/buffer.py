@@ -212,7 +212,9 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         domains = group_domains(group, allow_hybrid_mode, device)[2]
         if not on_cpu and domains.num_rdma_ranks > 1:
             from .comm.nccl import nccl_version
-            topology.require_scaleout_support(domains, config.rank, nccl_version())
+            emulated = hasattr(group, "make_transport")   # emulated nodes: an emulated GIN, no NCCL
+            topology.require_scaleout_support(domains, config.rank, 0 if emulated else nccl_version(),
+                                              emulated=emulated)
         self.config = config
         self._backend = make_backend(group, config, device)
         self._resources = self._backend.device_resources()

@@ -21,6 +21,12 @@ host thread (a host-side wait in one rank must not block another)::
 
     results = group.run(body)               # one result per rank; re-raises the first failure
 
+Several nodes on one GPU: ``EmulatedGroup(8, num_nvlink_ranks=2)`` (or ``EP_EMULATED_NUM_NVLINK_RANKS=2``)
+makes 4 nodes of 2 ranks (`ElasticBuffer.num_rdma_ranks` 4, ``num_nvlink_ranks`` 2). Buffers of such a
+group run direct mode (``allow_hybrid_mode=False``): dispatch and combine reach the ranks of other
+nodes through an emulated GIN whose NIC lands puts after seeded delays and in a seeded order
+(``gin_settings``, `deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
+
 One thread can also make the ranks' calls one after another (`EmulatedGroup.acting_as`), for calls
 whose host side never waits for the peers (a cached dispatch, a combine): the bench captures every
 rank's kernels of one such call into one CUDA graph that way.
@@ -75,16 +81,23 @@ class EmulatedGroup:
         num_ranks: number of ranks, >= 1.
         device: CUDA device (default: the current one).
         timeout_secs: host-side wait limit of collective steps (buffer creation, `barrier`), seconds.
+        num_nvlink_ranks: ranks of one emulated node (dividing ``num_ranks``); None: the variable
+            ``EP_EMULATED_NUM_NVLINK_RANKS``, else ``num_ranks`` (one node).
+        gin_settings: the emulated NIC's `deep_ep.comm.gin.EmulatedGinSettings` (several nodes
+            only; default: its defaults).
 
     Raises:
-        ValueError: ``num_ranks < 1``.
+        ValueError: ``num_ranks < 1``, or ``num_nvlink_ranks`` not dividing it.
         RuntimeError: no CUDA device, or CUDA was initialised without the settings emulated ranks
             need (see `ensure_cuda_settings`).
     """
 
-    def __init__(self, num_ranks: int, device: Optional[torch.device] = None, timeout_secs: float = 300.0) -> None:
+    def __init__(self, num_ranks: int, device: Optional[torch.device] = None, timeout_secs: float = 300.0,
+                 num_nvlink_ranks: Optional[int] = None, gin_settings=None) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.num_nvlink_ranks = _nvlink_ranks(num_ranks, num_nvlink_ranks)
+        self.gin_settings = gin_settings
         ensure_cuda_settings(num_ranks)
         if not torch.cuda.is_available():
             raise RuntimeError("emulated ranks run on a CUDA device; none is available")
@@ -227,6 +240,19 @@ class EmulatedGroup:
                 f"at the same call), and not every rank reached it within {self.timeout_secs} s or a rank "
                 f"failed: emulated ranks must make the same sequence of calls") from None
 
+    def _gin_for(self, windows: EmulatedWindowSet, num_allocated: int, timeout_ns: int):
+        """The emulated GIN state of a buffer's window set, made by the first rank that asks."""
+        from .comm.gin import EmulatedGinSettings, EmulatedGinState
+        with self._lock:
+            state = getattr(windows, "gin_state", None)
+            if state is None:
+                slices = [windows.storage[r * windows.num_bytes:(r + 1) * windows.num_bytes]
+                          for r in range(self.num_ranks)]
+                state = windows.gin_state = EmulatedGinState(slices, windows.num_bytes, num_allocated,
+                                                             self.gin_settings or EmulatedGinSettings(), timeout_ns,
+                                                             self.num_nvlink_ranks)
+            return state
+
     # called by the ranks' transports
     def _windows_for(self, rank: int, num_bytes: int) -> EmulatedWindowSet:
         with self._lock:
@@ -353,12 +379,32 @@ class EmulatedRankGroup:
         """See `EmulatedGroup.load_collectively`."""
         self.parent.load_collectively(self._rank, key, load)
 
-    def make_transport(self, num_bytes: int) -> EmulatedTransport:
-        """Collective over the ranks: the window set shared by this group's next buffer."""
+    def num_nvlink_ranks(self) -> int:
+        """Ranks of one emulated node (`deep_ep.topology`)."""
+        return self.parent.num_nvlink_ranks
+
+    def make_transport(self, num_bytes: int, num_allocated_qps: int = 0, timeout_ns: int = 2_000_000_000):
+        """Collective over the ranks: the window set shared by this group's next buffer; with several
+        nodes, its emulated GIN too (``num_allocated_qps`` contexts, 0: DeepEP's 17 of direct mode)."""
         ws = self.parent._windows_for(self._rank, num_bytes)
         transport = EmulatedTransport(ws, self._rank, self.parent.barrier)
+        if self.parent.num_nvlink_ranks < self.parent.num_ranks:
+            from .comm.gin import EmulatedGinDirectTransport
+            state = self.parent._gin_for(ws, num_allocated_qps or 17, timeout_ns)
+            transport = EmulatedGinDirectTransport(transport, state)
         self.parent.barrier()  # every rank holds its transport before any kernel can signal
         return transport
+
+
+def _nvlink_ranks(num_ranks: int, num_nvlink_ranks: Optional[int]) -> int:
+    text = envs.get("EP_EMULATED_NUM_NVLINK_RANKS") if num_nvlink_ranks is None else str(num_nvlink_ranks)
+    if text is None:
+        return num_ranks
+    value = text.strip()
+    if not value.isdigit() or int(value) < 1 or num_ranks % int(value):
+        raise ValueError(f"num_nvlink_ranks (or EP_EMULATED_NUM_NVLINK_RANKS) = {text!r}: expected the ranks of "
+                         f"one emulated node, a positive integer dividing the group's {num_ranks} ranks")
+    return int(value)
 
 
 def _note(exc: BaseException, text: str) -> None:

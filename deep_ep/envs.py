@@ -88,6 +88,8 @@ VARIABLES = {v.name: v for v in (
     Variable("EP_REUSE_NCCL_COMM", "1", "a GPU buffer of a torch NCCL group works on that group's communicator "
              "(`0`: on a private one, created from an NCCL unique id broadcast over the group, as for a gloo "
              "group; same name as DeepEP's)"),
+    Variable("EP_EMULATED_NUM_NVLINK_RANKS", None, "ranks per node of an `EmulatedGroup` (unset: one node of "
+             "every rank): several nodes on one GPU, reached through an emulated GIN (docs/scaleout.md)"),
     Variable("EP_OVERRIDE_RDMA_SL", None, "RDMA service level 0..15 for every buffer, over `sl_idx` (same "
              "name as DeepEP's)"),
     Variable("CUDA_HOME", None, "CUDA toolkit to search for headers and tools (after the pip wheels)"),

@@ -8,7 +8,9 @@ another over RDMA. ``N`` is
   the ranks of one domain consecutive (rank ``r`` is NVLink rank ``r % N`` of RDMA rank ``r // N``);
 * on a group on the CPU backend: ``R`` (one domain), unless ``EP_CPU_NUM_NVLINK_RANKS`` declares ``N``, so
   that the CPU backend can act as ``R / N`` nodes;
-* on an emulated-rank group: ``R`` (one GPU is one domain).
+* on an emulated-rank group (`deep_ep.emulated.EmulatedGroup`): its ``num_nvlink_ranks`` (default
+  ``R``; ``EP_EMULATED_NUM_NVLINK_RANKS`` or the constructor's argument make one GPU act as several
+  nodes, whose ranks reach each other through an emulated GIN).
 
 Logical: what the algorithms use. With ``allow_hybrid_mode`` (hybrid: RDMA between nodes, then
 NVLink forwarding inside a node) it is the physical split; without (direct: every rank reaches every
@@ -16,8 +18,8 @@ rank itself) it is ``(1, R)``. Rank ``r`` is scale-out rank ``r // S`` and scale
 (``S`` scale-up ranks).
 
 GPU buffers spanning more than one NVLink domain need NCCL GIN (GPU-initiated networking, NCCL >=
-2.28.7); `require_scaleout_support` names the versions, and raises `NotImplementedError` while the
-GIN transport is not built.
+2.28.7); `require_scaleout_support` names the versions, and raises `NotImplementedError` for NCCL
+groups (the GIN transport runs on emulated nodes only) and for hybrid mode.
 """
 from __future__ import annotations
 
@@ -120,7 +122,8 @@ def group_num_nvlink_ranks(group, rank: int, num_ranks: int, is_cpu: bool) -> in
         return cpu_num_nvlink_ranks(num_ranks)
     import torch.distributed as dist
     if not isinstance(group, dist.ProcessGroup):
-        return num_ranks                      # emulated ranks share one GPU
+        nvlink = getattr(group, "num_nvlink_ranks", None)   # emulated ranks: one GPU, maybe several nodes
+        return nvlink() if callable(nvlink) else num_ranks
     team_size, team_rank = _nccl_lsa_team(group)
     if team_size < 1 or num_ranks % team_size or team_rank != rank % team_size:
         raise ValueError(f"rank {rank}: NCCL's LSA team ({team_size} ranks, this rank's index {team_rank}) does "
@@ -139,23 +142,30 @@ def nccl_version_text(code: int) -> str:
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
-def require_scaleout_support(domains: Domains, rank: int, nccl_version: int) -> None:
-    """Refuse a GPU buffer over more than one NVLink domain: GIN needs NCCL >= 2.28.7, and the
-    scale-out (GIN) transport and kernels are not built yet. Every rank of such a group raises the
-    same error (each sees more than one domain), before anything is allocated.
+def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emulated: bool = False) -> None:
+    """Refuse a GPU buffer over more than one NVLink domain that cannot run: GIN needs NCCL >=
+    2.28.7, the NCCL GIN transport is not wired to the kernels yet, and hybrid mode is not built.
+    Emulated nodes (``emulated``) run direct mode over the emulated GIN. Every rank of such a group
+    raises the same error (each sees more than one domain), before anything is allocated.
 
     Args:
         domains: the rank's `Domains`. rank: for the message. nccl_version: the loaded libnccl's
-            ``ncclGetVersion`` code.
+            ``ncclGetVersion`` code (not read when ``emulated``). emulated: the group is an
+            `deep_ep.emulated.EmulatedGroup`'s.
 
     Raises:
         RuntimeError: more than one NVLink domain and an NCCL older than 2.28.7.
-        NotImplementedError: more than one NVLink domain with a GIN-capable NCCL.
+        NotImplementedError: more than one NVLink domain in hybrid mode, or on an NCCL group.
     """
     if domains.num_rdma_ranks <= 1:
         return
     where = (f"rank {rank}: the group spans {domains.num_rdma_ranks} NVLink domains of {domains.num_nvlink_ranks} "
              f"ranks, which needs the scale-out path over NCCL GIN")
+    if emulated:
+        if domains.num_scaleout_ranks > 1:
+            raise NotImplementedError(f"{where}: hybrid mode (allow_hybrid_mode=True) is not built; emulated "
+                                      f"nodes run direct mode: pass allow_hybrid_mode=False (docs/scaleout.md)")
+        return
     found = nccl_version_text(nccl_version)
     needed = nccl_version_text(NCCL_GIN_MIN_VERSION)
     if nccl_version < NCCL_GIN_MIN_VERSION:

@@ -5,7 +5,9 @@
 * the NCCL transport (``ncclGin``) against NCCL 2.28.9's and 2.32.3's headers (fetched as
   tests/nccl_wheels.py does): no spills, and no more stack than NCCL's own ``ncclGin::put`` needs
   (its put keeps a few bytes on the stack in both releases, ours adds none);
-* the host mirrors of the emulated GIN's structures, and the self-test runner's input checks.
+* the host mirrors of the emulated GIN's structures, and the self-test runner's input checks;
+* the direct-mode data kernels over the emulated GIN (EP_TRANSPORT_GIN=1) and the NIC kernel, without
+  spills, and the host mirror of their transport arguments.
 """
 from __future__ import annotations
 
@@ -103,3 +105,54 @@ def test_emulated_gin_refuses_cpu_windows():
     import torch
     with pytest.raises(ValueError, match="CUDA"):
         gin.EmulatedGin([torch.zeros(16, dtype=torch.uint8)])
+
+
+# ---------------------------------------------------------------------------------------- emulated nodes
+def test_gin_data_modules_compile_without_spills():
+    """The dispatch and combine modules with the direct-mode GIN transport (EP_TRANSPORT_GIN=1), and
+    the per-rank NIC kernel, in the layouts the scale-out GPU test runs."""
+    from deep_ep.backends.gpu import modules
+    for kind, structure in [("gin_nic", ()), ("dispatch", (512, 0, 4, False)), ("dispatch", (512, 4, 4, True)),
+                            ("combine", (256, 4, False)), ("combine", (256, 4, True))]:
+        key, module = modules.build_module(kind, structure, False, True)
+        assert ("EP_TRANSPORT_GIN", 1) in key[1]
+        for name, info in module.info.items():
+            assert info["stack"] == info["spill_stores"] == info["spill_loads"] == 0, (kind, name, info)
+    # without GIN the defines (and so the cache keys and names of existing modules) are unchanged
+    key, _ = modules.build_module("combine", (256, 4, False), False, False)
+    assert all(name != "EP_TRANSPORT_GIN" for name, _ in key[1])
+
+
+def test_gin_transport_args_mirror():
+    """comm/transport.cuh's TransportArgs with EP_TRANSPORT_GIN=1: the emulated fields first (kernels
+    built without GIN read the same prefix), then the GIN's."""
+    args = gin.GinTransportArgs
+    assert ctypes.sizeof(args) == 64
+    assert (args.peers.offset, args.rank.offset, args.num_ranks.offset, args.gin.offset) == (0, 8, 12, 16)
+    assert (args.recv_offset.offset, args.half_bytes.offset, args.stage_offset.offset) == (24, 32, 40)
+    assert (args.max_put_bytes.offset, args.num_contexts.offset, args.node_ranks.offset) == (48, 52, 56)
+    from deep_ep.comm.emulated import EmulatedTransportArgs
+    assert [f[0] for f in EmulatedTransportArgs._fields_] == [f[0] for f in args._fields_[:3]]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_contexts=0), "contexts"),
+    (dict(batch=32, queue_depth=16), "batch"),
+    (dict(stage_bytes=100), "stage_bytes"),
+    (dict(min_delay_ns=10, max_delay_ns=5), "delays"),
+    (dict(seed=-1), "seed"),
+])
+def test_emulated_gin_settings_refuse_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gin.EmulatedGinSettings(**kwargs)
+
+
+def test_receive_halves_match_every_call_layout():
+    from deep_ep.backends.gpu import window
+    num_bytes = window.buffer_size_hint(8, 64, 256, 4)
+    recv_offset, half = gin.receive_halves(8, num_bytes)
+    for stride in (window.dispatch_row_stride(512, 0, 4), window.combine_row_stride(256, 4)):
+        layout = window.make_layout(8, 0, 0, 4, False, num_bytes, stride=stride)
+        assert (layout.recv_offset, layout.half_bytes) == (recv_offset, half)
+        # a source's rows from each owner (combine_args.cuh's pushed_row_offset) fit a half
+        assert layout.rows_per_half // 8 >= 64

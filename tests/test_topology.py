@@ -6,7 +6,8 @@
 * The SM and QP counts against an independent implementation in exact arithmetic (fractions) over
   many configurations, and against DeepEP's numbers derived by hand.
 * A GPU group over two NVLink domains is refused before anything is allocated, naming the NCCL
-  versions.
+  versions; emulated nodes (`EmulatedGroup(num_nvlink_ranks=...)`) report their domains, run direct
+  mode and refuse hybrid mode.
 """
 from __future__ import annotations
 
@@ -401,3 +402,49 @@ def _low_latency_worker(rank, world_size):
 def test_legacy_low_latency_two_nodes_hybrid(tmp_path):
     """DeepEP's V1 low-latency mode over a hybrid-mode ElasticBuffer: the same checks as on one node."""
     assert run_gloo_ranks(_low_latency_worker, 4, tmp_path, deadline=300) == {r: True for r in range(4)}
+
+
+# ---------------------------------------------------------------------------------------- emulated nodes
+class _EmulatedRankGroup:
+    """What topology reads of an `deep_ep.emulated.EmulatedRankGroup` (no GPU needed)."""
+
+    def __init__(self, num_nvlink_ranks):
+        self._nvlink = num_nvlink_ranks
+
+    def num_nvlink_ranks(self):
+        return self._nvlink
+
+    def make_transport(self, num_bytes):  # marks an emulated group
+        raise AssertionError("not called")
+
+
+@pytest.mark.parametrize("num_ranks, nvlink", [(2, 1), (4, 2), (8, 2), (8, 8)])
+def test_emulated_nodes_report_their_domains(num_ranks, nvlink):
+    for rank in range(num_ranks):
+        direct = topology.group_domains(_EmulatedRankGroup(nvlink), rank, num_ranks, False, allow_hybrid_mode=False)
+        assert direct.physical == (num_ranks // nvlink, nvlink) and direct.logical == (1, num_ranks)
+        hybrid = topology.group_domains(_EmulatedRankGroup(nvlink), rank, num_ranks, False)
+        assert hybrid.logical == (num_ranks // nvlink, nvlink)
+        assert (hybrid.scaleout_rank_idx, hybrid.scaleup_rank_idx) == (rank // nvlink, rank % nvlink)
+        # direct mode runs over the emulated GIN; hybrid mode is refused, naming the fix
+        topology.require_scaleout_support(direct, rank, 0, emulated=True)
+        if nvlink < num_ranks:
+            with pytest.raises(NotImplementedError, match="allow_hybrid_mode=False"):
+                topology.require_scaleout_support(hybrid, rank, 0, emulated=True)
+            # a real NCCL group over several domains is still refused
+            with pytest.raises(NotImplementedError, match="not built yet"):
+                topology.require_scaleout_support(direct, rank, 22809)
+
+
+def test_emulated_num_nvlink_ranks_setting(monkeypatch):
+    from deep_ep.emulated import _nvlink_ranks
+    monkeypatch.delenv("EP_EMULATED_NUM_NVLINK_RANKS", raising=False)
+    assert _nvlink_ranks(8, None) == 8 and _nvlink_ranks(8, 2) == 2
+    monkeypatch.setenv("EP_EMULATED_NUM_NVLINK_RANKS", "4")
+    assert _nvlink_ranks(8, None) == 4 and _nvlink_ranks(8, 1) == 1   # the argument wins
+    for bad in ("3", "0", "two"):
+        monkeypatch.setenv("EP_EMULATED_NUM_NVLINK_RANKS", bad)
+        with pytest.raises(ValueError, match="EP_EMULATED_NUM_NVLINK_RANKS"):
+            _nvlink_ranks(8, None)
+    with pytest.raises(ValueError, match="dividing"):
+        _nvlink_ranks(8, 3)

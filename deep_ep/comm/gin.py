@@ -5,7 +5,11 @@ entries, staging, signals, counters) and gives the kernels its ``EmulatedGinArgs
 builds the test kernels (``deep_ep/include/deep_ep/kernels/gin_selftest.cuh``) through `deep_ep.jit`
 and runs one ping-pong: with a correct user of GIN every word arrives; with a planted bug (a weak
 signal trusted for other puts, a source reused before flush) the seeded NIC makes words arrive wrong.
-No kernel of the library uses GIN yet (docs/scaleout.md).
+
+`EmulatedGinDirectTransport` is the transport of an `deep_ep.emulated.EmulatedGroup` whose ranks form
+several nodes: the dispatch and combine data kernels, built with ``EP_TRANSPORT_GIN=1``, reach every
+other rank through the emulated GIN (``comm/gin_direct.cuh``), and each data kernel of a rank runs
+next to an NIC kernel of that rank (``kernels/gin_nic.cuh``) on a stream of its own.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from .. import jit
 from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
-           "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest"]
+           "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
+           "GinTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings", "EmulatedGinState",
+           "EmulatedGinDirectTransport"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -85,7 +91,8 @@ class EmulatedGin:
         self.staging = torch.zeros(num_queues * queue_depth * stage_bytes, dtype=torch.uint8, device=device)
         self.signals = torch.zeros(self.num_ranks * num_contexts * num_signals, dtype=torch.int64, device=device)
         self.counters = torch.zeros(self.num_ranks * num_contexts * num_counters, dtype=torch.int64, device=device)
-        self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        # [num_ranks][2]: per rank, user blocks that ended and NIC warps that ended (kernels/gin_nic.cuh)
+        self.done = torch.zeros(2 * self.num_ranks, dtype=torch.int32, device=device)
 
     @property
     def num_queues(self) -> int:
@@ -102,11 +109,12 @@ class EmulatedGin:
         return self.queues.view(-1, QUEUE_BYTES // 8)[:, 3].tolist()
 
     def kernel_args(self, seed: int = 0, min_delay_ns: int = 2000, max_delay_ns: int = 20000, linger_ns: int = 50000,
-                    batch: int = 1, issue_timeout_ns: int = 2_000_000_000) -> EmulatedGinArgs:
+                    batch: int = 1, issue_timeout_ns: int = 2_000_000_000, rank: int = 0) -> EmulatedGinArgs:
         """The kernels' ``EmulatedGinArgs``: the NIC reads each source and lands each put after a delay
         drawn in ``[min_delay_ns, max_delay_ns)`` from a generator seeded by ``seed`` and the queue, and
         gathers up to ``batch`` entries of a queue (waiting at most ``linger_ns``) before landing them
-        in a random order. ``issue_timeout_ns`` bounds a put's wait for room and a flush.
+        in a random order. ``issue_timeout_ns`` bounds a put's wait for room and a flush. ``rank``:
+        whose ``done`` words the NIC reads (an NIC kernel per rank, kernels/gin_nic.cuh).
 
         Raises:
             ValueError: ``max_delay_ns < min_delay_ns`` or a negative value.
@@ -117,7 +125,7 @@ class EmulatedGin:
         return EmulatedGinArgs(
             windows=self.window_table.data_ptr(), queues=self.queues.data_ptr(), entries=self.entries.data_ptr(),
             staging=self.staging.data_ptr(), signals=self.signals.data_ptr(), counters=self.counters.data_ptr(),
-            done=self.done.data_ptr(), seed=seed, issue_timeout_ns=issue_timeout_ns, min_delay_ns=min_delay_ns,
+            done=self.done.data_ptr() + 8 * rank, seed=seed, issue_timeout_ns=issue_timeout_ns, min_delay_ns=min_delay_ns,
             max_delay_ns=max_delay_ns, linger_ns=linger_ns, num_ranks=self.num_ranks, num_contexts=self.num_contexts,
             num_signals=self.num_signals, num_counters=self.num_counters, queue_depth=self.queue_depth,
             stage_bytes=self.stage_bytes, batch=batch)
@@ -176,3 +184,153 @@ def run_selftest(mode: str = "strong", num_ranks: int = 2, num_contexts: int = 2
     errors = [tuple(w[CTRL_ERROR_OFFSET:CTRL_ERROR_OFFSET + 16].view(torch.int32).tolist()) for w in windows]
     return {"mismatched_words": [r[0] for r in rows], "bad_rounds": [r[1] for r in rows],
             "rounds_done": [r[2] for r in rows], "errors": errors, "full_waits": sum(gin.full_waits())}
+
+
+# ---------------------------------------------------------------------------------------------
+# The direct-mode transport of emulated nodes.
+
+NIC_KERNEL = "deep_ep_gin_nic"
+NIC_THREADS = 256   # 8 NIC warps per block of the NIC kernel
+
+
+class GinTransportArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::comm::TransportArgs`` built with ``EP_TRANSPORT_GIN=1`` (comm/transport.cuh):
+    the emulated transport's fields, then the GIN's."""
+    _fields_ = [("peers", ctypes.c_void_p), ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
+                ("gin", ctypes.c_void_p), ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
+                ("stage_offset", ctypes.c_int64), ("max_put_bytes", ctypes.c_int), ("num_contexts", ctypes.c_int),
+                ("node_ranks", ctypes.c_int)]
+
+
+class EmulatedGinSettings:
+    """How the emulated NIC of a group behaves (`deep_ep.emulated.EmulatedGroup`'s ``gin_*`` arguments).
+
+    Args:
+        seed: seeds the NIC's delays and landing order (two seeds: two orders).
+        num_contexts: contexts the kernels use (num_qps), at most those allocated.
+        gin_within_node: reach the peers of a rank's own node through the GIN too (default: by loads
+            and stores, as DeepEP's direct mode reaches NVLink peers).
+        queue_depth, stage_bytes, batch, min_delay_ns, max_delay_ns, linger_ns: see `EmulatedGin` and
+            `EmulatedGin.kernel_args`.
+
+    Raises:
+        ValueError: a count or delay out of range.
+    """
+
+    def __init__(self, seed: int = 0, num_contexts: int = 2, queue_depth: int = 16, stage_bytes: int = 4096,
+                 batch: int = 4, min_delay_ns: int = 500, max_delay_ns: int = 4000, linger_ns: int = 20000,
+                 gin_within_node: bool = False) -> None:
+        if num_contexts < 1 or not 1 <= batch <= queue_depth <= 64 or stage_bytes < 16 or stage_bytes % 16:
+            raise ValueError(f"EmulatedGinSettings: contexts {num_contexts} >= 1, 1 <= batch {batch} <= queue depth "
+                             f"{queue_depth} <= 64 and stage_bytes {stage_bytes} a positive multiple of 16 needed")
+        if min(seed, min_delay_ns, linger_ns) < 0 or max_delay_ns < min_delay_ns:
+            raise ValueError(f"EmulatedGinSettings: seed {seed}, delays [{min_delay_ns}, {max_delay_ns}) ns and "
+                             f"linger {linger_ns} ns must be non-negative, the range ordered")
+        self.seed, self.num_contexts, self.queue_depth, self.stage_bytes = seed, num_contexts, queue_depth, stage_bytes
+        self.batch, self.min_delay_ns, self.max_delay_ns, self.linger_ns = batch, min_delay_ns, max_delay_ns, linger_ns
+        self.gin_within_node = bool(gin_within_node)
+
+
+def receive_halves(num_ranks: int, num_bytes: int) -> tuple:
+    """``(recv_offset, half_bytes)`` of a window of ``num_bytes`` for ``num_ranks`` ranks: every call's
+    layout has them (`deep_ep.backends.gpu.window.make_layout` with ``num_bytes``)."""
+    from ..backends.gpu.window import make_layout
+    layout = make_layout(num_ranks, 1, 8, num_bytes=num_bytes)
+    return layout.recv_offset, layout.half_bytes
+
+
+class EmulatedGinState:
+    """What the ranks of one buffer share: the emulated GIN over their windows (``num_allocated``
+    contexts), each rank's staging area (``[num_ranks][half_bytes]``: the rows it sends, by
+    destination) and each rank's copy of ``EmulatedGinArgs`` in device memory.
+
+    Args:
+        windows: the ranks' windows (`EmulatedGin`). num_bytes: a window's size.
+        num_allocated: contexts allocated (the buffer's ``num_allocated_qps``).
+        settings: `EmulatedGinSettings`. timeout_ns: a put's wait for room and a flush.
+        num_nvlink_ranks: ranks of a node.
+    """
+
+    def __init__(self, windows: list, num_bytes: int, num_allocated: int, settings: EmulatedGinSettings,
+                 timeout_ns: int, num_nvlink_ranks: int = 1) -> None:
+        num_ranks = len(windows)
+        self.settings = settings
+        self.node_ranks = 1 if settings.gin_within_node else num_nvlink_ranks
+        self.num_contexts = min(settings.num_contexts, num_allocated)
+        self.gin = EmulatedGin(windows, num_contexts=num_allocated, num_signals=2 * num_ranks, num_counters=1,
+                               queue_depth=settings.queue_depth, stage_bytes=settings.stage_bytes)
+        self.recv_offset, self.half_bytes = receive_halves(num_ranks, num_bytes)
+        self.staging = torch.zeros(num_ranks * num_ranks * self.half_bytes, dtype=torch.uint8, device=windows[0].device)
+        size = ctypes.sizeof(EmulatedGinArgs)
+        blob = b"".join(bytes(self.gin.kernel_args(
+            seed=settings.seed, min_delay_ns=settings.min_delay_ns, max_delay_ns=settings.max_delay_ns,
+            linger_ns=settings.linger_ns, batch=settings.batch, issue_timeout_ns=timeout_ns, rank=r))
+            for r in range(num_ranks))
+        self.rank_args = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(windows[0].device)
+        self.args_bytes = size
+        torch.cuda.current_stream(windows[0].device).synchronize()   # zeroed and copied before any kernel
+        self.windows = windows
+
+    def transport_args(self, base_args, rank: int) -> GinTransportArgs:
+        """The GIN kernels' ``TransportArgs`` of ``rank`` (``base_args``: its emulated transport's)."""
+        # The staging area is addressed from the rank's window (an offset that may be negative here;
+        # a real NIC needs it inside the registered window).
+        stage = self.staging.data_ptr() + rank * len(self.windows) * self.half_bytes
+        return GinTransportArgs(
+            peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
+            gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
+            half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
+            max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts, node_ranks=self.node_ranks)
+
+
+class EmulatedGinDirectTransport:
+    """One emulated rank's transport when the group's ranks form several nodes: the window of
+    ``base`` (a `deep_ep.comm.emulated.EmulatedTransport`), and the emulated GIN of ``state``
+    (`EmulatedGinState`) for the data kernels, each launched next to this rank's NIC kernel
+    (`launch_data`). Same interface as `deep_ep.comm.transport.Transport`, plus ``gin_define`` (the
+    kernels' ``EP_TRANSPORT_GIN``) and ``nic_blocks`` (blocks of the NIC kernel, on SMs of their own).
+    """
+
+    kernel_define = 0
+    gin_define = 1
+
+    def __init__(self, base, state: EmulatedGinState) -> None:
+        from ..cuda.streams import StreamJoin, new_stream
+        self.base, self.state = base, state
+        self.rank, self.num_ranks, self.num_bytes, self.device = base.rank, base.num_ranks, base.num_bytes, base.device
+        self._args = state.transport_args(base.kernel_args(), base.rank)
+        self.nic_blocks = -(-state.num_contexts * self.num_ranks * 32 // NIC_THREADS)
+        self._nic_stream = new_stream(self.device)
+        self._join = StreamJoin(self.device)
+
+    def kernel_args(self) -> GinTransportArgs:
+        return self._args
+
+    def window_tensor(self) -> torch.Tensor:
+        return self.base.window_tensor()
+
+    def host_barrier(self) -> None:
+        self.base.host_barrier()
+
+    def destroy(self) -> None:
+        from ..cuda.streams import release_stream
+        if self._nic_stream is not None:
+            release_stream(self._nic_stream)
+            self._nic_stream = None
+        self._join.destroy()
+        self.base.destroy()
+        windows = self.base.windows
+        with windows.lock:
+            if windows.refs == 0:
+                windows.gin_state = None   # the last rank out frees the GIN's memory with the windows'
+
+    def launch_data(self, nic_module, stream: int, num_user_blocks: int, launch) -> None:
+        """Launch this rank's NIC kernel (from ``nic_module``) on its own stream, after the work queued
+        on the raw stream ``stream``; then ``launch()`` (the data kernel of ``num_user_blocks`` blocks,
+        on ``stream``); then make ``stream`` wait for the NIC kernel."""
+        nic = self._nic_stream.cuda_stream
+        self._join.wait(nic, stream)
+        nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._args, jit.i32(num_user_blocks)),
+                                               stream=nic, device=self.device.index)
+        launch()
+        self._join.wait(stream, nic)

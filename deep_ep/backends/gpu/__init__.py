@@ -77,6 +77,8 @@ class GPUBackend(Backend):
         ValueError: no window size. NotImplementedError: the group spans more than one NVLink domain.
     """
 
+    transport_gin = False   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
+
     def __init__(self, group, config: BufferConfig) -> None:
         super().__init__(group, config)
         if not torch.cuda.is_available():
@@ -103,7 +105,7 @@ class GPUBackend(Backend):
         what the device lends its kernels (SMs, cooperative launches)."""
         self.emulated = hasattr(group, "make_transport")
         if self.emulated:
-            self.transport = group.make_transport(num_bytes)
+            self.transport = group.make_transport(num_bytes, num_allocated_qps=self.config.num_allocated_qps)
             self._device = self.transport.device
         else:
             from ...comm.lsa import NcclLsaTransport
@@ -111,10 +113,12 @@ class GPUBackend(Backend):
             self.transport = NcclLsaTransport(group, num_bytes, self._device)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         self.transport_nccl = bool(self.transport.kernel_define)
+        self.transport_gin = bool(getattr(self.transport, "gin_define", 0))   # emulated nodes (comm/gin.py)
         self.transport_args = self.transport.kernel_args()   # fixed for the window's life
         self.num_device_sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
-        self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1))
+        self._sm_limit = max(1, self.num_device_sms // (self.num_ranks if self.emulated else 1)
+                             - getattr(self.transport, "nic_blocks", 0))
         self._default_sms: dict = {}     # (experts, top-k) -> SMs of a call with num_sms=0
         self.cooperative = COOPERATIVE and not self.emulated
         # Host waits (`deep_ep.cuda.streams.spin_until`): emulated ranks sleep between polls from the
@@ -311,7 +315,11 @@ class GPUBackend(Backend):
         LaunchError that says which ``num_sms`` to lower."""
         self.call_record.launched_call = self.calls
         try:
-            prepared.launch(self.launch_stream)
+            if self.transport_gin:
+                self.transport.launch_data(self.module("gin_nic", ()), self.launch_stream, n_sms,
+                                           lambda: prepared.launch(self.launch_stream))
+            else:
+                prepared.launch(self.launch_stream)
         except jit.LaunchError as exc:
             if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
                 # Kernels of this call may already be queued (notify, layout) and the peers wait for
@@ -328,7 +336,7 @@ class GPUBackend(Backend):
         function); the first use builds and loads it, collectively for emulated ranks."""
         module = self._ready_modules.get((kind, structure))
         if module is None:
-            key, module = build_module(kind, structure, self.transport_nccl)
+            key, module = build_module(kind, structure, self.transport_nccl, self.transport_gin)
             if self.emulated:
                 self.group.load_collectively(key, lambda: load_module(module, self._device.index))
             else:

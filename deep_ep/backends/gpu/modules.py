@@ -58,9 +58,9 @@ TUNABLES = frozenset({"EP_SEND_UNROLL", "EP_COMBINE_UNROLL", "EP_COMBINE_SINGLE_
 
 
 def kernel_source(kind: str) -> str:
-    """The CUDA source of a ``kind`` module ("dispatch", "combine", "barrier", "pp", "agrs" or "engram");
-    the structure comes in as defines."""
-    if kind not in ("dispatch", "combine", "barrier", "pp", "agrs", "engram"):
+    """The CUDA source of a ``kind`` module ("dispatch", "combine", "barrier", "pp", "agrs", "engram" or
+    "gin_nic"); the structure comes in as defines."""
+    if kind not in ("dispatch", "combine", "barrier", "pp", "agrs", "engram", "gin_nic"):
         raise ValueError(f"unknown kernel module kind {kind!r}")
     return f"#include <deep_ep/kernels/{kind}.cuh>\n"
 
@@ -87,24 +87,25 @@ def tunable_defines() -> dict:
     return out
 
 
-def _common(transport_nccl: bool) -> dict:
-    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS,
+def _common(transport_nccl: bool, transport_gin: bool = False) -> dict:
+    gin = {"EP_TRANSPORT_GIN": 1} if transport_gin else {}   # emulated nodes (comm/transport.cuh)
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, **gin,
             **tunable_defines()}
 
 
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, phases: int = BOTH_PHASES,
-                     transport_nccl: bool = False) -> dict:
+                     transport_nccl: bool = False, transport_gin: bool = False) -> dict:
     """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure;
     ``phases``: what its data kernels run (`SEND_PHASE`, `RECEIVE_PHASE` or `BOTH_PHASES`)."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
-            **_phases_define(phases), **_common(transport_nccl)}
+            **_phases_define(phases), **_common(transport_nccl, transport_gin)}
 
 
 def combine_defines(hidden: int, num_topk: int, expand: bool, phases: int = BOTH_PHASES,
-                    transport_nccl: bool = False) -> dict:
+                    transport_nccl: bool = False, transport_gin: bool = False) -> dict:
     """Defines of the combine module for one structure (``phases`` as in `dispatch_defines`)."""
     return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand), **_phases_define(phases),
-            **_common(transport_nccl)}
+            **_common(transport_nccl, transport_gin)}
 
 
 def _phases_define(phases: int) -> dict:
@@ -112,6 +113,11 @@ def _phases_define(phases: int) -> dict:
     if phases not in (SEND_PHASE, RECEIVE_PHASE, BOTH_PHASES):
         raise ValueError(f"phases must be SEND_PHASE, RECEIVE_PHASE or BOTH_PHASES, got {phases!r}")
     return {} if phases == BOTH_PHASES else {"EP_DATA_PHASES": int(phases)}
+
+
+def gin_nic_defines(transport_nccl: bool = False, transport_gin: bool = True) -> dict:
+    """Defines of the emulated NIC's module (kernels/gin_nic.cuh; emulated nodes only)."""
+    return {"EP_TRANSPORT_NCCL": 0, "EP_TRANSPORT_GIN": 1}
 
 
 def barrier_defines(transport_nccl: bool = False) -> dict:
@@ -135,15 +141,18 @@ def engram_defines(transport_nccl: bool = False) -> dict:
 
 
 _DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines,
-            "pp": pp_defines, "agrs": agrs_defines, "engram": engram_defines}
+            "pp": pp_defines, "agrs": agrs_defines, "engram": engram_defines, "gin_nic": gin_nic_defines}
+_GIN_KINDS = ("dispatch", "combine", "gin_nic")   # the kinds built for the emulated GIN
 _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
-def build_module(kind: str, structure: tuple, transport_nccl: bool):
+def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gin: bool = False):
     """``(key, module)`` for ``kind`` and ``structure`` (the arguments of its ``*_defines``), built once
-    per process. Modules of the NCCL transport compile against NCCL's device headers."""
-    defines = _DEFINES[kind](*structure, transport_nccl=transport_nccl)
+    per process. Modules of the NCCL transport compile against NCCL's device headers; with
+    ``transport_gin`` (emulated nodes) the data kernels use the emulated GIN."""
+    gin = {"transport_gin": True} if transport_gin and kind in _GIN_KINDS else {}
+    defines = _DEFINES[kind](*structure, transport_nccl=transport_nccl, **gin)
     key = (kind, tuple(sorted(defines.items())))
     mod = _modules.get(key)
     if mod is None:

@@ -386,7 +386,9 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
     uint8_t* staging = a.staging + static_cast<int64_t>(q) * a.queue_depth * a.stage_bytes;
     uint64_t rng = (a.seed + 1) * 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(q) + 1) * 0xD1B54A32D192ED03ull;
     rng |= 1;
-    uint64_t consumed = 0, landed_prefix = 0;
+    // A queue outlives a launch (the library's NIC kernel runs once per data kernel): resume where the
+    // previous NIC left it, everything it read landed.
+    uint64_t consumed = ld_acquire_gpu_u64(&queue->consumed), landed_prefix = ld_acquire_gpu_u64(&queue->freed);
     uint64_t landed_mask = 0;  // bit i: entry landed_prefix + i has landed
     const int depth = a.queue_depth;
     const int batch = a.batch < 1 ? 1 : (a.batch > depth ? depth : a.batch);

@@ -3,12 +3,23 @@
 // once per block into a shared-memory table, which the data loops index.
 //   EP_TRANSPORT_NCCL=1: NCCL's device communicator and the buffer's symmetric window (LSA team).
 //   EP_TRANSPORT_NCCL=0: ranks emulated on one GPU, window slices of one allocation.
+// EP_TRANSPORT_GIN=1 (emulated ranks only): the data kernels' transport is comm/gin_direct.cuh over
+// the emulated GIN, whose state `TransportArgs::gin` points at (deep_ep/comm/gin.py lays it out);
+// `make_data_transport` is what the dispatch and combine data kernels call, `make_transport` the
+// kernels that still reach every peer by loads and stores (notify, barrier).
 #pragma once
 
 #include "lsa.cuh"
+#include "push.cuh"
 
 #ifndef EP_TRANSPORT_NCCL
 #define EP_TRANSPORT_NCCL 0
+#endif
+#ifndef EP_TRANSPORT_GIN
+#define EP_TRANSPORT_GIN 0
+#endif
+#if EP_TRANSPORT_GIN
+#include "gin_direct.cuh"
 #endif
 
 #if EP_TRANSPORT_NCCL
@@ -35,6 +46,15 @@ __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, u
 struct TransportArgs {
     uint8_t* const* peers;  // [num_ranks] device array of the ranks' window slices
     int rank, num_ranks;
+#if EP_TRANSPORT_GIN
+    // mirrored by deep_ep/comm/gin.py (GinTransportArgs)
+    const EmulatedGinArgs* gin;     // this rank's copy (its `done` words are its own)
+    int64_t recv_offset, half_bytes;  // the receive halves (every call's layout has the same)
+    int64_t stage_offset;           // this rank's staging area: [num_ranks][half_bytes] after the window
+    int max_put_bytes;              // the emulated NIC's staging slot
+    int num_contexts;               // contexts used (num_qps)
+    int node_ranks;                 // ranks of a node, reached by loads and stores (1: every peer by GIN)
+#endif
 };
 
 __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, uint8_t** table) {
@@ -43,6 +63,38 @@ __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, u
     return LsaTransport{table, t.rank, t.num_ranks};
 }
 #endif
+
+#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
+using DataTransport = GinDirectTransport<EmulatedGinTransport>;
+
+__device__ __forceinline__ DataTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
+    DataTransport tr;
+    tr.lsa = make_transport(t, table);
+    tr.gin = EmulatedGinTransport{t.gin, t.rank, t.num_contexts};
+    tr.rank = t.rank;
+    tr.num_ranks = t.num_ranks;
+    tr.num_contexts = t.num_contexts;
+    tr.max_put_bytes = t.max_put_bytes;
+    tr.node_ranks = t.node_ranks;
+    tr.recv_offset = t.recv_offset;
+    tr.half_bytes = t.half_bytes;
+    tr.stage_offset = t.stage_offset;
+    tr.done = t.gin->done;
+    return tr;
+}
+#else
+using DataTransport = LsaTransport;
+
+__device__ __forceinline__ LsaTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
+    return make_transport(t, table);
+}
+#endif
+
+// At the end of every block of a data kernel: what the transport does once the kernel's phases are over.
+template <typename Transport>
+__device__ __forceinline__ void end_data_block(const Transport& tr) {
+    if constexpr (kPushes<Transport>) tr.end_block();
+}
 
 }  // namespace deep_ep::comm
 

@@ -41,4 +41,12 @@ struct CombineArgs {
     comm::CallTag tag;                // this call's number and fingerprint (comm/window.cuh)
 };
 
+// A pushing transport (comm/push.cuh): where owner rank `owner`'s row for the `index`-th token a
+// source sent it lands in that source's window: receive half `half`, a block of rows per owner.
+__device__ __forceinline__ int64_t pushed_row_offset(const CombineArgs& a, int half, int num_ranks, int owner,
+                                                     int index) {
+    const int rows_per_owner = static_cast<int>(a.half_bytes / a.row_stride) / num_ranks;
+    return comm::row_offset(a, half, owner * rows_per_owner + index);
+}
+
 }  // namespace deep_ep

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../comm/lsa.cuh"
+#include "../comm/push.cuh"
 #include "../common/grid.cuh"
 #include "combine_reduce.cuh"
 
@@ -19,13 +20,14 @@ __device__ __forceinline__ void fetch_token_routing(const CombineArgs& a, int nu
     pair = (kExpand && live && lane < K) ? a.pos_pair[static_cast<int64_t>(t) * K + lane] : -1;
 }
 
-template <int kHidden, int K, bool kExpand>
-__device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const comm::LsaTransport& tr) {
+template <int kHidden, int K, bool kExpand, typename Transport>
+__device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const Transport& tr) {
     using Row = CombineRow<kHidden, K, kExpand>;
     uint8_t* my_window = tr.local();
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
     const int R = tr.num_ranks, L = a.num_experts / tr.num_ranks, rank = tr.rank;
+    const LayoutIndex ix{R, L, a.num_experts};
 
     // Up to 7 vectors per lane per chunk for plain rows of whole 512-byte steps in equal chunks; else 4
     // to fit the registers (expanded rows hold a second set of accumulators, ragged ones bounds checks).
@@ -78,6 +80,14 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             if (((sources >> k) & 1u) != 0 && __popc(sources & ((1u << k) - 1u)) == lane) source_slot = k;
         const int source_rank = __shfl_sync(0xffffffffu, owner, source_slot);
         const int source_row = __shfl_sync(0xffffffffu, slot_row, source_slot);
+        // Where rank d's row for this token (`row` in d's numbering) is read: d's window, or this
+        // rank's own where the transport pushes.
+        auto staged = [&](const int d, const int row) -> int64_t {
+            if constexpr (comm::kPushes<Transport>)
+                return pushed_row_offset(a, half, R, d, row - a.layout[ix.send_base() + d]);
+            else
+                return comm::row_offset(a, half, row);
+        };
         // acc += chunk `base` of the partial of rank d, whose row for this token is `row` (>= 0).
         auto add_source = [&](const int d, const int row, const int base, float (&acc)[kUnroll][8]) {
             if (d == rank && !kExpand) {
@@ -103,7 +113,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
                 add_rounded_chunk(part, acc);
             } else {
                 int4 v[kUnroll];
-                tr.get_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
+                tr.template get_chunk<kUnroll, Row::kVecs>(d, staged(d, row), base, lane, v);
                 add_bf16_chunk(v, acc);
             }
         };
@@ -131,7 +141,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
             for (int base = 0; base < Row::kVecs; base += 32 * kSingle) {
                 int4 v[kSingle];
                 if (single_rank == rank) load_chunk<kSingle, Row::kVecs, false>(local, base, lane, v);
-                else tr.get_chunk<kSingle, Row::kVecs>(single_rank, comm::row_offset(a, half, single_row), base, lane, v);
+                else tr.template get_chunk<kSingle, Row::kVecs>(single_rank, staged(single_rank, single_row), base, lane, v);
                 store_single_source_chunk<kHidden, kSingle, Row::kVecs>(a, t, base, lane, silent_slot, v);
             }
         } else
@@ -155,7 +165,7 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const co
                 if (row >= 0) {
                     if (d == rank) w = kExpand ? (my_pair >= 0 ? a.weights_in[my_pair] : 0.0f)
                                                : a.weights_in[static_cast<int64_t>(row) * K + lane];
-                    else w = tr.get<float>(d, comm::row_offset(a, half, row) + Row::kWeightOffset + 4 * lane);
+                    else w = tr.template get<float>(d, staged(d, row) + Row::kWeightOffset + 4 * lane);
                 }
             }
             if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = w;

@@ -1,16 +1,19 @@
 // Combine, send phase on destination d: rows that came from peers are staged in d's own window at
 // the row index they arrived at (expanded: d's partial, combine_args.cuh), with their top-k weights
 // in a trailer; rows from d itself stay in the caller's tensor. The last block signals every peer.
+// A pushing transport (comm/push.cuh) writes each row for its source (in place, or staged and put)
+// into the source's window at `pushed_row_offset`.
 #pragma once
 
 #include "../comm/lsa.cuh"
+#include "../comm/push.cuh"
 #include "../common/grid.cuh"
 #include "combine_reduce.cuh"
 
 namespace deep_ep {
 
-template <int kHidden, int K, bool kExpand>
-__device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const comm::LsaTransport& tr) {
+template <int kHidden, int K, bool kExpand, typename Transport>
+__device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const Transport& tr) {
     using Row = CombineRow<kHidden, K, kExpand>;
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;
@@ -25,6 +28,14 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const co
     for (int j = global_warp; j < num_tok_rows; j += num_warps) {
         if (j >= self_begin && j < self_end) continue;
         uint8_t* dst = my_window + comm::row_offset(a, half, j);
+        int source = 0;
+        int64_t pushed = 0;  // a pushing transport: the row's offset in the source's window
+        if constexpr (comm::kPushes<Transport>) {
+            while (source < R - 1 && j >= a.layout[ix.tok_prefix() + source]) ++source;
+            const int first = source == 0 ? 0 : a.layout[ix.tok_prefix() + source - 1];
+            pushed = pushed_row_offset(a, half, R, rank, j - first);
+            dst = tr.row_target(source, pushed);
+        }
         float* dst_w = reinterpret_cast<float*>(dst + Row::kWeightOffset);
         if (!kExpand) {
             const int4* src = reinterpret_cast<const int4*>(a.y + static_cast<int64_t>(j) * kHidden);
@@ -55,6 +66,7 @@ __device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const co
             }
             if (lane < K) dst_w[lane] = (a.weights_in != nullptr && my_out >= 0) ? a.weights_in[my_out] : 0.0f;
         }
+        if constexpr (comm::kPushes<Transport>) tr.end_row(source, pushed, Row::kWeightOffset + 4 * K, lane);
     }
     if (comm::last_block(my_window)) tr.signal_all(a.tag);
 }

@@ -46,8 +46,8 @@ __device__ __forceinline__ void dispatch_recv_tail(const DispatchArgs& a, bool z
             a.src_meta[i] = -1;
 }
 
-template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
-__device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding, const comm::LsaTransport& tr) {
+template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached, typename Transport>
+__device__ __forceinline__ void dispatch_recv_impl(const DispatchArgs& a, bool zero_padding, const Transport& tr) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
     uint8_t* my_window = tr.local();

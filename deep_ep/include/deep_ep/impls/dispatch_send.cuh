@@ -4,6 +4,7 @@
 #pragma once
 
 #include "../comm/lsa.cuh"
+#include "../comm/push.cuh"
 #include "../common/grid.cuh"
 #include "dispatch_args.cuh"
 
@@ -36,8 +37,8 @@ __device__ __forceinline__ void fetch_token(const DispatchArgs& a, int num_ranks
 
 // Warps stride over the tokens (WarpGrid). A fresh dispatch adds where this rank's rows start at
 // each destination (send_base) to the notify kernel's numbering and writes the sums back.
-template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached>
-__device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const comm::LsaTransport& tr) {
+template <int kDataBytes, int kNumSF, int K, bool kExpand, bool kCached, typename Transport>
+__device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const Transport& tr) {
     using Row = DispatchRow<kDataBytes, kNumSF, K>;
     constexpr int kUnroll = row_unroll<Row::kVecs, EP_SEND_UNROLL, 8>();
     const WarpGrid wg;
@@ -91,7 +92,7 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
                                        : a.pos_tok[static_cast<int64_t>(t) * R + d];
                 if (row < 0) continue;
                 if (d != rank) {
-                    tr.put_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
+                    tr.template put_chunk<kUnroll, Row::kVecs>(d, comm::row_offset(a, half, row), base, lane, v);
                 } else if (!kExpand) {
                     int4* dst = reinterpret_cast<int4*>(a.out_x + static_cast<int64_t>(row) * kDataBytes);
                     store_chunk<kUnroll, Row::kVecs>(dst, base, lane, v);
@@ -118,17 +119,18 @@ __device__ __forceinline__ void dispatch_send_impl(const DispatchArgs& a, const 
                 const int64_t dst = comm::row_offset(a, half, row);
 #pragma unroll
                 for (int j = 0; j < kSFPerLane; ++j)
-                    if (lane + 32 * j < kNumSF) tr.put<int>(d, dst + kDataBytes + 4 * (lane + 32 * j), my_sf[j]);
+                    if (lane + 32 * j < kNumSF) tr.template put<int>(d, dst + kDataBytes + 4 * (lane + 32 * j), my_sf[j]);
                 const int64_t meta = dst + Row::kMetaOffset;  // int src_token, out_row[K], local_idx[K]; float weight[K]
                 if (!kCached) {
-                    if (lane == 0) tr.put<int>(d, meta, t);
+                    if (lane == 0) tr.template put<int>(d, meta, t);
                     if (lane < K) {
-                        tr.put<int>(d, meta + 4 * (1 + lane), (kExpand && local) ? my_pair_row : -1);
-                        tr.put<int>(d, meta + 4 * (1 + K + lane), local ? static_cast<int>(my_expert - d * L) : -1);
+                        tr.template put<int>(d, meta + 4 * (1 + lane), (kExpand && local) ? my_pair_row : -1);
+                        tr.template put<int>(d, meta + 4 * (1 + K + lane), local ? static_cast<int>(my_expert - d * L) : -1);
                     }
                 }
                 if ((!kCached || with_weights) && lane < K)
-                    tr.put<float>(d, meta + 4 * (1 + 2 * K + lane), local ? my_weight : 0.0f);
+                    tr.template put<float>(d, meta + 4 * (1 + 2 * K + lane), local ? my_weight : 0.0f);
+                if constexpr (comm::kPushes<Transport>) tr.end_row(d, dst, Row::kMetaOffset + Row::kMetaBytes, lane);
             } else if (!kExpand) {
 #pragma unroll
                 for (int j = 0; j < kSFPerLane; ++j)

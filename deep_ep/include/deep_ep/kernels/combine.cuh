@@ -15,8 +15,8 @@
 namespace deep_ep {
 
 // EP_DATA_PHASES as in kernels/dispatch.cuh: 1 stage and signal (no wait), 2 wait, pull and sum, 3 both.
-template <int kPhases>
-__device__ __forceinline__ void combine_phases(const CombineArgs& a, const comm::LsaTransport& tr) {
+template <int kPhases, typename Transport>
+__device__ __forceinline__ void combine_phases(const CombineArgs& a, const Transport& tr) {
     static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
     if constexpr ((kPhases & 1) != 0)
         if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
@@ -31,6 +31,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
 deep_ep_combine_impl_with_combine_reduce_epilogue_impl(
         deep_ep::CombineArgs a, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    const deep_ep::comm::DataTransport tr = deep_ep::comm::make_data_transport(transport, peers);
     deep_ep::combine_phases<EP_DATA_PHASES>(a, tr);
+    deep_ep::comm::end_data_block(tr);
 }

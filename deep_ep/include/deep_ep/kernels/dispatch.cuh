@@ -38,8 +38,8 @@ namespace deep_ep {
 // finish_wait), 3 both in one launch. A receive hook (deep_ep/legacy/low_latency.py) launches the
 // halves apart: the window sees the same signal, wait and epoch steps in the same order either way,
 // and the send and receive count their blocks on separate words (kCtrlDone, kCtrlDoneWait).
-template <int kPhases, bool kCached>
-__device__ __forceinline__ void dispatch_phases(const DispatchArgs& a, const comm::LsaTransport& tr, bool zero_padding) {
+template <int kPhases, bool kCached, typename Transport>
+__device__ __forceinline__ void dispatch_phases(const DispatchArgs& a, const Transport& tr, bool zero_padding) {
     static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
     if constexpr ((kPhases & 1) != 0) dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, tr);
     if constexpr ((kPhases & 2) != 0)
@@ -57,8 +57,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
 deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    const deep_ep::comm::DataTransport tr = deep_ep::comm::make_data_transport(transport, peers);
     deep_ep::dispatch_phases<EP_DATA_PHASES, false>(a, tr, zero_padding != 0);
+    deep_ep::comm::end_data_block(tr);
 }
 
 // The same for a cached dispatch: the handle's layout, no numbering.
@@ -66,6 +67,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
 deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl(
         deep_ep::DispatchArgs a, deep_ep::comm::TransportArgs transport, int zero_padding) {
     EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    const deep_ep::comm::DataTransport tr = deep_ep::comm::make_data_transport(transport, peers);
     deep_ep::dispatch_phases<EP_DATA_PHASES, true>(a, tr, zero_padding != 0);
+    deep_ep::comm::end_data_block(tr);
 }

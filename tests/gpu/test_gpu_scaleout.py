@@ -1,0 +1,120 @@
+"""Direct-mode scale-out on emulated nodes: one GPU acting as M nodes of S ranks, every rank reaching
+the ranks of other nodes through the emulated GIN (deep_ep/comm/gin.py, comm/gin_direct.cuh).
+
+For 2 nodes x 1, 2 x 2 and 4 x 2 ranks, and two seeds of the emulated NIC (its delays and the order
+it lands puts in; the first reaches a rank's own node by loads and stores and uses two contexts, the
+second sends every peer through the NIC on three contexts), runs dispatch + combine cases of
+tests/gpu_cases.py through `test_gpu_backend.run_case`: fresh random inputs per case, outputs poisoned
+first, every element compared with deep_ep.reference (dispatch bit for bit, combine bit for bit in the
+reference's fp32 order), a cached dispatch and a second combine with the same handle. Also checks the
+domains a buffer reports, that hybrid mode is refused, and that a GIN wait that times out names the
+rank, the missing peer and the phase. Skipped without a CUDA device; run with
+``EXTRA_FILES="tests/gpu/test_gpu_scaleout.py" bash tools/device_suite.sh extra``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_cases import case_seed, cases_for  # noqa: E402
+from proc_utils import case_log  # noqa: E402
+
+import deep_ep  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# (nodes, ranks per node)
+SHAPES = [(2, 1), (2, 2), (4, 2)]
+# the emulated NIC: seed, contexts used, and whether peers of a rank's own node go through it too
+NICS = [(1, 2, False), (2, 3, True)]
+CASE_NAMES = ("bf16", "bf16-expand", "bf16-expand-align128", "bf16-noweights-bias2", "bf16-nosync",
+              "bf16-empty-rank", "fp8-fp32")
+
+
+def _group(nodes: int, per_node: int, seed: int, contexts: int, gin_within_node: bool = False):
+    from deep_ep.comm.gin import EmulatedGinSettings
+    from deep_ep.emulated import EmulatedGroup
+    return EmulatedGroup(nodes * per_node, device=torch.device("cuda", 0), num_nvlink_ranks=per_node,
+                         gin_settings=EmulatedGinSettings(seed=seed, num_contexts=contexts,
+                                                          gin_within_node=gin_within_node))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_domains_and_hybrid_refused(shape):
+    nodes, per_node = shape
+    group = _group(nodes, per_node, 1, 2)
+
+    def body(rank_group):
+        with pytest.raises(NotImplementedError, match="hybrid mode"):
+            deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4)
+        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4,
+                                    allow_hybrid_mode=False)
+        try:
+            return (buf.num_rdma_ranks, buf.num_nvlink_ranks, buf.num_scaleout_ranks, buf.num_scaleup_ranks)
+        finally:
+            buf.destroy()
+
+    for r, got in enumerate(group.run(body)):
+        assert got == (nodes, per_node, 1, nodes * per_node), f"rank {r}: {got}"
+
+
+@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dispatch_combine(shape, nic, monkeypatch):
+    """Every case at this shape; stops at the first failure (a failed case can leave kernels behind)."""
+    import traceback
+
+    from test_gpu_backend import run_case
+    nodes, per_node = shape
+    seed, contexts, gin_within_node = nic
+    num_ranks = nodes * per_node
+    group = _group(nodes, per_node, seed, contexts, gin_within_node)
+    monkeypatch.setattr(deep_ep, "ElasticBuffer", functools.partial(deep_ep.ElasticBuffer, allow_hybrid_mode=False))
+    cases = [c for c in cases_for(num_ranks) if c.name.split("-", 1)[1] in CASE_NAMES]
+    assert len(cases) == len(CASE_NAMES)
+    dev = torch.device("cuda", 0)
+    for case in cases:
+        name = f"{nodes}x{per_node}-seed{seed}-{case.name}"
+        case_log(f"{name}: start")
+        try:
+            # the NIC's seed is part of the inputs' seed: each run draws its own inputs
+            run_case(case, group.run, dev, seed=case_seed(case.name, nodes, per_node, seed))
+        except Exception as exc:
+            case_log(f"{name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            raise
+        case_log(f"{name}: ok")
+
+
+def test_a_gin_wait_times_out_naming_rank_peer_and_phase():
+    """Rank 1 (the second node) skips a combine: rank 0's combine waits for its GIN signals in vain,
+    records the timeout, and rank 0's next call raises it."""
+    group = _group(2, 1, 3, 2)
+    dev = torch.device("cuda", 0)
+    x = torch.randn((8, 256), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(16)[:4] for _ in range(8)]).to(dev)
+
+    def body(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=16, hidden=256, num_topk=4, allow_hybrid_mode=False,
+                                    num_gpu_timeout_secs=3)
+        try:
+            _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=16)
+            y = torch.randn((handle.num_recv_rows, 256), device=dev).to(torch.bfloat16)
+            buf.combine(y, handle)
+            buf.barrier()
+            if g.rank() == 1:
+                return None  # skips the next combine
+            buf.combine(y, handle)                 # queued; its GIN wait gives up after 3 s
+            buf.get_comm_stream().synchronize()
+            with pytest.raises(TimeoutError, match=r"rank 0: peer rank 1 did not arrive .* combine"):
+                buf.dispatch(x, handle=handle)
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
