@@ -110,7 +110,8 @@ def test_the_tunables_are_defined_in_one_header():
     elsewhere = {(path.relative_to(include).as_posix(), name)
                  for path in include.rglob("*.cuh") if path.name != "tunables.cuh"
                  for name in re.findall(r"^#ifndef (EP_\w+)", path.read_text(), re.M)}
-    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("kernels/dispatch.cuh", "EP_DATA_PHASES"),
+    assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("comm/transport.cuh", "EP_TRANSPORT_GIN"),
+                         ("kernels/dispatch.cuh", "EP_DATA_PHASES"),
                          ("kernels/combine.cuh", "EP_DATA_PHASES")}
 
 
