@@ -137,7 +137,7 @@ def _hooks_hold_no_sm(group, num_ranks):
         hook()
         assert launches == ["send", "receive"], launches
         want = _expected_combine(rank, num_experts, hidden, inputs, False, False)
-        assert want.abs().sum() > 0 and torch.equal(_host(combined), want)
+        assert (want.numel() == 0 or want.abs().sum() > 0) and torch.equal(_host(combined), want)  # a rank may send nothing
         assert bool(torch.isfinite(product).all())
         assert idle, "rank 0's combine call left a kernel waiting for the peers' call"
         torch.cuda.current_stream(device).synchronize()
@@ -238,7 +238,7 @@ def test_hook_runs_on_the_stream_of_its_call(nccl_group):
             torch.cuda._sleep(200_000_000)
             hook()
         want = _expected_combine(0, num_experts, hidden, inputs, False, False)
-        assert want.abs().sum() > 0 and torch.equal(_host(combined), want)
+        assert (want.numel() == 0 or want.abs().sum() > 0) and torch.equal(_host(combined), want)  # a rank may send nothing
         torch.cuda.synchronize()
     finally:
         buffer.destroy()

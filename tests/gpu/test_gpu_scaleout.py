@@ -108,11 +108,15 @@ def test_a_gin_wait_times_out_naming_rank_peer_and_phase():
             buf.combine(y, handle)
             buf.barrier()
             if g.rank() == 1:
-                return None  # skips the next combine
+                # skips the next combine, and waits on the host with its buffer alive: freeing it
+                # would synchronise the device under rank 0's launches (emulated ranks share it)
+                g.barrier()
+                return None
             buf.combine(y, handle)                 # queued; its GIN wait gives up after 3 s
-            buf.get_comm_stream().synchronize()
+            buf.get_comm_stream().synchronize()    # rank 1 is at the host barrier: nothing waits for rank 0
             with pytest.raises(TimeoutError, match=r"rank 0: peer rank 1 did not arrive .* combine"):
                 buf.dispatch(x, handle=handle)
+            g.barrier()
             return None
         finally:
             buf.get_comm_stream().synchronize()
