@@ -11,9 +11,10 @@ weighted sum (float32, top-k slot order, one bf16 rounding) of the rows the expe
 
 How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dispatch` without host
 synchronisation (DeepEP sends one message per pair too), and comes back alone through
-`ElasticBuffer.combine`; torch ops on the device rearrange the rows into DeepEP's layouts and sum
-the pairs with their weights. Host reads remain only in argument checks (skipped while a CUDA graph
-is captured).
+`ElasticBuffer.combine`; torch ops on the device scatter the received rows into DeepEP's layouts
+(their work scales with the rows received) and one kernel (`deep_ep.legacy.ll_reduce`; torch ops on
+the CPU) sums the pairs with their weights. Host reads remain only in argument checks (skipped while
+a CUDA graph is captured).
 
 Receive hooks (``return_recv_hook=True``) on the GPU: the call launches the send half of its data
 kernel (`deep_ep.legacy.deferred`) and returns; the hook launches the receive half (the wait for the
@@ -38,6 +39,7 @@ from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, hos
                       receive_storage, row_targets, scale_storage)
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
+from .ll_reduce import load_kernel, weighted_sum
 from .ll_state import LowLatencyState
 from .planned import planned, refuse_side_keywords
 
@@ -260,6 +262,7 @@ class LowLatencyMethods(LowLatencyState):
                     token = int(repeated.any(dim=1).nonzero()[0])
                     raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
+        load_kernel(device)                        # its combine's, before any graph capture
         # One (token, slot) pair per row, each routed to its expert alone: the expanded receive is
         # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
         num_slots = num_max_dispatch_tokens_per_rank
@@ -436,14 +439,7 @@ class LowLatencyMethods(LowLatencyState):
         def receive() -> None:
             if deferred is not None:
                 launch_receive(buffer, deferred)
-            total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
-            for slot in range(num_topk):
-                selected = topk_idx[:, slot] >= 0
-                if masked is not None:             # nothing comes from a masked rank
-                    selected &= masked[(topk_idx[:, slot] // num_local_experts).clamp(min=0)] == 0
-                weight = torch.where(selected, topk_weights[:, slot], 0.0)
-                total += torch.where(selected.unsqueeze(1), pairs[:, slot].float() * weight.unsqueeze(1), 0.0)
-            combined_x.copy_(total.to(torch.bfloat16))
+            weighted_sum(pairs, topk_idx, topk_weights, masked, num_local_experts, combined_x)
 
         self._flip()
         hook = self._hook(receive, "low_latency_combine", device, handle.slot) if return_recv_hook else None
