@@ -1,5 +1,5 @@
 """DeepEP's V1 low-latency mode (`deep_ep.Buffer.low_latency_dispatch` / `low_latency_combine`) on the
-CPU backend over gloo, 2 and 4 ranks.
+CPU backend over gloo, 1, 2 and 4 ranks.
 
 The checks are those of DeepEP's tests/legacy/test_low_latency.py, re-derived: every rank builds every
 rank's inputs from a shared seed and computes here what each local expert must receive (counts, the
@@ -9,6 +9,7 @@ sum, in float32 and slot order, of the expert outputs), and compares every eleme
 combine, ``out=`` and the refusals are checked too, and DeepEP's double buffering: two results alive
 at once (hooks called in either order, equal bit for bit to calls without hooks), and the errors of
 a third call, a combine before its dispatch's hook or on a held buffer half, and a second hook call.
+Rows past the counts are undefined (DeepEP's): the receive must not pass over the whole layout.
 """
 import math
 
@@ -120,8 +121,6 @@ def _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result, use_fp
         assert int(recv_count[local_expert]) == begin
         assert sum(int((inputs[source][1] == expert).sum()) for source in linked) == begin
         total_received += begin
-        rows = recv_x[0][local_expert] if use_fp8 else recv_x[local_expert]
-        assert not rows[begin:].view(torch.uint8).any()                         # rows past the count
     assert total_received > 0 or len(linked) < num_ranks
     # DeepEP's own data checks: the token-index tail survives exactly without rounded scales
     if use_fp8:
@@ -338,10 +337,15 @@ def run_mask_cases(buffer, rank, num_ranks, device="cpu"):
 
 
 def _raw(result):
-    """A dispatch's ``(recv_x, recv_count, handle)`` on the host, FP8 data as bytes: compared bit for bit."""
+    """A dispatch's ``(recv_x, recv_count, handle)`` on the host, FP8 data as bytes, rows past the counts
+    (undefined, as DeepEP's) zeroed: compared bit for bit."""
     recv_x, recv_count, handle = _host(result[:3])
+    past = torch.arange(handle[0].shape[1]).unsqueeze(0) >= recv_count.unsqueeze(1)     # [L, R*T_max]
     if isinstance(recv_x, tuple):
-        recv_x = (recv_x[0].view(torch.uint8), recv_x[1])
+        recv_x = tuple(torch.where(past.unsqueeze(-1), 0, part.view(torch.uint8) if part.dtype == FP8 else part)
+                       for part in recv_x)
+    else:
+        recv_x = torch.where(past.unsqueeze(-1), 0, recv_x)
     return recv_x, recv_count, tuple(handle)
 
 
@@ -487,3 +491,68 @@ def test_bench_legacy_ll_needs_a_gpu():
     from deep_ep.__main__ import main
     with pytest.raises(SystemExit, match="--legacy-ll runs on the GPU"):
         main(["bench", "--legacy-ll"])
+
+
+def test_reduce_kernel_compiles():
+    """The combine's weighted top-k sum (kernels/ll_reduce.cuh) compiles under NVRTC without spills."""
+    from deep_ep import jit
+    from deep_ep.legacy import ll_reduce
+    module = jit.build("deep_ep_ll_reduce", "#include <deep_ep/kernels/ll_reduce.cuh>\n", check_spills=True)
+    assert module.kernel_names() == [ll_reduce.KERNEL_NAME]
+
+
+#: a shape whose layout (L * R * T_max * H elements) is far larger than the pairs (R * T_max * K * H)
+TRAFFIC_EXPERTS, TRAFFIC_HIDDEN = 32, 512
+#: ops that make no data of their own (allocations, views) or write only the rows they are given
+_LAYOUT_SIZED_OK = {"empty.memory_format", "view.default", "slice.Tensor", "transpose.int", "alias.default",
+                    "index_copy_.default", "_unsafe_view.default", "as_strided.default", "view.dtype",
+                    "detach.default", "unsqueeze.default", "select.int"}
+
+
+def _traffic_worker(rank, num_ranks):
+    """Every op of a dispatch and its combine (FP8, float and UE8M0 scales, BF16, with and without
+    hooks) whose output has a quarter of the layout's elements or more: only allocations and views of
+    the outputs and the scatter into them, never a pass over the whole layout."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    threshold = TRAFFIC_EXPERTS * MAX_TOKENS * TRAFFIC_HIDDEN // 4           # L * R * T_max * H / 4
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.large = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(tensor, torch.Tensor) and tensor.numel() >= threshold:
+                    self.large.add(func.__name__)
+            return out
+
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, TRAFFIC_HIDDEN, num_ranks, TRAFFIC_EXPERTS)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True)
+    x, topk_idx, topk_weights = _rank_inputs(80, rank, num_ranks, TRAFFIC_EXPERTS, TRAFFIC_HIDDEN)
+    found = set()
+    for use_fp8, use_ue8m0 in ((True, False), (True, True), (False, False)):
+        for use_hook in (False, True):
+            record = Record()
+            with record:
+                recv_x, _, handle, _, hook = buffer.low_latency_dispatch(
+                    x, topk_idx, MAX_TOKENS, TRAFFIC_EXPERTS, use_fp8=use_fp8, round_scale=use_ue8m0,
+                    use_ue8m0=use_ue8m0, return_recv_hook=use_hook)
+                if hook is not None:
+                    hook()
+            expert_x = torch.ones(recv_x[0].shape if use_fp8 else recv_x.shape, dtype=torch.bfloat16)
+            with record:
+                _, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle,
+                                                        return_recv_hook=use_hook)
+                if hook is not None:
+                    hook()
+            found |= record.large
+    return sorted(found)
+
+
+def test_no_pass_over_the_whole_layout(tmp_path):
+    """The receive work scales with the rows received: no op but allocations, views and the scatter
+    makes a tensor of the layout's size (the regression the GPU's timing would show)."""
+    results = run_gloo_ranks(_traffic_worker, 1, tmp_path, deadline=120)
+    assert set(results[0]) <= _LAYOUT_SIZED_OK, results

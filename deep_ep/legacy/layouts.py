@@ -1,6 +1,7 @@
-"""DeepEP's V1 low-latency layouts as torch ops on any device: the RDMA size hint, the FP8 cast and
-UE8M0 packing, the handle and the receive hook, and the per-expert receive layout from an expanded
-`ElasticBuffer` dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`)."""
+"""DeepEP's V1 low-latency layouts as torch ops on any device: the RDMA size hint, the FP8 cast, the
+handle and the receive hook, and the per-expert receive layout from an expanded `ElasticBuffer`
+dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`), whose received rows and scales
+(UE8M0-packed or not) are scattered into it: the work scales with the rows received, not the layout."""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,7 +12,8 @@ from .. import checks
 from .exchange import settle
 
 __all__ = ["LowLatencyHandle", "ReceiveHook", "host_reads_allowed", "low_latency_rdma_size_hint", "cast_to_fp8",
-           "pack_ue8m0", "column_major", "raw_bits", "per_pair", "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
+           "receive_storage", "scale_storage", "row_targets", "place_rows", "place_scales", "raw_bits", "per_pair",
+           "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
 
 NUM_CHANNELS_PER_SCALE = 128      # FP8 scales cover 128 channels of a token
 FP8_MARGIN = 1e-4                 # the smallest amax a scale is computed from
@@ -66,17 +68,62 @@ def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
     return data, scale_inv.contiguous()
 
 
-def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
-    """float32 powers of two ``[L, N, S]`` -> int32 ``[L, N, S/4]``, column-major in the last two
-    dims, byte ``j`` (little-endian) of word ``p`` holding the biased exponent of scale ``4p + j``."""
-    num_local_experts, num_rows, num_scales = scale_inv.shape
-    exponents = ((scale_inv.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    words = exponents.view(num_local_experts, num_rows, num_scales // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return words.view(torch.int32).view(num_local_experts, num_scales // 4, num_rows).transpose(1, 2)
+def receive_storage(num_local_experts: int, num_rows: int, hidden: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple:
+    """A dispatch's receive rows: ``(storage [L * N + 1, H], view [L, N, H])``; the storage's last row
+    is the spare that `place_rows` sends the rows without a place to."""
+    storage = torch.empty((num_local_experts * num_rows + 1, hidden), dtype=dtype, device=device)
+    return storage, storage[:-1].view(num_local_experts, num_rows, hidden)
 
 
-def column_major(scales: torch.Tensor) -> torch.Tensor:
-    return scales.transpose(1, 2).contiguous().transpose(1, 2)
+def scale_storage(num_local_experts: int, num_rows: int, num_scales: int, use_ue8m0: bool,
+                  device: torch.device) -> tuple:
+    """A dispatch's received scales, DeepEP's layouts: ``(storage, view)``, the view float32 ``[L, N, S]``
+    or (``use_ue8m0``) int32 ``[L, N, S/4]``, column-major in the last two dims; with UE8M0 byte ``j``
+    (little-endian) of word ``p`` holds the biased exponent of scale ``4p + j``. The storage (flat) has
+    one spare element (word) past the view for `place_scales`."""
+    num_columns = num_scales // 4 if use_ue8m0 else num_scales
+    storage = torch.empty(num_local_experts * num_columns * num_rows + 1,
+                          dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
+    view = storage[:-1].view(num_local_experts, num_columns, num_rows).transpose(1, 2)
+    return storage, view
+
+
+def row_targets(row_expert: torch.Tensor, row_slot: torch.Tensor, row_kept: torch.Tensor, num_local_experts: int,
+                num_rows: int) -> torch.Tensor:
+    """int64 ``[rows]``: each expanded row's row in the flat ``[L * N]`` layout, ``L * N`` (the spare)
+    for rows without a place."""
+    return torch.where(row_kept, row_expert * num_rows + row_slot, num_local_experts * num_rows)
+
+
+def place_rows(storage: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> None:
+    """Scatter expanded rows ``[>= len(targets), H]`` into ``storage`` (`receive_storage`) bit for bit:
+    only the rows received move; rows of the layout no row targets keep what they held."""
+    raw_bits(storage).index_copy_(0, targets, raw_bits(rows)[:targets.numel()])
+
+
+def place_scales(storage: torch.Tensor, scales: torch.Tensor, row_expert: torch.Tensor, row_slot: torch.Tensor,
+                 row_kept: torch.Tensor, num_local_experts: int, num_rows: int, use_ue8m0: bool) -> None:
+    """Scatter expanded float32 scales ``[>= rows, S]`` into ``storage`` (`scale_storage`): straight into
+    the column-major layout, UE8M0 as exponent bytes; scales without a place go to the spare."""
+    num_expanded = row_expert.numel()
+    num_scales = scales.shape[1]
+    scales = scales[:num_expanded]
+    columns = torch.arange(num_scales, device=scales.device)
+    if use_ue8m0:
+        target = storage.view(torch.uint8)
+        values = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+        num_words = num_local_experts * (num_scales // 4) * num_rows
+        base = (row_expert * (num_scales // 4) * num_rows + row_slot) * 4
+        offsets = columns // 4 * num_rows * 4 + columns % 4
+        spare = num_words * 4
+    else:
+        target, values = storage, scales
+        base = row_expert * num_scales * num_rows + row_slot
+        offsets = columns * num_rows
+        spare = num_local_experts * num_scales * num_rows
+    index = torch.where(row_kept.unsqueeze(1), base.unsqueeze(1) + offsets, spare)
+    target.index_copy_(0, index.reshape(-1), values.reshape(-1))
 
 
 class ReceiveHook:
@@ -164,10 +211,10 @@ def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int,
     by ``(s, t)`` since a token names an expert once: DeepEP's order. ``masked``: int32 ``[R]``, the
     rank mask; rows from masked source ranks are left out (the later rows move up).
 
-    Returns ``(recv_count int32 [L], src_info int32 [L, R*T_max], layout_range int64 [L, R],
-    gather int64 [L, R*T_max] (the expanded row of each slot, 0 past the count), valid bool [L, R*T_max],
-    row_expert int64 [rows], row_slot int64 [rows], row_kept bool [rows])``: the last three give every
-    expanded row's place in DeepEP's layout, and whether it has one.
+    Returns ``(recv_count int32 [L], src_info int32 [L, R*T_max] (-1 past the count), layout_range
+    int64 [L, R], row_expert int64 [rows], row_slot int64 [rows], row_kept bool [rows])``: the last
+    three give every expanded row's place in DeepEP's layout, and whether it has one. Nothing here is
+    as large as the layout's rows times H.
     """
     num_local_experts = ep_handle.num_local_experts
     num_rows = num_ranks * num_slots
@@ -199,14 +246,10 @@ def per_expert_layout(ep_handle, num_ranks: int, num_slots: int, num_topk: int,
     flat = torch.where(kept, expert * num_rows + slot, num_local_experts * num_rows)
     src_info = torch.full((num_local_experts * num_rows + 1,), -1, dtype=torch.int32, device=device)
     src_info.index_copy_(0, flat, source_token.to(torch.int32))
-    gather = torch.zeros(num_local_experts * num_rows + 1, dtype=torch.int64, device=device)
-    gather.index_copy_(0, flat, expanded_row.clamp(min=0))
-    valid = torch.arange(num_rows, device=device).unsqueeze(0) < recv_count.unsqueeze(1)
     num_expanded = ep_handle.num_expanded_tokens
     target = torch.where(kept, expanded_row, num_expanded)
     row_expert = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device).index_copy_(0, target, expert)
     row_slot = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device).index_copy_(0, target, slot)
     row_kept = torch.zeros(num_expanded + 1, dtype=torch.bool, device=device).index_fill_(0, target, True)
-    return (recv_count, src_info[:-1].view(num_local_experts, num_rows), layout_range,
-            torch.where(valid, gather[:-1].view(num_local_experts, num_rows), 0), valid, row_expert[:-1],
+    return (recv_count, src_info[:-1].view(num_local_experts, num_rows), layout_range, row_expert[:-1],
             row_slot[:-1], row_kept[:-1])

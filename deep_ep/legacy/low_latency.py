@@ -11,9 +11,10 @@ weighted sum (float32, top-k slot order, one bf16 rounding) of the rows the expe
 
 How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dispatch` without host
 synchronisation (DeepEP sends one message per pair too), and comes back alone through
-`ElasticBuffer.combine`; torch ops on the device rearrange the rows into DeepEP's layouts and sum
-the pairs with their weights. Host reads remain only in argument checks (skipped while a CUDA graph
-is captured).
+`ElasticBuffer.combine`; torch ops on the device scatter the received rows into DeepEP's layouts
+(their work scales with the rows received) and one kernel (`deep_ep.legacy.ll_reduce`; torch ops on
+the CPU) sums the pairs with their weights. Host reads remain only in argument checks (skipped while
+a CUDA graph is captured).
 
 Receive hooks (``return_recv_hook=True``) on the GPU: the call launches the send half of its data
 kernel (`deep_ep.legacy.deferred`) and returns; the hook launches the receive half (the wait for the
@@ -33,11 +34,12 @@ import torch
 
 from .. import checks
 from ..event import EventHandle, EventOverlap
-from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, column_major,
-                      host_reads_allowed, low_latency_rdma_size_hint, pack_ue8m0, per_expert_layout, per_pair,
-                      raw_bits)
+from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, host_reads_allowed,
+                      low_latency_rdma_size_hint, per_expert_layout, per_pair, place_rows, place_scales,
+                      receive_storage, row_targets, scale_storage)
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
+from .ll_reduce import load_kernel, weighted_sum
 from .ll_state import LowLatencyState
 from .planned import planned, refuse_side_keywords
 
@@ -203,8 +205,9 @@ class LowLatencyMethods(LowLatencyState):
             ``(recv_x, recv_count, handle, event, hook)``. ``recv_x``: bf16 ``[L, R*T_max, H]``; with
             ``use_fp8`` ``(float8_e4m3fn [L, R*T_max, H], scales)``, scales float32 ``[L, R*T_max,
             H/128]`` (scale_inv, column-major in the last two dims) or, with ``use_ue8m0``, int32
-            ``[L, R*T_max, H/512]`` (four exponent bytes each, column-major). Rows past ``recv_count``
-            are zero. ``recv_count`` int32 ``[L]``. ``handle``: a `LowLatencyHandle`, the tuple
+            ``[L, R*T_max, H/512]`` (four exponent bytes each, column-major). Rows past
+            ``recv_count`` and their scales are undefined (as DeepEP's: only the received rows are
+            written). ``recv_count`` int32 ``[L]``. ``handle``: a `LowLatencyHandle`, the tuple
             ``(src_info int32 [L, R*T_max] (source token index, -1 past the count), layout_range int64
             [L, R] (begin << 32 | count per source rank), T_max, H, E)``. ``hook``: a callable with
             ``return_recv_hook``, else None.
@@ -259,6 +262,7 @@ class LowLatencyMethods(LowLatencyState):
                     token = int(repeated.any(dim=1).nonzero()[0])
                     raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
+        load_kernel(device)                        # its combine's, before any graph capture
         # One (token, slot) pair per row, each routed to its expert alone: the expanded receive is
         # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
         num_slots = num_max_dispatch_tokens_per_rank
@@ -288,15 +292,14 @@ class LowLatencyMethods(LowLatencyState):
 
         num_rows = num_ranks * num_slots
         num_scales = hidden // NUM_CHANNELS_PER_SCALE
-        recv_data = torch.empty((num_local_experts, num_rows, hidden), dtype=checks.FP8 if use_fp8 else torch.bfloat16,
-                                device=device)
+        data_storage, recv_data = receive_storage(num_local_experts, num_rows, hidden,
+                                                  checks.FP8 if use_fp8 else torch.bfloat16, device)
         recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
         src_info = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
         layout_range = torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device)
         recv_scales = None
         if use_fp8:
-            empty = torch.empty((num_local_experts, num_rows, num_scales), dtype=torch.float32, device=device)
-            recv_scales = pack_ue8m0(empty) if use_ue8m0 else column_major(empty)
+            scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, num_scales, use_ue8m0, device)
         handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
                                   half)
 
@@ -305,17 +308,17 @@ class LowLatencyMethods(LowLatencyState):
                 launch_receive(buffer, deferred)
             # The layout reads the handle's recv_src_metadata, which the receive writes.
             layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk, masked)
-            handle.set_rows(*layout[5:])
-            count, sources, ranges, gather, valid = layout[:5]
+            count, sources, ranges, row_expert, row_slot, row_kept = layout
+            handle.set_rows(row_expert, row_slot, row_kept)
             recv_count.copy_(count)
             src_info.copy_(sources)
             layout_range.copy_(ranges)
-            rows = recv[0] if use_fp8 else recv
-            keep = valid.unsqueeze(-1)
-            raw_bits(recv_data).copy_(torch.where(keep, raw_bits(rows)[gather], 0))
+            # Only the received rows move (rows past a count are left as they were, as DeepEP's).
+            place_rows(data_storage, recv[0] if use_fp8 else recv,
+                       row_targets(row_expert, row_slot, row_kept, num_local_experts, num_rows))
             if use_fp8:
-                scales = torch.where(keep, recv[1][gather], 0.0)
-                recv_scales.copy_(pack_ue8m0(scales) if use_ue8m0 else scales)
+                place_scales(scales_storage, recv[1], row_expert, row_slot, row_kept, num_local_experts, num_rows,
+                             use_ue8m0)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
 
@@ -436,14 +439,7 @@ class LowLatencyMethods(LowLatencyState):
         def receive() -> None:
             if deferred is not None:
                 launch_receive(buffer, deferred)
-            total = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
-            for slot in range(num_topk):
-                selected = topk_idx[:, slot] >= 0
-                if masked is not None:             # nothing comes from a masked rank
-                    selected &= masked[(topk_idx[:, slot] // num_local_experts).clamp(min=0)] == 0
-                weight = torch.where(selected, topk_weights[:, slot], 0.0)
-                total += torch.where(selected.unsqueeze(1), pairs[:, slot].float() * weight.unsqueeze(1), 0.0)
-            combined_x.copy_(total.to(torch.bfloat16))
+            weighted_sum(pairs, topk_idx, topk_weights, masked, num_local_experts, combined_x)
 
         self._flip()
         hook = self._hook(receive, "low_latency_combine", device, handle.slot) if return_recv_hook else None

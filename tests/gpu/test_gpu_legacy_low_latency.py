@@ -5,7 +5,8 @@ buffering with hook results equal bit for bit to those without hooks) on a one-r
 on 2, 4 and 8 emulated ranks of one device; that a call with a receive hook launches only the send
 half of its data kernel and the hook the receive half, with a matmul between them that finishes
 while peers have not even made their call; and the decode step captured in a CUDA graph and
-replayed with fresh inputs, rank masks set after capture included. Run by
+replayed with fresh inputs, rank masks set after capture included; and the combine's weighted-sum
+kernel equal bit for bit to its torch loop. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_low_latency.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
@@ -242,3 +243,29 @@ def test_hook_runs_on_the_stream_of_its_call(nccl_group):
         torch.cuda.synchronize()
     finally:
         buffer.destroy()
+
+
+def test_reduce_kernel_equals_the_torch_spec():
+    """The combine's weighted top-k sum kernel (deep_ep/legacy/ll_reduce.py) equals its torch loop bit
+    for bit: random rows and weights with -1 slots, a rank mask, ids of masked and unmasked ranks,
+    signed zeros, infinities and NaN among the rows, and the decode shape (128 tokens, top-8, 7168)."""
+    from deep_ep.legacy import ll_reduce
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(5)
+    for num_tokens, num_topk, hidden, use_mask in ((128, 8, 7168, False), (37, 3, 512, True), (1, 1, 128, False),
+                                                   (0, 2, 256, True)):
+        num_ranks, num_local = 4, 8
+        pairs = (torch.randn(num_tokens, num_topk, hidden, generator=generator) * 3).to(torch.bfloat16)
+        if num_tokens > 1:
+            pairs[0, 0, :4] = torch.tensor([float("inf"), float("nan"), -0.0, 0.0])
+            pairs[1, :, 5] = -0.0
+        topk_idx = torch.randint(-1, num_ranks * num_local, (num_tokens, num_topk), generator=generator)
+        topk_weights = torch.randn(num_tokens, num_topk, generator=generator)
+        masked = torch.tensor([0, 1, 0, 1], dtype=torch.int32) if use_mask else None
+        want = ll_reduce.weighted_sum_torch(pairs, topk_idx, topk_weights, masked, num_local,
+                                            torch.empty(num_tokens, hidden, dtype=torch.bfloat16))
+        got = ll_reduce.weighted_sum(pairs.to(device), topk_idx.to(device), topk_weights.to(device),
+                                     masked.to(device) if use_mask else None, num_local,
+                                     torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device))
+        assert num_tokens == 0 or want.float().abs().nansum() > 0
+        assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), (num_tokens, num_topk, hidden)
