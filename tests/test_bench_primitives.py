@@ -46,7 +46,8 @@ def test_the_bench_refuses_without_cuda():
                                           (["--legacy-ll"], "cannot be combined with --legacy-ll"),
                                           (["--eplb", "8"], "cannot be combined with --eplb"),
                                           (["--sm-sweep", "8,16"], "cannot be combined with --sm-sweep"),
-                                          (["--virtual-ranks", "0"], "must be >= 1")])
+                                          (["--virtual-ranks", "0"], "must be >= 1"),
+                                          (["--iters", "0"], "--iters must be >= 1")])
 def test_bad_combinations_are_refused_before_cuda(extra, match):
     with pytest.raises(SystemExit, match=match):
         prim.prepare(_args("--primitive", "agrs", *extra))
@@ -155,3 +156,20 @@ def test_json_result(tmp_path):
     failed = prim.build_result(["pp"], [], ["rank 1, pp: differs"], runner="r", device="d", num_ranks=2,
                                emulated=True, iters=5, checked=True)
     assert failed["check"]["passed"] is False
+
+
+def test_the_check_names_the_first_differing_byte(monkeypatch):
+    from deep_ep.bench import primitives_gpu
+    monkeypatch.setattr(primitives_gpu, "_wait", lambda stream=None: None)   # CPU tensors: nothing to wait for
+    want = torch.arange(64, dtype=torch.int16).to(torch.bfloat16).reshape(4, 16)
+    assert primitives_gpu._compare(want.clone(), want, "out") is None
+    got = want.clone()
+    got.view(torch.uint8).view(-1)[37] ^= 0x10
+    got.view(torch.uint8).view(-1)[90] ^= 0x01
+    expected_byte = int(want.view(torch.uint8).view(-1)[37])
+    assert primitives_gpu._compare(got, want, "pp_recv's tensor") == (
+        f"pp_recv's tensor: 2 of 128 bytes differ, first at byte 37 (got {expected_byte ^ 0x10}, "
+        f"expected {expected_byte})")
+    assert "shape (2, 32)" in primitives_gpu._compare(want.reshape(2, 32), want, "out")
+    assert primitives_gpu._compare(None, None, "sf") is None
+    assert primitives_gpu._compare(None, want, "sf") == "sf: missing"

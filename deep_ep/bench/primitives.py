@@ -90,12 +90,14 @@ def prepare(args) -> List[str]:
 
     Raises:
         SystemExit: no CUDA device (or a CPU build of torch), ``--device cpu``, ``--virtual-ranks``
-            below 1, or an option of the dispatch/combine bench that does not apply.
+            or ``--iters`` below 1, or an option of the dispatch/combine bench that does not apply.
     """
     for flag, given in (("--legacy-ll", getattr(args, "legacy_ll", False)), ("--eplb", getattr(args, "eplb", 0)),
                         ("--sm-sweep", getattr(args, "sm_sweep", None)), ("--plot", getattr(args, "plot", None))):
         if given:
             raise SystemExit(f"error: --primitive cannot be combined with {flag}; run them separately")
+    if args.iters is not None and args.iters < 1:
+        raise SystemExit(f"error: --iters must be >= 1, got {args.iters}")
     if args.virtual_ranks is not None and args.virtual_ranks < 1:
         raise SystemExit(f"error: --virtual-ranks must be >= 1, got {args.virtual_ranks}")
     if args.device == "cpu":
