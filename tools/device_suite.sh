@@ -10,6 +10,9 @@
 #          deepep (DeepEP V2's own tests/elastic/test_ep.py, unchanged, one process: tools/run_deepep_tests.sh;
 #                  needs .deepep/ carried to the device; DEEPEP_ARGS are passed on, e.g. "--skip-perf-test";
 #                  $OUT/deepep_test_ep.log);
+#          primbench (python -m deep_ep bench --primitive for pp, agrs and engram: EP=1, 4 emulated ranks
+#                     (PRIMBENCH_RANKS overrides the 4) and, with several GPUs, torchrun one rank per GPU;
+#                     $OUT/bench_primitives_<primitive>_<ep1|emuN|epN>.log/json);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
@@ -66,6 +69,23 @@ for step in $steps; do
     bench)
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --iters 10 --json "$OUT/bench_ep1.json" 2>&1 | tee "$OUT/bench_ep1.log" | tail -20
       timeout ${BENCH_TIMEOUT:-200} python3 -m deep_ep bench --virtual-ranks 8 --iters 5 --json "$OUT/bench_ep8.json" 2>&1 | tee "$OUT/bench_ep8.log" | tail -20 ;;
+    primbench)
+      for prim in pp agrs engram; do
+        for mode in ep1 "emu${PRIMBENCH_RANKS:-4}"; do
+          ranks=""; [ "$mode" != ep1 ] && ranks="--virtual-ranks ${PRIMBENCH_RANKS:-4}"
+          echo "--- bench_primitives_${prim}_$mode"
+          timeout ${PRIMBENCH_TIMEOUT:-90} python3 -m deep_ep bench --primitive "$prim" $ranks \
+            --json "$OUT/bench_primitives_${prim}_$mode.json" > "$OUT/bench_primitives_${prim}_$mode.log" 2>&1
+          echo "exit $?"; grep -vE "^\s*$" "$OUT/bench_primitives_${prim}_$mode.log" | tail -16
+        done
+        n=$(nvidia-smi -L | wc -l)
+        if [ "$n" -ge 2 ]; then   # one rank per GPU: the bytes cross NVLink
+          echo "--- bench_primitives_${prim}_ep$n"
+          timeout ${PRIMBENCH_TIMEOUT:-90} torchrun --nproc-per-node "$n" -m deep_ep bench --primitive "$prim" \
+            --json "$OUT/bench_primitives_${prim}_ep$n.json" > "$OUT/bench_primitives_${prim}_ep$n.log" 2>&1
+          echo "exit $?"; grep -vE "^\s*$" "$OUT/bench_primitives_${prim}_ep$n.log" | tail -16
+        fi
+      done ;;
     multi)
       n=$(nvidia-smi -L | wc -l)
       timeout ${MULTI_TIMEOUT:-400} torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30

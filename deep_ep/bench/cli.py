@@ -109,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "hidden 7168, top-8 of 256, FP8 dispatch, BF16 combine): graph times of dispatch and "
                              "combine, and of each with a receive hook and a matmul between call and hook "
                              "(deep_ep.bench.legacy_ll); reads --virtual-ranks, --iters, --seed, --num-sms")
+    parser.add_argument("--primitive", choices=("pp", "agrs", "engram", "all"), default=None,
+                        help="GPU: time an experimental primitive instead (pipeline send/recv, all-gather / "
+                             "reduce-scatter, Engram fetch): time and bandwidth per size against a device copy of "
+                             "the same bytes, SMs held, and a matmul beside it (deep_ep.bench.primitives); reads "
+                             "--virtual-ranks, --iters, --seed, --num-sms (PP blocks), --json, --no-check")
     return parser
 
 
@@ -165,6 +170,9 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
     Raises:
         SystemExit: bad options (before any process or communication starts), a failed rank.
     """
+    if getattr(args, "primitive", None):
+        from .primitives_gpu import run as run_primitives  # noqa: WPS433 (refuses without CUDA)
+        return run_primitives(args)
     if args.plot:
         require_matplotlib()
     if getattr(args, "legacy_ll", False):

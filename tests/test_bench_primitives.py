@@ -1,0 +1,175 @@
+"""``python -m deep_ep bench --primitive``: the options, the refusal without a GPU, and the pure
+helpers of `deep_ep.bench.primitives` (cases, byte counts, SMs held, floor and overlap arithmetic,
+the report lines and the JSON result). The GPU runner itself runs on the device
+(``bash tools/device_suite.sh primbench``)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from deep_ep.__main__ import build_parser, main
+from deep_ep.bench import primitives as prim
+from deep_ep.bench.report import write_json
+
+MIB = 1 << 20
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_the_flag_takes_each_primitive_and_all():
+    assert _args().primitive is None
+    for name in ("pp", "agrs", "engram", "all"):
+        args = _args("--primitive", name, "--virtual-ranks", "4", "--iters", "7", "--json", "out.json")
+        assert (args.primitive, args.virtual_ranks, args.iters, args.json) == (name, 4, 7, "out.json")
+
+
+def test_an_unknown_primitive_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        _args("--primitive", "allgather")
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_bench_refuses_without_cuda():
+    with pytest.raises(SystemExit, match="--primitive runs on the GPU"):
+        main(["bench", "--primitive", "pp"])
+    with pytest.raises(SystemExit, match="--primitive runs on the GPU"):
+        main(["bench", "--primitive", "all", "--virtual-ranks", "4"])
+
+
+@pytest.mark.parametrize("extra, match", [(["--device", "cpu"], "drop --device cpu"),
+                                          (["--legacy-ll"], "cannot be combined with --legacy-ll"),
+                                          (["--eplb", "8"], "cannot be combined with --eplb"),
+                                          (["--sm-sweep", "8,16"], "cannot be combined with --sm-sweep"),
+                                          (["--virtual-ranks", "0"], "must be >= 1"),
+                                          (["--iters", "0"], "--iters must be >= 1")])
+def test_bad_combinations_are_refused_before_cuda(extra, match):
+    with pytest.raises(SystemExit, match=match):
+        prim.prepare(_args("--primitive", "agrs", *extra))
+
+
+def test_the_cases_and_their_sizes():
+    assert [(c.op, c.num_bytes) for c in prim.cases("pp")] == [("send_recv", 64 << 10), ("send_recv", MIB),
+                                                               ("send_recv", 16 * MIB)]
+    assert [(c.op, c.num_bytes) for c in prim.cases("agrs")] == [
+        ("all_gather", MIB), ("all_gather", 16 * MIB), ("reduce_scatter", MIB), ("reduce_scatter", 16 * MIB)]
+    engram = prim.cases("engram")
+    assert [(c.dtype, c.tokens, c.entries, c.hidden) for c in engram] == [
+        ("bf16", 128, 4, 7168), ("bf16", 128, 16, 7168), ("fp8", 128, 4, 7168)]
+    assert prim.cases("pp")[0].label == "pp send+recv 64 KiB bf16 per rank"
+    assert prim.cases("agrs")[3].label == "agrs reduce_scatter 16 MiB bf16 (input per rank)"
+    assert engram[2].label == "engram fetch 128 tokens x 4 entries, hidden 7168 fp8"
+    with pytest.raises(ValueError, match="unknown primitive"):
+        prim.cases("nvshmem")
+
+
+def test_reduce_scatter_rows_are_whole_chunks_per_rank():
+    assert prim.reduce_scatter_rows(MIB, 4) == 512
+    assert prim.reduce_scatter_rows(MIB, 3) == 510   # 512 rows rounded down to a multiple of 3
+    assert prim.reduce_scatter_rows(1000, 8) == 8    # at least one row per rank
+
+
+def test_bytes_per_call():
+    pp, gather_1m, _, scatter_1m, _ = prim.cases("pp")[1], *prim.cases("agrs")
+    bf16, _, fp8 = prim.cases("engram")
+    assert prim.bytes_per_rank(pp, 4) == MIB
+    assert prim.bytes_per_rank(gather_1m, 4) == 4 * MIB          # the tensor to every rank, its own row included
+    assert prim.bytes_per_rank(gather_1m, 1) == MIB
+    assert prim.bytes_per_rank(scatter_1m, 4) == MIB             # 512 rows x 1024 bf16
+    assert prim.bytes_per_rank(scatter_1m, 3) == 510 * 2048
+    assert prim.bytes_per_rank(bf16, 4) == 128 * 4 * 7168 * 2
+    assert prim.bytes_per_rank(fp8, 4) == 128 * 4 * (7168 + 4 * 56)   # rows and their float32 factors
+    # emulated ranks share one GPU: every rank's bytes; one rank per GPU: its own
+    assert prim.process_bytes(gather_1m, 4, emulated=True) == 16 * MIB
+    assert prim.process_bytes(gather_1m, 4, emulated=False) == 4 * MIB
+    assert prim.peer_bytes(gather_1m, 4) == 3 * MIB
+    assert prim.peer_bytes(pp, 2) == MIB
+    assert prim.peer_bytes(pp, 1) == 0
+
+
+def test_sms_held():
+    pp_small, pp_1m, _ = prim.cases("pp")
+    gather, _, scatter, _ = prim.cases("agrs")
+    engram_4, engram_16, _ = prim.cases("engram")
+    assert prim.sms_held(gather, 0, 132) == 0 and prim.sms_held(scatter, 8, 132) == 0
+    assert prim.sms_held(pp_1m, 0, 132) == 1                  # 0 means one block
+    assert prim.sms_held(pp_1m, 24, 132) == 24
+    assert prim.sms_held(pp_small, 64, 132) == 16            # 64 KiB is 16 steps of 4 KiB
+    assert prim.sms_held(engram_4, 0, 132) == 64             # 512 rows, 8 per block
+    assert prim.sms_held(engram_16, 0, 132) == 132           # 256 blocks, capped at the device's SMs
+
+
+def test_floor_and_overlap_arithmetic():
+    assert prim.bandwidth_gbps(4 * MIB, 10.0) == pytest.approx(4 * MIB / 1e4)
+    assert prim.bandwidth_gbps(MIB, None) is None and prim.bandwidth_gbps(MIB, float("nan")) is None
+    assert prim.ratio(30.0, 12.0) == pytest.approx(2.5)
+    assert prim.ratio(30.0, None) is None
+    assert prim.slowdown_percent(105.0, 100.0) == pytest.approx(5.0)
+    assert prim.slowdown_percent(98.0, 100.0) == pytest.approx(-2.0)
+    assert prim.matmul_rows(200.0, 100.0, 1024) == 2048
+    assert prim.matmul_rows(1.0, 100.0, 1024) == 64          # at least 64 rows
+    assert prim.matmul_rows(1e6, 1.0, 1024) == 16384         # at most 16384
+    assert prim.matmul_rows(150.0, 100.0, 1000) == 1472      # a multiple of 64
+
+
+def _row(case, sms, slowdown, check="check passed", time_us=20.0):
+    nbytes = prim.process_bytes(case, 4, True)
+    return {"primitive": case.primitive, "op": case.op, "label": case.label, "time_us": time_us, "bytes": nbytes,
+            "gbps": prim.bandwidth_gbps(nbytes, time_us), "floor_us": 10.0, "floor_ratio": prim.ratio(time_us, 10.0),
+            "sms_held": sms, "host_bound": False, "check": check,
+            "overlap": {"matmul_rows": 512, "matmul_us": 100.0, "matmul_both_us": 100.0 + slowdown,
+                        "transfer_both_us": 21.0, "both_us": 101.0, "slowdown_percent": slowdown}}
+
+
+def test_report_lines():
+    gather = prim.cases("agrs")[0]
+    lines = prim.format_case(_row(gather, 0, 2.0))
+    assert lines[0].startswith("agrs all_gather 1 MiB bf16 per rank: 20.0 us/call, 16.78 MB, 838.9 GB/s; "
+                               "copy floor 10.0 us (ratio 2.00); SMs held 0 per rank (copy engines)")
+    assert "matmul slowdown +2.0% (within the 5% bound of a zero-SM transfer)" in lines[1]
+    assert lines[2] == "  check passed"
+    assert "OVER the 5% bound" in prim.format_case(_row(gather, 0, 7.5))[1]
+    pp = prim.cases("pp")[0]
+    pp_lines = prim.format_case(_row(pp, 1, 30.0, check="check: FAILED: pp_recv's tensor: 3 of 65536 bytes differ"))
+    assert "SMs held 1 per rank" in pp_lines[0] and "bound" not in pp_lines[1]   # the bound is for zero-SM paths
+    assert pp_lines[2] == "  check: FAILED: pp_recv's tensor: 3 of 65536 bytes differ"
+    missing = prim.format_case(_row(pp, 1, 0.0, check=None, time_us=float("nan")))
+    assert "nan us/call" not in missing[0] and "n/a us/call" in missing[0] and len(missing) == 2
+
+
+def test_json_result(tmp_path):
+    rows = [_row(prim.cases("agrs")[0], 0, 1.0)]
+    result = prim.build_result(["agrs"], rows, [], runner="gpu/emulated x4", device="H200", num_ranks=4,
+                               emulated=True, iters=20, checked=True)
+    path = tmp_path / "bench_primitives.json"
+    write_json(str(path), result)
+    back = json.loads(path.read_text())
+    assert back["mode"] == "primitives" and back["primitives"] == ["agrs"] and back["num_ranks"] == 4
+    assert back["check"] == {"enabled": True, "passed": True, "failures": []}
+    assert back["cases"][0]["overlap"]["slowdown_percent"] == 1.0
+    assert back["zero_sm_slowdown_bound_percent"] == 5.0
+    failed = prim.build_result(["pp"], [], ["rank 1, pp: differs"], runner="r", device="d", num_ranks=2,
+                               emulated=True, iters=5, checked=True)
+    assert failed["check"]["passed"] is False
+
+
+def test_the_check_names_the_first_differing_byte(monkeypatch):
+    from deep_ep.bench import primitives_gpu
+    monkeypatch.setattr(primitives_gpu, "_wait", lambda stream=None: None)   # CPU tensors: nothing to wait for
+    want = torch.arange(64, dtype=torch.int16).to(torch.bfloat16).reshape(4, 16)
+    assert primitives_gpu._compare(want.clone(), want, "out") is None
+    got = want.clone()
+    got.view(torch.uint8).view(-1)[37] ^= 0x10
+    got.view(torch.uint8).view(-1)[90] ^= 0x01
+    expected_byte = int(want.view(torch.uint8).view(-1)[37])
+    assert primitives_gpu._compare(got, want, "pp_recv's tensor") == (
+        f"pp_recv's tensor: 2 of 128 bytes differ, first at byte 37 (got {expected_byte ^ 0x10}, "
+        f"expected {expected_byte})")
+    assert "shape (2, 32)" in primitives_gpu._compare(want.reshape(2, 32), want, "out")
+    assert primitives_gpu._compare(None, None, "sf") is None
+    assert primitives_gpu._compare(None, want, "sf") == "sf: missing"
