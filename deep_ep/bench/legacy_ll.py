@@ -74,16 +74,16 @@ class _Step:
         hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, num_ranks, NUM_EXPERTS)
         self.buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
         generator = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
-        self.x = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
-        self.topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=generator).topk(TOP_K, dim=1).indices.to(
+        self.x = torch.randn(TOKENS, HIDDEN, generator=generator, dtype=torch.float32, device="cpu").to(torch.bfloat16).to(device)
+        self.topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=generator, dtype=torch.float32, device="cpu").topk(TOP_K, dim=1).indices.to(
             deep_ep.topk_idx_t).to(device)
-        self.topk_weights = torch.rand(TOKENS, TOP_K, generator=generator).to(device)
+        self.topk_weights = torch.rand(TOKENS, TOP_K, generator=generator, dtype=torch.float32, device="cpu").to(device)
         num_local = NUM_EXPERTS // num_ranks
-        self.expert_x = torch.randn(num_local, num_ranks * TOKENS, HIDDEN, generator=generator).to(
+        self.expert_x = torch.randn(num_local, num_ranks * TOKENS, HIDDEN, generator=generator, dtype=torch.float32, device="cpu").to(
             torch.bfloat16).to(device)
         self.handle = None
-        self.weight = torch.randn(HIDDEN, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
-        self.activations = torch.randn(1024, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
+        self.weight = torch.randn(HIDDEN, HIDDEN, generator=generator, dtype=torch.float32, device="cpu").to(torch.bfloat16).to(device)
+        self.activations = torch.randn(1024, HIDDEN, generator=generator, dtype=torch.float32, device="cpu").to(torch.bfloat16).to(device)
 
     def dispatch(self, use_hook: bool = False):
         return self.buffer.low_latency_dispatch(self.x, self.topk_idx, TOKENS, NUM_EXPERTS, use_fp8=True,
@@ -119,7 +119,7 @@ class _Step:
 
     def size_matmul(self, rows: int) -> None:
         generator = torch.Generator(device="cpu").manual_seed(rows)
-        self.activations = torch.randn(rows, HIDDEN, generator=generator).to(torch.bfloat16).to(self.x.device)
+        self.activations = torch.randn(rows, HIDDEN, generator=generator, dtype=torch.float32, device="cpu").to(torch.bfloat16).to(self.x.device)
 
 
 def _matmul_rows(call_us: float, matmul_us: float, rows: int) -> int:

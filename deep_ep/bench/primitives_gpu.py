@@ -56,7 +56,7 @@ def _generator(device, *parts: int) -> torch.Generator:
 
 def _random_bits(shape, dtype: torch.dtype, device, *seed: int) -> torch.Tensor:
     """Random bytes viewed as ``dtype`` (made on the device: no host copy, which would wait for the stream)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8, device=device,
                         generator=_generator(device, *seed))
     return raw.view(dtype)
@@ -145,7 +145,7 @@ class _AgrsBench:
             expected = torch.stack(inputs)
             method = buffer.all_gather
         else:
-            inputs = [torch.randn(shape, device=device, generator=_generator(device, seed, 3, index, rank)).to(
+            inputs = [torch.randn(shape, dtype=torch.float32, device=device, generator=_generator(device, seed, 3, index, rank)).to(
                 torch.bfloat16) for rank in range(num_ranks)]
             chunk = shape[0] // num_ranks
             mine = slice(self.rank * chunk, (self.rank + 1) * chunk)
@@ -228,7 +228,7 @@ class _Timer:
         self.timing = torch.cuda.Stream(self.device)
         self.matmul_stream = torch.cuda.Stream(self.device)
         generator = _generator(self.device, context.seed, 7)
-        self.weight = torch.randn(HIDDEN, HIDDEN, device=self.device, generator=generator).to(torch.bfloat16)
+        self.weight = torch.randn(HIDDEN, HIDDEN, dtype=torch.float32, device=self.device, generator=generator).to(torch.bfloat16)
         self.activations = None
         self.host_us = {"transfer": MAX_GATE_US / 10, "matmul": MAX_GATE_US / 100}
         spin_up()
@@ -244,7 +244,7 @@ class _Timer:
     def size_matmul(self, rows: int) -> None:
         generator = _generator(self.device, self.context.seed, 8, rows)
         with torch.cuda.stream(self.matmul_stream):
-            self.activations = torch.randn(rows, HIDDEN, device=self.device, generator=generator).to(torch.bfloat16)
+            self.activations = torch.randn(rows, HIDDEN, dtype=torch.float32, device=self.device, generator=generator).to(torch.bfloat16)
         _wait(self.matmul_stream)
 
     def matmul(self) -> torch.Tensor:

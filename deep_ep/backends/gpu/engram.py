@@ -167,7 +167,7 @@ class GPUEngramTable:
         words[_NUM_ENTRIES], words[_HIDDEN] = num_entries, hidden
         words[_FORMAT] = _FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
         words[_NUM_SF_PACKS], words[_SF_ROWS] = (0, 0) if sf is None else sf.shape
-        header = torch.tensor(words, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+        header = torch.tensor(words, dtype=torch.int32, device="cpu").pin_memory().to(device, non_blocking=True)
         if sf is not None:
             header[_SF_DIGEST:_SF_DIGEST + 2] = _sf_digest(sf)
         self._store(module, stream, header_offset, header)
