@@ -216,7 +216,7 @@ def _refusals_body(group):
         _expect(RuntimeError, "called after that session ended", reduce_handle)
         # a dispatch writes over the region: sessions refuse until the next agrs_set_config
         buf.dispatch(x, topk_idx, num_experts=num_ranks)
-        _expect(RuntimeError, "dispatch or combine ran on this buffer since the last agrs_set_config",
+        _expect(RuntimeError, "ran on this buffer since the last agrs_set_config",
                 buf.create_agrs_session)
         buf.agrs_set_config(1024, 2)
         with buf.agrs_new_session():

@@ -293,7 +293,7 @@ def _window_body(group):
         assert torch.equal(out.cpu(), torch.randn(16, generator=torch.Generator().manual_seed(prev_rank)))
         buf.dispatch(x, topk_idx, num_experts=num_ranks)
         # the dispatch wrote over the slots: PP refuses until the next flush, on every rank
-        _expect(RuntimeError, "dispatch or combine ran on this buffer since the last pp_set_config", buf.pp_send,
+        _expect(RuntimeError, "ran on this buffer since the last pp_set_config", buf.pp_send,
                 sent, next_rank)
         _wait()
         buf.pp_set_config(1024, 2)

@@ -147,9 +147,10 @@ class GPUAgrsMoves:
         """
         self.backend.raise_if_broken()
         if self.backend.call_record.launched_call > self.configured_call:
-            raise RuntimeError(f"deep_ep: {method}: dispatch or combine ran on this buffer since the last "
-                               f"agrs_set_config, and on a GPU buffer they write over the AGRS region of the window; "
-                               f"call agrs_set_config on every rank after them, before the next session")
+            raise RuntimeError(f"deep_ep: {method}: dispatch, combine or another primitive ran on this buffer "
+                               f"since the last agrs_set_config, and on a GPU buffer they write over the AGRS region "
+                               f"of the window; call agrs_set_config on every rank after them, before the next "
+                               f"session")
 
     def configure(self, num_bytes: int, num_max_ops: int, call: int) -> torch.Tensor:
         """Collective, blocks the host: every rank's earlier window work done, the configurations

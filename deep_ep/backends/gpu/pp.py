@@ -149,9 +149,9 @@ class GPUPipeline:
         backend = self.backend
         raise_errors(backend)
         if backend.call_record.launched_call > self.configured_call:
-            raise RuntimeError(f"{method}: dispatch or combine ran on this buffer since the last pp_set_config, and on "
-                               f"a GPU buffer they write over the pipeline's slots; call pp_set_config on every rank "
-                               f"after them, before pipeline send/recv")
+            raise RuntimeError(f"{method}: dispatch, combine or another primitive ran on this buffer since the last "
+                               f"pp_set_config, and on a GPU buffer they write over the pipeline's slots; call "
+                               f"pp_set_config on every rank after them, before pipeline send/recv")
         if self.num_ranks == 1:
             inflight = self.num_inflight(peer)
             if method == "pp_send" and inflight >= self.num_max_inflight_tensors:
