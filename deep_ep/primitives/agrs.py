@@ -196,10 +196,12 @@ class AllGatherReduceScatterMixin:
         if on_gpu:
             from ..backends.gpu.agrs import window_bytes
             needed = window_bytes(self.num_ranks, size)
-            if needed > backend.transport.num_bytes:
+            usable = backend.transport.num_bytes - self.num_cpu_bytes   # Engram's storage ends the window
+            if needed > usable:
                 raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) needs {needed} bytes of a GPU "
                                  f"buffer's window (control region and AGRS flags included), the buffer has "
-                                 f"{backend.transport.num_bytes}; size it with get_agrs_buffer_size_hint")
+                                 f"{usable} beside num_cpu_bytes={self.num_cpu_bytes} (the Engram storage); size "
+                                 f"it with get_agrs_buffer_size_hint (plus num_cpu_bytes)")
         elif self.num_bytes and num_max_session_bytes > self.num_bytes:
             raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) exceeds the buffer's num_bytes "
                              f"({self.num_bytes}); size the buffer with get_agrs_buffer_size_hint")

@@ -151,11 +151,14 @@ class PipelineMixin:
             from ..backends.gpu import pp as gpu_pp
             # the GPU rings need half the hint's slot sets, after the control region
             num_window_bytes = gpu_pp.pp_layout(backend.num_ranks, num_slot_bytes, num_max_inflight_tensors).end
-        if (self.num_bytes or on_gpu) and num_window_bytes > self.num_bytes:
+        # on a GPU buffer the window's last num_cpu_bytes hold Engram's storage
+        usable = self.num_bytes - (self.num_cpu_bytes if on_gpu else 0)
+        if (self.num_bytes or on_gpu) and num_window_bytes > usable:
             raise ValueError(f"pp_set_config: {num_max_inflight_tensors} tensors of {num_slot_bytes} bytes in flight "
-                             f"need {num_window_bytes} bytes of window, the buffer has num_bytes={self.num_bytes}; "
-                             f"create it with num_bytes >= ElasticBuffer.get_pp_buffer_size_hint("
-                             f"{num_max_tensor_bytes}, {num_max_inflight_tensors}) or lower the sizes")
+                             f"need {num_window_bytes} bytes of window, the buffer has {usable} (num_bytes="
+                             f"{self.num_bytes}, less num_cpu_bytes on a GPU buffer); create it with num_bytes >= "
+                             f"ElasticBuffer.get_pp_buffer_size_hint({num_max_tensor_bytes}, "
+                             f"{num_max_inflight_tensors}) (plus num_cpu_bytes) or lower the sizes")
         self._window_use.check_free("pp")
         if on_gpu:
             if torch.cuda.is_current_stream_capturing():
