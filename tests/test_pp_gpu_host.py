@@ -110,3 +110,27 @@ def test_recorded_errors_become_pp_s_exceptions(monkeypatch):
     backend.err_record.read = lambda: tuple(backend.err_record.words)
     with pytest.raises(ValueError, match="rank 0 sent a tensor of 24 bytes"):
         gpu_pp.raise_errors(backend)
+
+
+def test_the_rings_stay_before_the_engram_storage(monkeypatch):
+    """On a GPU buffer the window's last ``num_cpu_bytes`` hold Engram's table: rings that would reach
+    it are refused before any communication; the same rings fit once that space is free."""
+    from deep_ep.primitives.window_use import WindowUse
+    configured = []
+    monkeypatch.setattr(gpu_pp, "configure", lambda backend, old, slot_bytes, inflight: configured.append(
+        (slot_bytes, inflight)) or "pipeline")
+    monkeypatch.setattr(ElasticBuffer, "_pp_on_gpu", lambda self, method: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    buf = ElasticBuffer.__new__(ElasticBuffer)
+    buf._destroyed, buf.buffer_id, buf._window_use = False, 0, WindowUse()
+    buf._backend = types.SimpleNamespace(num_ranks=2, calls=0)
+    buf.config = types.SimpleNamespace(num_bytes=4 * 1024 * 1024, explicitly_destroy=True)
+    slot_bytes = 512 * 1024          # two slots in each of two channels: 2 MiB of rings, past the control region
+    buf.num_cpu_bytes = 2 * 1024 * 1024
+    with pytest.raises(ValueError, match=r"the buffer has 2097152 \(num_bytes=4194304, less num_cpu_bytes"):
+        buf.pp_set_config(slot_bytes, 2)
+    assert configured == []
+    buf.num_cpu_bytes = 0
+    buf.pp_set_config(slot_bytes, 2)
+    assert configured == [(slot_bytes, 2)]
+    buf._destroyed = True            # nothing to release: the backend is a stand-in
