@@ -6,15 +6,20 @@ kernel (``include/deep_ep/kernels/ll_reduce.cuh``) computes the same bits in one
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Optional
 
 import torch
 
+from ..backends.gpu.abi import _read_constants
+
 __all__ = ["weighted_sum", "weighted_sum_torch", "load_kernel", "KERNEL_NAME"]
 
 KERNEL_NAME = "deep_ep_ll_reduce"
-_THREADS = 256                      # kLlReduceThreads
-_CHANNELS_PER_THREAD = 8            # kLlReduceChannels: one 16-byte load per slot
+# the kernel's own constants, read from its header (one source for host and device)
+_CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_reduce.cuh")
+_THREADS = _CONSTANTS["kLlReduceThreads"]
+_CHANNELS_PER_THREAD = _CONSTANTS["kLlReduceChannels"]   # one 16-byte load per slot
 _MAX_BLOCKS = 4096
 _module_lock = threading.Lock()
 _module = None
