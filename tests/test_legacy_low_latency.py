@@ -361,7 +361,8 @@ def run_double_buffer_cases(buffer, rank, num_ranks, device="cpu"):
     both are pending (with or without a hook), a combine before its dispatch's hook, a combine on the
     buffer half another pending hook holds and a second call of a hook raise RuntimeError on every
     rank, before anything is sent (the calls after them still pair up); combines with hooks equal the
-    spec and the combine without a hook."""
+    spec and the combine without a hook; two micro-batches interleave (dispatch a, its hook, dispatch
+    b, combine a)."""
     num_experts = num_experts_for(num_ranks)
     num_local = num_experts // num_ranks
     hidden, use_fp8, round_scale, use_ue8m0 = CASES[2]
@@ -414,6 +415,21 @@ def run_double_buffer_cases(buffer, rank, num_ranks, device="cpu"):
         want = _expected_combine(rank, num_experts, hidden, inputs[seed], use_fp8, round_scale)
         assert torch.equal(_host(result[0]), want), (rank, seed)
         assert torch.equal(_host(combine(seed, expert_x[seed], handle, False)[0]), want), (rank, seed)
+    # two micro-batches overlapped as serving frameworks do: a's dispatch and hook, b's dispatch, then
+    # a's combine: b's dispatch takes the half whose dispatch was combined, never a's
+    combine(62, expert_x[61], third[2], False)
+    batch_a = dispatch(60, True)
+    batch_a[4]()
+    batch_b = dispatch(61, True)
+    assert batch_a[2].slot != batch_b[2].slot
+    combine_a = combine(60, expert_x[60], batch_a[2], True)
+    batch_b[4]()
+    combine_a[2]()
+    combine_b = combine(61, expert_x[61], batch_b[2], True)
+    combine_b[2]()
+    for seed, result in ((60, combine_a), (61, combine_b)):
+        want = _expected_combine(rank, num_experts, hidden, inputs[seed], use_fp8, round_scale)
+        assert torch.equal(_host(result[0]), want), (rank, seed)
 
 
 def _check_clean(buffer, rank, num_ranks, num_experts):

@@ -81,17 +81,45 @@ class LowLatencyState:
         """Per buffer half, the name of the call whose receive hook is pending there, or None."""
         return self.__dict__.setdefault("_low_latency_pending", [None, None])
 
+    def _refuse_hooks_over_gin(self, return_recv_hook: bool) -> None:
+        """Receive hooks split a call's data kernel in two launches, which the GIN transport (emulated
+        nodes) does not support yet: refused before anything is sent."""
+        if return_recv_hook and getattr(self._alive()._backend, "transport_gin", False):
+            raise NotImplementedError("deep_ep.Buffer: return_recv_hook=True over the GIN transport (ranks on "
+                                      "several nodes) is not implemented yet; call without a receive hook")
+
+    def _uncombined(self) -> list:
+        """Per buffer half, the number of the last dispatch there while it waits for its combine, or None."""
+        return self.__dict__.setdefault("_low_latency_uncombined", [None, None])
+
+    def _mark_dispatched(self, half: int) -> int:
+        """Number this rank's low-latency dispatch on ``half`` (its handle keeps the number) and
+        mark the half as waiting for that dispatch's combine."""
+        number = self.__dict__.get("_low_latency_dispatches", 0) + 1
+        self.__dict__["_low_latency_dispatches"] = number
+        self._uncombined()[half] = number
+        return number
+
+    def _mark_combined(self, handle) -> None:
+        uncombined = self._uncombined()
+        if uncombined[handle.slot] == getattr(handle, "number", None):
+            uncombined[handle.slot] = None
+
     def _free_half(self, name: str) -> int:
-        """The first buffer half no pending receive hook holds (every rank makes the same calls and
-        hooks, so every rank picks the same).
+        """A buffer half no pending receive hook holds, preferring one whose last dispatch was
+        combined, so that two micro-batches' dispatch-then-combine sequences interleave (every rank
+        makes the same calls and hooks, so every rank picks the same).
 
         Raises:
             RuntimeError: both are held (two low-latency results alive).
         """
-        pending = self._pending_hooks()
-        for slot, holder in enumerate(pending):
-            if holder is None:
+        pending, uncombined = self._pending_hooks(), self._uncombined()
+        free = [slot for slot, holder in enumerate(pending) if holder is None]
+        for slot in free:
+            if uncombined[slot] is None:
                 return slot
+        if free:
+            return free[0]
         raise RuntimeError(f"deep_ep.Buffer.{name}: two low-latency results are alive, the receive hooks of a "
                            f"{pending[0]} and a {pending[1]} were not called yet: at most two can be (DeepEP's "
                            f"double buffering); call one of those hooks first. Nothing was sent")

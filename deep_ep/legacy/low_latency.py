@@ -225,6 +225,7 @@ class LowLatencyMethods(LowLatencyState):
         round_scale = checks.check_bool("round_scale", round_scale)
         use_ue8m0 = checks.check_bool("use_ue8m0", use_ue8m0)
         async_finish, return_recv_hook = self._hook_flags(async_finish, return_recv_hook)
+        self._refuse_hooks_over_gin(return_recv_hook)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a bf16 torch.Tensor [T, hidden], got {type(x).__name__}")
         hidden = x.shape[-1] if x.dim() == 2 else -1
@@ -302,6 +303,7 @@ class LowLatencyMethods(LowLatencyState):
             scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, num_scales, use_ue8m0, device)
         handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
                                   half)
+        handle.number = self._mark_dispatched(half)   # which half its combine finds waiting
 
         def receive() -> None:
             if deferred is not None:
@@ -380,6 +382,7 @@ class LowLatencyMethods(LowLatencyState):
             planned("low_latency_combine(use_logfmt=True)", "LogFMT combine messages")
         zero_copy = checks.check_bool("zero_copy", zero_copy)
         async_finish, return_recv_hook = self._hook_flags(async_finish, return_recv_hook)
+        self._refuse_hooks_over_gin(return_recv_hook)
         src_info, layout_range, num_slots, hidden, num_experts = self._unpack_handle(handle)
         self._low_latency_check("low_latency_combine", num_slots, hidden, num_experts)
         device = self._alive().device
@@ -406,6 +409,7 @@ class LowLatencyMethods(LowLatencyState):
             raise RuntimeError(f"low_latency_combine: the buffer half of this handle's dispatch is held by a {holder} "
                                f"whose receive hook was not called yet: at most two low-latency results can be "
                                f"alive (DeepEP's double buffering); call that hook first. Nothing was sent")
+        self._mark_combined(handle)
         ep_handle = handle.ep_handle
         buffer = next((b for b in self._low_latency_buffers() if b.buffer_id == ep_handle.buffer_id), self._alive())
         ep_handle.check_matches(buffer_id=buffer.buffer_id, num_ranks=buffer.num_ranks, rank=buffer.rank,
