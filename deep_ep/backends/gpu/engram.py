@@ -83,7 +83,9 @@ class GPUEngramTable:
         self.dtype: Optional[torch.dtype] = None
         self.sf: Optional[torch.Tensor] = None   # [num_ranks * num_entries, num_sf_packs], this rank's copy
         self.bad_index = MappedWords(backend.device, 2)   # one u64: (position + 1) | index << 32
-        self.last_fetch: Optional[torch.cuda.Event] = None
+        # every fetch not known to be done: fetches may run on several streams, and a write must wait
+        # for all of them (finished ones are dropped at each fetch, so the list stays short)
+        self.fetches: list = []
 
     @property
     def written(self) -> bool:
@@ -94,10 +96,10 @@ class GPUEngramTable:
         return 0 if self.sf is None else self.sf.shape[1]
 
     def _wait_for_fetches(self) -> None:
-        """Poll until this rank's last fetch kernel finished."""
-        if self.last_fetch is not None:
-            self._poll(self.last_fetch, "its last engram_fetch")
-            self.last_fetch = None
+        """Poll until every fetch kernel of this rank finished, whichever stream it ran on."""
+        while self.fetches:
+            self._poll(self.fetches[0], "an earlier engram_fetch")
+            self.fetches.pop(0)
 
     def _poll(self, event, what: str) -> None:
         backend = self.backend
@@ -252,5 +254,5 @@ class GPUEngramTable:
                          self.bad_index.device_ptr)
         done = torch.cuda.Event()
         done.record(stream)
-        self.last_fetch = done
+        self.fetches = [event for event in self.fetches if not event.query()] + [done]
         return data, sf, done
