@@ -2,8 +2,8 @@
 inherits them): argument checks, the window of each buffer half, the pending receive hooks (double
 buffering), the zero-copy combine buffers, the rank mask.
 
-Contract: two buffer halves. A low-latency dispatch takes the first one no pending receive hook
-holds (`_free_half`; every rank makes the same calls and hooks, so every rank takes the same), its
+Contract: two buffer halves. A low-latency dispatch takes one no pending receive hook holds,
+preferring one whose last dispatch was combined (`_free_half`; every rank makes the same calls and hooks, so every rank takes the same), its
 combine takes the dispatch's; a call with a receive hook holds its half until the hook is called
 (`_hook`). On the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the
 Buffer's when it holds the call, half 1 one made on its first use (collective).

@@ -21,7 +21,8 @@ kernel (`deep_ep.legacy.deferred`) and returns; the hook launches the receive ha
 peers' rows) and the layout work that reads it. Between the two no kernel of the call holds an SM;
 a dispatch's notify kernel (the counts exchange) runs in the call and holds its SMs until every
 peer's counts are in. Double buffering as DeepEP's: two buffer halves (on the GPU, two windows),
-a dispatch takes the first one no pending hook holds and its combine takes the dispatch's; a call
+a dispatch takes a half no pending hook holds, preferring one whose last dispatch was combined (two
+micro-batches interleave), and its combine takes the dispatch's; a call
 that finds no free half (two results alive), or its half held, raises `RuntimeError` before any
 communication, as does a combine before its dispatch's hook. On the CPU the data moves during the
 call (the hook writes the results), with the same rules.
