@@ -9,10 +9,9 @@ input and spreads an expert's tokens evenly over its replicas whatever the routi
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from .. import jit
 from .validate import check_plan
 
 __all__ = ["ReplicaMap", "replica_hash"]
@@ -39,18 +38,7 @@ def replica_hash(token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-_module_lock = threading.Lock()
-_module = None
-
-
-def _kernel():
-    """The map kernel, compiled once per process (and cached on disk by deep_ep.jit)."""
-    global _module
-    with _module_lock:
-        if _module is None:
-            from .. import jit
-            _module = jit.build("deep_ep_eplb", "#include <deep_ep/kernels/eplb.cuh>\n")
-        return _module.function("deep_ep_eplb_map")
+_kernel = jit.LazyKernel("deep_ep_eplb", "deep_ep/kernels/eplb.cuh", "deep_ep_eplb_map")
 
 
 class ReplicaMap:
@@ -190,7 +178,6 @@ class ReplicaMap:
         return torch.where(valid, physical, torch.full_like(physical, -1)).to(topk_idx.device)
 
     def _map_gpu(self, topk_idx: torch.Tensor, index: int, token_offset: int, out) -> torch.Tensor:
-        from .. import jit
         self.to(topk_idx.device)
         l2p, count = self._device_tables[topk_idx.device]
         idx = topk_idx.contiguous()

@@ -21,6 +21,7 @@ Environment switches are documented in ``docs/jit.md``.
 from .builder import (NcclVersionMismatch, build, clear_memory_cache, compile_options, default_arch,
                       loaded_nccl_version, reset_stats, stats)
 from .cache import cache_root
+from .lazy import LazyKernel
 from .compiler import CompileError, SpillError
 from .locate import JitEnvironmentError
 from .nccl_headers import nccl_header_version
@@ -28,7 +29,7 @@ from .args import f32, f64, i32, i64, ptr, u32, u64
 from .runtime import Function, LaunchError, Module, PreparedLaunch, cuda_device_count
 
 __all__ = [
-    "build", "Module", "Function", "PreparedLaunch", "CompileError", "SpillError", "LaunchError", "JitEnvironmentError",
+    "build", "LazyKernel", "Module", "Function", "PreparedLaunch", "CompileError", "SpillError", "LaunchError", "JitEnvironmentError",
     "NcclVersionMismatch", "stats", "reset_stats", "clear_memory_cache", "loaded_nccl_version",
     "nccl_header_version", "default_arch", "compile_options", "cache_root", "cuda_device_count",
     "i32", "u32", "i64", "u64", "f32", "f64", "ptr",

@@ -5,12 +5,12 @@ once to bf16. The torch loop here is the specification and the CPU path; on a CU
 kernel (``include/deep_ep/kernels/ll_reduce.cuh``) computes the same bits in one pass."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .. import jit
 from ..backends.gpu.abi import _read_constants
 
 __all__ = ["weighted_sum", "weighted_sum_torch", "load_kernel", "KERNEL_NAME"]
@@ -21,18 +21,7 @@ _CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "
 _THREADS = _CONSTANTS["kLlReduceThreads"]
 _CHANNELS_PER_THREAD = _CONSTANTS["kLlReduceChannels"]   # one 16-byte load per slot
 _MAX_BLOCKS = 4096
-_module_lock = threading.Lock()
-_module = None
-
-
-def _kernel():
-    """The reduce kernel, compiled once per process (and cached on disk by deep_ep.jit)."""
-    global _module
-    with _module_lock:
-        if _module is None:
-            from .. import jit
-            _module = jit.build("deep_ep_ll_reduce", "#include <deep_ep/kernels/ll_reduce.cuh>\n")
-        return _module.function(KERNEL_NAME)
+_kernel = jit.LazyKernel("deep_ep_ll_reduce", "deep_ep/kernels/ll_reduce.cuh", KERNEL_NAME)
 
 
 def load_kernel(device: torch.device) -> None:
