@@ -668,7 +668,7 @@ def test_backend_rewords_a_refused_cooperative_launch():
         def launch(self, hstream):
             raise jit.LaunchError(self.message)
 
-    fake = SimpleNamespace(rank=3, comm_handle=0, launch_stream=0, calls=7, broken=None,
+    fake = SimpleNamespace(rank=3, comm_handle=0, launch_stream=0, calls=7, broken=None, transport_gin=False,
                            call_record=SimpleNamespace(launched_call=0))
     with pytest.raises(jit.LaunchError, match="^launch failed: CUDA_ERROR_INVALID_VALUE$"):
         GPUBackend.launch_data(fake, Refused("launch failed: CUDA_ERROR_INVALID_VALUE"), 132)

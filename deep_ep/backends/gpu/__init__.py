@@ -315,7 +315,7 @@ class GPUBackend(Backend):
         LaunchError that says which ``num_sms`` to lower."""
         self.call_record.launched_call = self.calls
         try:
-            if getattr(self, "transport_gin", False):   # emulated nodes: the NIC kernel beside it
+            if self.transport_gin:   # emulated nodes: the NIC kernel beside it
                 self.transport.launch_data(self.module("gin_nic", ()), self.launch_stream, n_sms,
                                            lambda: prepared.launch(self.launch_stream))
             else:
