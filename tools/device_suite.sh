@@ -9,7 +9,8 @@
 #                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
 #          deepep (DeepEP V2's own tests/elastic/test_ep.py, unchanged, one process: tools/run_deepep_tests.sh;
 #                  needs .deepep/ carried to the device; DEEPEP_ARGS are passed on, e.g. "--skip-perf-test";
-#                  $OUT/deepep_test_ep.log);
+#                  DEEPEP_TEST=tests/legacy/test_low_latency.py (or test_intranode.py) runs DeepEP's V1 tests;
+#                  $OUT/deepep_<test>.log);
 #          primbench (python -m deep_ep bench --primitive for pp, agrs and engram: EP=1, 4 emulated ranks
 #                     (PRIMBENCH_RANKS overrides the 4) and, with several GPUs, torchrun one rank per GPU;
 #                     $OUT/bench_primitives_<primitive>_<ep1|emuN|epN>.log/json);

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# DeepEP V2's own test of ElasticBuffer (tests/elastic/test_ep.py of deepseek-ai/DeepEP), unchanged,
-# against this deep_ep, on one process: `test_ep.py --num-processes 1 [arguments]`. The whole output
-# goes to $OUT/deepep_test_ep.log; the exit status is the test's.
+# DeepEP V2's own tests (tests/elastic/test_ep.py of deepseek-ai/DeepEP by default), unchanged, against
+# this deep_ep, on one process: `<test> --num-processes 1 [arguments]`. The whole output goes to
+# $OUT/deepep_<test name>.log; the exit status is the test's.
 # Usage: bash tools/run_deepep_tests.sh [more test_ep.py arguments, e.g. --skip-perf-test --num-tokens 1024]
 #   DEEPEP_DIR: a DeepEP checkout, or only its tests/ and deep_ep/utils/ (default: .deepep/ in the
 #     repository root, which git ignores: name it in the device tool's carry). Made from a DeepEP git
 #     directory with
 #       mkdir -p .deepep && git -C <DeepEP git dir> archive HEAD tests deep_ep/utils | tar x -C .deepep
 #   DEEPEP_IMPORT_ONLY=1: assemble the tree and import the test's modules, nothing more (no GPU needed).
+#   DEEPEP_TEST: the test file, relative to DEEPEP_DIR (default tests/elastic/test_ep.py; also
+#     tests/legacy/test_low_latency.py and tests/legacy/test_intranode.py, DeepEP's tests of its V1 Buffer).
 #   DEEPEP_TIMEOUT: seconds the test may run (default 540).
 # The test runs in a temporary tree, removed afterwards: a copy of this deep_ep package; DeepEP's
 # deep_ep/utils/*.py under deep_ep/utils/, with an empty __init__.py where this package has none
@@ -18,16 +20,16 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEEPEP_DIR=${DEEPEP_DIR:-$ROOT/.deepep}
-TEST=$DEEPEP_DIR/tests/elastic/test_ep.py
+TEST=$DEEPEP_DIR/${DEEPEP_TEST:-tests/elastic/test_ep.py}
 if [ ! -f "$TEST" ] || [ ! -d "$DEEPEP_DIR/deep_ep/utils" ]; then
-  echo "no DeepEP tests/elastic/test_ep.py and deep_ep/utils/ under $DEEPEP_DIR; make them with" >&2
+  echo "no DeepEP ${DEEPEP_TEST:-tests/elastic/test_ep.py} and deep_ep/utils/ under $DEEPEP_DIR; make them with" >&2
   echo "  mkdir -p .deepep && git -C <DeepEP git dir> archive HEAD tests deep_ep/utils | tar x -C .deepep" >&2
   exit 2
 fi
 DEEPEP_DIR=$(cd "$DEEPEP_DIR" && pwd)
-TEST=$DEEPEP_DIR/tests/elastic/test_ep.py
+TEST=$DEEPEP_DIR/${DEEPEP_TEST:-tests/elastic/test_ep.py}
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
-LOG=$OUT/deepep_test_ep.log
+LOG=$OUT/deepep_$(basename "$TEST" .py).log
 
 TREE=$(mktemp -d "${TMPDIR:-/tmp}/deepep_tree.XXXXXX")
 trap 'rm -rf "$TREE"' EXIT
