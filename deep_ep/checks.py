@@ -130,7 +130,9 @@ def check_event(name: str, event) -> None:
 
 def check_x(x, device: torch.device, name: str = "x") -> tuple:
     """``x`` -> ``(data, sf)``: bf16 ``[T, H]``, or FP8 ``(float8_e4m3fn [T, H], sf [T, num_sf])``
-    with ``sf`` float32 (``num_sf = H / 128``) or int32 packed UE8M0 (``num_sf = ceil(H / 512)``)."""
+    with ``sf`` float32 (``num_sf = H / 128``) or int32 packed UE8M0 (``num_sf = ceil(H / 512)``).
+    ``sf`` may have any strides, as in DeepEP (column-major scales from a TMA-aligned FP8 cast, for
+    one); the returned ``sf`` is contiguous (a copy when it was not)."""
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise ValueError(f"{name} as a tuple must be (fp8 data, scale factors), got {len(x)} items")
@@ -144,8 +146,8 @@ def check_x(x, device: torch.device, name: str = "x") -> tuple:
             raise TypeError(f"{name}[1] (scale factors) must be a torch.Tensor, got {type(sf).__name__}")
         num_sf = H // 128 if sf.dtype == torch.float32 else -(-H // 512)
         check_tensor(f"{name}[1] (scale factors: float32 [T, H/128] or int32 packed UE8M0 [T, H/512])",
-                     sf, dtype=(torch.float32, torch.int32), shape=(T, num_sf), device=device)
-        return data, sf
+                     sf, dtype=(torch.float32, torch.int32), shape=(T, num_sf), device=device, contiguous=False)
+        return data, sf.contiguous()
     if isinstance(x, torch.Tensor) and x.dtype == FP8:
         raise TypeError(f"FP8 {name} must be given as a tuple (data, scale factors), got a bare "
                         f"{_fmt_tensor(x)}")

@@ -150,13 +150,15 @@ def test_default_configs_and_sms():
 
 # ------------------------------------------------------------------------------------ the spec, per token
 def _inputs(seed, tokens, num_experts, num_topk, hidden, fp8, mask_prob=0.25):
-    """Every rank's ``(x, topk_idx, topk_weights)`` (x bf16 or an FP8 tuple)."""
+    """Every rank's ``(x, topk_idx, topk_weights)`` (x bf16 or an FP8 tuple; with an odd seed the
+    scales are column-major, as a TMA-aligned FP8 cast gives them and DeepEP accepts)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for num_tokens in tokens:
         if fp8:
+            scales = torch.rand(num_tokens, hidden // 128, generator=g) + 0.5
             x = ((torch.randn(num_tokens, hidden, generator=g) * 8).to(FP8),
-                 torch.rand(num_tokens, hidden // 128, generator=g) + 0.5)
+                 scales.t().contiguous().t() if seed % 2 else scales)
         else:
             x = (torch.randn(num_tokens, hidden, generator=g) * 4).to(torch.bfloat16)
         scores = torch.rand(num_tokens, num_experts, generator=g)
