@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["symbol_bytes"]
+__all__ = ["symbol_bytes", "function_names"]
 
 _SHT_NOBITS = 8
 
@@ -49,3 +49,29 @@ def symbol_bytes(cubin: bytes, name: str) -> bytes:
             begin = target[2] + st_value
             return bytes(cubin[begin:begin + st_size])
     raise ValueError(f"no symbol {name!r} in the cubin")
+
+
+def function_names(cubin: bytes) -> list:
+    """Names of the function symbols (``STT_FUNC``) defined in ``cubin``, as stored (mangled for C++).
+
+    Raises:
+        ValueError: not an ELF64 little-endian image.
+    """
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+        raise ValueError("not an ELF64 little-endian image")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, _shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _n, sh_type, _flags, _addr, sh_offset, sh_size, sh_link, _info, _align, sh_entsize in sections:
+        if sh_type != 2:  # SHT_SYMTAB
+            continue
+        strtab_offset = sections[sh_link][4]
+        for j in range(sh_size // (sh_entsize or 24)):
+            st_name, st_info, _st_other, st_shndx, _value, _size = \
+                struct.unpack_from("<IBBHQQ", cubin, sh_offset + j * (sh_entsize or 24))
+            if st_info & 0xF != 2 or st_shndx == 0:   # STT_FUNC, defined here
+                continue
+            start = strtab_offset + st_name
+            names.append(cubin[start:cubin.index(b"\0", start)].decode(errors="replace"))
+    return names

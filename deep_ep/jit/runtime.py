@@ -15,6 +15,7 @@ import threading
 from ..cuda.driver import DriverError, device_count as cuda_device_count, driver as _drv, enter_context, \
     error_name as _err_name, launch_kernel, leave_context
 from .args import pack_args, plan_for, summarize as _summarize
+from .elf import function_names
 
 __all__ = ["Module", "Function", "PreparedLaunch", "LaunchError", "cuda_device_count"]
 
@@ -72,8 +73,9 @@ class Function:
     Use :meth:`launch`. ``Function`` objects are cheap to keep and thread-safe.
     """
 
-    def __init__(self, module: "Module", name: str):
+    def __init__(self, module: "Module", name: str, symbol: str | None = None):
         self.module, self.name = module, name
+        self.symbol = symbol or name               # the cubin's (mangled) name of the kernel
         self._handles: dict[int, object] = {}      # device -> CUfunction
         self._smem_limit: dict[int, int] = {}      # device -> max dynamic smem set so far
         self._plans: dict = {}
@@ -98,7 +100,7 @@ class Function:
                     previous = enter_context(device)
                     try:
                         mod = self.module._load(device)
-                        err, h = _drv().cuModuleGetFunction(mod, self.name.encode())
+                        err, h = _drv().cuModuleGetFunction(mod, self.symbol.encode())
                     finally:
                         leave_context(previous)
                     if int(err) != 0:
@@ -296,6 +298,23 @@ class PreparedLaunch:
                               f"cooperative={self._cooperative} args={_summarize(self.args)} (prepared)")
 
 
+def qualified_name(symbol: str) -> str:
+    """``_ZN7deep_ep12combine_implE...`` -> ``deep_ep::combine_impl``: the qualified name of a kernel
+    in namespaces (Itanium mangling, no templates); any other symbol as it is (``extern "C"``
+    kernels have no mangling). Profilers show the demangled name, which tools match by substring."""
+    if not symbol.startswith("_ZN"):
+        return symbol
+    parts, i = [], 3
+    while i < len(symbol) and symbol[i].isdigit():
+        j = i
+        while j < len(symbol) and symbol[j].isdigit():
+            j += 1
+        length = int(symbol[i:j])
+        parts.append(symbol[j:j + length])
+        i = j + length
+    return "::".join(parts) if parts and symbol[i:i + 1] == "E" else symbol
+
+
 class Module:
     """A compiled cubin (see :func:`deep_ep.jit.build`).
 
@@ -321,8 +340,18 @@ class Module:
         return f"<jit.Module {self.name} {self.arch} kernels={self.kernel_names()} key={self.key[:12]}>"
 
     def kernel_names(self) -> list[str]:
-        """Names of the ``__global__`` entry points in the cubin."""
-        return sorted(self.info)
+        """Names of the ``__global__`` entry points in the cubin: an ``extern "C"`` kernel's own name, a
+        C++ kernel's qualified name (``deep_ep::combine_impl``), as `function` takes them."""
+        return sorted(qualified_name(symbol) for symbol in self.info)
+
+    def _symbol(self, kernel_name: str) -> str | None:
+        """The cubin's symbol of ``kernel_name`` (a qualified name is matched to its mangled symbol;
+        only kernels that are not overloaded or templates can be named so); None if there is none."""
+        if "::" not in kernel_name:
+            return kernel_name if not self.info or kernel_name in self.info else None
+        symbols = self.info or function_names(self.cubin)
+        found = [symbol for symbol in symbols if qualified_name(symbol) == kernel_name]
+        return found[0] if len(found) == 1 else None
 
     @property
     def registers(self) -> dict:
@@ -342,9 +371,10 @@ class Module:
         """
         f = self._functions.get(kernel_name)
         if f is None:
-            if self.info and kernel_name not in self.info:
+            symbol = self._symbol(kernel_name)
+            if symbol is None:
                 raise KeyError(f"module {self.name!r} has no kernel {kernel_name!r}; kernels: {self.kernel_names()}")
-            f = self._functions.setdefault(kernel_name, Function(self, kernel_name))
+            f = self._functions.setdefault(kernel_name, Function(self, kernel_name, symbol))
         return f
 
     def _load(self, device: int):

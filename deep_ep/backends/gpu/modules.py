@@ -31,15 +31,18 @@ SEND_PHASE = 1
 RECEIVE_PHASE = 2
 BOTH_PHASES = SEND_PHASE | RECEIVE_PHASE
 
-# The kernels every rank count launches (extern "C" entry points of include/deep_ep/kernels/*.cuh).
+# The kernels every rank count launches (entry points of include/deep_ep/kernels/*.cuh).
 # DeepEP V2's test (tests/elastic/test_ep.py) times a dispatch by the kernels whose names contain
 # "dispatch_impl" and "dispatch_copy_epilogue_impl", a combine by "combine_impl" and
 # "combine_reduce_epilogue_impl". Each data kernel here does both phases, so its name contains both
 # of its call's substrings; the notify kernel and the barrier contain none (tests/test_kernel_names.py).
+# DeepEP's V1 test (tests/legacy/test_low_latency.py) times a receive hook's two halves by the
+# kernels whose profiler names contain "::dispatch" and "::combine": the data kernels are C++
+# kernels in namespace deep_ep, named here by their qualified names.
 NOTIFY_KERNEL = "deep_ep_notify"   # a fresh dispatch's numbering and layout
-DISPATCH_KERNEL = "deep_ep_dispatch_impl_with_dispatch_copy_epilogue_impl"   # a fresh dispatch's rows
-CACHED_DISPATCH_KERNEL = "deep_ep_cached_dispatch_impl_with_dispatch_copy_epilogue_impl"
-COMBINE_KERNEL = "deep_ep_combine_impl_with_combine_reduce_epilogue_impl"
+DISPATCH_KERNEL = "deep_ep::dispatch_impl_with_dispatch_copy_epilogue_impl"   # a fresh dispatch's rows
+CACHED_DISPATCH_KERNEL = "deep_ep::cached_dispatch_impl_with_dispatch_copy_epilogue_impl"
+COMBINE_KERNEL = "deep_ep::combine_impl_with_combine_reduce_epilogue_impl"
 BARRIER_KERNEL = "deep_ep_barrier"   # `ElasticBuffer.barrier`
 PP_SEND_KERNEL = "deep_ep_pp_send"     # `ElasticBuffer.pp_send`
 PP_RECV_KERNEL = "deep_ep_pp_recv"     # `ElasticBuffer.pp_recv`

@@ -27,11 +27,16 @@ __device__ __forceinline__ void combine_phases(const CombineArgs& a, const Trans
 
 // Stage the rows that came from peers and signal, then pull and sum every token's rows; all blocks
 // resident at once, as in the dispatch data kernels.
-extern "C" __global__ void __launch_bounds__(EP_THREADS, 1)
-deep_ep_combine_impl_with_combine_reduce_epilogue_impl(
+// C++ linkage in namespace deep_ep, as the dispatch data kernels (kernels/dispatch.cuh says why).
+namespace deep_ep {
+
+__global__ void __launch_bounds__(EP_THREADS, 1)
+combine_impl_with_combine_reduce_epilogue_impl(
         deep_ep::CombineArgs a, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::DataTransport tr = deep_ep::comm::make_data_transport(transport, peers);
     deep_ep::combine_phases<EP_DATA_PHASES>(a, tr);
     deep_ep::comm::end_data_block(tr);
 }
+
+}  // namespace deep_ep
