@@ -372,7 +372,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                  previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
                  allocate_on_comm_stream: bool = False, handle: Optional[EPHandle] = None,
                  do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
-                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False, *,
+                 _phases: Optional[int] = None):
         """Send every token to the ranks holding its selected experts (collective; docs/design.md).
 
         Args:
@@ -410,7 +411,10 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: ``recv_x`` has
             ``handle.num_recv_rows`` rows; ``recv_topk_idx`` int64 ``[rows, K]`` local expert ids or
             -1 (None in the expanded layout); ``recv_topk_weights`` float32 ``[rows, K]`` (expanded
-            ``[rows]``; None without ``topk_weights``); ``event`` an `EventOverlap`.
+            ``[rows]``; None without ``topk_weights``); ``event`` an `EventOverlap`. With the private
+            ``_phases`` (for `deep_ep.legacy.deferred`: a fresh GPU dispatch's data kernel phases,
+            `deep_ep.backends.gpu.modules.SEND_PHASE` alone) its receive's `DeferredReceive` comes
+            before ``event``.
 
         Raises:
             TypeError, ValueError: invalid arguments (before any communication).
@@ -437,7 +441,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                 num_sms=plan.num_sms, handle=handle, do_handle_copy=plan.do_handle_copy, do_cpu_sync=plan.do_cpu_sync,
                 do_expand=plan.do_expand, do_zero_padding=plan.do_zero_padding,
                 use_tma_aligned_col_major_sf=plan.use_tma_aligned_col_major_sf,
-                cumulative_local_expert_recv_stats=stats),
+                cumulative_local_expert_recv_stats=stats, **({} if _phases is None else {"phases": _phases})),
             previous_event, previous_event_before_epilogue, plan.async_with_compute_stream,
             plan.allocate_on_comm_stream, inputs)
         return (*outputs, event)
@@ -445,7 +449,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None, bias=None,
                 num_sms: int = 0, num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False, *,
-                apply_dispatch_weights: bool = False):
+                apply_dispatch_weights: bool = False, _phases: Optional[int] = None):
         """Send expert outputs back to their source ranks and reduce them (collective).
 
         The rows are summed as they are: expert outputs come weighted already (DeepEP's contract).
@@ -467,7 +471,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                 multiply every row by its dispatch weight before reducing, fusing the gate weighting.
 
         Returns:
-            ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``.
+            ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``; with
+            ``_phases``, as in `dispatch`, the receive's `DeferredReceive` before ``event``.
 
         Raises:
             TypeError, ValueError: invalid arguments (before any communication).
@@ -482,9 +487,10 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                                                allocate_on_comm_stream, apply_dispatch_weights)
         num_sms = num_sms or handle.num_sms
         inputs = (x, topk_weights, handle) + bias_t
-        (combined_x, combined_w), event = call_streams.run_call(
+        outputs, event = call_streams.run_call(
             backend, lambda: backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms,
-                                             apply_dispatch_weights=plan.apply_dispatch_weights),
+                                             apply_dispatch_weights=plan.apply_dispatch_weights,
+                                             **({} if _phases is None else {"phases": _phases})),
             previous_event, previous_event_before_epilogue, plan.async_with_compute_stream,
             plan.allocate_on_comm_stream, inputs)
-        return combined_x, combined_w, event
+        return (*outputs, event)

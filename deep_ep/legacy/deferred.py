@@ -3,22 +3,31 @@ a dispatch or combine of an `ElasticBuffer` whose data kernel runs its send phas
 its receive phase when the hook launches it (`deep_ep.backends.gpu.modules.launch_send_phase`).
 
 Contract: `send_dispatch` / `send_combine` are `ElasticBuffer.dispatch` / `combine` as the V1 layer
-calls them (synchronous, on the caller's stream order), with the same checks and call numbering;
-they return the `DeferredReceive` too and hold the buffer's window until `launch_receive`, so that
-no other call of the buffer (dispatch, combine, a primitive) runs between the two halves: every
-such call raises `RuntimeError` naming the pending receive. The receive is not a call of its own:
-it keeps the send's call number and tag, so ranks may call their hooks at different times.
+calls them (synchronous, on the caller's stream order) with their private ``_phases`` set to the
+send phase; they return the `DeferredReceive` too and hold the buffer's window until
+`launch_receive`, so that no other call of the buffer (dispatch, combine, a primitive) runs between
+the two halves: every such call raises `RuntimeError` naming the pending receive. The receive is
+not a call of its own: it keeps the send's call number and tag, so ranks may call their hooks at
+different times. `sent_since` lists the sends whose receive is still to launch (a V1 call that
+fails before handing its hook over launches its own: `deep_ep.legacy.ll_state.release_on_error`).
 """
 from __future__ import annotations
 
-from .. import call_plans, call_streams
+import weakref
+
+from .. import call_streams
 from ..backends.gpu.modules import SEND_PHASE
 
-__all__ = ["HOLDER", "send_dispatch", "send_combine", "launch_receive"]
+__all__ = ["HOLDER", "send_dispatch", "send_combine", "launch_receive", "num_sends", "sent_since"]
 
 HOLDER = "a low-latency receive hook"
 _DETAIL = ("its call sent the rows and the receive waits for the hook; calling the hook that "
            "low_latency_dispatch / low_latency_combine returned ends it")
+
+# Per buffer, ``(number, deferred)``: the receive its window is held for (one at most: the hold
+# refuses a second) and the number of its send in this process (`num_sends`).
+_unlaunched: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_num_sends = 0
 
 
 def send_dispatch(buffer, x, topk_idx, num_experts: int, num_max_tokens_per_rank: int, num_sms: int) -> tuple:
@@ -30,21 +39,10 @@ def send_dispatch(buffer, x, topk_idx, num_experts: int, num_max_tokens_per_rank
     Raises:
         as `ElasticBuffer.dispatch`; RuntimeError: the window is held (another hook is pending).
     """
-    backend = _begin(buffer, "dispatch")
-    data, sf, plan = call_plans.dispatch_plan(
-        buffer, x, topk_idx, None, None, num_experts, num_max_tokens_per_rank, 1, num_sms, 0, None, None, False,
-        False, None, True, False, True, False, False)
-    outputs, _ = call_streams.run_call(
-        backend, lambda: backend.dispatch(
-            data, sf, topk_idx, None, num_experts=plan.num_experts,
-            num_max_tokens_per_rank=plan.num_max_tokens_per_rank, expert_alignment=plan.expert_alignment,
-            num_sms=plan.num_sms, handle=None, do_handle_copy=plan.do_handle_copy, do_cpu_sync=plan.do_cpu_sync,
-            do_expand=plan.do_expand, do_zero_padding=plan.do_zero_padding,
-            use_tma_aligned_col_major_sf=plan.use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats=None,
-            phases=SEND_PHASE),
-        None, None, False, False, (data, sf, topk_idx))
-    recv_x, _, _, handle, deferred = outputs
-    buffer._window_use.hold(HOLDER, _DETAIL)
+    recv_x, _, _, handle, deferred, _ = buffer.dispatch(
+        x, topk_idx, num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=1,
+        num_sms=num_sms, do_cpu_sync=False, do_expand=True, _phases=SEND_PHASE)
+    _hold(buffer, deferred)
     return recv_x, handle, deferred
 
 
@@ -56,15 +54,8 @@ def send_combine(buffer, x, handle, num_sms: int) -> tuple:
     Raises:
         as `ElasticBuffer.combine`; RuntimeError: the window is held (another hook is pending).
     """
-    backend = _begin(buffer, "combine")
-    bias, plan = call_plans.combine_plan(buffer, x, handle, None, None, num_sms, 0, None, None, False, False, False)
-    num_sms = num_sms or handle.num_sms
-    outputs, _ = call_streams.run_call(
-        backend, lambda: backend.combine(x, handle, None, bias, num_sms=num_sms,
-                                         apply_dispatch_weights=plan.apply_dispatch_weights, phases=SEND_PHASE),
-        None, None, False, False, (x, handle))
-    combined_x, _, deferred = outputs
-    buffer._window_use.hold(HOLDER, _DETAIL)
+    combined_x, _, deferred, _ = buffer.combine(x, handle, num_sms=num_sms, _phases=SEND_PHASE)
+    _hold(buffer, deferred)
     return combined_x, deferred
 
 
@@ -75,16 +66,25 @@ def launch_receive(buffer, deferred) -> None:
     Raises:
         RuntimeError: the buffer was destroyed, or is unusable after an earlier GPU error.
     """
+    _unlaunched.pop(buffer, None)
     buffer._window_use.release(HOLDER)
     buffer._alive()
     call_streams.run_call(buffer._backend, deferred.launch, None, None, False, False, ())
 
 
-def _begin(buffer, name: str):
-    """What `ElasticBuffer.dispatch` / `combine` do first: the buffer alive, the call counted (a
-    refused one too), the window free."""
-    buffer._alive()
-    backend = buffer._backend
-    backend.calls += 1
-    buffer._window_use.check_free(name)
-    return backend
+def num_sends() -> int:
+    """How many sends this process made so far (`send_dispatch` and `send_combine`)."""
+    return _num_sends
+
+
+def sent_since(number: int) -> list:
+    """``(buffer, deferred)`` of every send after the first ``number`` (`num_sends`) whose receive
+    `launch_receive` did not launch yet."""
+    return [(buffer, deferred) for buffer, (send, deferred) in list(_unlaunched.items()) if send > number]
+
+
+def _hold(buffer, deferred) -> None:
+    global _num_sends
+    buffer._window_use.hold(HOLDER, _DETAIL)
+    _num_sends += 1
+    _unlaunched[buffer] = (_num_sends, deferred)

@@ -5,23 +5,50 @@ buffering), the zero-copy combine buffers, the rank mask.
 Contract: two buffer halves. A low-latency dispatch takes one no pending receive hook holds,
 preferring one whose last dispatch was combined (`_free_half`; every rank makes the same calls and hooks, so every rank takes the same), its
 combine takes the dispatch's; a call with a receive hook holds its half until the hook is called
-(`_hook`). On the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the
-Buffer's when it holds the call, half 1 one made on its first use (collective).
+(`_hook`); a call that raises before returning its hook holds nothing (`release_on_error`). On
+the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the Buffer's when
+it holds the call, half 1 one made on its first use (collective).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from .. import checks
+from .deferred import launch_receive, num_sends, sent_since
 from .layouts import NUM_CHANNELS_PER_SCALE, ReceiveHook, low_latency_rdma_size_hint
 
-__all__ = ["LowLatencyState"]
+__all__ = ["LowLatencyState", "release_on_error"]
 
 # The attributes holding a low-latency window made for each buffer half (half 0 uses the Buffer's
 # own when it is large enough).
 _HALF_BUFFERS = ("_low_latency_extra_buffer", "_low_latency_second_buffer")
+
+
+def release_on_error(method):
+    """Wrap a low-latency call (a method of `LowLatencyState`) so that, when it raises, the buffer
+    halves it took are free again: a half its hook was to hold, and the window its send half holds
+    on the GPU, whose receive is launched (the peers sent their rows to this call; the receive
+    keeps the window in step with theirs). The exception is raised as it was."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        pending_before, sends_before = list(self._pending_hooks()), num_sends()
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            pending = self._pending_hooks()
+            for slot, holder in enumerate(pending_before):
+                if holder is None:
+                    pending[slot] = None
+            for buffer, deferred in sent_since(sends_before):
+                try:
+                    launch_receive(buffer, deferred)   # frees the window first, whatever follows
+                except Exception:   # the call's own error is the one to raise
+                    pass
+            raise
+    return call
 
 
 class LowLatencyState:
@@ -127,12 +154,13 @@ class LowLatencyState:
     def _hook(self, receive, name: str, device: torch.device, slot: int) -> ReceiveHook:
         """A `ReceiveHook` for ``receive`` that holds buffer half ``slot`` until it is called."""
         pending = self._pending_hooks()
-        pending[slot] = name
 
         def release() -> None:
             pending[slot] = None
 
-        return ReceiveHook(receive, name, device, release)
+        hook = ReceiveHook(receive, name, device, release)
+        pending[slot] = name
+        return hook
 
     def _combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> torch.Tensor:
         """The current (of two) zero-copy combine buffer: bf16 ``[L, R*T, hidden]`` with DeepEP's row

@@ -41,7 +41,7 @@ from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, hos
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
 from .ll_reduce import load_kernel, weighted_sum
-from .ll_state import LowLatencyState
+from .ll_state import LowLatencyState, release_on_error
 from .planned import planned, refuse_side_keywords
 
 __all__ = ["LowLatencyMethods"]
@@ -171,6 +171,7 @@ class LowLatencyMethods(LowLatencyState):
                                 num_experts)
         return self._combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @release_on_error
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
@@ -341,6 +342,7 @@ class LowLatencyMethods(LowLatencyState):
                             f"num_experts) tuple low_latency_dispatch returned, got {type(handle).__name__}")
         return handle
 
+    @release_on_error
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None, *, overlap: bool = False,

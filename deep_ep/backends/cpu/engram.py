@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .. import outputs
+from ..engram_table import AGREED_FIELDS, STORAGE_FORMATS, EngramTableState
 from ... import shapes
 from .collectives import OP_ENGRAM_WRITE, Collectives, new_fields
 
@@ -31,12 +32,7 @@ SHM_DIR = "/dev/shm"
 
 # engram_write's fields in the common call header (`deep_ep.backends.cpu.collectives`).
 HOST, NUM_ENTRIES, HIDDEN, FORMAT, NUM_SF_PACKS, SF_ROWS, SF_DIGEST, PID, TOKEN = range(1, 10)
-_AGREE = {NUM_ENTRIES: "num_entries (rows of each rank's storage)", HIDDEN: "hidden",
-          FORMAT: "storage format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 int32 sf)",
-          NUM_SF_PACKS: "num_sf_packs (columns of sf)", SF_ROWS: "rows of sf",
-          SF_DIGEST: "the values of sf (a digest; the table is replicated: every rank passes the same)"}
-_FORMATS = {(torch.bfloat16, None): 0, (torch.float8_e4m3fn, torch.float32): 1,
-            (torch.float8_e4m3fn, torch.int32): 2}
+_AGREE = dict(zip((NUM_ENTRIES, HIDDEN, FORMAT, NUM_SF_PACKS, SF_ROWS, SF_DIGEST), AGREED_FIELDS))
 
 
 def host_identity() -> str:
@@ -68,32 +64,18 @@ def _map(path: str, num_bytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8, device="cpu")
 
 
-class EngramTable:
+class EngramTable(EngramTableState):
     """One buffer's Engram storage on one rank: every rank's shard (mapped), and the replicated
     scale factors of FP8 storage."""
 
     def __init__(self, rank: int, num_ranks: int) -> None:
-        self.rank = rank
-        self.num_ranks = num_ranks
-        self.num_entries = 0          # rows per rank; 0 until the first write
-        self.hidden = 0
-        self.dtype: Optional[torch.dtype] = None
-        self.sf: Optional[torch.Tensor] = None   # [num_ranks * num_entries, num_sf_packs], this rank's copy
+        super().__init__(rank, num_ranks)
         self._shards: list = []       # per rank: integer rows [num_entries, *] of its mapped segment
-
-    @property
-    def written(self) -> bool:
-        return self.num_entries > 0
-
-    @property
-    def num_sf_packs(self) -> int:
-        return 0 if self.sf is None else self.sf.shape[1]
 
     def release(self) -> None:
         """Unmap the shards (the mappings go with their last tensor) and forget the table."""
         self._shards = []
-        self.sf = None
-        self.num_entries, self.hidden, self.dtype = 0, 0, None
+        self._forget_table()
 
     # ------------------------------------------------------------------ write (collective)
     def write(self, comm: Collectives, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
@@ -108,7 +90,7 @@ class EngramTable:
         fields = new_fields()
         fields[HOST] = _hash64(host_identity())
         fields[NUM_ENTRIES], fields[HIDDEN] = num_entries, hidden
-        fields[FORMAT] = _FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
+        fields[FORMAT] = STORAGE_FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
         fields[NUM_SF_PACKS], fields[SF_ROWS] = (0, 0) if sf is None else sf.shape
         fields[SF_DIGEST] = 0 if sf is None else _hash64(sf.view(-1).view(torch.uint8).numpy())
         fields[PID], fields[TOKEN] = os.getpid(), secrets.randbits(63)

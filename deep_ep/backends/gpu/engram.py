@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .. import outputs
+from ..engram_table import AGREED_FIELDS, STORAGE_FORMATS, EngramTableState
 from ... import jit, shapes
 from ...cuda.streams import poll_event
 from .abi import _read_constants
@@ -42,12 +43,7 @@ _MAX_BLOCKS = 65535
 _MAGIC, _CALL, _NUM_ENTRIES, _HIDDEN, _FORMAT, _NUM_SF_PACKS, _SF_ROWS, _SF_DIGEST = range(8)   # digest: 2 words
 _HEADER_WORDS = HEADER_BYTES // 4
 _MAGIC_VALUE = 0x456E6772   # "Engr": a header that was stored, not a leftover of another use of the window
-_AGREE = ((_NUM_ENTRIES, "num_entries (rows of each rank's storage)"), (_HIDDEN, "hidden"),
-          (_FORMAT, "storage format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 int32 sf)"),
-          (_NUM_SF_PACKS, "num_sf_packs (columns of sf)"), (_SF_ROWS, "rows of sf"),
-          (_SF_DIGEST, "the values of sf (a digest; the table is replicated: every rank passes the same)"))
-_FORMATS = {(torch.bfloat16, None): 0, (torch.float8_e4m3fn, torch.float32): 1,
-            (torch.float8_e4m3fn, torch.int32): 2}
+_AGREE = tuple(zip((_NUM_ENTRIES, _HIDDEN, _FORMAT, _NUM_SF_PACKS, _SF_ROWS, _SF_DIGEST), AGREED_FIELDS))
 
 
 class EngramArgs(ctypes.Structure):
@@ -72,28 +68,16 @@ def _sf_digest(sf: torch.Tensor) -> torch.Tensor:
     return ((words + 0x9E3779B9) * weights).sum().reshape(1).view(torch.int32)
 
 
-class GPUEngramTable:
+class GPUEngramTable(EngramTableState):
     """One buffer's Engram table on one rank of a GPU buffer (see the module docstring)."""
 
     def __init__(self, backend) -> None:
+        super().__init__(backend.rank, backend.num_ranks)
         self.backend = backend
-        self.rank, self.num_ranks = backend.rank, backend.num_ranks
-        self.num_entries = 0          # rows per rank; 0 until the first write
-        self.hidden = 0
-        self.dtype: Optional[torch.dtype] = None
-        self.sf: Optional[torch.Tensor] = None   # [num_ranks * num_entries, num_sf_packs], this rank's copy
         self.bad_index = MappedWords(backend.device, 2)   # one u64: (position + 1) | index << 32
         # every fetch not known to be done: fetches may run on several streams, and a write must wait
         # for all of them (finished ones are dropped at each fetch, so the list stays short)
         self.fetches: list = []
-
-    @property
-    def written(self) -> bool:
-        return self.num_entries > 0
-
-    @property
-    def num_sf_packs(self) -> int:
-        return 0 if self.sf is None else self.sf.shape[1]
 
     def _wait_for_fetches(self) -> None:
         """Poll until every fetch kernel of this rank finished, whichever stream it ran on."""
@@ -119,8 +103,7 @@ class GPUEngramTable:
             self._wait_for_fetches()
         finally:
             self.bad_index.free()
-            self.sf = None
-            self.num_entries, self.hidden, self.dtype = 0, 0, None
+            self._forget_table()
 
     # ------------------------------------------------------------------ bad indices (found on the GPU)
     def raise_bad_index(self) -> None:
@@ -167,7 +150,7 @@ class GPUEngramTable:
         words = [0] * _HEADER_WORDS
         words[_MAGIC], words[_CALL] = _MAGIC_VALUE, call & 0x7FFFFFFF
         words[_NUM_ENTRIES], words[_HIDDEN] = num_entries, hidden
-        words[_FORMAT] = _FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
+        words[_FORMAT] = STORAGE_FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
         words[_NUM_SF_PACKS], words[_SF_ROWS] = (0, 0) if sf is None else sf.shape
         header = torch.tensor(words, dtype=torch.int32, device="cpu").pin_memory().to(device, non_blocking=True)
         if sf is not None:
