@@ -442,7 +442,7 @@ class AllGatherReduceScatterMixin:
             session.
 
         On a GPU buffer the chunks move on copy engines as in `all_gather`; ``handle()`` queues the
-        wait and then the sum (a few elementwise kernels: the only SM work of AGRS) on the stream
+        wait and then the sum (one small kernel per tensor: the only SM work of AGRS) on the stream
         current at its call.
 
         Raises:

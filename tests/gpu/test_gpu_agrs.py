@@ -263,3 +263,63 @@ def test_capture_is_refused(nccl_group):
         assert torch.equal(gathered.cpu(), torch.full((1, 4), 7.0))
     finally:
         buf.destroy()
+
+
+def _special_values(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """Infinities, NaN, signed zeros, float32 subnormals and sums that overflow, at random places."""
+    flat = tensor.view(-1)
+    values = [float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-40, -3e-39, 3e38, -3e38]
+    for value in values:
+        if flat.numel():
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=generator))] = value
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_reduce_kernel_equals_the_torch_spec(dtype):
+    """A reduce-scatter's sum kernel (deep_ep/backends/gpu/agrs_reduce.py) equals its torch spec, run on
+    the CPU, bit for bit: random chunks with special values, 1 to 8 ranks, average on and off, the
+    16-byte path (aligned chunks) and the element path (odd chunks, or a view off 16-byte alignment),
+    an empty chunk; the output poisoned first. A NaN's sign and payload are not specified by IEEE
+    arithmetic (x86 and the GPU differ): NaNs are compared by position, every other element by its bits."""
+    from deep_ep.backends.gpu import agrs_reduce
+    generator = torch.Generator().manual_seed(17)
+    cases = [(1, (4, 1024), 0), (2, (7, 1024), 0), (3, (5, 33), 0), (8, (16, 7168), 0), (4, (3, 64), 1),
+             (5, (1,), 0), (2, (0, 16), 0)]
+    for num_ranks, shape, misalign in cases:
+        for average in (False, True):
+            where = (num_ranks, shape, misalign, average, dtype)
+            numel = num_ranks * int(torch.tensor(shape).prod())
+            scale = 1.0 if dtype == torch.float32 else 4.0
+            storage = (torch.randn(numel + misalign, generator=generator) * scale).to(dtype)
+            _special_values(storage, generator)
+            received_cpu = storage[misalign:].view(num_ranks, *shape)
+            want = agrs_reduce.reduce_torch(received_cpu, average, torch.empty(shape, dtype=dtype))
+            received = storage.to(DEVICE)[misalign:].view(num_ranks, *shape)
+            out = torch.empty(shape, dtype=dtype, device=DEVICE)
+            out.view(torch.uint8).fill_(0xFF)   # poison: NaN, which the comparison below tells apart by position
+            got = agrs_reduce.reduce(received, average, out)
+            assert got is out
+            torch.cuda.synchronize()
+            got = got.cpu()
+            if want.numel():
+                assert want.float().abs().nansum() > 0, where
+                assert (~want.isnan()).sum() > want.numel() // 2, where
+            assert torch.equal(got.isnan(), want.isnan()), where
+            numbers = ~want.isnan()
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got.view(bits)[numbers], want.view(bits)[numbers]), where
+
+
+def test_reduce_refuses_bad_arguments():
+    """The sum's checks run before any launch: dtypes, shapes, layout."""
+    from deep_ep.backends.gpu import agrs_reduce
+    received = torch.zeros((2, 8), dtype=torch.bfloat16, device=DEVICE)
+    _expect(TypeError, "bf16 or float32", agrs_reduce.reduce, received.to(torch.int32), False,
+            torch.zeros(8, dtype=torch.int32, device=DEVICE))
+    _expect(TypeError, "bf16 or float32", agrs_reduce.reduce, received, False,
+            torch.zeros(8, dtype=torch.float32, device=DEVICE))
+    _expect(ValueError, r"must be \[R, \*out.shape\]", agrs_reduce.reduce, received, False,
+            torch.zeros(4, dtype=torch.bfloat16, device=DEVICE))
+    _expect(ValueError, "contiguous", agrs_reduce.reduce, torch.zeros((8, 2), dtype=torch.bfloat16,
+                                                                      device=DEVICE).t(), False,
+            torch.zeros(8, dtype=torch.bfloat16, device=DEVICE))

@@ -7,8 +7,8 @@ call's room in every rank's window, then raises its flag word of that call in ev
 (``cuStreamWriteValue32``, which fences the copies before the write); its handle makes the stream
 wait (``cuStreamWaitValue32``) until every rank's flag of the call is raised. A reduce-scatter sends
 chunk ``p`` of its input to rank ``p`` the same way; its handle waits, then sums the received chunks
-in float32 in rank order with torch operations on the stream (the CPU backend's formula, so the same
-bits). The host never waits in a call or a handle. The flags carry the session's number, which a
+in float32 in rank order with one kernel per tensor on the stream (`deep_ep.backends.gpu.agrs_reduce`:
+the CPU backend's formula, so the same bits). The host never waits in a call or a handle. The flags carry the session's number, which a
 CUDA graph's replays would repeat, so sessions refuse capture. There is no GPU-side timeout: a
 stream whose peer never makes the call waits until it does.
 
@@ -29,6 +29,7 @@ import torch
 
 from ...cuda.driver import enter_context, error_name, leave_context, memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
+from . import agrs_reduce
 from .abi import CTRL_BYTES, _read_constants
 from .modules import AGRS_PEERS_KERNEL
 
@@ -164,6 +165,7 @@ class GPUAgrsMoves:
         backend = self.backend
         backend.raise_if_broken()
         num_ranks, rank = self.num_ranks, self.rank
+        agrs_reduce.load_kernel(self.device)   # built here, not at a reduce-scatter handle's first wait
         stream = torch.cuda.current_stream(self.device)
         self._wait_stream(stream)
         if backend.emulated:
@@ -269,12 +271,6 @@ class GPUAgrsMoves:
                 for room, output in zip(rooms, outputs):
                     if stream != allocated_on:
                         output.record_stream(stream)
-                    received = room.view(output.dtype).view(num_ranks, *output.shape)
-                    total = received[0].to(torch.float32, copy=True)
-                    for rank in range(1, num_ranks):   # rank order: the CPU backend's sums, bit for bit
-                        total.add_(received[rank])
-                    if average:
-                        # a device divisor: a true division, as on CPU (a host scalar becomes a reciprocal)
-                        total.div_(torch.full((), float(num_ranks), dtype=torch.float32, device=self.device))
-                    output.copy_(total)
+                    # one kernel per tensor: the CPU backend's float32 sum in rank order, bit for bit
+                    agrs_reduce.reduce(room.view(output.dtype).view(num_ranks, *output.shape), average, output)
         return outputs, self._waiter(session, self._send(session, pieces, what), what, reduce)
