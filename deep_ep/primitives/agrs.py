@@ -144,14 +144,18 @@ class AllGatherReduceScatterMixin:
     def _release_primitives(self) -> None:
         """Close an open session without waiting for its handles and drop the session space
         (`ElasticBuffer.destroy`); on CPU, outputs the caller still holds keep their bytes (on GPU
-        they are views of the window the backend frees)."""
+        they are views of the window the backend frees, once the stream waits already queued are
+        done: TimeoutError naming a peer that never arrived)."""
         session = getattr(self, "_agrs_session", None)
         if session is not None:
             session.open = False
             session.handles = []
             session.space = None
             session.num_max_session_bytes = 0
+        release = getattr(getattr(self, "_agrs_mover", None), "release", None)
         self._agrs_mover = None
+        if release is not None:
+            release()
 
     def _agrs_in_session(self, method: str) -> _Session:
         session = self._agrs(method)

@@ -8,7 +8,8 @@ order with outputs read right after each handle (GPU-side delays on random ranks
 not wait would read poison), a slow reader of the previous session's outputs (a peer that did not
 wait for it to enter the next session would overwrite them), bad input refused before any launch,
 dispatch against an open session, dispatch and pp_set_config between sessions (refused until the
-next agrs_set_config), and CUDA-graph capture refused. Hosts never block
+next agrs_set_config), CUDA-graph capture refused, a peer that comes late named by the next call
+and by destroy's wait, and the reduce kernel against its torch spec. Hosts never block
 on a call or a handle; they wait with `deep_ep.emulated.wait_for_stream` before reading results.
 Run by ``EXTRA_FILES=tests/gpu/test_gpu_agrs.py bash tools/device_suite.sh extra``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -323,3 +325,46 @@ def test_reduce_refuses_bad_arguments():
     _expect(ValueError, "contiguous", agrs_reduce.reduce, torch.zeros((8, 2), dtype=torch.bfloat16,
                                                                       device=DEVICE).t(), False,
             torch.zeros(8, dtype=torch.bfloat16, device=DEVICE))
+
+
+#: num_cpu_timeout_secs of the late-peer test: how long rank 0's stream waits before the host names rank 1
+LATE_TIMEOUT = 5.0
+
+
+def _late_peer_body(group):
+    rank = group.rank()
+    buf = deep_ep.ElasticBuffer(group, num_bytes=deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(group, 1024),
+                                explicitly_destroy=True, num_cpu_timeout_secs=LATE_TIMEOUT)
+    mine = torch.full((8,), float(rank + 1), device=DEVICE)
+    try:
+        buf.agrs_set_config(1024, 2)
+        buf.create_agrs_session()
+        gathered = None
+        if rank == 0:
+            gathered, handle = buf.all_gather(mine)
+            handle()   # the stream waits for rank 1's flag: rank 1 makes its call only after the checks below
+            buf.destroy_agrs_session()
+            time.sleep(LATE_TIMEOUT + 0.5)
+            missing = r"rank 1 never made its all_gather #1 of AGRS session #\d+"
+            _expect(TimeoutError, missing, buf.create_agrs_session)   # the next call names the peer
+            _expect(TimeoutError, missing + ".*window is not released", buf._agrs_moves().release, "destroy")
+            _expect(RuntimeError, "an AGRS peer never arrived", buf.create_agrs_session)   # broken from then on
+        group.barrier()
+        if rank == 1:
+            gathered, handle = buf.all_gather(mine)
+            handle()
+            buf.destroy_agrs_session()
+        _wait()
+        assert torch.equal(gathered.cpu(), torch.tensor([[1.0] * 8, [2.0] * 8])), rank
+    finally:
+        buf.destroy()   # rank 1 came: the waits are done, the window is released
+
+
+def test_a_peer_that_never_arrives_is_named():
+    """Rank 1 makes its all_gather only after rank 0's checks: rank 0's next call, once its stream has
+    waited over num_cpu_timeout_secs, raises TimeoutError naming rank 1 and the call (the host never
+    waited for it), and so does the wait of destroy; once rank 1 makes the call, both streams finish
+    and destroy releases the buffer."""
+    from deep_ep.backends.gpu import agrs_reduce
+    agrs_reduce.load_kernel(DEVICE)   # built before the ranks start, not inside the short timeout
+    _run(2, _late_peer_body)
