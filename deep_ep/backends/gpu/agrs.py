@@ -251,7 +251,6 @@ class GPUAgrsMoves:
         backend = self.backend
         backend.raise_if_broken()
         num_ranks, rank = self.num_ranks, self.rank
-        agrs_reduce.load_kernel(self.device)   # built here, not at a reduce-scatter handle's first wait
         stream = torch.cuda.current_stream(self.device)
         self._wait_stream(stream)
         self.release("agrs_set_config")
@@ -260,6 +259,12 @@ class GPUAgrsMoves:
         else:
             backend.drain()
         backend.transport.host_barrier()
+        # the sum kernel of reduce-scatter handles, loaded now that no rank has work in flight (emulated
+        # ranks: together, as a module load waits for the GPU to drain) and not at a handle's first wait
+        if backend.emulated:
+            backend.group.load_collectively(("agrs_reduce",), lambda: agrs_reduce.load_kernel(self.device))
+        else:
+            agrs_reduce.load_kernel(self.device)
         if not self.peers:
             self.peers = self._read_peers(stream)
         header = self._window_view(AGRS_OFFSET, 4 * _HEADER_ROWS * num_ranks).view(torch.int32)
