@@ -235,8 +235,8 @@ class AllGatherReduceScatterMixin:
         Raises:
             RuntimeError: a session is already open, `agrs_set_config` was not called, another
             primitive holds the window, a destroyed buffer, or (GPU) a dispatch, combine or pipeline
-            send/recv since agrs_set_config, or an earlier GPU error.
-            NotImplementedError: a backend other than CPU and GPU.
+            send/recv since agrs_set_config, or an earlier GPU error. TimeoutError: (GPU) as
+            `all_gather`. NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs("create_agrs_session")
         if session.open:
@@ -409,7 +409,8 @@ class AllGatherReduceScatterMixin:
             session, the session's space or call count exceeded, a destroyed buffer, (CPU, on every
             rank) ranks passing different shapes or dtypes (not detected on GPU: the outputs are
             then undefined), or (GPU) a dispatch, combine or pipeline send/recv since agrs_set_config.
-            NotImplementedError: a backend other than CPU and GPU.
+            TimeoutError: (GPU) this rank's stream has waited over ``num_cpu_timeout_secs`` for a
+            peer's call (named) that never came. NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs_in_session("all_gather")
         backend = self._backend
