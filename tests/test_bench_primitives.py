@@ -111,19 +111,53 @@ def test_floor_and_overlap_arithmetic():
     assert prim.ratio(30.0, None) is None
     assert prim.slowdown_percent(105.0, 100.0) == pytest.approx(5.0)
     assert prim.slowdown_percent(98.0, 100.0) == pytest.approx(-2.0)
-    assert prim.matmul_rows(200.0, 100.0, 1024) == 2048
-    assert prim.matmul_rows(1.0, 100.0, 1024) == 64          # at least 64 rows
-    assert prim.matmul_rows(1e6, 1.0, 1024) == 16384         # at most 16384
-    assert prim.matmul_rows(150.0, 100.0, 1000) == 1472      # a multiple of 64
+    assert prim.matmul_count(20 * 15.0, 90.0) == 3           # rounded down: every matmul beside the transfer
+    assert prim.matmul_count(20 * 8.0, 90.0) == 1            # a round shorter than one matmul: one
+    assert prim.matmul_count(1e9, 1.0) == prim.MAX_MATMULS_PER_ROUND
+    assert prim.matmul_count(100.0, float("nan")) == 1 and prim.matmul_count(100.0, 0.0) == 1
 
 
-def _row(case, sms, slowdown, check="check passed", time_us=20.0):
+def test_the_overlap_matmuls():
+    """The compute-bound matmul does far more flops per byte than an H200's compute / HBM ratio
+    (about 990 Tflop/s over 4.8 TB/s: 206); the memory-bound one far fewer."""
+    compute, memory = prim.MATMULS
+    assert (compute.kind, compute.key, memory.kind, memory.key) == ("compute-bound", "compute_bound",
+                                                                     "memory-bound", "memory_bound")
+    assert compute.rows >= 2048 and compute.shape == "[2048, 4096] x [4096, 4096]"
+
+    def flops_per_byte(matmul):
+        flops = 2 * matmul.rows * matmul.width * matmul.width
+        return flops / (2 * (2 * matmul.rows * matmul.width + matmul.width * matmul.width))
+    assert flops_per_byte(compute) > 4 * 206 and flops_per_byte(memory) < 206 / 3
+
+
+def test_the_gate_scales_with_calls_and_host_time():
+    """The gate's expected host time: calls x the slowest time per call seen in the case, a generous
+    guess before any was measured."""
+    from deep_ep.bench import primitives_gpu
+    timer = primitives_gpu._Timer.__new__(primitives_gpu._Timer)
+    timer.host_per_call_us = {}
+    guess = primitives_gpu.HOST_GUESS_US
+    assert timer._host_us("transfer", 8) == 8 * guess["transfer"]
+    assert timer._host_us("compute_bound", 3) == 3 * guess["matmul"]
+    timer.host_per_call_us = {"transfer": 450.0, "memory_bound": 12.0}
+    assert timer._host_us("transfer", 4 * 20) == pytest.approx(36_000.0)   # 4 ranks x 20 calls
+    assert timer._host_us("memory_bound", 10) == pytest.approx(120.0)
+
+
+def _overlap(matmul, slowdown):
+    return {"matmul_rows": matmul.rows, "matmul_width": matmul.width, "matmuls_per_round": 4, "matmul_us": 100.0,
+            "matmul_both_us": 100.0 + slowdown, "transfer_both_us": 21.0, "matmul_round_us": 400.0,
+            "both_round_us": 401.0 + 4 * slowdown, "slowdown_percent": slowdown}
+
+
+def _row(case, sms, slowdown, check="check passed", time_us=20.0, memory_slowdown=30.0):
     nbytes = prim.process_bytes(case, 4, True)
+    compute, memory = prim.MATMULS
     return {"primitive": case.primitive, "op": case.op, "label": case.label, "time_us": time_us, "bytes": nbytes,
             "gbps": prim.bandwidth_gbps(nbytes, time_us), "floor_us": 10.0, "floor_ratio": prim.ratio(time_us, 10.0),
             "sms_held": sms, "host_bound": False, "check": check,
-            "overlap": {"matmul_rows": 512, "matmul_us": 100.0, "matmul_both_us": 100.0 + slowdown,
-                        "transfer_both_us": 21.0, "both_us": 101.0, "slowdown_percent": slowdown}}
+            "overlap": {compute.key: _overlap(compute, slowdown), memory.key: _overlap(memory, memory_slowdown)}}
 
 
 def test_report_lines():
@@ -131,15 +165,26 @@ def test_report_lines():
     lines = prim.format_case(_row(gather, 0, 2.0))
     assert lines[0].startswith("agrs all_gather 1 MiB bf16 per rank: 20.0 us/call, 16.78 MB, 838.9 GB/s; "
                                "copy floor 10.0 us (ratio 2.00); SMs held 0 per rank (copy engines)")
-    assert "matmul slowdown +2.0% (within the 5% bound of a zero-SM transfer)" in lines[1]
-    assert lines[2] == "  check passed"
+    assert lines[1] == ("  overlap, compute-bound matmul [2048, 4096] x [4096, 4096] bf16 x 4 per round: alone "
+                        "100.0 us each; beside the transfer 102.0 us each (transfer 21.0 us/call, alone 20.0); "
+                        "round 409.0 us; compute-bound matmul slowdown +2.0% (within the 5% bound of a zero-SM "
+                        "transfer)")
+    assert lines[2] == ("  overlap, memory-bound matmul [64, 7168] x [7168, 7168] bf16 x 4 per round: alone 100.0 "
+                        "us each; beside the transfer 130.0 us each (transfer 21.0 us/call, alone 20.0); round "
+                        "521.0 us; memory-bound matmul slowdown +30.0% (informational: it shares HBM bandwidth "
+                        "with the transfer's copies)")
+    assert lines[3] == "  check passed"
     assert "OVER the 5% bound" in prim.format_case(_row(gather, 0, 7.5))[1]
+    scatter = prim.cases("agrs")[2]
+    scatter_lines = prim.format_case(_row(scatter, 0, 7.5))
+    assert "the fp32 sum in the handle runs one kernel" in scatter_lines[0]
+    assert "5% bound" not in scatter_lines[1] and "no bound: the sum in the handle runs on SMs" in scatter_lines[1]
     pp = prim.cases("pp")[0]
     pp_lines = prim.format_case(_row(pp, 1, 30.0, check="check: FAILED: pp_recv's tensor: 3 of 65536 bytes differ"))
-    assert "SMs held 1 per rank" in pp_lines[0] and "bound" not in pp_lines[1]   # the bound is for zero-SM paths
-    assert pp_lines[2] == "  check: FAILED: pp_recv's tensor: 3 of 65536 bytes differ"
+    assert "SMs held 1 per rank" in pp_lines[0] and "5% bound" not in pp_lines[1]   # the bound is for zero-SM paths
+    assert pp_lines[3] == "  check: FAILED: pp_recv's tensor: 3 of 65536 bytes differ"
     missing = prim.format_case(_row(pp, 1, 0.0, check=None, time_us=float("nan")))
-    assert "nan us/call" not in missing[0] and "n/a us/call" in missing[0] and len(missing) == 2
+    assert "nan us/call" not in missing[0] and "n/a us/call" in missing[0] and len(missing) == 3
 
 
 def test_json_result(tmp_path):
@@ -151,8 +196,11 @@ def test_json_result(tmp_path):
     back = json.loads(path.read_text())
     assert back["mode"] == "primitives" and back["primitives"] == ["agrs"] and back["num_ranks"] == 4
     assert back["check"] == {"enabled": True, "passed": True, "failures": []}
-    assert back["cases"][0]["overlap"]["slowdown_percent"] == 1.0
+    assert back["cases"][0]["overlap"]["compute_bound"]["slowdown_percent"] == 1.0
+    assert back["cases"][0]["overlap"]["memory_bound"]["slowdown_percent"] == 30.0
     assert back["zero_sm_slowdown_bound_percent"] == 5.0
+    assert back["overlap_matmuls"] == {"compute_bound": {"rows": 2048, "width": 4096, "dtype": "bf16"},
+                                       "memory_bound": {"rows": 64, "width": 7168, "dtype": "bf16"}}
     failed = prim.build_result(["pp"], [], ["rank 1, pp: differs"], runner="r", device="d", num_ranks=2,
                                emulated=True, iters=5, checked=True)
     assert failed["check"]["passed"] is False

@@ -121,3 +121,11 @@ def test_the_combines_single_source_path_can_be_left_out():
     defines = dict(gpu.combine_defines(4096, 8, False), EP_COMBINE_SINGLE_UNROLL=0)
     mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=defines, check_spills=True)
     assert modules.COMBINE_KERNEL in mod.kernel_names()
+
+
+def test_agrs_reduce_kernel_compiles():
+    """A reduce-scatter's sum (kernels/agrs_reduce.cuh) compiles under NVRTC without spills: one entry
+    point for both dtypes and both load widths."""
+    from deep_ep.backends.gpu import agrs_reduce
+    module = jit.build("deep_ep_agrs_reduce", "#include <deep_ep/kernels/agrs_reduce.cuh>\n", check_spills=True)
+    assert module.kernel_names() == [agrs_reduce.KERNEL_NAME]

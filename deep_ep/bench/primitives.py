@@ -17,23 +17,52 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["PRIMITIVES", "DEFAULT_ITERS", "HIDDEN", "ZERO_SM_SLOWDOWN_BOUND", "Case", "cases", "prepare",
-           "reduce_scatter_rows", "bytes_per_rank", "process_bytes", "peer_bytes", "sms_held", "bandwidth_gbps",
-           "ratio", "slowdown_percent", "matmul_rows", "format_case", "format_header", "build_result"]
+__all__ = ["PRIMITIVES", "DEFAULT_ITERS", "HIDDEN", "ZERO_SM_SLOWDOWN_BOUND", "MATMULS", "Matmul", "Case", "cases",
+           "prepare", "reduce_scatter_rows", "bytes_per_rank", "process_bytes", "peer_bytes", "sms_held",
+           "bandwidth_gbps", "ratio", "slowdown_percent", "matmul_count", "bound_applies", "format_case",
+           "format_header", "build_result"]
 
 PRIMITIVES = ("pp", "agrs", "engram")
 DEFAULT_ITERS = 20
-#: DeepSeek-V3's hidden size: the Engram rows and the overlap matmul's width.
+#: DeepSeek-V3's hidden size: the Engram rows and the memory-bound overlap matmul's width.
 HIDDEN = 7168
 #: Columns of the bf16 tensors PP and AGRS move (a tensor of ``n`` bytes is ``[n / 2048, 1024]``).
 COLUMNS = 1024
-#: The matmul beside a transfer that holds no SM should run at most this much slower (percent).
+#: The compute-bound matmul beside a transfer that holds no SM should run at most this much slower (percent).
 ZERO_SM_SLOWDOWN_BOUND = 5.0
+#: Matmuls in one overlap round, at most.
+MAX_MATMULS_PER_ROUND = 4096
 KIB, MIB = 1 << 10, 1 << 20
 #: Blocks of the Engram gather kernel: one warp per fetched row, 8 warps per block.
 ENGRAM_ROWS_PER_BLOCK = 8
 #: Bytes one PP block copies per step (256 threads, 16-byte stores).
 PP_BYTES_PER_BLOCK_STEP = 16 * 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """A bf16 matmul ``[rows, width] x [width, width]`` of the overlap lines, repeated to last about as
+    long as the transfer. ``kind``: ``compute-bound`` (its arithmetic, not HBM, limits it: what competes
+    with a transfer only for SMs) or ``memory-bound`` (it streams its weights from HBM: what competes
+    with the copies for bandwidth)."""
+
+    kind: str
+    rows: int
+    width: int
+
+    @property
+    def key(self) -> str:
+        """Its key in a row's ``overlap``: ``compute_bound`` or ``memory_bound``."""
+        return self.kind.replace("-", "_")
+
+    @property
+    def shape(self) -> str:
+        return f"[{self.rows}, {self.width}] x [{self.width}, {self.width}]"
+
+
+#: The overlap matmuls: 2048 x 4096 x 4096 does about 1000 flops per byte it moves, well above an
+#: H200's ratio of compute to HBM bandwidth; 64 x 7168 x 7168 streams 100 MB of weights for 6.6 Gflop.
+MATMULS = (Matmul("compute-bound", 2048, 4096), Matmul("memory-bound", 64, HIDDEN))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +195,7 @@ def peer_bytes(case: Case, num_ranks: int) -> int:
 
 def sms_held(case: Case, num_sms: int, device_sms: int) -> int:
     """SMs one rank's transfer holds while it runs: 0 for the copy-engine paths (AGRS; the
-    reduce_scatter's fp32 sum in the handle runs torch kernels afterwards), PP's blocks (``num_sms``,
+    reduce_scatter's fp32 sum in the handle runs one kernel afterwards), PP's blocks (``num_sms``,
     0 meaning one, no more than its 16-byte steps), the Engram gather's blocks (8 rows per block)."""
     if case.primitive == "agrs":
         return 0
@@ -196,10 +225,19 @@ def slowdown_percent(with_transfer_us: Optional[float], alone_us: Optional[float
     return (with_transfer_us / alone_us - 1.0) * 100.0
 
 
-def matmul_rows(target_us: float, measured_us: float, rows: int) -> int:
-    """Rows of the ``[rows, HIDDEN] x [HIDDEN, HIDDEN]`` matmul that takes about ``target_us``, given
-    that ``rows`` rows took ``measured_us``: a multiple of 64 in [64, 16384]."""
-    return max(64, min(16384, int(rows * target_us / max(measured_us, 1e-3)) // 64 * 64))
+def matmul_count(round_us: float, matmul_us: float) -> int:
+    """Matmuls of ``matmul_us`` each that fit in a transfer round of ``round_us``: at least 1, at most
+    `MAX_MATMULS_PER_ROUND`; rounded down, so that every matmul but a last single one runs beside the
+    transfer."""
+    if not matmul_us or matmul_us <= 0 or math.isnan(matmul_us) or math.isnan(round_us):
+        return 1
+    return max(1, min(MAX_MATMULS_PER_ROUND, int(round_us / matmul_us)))
+
+
+def bound_applies(row: Dict[str, Any]) -> bool:
+    """Whether `ZERO_SM_SLOWDOWN_BOUND` judges a row: its transfer holds no SM at any time (a
+    reduce_scatter's copies hold none, but the sum in its handle runs a kernel on SMs)."""
+    return row["sms_held"] == 0 and row["op"] != "reduce_scatter"
 
 
 def _cell(value: Optional[float], fmt: str) -> str:
@@ -213,29 +251,40 @@ def format_header(primitives: Sequence[str], where: str, device: str, iters: int
             f"this GPU; floor = a device copy of the same bytes in this run")
 
 
+def _format_overlap(row: Dict[str, Any], matmul: Matmul, overlap: Dict[str, Any]) -> str:
+    """One overlap line: the matmul alone and beside the transfer, per matmul; its slowdown."""
+    slow = overlap.get("slowdown_percent")
+    if matmul.kind == "memory-bound":
+        note = " (informational: it shares HBM bandwidth with the transfer's copies)"
+    elif bound_applies(row) and slow is not None:
+        verdict = "within" if slow <= ZERO_SM_SLOWDOWN_BOUND else "OVER"
+        note = f" ({verdict} the {ZERO_SM_SLOWDOWN_BOUND:.0f}% bound of a zero-SM transfer)"
+    elif row["sms_held"] == 0:
+        note = " (no bound: the sum in the handle runs on SMs)"
+    else:
+        note = ""
+    return (f"  overlap, {matmul.kind} matmul {matmul.shape} bf16 x {overlap['matmuls_per_round']} per round: "
+            f"alone {_cell(overlap['matmul_us'], '{:.1f}')} us each; beside the transfer "
+            f"{_cell(overlap['matmul_both_us'], '{:.1f}')} us each (transfer "
+            f"{_cell(overlap['transfer_both_us'], '{:.1f}')} us/call, alone {_cell(row['time_us'], '{:.1f}')}); "
+            f"round {_cell(overlap['both_round_us'], '{:.1f}')} us; {matmul.kind} matmul slowdown "
+            f"{_cell(slow, '{:+.1f}')}%{note}")
+
+
 def format_case(row: Dict[str, Any]) -> List[str]:
     """The lines of one measured case (a row of `build_result`'s ``cases``)."""
     lines = [f"{row['label']}: {_cell(row['time_us'], '{:.1f}')} us/call, {row['bytes'] / 1e6:.2f} MB, "
              f"{_cell(row['gbps'], '{:.1f}')} GB/s; copy floor {_cell(row['floor_us'], '{:.1f}')} us "
              f"(ratio {_cell(row['floor_ratio'], '{:.2f}')}); SMs held {row['sms_held']} per rank"
-             + (" (copy engines; the fp32 sum in the handle runs torch kernels)" if row["op"] == "reduce_scatter"
+             + (" (copy engines; the fp32 sum in the handle runs one kernel)" if row["op"] == "reduce_scatter"
                 else " (copy engines)" if row["sms_held"] == 0 else "")]
     if row.get("nvlink_floor_us") is not None:
         lines.append(f"  NVLink floor: a peer copy of the {row['peer_bytes'] / 1e6:.2f} MB leaving this GPU "
                      f"{row['nvlink_floor_us']:.1f} us")
-    overlap = row.get("overlap")
-    if overlap:
-        slow = overlap.get("slowdown_percent")
-        bound = ""
-        if row["sms_held"] == 0 and slow is not None:
-            verdict = "within" if slow <= ZERO_SM_SLOWDOWN_BOUND else "OVER"
-            bound = f" ({verdict} the {ZERO_SM_SLOWDOWN_BOUND:.0f}% bound of a zero-SM transfer)"
-        lines.append(f"  overlap: matmul [{overlap['matmul_rows']}, {HIDDEN}] x [{HIDDEN}, {HIDDEN}] alone "
-                     f"{_cell(overlap['matmul_us'], '{:.1f}')} us; transfer alone {_cell(row['time_us'], '{:.1f}')} "
-                     f"us; both {_cell(overlap['both_us'], '{:.1f}')} us (matmul "
-                     f"{_cell(overlap['matmul_both_us'], '{:.1f}')} us, transfer "
-                     f"{_cell(overlap['transfer_both_us'], '{:.1f}')} us); matmul slowdown "
-                     f"{_cell(slow, '{:+.1f}')}%{bound}")
+    for matmul in MATMULS:
+        overlap = (row.get("overlap") or {}).get(matmul.key)
+        if overlap:
+            lines.append(_format_overlap(row, matmul, overlap))
     if row.get("host_bound"):
         lines.append("  warning: the host queued the calls slower than the gate held the GPU: times are host-bound")
     if row.get("check") is not None:
@@ -250,5 +299,8 @@ def build_result(primitives: Sequence[str], rows: List[Dict[str, Any]], failures
     return {"mode": "primitives", "primitives": list(primitives), "runner": runner, "device": device,
             "num_ranks": num_ranks, "emulated": emulated, "iters": iters, "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "zero_sm_slowdown_bound_percent": ZERO_SM_SLOWDOWN_BOUND, "cases": rows,
+            "zero_sm_slowdown_bound_percent": ZERO_SM_SLOWDOWN_BOUND,
+            "overlap_matmuls": {matmul.key: {"rows": matmul.rows, "width": matmul.width, "dtype": "bf16"}
+                                for matmul in MATMULS},
+            "cases": rows,
             "check": {"enabled": checked, "passed": not failures, "failures": list(failures)}}

@@ -11,9 +11,12 @@ once the buffer is configured) while the other threads wait at a host barrier.
 
 A round: a sleep kernel on a timing stream (the gate), then an event; every rank's stream and the
 matmul's stream wait for that event before their calls, so the host queues a whole round while the
-gate holds the GPU and the device times are not the host's pace. Per case: the transfer alone, a
-bf16 matmul alone (sized to take about as long) and both together, 3 rounds each (medians); the
-matmul's slowdown beside the transfer; the floor, a device copy of the same bytes.
+gate holds the GPU and the device times are not the host's pace. The gate lasts twice the round's
+expected queueing time (calls x ranks x the host's time per call, measured in the case's earlier
+rounds) plus 5 ms. Per case: the transfer alone; for each overlap matmul (compute-bound and
+memory-bound, `primitives.MATMULS`) the matmul alone, repeated to last about as long as the
+transfer's round, and both together, 3 rounds each (medians); the matmul's slowdown beside the
+transfer; the floor, a device copy of the same bytes.
 """
 from __future__ import annotations
 
@@ -23,9 +26,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .primitives import (COLUMNS, DEFAULT_ITERS, HIDDEN, Case, bandwidth_gbps, build_result, cases, format_case,
-                         format_header, matmul_rows, peer_bytes, prepare, process_bytes, ratio, reduce_scatter_rows,
-                         slowdown_percent, sms_held)
+from .primitives import (COLUMNS, DEFAULT_ITERS, MATMULS, Case, Matmul, bandwidth_gbps, build_result, cases,
+                         format_case, format_header, matmul_count, peer_bytes, prepare, process_bytes, ratio,
+                         reduce_scatter_rows, slowdown_percent, sms_held)
 
 __all__ = ["run"]
 
@@ -33,8 +36,11 @@ ROUNDS = 3
 PP_INFLIGHT = 2
 ENGRAM_ENTRIES_PER_RANK = 1024
 TIMEOUT_SECS = 300.0
-PROBE_ROWS = 1024
+PROBE_MATMULS = 8
 MIN_GATE_US, MAX_GATE_US = 5_000.0, 500_000.0
+#: The host's time to queue one call or one matmul before a case has measured it (generous: a gate
+#: too long only idles the GPU, one too short makes the round host-bound).
+HOST_GUESS_US = {"transfer": 2_000.0, "matmul": 100.0}
 
 
 def _wait(stream=None) -> None:
@@ -227,10 +233,15 @@ class _Timer:
         self.context, self.device, self.enter = context, context.device, enter
         self.timing = torch.cuda.Stream(self.device)
         self.matmul_stream = torch.cuda.Stream(self.device)
-        generator = _generator(self.device, context.seed, 7)
-        self.weight = torch.randn(HIDDEN, HIDDEN, dtype=torch.float32, device=self.device, generator=generator).to(torch.bfloat16)
-        self.activations = None
-        self.host_us = {"transfer": MAX_GATE_US / 10, "matmul": MAX_GATE_US / 100}
+        self.operands = {}   # Matmul.key: (activations, weight), made on the matmul stream
+        with torch.cuda.stream(self.matmul_stream):
+            for matmul in MATMULS:
+                generator = _generator(self.device, context.seed, 7, matmul.rows, matmul.width)
+                self.operands[matmul.key] = tuple(
+                    torch.randn(shape, dtype=torch.float32, device=self.device, generator=generator)
+                    .to(torch.bfloat16) for shape in ((matmul.rows, matmul.width), (matmul.width, matmul.width)))
+        _wait(self.matmul_stream)
+        self.host_per_call_us: Dict[str, float] = {}   # measured in the current case, per call or matmul
         spin_up()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cycles = 10_000_000
@@ -241,23 +252,24 @@ class _Timer:
         _wait(self.timing)
         self.cycles_per_us = cycles / max(start.elapsed_time(end) * 1e3, 1.0)
 
-    def size_matmul(self, rows: int) -> None:
-        generator = _generator(self.device, self.context.seed, 8, rows)
-        with torch.cuda.stream(self.matmul_stream):
-            self.activations = torch.randn(rows, HIDDEN, dtype=torch.float32, device=self.device, generator=generator).to(torch.bfloat16)
-        _wait(self.matmul_stream)
+    def _host_us(self, what: str, count: int) -> float:
+        """The host's expected time to queue ``count`` calls (``transfer``) or matmuls (a `Matmul` key):
+        the slowest per-call time seen in this case, or a generous guess before the first round."""
+        return count * self.host_per_call_us.get(what, HOST_GUESS_US["transfer" if what == "transfer" else "matmul"])
 
-    def matmul(self) -> torch.Tensor:
-        return self.activations @ self.weight
-
-    def round(self, calls: List[Callable[[], Any]], iters: int, matmul: bool = False) -> Dict[str, float]:
-        """One round: ``iters`` calls of each rank's ``calls[r]`` on its stream, and / or ``iters``
-        matmuls on the matmul stream, all released by one event after the gate. Device times per call
-        in us: ``transfer_us`` (the slowest rank's stream), ``matmul_us``, ``both_us`` (until the last
-        stream finished); ``host_us``, the host's queueing time, and ``gate_us``."""
+    def round(self, calls: List[Callable[[], Any]], iters: int, matmul: Optional[Matmul] = None,
+              count: int = 0) -> Dict[str, float]:
+        """One round: ``iters`` calls of each rank's ``calls[r]`` on its stream, and / or ``count``
+        ``matmul``s on the matmul stream, all released by one event after the gate. The gate lasts
+        twice the host's expected queueing time of the round (every rank's calls and the matmuls, from
+        the per-call times measured so far in this case) plus `MIN_GATE_US`. Device times in us:
+        ``transfer_us`` per call (the slowest rank's stream), ``matmul_us`` per matmul, ``both_us``
+        until the last stream finished (the whole round); ``host_us``, the host's queueing time, and
+        ``gate_us``."""
         self.context.barrier()
-        gate_us = MIN_GATE_US + 2 * (self.host_us["transfer"] if calls else 0) + \
-            2 * (self.host_us["matmul"] if matmul else 0)
+        num_calls, count = len(calls) * iters, (count if matmul is not None else 0)
+        gate_us = MIN_GATE_US + 2 * (self._host_us("transfer", num_calls) +
+                                     (self._host_us(matmul.key, count) if count else 0.0))
         gate_us = min(MAX_GATE_US, gate_us)
         start = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.timing):
@@ -275,63 +287,75 @@ class _Timer:
                 ends.append((stream, end))
         t1 = time.perf_counter()
         matmul_end = None
-        if matmul:
+        if count:
+            activations, weight = self.operands[matmul.key]
             self.matmul_stream.wait_event(start)
             with torch.cuda.stream(self.matmul_stream):
-                for _ in range(iters):
-                    self.matmul()
+                for _ in range(count):
+                    torch.matmul(activations, weight)
                 matmul_end = torch.cuda.Event(enable_timing=True)
                 matmul_end.record()
         t2 = time.perf_counter()
-        if calls:
-            self.host_us["transfer"] = (t1 - t0) * 1e6
-        if matmul:
-            self.host_us["matmul"] = (t2 - t1) * 1e6
+        for what, num, seconds in (("transfer", num_calls, t1 - t0), (matmul and matmul.key, count, t2 - t1)):
+            if num:   # the slowest per-call time of the case: a round's hiccup lengthens the later gates
+                self.host_per_call_us[what] = max(seconds * 1e6 / num, self.host_per_call_us.get(what, 0.0))
         for stream, _ in ends:
             _wait(stream)
         if matmul_end is not None:
             _wait(self.matmul_stream)
         out = {"host_us": (t2 - t0) * 1e6, "gate_us": gate_us}
-        times = []
+        totals = []
         if ends:
-            out["transfer_us"] = max(start.elapsed_time(end) for _, end in ends) * 1e3 / iters
-            times.append(out["transfer_us"])
+            total = max(start.elapsed_time(end) for _, end in ends) * 1e3
+            out["transfer_us"] = total / iters
+            totals.append(total)
         if matmul_end is not None:
-            out["matmul_us"] = start.elapsed_time(matmul_end) * 1e3 / iters
-            times.append(out["matmul_us"])
-        out["both_us"] = max(times)
+            total = start.elapsed_time(matmul_end) * 1e3
+            out["matmul_us"] = total / count
+            totals.append(total)
+        out["both_us"] = max(totals)
         return out
+
+    def overlap(self, calls: List[Callable[[], Any]], iters: int, time_us: float,
+                matmul: Matmul) -> Dict[str, Any]:
+        """``matmul`` alone and beside the transfer, repeated to last about as long as a round of
+        ``iters`` calls of ``time_us`` (medians of `ROUNDS` rounds); ``(figures, rounds beside)``."""
+        probe = self.round([], iters, matmul, PROBE_MATMULS)
+        count = matmul_count(time_us * iters, probe["matmul_us"])
+        alone = [self.round([], iters, matmul, count) for _ in range(ROUNDS)]
+        both = [self.round(calls, iters, matmul, count) for _ in range(ROUNDS)]
+        matmul_us = statistics.median(r["matmul_us"] for r in alone)
+        matmul_both_us = statistics.median(r["matmul_us"] for r in both)
+        return {"matmul_rows": matmul.rows, "matmul_width": matmul.width, "matmuls_per_round": count,
+                "matmul_us": matmul_us, "matmul_both_us": matmul_both_us,
+                "transfer_both_us": statistics.median(r["transfer_us"] for r in both),
+                "matmul_round_us": statistics.median(r["both_us"] for r in alone),
+                "both_round_us": statistics.median(r["both_us"] for r in both),
+                "slowdown_percent": slowdown_percent(matmul_both_us, matmul_us)}, both
 
     def measure(self, case: Case, calls: List[Callable[[], Any]], iters: int) -> Dict[str, Any]:
         """Every figure of one case (a row of the report, without the check)."""
         from .gpu_timing import copy_floor_us
         context = self.context
         nbytes = process_bytes(case, context.num_ranks, context.emulated)
-        self.round(calls, 2)   # warm-up; learns how long the host takes to queue a round
+        self.host_per_call_us = {}   # a case's calls cost the host their own time
+        self.round(calls, 2)   # warm-up; learns how long the host takes to queue a call
         rounds = [self.round(calls, iters) for _ in range(ROUNDS)]
         time_us = statistics.median(r["transfer_us"] for r in rounds)
-        self.size_matmul(PROBE_ROWS)
-        probe = self.round([], iters, matmul=True)
-        rows = matmul_rows(time_us, probe["matmul_us"], PROBE_ROWS)
-        self.size_matmul(rows)
-        alone = [self.round([], iters, matmul=True) for _ in range(ROUNDS)]
-        both = [self.round(calls, iters, matmul=True) for _ in range(ROUNDS)]
-        matmul_us = statistics.median(r["matmul_us"] for r in alone)
-        matmul_both_us = statistics.median(r["matmul_us"] for r in both)
+        overlap, timed = {}, list(rounds)
+        for matmul in MATMULS:
+            overlap[matmul.key], both = self.overlap(calls, iters, time_us, matmul)
+            timed += both
         floor = copy_floor_us(nbytes, self.device)
         held = sms_held(case, context.num_sms, context.device_sms)
         row = {"primitive": case.primitive, "op": case.op, "label": case.label, "dtype": case.dtype,
                "tensor_bytes": case.num_bytes, "tokens": case.tokens, "entries": case.entries, "hidden": case.hidden,
                "iters": iters, "time_us": time_us, "time_us_all": [r["transfer_us"] for r in rounds], "bytes": nbytes,
                "gbps": bandwidth_gbps(nbytes, time_us), "floor_us": floor, "floor_ratio": ratio(time_us, floor),
-               "sms_held": held, "host_bound": any(r["host_us"] > r["gate_us"] for r in rounds + both),
-               "overlap": {"matmul_rows": rows, "matmul_us": matmul_us, "matmul_both_us": matmul_both_us,
-                           "transfer_both_us": statistics.median(r["transfer_us"] for r in both),
-                           "both_us": statistics.median(r["both_us"] for r in both),
-                           "slowdown_percent": slowdown_percent(matmul_both_us, matmul_us)}}
+               "sms_held": held, "host_bound": any(r["host_us"] > r["gate_us"] for r in timed),
+               "overlap": overlap}
         if context.multiprocess:
             row.update(_nvlink_floor(case, context))
-        self.activations = None
         return row
 
 

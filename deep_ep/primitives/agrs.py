@@ -144,14 +144,18 @@ class AllGatherReduceScatterMixin:
     def _release_primitives(self) -> None:
         """Close an open session without waiting for its handles and drop the session space
         (`ElasticBuffer.destroy`); on CPU, outputs the caller still holds keep their bytes (on GPU
-        they are views of the window the backend frees)."""
+        they are views of the window the backend frees, once the stream waits already queued are
+        done: TimeoutError naming a peer that never arrived)."""
         session = getattr(self, "_agrs_session", None)
         if session is not None:
             session.open = False
             session.handles = []
             session.space = None
             session.num_max_session_bytes = 0
+        release = getattr(getattr(self, "_agrs_mover", None), "release", None)
         self._agrs_mover = None
+        if release is not None:
+            release()
 
     def _agrs_in_session(self, method: str) -> _Session:
         session = self._agrs(method)
@@ -231,8 +235,8 @@ class AllGatherReduceScatterMixin:
         Raises:
             RuntimeError: a session is already open, `agrs_set_config` was not called, another
             primitive holds the window, a destroyed buffer, or (GPU) a dispatch, combine or pipeline
-            send/recv since agrs_set_config, or an earlier GPU error.
-            NotImplementedError: a backend other than CPU and GPU.
+            send/recv since agrs_set_config, or an earlier GPU error. TimeoutError: (GPU) as
+            `all_gather`. NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs("create_agrs_session")
         if session.open:
@@ -405,7 +409,8 @@ class AllGatherReduceScatterMixin:
             session, the session's space or call count exceeded, a destroyed buffer, (CPU, on every
             rank) ranks passing different shapes or dtypes (not detected on GPU: the outputs are
             then undefined), or (GPU) a dispatch, combine or pipeline send/recv since agrs_set_config.
-            NotImplementedError: a backend other than CPU and GPU.
+            TimeoutError: (GPU) this rank's stream has waited over ``num_cpu_timeout_secs`` for a
+            peer's call (named) that never came. NotImplementedError: a backend other than CPU and GPU.
         """
         session = self._agrs_in_session("all_gather")
         backend = self._backend
@@ -442,7 +447,7 @@ class AllGatherReduceScatterMixin:
             session.
 
         On a GPU buffer the chunks move on copy engines as in `all_gather`; ``handle()`` queues the
-        wait and then the sum (a few elementwise kernels: the only SM work of AGRS) on the stream
+        wait and then the sum (one small kernel per tensor: the only SM work of AGRS) on the stream
         current at its call.
 
         Raises:

@@ -8,7 +8,8 @@ order with outputs read right after each handle (GPU-side delays on random ranks
 not wait would read poison), a slow reader of the previous session's outputs (a peer that did not
 wait for it to enter the next session would overwrite them), bad input refused before any launch,
 dispatch against an open session, dispatch and pp_set_config between sessions (refused until the
-next agrs_set_config), and CUDA-graph capture refused. Hosts never block
+next agrs_set_config), CUDA-graph capture refused, a peer that comes late named by the next call
+and by destroy's wait, and the reduce kernel against its torch spec. Hosts never block
 on a call or a handle; they wait with `deep_ep.emulated.wait_for_stream` before reading results.
 Run by ``EXTRA_FILES=tests/gpu/test_gpu_agrs.py bash tools/device_suite.sh extra``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -263,3 +265,107 @@ def test_capture_is_refused(nccl_group):
         assert torch.equal(gathered.cpu(), torch.full((1, 4), 7.0))
     finally:
         buf.destroy()
+
+
+def _special_values(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """Infinities, NaN, signed zeros, float32 subnormals and sums that overflow, at random places
+    (tensors of 500 elements or more: in smaller ones they would leave few plain numbers)."""
+    flat = tensor.view(-1)
+    values = [float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-40, -3e-39, 3e38, -3e38]
+    if flat.numel() >= 500:
+        for value in values:
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=generator))] = value
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_reduce_kernel_equals_the_torch_spec(dtype):
+    """A reduce-scatter's sum kernel (deep_ep/backends/gpu/agrs_reduce.py) equals its torch spec, run on
+    the CPU, bit for bit: random chunks with special values, 1 to 8 ranks, average on and off, the
+    16-byte path (aligned chunks) and the element path (odd chunks, or a view off 16-byte alignment),
+    an empty chunk; the output poisoned first. A NaN's sign and payload are not specified by IEEE
+    arithmetic (x86 and the GPU differ): NaNs are compared by position, every other element by its bits."""
+    from deep_ep.backends.gpu import agrs_reduce
+    generator = torch.Generator().manual_seed(17)
+    cases = [(1, (4, 1024), 0), (2, (7, 1024), 0), (3, (5, 33), 0), (3, (7, 33), 0), (8, (16, 7168), 0),
+             (4, (3, 64), 1), (5, (1,), 0), (2, (0, 16), 0)]
+    for num_ranks, shape, misalign in cases:
+        for average in (False, True):
+            where = (num_ranks, shape, misalign, average, dtype)
+            numel = num_ranks * int(torch.tensor(shape).prod())
+            scale = 1.0 if dtype == torch.float32 else 4.0
+            storage = (torch.randn(numel + misalign, generator=generator) * scale).to(dtype)
+            _special_values(storage, generator)
+            received_cpu = storage[misalign:].view(num_ranks, *shape)
+            want = agrs_reduce.reduce_torch(received_cpu, average, torch.empty(shape, dtype=dtype))
+            received = storage.to(DEVICE)[misalign:].view(num_ranks, *shape)
+            out = torch.empty(shape, dtype=dtype, device=DEVICE)
+            out.view(torch.uint8).fill_(0xFF)   # poison: NaN, which the comparison below tells apart by position
+            got = agrs_reduce.reduce(received, average, out)
+            assert got is out
+            torch.cuda.synchronize()
+            got = got.cpu()
+            if want.numel():
+                assert want.float().abs().nansum() > 0, where
+                assert (~want.isnan()).sum() > want.numel() // 2, where
+            assert torch.equal(got.isnan(), want.isnan()), where
+            numbers = ~want.isnan()
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got.view(bits)[numbers], want.view(bits)[numbers]), where
+
+
+def test_reduce_refuses_bad_arguments():
+    """The sum's checks run before any launch: dtypes, shapes, layout."""
+    from deep_ep.backends.gpu import agrs_reduce
+    received = torch.zeros((2, 8), dtype=torch.bfloat16, device=DEVICE)
+    _expect(TypeError, "bf16 or float32", agrs_reduce.reduce, received.to(torch.int32), False,
+            torch.zeros(8, dtype=torch.int32, device=DEVICE))
+    _expect(TypeError, "bf16 or float32", agrs_reduce.reduce, received, False,
+            torch.zeros(8, dtype=torch.float32, device=DEVICE))
+    _expect(ValueError, r"must be \[R, \*out.shape\]", agrs_reduce.reduce, received, False,
+            torch.zeros(4, dtype=torch.bfloat16, device=DEVICE))
+    _expect(ValueError, "contiguous", agrs_reduce.reduce, torch.zeros((8, 2), dtype=torch.bfloat16,
+                                                                      device=DEVICE).t(), False,
+            torch.zeros(8, dtype=torch.bfloat16, device=DEVICE))
+
+
+#: num_cpu_timeout_secs of the late-peer test: how long rank 0's stream waits before the host names rank 1
+LATE_TIMEOUT = 5.0
+
+
+def _late_peer_body(group):
+    rank = group.rank()
+    buf = deep_ep.ElasticBuffer(group, num_bytes=deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(group, 1024),
+                                explicitly_destroy=True, num_cpu_timeout_secs=LATE_TIMEOUT)
+    mine = torch.full((8,), float(rank + 1), device=DEVICE)
+    try:
+        buf.agrs_set_config(1024, 2)
+        buf.create_agrs_session()
+        gathered = None
+        if rank == 0:
+            gathered, handle = buf.all_gather(mine)
+            handle()   # the stream waits for rank 1's flag: rank 1 makes its call only after the checks below
+            buf.destroy_agrs_session()
+            time.sleep(LATE_TIMEOUT + 0.5)
+            missing = r"rank 1 never made its all_gather #1 of AGRS session #\d+"
+            _expect(TimeoutError, missing, buf.create_agrs_session)   # the next call names the peer
+            _expect(TimeoutError, missing + ".*window is not released", buf._agrs_moves().release, "destroy")
+            _expect(RuntimeError, "an AGRS peer never arrived", buf.create_agrs_session)   # broken from then on
+        group.barrier()
+        if rank == 1:
+            gathered, handle = buf.all_gather(mine)
+            handle()
+            buf.destroy_agrs_session()
+        _wait()
+        assert torch.equal(gathered.cpu(), torch.tensor([[1.0] * 8, [2.0] * 8])), rank
+    finally:
+        buf.destroy()   # rank 1 came: the waits are done, the window is released
+
+
+def test_a_peer_that_never_arrives_is_named():
+    """Rank 1 makes its all_gather only after rank 0's checks: rank 0's next call, once its stream has
+    waited over num_cpu_timeout_secs, raises TimeoutError naming rank 1 and the call (the host never
+    waited for it), and so does the wait of destroy; once rank 1 makes the call, both streams finish
+    and destroy releases the buffer."""
+    from deep_ep.backends.gpu import agrs_reduce
+    agrs_reduce.load_kernel(DEVICE)   # built before the ranks start, not inside the short timeout
+    _run(2, _late_peer_body)

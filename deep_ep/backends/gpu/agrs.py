@@ -7,10 +7,15 @@ call's room in every rank's window, then raises its flag word of that call in ev
 (``cuStreamWriteValue32``, which fences the copies before the write); its handle makes the stream
 wait (``cuStreamWaitValue32``) until every rank's flag of the call is raised. A reduce-scatter sends
 chunk ``p`` of its input to rank ``p`` the same way; its handle waits, then sums the received chunks
-in float32 in rank order with torch operations on the stream (the CPU backend's formula, so the same
-bits). The host never waits in a call or a handle. The flags carry the session's number, which a
-CUDA graph's replays would repeat, so sessions refuse capture. There is no GPU-side timeout: a
-stream whose peer never makes the call waits until it does.
+in float32 in rank order with one kernel per tensor on the stream (`deep_ep.backends.gpu.agrs_reduce`:
+the CPU backend's formula, so the same bits). The host never waits in a call or a handle. The flags
+carry the session's number, which a CUDA graph's replays would repeat, so sessions refuse capture.
+
+There is no GPU-side timeout (``cuStreamWaitValue32`` has none): a stream whose peer never makes the
+call waits until it does. The host notices without waiting: an event follows every stream wait it
+queues, and the next session or call whose oldest unfinished wait is older than
+``num_cpu_timeout_secs`` reads this rank's flags and names the missing peers (TimeoutError);
+agrs_set_config and the buffer's destroy wait, polled, for the queued waits and name them the same way.
 
 Window: the AGRS region starts after the control region (`AGRS_OFFSET`): header words (layout in
 ``include/deep_ep/impls/agrs.cuh``), then the session space. Flags hold the number of the session,
@@ -23,12 +28,15 @@ write over the region, so AGRS refuses after them until the next agrs_set_config
 """
 from __future__ import annotations
 
+import collections
+import time
 from pathlib import Path
 
 import torch
 
 from ...cuda.driver import enter_context, error_name, leave_context, memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
+from . import agrs_reduce
 from .abi import CTRL_BYTES, _read_constants
 from .modules import AGRS_PEERS_KERNEL
 
@@ -80,6 +88,8 @@ class GPUAgrsMoves:
         self.peers: list = []          # every rank's window base, as this GPU addresses it
         self.configured_call = -1
         self.space_offset = space_offset(self.num_ranks)
+        # stream waits queued and maybe not done: (event after it, time queued, session, header row, what)
+        self.pending: collections.deque = collections.deque()
 
     # ------------------------------------------------------------------ the window
     def _window_view(self, offset: int, num_bytes: int) -> torch.Tensor:
@@ -136,7 +146,82 @@ class GPUAgrsMoves:
         if not poll_event(event, backend.config.num_cpu_timeout_secs, backend.spin_secs):
             backend.broken = "host timeout"
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {backend.config.num_cpu_timeout_secs} s on the "
-                               f"host for its stream in agrs_set_config (num_cpu_timeout_secs)")
+                               f"host for its stream in agrs_set_config (num_cpu_timeout_secs)"
+                               + self._missing_peers())
+
+    # ------------------------------------------------------------------ peers that never arrived
+    def _track(self, stream, session: int, row: int, what: str) -> None:
+        """Remember a stream wait for header word ``[row][peer] >= session`` of every peer (an event
+        after it: its completion says every peer arrived)."""
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.pending.append((event, time.monotonic(), session, row, what))
+
+    def _missing_peers(self) -> str:
+        """What the unfinished stream waits still wait for, read from this rank's header (a copy on a
+        stream of its own: the waiting streams cannot delay it): ``"; rank 2 never made ..."``, or ""."""
+        pending = [entry for entry in self.pending if not entry[0].query()]
+        if not pending or not self.peers:
+            return ""
+        num_ranks = self.num_ranks
+        header = self._window_view(AGRS_OFFSET, 4 * _HEADER_ROWS * num_ranks).view(torch.int32)
+        words = self.backend.host_read(header, torch.cuda.Stream(self.device))
+        found = []
+        for _, _, session, row, what in pending:
+            for peer in range(num_ranks):
+                # flags hold session numbers, compared as the stream does (wrapping at 2^32)
+                if ((words[row * num_ranks + peer] - session) & 0xFFFFFFFF) >= 1 << 31:
+                    found.append(f"rank {peer} never made its {what}")
+        found = list(dict.fromkeys(found))
+        more = f" (and {len(found) - 4} more)" if len(found) > 4 else ""
+        return ("; " + "; ".join(found[:4]) + more + ": every rank must make the same AGRS calls (there is no "
+                "GPU-side timeout, so this rank's stream waits for them)") if found else ""
+
+    def _check_peers(self, method: str) -> None:
+        """Raise when the oldest unfinished stream wait was queued over ``num_cpu_timeout_secs`` ago
+        and a peer's flag for it is still missing (nothing here waits for the GPU).
+
+        Raises:
+            TimeoutError: a peer never arrived; the buffer can no longer be used.
+        """
+        while self.pending and self.pending[0][0].query():
+            self.pending.popleft()
+        if not self.pending:
+            return
+        timeout = self.backend.config.num_cpu_timeout_secs
+        if timeout is None or time.monotonic() - self.pending[0][1] < timeout:
+            return
+        missing = self._missing_peers()
+        if missing:
+            self.backend.broken = "an AGRS peer never arrived"
+            raise TimeoutError(f"deep_ep: {method}: rank {self.rank}'s stream has waited over {timeout} s "
+                               f"(num_cpu_timeout_secs) for its peers{missing}; this buffer can no longer be used")
+
+    def release(self, method: str = "destroy") -> None:
+        """Wait on the host, polled, up to ``num_cpu_timeout_secs`` for every stream wait of AGRS:
+        before the buffer is destroyed (the window must outlive them) and before agrs_set_config
+        clears the flags (a stream still waiting for one would wait forever).
+
+        Raises:
+            TimeoutError: a peer never arrived (named); the buffer can no longer be used, and after
+            ``destroy`` its window is not released.
+        """
+        backend = self.backend
+        limit = backend.config.num_cpu_timeout_secs
+        deadline = None if limit is None else time.monotonic() + limit
+        while self.pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not poll_event(self.pending[0][0], remaining, backend.spin_secs):
+                missing = self._missing_peers()
+                backend.broken = "an AGRS peer never arrived"
+                raise TimeoutError(f"deep_ep: {method}: rank {self.rank}'s stream still waits after "
+                                   f"{backend.config.num_cpu_timeout_secs} s (num_cpu_timeout_secs) for AGRS peers"
+                                   f"{missing or ' (the header shows none missing: the stream is behind)'}; this "
+                                   f"buffer can no longer be used" + ("; its window is not released, since the "
+                                   "stream still addresses it" if method == "destroy" else ""))
+            self.pending.popleft()
 
     # ------------------------------------------------------------------ calls
     def check(self, method: str) -> None:
@@ -144,8 +229,10 @@ class GPUAgrsMoves:
 
         Raises:
             RuntimeError: an earlier GPU error, or a dispatch or combine since agrs_set_config.
+            TimeoutError: a peer that never made a call this rank's stream waits for (`_check_peers`).
         """
         self.backend.raise_if_broken()
+        self._check_peers(method)
         if self.backend.call_record.launched_call > self.configured_call:
             raise RuntimeError(f"deep_ep: {method}: dispatch, combine or another primitive ran on this buffer "
                                f"since the last agrs_set_config, and on a GPU buffer they write over the AGRS region "
@@ -166,11 +253,18 @@ class GPUAgrsMoves:
         num_ranks, rank = self.num_ranks, self.rank
         stream = torch.cuda.current_stream(self.device)
         self._wait_stream(stream)
+        self.release("agrs_set_config")
         if backend.emulated:
             self._wait_stream(backend.comm_stream)   # polled: a blocking wait can stall the peers' threads
         else:
             backend.drain()
         backend.transport.host_barrier()
+        # the sum kernel of reduce-scatter handles, loaded now that no rank has work in flight (emulated
+        # ranks: together, as a module load waits for the GPU to drain) and not at a handle's first wait
+        if backend.emulated:
+            backend.group.load_collectively(("agrs_reduce",), lambda: agrs_reduce.load_kernel(self.device))
+        else:
+            agrs_reduce.load_kernel(self.device)
         if not self.peers:
             self.peers = self._read_peers(stream)
         header = self._window_view(AGRS_OFFSET, 4 * _HEADER_ROWS * num_ranks).view(torch.int32)
@@ -217,6 +311,8 @@ class GPUAgrsMoves:
         calls += [(stream_write_u32, (stream, self._word(peer, row, self.rank), session.index))
                   for peer in range(self.num_ranks)]
         self._queue(what, calls)
+        self._track(torch.cuda.current_stream(self.device), session.index, _ENTERED_ROW,
+                    f"create_agrs_session #{session.index} (awaited by {what})")
         return row
 
     def _waiter(self, session, row: int, what: str, then=None):
@@ -232,6 +328,7 @@ class GPUAgrsMoves:
             stream = torch.cuda.current_stream(self.device)
             self._queue(what, [(stream_wait_u32, (stream.cuda_stream, self._word(self.rank, row, peer), index))
                                for peer in range(self.num_ranks)])
+            self._track(stream, index, row, what)
             if then is not None:
                 then(stream)
         return wait
@@ -269,12 +366,6 @@ class GPUAgrsMoves:
                 for room, output in zip(rooms, outputs):
                     if stream != allocated_on:
                         output.record_stream(stream)
-                    received = room.view(output.dtype).view(num_ranks, *output.shape)
-                    total = received[0].to(torch.float32, copy=True)
-                    for rank in range(1, num_ranks):   # rank order: the CPU backend's sums, bit for bit
-                        total.add_(received[rank])
-                    if average:
-                        # a device divisor: a true division, as on CPU (a host scalar becomes a reciprocal)
-                        total.div_(torch.full((), float(num_ranks), dtype=torch.float32, device=self.device))
-                    output.copy_(total)
+                    # one kernel per tensor: the CPU backend's float32 sum in rank order, bit for bit
+                    agrs_reduce.reduce(room.view(output.dtype).view(num_ranks, *output.shape), average, output)
         return outputs, self._waiter(session, self._send(session, pieces, what), what, reduce)
