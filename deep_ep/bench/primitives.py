@@ -32,8 +32,8 @@ ZERO_SM_SLOWDOWN_BOUND = 5.0
 KIB, MIB = 1 << 10, 1 << 20
 #: Blocks of the Engram gather kernel: one warp per fetched row, 8 warps per block.
 ENGRAM_ROWS_PER_BLOCK = 8
-#: Bytes one PP block copies per step (256 threads, 16-byte stores).
-PP_BYTES_PER_BLOCK_STEP = 16 * 256
+#: Bytes one PP block copies per step (512 threads, 16-byte stores).
+PP_BYTES_PER_BLOCK_STEP = 16 * 512
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,9 @@
 
 namespace deep_ep {
 
-constexpr int kPpThreads = 256;        // threads per block of every PP kernel
-constexpr int kPpCopyUnroll = 4;       // 16-byte loads in flight per thread of a copy
+// A lone block's copy is bound by the loads one SM keeps in flight: 512 threads x 8 x 16 bytes.
+constexpr int kPpThreads = 512;        // threads per block of every PP kernel
+constexpr int kPpCopyUnroll = 8;       // 16-byte loads in flight per thread of a copy
 constexpr int kPpSent = 0;             // [2] header words (u32 from pp_offset)
 constexpr int kPpFreed = 2;            // [2]
 constexpr int kPpPublished = 4;        // [2]
