@@ -97,9 +97,9 @@ def test_sms_held():
     gather, _, scatter, _ = prim.cases("agrs")
     engram_4, engram_16, _ = prim.cases("engram")
     assert prim.sms_held(gather, 0, 132) == 0 and prim.sms_held(scatter, 8, 132) == 0
-    assert prim.sms_held(pp_1m, 0, 132) == 1                  # 0 means one block
+    assert prim.sms_held(pp_1m, 0, 132) == 0                  # 0: the copy engine
     assert prim.sms_held(pp_1m, 24, 132) == 24
-    assert prim.sms_held(pp_small, 64, 132) == 16            # 64 KiB is 16 steps of 4 KiB
+    assert prim.sms_held(pp_small, 64, 132) == 8             # 64 KiB is 8 steps of 8 KiB
     assert prim.sms_held(engram_4, 0, 132) == 64             # 512 rows, 8 per block
     assert prim.sms_held(engram_16, 0, 132) == 132           # 256 blocks, capped at the device's SMs
 

@@ -35,8 +35,8 @@ MAX_MATMULS_PER_ROUND = 4096
 KIB, MIB = 1 << 10, 1 << 20
 #: Blocks of the Engram gather kernel: one warp per fetched row, 8 warps per block.
 ENGRAM_ROWS_PER_BLOCK = 8
-#: Bytes one PP block copies per step (256 threads, 16-byte stores).
-PP_BYTES_PER_BLOCK_STEP = 16 * 256
+#: Bytes one PP block copies per step (512 threads, 16-byte stores).
+PP_BYTES_PER_BLOCK_STEP = 16 * 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,12 +195,13 @@ def peer_bytes(case: Case, num_ranks: int) -> int:
 
 def sms_held(case: Case, num_sms: int, device_sms: int) -> int:
     """SMs one rank's transfer holds while it runs: 0 for the copy-engine paths (AGRS; the
-    reduce_scatter's fp32 sum in the handle runs one kernel afterwards), PP's blocks (``num_sms``,
-    0 meaning one, no more than its 16-byte steps), the Engram gather's blocks (8 rows per block)."""
+    reduce_scatter's fp32 sum in the handle runs one kernel afterwards; PP with ``num_sms=0``),
+    PP's blocks (``num_sms``, no more than its 16-byte steps), the Engram gather's blocks (8 rows per
+    block)."""
     if case.primitive == "agrs":
         return 0
     if case.op == "send_recv":
-        return max(1, min(num_sms or 1, math.ceil(case.num_bytes / PP_BYTES_PER_BLOCK_STEP)))
+        return min(num_sms or 0, max(1, math.ceil(case.num_bytes / PP_BYTES_PER_BLOCK_STEP)))
     return min(device_sms, math.ceil(case.tokens * case.entries / ENGRAM_ROWS_PER_BLOCK))
 
 

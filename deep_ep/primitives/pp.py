@@ -3,8 +3,9 @@
 DeepEP V2's experimental PP primitive: a byte copy of a contiguous tensor to the previous or next
 rank of the ring, first in, first out per channel (an ordered pair of neighbours), at most
 ``num_max_inflight_tensors`` tensors in flight per channel. The CPU backend runs it over gloo
-(`deep_ep.backends.cpu.pp`); the GPU backend with one kernel per tensor on the caller's stream
-(`deep_ep.backends.gpu.pp`), for ranks emulated on one GPU and NCCL windows alike.
+(`deep_ep.backends.cpu.pp`); the GPU backend on the caller's stream (`deep_ep.backends.gpu.pp`),
+with the copy engine and stream memory operations (``num_sms=0``, no SM held) or one kernel of
+``num_sms`` blocks, for ranks emulated on one GPU and NCCL windows alike.
 
 Window: a rank that sent or received a PP tensor holds the buffer's window (dispatch, combine and
 the other primitives raise) until the next `pp_set_config`, which is collective and frees it on
@@ -110,7 +111,10 @@ class PipelineMixin:
 
     def _release_primitives(self) -> None:
         """Drop the PP channels (`ElasticBuffer.destroy`); tensors still in flight are abandoned."""
+        release = getattr(getattr(self, "_pp_pipeline", None), "release", None)
         self._pp_pipeline = None
+        if release is not None:
+            release()
 
     # ------------------------------------------------------------------ public methods
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
@@ -181,24 +185,29 @@ class PipelineMixin:
         until the receiver takes the oldest. With 2 ranks the previous and the next rank are the
         same rank: one channel each way. With 1 rank the tensor loops back to this rank.
 
-        On a GPU buffer the call only queues a kernel on the current stream and returns: the kernel
-        waits on the GPU for a free slot (at most ``num_gpu_timeout_secs``), copies the bytes into
-        the receiver's window and publishes them; ``t`` may be reused by work queued after it on
-        the same stream. A GPU timeout is raised by the next PP call (or pp_set_config).
+        On a GPU buffer the call only queues work on the current stream and returns: the stream
+        waits for a free slot, the bytes are copied into the receiver's window and published; ``t``
+        may be reused by work queued after it on the same stream. With ``num_sms=0`` the copy
+        engine moves the bytes and stream memory operations wait and signal (no SM held, no GPU
+        timeout: the stream waits until the receiver frees a slot). With ``num_sms > 0`` a kernel
+        of that many blocks does it and gives up after ``num_gpu_timeout_secs``; the next PP call
+        (or pp_set_config) raises that timeout. The two may be mixed on one channel.
 
         Args:
             t: any dtype and shape (0-dim and empty included), contiguous, on the buffer's device,
                 at most ``num_max_tensor_bytes`` (rounded up to 32) bytes.
             dst_rank_idx: int, the previous (``(rank - 1) % num_ranks``) or next (``(rank + 1) %
                 num_ranks``) rank.
-            num_sms: int >= 0, blocks of the GPU's copy kernel (0 = one block; emulated ranks: at most
-                the device's SMs / ranks); ignored on CPU.
+            num_sms: int >= 0; 0 (default): the copy engine, no SM; > 0: blocks of the GPU's copy
+                kernel (fewer for a small tensor; emulated ranks: at most the device's SMs / ranks),
+                the only choice inside a CUDA-graph capture. Ignored on CPU.
 
         Raises (argument errors before any communication):
             TypeError / ValueError: bad ``t``, ``dst_rank_idx`` or ``num_sms``.
             RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
                 1-rank group with the in-flight limit reached; a failed connection; (GPU) a
-                dispatch or combine since the last pp_set_config.
+                dispatch or combine since the last pp_set_config; (GPU) ``num_sms=0`` during a
+                CUDA-graph capture, or after PP calls were captured since the last pp_set_config.
             TimeoutError: the receiver did not take the oldest tensor in time (the buffer's PP
                 traffic is then unusable).
         """
@@ -214,23 +223,28 @@ class PipelineMixin:
 
         Waits (at most ``num_cpu_timeout_secs``) for it to arrive, then fills ``t`` in place with
         its bytes. ``t`` must have the sent tensor's byte count; its dtype and shape are the
-        caller's (the copy is byte-wise). On a GPU buffer the call queues a kernel on the current
-        stream that waits on the GPU (at most ``num_gpu_timeout_secs``), fills ``t`` and hands the
-        slot back to the sender; work queued after it on the stream sees ``t`` filled.
+        caller's (the copy is byte-wise). On a GPU buffer the call queues work on the current
+        stream that waits on the GPU for the tensor, fills ``t`` and hands the slot back to the
+        sender; work queued after it on the stream sees ``t`` filled. ``num_sms`` as in
+        `pp_send`: 0 the copy engine (no GPU timeout), > 0 a kernel (at most
+        ``num_gpu_timeout_secs``).
 
         Args:
             t: the output, contiguous, on the buffer's device, at most ``num_max_tensor_bytes``
                 (rounded up to 32) bytes.
             src_rank_idx: int, the previous or next rank (as in `pp_send`).
-            num_sms: int >= 0, blocks of the GPU's copy kernel (0 = one block); ignored on CPU.
+            num_sms: int >= 0; 0 (default): the copy engine, no SM; > 0: blocks of the GPU's copy
+                kernel. Ignored on CPU.
 
         Raises (argument errors before any communication):
             TypeError / ValueError: bad ``t``, ``src_rank_idx`` or ``num_sms``; ValueError also when
-                the tensor that arrived has another byte count than ``t`` (it is consumed, ``t`` is
-                unchanged). On a GPU buffer the kernel finds that, and the next PP call raises the
-                ValueError; the buffer is then unusable.
+                the tensor that arrived has another byte count than ``t`` (it is consumed; on CPU
+                and with ``num_sms > 0`` ``t`` is unchanged, the copy engine fills it with the
+                slot's bytes anyway). On a GPU buffer that is found after the call, and the next PP
+                call raises the ValueError; the buffer is then unusable.
             RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
-                1-rank group with nothing in flight; a failed connection.
+                1-rank group with nothing in flight; a failed connection; (GPU) ``num_sms=0``
+                during or after a CUDA-graph capture (as in `pp_send`).
             TimeoutError: nothing arrived in time (the buffer's PP traffic is then unusable).
         """
         pipeline = self._pp_checked_pipeline("pp_recv", t, src_rank_idx, "src_rank_idx", num_sms)

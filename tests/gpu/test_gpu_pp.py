@@ -1,11 +1,13 @@
 """Pipeline send/recv on GPU buffers: a one-rank NCCL group (the tensor loops back) and 2 and 4
-ranks emulated on one device, with tests/test_pp.py's scenarios. Every receive tensor is poisoned
-first and compared byte for byte; hosts never block on a send or a receive (they wait with
-`deep_ep.emulated.wait_for_stream` before reading results). Covered: random interleavings in both
-ring directions with GPU-side delays and several block counts, aligned and unaligned tensors, the
-in-flight limit (a receiver that sleeps on the GPU: a sender that did not wait would overwrite a
-slot not yet read), refusals before any launch, dispatch against PP traffic, a CUDA graph replayed
-with fresh inputs, a GPU timeout and a byte-count mismatch. Run by
+ranks emulated on one device, with tests/test_pp.py's scenarios, on both paths: the copy engine
+(``num_sms=0``) and the SM kernel (``num_sms > 0``), alone and mixed call by call on one channel.
+Every receive tensor is poisoned first and compared byte for byte; hosts never block on a send or a
+receive (they wait with `deep_ep.emulated.wait_for_stream` before reading results). Covered: random
+interleavings in both ring directions with GPU-side delays and several block counts, aligned and
+unaligned tensors, the in-flight limit (a receiver that sleeps on the GPU: a sender that did not
+wait would overwrite a slot not yet read), refusals before any launch, dispatch against PP traffic,
+a CUDA graph replayed with fresh inputs (and the copy engine refused in and after a capture), that
+the copy engine launches no kernel, a GPU timeout and a byte-count mismatch. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_pp.py bash tools/device_suite.sh extra``.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _buffer(group, max_bytes, limit, **kwargs):
                                  **kwargs)
 
 
-def _stress_body(group, seeds, num_sends, limit):
+def _stress_body(group, seeds, num_sends, limit, sm_choices):
     rank, num_ranks = group.rank(), group.size()
     buf = _buffer(group, MAX_BYTES, limit)
     try:
@@ -66,7 +68,7 @@ def _stress_body(group, seeds, num_sends, limit):
             for _, op, peer, index in ops[rank]:
                 if choices.random() < 0.3:
                     torch.cuda._sleep(choices.randrange(1, 200_000))   # GPU-side delay
-                num_sms = choices.choice([0, 1, 2, 3])
+                num_sms = choices.choice(sm_choices)
                 if op == "send":
                     sent = on_device[index].clone()
                     buf.pp_send(sent, peer, num_sms=num_sms)
@@ -85,9 +87,10 @@ def _stress_body(group, seeds, num_sends, limit):
         buf.destroy()
 
 
+@pytest.mark.parametrize("sm_choices", [(0, 1, 2, 3), (0,), (1, 3)], ids=["mixed", "copy_engine", "kernel"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
-def test_random_interleavings_arrive_in_order(num_ranks):
-    results = _run(num_ranks, _stress_body, [11, 12, 13], 24 * max(num_ranks, 2), 3)
+def test_random_interleavings_arrive_in_order(num_ranks, sm_choices):
+    results = _run(num_ranks, _stress_body, [11, 12, 13], 24 * max(num_ranks, 2), 3, sm_choices)
     assert sum(results) == 3 * 24 * max(num_ranks, 2)
 
 
@@ -124,12 +127,12 @@ def _large_body(group, num_sms):
         buf.destroy()
 
 
-@pytest.mark.parametrize("num_ranks, num_sms", [(1, 0), (1, 8), (2, 4), (4, 16)])
+@pytest.mark.parametrize("num_ranks, num_sms", [(1, 0), (1, 1), (1, 8), (2, 0), (2, 4), (4, 0), (4, 16)])
 def test_large_and_unaligned_tensors(num_ranks, num_sms):
     _run(num_ranks, _large_body, num_sms)
 
 
-def _ring_body(group, rounds):
+def _ring_body(group, rounds, num_sms):
     """Forward then backward (a pipeline's two directions); with 2 ranks one channel holds both."""
     rank, num_ranks = group.rank(), group.size()
     limit = rounds if num_ranks > 2 else 2 * rounds
@@ -148,10 +151,10 @@ def _ring_body(group, rounds):
         outs = [_poisoned_like(wanted).to(DEVICE) for wanted in expected]
         _wait()
         for index, sent in enumerate(sends):
-            buf.pp_send(sent, next_rank if index < rounds else prev_rank)
+            buf.pp_send(sent, next_rank if index < rounds else prev_rank, num_sms=num_sms)
         for index, out in enumerate(outs):
             # with 2 ranks next == prev: one channel, the backward tensors follow the forward ones
-            buf.pp_recv(out, prev_rank if index < rounds else next_rank)
+            buf.pp_recv(out, prev_rank if index < rounds else next_rank, num_sms=num_sms)
         _wait()
         for index, (out, wanted) in enumerate(zip(outs, expected)):
             _assert_received(out.cpu(), wanted, f"rank {rank} #{index}")
@@ -160,12 +163,13 @@ def _ring_body(group, rounds):
         buf.destroy()
 
 
+@pytest.mark.parametrize("num_sms", [0, 2])
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_ring_forward_and_backward(num_ranks):
-    _run(num_ranks, _ring_body, 3)
+def test_ring_forward_and_backward(num_ranks, num_sms):
+    _run(num_ranks, _ring_body, 3, num_sms)
 
 
-def _limit_body(group, limit, num_sends):
+def _limit_body(group, limit, num_sends, num_sms):
     """Rank 0 sends ``num_sends`` distinct tensors to rank 1 while rank 1's stream sleeps before
     receiving: without the wait for a free slot the later tensors would overwrite earlier ones."""
     rank = group.rank()
@@ -176,7 +180,7 @@ def _limit_body(group, limit, num_sends):
         outs, events = [], []
         if rank == 0:
             for tensor in tensors:
-                buf.pp_send(tensor, 1)
+                buf.pp_send(tensor, 1, num_sms=num_sms)
                 events.append(torch.cuda.Event(enable_timing=True))
                 events[-1].record()   # the send's kernel has returned
         elif rank == 1:
@@ -185,7 +189,7 @@ def _limit_body(group, limit, num_sends):
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()   # the receiver starts taking tensors
             for out in outs:
-                buf.pp_recv(out, 0)
+                buf.pp_recv(out, 0, num_sms=num_sms)
         _wait()
         for tensor, out in zip(tensors, outs):
             assert torch.equal(out.cpu(), tensor.cpu())
@@ -195,11 +199,12 @@ def _limit_body(group, limit, num_sends):
         buf.destroy()
 
 
+@pytest.mark.parametrize("num_sms", [0, 1])
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_send_beyond_the_limit_waits_for_the_receiver(num_ranks):
+def test_send_beyond_the_limit_waits_for_the_receiver(num_ranks, num_sms):
     """The first ``limit`` sends end before the receiver starts; the next one only after."""
     limit = 2
-    results = _run(num_ranks, _limit_body, limit, 7)
+    results = _run(num_ranks, _limit_body, limit, 7, num_sms)
     sent, (started,) = results[0], results[1]
     after_start_ms = [started.elapsed_time(event) for event in sent]   # negative: before the receiver started
     assert all(ms < 0 for ms in after_start_ms[:limit]), after_start_ms
@@ -334,6 +339,8 @@ def _graph_replays(group, buf, rank, num_ranks, next_rank, prev_rank, replays):
     for capturing in range(num_ranks):
         if capturing == rank:
             with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+                # the copy engine's sequence numbers would be fixed in the graph: refused before queueing
+                _expect(RuntimeError, "inside a capture", buf.pp_send, x, next_rank, num_sms=0)
                 buf.pp_send(x, next_rank, num_sms=1)
                 buf.pp_recv(out, prev_rank, num_sms=1)
         if num_ranks > 1:
@@ -345,7 +352,16 @@ def _graph_replays(group, buf, rank, num_ranks, next_rank, prev_rank, replays):
         _wait()
         expected = torch.arange(1000, dtype=torch.float32) * (replay + 1) + 10_000 * prev_rank
         assert torch.equal(out.cpu(), expected), f"rank {rank} replay {replay}"
+    # the replays moved the GPU's counters past the host's count: the copy engine waits for a flush
+    _expect(RuntimeError, "captured in a CUDA graph since the last pp_set_config", buf.pp_send, x, next_rank)
     buf.pp_set_config(4096, 2)   # the replays' tensors were all received (the GPU's counters say so)
+    x.copy_(torch.arange(1000, dtype=torch.float32, device=DEVICE) - 10_000 * rank)
+    out.fill_(float("nan"))
+    buf.pp_send(x, next_rank)
+    buf.pp_recv(out, prev_rank)
+    _wait()
+    assert torch.equal(out.cpu(), torch.arange(1000, dtype=torch.float32) - 10_000 * prev_rank)
+    buf.pp_set_config(4096, 2)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
@@ -360,7 +376,7 @@ def _timeout_body(group):
         buf.pp_set_config(64, 2)
         if rank == 0:
             out = torch.full((4,), float("nan"), device=DEVICE)
-            buf.pp_recv(out, 1)   # rank 1 never sends
+            buf.pp_recv(out, 1, num_sms=1)   # rank 1 never sends (the copy engine has no GPU timeout)
             _wait()
             _expect(TimeoutError, "pp_recv waited for a tensor from rank 1", buf.pp_send, out, 1)
             _expect(RuntimeError, "no longer usable", buf.pp_send, out, 1)
@@ -372,22 +388,93 @@ def test_a_recv_with_no_sender_times_out_on_the_gpu():
     _run(2, _timeout_body)
 
 
-def _byte_count_body(group):
+def _byte_count_body(group, send_sms, recv_sms):
     rank = group.rank()
     buf = _buffer(group, 64, 2)
     try:
         buf.pp_set_config(64, 2)
         if rank == 0:
-            buf.pp_send(torch.ones(6, device=DEVICE), 1)
+            buf.pp_send(torch.ones(6, device=DEVICE), 1, num_sms=send_sms)
         else:
             out = torch.full((5,), -1.0, device=DEVICE)
-            buf.pp_recv(out, 0)
+            buf.pp_recv(out, 0, num_sms=recv_sms)
             _wait()
-            assert torch.equal(out.cpu(), torch.full((5,), -1.0))   # nothing copied
+            # the kernel copies nothing; the copy engine cannot choose, it copies t's 20 bytes
+            assert torch.equal(out.cpu(), torch.full((5,), -1.0 if recv_sms else 1.0))
             _expect(ValueError, "rank 0 sent a tensor of 24 bytes", buf.pp_send, out, 0)
     finally:
         buf.destroy()
 
 
-def test_a_receive_tensor_of_another_byte_count_is_reported():
-    _run(2, _byte_count_body)
+@pytest.mark.parametrize("send_sms, recv_sms", [(0, 0), (1, 1), (0, 1), (1, 0)])
+def test_a_receive_tensor_of_another_byte_count_is_reported(send_sms, recv_sms):
+    _run(2, _byte_count_body, send_sms, recv_sms)
+
+
+def _launches_body(group, num_bytes):
+    """Count the PP module's launches (`GPUPipeline._launch` asks the backend for the module on every
+    launch): none with num_sms=0, one per call with num_sms > 0; the bytes arrive both ways."""
+    rank, num_ranks = group.rank(), group.size()
+    buf = _buffer(group, num_bytes, 2)
+    next_rank, prev_rank = (rank + 1) % num_ranks, (rank - 1) % num_ranks
+    backend = buf._backend
+    load = backend.module
+    loads = []
+    sent = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
+    expected = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(prev_rank))
+    try:
+        buf.pp_set_config(num_bytes, 2)
+        on_device = sent.to(DEVICE)
+        out = torch.full((num_bytes,), 0xA5, dtype=torch.uint8, device=DEVICE)
+        _wait()
+        backend.module = lambda kind, structure: loads.append(kind) or load(kind, structure)
+        try:
+            for num_sms in (0, 0, 1):
+                buf.pp_send(on_device, next_rank, num_sms=num_sms)
+                buf.pp_recv(out, prev_rank, num_sms=num_sms)
+                if num_sms == 0:
+                    assert loads == [], loads
+            _wait()
+        finally:
+            del backend.module   # the class's method again
+        assert loads == ["pp", "pp"]
+        assert torch.equal(out.cpu(), expected)
+        buf.pp_set_config(num_bytes, 2)
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_the_copy_engine_launches_no_kernel(num_ranks):
+    _run(num_ranks, _launches_body, 1 << 20)
+
+
+def test_the_profiler_sees_no_kernel_on_the_copy_engine():
+    """What the GPU ran (torch.profiler's CUDA activities) for 4 MiB looped back on one rank: a
+    kernel with num_sms=1 (the profiler sees kernels), copies and no kernel with num_sms=0."""
+    from torch.profiler import ProfilerActivity, profile
+    from deep_ep.bench.gpu_timing import single_rank_nccl_group
+    num_bytes = 4 << 20
+    buf = _buffer(single_rank_nccl_group(DEVICE), num_bytes, 2)
+    try:
+        buf.pp_set_config(num_bytes, 2)
+        sent = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device=DEVICE)
+        out = torch.zeros_like(sent)
+        names = {}
+        for num_sms in (1, 0):
+            out.zero_()
+            _wait()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                buf.pp_send(sent, 0, num_sms=num_sms)
+                buf.pp_recv(out, 0, num_sms=num_sms)
+                _wait()
+            names[num_sms] = [event.name for event in prof.events()]
+            assert torch.equal(out.cpu(), sent.cpu())
+        if not any("deep_ep_pp_send" in name for name in names[1]):
+            pytest.skip(f"the profiler recorded no kernel here (events: {names[1][:10]})")
+        assert not any("deep_ep" in name for name in names[0]), names[0]
+        assert any("memcpy" in name.lower() for name in names[0]), names[0]
+        buf.pp_set_config(num_bytes, 2)
+    finally:
+        buf.destroy()

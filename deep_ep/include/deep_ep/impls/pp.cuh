@@ -12,6 +12,9 @@
 // tensor n waits for published >= n + 1, copies the slot out, then adds 1 to the sender's freed.
 // Waits give up after the buffer's GPU timeout and record (kErrTimeout, rank, peer, phase) like the
 // other kernels; a receive tensor of another byte count records kErrPpByteCount with the sent count.
+// The copy-engine path (num_sms == 0, deep_ep/backends/gpu/pp.py) keeps the same words with stream
+// memory operations: it writes sent/consumed/published/freed as absolute values (each word has one
+// writer, so that equals the kernels' increments) and the slot's byte count, so the two paths mix.
 // The host reads these constants (deep_ep/backends/gpu/pp.py): one `constexpr int` per line.
 #pragma once
 
@@ -19,8 +22,9 @@
 
 namespace deep_ep {
 
-constexpr int kPpThreads = 256;        // threads per block of every PP kernel
-constexpr int kPpCopyUnroll = 4;       // 16-byte loads in flight per thread of a copy
+// A lone block's copy is bound by the loads one SM keeps in flight: 512 threads x 8 x 16 bytes.
+constexpr int kPpThreads = 512;        // threads per block of every PP kernel
+constexpr int kPpCopyUnroll = 8;       // 16-byte loads in flight per thread of a copy
 constexpr int kPpSent = 0;             // [2] header words (u32 from pp_offset)
 constexpr int kPpFreed = 2;            // [2]
 constexpr int kPpPublished = 4;        // [2]
@@ -33,6 +37,7 @@ constexpr int kPpFlushWords = 6;       // sent[2], consumed[2], slot bytes / 32,
 constexpr int kErrPpByteCount = 16;    // a receive tensor's byte count differs from the sent one
 constexpr int kPhasePpSend = 16;       // pp_send: waiting for a free slot at the receiver
 constexpr int kPhasePpRecv = 17;       // pp_recv: waiting for the sender's tensor
+static_assert(kPpFlushWords % 2 == 0, "flush step 1 writes u64 window bases after the rows");
 
 // The arguments of every PP kernel (host mirror: deep_ep/backends/gpu/pp.py).
 struct PpArgs {
@@ -195,7 +200,8 @@ __device__ __forceinline__ void pp_recv_impl(const comm::LsaTransport& tr, const
 
 // pp_set_config's steps, one block each, separated by host barriers:
 //   0: write this rank's report (counters when `valid`, else zeros; sizes) into every rank's flush rows
-//   1: copy this rank's flush rows ([num_ranks][kPpFlushWords] u32) to a.data
+//   1: copy this rank's flush rows ([num_ranks][kPpFlushWords] u32) to a.data, then every rank's
+//      window base as this GPU addresses it ([num_ranks] u64: the copy-engine path's addresses)
 //   2: zero this rank's counters
 __device__ __forceinline__ void pp_flush_impl(const comm::LsaTransport& tr, const PpArgs& a, int step, int valid) {
     uint32_t* my_words = pp::words_of(tr.local(), a);
@@ -217,6 +223,10 @@ __device__ __forceinline__ void pp_flush_impl(const comm::LsaTransport& tr, cons
         uint32_t* out = reinterpret_cast<uint32_t*>(a.data);
         for (int i = threadIdx.x; i < tr.num_ranks * kPpFlushWords; i += blockDim.x)
             out[i] = ld_volatile(my_words + kPpFlush + i);
+        // kPpFlushWords is even: the bases start 8-byte aligned
+        uint64_t* window_addresses = reinterpret_cast<uint64_t*>(out + tr.num_ranks * kPpFlushWords);
+        for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x)
+            window_addresses[p] = reinterpret_cast<uint64_t>(comm::peer_bytes(tr, p, 0));
     } else {
         for (int i = threadIdx.x; i < kPpCounterWords; i += blockDim.x) my_words[i] = 0u;
         __threadfence_system();
