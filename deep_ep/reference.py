@@ -29,6 +29,17 @@ to float32 after every addition, and ``bf16(.)`` rounds to nearest even.
    ``acc += c(k)`` (``+0.0`` for a masked slot).
 4. ``combined_x[t] = bf16(acc)``.
 
+Hybrid order (``reference_combine(..., num_scaleup_ranks=S)`` with ``S < R``: DeepEP's hybrid mode
+across ``R / S`` nodes, ranks ``n S .. n S + S - 1`` forming node ``n``) with multiple reduction:
+rank, then node, then across. The rank partials ``p_d`` are those of step 2; node ``n`` first sums
+its ranks' partials, ``q_n = bf16(+0.0 + fp32(p_d) + ...)`` over the ranks ``d`` of ``n`` that the
+token reached, in ascending order of ``d``'s last slot (the node's forwarder does this before the
+token crosses the network, so ``q_n`` is rounded to bf16 there); then step 2 runs over nodes instead
+of ranks: for ``k = 0 .. K-1``, ``acc += fp32(q_n(k))`` if ``k`` is the last slot of the node
+``n(k)`` owning slot ``k``, else ``acc += +0.0``. With ``allow_multiple_reduction=False`` (either
+layout) the hybrid order is the flat one: forwarders pass every rank's row (or every slot's) on
+unreduced.
+
 ``c(k) = fp32(y(k))``, or with ``apply_dispatch_weights=True`` (expanded layout only)
 ``c(k) = fp32(w(k) * fp32(y(k)))``, ``w(k)`` the dispatch weight of that row on ``d(k)``
 (``handle.recv_topk_weights``). The ``+0.0`` additions matter only when the biases sum to ``-0.0``.
@@ -51,7 +62,7 @@ from .shapes import align_up, alloc_recv_sf, as_bits, as_rows, split_x, worst_ca
 
 __all__ = [
     "ReferenceDispatch", "reference_dispatch", "reference_combine", "local_expert_counts",
-    "check_dispatch", "check_combine", "HANDLE_VALUE_FIELDS", "HANDLE_TENSOR_FIELDS",
+    "check_dispatch", "check_combine", "hybrid_node_partials", "HANDLE_VALUE_FIELDS", "HANDLE_TENSOR_FIELDS",
 ]
 
 Tensor = torch.Tensor
@@ -256,7 +267,7 @@ def _slot_rows(h: EPHandle, owner: Tensor) -> Tensor:
 def reference_combine(ys: Sequence[Tensor], handles: Sequence[EPHandle],
                       topk_weights: Optional[Sequence[Optional[Tensor]]] = None,
                       biases: Optional[Sequence] = None, *, allow_multiple_reduction: bool = True,
-                      apply_dispatch_weights: bool = False) -> list:
+                      apply_dispatch_weights: bool = False, num_scaleup_ranks: Optional[int] = None) -> list:
     """Every rank's combine result, in the order of the module docstring.
 
     Args:
@@ -268,15 +279,25 @@ def reference_combine(ys: Sequence[Tensor], handles: Sequence[EPHandle],
         biases: None, or per rank None / a bf16 ``[T_s, H]`` tensor / a tuple of up to two.
         allow_multiple_reduction: the buffer's setting (affects the expanded layout only).
         apply_dispatch_weights: expanded layout only: multiply every row by its dispatch weight first.
+        num_scaleup_ranks: None or ``R`` for the flat order; ``S < R`` (dividing ``R``) for the hybrid
+            order of ``R / S`` nodes of ``S`` ranks (module docstring; the buffer's
+            ``num_scaleup_ranks`` in hybrid mode across nodes).
 
     Returns:
         per rank ``(combined_x bf16 [T_s, H], combined_topk_weights float32 [T_s, K] or None)``.
 
     Raises:
         ValueError: expanded ``topk_weights`` without multiple reduction; ``apply_dispatch_weights``
-        with a non-expanded handle or one whose dispatch had no weights.
+        with a non-expanded handle or one whose dispatch had no weights; ``num_scaleup_ranks`` that
+        is not a positive divisor of ``R``.
     """
     num_ranks = len(ys)
+    if num_scaleup_ranks is None:
+        num_scaleup_ranks = num_ranks
+    if (not isinstance(num_scaleup_ranks, int) or isinstance(num_scaleup_ranks, bool) or num_scaleup_ranks <= 0
+            or num_ranks % num_scaleup_ranks):
+        raise ValueError(f"num_scaleup_ranks must be a positive divisor of the {num_ranks} ranks, "
+                         f"got {num_scaleup_ranks!r}")
     has_w = topk_weights is not None and topk_weights[0] is not None
     expanded = handles[0].do_expand
     multi = allow_multiple_reduction or not expanded
@@ -318,15 +339,10 @@ def reference_combine(ys: Sequence[Tensor], handles: Sequence[EPHandle],
                             pacc[sel] += contribution(d, tok[sel], k)
                     p = pacc.to(torch.bfloat16)
                 partials.append((where, p))
-            last = shapes.last_slot_of_rank(owner)
-            for k in range(K):
-                staging = torch.zeros((T, H), dtype=torch.bfloat16, device=device)
-                for d in range(num_ranks):
-                    sel = (last[:, k] & (owner[:, k] == d)).nonzero().squeeze(1)
-                    if sel.numel():
-                        where, p = partials[d]
-                        as_rows(staging).index_copy_(0, sel, as_rows(p).index_select(0, where[sel]))
-                acc += staging.float()
+            if num_scaleup_ranks < num_ranks and allow_multiple_reduction:
+                _add_partials(acc, *hybrid_node_partials(owner, partials, num_scaleup_ranks, H))
+            else:
+                _add_partials(acc, owner, partials)
         else:
             for k in range(K):
                 staging = torch.zeros((T, H), dtype=torch.float32, device=device)
@@ -346,6 +362,57 @@ def reference_combine(ys: Sequence[Tensor], handles: Sequence[EPHandle],
                         cw[sel, k] = w[rows[sel, k]] if expanded else w[rows[sel, k], k]
         out.append((acc.to(torch.bfloat16), cw))
     return out
+
+
+def _add_partials(acc: Tensor, owner: Tensor, partials: list) -> None:
+    """Step 2's additions: for ``k = 0 .. K-1``, ``acc += fp32(partial of owner(k))`` at the owner's
+    last slot, ``+0.0`` elsewhere. ``partials[d] = (where, rows)``: ``rows`` bf16 ``[n_d, H]``, the
+    row of token ``t`` at ``where[t]`` (-1 for tokens ``d`` does not hold)."""
+    T, H = acc.shape
+    last = shapes.last_slot_of_rank(owner)
+    for k in range(owner.shape[1]):
+        staging = torch.zeros((T, H), dtype=torch.bfloat16, device=acc.device)
+        for d, (where, p) in enumerate(partials):
+            sel = (last[:, k] & (owner[:, k] == d)).nonzero().squeeze(1)
+            if sel.numel():
+                as_rows(staging).index_copy_(0, sel, as_rows(p).index_select(0, where[sel]))
+        acc += staging.float()
+
+
+def hybrid_node_partials(owner: Tensor, partials: list, num_scaleup_ranks: int, hidden: int) -> tuple:
+    """The hybrid order's node level (module docstring): from the rank partials of one source's tokens
+    to the node partials ``q_n``.
+
+    Args:
+        owner: int64 ``[T, K]``, the rank of each slot (-1 for a masked slot).
+        partials: per rank ``d``, ``(where int64 [T], rows bf16 [n_d, H])``: the partial ``p_d`` of
+            token ``t`` is ``rows[where[t]]`` (``where[t] = -1`` where ``d`` holds no slot of ``t``).
+        num_scaleup_ranks: ``S``, the ranks of a node (ranks ``n S .. n S + S - 1`` form node ``n``).
+        hidden: ``H``.
+
+    Returns:
+        ``(node_owner int64 [T, K], node_partials)``: the node of each slot (-1 masked) and per node
+        ``(where, rows)`` in the same form, each row ``bf16(+0.0 + fp32(p_d) + ...)`` over the node's
+        ranks in ascending order of their last slot.
+    """
+    T = owner.shape[0]
+    device = owner.device
+    node_owner = torch.where(owner >= 0, torch.div(owner, num_scaleup_ranks, rounding_mode="floor"), -1)
+    last = shapes.last_slot_of_rank(owner)
+    node_partials = []
+    for node in range(len(partials) // num_scaleup_ranks):
+        tok = (node_owner == node).any(1).nonzero().squeeze(1)
+        where = torch.full((T,), -1, dtype=torch.int64, device=device)
+        where[tok] = torch.arange(tok.numel(), device=device)
+        node_acc = torch.zeros((tok.numel(), hidden), dtype=torch.float32, device=device)
+        for k in range(owner.shape[1]):
+            for d in range(node * num_scaleup_ranks, (node + 1) * num_scaleup_ranks):
+                sel = (last[tok, k] & (owner[tok, k] == d)).nonzero().squeeze(1)
+                if sel.numel():
+                    rank_where, rows = partials[d]
+                    node_acc[sel] += _gather(rows, rank_where[tok[sel]]).float()
+        node_partials.append((where, node_acc.to(torch.bfloat16)))
+    return node_owner, node_partials
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -129,32 +129,42 @@ def reference_dispatch_deepep(xs, idxs, ws, rank: int, num_max_tokens_per_rank: 
 
 
 def reference_combine_deepep(y: torch.Tensor, topk_idx: torch.Tensor, num_ranks: int, num_experts: int, bias,
-                             reduce_in_rank: bool) -> torch.Tensor:
+                             reduce_in_rank: bool, num_scaleup_ranks: int = 0) -> torch.Tensor:
     """DeepEP's combine reference on one rank: ``y`` bf16 ``[T, K, H]`` (zero for masked slots).
 
     ``reduce_in_rank``: the slots of each rank are summed first (float32 from +0.0, in slot order,
-    rounded to bf16) and the partial stands at the rank's last slot, zeros at its other slots; then
-    the biases' float32 sum plus every slot in order, rounded to bf16."""
+    rounded to bf16) and the partial stands at the rank's last slot, zeros at its other slots; with
+    ``0 < num_scaleup_ranks < num_ranks`` too (hybrid mode across nodes) the slots of each node are
+    then summed the same way; then the biases' float32 sum plus every slot in order, rounded to bf16."""
     T, K, H = y.shape
     L = num_experts // num_ranks
     owner = torch.where(topk_idx >= 0, topk_idx // L, -1)
     if reduce_in_rank:
-        grouped = torch.zeros_like(y)
-        for k in range(K):
-            later = (owner[:, k + 1:] == owner[:, k:k + 1]).any(1)
-            stands = (~later).nonzero().flatten()
-            partial = torch.zeros(stands.numel(), H, dtype=torch.float32, device=y.device)
-            for j in range(k + 1):
-                same = owner[stands, j] == owner[stands, k]
-                partial[same] += y[stands[same], j].float()
-            grouped[stands, k] = partial.to(torch.bfloat16)
-        y = grouped
+        y = _grouped_reduce(y, owner)
+        if 0 < num_scaleup_ranks < num_ranks:
+            y = _grouped_reduce(y, torch.where(owner >= 0, owner // num_scaleup_ranks, -1))
     start = None
     if isinstance(bias, tuple):
         start = bias[0].float() + bias[1].float()
     elif bias is not None:
         start = bias.float()
     return ordered_sum(y, start)
+
+
+def _grouped_reduce(y: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Each group's slots (``owner`` ``[T, K]``, -1 for none) summed in float32 from +0.0 in slot
+    order, rounded to bf16, standing at the group's last slot; zeros at its other slots."""
+    T, K, H = y.shape
+    grouped = torch.zeros_like(y)
+    for k in range(K):
+        later = (owner[:, k + 1:] == owner[:, k:k + 1]).any(1)
+        stands = (~later).nonzero().flatten()
+        partial = torch.zeros(stands.numel(), H, dtype=torch.float32, device=y.device)
+        for j in range(k + 1):
+            same = owner[stands, j] == owner[stands, k]
+            partial[same] += y[stands[same], j].float()
+        grouped[stands, k] = partial.to(torch.bfloat16)
+    return grouped
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -233,8 +243,10 @@ def run_ep_modes(buffer, device, *, num_tokens: int = 16, hidden: int = 128, num
             reference_dispatch_deepep(xs, idxs, ws, rank, M, E)
         ref_y = pre_combine_data(rank * M + torch.arange(T, device=device), R, M, K, H, seed)
         ref_y[topk_idx == -1] = 0
-        ref_combined_y = reference_combine_deepep(ref_y, topk_idx, R, E, bias, True)
-        ref_reduced_combined_y = reference_combine_deepep(ref_y, topk_idx, R, E, bias, multi)
+        # hybrid mode across nodes reduces within each node too, with multiple reduction only
+        scaleup = num_scaleup_ranks if multi else 0
+        ref_combined_y = reference_combine_deepep(ref_y, topk_idx, R, E, bias, True, scaleup)
+        ref_reduced_combined_y = reference_combine_deepep(ref_y, topk_idx, R, E, bias, multi, scaleup)
 
         # dispatches
         dispatch_args = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, num_sms=num_sms, num_qps=num_qps,

@@ -388,12 +388,22 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     for b in bias:
         want = want + b.float()
     want_w = torch.zeros(T, combine_topk)
+    # hybrid mode across nodes sums each node's ranks first, rounded to bf16 (deep_ep.reference)
+    scaleup = buffer.elastic_buffer.num_scaleup_ranks
+    node_sums = [torch.zeros(T, hidden) for _ in range(R // scaleup)] if scaleup < R else None
+    reached = torch.zeros(T, max(1, R // scaleup), dtype=torch.bool)
     for d in range(R):
         spec_d = spec_dispatch(inputs, E, d, alignment, config.num_channels)
         for row, (s, t) in enumerate(spec_d["rows"]):
             if s == rank:
-                want[t] += ys[d][row].float()
+                if node_sums is None:
+                    want[t] += ys[d][row].float()
+                else:
+                    node_sums[d // scaleup][t] += ys[d][row].float()
+                    reached[t, d // scaleup] = True
                 want_w[t] += tws[d][row]
+    for node, node_sum in enumerate(node_sums or ()):
+        want[reached[:, node]] += node_sum[reached[:, node]].to(torch.bfloat16).float()
     _assert_same("combined_x", combined_x, want.to(torch.bfloat16))
     _assert_same("combined_topk_weights", combined_w, want_w)
     assert buffer.combine(ys[rank].to(device), handle, bias=_to(biases[rank], device))[1] is None

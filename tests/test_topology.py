@@ -2,7 +2,8 @@
 
 * Physical and logical domains as DeepEP V2 computes them, against a direct restatement of its rules.
 * `EP_CPU_NUM_NVLINK_RANKS`: a gloo group of 4 acting as 2 nodes x 2, hybrid and direct, gives the
-  buffer's domain attributes and exactly the outputs of the one-node run.
+  buffer's domain attributes and exactly the outputs of the one-node run (but hybrid combine's values,
+  which follow the hybrid order: tests/test_hybrid_scaleout.py).
 * The SM and QP counts against an independent implementation in exact arithmetic (fractions) over
   many configurations, and against DeepEP's numbers derived by hand.
 * A GPU group over two NVLink domains is refused before anything is allocated, naming the NCCL
@@ -315,6 +316,11 @@ def _two_nodes_worker(rank, world_size):
             got, psum, rank_prefix_sum = _run(buf, rank)
             assert len(got) == len(want)
             for i, (g, w) in enumerate(zip(got, want)):
+                # combined_x of each layout: hybrid mode rounds each node's partial to bf16 first
+                # (deep_ep.reference, "Hybrid order"; tests/test_hybrid_scaleout.py checks it)
+                if hybrid and i in (13, 28):
+                    assert g.dtype == w.dtype and g.shape == w.shape, i
+                    continue
                 assert _same(g, w), (hybrid, i)
             seen[hybrid]["psum"] = psum.tolist()
             seen[hybrid]["rank_prefix_sum"] = rank_prefix_sum.tolist()

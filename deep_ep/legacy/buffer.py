@@ -452,7 +452,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
                 allocate_on_comm_stream: bool = False):
         """Send each received row back to its source rank and sum a token's rows there (collective;
         rows are added as they are, no weighting): in float32, the biases first, then the ranks in
-        rank order, rounded once to bf16 (DeepEP's order).
+        rank order, rounded once to bf16 (DeepEP's order; over nodes, its hybrid order: docs/scaleout.md).
 
         Args:
             x: bf16 ``[rows, H]``, rows as the dispatch returned them (with ``num_worst_tokens``, the

@@ -60,4 +60,5 @@ class CPUBackend(Backend):
         del num_sms
         return combine_impl.combine(self.comm, x, handle, topk_weights, bias,
                                     allow_multiple_reduction=self.config.allow_multiple_reduction,
-                                    apply_dispatch_weights=apply_dispatch_weights, call=self.calls)
+                                    apply_dispatch_weights=apply_dispatch_weights, call=self.calls,
+                                    num_scaleup_ranks=self.num_scaleup_ranks)

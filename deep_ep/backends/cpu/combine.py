@@ -13,13 +13,18 @@ Every destination rank sends back, grouped by source rank and in the order the s
 A header first carries the row counts both sides expect, so handles of different dispatches raise the
 same `RuntimeError` on every rank instead of moving data. The source then reduces: the biases'
 float32 sum, then ``K`` dense additions in slot order (the partial of a rank at its last slot, or each
-slot's row), rounded once to bf16.
+slot's row), rounded once to bf16. In hybrid mode across nodes (``num_scaleup_ranks < R``) with
+``allow_multiple_reduction=True``, the rank partials of each node are first summed into a bf16 node partial, which
+then stands at the node's last slot (`deep_ep.reference`, "Hybrid order"); the rows still travel
+straight from each rank to the source, so only the values, not the traffic, follow DeepEP's hybrid
+combine.
 """
 from __future__ import annotations
 
 import torch
 
 from ... import shapes
+from ...reference import hybrid_node_partials
 from . import collectives as hdr
 from .wire import as_bytes, pack, unpack, wire
 
@@ -68,9 +73,10 @@ def _destination_rows(h, x, topk_weights, multi: bool, apply_dispatch_weights: b
 
 
 def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bool,
-            apply_dispatch_weights: bool, call: int):
+            apply_dispatch_weights: bool, call: int, num_scaleup_ranks: int = 0):
     """One combine on this rank (`deep_ep.backends.base.Backend.combine`); ``call``: this rank's call
-    number."""
+    number; ``num_scaleup_ranks``: the buffer's logical scale-up size (0 or ``R``: one node or direct
+    mode, the flat order; fewer: hybrid mode across nodes, the hybrid order)."""
     comm.begin(hdr.OP_COMBINE, call)
     R = comm.num_ranks
     h = handle
@@ -123,13 +129,16 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
     cw = None
     if multi:
         pos = torch.where(hit, first.unsqueeze(0) + torch.cumsum(hit.long(), 0) - 1, -1)   # [T, R]
-        last = shapes.last_slot_of_rank(owner)
-        for k in range(K):
-            tok = last[:, k].nonzero().flatten()
-            staging = torch.zeros((T, H), dtype=torch.bfloat16, device="cpu")
-            if tok.numel():
-                wire(staging).index_copy_(0, tok, wire(y).index_select(0, pos[tok, owner[tok, k]]))
-            acc += staging.float()
+        if 0 < num_scaleup_ranks < R and allow_multiple_reduction:
+            _add_hybrid(acc, owner, y, pos, num_scaleup_ranks)
+        else:
+            last = shapes.last_slot_of_rank(owner)
+            for k in range(K):
+                tok = last[:, k].nonzero().flatten()
+                staging = torch.zeros((T, H), dtype=torch.bfloat16, device="cpu")
+                if tok.numel():
+                    wire(staging).index_copy_(0, tok, wire(y).index_select(0, pos[tok, owner[tok, k]]))
+                acc += staging.float()
         if has_w:
             cw = torch.zeros((T, K), dtype=torch.float32, device="cpu")
             t, k = (owner >= 0).nonzero(as_tuple=True)
@@ -151,3 +160,19 @@ def combine(comm, x, handle, topk_weights, bias, *, allow_multiple_reduction: bo
                 staging[tok] = value
             acc += staging
     return acc.to(torch.bfloat16), cw
+
+
+def _add_hybrid(acc, owner, y, pos, num_scaleup_ranks: int) -> None:
+    """The hybrid order's node and final levels, adding into ``acc`` float32 ``[T, H]``: ``y`` holds
+    the returned rank partials, the one of token ``t`` from rank ``d`` at row ``pos[t, d]`` (-1: none)."""
+    T, H = acc.shape
+    rank_partials = [(pos[:, d], y) for d in range(pos.shape[1])]
+    node_owner, node_partials = hybrid_node_partials(owner, rank_partials, num_scaleup_ranks, H)
+    last = shapes.last_slot_of_rank(node_owner)
+    for k in range(owner.shape[1]):
+        staging = torch.zeros((T, H), dtype=torch.bfloat16, device="cpu")
+        for node, (where, rows) in enumerate(node_partials):
+            tok = (last[:, k] & (node_owner[:, k] == node)).nonzero().flatten()
+            if tok.numel():
+                wire(staging).index_copy_(0, tok, wire(rows).index_select(0, where[tok]))
+        acc += staging.float()
