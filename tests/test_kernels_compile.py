@@ -121,3 +121,11 @@ def test_the_combines_single_source_path_can_be_left_out():
     defines = dict(gpu.combine_defines(4096, 8, False), EP_COMBINE_SINGLE_UNROLL=0)
     mod = jit.build("deep_ep_combine_test", gpu.kernel_source("combine"), defines=defines, check_spills=True)
     assert modules.COMBINE_KERNEL in mod.kernel_names()
+
+
+def test_low_latency_layout_module_compiles():
+    """The V1 low-latency dispatch's layout kernels (kernels/ll_layout.cuh: the pairs' cast, the counts
+    and the placement) compile under NVRTC without spills, one module for every shape."""
+    from deep_ep.legacy import ll_layout
+    mod = jit.build("deep_ep_ll_layout", "#include <deep_ep/kernels/ll_layout.cuh>\n", check_spills=True)
+    assert sorted(mod.kernel_names()) == sorted(ll_layout.KERNEL_NAMES)
