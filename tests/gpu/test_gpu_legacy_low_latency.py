@@ -377,7 +377,7 @@ def _poisoned_outputs(generator, num_local: int, num_ranks: int, num_slots: int,
     tensors = [None if tensor is None else poison(tensor) for tensor in tensors]
 
     def copy():
-        moved = [None if tensor is None else tensor.to(device) for tensor in tensors]
+        moved = [None if tensor is None else tensor.to(device, copy=True) for tensor in tensors]
         if use_fp8:
             moved[3] = moved[3].view(torch.float8_e4m3fn)
         return ll_layout.ReceiveOutputs(*moved[:5], use_ue8m0, moved[5])
@@ -398,7 +398,8 @@ def test_layout_kernels_equal_the_torch_spec(num_ranks):
              (2, 4, 3, 256, [4, 1, 0, 2, 4, 4, 1, 3][:num_ranks], False, False, True, [0, 1, 0, 0, 1, 1, 0, 0]),
              (1, 1, 1, 128, [1, 0, 1, 1, 0, 1, 1, 1][:num_ranks], True, False, False, [0, 0, 1, 0, 0, 0, 0, 1]),
              (4, 3, 2, 512, [0] * num_ranks, True, True, False, None),
-             (8, 6, 4, 1024, [6, 3, 6, 1, 0, 6, 2, 5][:num_ranks], True, True, True, [1] * 8)]
+             (8, 6, 4, 1024, [6, 3, 6, 1, 0, 6, 2, 5][:num_ranks], True, False, True, [0, 1, 1, 0, 0, 0, 1, 0]),
+             (2, 3, 2, 512, [3, 2, 3, 1, 3, 0, 3, 2][:num_ranks], True, True, False, [1] * 8)]
     for num_local, num_slots, num_topk, hidden, tokens, use_fp8, use_ue8m0, column_major, mask in cases:
         rank = num_ranks - 1
         handle, num_received = _pair_dispatch(generator, num_ranks, rank, num_local, num_slots, num_topk, tokens,

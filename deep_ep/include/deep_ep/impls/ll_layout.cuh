@@ -48,6 +48,31 @@ __device__ __forceinline__ float ll_nan_max(float current, float candidate) {
     return (candidate > current || ll_is_nan(candidate)) ? candidate : current;
 }
 
+// The multiplier and scale_inv of a group of channels whose largest magnitude is `amax`.
+__device__ __forceinline__ void ll_scales_of(float amax, int round_scale, float& scale, float& scale_inv) {
+    if (!ll_is_nan(amax) && amax < 1e-4f)
+        amax = 1e-4f;
+    const float inverse_max = static_cast<float>(1.0 / 448.0);
+    if (round_scale) {
+        // the power of two at or above amax / 448, from its bits
+        const uint32_t bits = __float_as_uint(__fmul_rn(amax, inverse_max));
+        const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0);
+        scale = __uint_as_float(static_cast<uint32_t>(127 - exponent) << 23);
+        scale_inv = __uint_as_float(static_cast<uint32_t>(exponent + 127) << 23);
+    } else {
+        scale = __fdiv_rn(448.0f, amax);
+        scale_inv = __fmul_rn(amax, inverse_max);
+    }
+}
+
+// One channel's FP8 code: value * scale saturated to +-448 (NaN kept, as torch's clamp).
+__device__ __forceinline__ uint32_t ll_cast_value(float value, float scale) {
+    float scaled = __fmul_rn(value, scale);
+    if (!ll_is_nan(scaled))
+        scaled = fminf(fmaxf(scaled, -448.0f), 448.0f);
+    return ll_to_e4m3(scaled);
+}
+
 __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, uint4* __restrict__ out_bf16,
                                                    uint2* __restrict__ out_fp8, float* __restrict__ out_scales,
                                                    int num_tokens, int hidden, int num_topk, int round_scale) {
@@ -81,27 +106,12 @@ __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, 
 #pragma unroll
         for (int offset = kChunksPerScale / 2; offset > 0; offset /= 2)
             amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, kChunksPerScale));
-        if (!ll_is_nan(amax) && amax < 1e-4f)
-            amax = 1e-4f;
-        const float inverse_max = static_cast<float>(1.0 / 448.0);
         float scale, scale_inv;
-        if (round_scale) {
-            // the power of two at or above amax / 448, from its bits
-            const uint32_t bits = __float_as_uint(__fmul_rn(amax, inverse_max));
-            const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0);
-            scale = __uint_as_float(static_cast<uint32_t>(127 - exponent) << 23);
-            scale_inv = __uint_as_float(static_cast<uint32_t>(exponent + 127) << 23);
-        } else {
-            scale = __fdiv_rn(448.0f, amax);
-            scale_inv = __fmul_rn(amax, inverse_max);
-        }
+        ll_scales_of(amax, round_scale, scale, scale_inv);
         uint2 codes = make_uint2(0u, 0u);
 #pragma unroll
         for (int i = 0; i < kLlCastChannels; ++i) {
-            float value = __fmul_rn(channels[i], scale);
-            if (!ll_is_nan(value))
-                value = fminf(fmaxf(value, -448.0f), 448.0f);
-            const uint32_t code = ll_to_e4m3(value) << (8 * (i % 4));
+            const uint32_t code = ll_cast_value(channels[i], scale) << (8 * (i % 4));
             if (i < 4)
                 codes.x |= code;
             else
