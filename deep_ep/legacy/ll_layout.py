@@ -1,10 +1,11 @@
 """The layouts around the expanded pair dispatch of DeepEP's V1 low-latency dispatch
-(`deep_ep.legacy.low_latency`): the pairs sent (every token's row top-k times, cast to FP8 or not) and
-the per-expert receive layout the received pairs are placed into (counts, ``src_info``,
-``layout_range``, rows and scales, every expanded row's place). The torch ops of
-`deep_ep.legacy.layouts` (`cast_pairs_torch`, `receive_layout_torch`) are the specification and the
-path off the GPU; on a CUDA device NVRTC kernels (``include/deep_ep/kernels/ll_layout.cuh``) write
-the same bits: one launch for the pairs, two for the layout. No host reads: graph capturable."""
+(`deep_ep.legacy.low_latency`): the pairs sent (every token's row top-k times, cast to FP8 or not, and
+their experts, rank mask applied) and the per-expert receive layout the received pairs are placed
+into (counts, ``src_info``, ``layout_range``, rows and scales, every expanded row's place).
+`cast_pairs_torch` and `receive_layout_torch` (torch ops, mostly those of `deep_ep.legacy.layouts`)
+are the specification and the path off the GPU; on a CUDA device NVRTC kernels
+(``include/deep_ep/kernels/ll_layout.cuh``) write the same bits: one launch for the pairs, two for the
+layout. No host reads: graph capturable."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -61,31 +62,44 @@ def _launch(name: str, blocks: int, threads: int, args: tuple, device: torch.dev
                             device=device.index)
 
 
-def cast_pairs_torch(x: torch.Tensor, num_topk: int, use_fp8: bool, round_scale: bool):
+def cast_pairs_torch(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, round_scale: bool,
+                     masked: Optional[torch.Tensor] = None, num_local_experts: int = 1) -> tuple:
     """The specification of `cast_pairs`, in torch ops (any device)."""
+    num_topk = topk_idx.shape[1]
+    pairs_topk = topk_idx.reshape(-1, 1)
+    if masked is not None:                     # nothing goes to a masked rank
+        owner_masked = masked[(pairs_topk // num_local_experts).clamp(min=0)] != 0
+        pairs_topk = torch.where(owner_masked, -1, pairs_topk)
     if not use_fp8:
-        return per_pair(x, num_topk).view(torch.bfloat16)
+        return per_pair(x, num_topk).view(torch.bfloat16), pairs_topk
     data, scale_inv = cast_to_fp8(x, round_scale)
-    return per_pair(data, num_topk).view(checks.FP8), per_pair(scale_inv, num_topk)
+    return (per_pair(data, num_topk).view(checks.FP8), per_pair(scale_inv, num_topk)), pairs_topk
 
 
-def cast_pairs(x: torch.Tensor, num_topk: int, use_fp8: bool, round_scale: bool):
-    """The rows of the pair dispatch: every token's row ``num_topk`` times in a row (row ``t * K + k``).
+def cast_pairs(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, round_scale: bool,
+               masked: Optional[torch.Tensor] = None, num_local_experts: int = 1) -> tuple:
+    """The rows and routing of the pair dispatch: every token's row ``K`` times in a row (row
+    ``t * K + k``), and each pair's expert.
 
     Args:
         x: bf16 ``[T, H]`` contiguous, H a multiple of 128 (T may be 0).
-        num_topk: K >= 1.
+        topk_idx: int64 ``[T, K]`` contiguous, expert ids in ``[0, E)`` or -1, K >= 1.
         use_fp8: cast with `deep_ep.legacy.layouts.cast_to_fp8` (``round_scale``: power-of-two scales).
+        masked: int32 ``[R]`` rank mask (1: pairs to that rank's experts get -1) or None.
+        num_local_experts: experts per rank (an expert's rank is ``id // num_local_experts``).
 
     Returns:
-        bf16 ``[T*K, H]``, or with ``use_fp8`` ``(float8_e4m3fn [T*K, H], float32 [T*K, H/128])``.
+        ``(pairs_x, pairs_topk)``: bf16 ``[T*K, H]``, or with ``use_fp8`` ``(float8_e4m3fn [T*K, H],
+        float32 [T*K, H/128])``; int64 ``[T*K, 1]`` (a view of ``topk_idx`` without a mask).
 
     The caller checks the arguments (`low_latency_dispatch`); on a CUDA device one kernel, elsewhere
     `cast_pairs_torch`, equal bit for bit.
     """
-    if x.device.type != "cuda" or x.data_ptr() % 16 or not x.is_contiguous():
-        return cast_pairs_torch(x, num_topk, use_fp8, round_scale)
+    if x.device.type != "cuda" or x.data_ptr() % 16 or not x.is_contiguous() or not topk_idx.is_contiguous() \
+            or (masked is not None and (masked.dtype != torch.int32 or not masked.is_contiguous())):
+        return cast_pairs_torch(x, topk_idx, use_fp8, round_scale, masked, num_local_experts)
     num_tokens, hidden = x.shape
+    num_topk = topk_idx.shape[1]
     device = x.device
     num_pairs = num_tokens * num_topk
     if use_fp8:
@@ -95,12 +109,17 @@ def cast_pairs(x: torch.Tensor, num_topk: int, use_fp8: bool, round_scale: bool)
     else:
         result = torch.empty((num_pairs, hidden), dtype=torch.bfloat16, device=device)
         outputs = (result, None, None)
+    if masked is None:
+        pairs_topk = topk_idx.reshape(-1, 1)
+    else:
+        pairs_topk = torch.empty((num_pairs, 1), dtype=topk_idx.dtype, device=device)
     num_chunks = num_tokens * hidden // _CAST_CHANNELS
     if num_chunks:
         blocks = min((num_chunks + _THREADS - 1) // _THREADS, _MAX_BLOCKS)
-        _launch(CAST_KERNEL, blocks, _THREADS, (x, *outputs, num_tokens, hidden, num_topk, bool(round_scale)),
-                device)
-    return result
+        _launch(CAST_KERNEL, blocks, _THREADS,
+                (x, *outputs, topk_idx, masked, pairs_topk if masked is not None else None, num_tokens, hidden,
+                 num_topk, bool(round_scale), num_local_experts, 0 if masked is None else masked.numel()), device)
+    return result, pairs_topk
 
 
 def receive_layout_torch(ep_handle, recv, num_ranks: int, num_slots: int, num_topk: int,

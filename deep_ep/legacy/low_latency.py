@@ -273,14 +273,10 @@ class LowLatencyMethods(LowLatencyState):
         max_pairs = num_slots * num_topk
         half = self._free_half("low_latency_dispatch")
         buffer = self._low_latency_elastic_buffer(max_pairs, hidden, half)
-        pairs_x = cast_pairs(x, num_topk, use_fp8, round_scale)
-        masked = self._mask_if_shrink()
-        pairs_topk = topk_idx.reshape(-1, 1)
-        if masked is not None:                     # nothing goes to a masked rank
-            owner_masked = masked[(pairs_topk // num_local_experts).clamp(min=0)] != 0
-            pairs_topk = torch.where(owner_masked, -1, pairs_topk)
-            if return_recv_hook:                   # the mask of the call, whenever the hook runs
-                masked = masked.clone()
+        masked = self._mask_if_shrink()            # nothing goes to a masked rank
+        pairs_x, pairs_topk = cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local_experts)
+        if masked is not None and return_recv_hook:    # the mask of the call, whenever the hook runs
+            masked = masked.clone()
         deferred = None
         if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
             recv, ep_handle, deferred = send_dispatch(buffer, pairs_x, pairs_topk, num_experts, max_pairs,

@@ -297,24 +297,36 @@ def test_cast_kernel_equals_the_torch_spec():
     """The pairs' cast kernel (deep_ep/legacy/ll_layout.py) equals its torch spec (run on the same
     device) bit for bit: bf16 replication and FP8 with float and power-of-two scales, for 0, 1 and
     more tokens, top-1 to top-8, with rows of zeros (the 1e-4 floor), tiny values (FP8 subnormals),
-    signed zeros, large values, infinities and NaN among the inputs, and the decode shape."""
+    signed zeros, large values, infinities and NaN among the inputs, and the decode shape; the pairs'
+    routing with and without a rank mask (-1 slots among the ids)."""
     from deep_ep.legacy import ll_layout
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator().manual_seed(11)
-    for num_tokens, num_topk, hidden in ((128, 8, 7168), (37, 3, 512), (1, 1, 128), (0, 2, 256), (5, 8, 1024)):
+    cases = ((128, 8, 7168, None), (37, 3, 512, [0, 1, 1, 0]), (1, 1, 128, [1, 0, 0, 0]), (0, 2, 256, [0, 1, 0, 1]),
+             (5, 8, 1024, None), (9, 4, 256, [1, 1, 0, 1]))
+    for num_tokens, num_topk, hidden, mask in cases:
+        num_ranks, num_local = 4, 8
         x = torch.randn(num_tokens, hidden, generator=generator) * 4
         if num_tokens >= 5:
             x[1] = 0.0
             x[2, :128] *= 1e-6                                   # amax below the floor
             x[2, 128:] *= 2.0 ** -12                            # FP8 subnormals after the scale
             x[3, :8] = torch.tensor([float("inf"), -0.0, 0.0, 3e38, -3e38, float("nan"), 1e-30, -1e-30])
-            x[4, 130] = -float("inf")
+            x[4, 130 % hidden] = -float("inf")
         x = x.to(torch.bfloat16).to(device)
+        topk_idx = torch.stack([torch.randperm(num_ranks * num_local, generator=generator)[:num_topk]
+                                for _ in range(num_tokens)]) if num_tokens else torch.empty(0, num_topk)
+        topk_idx = torch.where(torch.rand(topk_idx.shape, generator=generator) < 0.2, -1, topk_idx)
+        topk_idx = topk_idx.to(torch.int64).to(device)
+        masked = None if mask is None else torch.tensor(mask, dtype=torch.int32, device=device)
         for use_fp8 in (False, True):
             for round_scale in ((False, True) if use_fp8 else (False,)):
-                want = ll_layout.cast_pairs_torch(x, num_topk, use_fp8, round_scale)
-                got = ll_layout.cast_pairs(x, num_topk, use_fp8, round_scale)
-                case = (num_tokens, num_topk, hidden, use_fp8, round_scale)
+                want, want_topk = ll_layout.cast_pairs_torch(x, topk_idx, use_fp8, round_scale, masked, num_local)
+                got, got_topk = ll_layout.cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local)
+                case = (num_tokens, num_topk, hidden, use_fp8, round_scale, mask)
+                assert got_topk.shape == (num_tokens * num_topk, 1) and torch.equal(got_topk.cpu(),
+                                                                                   want_topk.cpu()), case
+                assert mask is None or num_tokens < 5 or bool((got_topk == -1).any() & (got_topk >= 0).any()), case
                 if not use_fp8:
                     assert got.shape == (num_tokens * num_topk, hidden) and got.dtype == torch.bfloat16
                     assert torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu()), case

@@ -3,7 +3,8 @@
 // for bit):
 //  - ll_cast_pairs_impl: every token's row repeated top-k times, as bf16 or FP8 (per token and 128
 //    channels: amax at least 1e-4, scale_inv = amax / 448 or its power of two at or above, data
-//    x / scale_inv rounded to nearest even, saturated to +-448) with its scales repeated alike;
+//    x / scale_inv rounded to nearest even, saturated to +-448) with its scales repeated alike, and
+//    with a rank mask the pairs' expert ids, -1 for experts of masked ranks;
 //  - ll_count_impl (one block): received pairs per (local expert, source rank) from the pair
 //    dispatch's metadata, the rank mask applied: recv_count, layout_range, the statistics, and how
 //    far each (expert, rank)'s rows move up past the masked ranks before it;
@@ -75,10 +76,25 @@ __device__ __forceinline__ uint32_t ll_cast_value(float value, float scale) {
 
 __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, uint4* __restrict__ out_bf16,
                                                    uint2* __restrict__ out_fp8, float* __restrict__ out_scales,
-                                                   int num_tokens, int hidden, int num_topk, int round_scale) {
+                                                   const int64_t* __restrict__ topk_idx,
+                                                   const int32_t* __restrict__ rank_mask,
+                                                   int64_t* __restrict__ pairs_topk, int num_tokens, int hidden,
+                                                   int num_topk, int round_scale, int num_local_experts,
+                                                   int num_ranks) {
     const int64_t chunks_per_row = hidden / kLlCastChannels;
     const int64_t num_chunks = static_cast<int64_t>(num_tokens) * chunks_per_row;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    if (rank_mask != nullptr) {
+        // the pairs' routing: nothing goes to a masked rank (ids past the experts are left to the dispatch)
+        const int64_t num_pairs = static_cast<int64_t>(num_tokens) * num_topk;
+        for (int64_t pair = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; pair < num_pairs;
+             pair += stride) {
+            const int64_t expert = __ldg(topk_idx + pair);
+            const int64_t owner = expert / num_local_experts;
+            const bool masked = expert >= 0 && owner < num_ranks && __ldg(rank_mask + owner) != 0;
+            pairs_topk[pair] = masked ? -1 : expert;
+        }
+    }
     constexpr int kChunksPerScale = kLlScaleChannels / kLlCastChannels;
     const int num_scales = hidden / kLlScaleChannels;
     // the chunks of one scale are kChunksPerScale consecutive lanes of one warp (hidden is a multiple

@@ -7,9 +7,11 @@
 #include "../impls/ll_layout.cuh"
 
 extern "C" __global__ void __launch_bounds__(deep_ep::kLlLayoutThreads) deep_ep_ll_cast_pairs(
-        const uint4* x, uint4* out_bf16, uint2* out_fp8, float* out_scales, int num_tokens, int hidden, int num_topk,
-        int round_scale) {
-    deep_ep::ll_cast_pairs_impl(x, out_bf16, out_fp8, out_scales, num_tokens, hidden, num_topk, round_scale);
+        const uint4* x, uint4* out_bf16, uint2* out_fp8, float* out_scales, const int64_t* topk_idx,
+        const int32_t* rank_mask, int64_t* pairs_topk, int num_tokens, int hidden, int num_topk, int round_scale,
+        int num_local_experts, int num_ranks) {
+    deep_ep::ll_cast_pairs_impl(x, out_bf16, out_fp8, out_scales, topk_idx, rank_mask, pairs_topk, num_tokens, hidden,
+                                num_topk, round_scale, num_local_experts, num_ranks);
 }
 
 extern "C" __global__ void __launch_bounds__(deep_ep::kLlCountThreads) deep_ep_ll_count(
