@@ -129,3 +129,11 @@ def test_agrs_reduce_kernel_compiles():
     from deep_ep.backends.gpu import agrs_reduce
     module = jit.build("deep_ep_agrs_reduce", "#include <deep_ep/kernels/agrs_reduce.cuh>\n", check_spills=True)
     assert module.kernel_names() == [agrs_reduce.KERNEL_NAME]
+
+
+def test_low_latency_layout_module_compiles():
+    """The V1 low-latency dispatch's layout kernels (kernels/ll_layout.cuh: the pairs' cast, the counts
+    and the placement) compile under NVRTC without spills, one module for every shape."""
+    from deep_ep.legacy import ll_layout
+    mod = jit.build("deep_ep_ll_layout", "#include <deep_ep/kernels/ll_layout.cuh>\n", check_spills=True)
+    assert sorted(mod.kernel_names()) == sorted(ll_layout.KERNEL_NAMES)

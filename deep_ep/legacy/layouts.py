@@ -1,7 +1,9 @@
 """DeepEP's V1 low-latency layouts as torch ops on any device: the RDMA size hint, the FP8 cast, the
 handle and the receive hook, and the per-expert receive layout from an expanded `ElasticBuffer`
 dispatch of (token, top-k slot) pairs (`deep_ep.legacy.low_latency`), whose received rows and scales
-(UE8M0-packed or not) are scattered into it: the work scales with the rows received, not the layout."""
+(UE8M0-packed or not) are scattered into it: the work scales with the rows received, not the layout.
+The cast, the pairs and the layout here specify the kernels of `deep_ep.legacy.ll_layout` bit for
+bit, and are its path off the GPU."""
 from __future__ import annotations
 
 from typing import Optional

@@ -11,10 +11,11 @@ weighted sum (float32, top-k slot order, one bf16 rounding) of the rows the expe
 
 How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dispatch` without host
 synchronisation (DeepEP sends one message per pair too), and comes back alone through
-`ElasticBuffer.combine`; torch ops on the device scatter the received rows into DeepEP's layouts
-(their work scales with the rows received) and one kernel (`deep_ep.legacy.ll_reduce`; torch ops on
-the CPU) sums the pairs with their weights. Host reads remain only in argument checks (skipped while
-a CUDA graph is captured).
+`ElasticBuffer.combine`. Around the pair dispatch, `deep_ep.legacy.ll_layout` casts and repeats the
+rows (one kernel) and places the received rows into DeepEP's layouts (two kernels; their work scales
+with the rows received); one kernel (`deep_ep.legacy.ll_reduce`) sums the combine's pairs with their
+weights; on the CPU the torch ops that specify those kernels run instead. Host reads remain only in
+argument checks (skipped while a CUDA graph is captured).
 
 Receive hooks (``return_recv_hook=True``) on the GPU: the call launches the send half of its data
 kernel (`deep_ep.legacy.deferred`) and returns; the hook launches the receive half (the wait for the
@@ -35,11 +36,11 @@ import torch
 
 from .. import checks
 from ..event import EventHandle, EventOverlap
-from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, cast_to_fp8, host_reads_allowed,
-                      low_latency_rdma_size_hint, per_expert_layout, per_pair, place_rows, place_scales,
-                      receive_storage, row_targets, scale_storage)
+from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allowed, low_latency_rdma_size_hint,
+                      receive_storage, scale_storage)
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
+from .ll_layout import ReceiveOutputs, cast_pairs, load_kernels, receive_layout
 from .ll_reduce import load_kernel, weighted_sum
 from .ll_state import LowLatencyState, release_on_error
 from .planned import planned, refuse_side_keywords
@@ -265,25 +266,18 @@ class LowLatencyMethods(LowLatencyState):
                     token = int(repeated.any(dim=1).nonzero()[0])
                     raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
-        load_kernel(device)                        # its combine's, before any graph capture
+        load_kernel(device)                        # its combine's and its own, before any graph capture
+        load_kernels(device)
         # One (token, slot) pair per row, each routed to its expert alone: the expanded receive is
         # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
         num_slots = num_max_dispatch_tokens_per_rank
         max_pairs = num_slots * num_topk
         half = self._free_half("low_latency_dispatch")
         buffer = self._low_latency_elastic_buffer(max_pairs, hidden, half)
-        if use_fp8:
-            data, scale_inv = cast_to_fp8(x, round_scale)
-            pairs_x = (per_pair(data, num_topk).view(checks.FP8), per_pair(scale_inv, num_topk))
-        else:
-            pairs_x = per_pair(x, num_topk).view(torch.bfloat16)
-        masked = self._mask_if_shrink()
-        pairs_topk = topk_idx.reshape(-1, 1)
-        if masked is not None:                     # nothing goes to a masked rank
-            owner_masked = masked[(pairs_topk // num_local_experts).clamp(min=0)] != 0
-            pairs_topk = torch.where(owner_masked, -1, pairs_topk)
-            if return_recv_hook:                   # the mask of the call, whenever the hook runs
-                masked = masked.clone()
+        masked = self._mask_if_shrink()            # nothing goes to a masked rank
+        pairs_x, pairs_topk = cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local_experts)
+        if masked is not None and return_recv_hook:    # the mask of the call, whenever the hook runs
+            masked = masked.clone()
         deferred = None
         if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
             recv, ep_handle, deferred = send_dispatch(buffer, pairs_x, pairs_topk, num_experts, max_pairs,
@@ -300,9 +294,11 @@ class LowLatencyMethods(LowLatencyState):
         recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
         src_info = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
         layout_range = torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device)
-        recv_scales = None
+        recv_scales = scales_storage = None
         if use_fp8:
             scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, num_scales, use_ue8m0, device)
+        outputs = ReceiveOutputs(recv_count, src_info, layout_range, data_storage, scales_storage, use_ue8m0,
+                                 cumulative_local_expert_recv_stats)
         handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
                                   half)
         handle.number = self._mark_dispatched(half)   # which half its combine finds waiting
@@ -310,21 +306,9 @@ class LowLatencyMethods(LowLatencyState):
         def receive() -> None:
             if deferred is not None:
                 launch_receive(buffer, deferred)
-            # The layout reads the handle's recv_src_metadata, which the receive writes.
-            layout = per_expert_layout(ep_handle, num_ranks, num_slots, num_topk, masked)
-            count, sources, ranges, row_expert, row_slot, row_kept = layout
-            handle.set_rows(row_expert, row_slot, row_kept)
-            recv_count.copy_(count)
-            src_info.copy_(sources)
-            layout_range.copy_(ranges)
-            # Only the received rows move (rows past a count are left as they were, as DeepEP's).
-            place_rows(data_storage, recv[0] if use_fp8 else recv,
-                       row_targets(row_expert, row_slot, row_kept, num_local_experts, num_rows))
-            if use_fp8:
-                place_scales(scales_storage, recv[1], row_expert, row_slot, row_kept, num_local_experts, num_rows,
-                             use_ue8m0)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(recv_count)
+            # The layout reads the handle's recv_src_metadata, which the receive writes; only the
+            # received rows move (rows past a count are left as they were, as DeepEP's).
+            handle.set_rows(*receive_layout(ep_handle, recv, num_ranks, num_slots, num_topk, masked, outputs))
 
         self._flip()
         hook = self._hook(receive, "low_latency_dispatch", device, half) if return_recv_hook else None

@@ -5,8 +5,9 @@ buffering with hook results equal bit for bit to those without hooks) on a one-r
 on 2, 4 and 8 emulated ranks of one device; that a call with a receive hook launches only the send
 half of its data kernel and the hook the receive half, with a matmul between them that finishes
 while peers have not even made their call; and the decode step captured in a CUDA graph and
-replayed with fresh inputs, rank masks set after capture included; and the combine's weighted-sum
-kernel equal bit for bit to its torch loop. Run by
+replayed with fresh inputs, rank masks set after capture included; the combine's weighted-sum
+kernel equal bit for bit to its torch loop, and the dispatch's layout kernels (the pairs' cast, the
+receive layout) to their torch spec. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_low_latency.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
@@ -275,3 +276,173 @@ def test_reduce_kernel_equals_the_torch_spec():
         numbers = ~want.isnan()
         assert torch.equal(got.view(torch.int16)[numbers], want.view(torch.int16)[numbers]), (num_tokens, num_topk,
                                                                                               hidden)
+
+
+def _same_fp8(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """FP8 bits equal, NaNs (0x7F with either sign) compared by position."""
+    got, want = got.view(torch.uint8).cpu(), want.view(torch.uint8).cpu()
+    got_nan, want_nan = (got & 0x7F) == 0x7F, (want & 0x7F) == 0x7F
+    return torch.equal(got_nan, want_nan) and torch.equal(got[~want_nan], want[~want_nan])
+
+
+def _same_float(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """float32 bits equal, NaNs compared by position (their payload is not specified)."""
+    got, want = got.cpu(), want.cpu()
+    numbers = ~want.isnan()
+    return torch.equal(got.isnan(), want.isnan()) and torch.equal(got.view(torch.int32)[numbers],
+                                                                  want.view(torch.int32)[numbers])
+
+
+def test_cast_kernel_equals_the_torch_spec():
+    """The pairs' cast kernel (deep_ep/legacy/ll_layout.py) equals its torch spec (run on the same
+    device) bit for bit: bf16 replication and FP8 with float and power-of-two scales, for 0, 1 and
+    more tokens, top-1 to top-8, with rows of zeros (the 1e-4 floor), tiny values (FP8 subnormals),
+    signed zeros, large values, infinities and NaN among the inputs, and the decode shape; the pairs'
+    routing with and without a rank mask (-1 slots among the ids)."""
+    from deep_ep.legacy import ll_layout
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(11)
+    cases = ((128, 8, 7168, None), (37, 3, 512, [0, 1, 1, 0]), (1, 1, 128, [1, 0, 0, 0]), (0, 2, 256, [0, 1, 0, 1]),
+             (5, 8, 1024, None), (9, 4, 256, [1, 1, 0, 1]))
+    for num_tokens, num_topk, hidden, mask in cases:
+        num_ranks, num_local = 4, 8
+        x = torch.randn(num_tokens, hidden, generator=generator) * 4
+        if num_tokens >= 5:
+            x[1] = 0.0
+            x[2, :128] *= 1e-6                                   # amax below the floor
+            x[2, 128:] *= 2.0 ** -12                            # FP8 subnormals after the scale
+            x[3, :8] = torch.tensor([float("inf"), -0.0, 0.0, 3e38, -3e38, float("nan"), 1e-30, -1e-30])
+            x[4, 130 % hidden] = -float("inf")
+        x = x.to(torch.bfloat16).to(device)
+        topk_idx = torch.stack([torch.randperm(num_ranks * num_local, generator=generator)[:num_topk]
+                                for _ in range(num_tokens)]) if num_tokens else torch.empty(0, num_topk)
+        topk_idx = torch.where(torch.rand(topk_idx.shape, generator=generator) < 0.2, -1, topk_idx)
+        topk_idx = topk_idx.to(torch.int64).to(device)
+        masked = None if mask is None else torch.tensor(mask, dtype=torch.int32, device=device)
+        for use_fp8 in (False, True):
+            for round_scale in ((False, True) if use_fp8 else (False,)):
+                want, want_topk = ll_layout.cast_pairs_torch(x, topk_idx, use_fp8, round_scale, masked, num_local)
+                got, got_topk = ll_layout.cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local)
+                case = (num_tokens, num_topk, hidden, use_fp8, round_scale, mask)
+                assert got_topk.shape == (num_tokens * num_topk, 1) and torch.equal(got_topk.cpu(),
+                                                                                   want_topk.cpu()), case
+                assert mask is None or num_tokens < 5 or bool((got_topk == -1).any() & (got_topk >= 0).any()), case
+                if not use_fp8:
+                    assert got.shape == (num_tokens * num_topk, hidden) and got.dtype == torch.bfloat16
+                    assert torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu()), case
+                    assert num_tokens == 0 or got.float().abs().nansum() > 0
+                    continue
+                assert got[0].shape == want[0].shape and got[1].shape == want[1].shape, case
+                assert got[0].dtype == want[0].dtype and got[1].dtype == torch.float32, case
+                assert _same_fp8(got[0], want[0]), case
+                assert _same_float(got[1], want[1]), case
+                assert num_tokens == 0 or (got[0].float().abs().nansum() > 0 and got[1].nansum() > 0)
+
+
+def _pair_dispatch(generator, num_ranks: int, rank: int, num_local: int, num_slots: int, num_topk: int,
+                   token_counts: list, device):
+    """The handle fields (`types.SimpleNamespace`) the layout reads, as a pair dispatch to ``rank``
+    leaves them: random top-k rows (-1 slots, distinct experts) of ``token_counts[s]`` tokens on every
+    source rank ``s``; metadata rows ordered by (source rank, pair), -1 past the received; expanded rows
+    grouped by local expert, then by (source rank, pair)."""
+    import types
+    num_experts = num_ranks * num_local
+    max_pairs = num_slots * num_topk
+    received = []                                                  # (local expert, source, pair)
+    for source in range(num_ranks):
+        for token in range(token_counts[source]):
+            experts = torch.randperm(num_experts, generator=generator)[:num_topk].tolist()
+            for slot, expert in enumerate(experts):
+                if torch.rand(1, generator=generator).item() < 0.2:
+                    continue                                       # a -1 slot
+                if expert // num_local == rank:
+                    received.append((expert % num_local, source, token * num_topk + slot))
+    by_expert = sorted(received)
+    expanded = {(source, pair): row for row, (_, source, pair) in enumerate(by_expert)}
+    metadata = torch.full((num_ranks * max_pairs, 3), -1, dtype=torch.int32)
+    for index, (_, source, pair) in enumerate(sorted(received, key=lambda item: (item[1], item[2]))):
+        metadata[index] = torch.tensor([source * max_pairs + pair, source, expanded[(source, pair)]])
+    counts = torch.bincount(torch.tensor([item[0] for item in received], dtype=torch.int64),
+                            minlength=num_local).to(torch.int32)
+    return types.SimpleNamespace(
+        num_local_experts=num_local, device=device, num_expanded_tokens=num_ranks * max_pairs,
+        recv_src_metadata=metadata.to(device), psum_num_recv_tokens_per_expert=counts.cumsum(0).to(torch.int32)
+        .to(device), num_unaligned_recv_tokens_per_expert=counts.to(device)), len(received)
+
+
+def _poisoned_outputs(generator, num_local: int, num_ranks: int, num_slots: int, hidden: int, use_fp8: bool,
+                      use_ue8m0: bool, with_stats: bool, device):
+    from deep_ep.legacy import ll_layout
+    from deep_ep.legacy.layouts import receive_storage, scale_storage
+
+    def poison(tensor):
+        raw = tensor.view(torch.uint8) if tensor.dtype != torch.bool else tensor
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8).to(raw.dtype))
+        return tensor
+
+    num_rows = num_ranks * num_slots
+    data_storage, _ = receive_storage(num_local, num_rows, hidden, torch.uint8 if use_fp8 else torch.bfloat16, "cpu")
+    scales = scale_storage(num_local, num_rows, hidden // 128, use_ue8m0, "cpu")[0] if use_fp8 else None
+    tensors = [torch.empty(num_local, dtype=torch.int32), torch.empty((num_local, num_rows), dtype=torch.int32),
+               torch.empty((num_local, num_ranks), dtype=torch.int64), data_storage, scales,
+               torch.empty(num_local, dtype=torch.int32) if with_stats else None]
+    tensors = [None if tensor is None else poison(tensor) for tensor in tensors]
+
+    def copy():
+        moved = [None if tensor is None else tensor.to(device, copy=True) for tensor in tensors]
+        if use_fp8:
+            moved[3] = moved[3].view(torch.float8_e4m3fn)
+        return ll_layout.ReceiveOutputs(*moved[:5], use_ue8m0, moved[5])
+    return copy
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_layout_kernels_equal_the_torch_spec(num_ranks):
+    """The receive layout's kernels (deep_ep/legacy/ll_layout.py) equal their torch spec bit for bit on
+    synthetic pair dispatches: every output poisoned first (rows past a count keep the poison in both),
+    bf16 and FP8 rows, float and UE8M0 scales (row-major and column-major received scales), rank masks
+    (this rank's own included), -1 slots, 0 and 1 token per rank, statistics added."""
+    from deep_ep.legacy import ll_layout
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(17 + num_ranks)
+    cases = [(256 // num_ranks, 128, 8, 7168, [128] * num_ranks, True, False, False, None),
+             (3, 5, 2, 512, [5, 0, 1, 4, 2, 5, 0, 3][:num_ranks], True, True, True, [1, 0, 1, 0, 0, 1, 0, 0]),
+             (2, 4, 3, 256, [4, 1, 0, 2, 4, 4, 1, 3][:num_ranks], False, False, True, [0, 1, 0, 0, 1, 1, 0, 0]),
+             (1, 1, 1, 128, [1, 0, 1, 1, 0, 1, 1, 1][:num_ranks], True, False, False, [0, 0, 1, 0, 0, 0, 0, 1]),
+             (4, 3, 2, 512, [0] * num_ranks, True, True, False, None),
+             (8, 6, 4, 1024, [6, 3, 6, 1, 0, 6, 2, 5][:num_ranks], True, False, True, [0, 1, 1, 0, 0, 0, 1, 0]),
+             (2, 3, 2, 512, [3, 2, 3, 1, 3, 0, 3, 2][:num_ranks], True, True, False, [1] * 8)]
+    for num_local, num_slots, num_topk, hidden, tokens, use_fp8, use_ue8m0, column_major, mask in cases:
+        rank = num_ranks - 1
+        handle, num_received = _pair_dispatch(generator, num_ranks, rank, num_local, num_slots, num_topk, tokens,
+                                              device)
+        rows_count = handle.num_expanded_tokens
+        if use_fp8:
+            data = torch.randint(0, 256, (rows_count, hidden), generator=generator, dtype=torch.uint8)
+            scales = torch.rand(rows_count, hidden // 128, generator=generator) * 2.0 ** torch.randint(
+                -20, 20, (rows_count, hidden // 128), generator=generator)
+            if column_major:
+                scales = scales.t().contiguous().t()
+            recv = (data.to(device).view(torch.float8_e4m3fn), scales.to(device))
+        else:
+            recv = torch.randn(rows_count, hidden, generator=generator).to(torch.bfloat16).to(device)
+        masked = None if mask is None else torch.tensor(mask[:num_ranks], dtype=torch.int32, device=device)
+        copy = _poisoned_outputs(generator, num_local, num_ranks, num_slots, hidden, use_fp8, use_ue8m0,
+                                 mask is not None, device)
+        want_outputs, got_outputs = copy(), copy()
+        want_rows = ll_layout.receive_layout_torch(handle, recv, num_ranks, num_slots, num_topk, masked, want_outputs)
+        got_rows = ll_layout.receive_layout(handle, recv, num_ranks, num_slots, num_topk, masked, got_outputs)
+        case = (num_ranks, num_local, num_slots, num_topk, hidden, use_fp8, use_ue8m0, mask)
+        for got, want in zip(got_rows, want_rows):
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu()), case
+        for index in (0, 1, 2, 6):
+            got, want = got_outputs[index], want_outputs[index]
+            assert (got is None) == (want is None) and (got is None or torch.equal(got.cpu(), want.cpu())), (case,
+                                                                                                          index)
+        # the storages' last row (element) is the spec's spare, not part of the layout
+        for got, want in zip(got_outputs[3:5], want_outputs[3:5]):
+            if want is not None:
+                assert torch.equal(got[:-1].view(torch.uint8).cpu(), want[:-1].view(torch.uint8).cpu()), case
+        kept = int(want_outputs.recv_count.sum())
+        assert num_received == 0 or kept > 0 or (masked is not None and bool(masked.bool().any())), case
+        assert int(got_rows[2].sum()) == kept, case
