@@ -221,7 +221,8 @@ def test_fetch_write_and_refusals(no_cuda, num_ranks, location):
                                     storage_location=location)
             with pytest.raises(RuntimeError, match="ranks disagree on the values of sf"):
                 buffer.engram_write(storage.fill_(1), sf=sf_table + rank, storage_location=location)
-            with pytest.raises(RuntimeError, match=r"ranks disagree on storage_location .*: per-rank values \[1, 0, 1\]"):
+            disagree = r"ranks disagree on storage_location .*: per-rank values \[1, 0, 1\]"
+            with pytest.raises(RuntimeError, match=disagree):
                 buffer.engram_write(storage, sf=sf_table, storage_location=("host", "device")[rank % 2])
             _check(buffer.engram_fetch(indices)(), table, sf_table, indices, False)
         return True
@@ -230,7 +231,8 @@ def test_fetch_write_and_refusals(no_cuda, num_ranks, location):
     assert set(kernels.launches) == {modules.ENGRAM_STORE_KERNEL, modules.ENGRAM_GATHER_KERNEL}
     assert (kernels.host_reads > 0) == (location == "host")
     # host: every rank's shard; device: those of the ranks that asked for host in the refused write
-    assert len(engram_host.LocalShard._live) == (num_ranks if location == "host" else (num_ranks + 1) // 2 * (num_ranks > 1))
+    asked_host = num_ranks if location == "host" else (num_ranks + 1) // 2 * (num_ranks > 1)
+    assert len(engram_host.LocalShard._live) == asked_host
     _release(buffers)
     assert not engram_host.LocalShard._live
 

@@ -17,7 +17,7 @@ import threading
 import torch
 
 from ... import shapes
-from ...cuda.driver import driver, enter_context, error_name, leave_context, memcpy_async
+from ...cuda.driver import driver, enter_context, error_name, leave_context
 from .errors import MappedWords
 
 __all__ = ["DESCRIPTION_WORDS", "LocalShard", "ProcessShard", "copy_bytes", "create_host_shard", "reach_host_shards"]
@@ -196,8 +196,9 @@ def copy_bytes(device: torch.device, address: int, source: torch.Tensor, stream)
     """Queue a copy of ``source``'s bytes (contiguous, on ``device``) to the device-accessible
     ``address`` on ``stream`` (a copy engine)."""
     previous = enter_context(device.index)
-    try:
-        err = memcpy_async(address, source.data_ptr(), source.numel() * source.element_size(), stream.cuda_stream)
+    try:   # the unified-address copy: the driver sees the destination is host memory
+        (err,) = driver().cuMemcpyAsync(address, source.data_ptr(), source.numel() * source.element_size(),
+                                        stream.cuda_stream)
     finally:
         leave_context(previous)
     _driver_check(err, "the copy of the shard into host memory")
