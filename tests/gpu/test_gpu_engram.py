@@ -10,7 +10,9 @@ tensors), out-of-range indices found on the GPU (zeroed rows, raised by the next
 before any launch, ranks that disagree (the old table stays), dispatch writing beside the table
 without touching it, a host shard holding the written bytes and outliving its owner's buffer while a
 peer still fetches from it. Hosts read results only after `deep_ep.emulated.wait_for_stream`. Run by
-``EXTRA_FILES=tests/gpu/test_gpu_engram.py bash tools/device_suite.sh extra``.
+``EXTRA_FILES=tests/gpu/test_gpu_engram.py bash tools/device_suite.sh extra``; across processes (host
+shards shared through the driver, 2 or more GPUs) by ``torchrun --nproc-per-node 2
+tests/gpu/test_gpu_engram.py``.
 """
 from __future__ import annotations
 
@@ -368,3 +370,27 @@ def _host_shard_body(group):
 
 def test_a_host_shard_holds_the_bytes_and_outlives_its_owner():
     _run(2, _host_shard_body)
+
+
+def _main() -> None:
+    """One process per GPU, the NCCL world group: host shards shared across processes (the driver's
+    virtual memory API) and device shards, every fetch case and the refusals. Run by
+    ``torchrun --nproc-per-node 2 tests/gpu/test_gpu_engram.py`` (2 or more GPUs)."""
+    global DEVICE
+    import torch.distributed as dist
+    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl", device_id=DEVICE)
+    group = dist.group.WORLD
+    fetches = 3 * 2 * sum(2 if fmt[3] is not None else 1 for fmt in FORMATS)
+    try:
+        for location in ("host", "device"):
+            assert _fetch_body(group, location) == fetches
+            _refusals_body(group, location)
+            print(f"rank {group.rank()} of {group.size()}: Engram storage in {location} memory passed", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()
