@@ -209,7 +209,7 @@ class EngramMixin:
         """(Experimental) Gather Engram entries from their owners.
 
         The fetch is one-sided, like DeepEP's RDMA gets: it reads the owners' storage (shared
-        memory on the CPU, their windows on a GPU) and involves no other rank (ranks fetch
+        memory on the CPU, their host memory or windows on a GPU) and involves no other rank (ranks fetch
         independently, any number of times, any shapes). On a GPU buffer it queues one gather
         kernel on the current stream and returns without waiting; the hook makes the current stream
         wait for it. Between this call and its hook's first call the buffer's window is held:
