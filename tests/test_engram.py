@@ -193,6 +193,9 @@ def _write_refusals(rank, num_ranks):
                               "more than the buffer's num_cpu_bytes")):
         with pytest.raises(kind, match=text):
             buffer.engram_write(*args)
+    for bad, kind in (("gpu", ValueError), (0, TypeError)):
+        with pytest.raises(kind, match="storage_location must"):
+            buffer.engram_write(bf16, storage_location=bad)
     # Ranks that disagree: the same RuntimeError on every rank; the buffer stays usable.
     with pytest.raises(RuntimeError, match=r"ranks disagree on hidden: per-rank values \[128, 256"):
         buffer.engram_write(bf16[:, :128 * (rank + 1)].contiguous())
@@ -202,7 +205,7 @@ def _write_refusals(rank, num_ranks):
         buffer.engram_write(*((storage, sf_table) if rank == 0 else (bf16,)))
     with pytest.raises(RuntimeError, match="ranks disagree on the values of sf"):
         buffer.engram_write(storage, sf_table + rank)
-    buffer.engram_write(bf16)
+    buffer.engram_write(bf16, storage_location="device")   # host memory all the same on the CPU backend
     table = _all_gather_rows(bf16, num_ranks)
     _check_fetch(buffer, table, None, _indices(3, num_ranks * NUM_ENTRIES, 5), False)
     # A rank that cannot create its segment, or cannot map a peer's (faked): every rank raises, no
@@ -329,18 +332,20 @@ def test_storage_size_hint_refusals():
 
 
 def test_signatures():
-    """DeepEP's names, order and defaults."""
+    """DeepEP's names, order and defaults (and engram_write's keyword-only storage_location)."""
     cls = deep_ep.ElasticBuffer
     assert isinstance(inspect.getattr_static(cls, "get_engram_storage_size_hint"), staticmethod)
     expect = {"get_engram_storage_size_hint": [("num_entries", None), ("hidden", None),
                                                ("num_max_tokens_per_rank", None), ("dtype", torch.bfloat16)],
-              "engram_write": [("self", None), ("storage", None), ("sf", None)],
+              "engram_write": [("self", None), ("storage", None), ("sf", None), ("storage_location", "host")],
               "engram_fetch": [("self", None), ("indices", None), ("num_qps", 0),
                                ("use_tma_aligned_col_major_sf", False)]}
     for name, params in expect.items():
         got = [(p.name, None if p.default is p.empty else p.default)
                for p in inspect.signature(getattr(cls, name)).parameters.values()]
         assert got == params, name
+    extra = inspect.signature(cls.engram_write).parameters["storage_location"]
+    assert extra.kind is inspect.Parameter.KEYWORD_ONLY
 
 
 class _BackendStub:

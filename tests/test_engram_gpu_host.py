@@ -1,10 +1,13 @@
 """The host side of Engram on GPU buffers (deep_ep/primitives/engram.py's GPU branch and
 deep_ep/backends/gpu/engram.py), without a GPU: ranks in threads, windows in host memory, and the two
 kernels stood in for by Python that does what impls/engram.cuh does, through the very pointers and
-argument structs the host passes. Checked: every fetched element against the reference (bf16 and FP8
-with both factor kinds and layouts), the header exchange (ranks that disagree raise together and keep
-the old table), out-of-range indices reported by the next fetch, the window hold, the room the
-storage needs, and the dispatch layout stopping before the storage. The kernels themselves run in
+argument structs the host passes. Checked, with the shards in host memory (the default: host buffers
+standing for pinned memory, reached by address) and in the windows: every fetched element against
+the reference (bf16 and FP8 with both factor kinds and layouts), the host shards' lifetime (a peer
+still reads a shard after its owner's release; the last release frees it), the header exchange
+(ranks that disagree, on the place too, raise together and keep the old table), out-of-range
+indices reported by the next fetch, the window hold, the room the storage needs, and the dispatch
+layout stopping before the storage. The kernels themselves run in
 tests/gpu/test_gpu_engram.py."""
 import ctypes
 import threading
@@ -17,6 +20,7 @@ from deep_ep import ElasticBuffer
 from deep_ep.backends import outputs
 from deep_ep.backends.gpu import GPUBackend
 from deep_ep.backends.gpu import engram as gpu_engram
+from deep_ep.backends.gpu import engram_host
 from deep_ep.backends.gpu import modules
 from deep_ep.backends.gpu.abi import CTRL_BYTES
 from deep_ep.primitives import WindowUse
@@ -33,6 +37,7 @@ class _MappedWords:
         self.host_ptr = self.device_ptr = ctypes.addressof(self.buffer)
 
     def free(self):
+        ctypes.memset(self.buffer, 0xEE, ctypes.sizeof(self.buffer))   # a read after the free shows
         self.host_ptr = self.device_ptr = 0
 
 
@@ -42,6 +47,7 @@ class _Kernels:
     def __init__(self, windows):
         self.windows = windows
         self.launches = []
+        self.host_reads = 0
 
     def function(self, name):
         return types.SimpleNamespace(launch=lambda grid, block, args, stream=None, device=None:
@@ -64,7 +70,12 @@ class _Kernels:
             index = ctypes.c_int32.from_address(gather.indices + 4 * row).value
             valid = 0 <= index < num_total
             dst = gather.out + row * gather.row_bytes
-            if valid:
+            if valid and gather.shards:   # host shards: a table of their addresses
+                owner, local = divmod(index, gather.num_entries)
+                self.host_reads += 1
+                ctypes.memmove(dst, ctypes.c_int64.from_address(gather.shards + 8 * owner).value +
+                               local * gather.row_bytes, gather.row_bytes)
+            elif valid:
                 owner, local = divmod(index, gather.num_entries)
                 assert gather.storage_offset + (local + 1) * gather.row_bytes <= self.windows[owner].numel()
                 ctypes.memmove(dst, bases[owner] + gather.storage_offset + local * gather.row_bytes, gather.row_bytes)
@@ -89,6 +100,9 @@ def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(gpu_engram, "MappedWords", _MappedWords)
+    monkeypatch.setattr(engram_host, "MappedWords", _MappedWords)   # the host shards of one process
+    monkeypatch.setattr(gpu_engram, "copy_bytes", lambda device, address, source, stream: ctypes.memmove(
+        address, source.data_ptr(), source.numel() * source.element_size()))
 
 
 def _buffers(num_ranks, num_bytes, num_cpu_bytes):
@@ -169,8 +183,9 @@ FORMATS = ((torch.bfloat16, 24, None, 0), (torch.bfloat16, 33, None, 0), (torch.
            (torch.float8_e4m3fn, 50, torch.int32, 2))
 
 
+@pytest.mark.parametrize("location", ["host", "device"])
 @pytest.mark.parametrize("num_ranks", [1, 3])
-def test_fetch_write_and_refusals(no_cuda, num_ranks):
+def test_fetch_write_and_refusals(no_cuda, num_ranks, location):
     num_entries, num_per_token = 10, 3
     buffers, kernels = _buffers(num_ranks, 2 * MIB2, MIB2)
     num_total = num_ranks * num_entries
@@ -181,7 +196,7 @@ def test_fetch_write_and_refusals(no_cuda, num_ranks):
             table = _random_bits((num_total, hidden), dtype, 10 * position)
             sf_table = None if sf_dtype is None else _random_bits((num_total, packs), sf_dtype, 10 * position + 1)
             storage = table[rank * num_entries:(rank + 1) * num_entries].clone()
-            buffer.engram_write(storage, sf=None if sf_table is None else sf_table.clone())
+            buffer.engram_write(storage, sf=None if sf_table is None else sf_table.clone(), storage_location=location)
             storage.view(torch.uint8).fill_(0xAB)
             for num_tokens in (1, 5, 7 + rank):
                 indices = torch.randint(0, num_total, (num_tokens, num_per_token), dtype=torch.int32,
@@ -205,14 +220,50 @@ def test_fetch_write_and_refusals(no_cuda, num_ranks):
         if num_ranks > 1:
             # ranks that disagree raise together; the old table stays
             with pytest.raises(RuntimeError, match=r"ranks disagree on hidden: per-rank values \[8, 16, 24\]"):
-                buffer.engram_write(torch.zeros(num_entries, 8 * (rank + 1), dtype=torch.bfloat16))
+                buffer.engram_write(torch.zeros(num_entries, 8 * (rank + 1), dtype=torch.bfloat16),
+                                    storage_location=location)
             with pytest.raises(RuntimeError, match="ranks disagree on the values of sf"):
-                buffer.engram_write(storage.fill_(1), sf=sf_table + rank)
+                buffer.engram_write(storage.fill_(1), sf=sf_table + rank, storage_location=location)
+            disagree = r"ranks disagree on storage_location .*: per-rank values \[1, 0, 1\]"
+            with pytest.raises(RuntimeError, match=disagree):
+                buffer.engram_write(storage, sf=sf_table, storage_location=("host", "device")[rank % 2])
             _check(buffer.engram_fetch(indices)(), table, sf_table, indices, False)
         return True
 
     assert _on_ranks(buffers, body) == [True] * num_ranks
     assert set(kernels.launches) == {modules.ENGRAM_STORE_KERNEL, modules.ENGRAM_GATHER_KERNEL}
+    assert (kernels.host_reads > 0) == (location == "host")
+    # host: every rank's shard; device: those of the ranks that asked for host in the refused write
+    asked_host = num_ranks if location == "host" else (num_ranks + 1) // 2 * (num_ranks > 1)
+    assert len(engram_host.LocalShard._live) == asked_host
+    _release(buffers)
+    assert not engram_host.LocalShard._live
+
+
+def test_a_host_shard_outlives_its_owner_while_a_peer_reads_it(no_cuda):
+    """Rank 0 destroys its buffer; rank 1 still fetches rank 0's entries (its hold keeps them), and
+    the last release frees both shards."""
+    num_entries, hidden = 4, 16
+    buffers, kernels = _buffers(2, 2 * MIB2, MIB2)
+    table = _random_bits((2 * num_entries, hidden), torch.bfloat16, 7)
+    _on_ranks(buffers, lambda buffer: buffer.engram_write(
+        table[buffer.rank_idx * num_entries:(buffer.rank_idx + 1) * num_entries].clone()))
+    _release(buffers[:1])
+    assert len(engram_host.LocalShard._live) == 2
+    indices = torch.arange(2 * num_entries, dtype=torch.int32).view(-1, 2)
+    _check(buffers[1].engram_fetch(indices)(), table, None, indices, False)
+    _release(buffers[1:])
+    assert not engram_host.LocalShard._live
+
+
+def test_storage_location_is_checked_before_any_communication(no_cuda):
+    buffers, kernels = _buffers(1, 2 * MIB2, MIB2)
+    storage = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"storage_location must be one of \('host', 'device'\), got 'gpu'"):
+        buffers[0].engram_write(storage, storage_location="gpu")
+    with pytest.raises(TypeError, match="storage_location must be a str"):
+        buffers[0].engram_write(storage, storage_location=1)
+    assert kernels.launches == [] and buffers[0]._engram is None or not buffers[0]._engram.written
     _release(buffers)
 
 

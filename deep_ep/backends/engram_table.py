@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AGREED_FIELDS", "EngramTableState", "STORAGE_FORMATS"]
+__all__ = ["AGREED_FIELDS", "EngramTableState", "STORAGE_FORMATS", "STORAGE_LOCATIONS"]
 
 #: ``(storage dtype, sf dtype or None)`` -> the format number `engram_write`'s header carries:
 #: 0 bf16, 1 FP8 with float32 scale factors, 2 FP8 with UE8M0 exponents packed four to an int32.
@@ -16,11 +16,16 @@ STORAGE_FORMATS = {(torch.bfloat16, None): 0, (torch.float8_e4m3fn, torch.float3
                    (torch.float8_e4m3fn, torch.int32): 2}
 
 #: What every rank's `engram_write` must agree on, in the order each backend's header lists them
-#: (named in the error when ranks disagree).
+#: (named in the error when ranks disagree). The last, the storage's place, only GPU buffers check:
+#: on the CPU backend every shard is in host memory whatever the write asks.
 AGREED_FIELDS = ("num_entries (rows of each rank's storage)", "hidden",
                  "storage format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 int32 sf)",
                  "num_sf_packs (columns of sf)", "rows of sf",
-                 "the values of sf (a digest; the table is replicated: every rank passes the same)")
+                 "the values of sf (a digest; the table is replicated: every rank passes the same)",
+                 "storage_location (0 device, 1 host)")
+
+#: The places `engram_write` accepts for a shard (``storage_location``).
+STORAGE_LOCATIONS = ("host", "device")
 
 
 class EngramTableState:

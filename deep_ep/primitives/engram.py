@@ -4,8 +4,9 @@ Every rank owns a shard of a table (``num_entries`` rows of ``hidden`` bf16 or F
 entry ``owner * num_entries + local`` is row ``local`` of rank ``owner``'s shard. `engram_write`
 publishes the shards (collective), `engram_fetch` gathers any entries from their owners. The CPU
 backend (`deep_ep.backends.cpu.engram`: shared memory) is the executable specification; GPU buffers
-(`deep_ep.backends.gpu.engram`) keep each shard in the last ``num_cpu_bytes`` of the rank's window and
-gather with one kernel on the caller's stream. Argument checks live here, for both. Out-of-range
+(`deep_ep.backends.gpu.engram`) keep each shard in ``num_cpu_bytes`` of pinned host memory (as
+DeepEP) or, with ``storage_location="device"``, in the last ``num_cpu_bytes`` of the rank's window,
+and gather with one kernel on the caller's stream. Argument checks live here, for both. Out-of-range
 indices: the CPU checks them on the host before reading; a GPU kernel checks them while it gathers
 (an index is never read outside the table), and the next fetch on that rank raises.
 `engram_fetch_reference` is the per-rank semantics of a fetch, given the whole table.
@@ -17,6 +18,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .. import checks, shapes
+from ..backends.engram_table import STORAGE_LOCATIONS
 
 __all__ = ["EngramMixin", "EngramFetchHook", "engram_fetch_reference"]
 
@@ -111,7 +113,8 @@ class EngramMixin:
         return (shapes.align_up(entry_bytes * num_max_tokens_per_rank, _BUFFER_ALIGNMENT),
                 shapes.align_up(entry_bytes * num_entries, _BUFFER_ALIGNMENT))
 
-    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
+    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None, *,
+                     storage_location: str = "host") -> None:
         """(Experimental) Publish this rank's shard of the Engram table. Collective: every rank calls
         it, with the same shapes and format; it includes a barrier before and after, so every rank
         can fetch every rank's new entries once it returns. A later call replaces the table.
@@ -125,23 +128,40 @@ class EngramMixin:
                 an opaque 4-byte value (``torch.float32``, or ``torch.int32`` holding four UE8M0
                 exponents). Copied; a fetch takes the factors from this rank's copy.
 
-        On a GPU buffer the shard is stored in device memory, the last ``num_cpu_bytes`` of the
-        window (dispatch and combine use the bytes before them), and the call blocks the host: it
-        waits for this rank's earlier fetches and kernels, and cannot be captured in a CUDA graph.
+            storage_location: where a GPU buffer keeps the shard (every rank the same): ``"host"``
+                (default, as DeepEP: ``num_cpu_bytes`` of pinned host memory, allocated at the first
+                such write and kept until `destroy`; peers' GPUs read it over PCIe or C2C) or
+                ``"device"`` (the last ``num_cpu_bytes`` of the window, in GPU memory, read over
+                NVLink: faster fetches, GPU memory instead of host memory). A CPU buffer keeps every
+                shard in host memory whatever this says.
+
+        On a GPU buffer the call blocks the host: it waits for this rank's earlier fetches and
+        kernels, and cannot be captured in a CUDA graph. Host storage for ranks in separate
+        processes is shared with the CUDA driver's virtual memory API and ``pidfd_getfd``, which
+        needs the ranks to be allowed to trace each other (same user, ``kernel.yama.ptrace_scope``
+        0 or ``CAP_SYS_PTRACE``); else pass ``storage_location="device"``.
 
         Raises:
             NotImplementedError: a backend without Engram; ranks on several hosts (CPU backend).
-            TypeError / ValueError: bad arguments, raised on this rank before any communication;
+            TypeError / ValueError: bad arguments (``storage_location`` neither ``"host"`` nor
+                ``"device"`` included), raised on this rank before any communication;
                 on a GPU buffer also a window with less than 64 KiB + 64 bytes before its last
                 ``num_cpu_bytes`` (the control region and the write's header).
-            RuntimeError: destroyed buffer; or, on every rank, ranks that disagree on the shapes or
-            format, or that are at different calls; (GPU) during CUDA-graph capture, or an earlier
-            GPU error made the buffer unusable. TimeoutError: a peer did not call it.
+            RuntimeError: destroyed buffer; or, on every rank, ranks that disagree on the shapes,
+            format or ``storage_location``, or that are at different calls; (GPU) during CUDA-graph
+            capture, or an earlier GPU error made the buffer unusable; (GPU, on this rank only) host
+            memory that cannot be allocated or mapped. OSError: (GPU, separate processes, on this
+            rank only) a peer's host storage that cannot be shared. TimeoutError: a peer did not
+            call it, or failed on its own.
         """
         self._alive()
         backend, on_gpu = self._engram_backend("engram_write")
         backend.calls += 1   # collective: every call counts, a refused one too (as dispatch's)
         device = backend.device
+        if not isinstance(storage_location, str):
+            raise TypeError(f"storage_location must be a str, got {type(storage_location).__name__}")
+        if storage_location not in STORAGE_LOCATIONS:
+            raise ValueError(f"storage_location must be one of {STORAGE_LOCATIONS}, got {storage_location!r}")
         checks.check_tensor("storage", storage, dtype=_STORAGE_DTYPES, shape=(None, None), device=device)
         num_entries, hidden = storage.shape
         if num_entries < 1 or hidden < 1:
@@ -182,14 +202,14 @@ class EngramMixin:
             raise RuntimeError("engram_write waits on the host for every rank and cannot be captured in a CUDA "
                                "graph; call it before the capture")
         backend.raise_if_broken()
-        table.write(backend.calls, storage, sf)
+        table.write(backend.calls, storage, sf, storage_location)
 
     def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0,
                      use_tma_aligned_col_major_sf: bool = False) -> Callable:
         """(Experimental) Gather Engram entries from their owners.
 
         The fetch is one-sided, like DeepEP's RDMA gets: it reads the owners' storage (shared
-        memory on the CPU, their windows on a GPU) and involves no other rank (ranks fetch
+        memory on the CPU, their host memory or windows on a GPU) and involves no other rank (ranks fetch
         independently, any number of times, any shapes). On a GPU buffer it queues one gather
         kernel on the current stream and returns without waiting; the hook makes the current stream
         wait for it. Between this call and its hook's first call the buffer's window is held:

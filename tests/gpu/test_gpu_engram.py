@@ -1,14 +1,18 @@
 """Engram remote-memory fetch on GPU buffers: a one-rank NCCL group and 2, 4 and 8 ranks emulated on
-one device. Every rank draws every rank's shard from the case's seed, so it knows the whole table;
+one device, the shards in pinned host memory (the default) and in the windows (``storage_location=
+"device"``). Every rank draws every rank's shard from the case's seed, so it knows the whole table;
 each rank writes a fresh random shard (random bits: bf16, FP8 with float32 or packed int32 factors,
 row sizes on the kernel's 16-byte, 4-byte and byte paths), fetches its own shapes with outputs
 poisoned, and compares every element's bits (and the factors' strides, in both layouts) with
 `engram_fetch_reference` over the whole table. Also: repeated fetches and a second write replacing
 the table, the hook (the current stream waits for the gather; a second call returns the same
 tensors), out-of-range indices found on the GPU (zeroed rows, raised by the next fetch), refusals
-before any launch, ranks that disagree (the old table stays), and dispatch writing beside the table
-without touching it. Hosts read results only after `deep_ep.emulated.wait_for_stream`. Run by
-``EXTRA_FILES=tests/gpu/test_gpu_engram.py bash tools/device_suite.sh extra``.
+before any launch, ranks that disagree (the old table stays), dispatch writing beside the table
+without touching it, a host shard holding the written bytes and outliving its owner's buffer while a
+peer still fetches from it. Hosts read results only after `deep_ep.emulated.wait_for_stream`. Run by
+``EXTRA_FILES=tests/gpu/test_gpu_engram.py bash tools/device_suite.sh extra``; across processes (host
+shards shared through the driver, 2 or more GPUs) by ``torchrun --nproc-per-node 2
+tests/gpu/test_gpu_engram.py``.
 """
 from __future__ import annotations
 
@@ -110,20 +114,20 @@ def _buffer(group, num_bytes, num_cpu_bytes, **kwargs):
                                  num_cpu_timeout_secs=TIMEOUT, **kwargs)
 
 
-def _write(buf, fmt, seed, rank, num_ranks, num_entries: int = NUM_ENTRIES) -> tuple:
-    """Write this rank's shard of a fresh table; the device copies passed are spoiled afterwards (the
-    table is a copy). Returns the whole table (CPU)."""
+def _write(buf, fmt, seed, rank, num_ranks, num_entries: int = NUM_ENTRIES, location: str = "host") -> tuple:
+    """Write this rank's shard of a fresh table in ``location``; the device copies passed are spoiled
+    afterwards (the table is a copy). Returns the whole table (CPU)."""
     table, sf_table = _table(fmt, seed, num_ranks, num_entries)
     storage = table[rank * num_entries:(rank + 1) * num_entries].to(DEVICE, copy=True)
     sf = None if sf_table is None else sf_table.to(DEVICE, copy=True)
-    buf.engram_write(storage, sf=sf)
+    buf.engram_write(storage, sf=sf, storage_location=location)
     storage.view(torch.uint8).fill_(0xAB)
     if sf is not None:
         sf.view(torch.uint8).fill_(0xCD)
     return table, sf_table
 
 
-def _fetch_body(group):
+def _fetch_body(group, location):
     rank, num_ranks = group.rank(), group.size()
     buf = _buffer(group, *_sizes())
     num_total = num_ranks * NUM_ENTRIES
@@ -132,7 +136,7 @@ def _fetch_body(group):
         for position, fmt in enumerate(FORMATS):
             for write_round in range(2):   # the second write replaces the table
                 seed = case_seed("engram fetch", num_ranks, fmt[0], write_round)
-                table, sf_table = _write(buf, fmt, seed, rank, num_ranks)
+                table, sf_table = _write(buf, fmt, seed, rank, num_ranks, location=location)
                 pending = []
                 for repeat in range(3):
                     num_tokens = 1 + (5 * rank + 7 * repeat + position) % MAX_TOKENS   # shapes differ by rank
@@ -144,8 +148,9 @@ def _fetch_body(group):
                         result = hook()
                         again = hook()
                         assert again[0] is result[0] and again[1] is result[1]
-                        pending.append((result, indices, col_major, f"rank {rank} {fmt[0]} write {write_round} "
-                                                                    f"fetch {repeat} col_major={col_major}"))
+                        where = (f"rank {rank} {location} {fmt[0]} write {write_round} fetch {repeat} "
+                                 f"col_major={col_major}")
+                        pending.append((result, indices, col_major, where))
                 _wait()
                 for result, indices, col_major, where in pending:
                     _check(result, table, sf_table, indices, col_major, where)
@@ -155,10 +160,11 @@ def _fetch_body(group):
         buf.destroy()
 
 
+@pytest.mark.parametrize("location", ["host", "device"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
-def test_fetch_matches_the_table(num_ranks):
+def test_fetch_matches_the_table(num_ranks, location):
     fetches = 3 * 2 * sum(2 if fmt[3] is not None else 1 for fmt in FORMATS)
-    assert _run(num_ranks, _fetch_body) == [fetches] * num_ranks
+    assert _run(num_ranks, _fetch_body, location) == [fetches] * num_ranks
 
 
 def _stream_body(group):
@@ -196,7 +202,7 @@ def _expect(error, match, fn, *args, **kwargs):
         fn(*args, **kwargs)
 
 
-def _refusals_body(group):
+def _refusals_body(group, location):
     rank, num_ranks = group.rank(), group.size()
     num_bytes, num_cpu_bytes = _sizes()
     buf = _buffer(group, num_bytes, num_cpu_bytes)
@@ -220,8 +226,10 @@ def _refusals_body(group):
                                  ((bf16.t(),), ValueError, "contiguous"),
                                  ((torch.zeros(num_cpu_bytes // 512 + 1, 256, dtype=torch.bfloat16, device=DEVICE),),
                                   ValueError, "more than the buffer's num_cpu_bytes")):
-            _expect(kind, text, buf.engram_write, *args)
-        buf.engram_write(storage, sf=sf)
+            _expect(kind, text, buf.engram_write, *args, storage_location=location)
+        _expect(ValueError, "storage_location must be one of", buf.engram_write, storage, sf, storage_location="gpu")
+        _expect(TypeError, "storage_location must be a str", buf.engram_write, storage, sf, storage_location=None)
+        buf.engram_write(storage, sf=sf, storage_location=location)
         # engram_fetch: refused before any launch, the window left free
         for bad, kind, text, kwargs in ((on_device.long(), TypeError, "dtype int32", {}),
                                         (on_device.view(-1), ValueError, "shape", {}),
@@ -266,10 +274,13 @@ def _refusals_body(group):
         if num_ranks > 1:
             # ranks that disagree: the same RuntimeError on every rank, and the old table stays
             _expect(RuntimeError, r"ranks disagree on hidden: per-rank values \[128, 256",
-                    buf.engram_write, bf16[:, :128 * (rank + 1)].contiguous())
-            _expect(RuntimeError, "ranks disagree on the values of sf", buf.engram_write, storage, sf + rank)
+                    buf.engram_write, bf16[:, :128 * (rank + 1)].contiguous(), storage_location=location)
+            _expect(RuntimeError, "ranks disagree on the values of sf", buf.engram_write, storage, sf + rank,
+                    storage_location=location)
             _expect(RuntimeError, "ranks disagree on num_entries", buf.engram_write, storage[:NUM_ENTRIES - rank],
-                    sf[:num_ranks * (NUM_ENTRIES - rank)])
+                    sf[:num_ranks * (NUM_ENTRIES - rank)], storage_location=location)
+            _expect(RuntimeError, r"ranks disagree on storage_location .*per-rank values \[1, 0",
+                    buf.engram_write, storage, sf, storage_location=("host", "device")[rank % 2])
             result = buf.engram_fetch(on_device)()
             _wait()
             _check(result, table, sf_table, good, False, f"rank {rank} after the refused writes")
@@ -285,9 +296,10 @@ def _refusals_body(group):
         small.destroy()
 
 
+@pytest.mark.parametrize("location", ["host", "device"])
 @pytest.mark.parametrize("num_ranks", [1, 2])
-def test_bad_input_is_refused(num_ranks):
-    _run(num_ranks, _refusals_body)
+def test_bad_input_is_refused(num_ranks, location):
+    _run(num_ranks, _refusals_body, location)
 
 
 def _dispatch_body(group):
@@ -305,7 +317,8 @@ def _dispatch_body(group):
     x = torch.full((num_tokens, hidden), float(rank + 1), dtype=torch.bfloat16, device=DEVICE)
     topk_idx = (torch.arange(num_tokens, dtype=torch.int64, device=DEVICE) % num_ranks).view(num_tokens, 1)
     try:
-        table, _ = _write(buf, fmt, case_seed("engram dispatch", num_ranks), rank, num_ranks, num_entries)
+        table, _ = _write(buf, fmt, case_seed("engram dispatch", num_ranks), rank, num_ranks, num_entries,
+                          location="device")
         generator = torch.Generator().manual_seed(rank)
         indices = torch.randperm(num_total, generator=generator).to(torch.int32).view(-1, num_per_token)
         on_device = indices.to(DEVICE)
@@ -323,5 +336,61 @@ def _dispatch_body(group):
 
 
 def test_dispatch_leaves_the_table_alone():
-    """Two emulated ranks: a rank alone stages no rows in its window, so one rank proves nothing."""
+    """Two emulated ranks: a rank alone stages no rows in its window, so one rank proves nothing. The
+    shards in the windows: the case where rows could land in them."""
     _run(2, _dispatch_body)
+
+
+def _host_shard_body(group):
+    """Each rank's host shard holds its written bytes (read on the host); rank 0 destroys its buffer
+    first and rank 1 then fetches every entry, rank 0's included, before destroying its own."""
+    import ctypes
+    rank, num_ranks = group.rank(), group.size()
+    buf = _buffer(group, *_sizes())
+    fmt = FORMATS[3]   # FP8 with packed UE8M0 factors
+    try:
+        table, sf_table = _write(buf, fmt, case_seed("engram host shard", num_ranks), rank, num_ranks)
+        shard = buf._engram.host_shard
+        mine = table[rank * NUM_ENTRIES:(rank + 1) * NUM_ENTRIES].contiguous()
+        written = ctypes.string_at(shard.memory.host_ptr, mine.numel() * mine.element_size())
+        assert written == bytes(mine.view(torch.uint8).numpy()), f"rank {rank}: the host shard's bytes"
+        indices = torch.arange(num_ranks * NUM_ENTRIES, dtype=torch.int32).view(-1, 4)
+        on_device = indices.to(DEVICE)
+        if rank == 0:
+            buf.destroy()
+        group.barrier()
+        if rank != 0:
+            with outputs.poisoned():
+                result = buf.engram_fetch(on_device, use_tma_aligned_col_major_sf=True)()
+            _wait()
+            _check(result, table, sf_table, indices, True, f"rank {rank} after rank 0's destroy")
+    finally:
+        buf.destroy()
+
+
+def test_a_host_shard_holds_the_bytes_and_outlives_its_owner():
+    _run(2, _host_shard_body)
+
+
+def _main() -> None:
+    """One process per GPU, the NCCL world group: host shards shared across processes (the driver's
+    virtual memory API) and device shards, every fetch case and the refusals. Run by
+    ``torchrun --nproc-per-node 2 tests/gpu/test_gpu_engram.py`` (2 or more GPUs)."""
+    global DEVICE
+    import torch.distributed as dist
+    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl", device_id=DEVICE)
+    group = dist.group.WORLD
+    fetches = 3 * 2 * sum(2 if fmt[3] is not None else 1 for fmt in FORMATS)
+    try:
+        for location in ("host", "device"):
+            assert _fetch_body(group, location) == fetches
+            _refusals_body(group, location)
+            print(f"rank {group.rank()} of {group.size()}: Engram storage in {location} memory passed", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

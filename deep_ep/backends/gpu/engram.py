@@ -1,18 +1,25 @@
-"""Engram storage of the GPU backend: each rank's shard in its own window, fetched one-sided.
+"""Engram storage of the GPU backend: each rank's shard in pinned host memory or in its window,
+fetched one-sided.
 
-Window: the shard lives in the last ``num_cpu_bytes`` bytes of every rank's window (`storage_offset`;
-dispatch and combine lay their rows out before it, `GPUBackend.layout`), and `engram_write`'s header
-takes the `HEADER_BYTES` just below it. DeepEP maps host memory there; here it is device memory.
+Where the shard lives is chosen by each `engram_write` (every rank the same): ``"host"`` (DeepEP's
+place for it) keeps it in ``num_cpu_bytes`` of pinned host memory the rank allocates at its first
+such write, mapped into the device so peers' gather kernels read it over PCIe or C2C; ``"device"``
+keeps it in the last ``num_cpu_bytes`` bytes of the rank's window (`storage_offset`; dispatch and
+combine lay their rows out before it, `GPUBackend.layout`), read over NVLink. Ranks of one process
+(emulated ranks, a one-rank group) share host memory by address; ranks in separate processes share
+it through the driver's virtual memory API (`deep_ep.backends.gpu.engram_host`). Either way
+`engram_write`'s header takes the `HEADER_BYTES` of the window just below the storage.
 
 `GPUEngramTable.write` is collective and blocks the host: every rank waits for its earlier fetches
-and kernels and meets the others; each stores a header (the call, the shard's format, a digest of
-``sf``) into its window, gathers every rank's header and checks that they agree (the same
-`RuntimeError` on every rank otherwise, and the old table stays), stores its shard and meets the
-others again, so every rank can fetch every rank's new entries once it returns.
-`GPUEngramTable.fetch` is local: one gather kernel on the caller's stream reads the rows from their
-owners' windows (NVLink LSA pointers, or slices of one allocation for emulated ranks) and the scale
-factors from this rank's copy. Indices are checked on the GPU: an out-of-range one is never read,
-its row is zeroed and the host raises `ValueError` at this rank's next fetch (`raise_bad_index`).
+and kernels and meets the others; each stores a header (the call, the shard's format and place, a
+digest of ``sf``, how to reach its host shard) into its window, gathers every rank's header and
+checks that they agree (the same `RuntimeError` on every rank otherwise, and the old table stays),
+stores its shard and meets the others again, so every rank can fetch every rank's new entries once
+it returns. `GPUEngramTable.fetch` is local: one gather kernel on the caller's stream reads the rows
+from their owners' shards (host addresses, NVLink LSA pointers, or slices of one allocation for
+emulated ranks) and the scale factors from this rank's copy. Indices are checked on the GPU: an
+out-of-range one is never read, its row is zeroed and the host raises `ValueError` at this rank's
+next fetch (`raise_bad_index`).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from ..engram_table import AGREED_FIELDS, STORAGE_FORMATS, EngramTableState
 from ... import jit, shapes
 from ...cuda.streams import poll_event
 from .abi import _read_constants
+from .engram_host import DESCRIPTION_WORDS, copy_bytes, create_host_shard, reach_host_shards
 from .errors import MappedWords
 from .modules import ENGRAM_GATHER_KERNEL, ENGRAM_STORE_KERNEL
 
@@ -41,9 +49,11 @@ _MAX_BLOCKS = 65535
 
 # engram_write's header: int32 words (HEADER_BYTES in all).
 _MAGIC, _CALL, _NUM_ENTRIES, _HIDDEN, _FORMAT, _NUM_SF_PACKS, _SF_ROWS, _SF_DIGEST = range(8)   # digest: 2 words
+_LOCATION, _SHARD = 9, 10   # the shard's place; how peers reach a host shard (4 words: `engram_host`)
 _HEADER_WORDS = HEADER_BYTES // 4
 _MAGIC_VALUE = 0x456E6772   # "Engr": a header that was stored, not a leftover of another use of the window
-_AGREE = tuple(zip((_NUM_ENTRIES, _HIDDEN, _FORMAT, _NUM_SF_PACKS, _SF_ROWS, _SF_DIGEST), AGREED_FIELDS))
+_AGREE = tuple(zip((_NUM_ENTRIES, _HIDDEN, _FORMAT, _NUM_SF_PACKS, _SF_ROWS, _SF_DIGEST, _LOCATION), AGREED_FIELDS))
+_LOCATION_CODES = {"device": 0, "host": 1}   # `engram_write`'s storage_location -> its header's number
 
 
 class EngramArgs(ctypes.Structure):
@@ -51,7 +61,8 @@ class EngramArgs(ctypes.Structure):
     _fields_ = [("storage_offset", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
                 ("sf_token_stride", ctypes.c_int64), ("sf_column_stride", ctypes.c_int64),
                 ("indices", ctypes.c_void_p), ("out", ctypes.c_void_p), ("sf", ctypes.c_void_p),
-                ("out_sf", ctypes.c_void_p), ("bad_index_host", ctypes.c_void_p), ("num_entries", ctypes.c_int),
+                ("out_sf", ctypes.c_void_p), ("bad_index_host", ctypes.c_void_p), ("shards", ctypes.c_void_p),
+                ("num_entries", ctypes.c_int),
                 ("num_fetched", ctypes.c_int), ("num_per_token", ctypes.c_int), ("num_sf_packs", ctypes.c_int)]
 
 
@@ -78,6 +89,12 @@ class GPUEngramTable(EngramTableState):
         # every fetch not known to be done: fetches may run on several streams, and a write must wait
         # for all of them (finished ones are dropped at each fetch, so the list stays short)
         self.fetches: list = []
+        self.location = "device"   # where the current table's shards are
+        self.one_process = backend.emulated or backend.num_ranks == 1
+        self.host_shard = None     # this rank's host memory (allocated at the first write to "host")
+        # every rank's shard as this rank reaches it (by rank; this rank's own None across processes)
+        self.peer_shards: Optional[list] = None
+        self.shard_addresses: Optional[torch.Tensor] = None   # int64 [num_ranks] on the device
 
     def _wait_for_fetches(self) -> None:
         """Poll until every fetch kernel of this rank finished, whichever stream it ran on."""
@@ -98,12 +115,18 @@ class GPUEngramTable(EngramTableState):
         self._poll(event, what)
 
     def release(self) -> None:
-        """Forget the table and free the mapped word (after this rank's last fetch kernel finished)."""
+        """Forget the table, free the mapped word and let go of the host shards (after this rank's last
+        fetch kernel finished; a peer's host shard is freed when its last reader lets go)."""
         try:
             self._wait_for_fetches()
         finally:
             self.bad_index.free()
             self._forget_table()
+            # the holds on every rank's shard (this rank's among them only in one process), then its own
+            shards = [shard for shard in (self.peer_shards or []) + [self.host_shard] if shard is not None]
+            self.host_shard = self.peer_shards = self.shard_addresses = None
+            for shard in shards:
+                shard.drop()
 
     # ------------------------------------------------------------------ bad indices (found on the GPU)
     def raise_bad_index(self) -> None:
@@ -126,17 +149,23 @@ class GPUEngramTable(EngramTableState):
                          f"(and its scale factors) came back zeroed; nothing else was affected")
 
     # ------------------------------------------------------------------ write (collective)
-    def write(self, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
+    def write(self, call: int, storage: torch.Tensor, sf: Optional[torch.Tensor], location: str = "host") -> None:
         """Replace this rank's shard with ``storage`` (validated by the caller) and make every rank's
-        new shard fetchable. Collective; see the module docstring.
+        new shard fetchable; ``location``: "host" (pinned host memory) or "device" (the window).
+        Collective; see the module docstring.
 
-        Raises (on every rank): RuntimeError when ranks disagree on the format or are at different
-        calls; TimeoutError when a host wait exceeds ``num_cpu_timeout_secs``."""
+        Raises (on every rank): RuntimeError when ranks disagree on the format or place or are at
+        different calls; TimeoutError when a host wait exceeds ``num_cpu_timeout_secs``. On this rank
+        only (its peers then time out): RuntimeError / OSError when host memory cannot be allocated,
+        shared or mapped."""
         backend = self.backend
         device, stream = backend.device, torch.cuda.current_stream(backend.device)
         module = backend.module("engram", ())   # first use: loaded collectively before any Engram kernel
         offset = storage_offset(backend)
         header_offset = offset - HEADER_BYTES
+        if location == "host" and self.host_shard is None:
+            num_bytes = backend.config.num_cpu_bytes
+            self.host_shard = create_host_shard(device, num_bytes, self.one_process)
         # 1. Every rank's earlier fetches (they read peers' shards) and kernels are done (a peer's
         # combine may still read rows of this window until then).
         self._wait_for_fetches()
@@ -152,6 +181,9 @@ class GPUEngramTable(EngramTableState):
         words[_NUM_ENTRIES], words[_HIDDEN] = num_entries, hidden
         words[_FORMAT] = STORAGE_FORMATS[(storage.dtype, None if sf is None else sf.dtype)]
         words[_NUM_SF_PACKS], words[_SF_ROWS] = (0, 0) if sf is None else sf.shape
+        words[_LOCATION] = _LOCATION_CODES[location]
+        if location == "host":
+            words[_SHARD:_SHARD + DESCRIPTION_WORDS] = self.host_shard.description()
         header = torch.tensor(words, dtype=torch.int32, device="cpu").pin_memory().to(device, non_blocking=True)
         if sf is not None:
             header[_SF_DIGEST:_SF_DIGEST + 2] = _sf_digest(sf)
@@ -167,8 +199,18 @@ class GPUEngramTable(EngramTableState):
         backend.transport.host_barrier()
         rows = [values[peer * _HEADER_WORDS:(peer + 1) * _HEADER_WORDS] for peer in range(self.num_ranks)]
         self._check_headers(rows)
+        if location == "host" and self.peer_shards is None:   # (each rank keeps its host shard with its table)
+            self.peer_shards = reach_host_shards(device, self.rank, self.one_process,
+                                                 [row[_SHARD:_SHARD + DESCRIPTION_WORDS] for row in rows])
+            addresses = [self.host_shard.address if shard is None else shard.address for shard in self.peer_shards]
+            # on the stream, from pinned memory (as the header): the wait for the shard covers it
+            self.shard_addresses = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
         # 3. The shard, then every rank's before any rank fetches.
-        self._store(module, stream, offset, storage)
+        if location == "host":
+            copy_bytes(device, self.host_shard.address, storage, stream)
+        else:
+            self._store(module, stream, offset, storage)
+        self.location = location
         self.num_entries, self.hidden, self.dtype = num_entries, hidden, storage.dtype
         self.sf = None if sf is None else sf.clone()
         self._wait_stream(stream, "its shard in engram_write")
@@ -199,12 +241,13 @@ class GPUEngramTable(EngramTableState):
             stream=stream.cuda_stream, device=backend.device.index)
 
     def _gather(self, module, stream, indices, out, offset, row_bytes, num_entries, num_per_token, sf, out_sf,
-                sf_token_stride, sf_column_stride, bad_index_host) -> None:
+                sf_token_stride, sf_column_stride, bad_index_host, shards=None) -> None:
         backend = self.backend
         count = indices.numel()
         args = EngramArgs(offset, row_bytes, sf_token_stride, sf_column_stride, indices.data_ptr(), out.data_ptr(),
                           None if sf is None else sf.data_ptr(), None if out_sf is None else out_sf.data_ptr(),
-                          bad_index_host, num_entries, count, num_per_token, 0 if sf is None else sf.shape[1])
+                          bad_index_host, None if shards is None else shards.data_ptr(), num_entries, count,
+                          num_per_token, 0 if sf is None else sf.shape[1])
         blocks = max(1, min(_MAX_BLOCKS, -(-count // _ROWS_PER_BLOCK)))
         module.function(ENGRAM_GATHER_KERNEL).launch(blocks, ENGRAM_THREADS, (backend.transport_args, args),
                                                      stream=stream.cuda_stream, device=backend.device.index)
@@ -234,7 +277,7 @@ class GPUEngramTable(EngramTableState):
         if indices.numel():
             self._gather(module, stream, indices, data, storage_offset(backend), self.hidden * data.element_size(),
                          self.num_entries, num_per_token, self.sf, sf, token_stride, column_stride,
-                         self.bad_index.device_ptr)
+                         self.bad_index.device_ptr, self.shard_addresses if self.location == "host" else None)
         done = torch.cuda.Event()
         done.record(stream)
         self.fetches = [event for event in self.fetches if not event.query()] + [done]

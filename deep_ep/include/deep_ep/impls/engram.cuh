@@ -1,7 +1,9 @@
-// Engram remote-memory fetch (ElasticBuffer.engram_write / engram_fetch). Every rank's window holds
-// its shard of the table at `EngramArgs::storage_offset`: `num_entries` rows of `row_bytes` bytes.
-// A gather reads entry `indices[i]` (owner `index / num_entries`, row `index % num_entries`) from the
-// owner's window into row `i` of `out`, one warp per row, and for an FP8 table copies the entry's
+// Engram remote-memory fetch (ElasticBuffer.engram_write / engram_fetch). Every rank holds its shard
+// of the table, `num_entries` rows of `row_bytes` bytes, either in its window at
+// `EngramArgs::storage_offset` or, when `EngramArgs::shards` is set, in pinned host memory at
+// `shards[rank]` (a device-accessible address: the same loads then cross PCIe or C2C instead of
+// NVLink). A gather reads entry `indices[i]` (owner `index / num_entries`, row `index % num_entries`)
+// from the owner's shard into row `i` of `out`, one warp per row, and for an FP8 table copies the entry's
 // `num_sf_packs` scale-factor words from this rank's replicated copy `sf` into `out_sf` at
 // `token * sf_token_stride + column * sf_column_stride` (token `i / num_per_token`, column
 // `(i % num_per_token) * num_sf_packs + pack`). An index outside [0, num_ranks * num_entries) is
@@ -34,6 +36,7 @@ struct EngramArgs {
     const uint32_t* sf;          // [num_ranks * num_entries][num_sf_packs], or null (bf16)
     uint32_t* out_sf;            // see above, or null
     uint64_t* bad_index_host;    // mapped host word (may be null)
+    const uint64_t* shards;      // [num_ranks] shard addresses in host memory, or null (in the windows)
     int num_entries;             // rows of every rank's shard
     int num_fetched;             // T * E
     int num_per_token;           // E
@@ -90,8 +93,10 @@ __device__ __forceinline__ void engram_gather_impl(const comm::LsaTransport& tr,
         if (valid) {
             const int owner = index / args.num_entries;
             const int64_t local = index - owner * args.num_entries;
-            engram::copy_row(dst, comm::peer_bytes(tr, owner, args.storage_offset + local * args.row_bytes), args.row_bytes,
-                             lane);
+            const uint8_t* src = args.shards != nullptr
+                ? reinterpret_cast<const uint8_t*>(args.shards[owner]) + local * args.row_bytes
+                : comm::peer_bytes(tr, owner, args.storage_offset + local * args.row_bytes);
+            engram::copy_row(dst, src, args.row_bytes, lane);
         } else {
             engram::zero_row(dst, args.row_bytes, lane);
             if (lane == 0 && args.bad_index_host != nullptr) {
