@@ -25,7 +25,7 @@ WINDOW_ALIGNMENT = 2 * 1024 * 1024
 
 class Buffer(LowLatencyMethods, InternodeMethods):
     """DeepEP's V1 communication buffer (docs/design.md, "DeepEP's V1 Buffer"; across nodes,
-    docs/scaleout.md "DeepEP's V1 Buffer across nodes"); `ElasticBuffer` objects do the communication.
+    docs/design.md "DeepEP's V1 Buffer across nodes"); `ElasticBuffer` objects do the communication.
 
     Args (DeepEP's, in its order):
         group: the ranks; None needs ``comm``. Where torch sees a CUDA device the Buffer runs on the GPU

@@ -1,8 +1,9 @@
 """DeepEP's V1 ``Buffer`` across NVLink domains (nodes): which `ElasticBuffer` each mode runs on, the
 RDMA counts of `get_dispatch_layout`, and DeepEP's 10-item internode handle.
 
-Contract (docs/legacy.md, "Across nodes"): the group's physical domains (`deep_ep.topology`) decide,
-as DeepEP's rank count does there (nodes of at most 8 ranks). Low-latency calls run on an
+Contract (docs/design.md, "DeepEP's V1 Buffer across nodes"): the group's physical domains
+(`deep_ep.topology`) decide, as DeepEP's rank count does there (nodes of at most 8 ranks; a group of
+several nodes is "internode"). Low-latency calls run on an
 `ElasticBuffer` in direct mode (``allow_hybrid_mode=False``: DeepEP's low-latency kernels send every
 token straight to its expert's rank) with ``num_allocated_qps = num_qps_per_rank``. Normal mode runs
 on one in hybrid mode (a token crosses the network once per node, then NVLink forwarding, as DeepEP's
