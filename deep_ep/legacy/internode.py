@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import group_domain_sizes, is_cpu_group
+from ..backends import group_domain_sizes, group_rank_and_size, is_cpu_group
 from .config import NUM_MAX_NVL_PEERS
 from .exchange import channel_counts
 from .handle import LegacyHandle
@@ -44,16 +44,24 @@ def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_lat
         ValueError: ``num_qps_per_rank`` 0 where RDMA QPs are needed (low-latency mode, or several nodes).
         as `ElasticBuffer` (e.g. an NCCL group over several nodes).
     """
+    import torch.distributed as dist
+
     from ..buffer import ElasticBuffer
-    num_rdma_ranks, num_nvl_ranks = group_domain_sizes(group, True, device)[0]
+    on_cpu = is_cpu_group(group, device)
+    if not on_cpu and isinstance(group, dist.ProcessGroup):
+        # NCCL's domains need a communicator (a private one would be made twice); over several nodes
+        # ElasticBuffer refuses NCCL groups anyway, so the group is taken as one domain
+        num_rdma_ranks, num_nvl_ranks = 1, group_rank_and_size(group)[1]
+    else:
+        num_rdma_ranks, num_nvl_ranks = group_domain_sizes(group, True, device)[0]
     if num_nvl_ranks > NUM_MAX_NVL_PEERS:
-        planned(f"__init__ with an NVLink domain of {num_nvl_ranks} ranks (DeepEP's V1 has at most "
-                f"{NUM_MAX_NVL_PEERS} per node)", "larger NVLink domains")
+        planned(f"__init__ with {num_nvl_ranks} ranks in one NVLink domain (DeepEP's V1 has at most "
+                f"{NUM_MAX_NVL_PEERS} per node; NCCL groups over several nodes are not supported yet, "
+                f"docs/scaleout.md)", "larger NVLink domains")
     across = num_rdma_ranks > 1
     if (low_latency_mode or across) and num_qps_per_rank < 1:
         raise ValueError("num_qps_per_rank must be >= 1 in low-latency mode or across NVLink domains "
                          "(DeepEP's QPs per peer), got 0")
-    on_cpu = is_cpu_group(group, device)
     if across and not on_cpu and not low_latency_mode:
         raise NotImplementedError(f"deep_ep.Buffer over {num_rdma_ranks} NVLink domains of {num_nvl_ranks} ranks "
                                   f"on GPU: {GPU_HYBRID_MISSING}")
