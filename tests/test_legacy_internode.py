@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from deep_ep.legacy.internode import InternodeHandle
+from deep_ep.legacy import InternodeHandle
 from proc_utils import run_gloo_ranks
 from test_legacy_buffer import CASES, _inputs, _run_case
 from test_legacy_low_latency import MAX_TOKENS, num_experts_for, run_cases, run_double_buffer_cases, run_mask_cases

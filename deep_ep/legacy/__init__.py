@@ -15,5 +15,6 @@ from __future__ import annotations
 from .buffer import Buffer
 from .config import Config
 from .handle import LegacyHandle
+from .internode import InternodeHandle
 
-__all__ = ["Buffer", "Config", "LegacyHandle"]
+__all__ = ["Buffer", "Config", "LegacyHandle", "InternodeHandle"]

@@ -340,7 +340,8 @@ class Buffer(LowLatencyMethods, InternodeMethods):
                              "(get_dispatch_layout gives both)")
         if self.num_rdma_ranks > 1 and not torch.equal(num_tokens_per_rdma_rank,
                                                        rdma_counts(is_token_in_rank, self.num_rdma_ranks)):
-            raise ValueError("num_tokens_per_rdma_rank does not match is_token_in_rank (get_dispatch_layout gives both)")
+            raise ValueError("num_tokens_per_rdma_rank does not match is_token_in_rank "
+                             "(get_dispatch_layout gives both)")
         if topk_idx is None:
             if topk_weights is not None:
                 raise ValueError("topk_weights needs topk_idx")
