@@ -8,8 +8,11 @@ as R / 2 nodes of 2 ranks (4 and 8 ranks), the ranks of other nodes reached thro
   (`NotImplementedError`, before anything is sent), as are the Buffer's normal-mode calls.
 * Normal mode: refused at Buffer creation (`NotImplementedError` naming hybrid mode, which the GPU
   does not have yet), on every rank, before anything is allocated.
+* A probe, skipped unless ``DEEP_EP_PROBE_GIN_HOOKS=1``: the low-latency cases with receive hooks over
+  the GIN, the refusal lifted, to learn whether the send / receive split already works there.
 
-Run by ``EXTRA_FILES=tests/gpu/test_gpu_legacy_scaleout.py bash tools/device_suite.sh extra``.
+Run by ``EXTRA_FILES=tests/gpu/test_gpu_legacy_scaleout.py bash tools/device_suite.sh extra`` (the
+probe: ``DEEP_EP_PROBE_GIN_HOOKS=1 PYTEST_ARGS="-k probe"`` in front).
 """
 from __future__ import annotations
 
@@ -99,3 +102,30 @@ def _normal_mode_body(group, num_ranks, per_node):
 @pytest.mark.parametrize("shape", SHAPES[:1], ids=lambda s: f"{s[0] // s[1]}x{s[1]}")
 def test_normal_mode_refused_across_emulated_nodes(shape):
     _run(_normal_mode_body, *shape)
+
+
+def _hooks_probe_body(group, num_ranks, per_node):
+    """Low-latency calls with receive hooks over the GIN, the refusal lifted: every element against
+    the spec (BF16 and FP8 cases of tests/test_legacy_low_latency.py, hooks called once each)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = num_experts_for(num_ranks)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=NUM_QPS,
+                            explicitly_destroy=True)
+    try:
+        for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(CASES[:2]):
+            _run_case(buffer, buffer.rank, num_ranks, num_experts, hidden, index, use_fp8, round_scale, use_ue8m0,
+                      True, device)
+    finally:
+        buffer.destroy()
+
+
+@pytest.mark.skipif(os.environ.get("DEEP_EP_PROBE_GIN_HOOKS") != "1",
+                    reason="a probe: set DEEP_EP_PROBE_GIN_HOOKS=1 to try receive hooks over the GIN")
+def test_probe_receive_hooks_over_gin(monkeypatch):
+    """Whether the send / receive split of the data kernels (deep_ep/legacy/deferred.py) already works
+    over the emulated GIN (each phase launch gets its own emulated NIC kernel): the refusal
+    (`_refuse_hooks_over_gin`) is lifted for this test only. Passing would let it be removed."""
+    from deep_ep.legacy.ll_state import LowLatencyState
+    monkeypatch.setattr(LowLatencyState, "_refuse_hooks_over_gin", lambda self, return_recv_hook: None)
+    _run(_hooks_probe_body, 4, 2)
