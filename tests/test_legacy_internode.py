@@ -90,6 +90,7 @@ def _low_latency_worker(rank, world_size, num_nvl_ranks):
         assert buffer.elastic_buffer.get_logical_domain_size() == (world_size // num_nvl_ranks, num_nvl_ranks)
         if enable_shrink:
             run_mask_cases(buffer, rank, world_size)
+            run_mask_cases(buffer, rank, world_size, use_hook=False)      # as on emulated GPU nodes
         else:
             run_cases(buffer, rank, world_size)
             run_double_buffer_cases(buffer, rank, world_size)

@@ -4,7 +4,7 @@ as R / 2 nodes of 2 ranks (4 and 8 ranks), the ranks of other nodes reached thro
 * Low-latency mode: the Buffer's `ElasticBuffer` is in direct mode with ``num_allocated_qps =
   num_qps_per_rank``; the cases of tests/test_legacy_low_latency.py (BF16, FP8 with float and rounded
   scales, UE8M0; two dispatches per case, so both buffer halves; combine from ``x``, zero-copy and
-  ``out=``), every element against the spec there. Receive hooks over the GIN are refused
+  ``out=``), and rank masks, every element against the spec there. Receive hooks over the GIN are refused
   (`NotImplementedError`, before anything is sent), as are the Buffer's normal-mode calls.
 * Normal mode: refused at Buffer creation (`NotImplementedError` naming hybrid mode, which the GPU
   does not have yet), on every rank, before anything is allocated.
@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from proc_utils import case_log  # noqa: E402
-from test_legacy_low_latency import CASES, MAX_TOKENS, _rank_inputs, _run_case, num_experts_for  # noqa: E402
+from test_legacy_low_latency import (CASES, MAX_TOKENS, _rank_inputs, _run_case, num_experts_for,  # noqa: E402
+                                     run_mask_cases)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -82,6 +83,12 @@ def _low_latency_body(group, num_ranks, per_node):
         buffer.clean_low_latency_buffer(MAX_TOKENS, MAX_HIDDEN, num_experts)
     finally:
         buffer.destroy()
+    shrink = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=NUM_QPS,
+                            explicitly_destroy=True, enable_shrink=True)
+    try:
+        run_mask_cases(shrink, rank, num_ranks, device, use_hook=False)
+    finally:
+        shrink.destroy()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] // s[1]}x{s[1]}")
