@@ -12,6 +12,7 @@ domains (`EP_CPU_NUM_NVLINK_RANKS`), 4 ranks as 2 nodes x 2 and 2 ranks as 2 nod
   zero-copy, double buffering, rank masks) on a Buffer whose low-latency calls run on a direct-mode
   `ElasticBuffer` with ``num_allocated_qps = num_qps_per_rank``; the same Buffer's normal-mode calls
   run in hybrid mode.
+* The framework replays of tests/test_framework_calls.py on 2 ranks as 2 nodes of 1.
 """
 import os
 
@@ -105,3 +106,18 @@ def _low_latency_worker(rank, world_size, num_nvl_ranks):
 def test_low_latency_across_nodes(shape, tmp_path):
     nodes, per_node = shape
     run_gloo_ranks(_low_latency_worker, nodes * per_node, tmp_path, per_node, deadline=300)
+
+
+def _framework_worker(rank, world_size, name):
+    import test_framework_calls
+    _as_nodes(1)
+    assert deep_ep.get_physical_domain_size(dist.group.WORLD) == (world_size, 1)
+    getattr(test_framework_calls, name)(rank, world_size)
+
+
+@pytest.mark.parametrize("name", ["_sglang", "_vllm", "_megatron", "_tensorrt_llm"])
+def test_framework_calls_across_nodes(name, tmp_path):
+    """tests/test_framework_calls.py's replays of SGLang (one Buffer for both modes), vLLM, Megatron-LM
+    (autograd) and TensorRT-LLM on 2 ranks acting as 2 nodes of 1: the same results as on one node
+    (with one rank per node DeepEP's internode sums round nothing more)."""
+    run_gloo_ranks(_framework_worker, 2, tmp_path, name, deadline=200)
