@@ -81,7 +81,7 @@ class LowLatencyState:
         while a CUDA graph is being captured) and kept for later calls."""
         buffer = self._alive()
         if buffer.device.type == "cpu":
-            return self._low_latency_cpu_buffer or buffer
+            return buffer if self._low_latency_cpu_buffer is None else self._low_latency_cpu_buffer
         from ..backends.gpu import window
         need = window.buffer_size_hint(self.group_size, max_pairs, hidden, 0, False)
         if slot == 0 and buffer.num_bytes >= need:
