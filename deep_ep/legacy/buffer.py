@@ -13,8 +13,8 @@ from ..event import EventHandle, EventOverlap, cuda_event_of
 from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_config
 from .exchange import exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
-from . import internode
-from .internode import InternodeMethods, build_handle, node_bits, open_elastic_buffers, rdma_counts
+from .internode import (InternodeMethods, build_handle, node_bits, open_elastic_buffers, rdma_channel_prefix,
+                        rdma_counts)
 from .low_latency import LowLatencyMethods
 from .planned import planned, refuse_side_keywords
 
@@ -373,7 +373,7 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         counts = [num_tokens_per_expert.view(R, L), num_tokens_per_rank.unsqueeze(0).expand(R, R),
                   torch.full((R, 1), num_tokens, dtype=torch.int32, device=device)]
         if N > 1:   # each rank's RDMA channel counts of its node, and each token's ranks per node
-            counts.append(internode.rdma_channel_prefix(is_token_in_rank, N, C).repeat_interleave(R // N, dim=0))
+            counts.append(rdma_channel_prefix(is_token_in_rank, N, C).repeat_interleave(R // N, dim=0))
         recv_topk_idx, recv_topk_weights, counts, bits = exchange_metadata(
             buffer, routing, topk_idx, topk_weights, torch.cat(counts, dim=1), num_experts, num_sms,
             node_bits(is_token_in_rank, N) if N > 1 else None)

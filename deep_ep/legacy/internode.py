@@ -20,8 +20,8 @@ from .exchange import channel_counts
 from .handle import LegacyHandle
 from .planned import planned
 
-__all__ = ["open_elastic_buffers", "InternodeHandle", "InternodeMethods", "rdma_counts", "node_bits",
-           "build_handle", "GPU_HYBRID_MISSING"]
+__all__ = ["open_elastic_buffers", "InternodeHandle", "InternodeMethods", "rdma_counts", "rdma_channel_prefix",
+           "node_bits", "build_handle", "GPU_HYBRID_MISSING"]
 
 #: why normal mode cannot run across nodes on GPU
 GPU_HYBRID_MISSING = ("normal mode (dispatch / combine) across NVLink domains runs DeepEP's internode path, which "
