@@ -2,7 +2,7 @@
 
 The API is DeepEP V2's: `ElasticBuffer` (dispatch / combine), `EPHandle`, `EventOverlap`,
 `EventHandle`, `topk_idx_t`, `get_physical_domain_size`, `get_logical_domain_size`; and DeepEP's V1
-`Buffer` and `Config` (normal mode within one NVLink domain, `deep_ep.legacy`), with `deep_ep.utils`
+`Buffer` and `Config` (normal and low-latency modes, within a node and across nodes, `deep_ep.legacy`), with `deep_ep.utils`
 holding the event classes where V1 callers import them.
 `deep_ep.reference` is the executable specification; `deep_ep.routing` holds gating and routing
 generators; `deep_ep.eplb` expert load balancing; `deep_ep.ops` differentiable dispatch / combine

@@ -1,4 +1,6 @@
-"""DeepEP's V1 `deep_ep.Buffer` (normal mode, intranode) on the CPU backend over gloo, 1, 2 and 4 ranks.
+"""DeepEP's V1 `deep_ep.Buffer` (normal mode, intranode) on the CPU backend over gloo, 1, 2 and 4 ranks
+(the same cases across nodes: tests/test_legacy_internode.py, which checks the internode handle with
+`spec_internode_handle` here).
 
 The checks are those of DeepEP's tests/legacy/test_intranode.py, re-derived: every rank builds every
 rank's inputs from a shared seed and computes here, token by token, what each rank must receive
@@ -82,7 +84,6 @@ SIDE_BRANCH_VALUES = {"use_fabric": True, "allow_nvlink_for_normal_mode": False,
 EXTENSIONS = {"__init__": [("device", None)]}
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
-PLANNED = ("internode_dispatch", "internode_combine")
 
 
 # ------------------------------------------------------------------------------------ no process group
@@ -127,8 +128,14 @@ def test_config():
         channels_slots = config.num_channels * num_ranks * config.num_max_nvl_chunked_recv_tokens
         assert size % 128 == 0 and size >= channels_slots * hidden_bytes
         assert config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) == 0
-    with pytest.raises(NotImplementedError, match="get_rdma_buffer_size_hint.*planned"):
-        config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    # DeepEP's formula for 2 nodes of 8, 12 channels of 128 RDMA slots: two sets of slots of hidden
+    # bytes, 8 bytes of source metadata, 128 top-k ids (8 bytes) and weights, 128 scales and an int4,
+    # plus the channels' counters (18 ints, twice, per node and channel)
+    config = deep_ep.Config(24, 8, 512, 16, 128)
+    per_token = 7168 * 2 + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 16) == 12 * 2 * 18 * 2 * 4 + 2 * 12 * 2 * 128 * per_token
+    with pytest.raises(ValueError, match="multiple of it"):
+        config.get_rdma_buffer_size_hint(7168 * 2, 12)
 
 
 def test_default_configs_and_sms():
@@ -238,6 +245,52 @@ def spec_dispatch(inputs, num_experts, dst, alignment, num_channels):
         owners=owners)
 
 
+def spec_internode_handle(inputs, num_experts, rank, num_channels, nodes, num_rows, spec):
+    """DeepEP's internode handle items of rank ``rank`` over ``nodes`` nodes, as ``(name, value)``
+    pairs, token by token from the inputs (``spec``: `spec_dispatch`'s for this rank)."""
+    R = len(inputs)
+    S = R // nodes
+    owners = spec["owners"]
+
+    def channel_of(t, num_tokens):
+        return min(t // max(math.ceil(num_tokens / num_channels), 1), num_channels - 1)
+
+    def to_node(s, n):
+        return [t for t in range(len(owners[s])) if any(d // S == n for d in owners[s][t])]
+
+    T = len(owners[rank])
+    rdma_prefix = torch.zeros(nodes, num_channels, dtype=torch.int32)
+    send_rdma_head = torch.full((T, nodes), -1, dtype=torch.int32)
+    for n in range(nodes):
+        seen = [0] * num_channels
+        for t in to_node(rank, n):
+            rdma_prefix[n, channel_of(t, T):] += 1
+            send_rdma_head[t, n] = seen[channel_of(t, T)]
+            seen[channel_of(t, T)] += 1
+    recv_rdma_prefix = torch.zeros(nodes, num_channels, dtype=torch.int32)
+    for m in range(nodes):
+        source = m * S + rank % S
+        for t in to_node(source, rank // S):
+            recv_rdma_prefix[m, channel_of(t, len(owners[source])):] += 1
+    recv_gbl_rank_prefix_sum = spec["rank_prefix_matrix"][:, rank].contiguous()
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), recv_gbl_rank_prefix_sum[:-1]])
+    meta = torch.zeros(num_rows, 2, dtype=torch.int32)
+    for row, (s, t) in enumerate(spec["rows"]):
+        meta[row, 0] = s // S
+        meta[row, 1] = sum(1 << (d % S) for d in owners[s][t] if d // S == rank // S)
+    in_rank = torch.zeros(T, R, dtype=torch.bool)
+    for t in range(T):
+        for d in owners[rank][t]:
+            in_rank[t, d] = True
+    return [("is_token_in_rank", in_rank), ("rdma_channel_prefix_matrix", rdma_prefix),
+            ("gbl_channel_prefix_matrix", spec["channel_prefix_matrix"]),
+            ("recv_rdma_channel_prefix_matrix", recv_rdma_prefix),
+            ("recv_rdma_rank_prefix_sum", recv_rdma_prefix[:, -1].cumsum(0).to(torch.int32)),
+            ("recv_gbl_channel_prefix_matrix", spec["recv_channel_prefix_matrix"] + starts.unsqueeze(1)),
+            ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum), ("recv_src_meta", meta.view(torch.uint8)),
+            ("send_rdma_head", send_rdma_head), ("send_nvl_head", None)]
+
+
 def _order_sensitive(shape, g):
     """bf16 values whose float32 sums round differently in different orders."""
     return ADVERSARIAL_VALUES[torch.randint(0, len(ADVERSARIAL_VALUES), shape, generator=g)].to(torch.bfloat16)
@@ -296,13 +349,18 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     # layout
     per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
         topk_idx_dev, E, previous_event=previous, async_finish=async_finish)
-    assert isinstance(event, EventOverlap) and per_rdma_rank is None
+    nodes = buffer.num_rdma_ranks
+    assert isinstance(event, EventOverlap) and (per_rdma_rank is None) == (nodes == 1)
     L = E // R
     want_in_rank = torch.zeros(len(topk_idx), R, dtype=torch.bool)
     for t, row in enumerate(topk_idx.tolist()):
         for e in row:
             if e >= 0:
                 want_in_rank[t, e // L] = True
+    if nodes > 1:
+        want_per_node = [sum(bool(want_in_rank[t, n * R // nodes:(n + 1) * R // nodes].any())
+                             for t in range(len(topk_idx))) for n in range(nodes)]
+        _assert_same("num_tokens_per_rdma_rank", per_rdma_rank, torch.tensor(want_per_node, dtype=torch.int32))
     _assert_same("is_token_in_rank", in_rank, want_in_rank)
     _assert_same("num_tokens_per_rank", per_rank, want_in_rank.sum(0).to(torch.int32))
     _assert_same("num_tokens_per_expert", per_expert,
@@ -314,13 +372,14 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     num_recv = len(spec["rows"])
     num_worst = (sum(tokens) + 1) if worst else 0
     args = dict(x=x_dev, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                num_tokens_per_rdma_rank=per_rdma_rank,
                 expert_alignment=alignment, num_worst_tokens=num_worst, config=config, async_finish=async_finish,
                 previous_event=previous, allocate_on_comm_stream=0 if int_flags else False)
     if with_topk:
         args.update(topk_idx=topk_idx_dev, topk_weights=topk_weights_dev)
     recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(**args)
     event.current_stream_wait()
-    assert handle[4] is in_rank
+    assert handle.is_token_in_rank is in_rank
     per_rank, per_expert, in_rank = _to((per_rank, per_expert, in_rank), "cpu")
     recv_x, recv_topk_idx, recv_topk_weights = _to((recv_x, recv_topk_idx, recv_topk_weights), "cpu")
     matrices = _to(tuple(handle), "cpu")
@@ -337,17 +396,28 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     else:
         assert recv_topk_idx is None and recv_topk_weights is None
     assert counts == ([] if worst else spec["counts"])
-    assert isinstance(handle, LegacyHandle) and isinstance(handle, tuple) and len(handle) == 6
-    for i, key in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")):
-        _assert_same(key, matrices[i], spec[key])
-    _assert_same("recv_src_idx", matrices[3][:num_recv], spec["recv_src_idx"])
-    assert matrices[3].shape == (rows,) and (matrices[3][num_recv:] == -1).all()
-    _assert_same("send_head", matrices[5], spec["send_head"])
-    # DeepEP's test: the rows of source i sit between rank_prefix_matrix[i - 1][rank] and [i][rank]
+    assert isinstance(handle, LegacyHandle) and isinstance(handle, tuple) and len(handle) == (6 if nodes == 1 else 10)
     sources = [s for s, _ in spec["rows"]]
+    if nodes > 1:
+        want = spec_internode_handle(inputs, E, rank, config.num_channels, nodes, rows, spec)
+        for i, (name, value) in enumerate(want):
+            if value is None:
+                assert matrices[i] is None, name
+            else:
+                _assert_same(name, matrices[i], value)
+        # DeepEP's internode test: the rows of source i end at recv_gbl_rank_prefix_sum[i]
+        ends = matrices[6].tolist()
+    else:
+        for i, key in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")):
+            _assert_same(key, matrices[i], spec[key])
+        _assert_same("recv_src_idx", matrices[3][:num_recv], spec["recv_src_idx"])
+        assert matrices[3].shape == (rows,) and (matrices[3][num_recv:] == -1).all()
+        _assert_same("send_head", matrices[5], spec["send_head"])
+        # DeepEP's test: the rows of source i sit between rank_prefix_matrix[i - 1][rank] and [i][rank]
+        ends = [int(matrices[0][i][rank]) for i in range(R)]
     for i in range(R):
-        lo = int(matrices[0][i - 1][rank]) if i else 0
-        assert sources[lo:int(matrices[0][i][rank])] == [i] * (int(matrices[0][i][rank]) - lo)
+        lo = ends[i - 1] if i else 0
+        assert sources[lo:ends[i]] == [i] * (ends[i] - lo)
 
     # cached dispatch: new data, same layout
     new_inputs = _inputs(7000 + 100 * R + case_index, tokens, E, K, hidden, fp8)
@@ -388,10 +458,13 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
     for b in bias:
         want = want + b.float()
     want_w = torch.zeros(T, combine_topk)
-    # hybrid mode across nodes sums each node's ranks first, rounded to bf16 (deep_ep.reference)
-    scaleup = buffer.elastic_buffer.num_scaleup_ranks
-    node_sums = [torch.zeros(T, hidden) for _ in range(R // scaleup)] if scaleup < R else None
-    reached = torch.zeros(T, max(1, R // scaleup), dtype=torch.bool)
+    # across nodes DeepEP's internode combine sums each node's ranks first (rows rounded to bf16,
+    # weights in float32), then the nodes in node order (deep_ep.reference's hybrid order)
+    scaleup = R // nodes
+    assert buffer.elastic_buffer.num_scaleup_ranks == scaleup
+    node_sums = [torch.zeros(T, hidden) for _ in range(nodes)] if nodes > 1 else None
+    node_weights = [torch.zeros(T, combine_topk) for _ in range(nodes)]
+    reached = torch.zeros(T, nodes, dtype=torch.bool)
     for d in range(R):
         spec_d = spec_dispatch(inputs, E, d, alignment, config.num_channels)
         for row, (s, t) in enumerate(spec_d["rows"]):
@@ -400,10 +473,12 @@ def _run_case(buffer, rank, R, case_index, case, device="cpu"):
                     want[t] += ys[d][row].float()
                 else:
                     node_sums[d // scaleup][t] += ys[d][row].float()
-                    reached[t, d // scaleup] = True
-                want_w[t] += tws[d][row]
+                reached[t, d // scaleup] = True
+                node_weights[d // scaleup][t] += tws[d][row]
     for node, node_sum in enumerate(node_sums or ()):
         want[reached[:, node]] += node_sum[reached[:, node]].to(torch.bfloat16).float()
+    for node, node_weight in enumerate(node_weights):
+        want_w[reached[:, node]] += node_weight[reached[:, node]]
     _assert_same("combined_x", combined_x, want.to(torch.bfloat16))
     _assert_same("combined_topk_weights", combined_w, want_w)
     assert buffer.combine(ys[rank].to(device), handle, bias=_to(biases[rank], device))[1] is None
@@ -457,14 +532,6 @@ def _check_refusals(buffer, rank, R):
 
 
 def _check_planned(buffer):
-    calls = {
-        "internode_dispatch": lambda: buffer.internode_dispatch(None),
-        "internode_combine": lambda: buffer.internode_combine(None, None),
-    }
-    assert sorted(calls) == sorted(PLANNED)
-    for name, call in calls.items():
-        with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.{name}.*planned"):
-            call()
     group = dist.group.WORLD
     calls = {"__init__": lambda **kwargs: deep_ep.Buffer(group, **kwargs),
              "get_low_latency_rdma_size_hint": lambda **kwargs: deep_ep.Buffer.get_low_latency_rdma_size_hint(
@@ -473,6 +540,8 @@ def _check_planned(buffer):
              "low_latency_dispatch": lambda **kwargs: buffer.low_latency_dispatch(None, None, 128, 8, **kwargs),
              "low_latency_combine": lambda **kwargs: buffer.low_latency_combine(None, None, None, None, **kwargs)}
     for method, keywords in SIDE_BRANCH_SIGNATURES.items():
+        if method == "internode_dispatch":      # num_worst_tokens is supported there
+            continue
         for keyword, default in keywords:
             with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.{method}\({keyword}=.*side branches"):
                 calls[method](**{keyword: SIDE_BRANCH_VALUES[keyword]})
@@ -484,9 +553,9 @@ def _check_planned(buffer):
                                     128, 8, topk_weights=None, use_nvfp4=0, use_eager=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_fp9'"):
         buffer.low_latency_dispatch(None, None, 128, 8, use_fp9=True)
-    for kwargs, what in ((dict(num_rdma_bytes=1 << 20), "num_rdma_bytes"),):
-        with pytest.raises(NotImplementedError, match=rf"deep_ep\.Buffer\.__init__\({what}.*planned"):
-            deep_ep.Buffer(group, **kwargs)
+    assert deep_ep.Buffer(group, num_rdma_bytes=1 << 20).num_rdma_bytes == 1 << 20   # stored, as DeepEP's
+    with pytest.raises(ValueError, match="num_qps_per_rank must be >= 1"):
+        deep_ep.Buffer(group, num_rdma_bytes=1 << 20, low_latency_mode=True, num_qps_per_rank=0)
     with pytest.raises(NotImplementedError, match="comm=.*planned"):
         deep_ep.Buffer(None, comm=object())
     with pytest.raises(ValueError, match="either 'group' or 'comm'"):

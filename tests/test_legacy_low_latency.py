@@ -291,10 +291,11 @@ def _linked(masks, rank, num_ranks):
     return {peer for peer in range(num_ranks) if peer not in masks[rank] and rank not in masks[peer]}
 
 
-def run_mask_cases(buffer, rank, num_ranks, device="cpu"):
+def run_mask_cases(buffer, rank, num_ranks, device="cpu", use_hook=True):
     """Rank masks (``enable_shrink``): every rank but rank 1 masks rank 1, rank 0 also masks the last
     rank (4 ranks and more); a rank exchanges with a peer when neither masks the other. Then the
-    masks are cleared and everything is exchanged again."""
+    masks are cleared and everything is exchanged again. The dispatches use a receive hook unless
+    ``use_hook`` is False."""
     num_experts = num_experts_for(num_ranks)
     num_local = num_experts // num_ranks
     masks = {r: set() for r in range(num_ranks)}
@@ -318,8 +319,9 @@ def run_mask_cases(buffer, rank, num_ranks, device="cpu"):
         inputs = [_rank_inputs(50 + round_index, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
         x, topk_idx, topk_weights = _to(inputs[rank], device)
         result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=use_fp8,
-                                             round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=True)
-        result[4]()
+                                             round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=use_hook)
+        if use_hook:
+            result[4]()
         received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
                                    use_fp8, round_scale, use_ue8m0, linked)
         expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)

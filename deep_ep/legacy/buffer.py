@@ -1,4 +1,5 @@
-"""DeepEP's V1 ``Buffer``, normal mode within one NVLink domain, over an `ElasticBuffer`."""
+"""DeepEP's V1 ``Buffer`` over `ElasticBuffer` objects: normal mode, within a node or across nodes
+(`deep_ep.legacy.internode`), and low-latency mode (`deep_ep.legacy.low_latency`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,20 +10,22 @@ from .. import checks
 from ..backends import group_rank_and_size, is_cpu_group
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap, cuda_event_of
-from .config import NUM_MAX_NVL_PEERS, Config
-from .exchange import channel_counts, exchange_metadata, rank_routing, reduce_weights_back, settle
+from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_config
+from .exchange import exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
+from .internode import (InternodeMethods, build_handle, node_bits, open_elastic_buffers, rdma_channel_prefix,
+                        rdma_counts)
 from .low_latency import LowLatencyMethods
-from .planned import PlannedMethods, planned, refuse_side_keywords
+from .planned import planned, refuse_side_keywords
 
 __all__ = ["Buffer"]
 
 #: GPU windows are allocated in steps of 2 MiB
 WINDOW_ALIGNMENT = 2 * 1024 * 1024
 
-class Buffer(LowLatencyMethods, PlannedMethods):
-    """DeepEP's V1 communication buffer, normal mode within one NVLink domain (docs/design.md,
-    "DeepEP's V1 Buffer"); an `ElasticBuffer` does the communication.
+class Buffer(LowLatencyMethods, InternodeMethods):
+    """DeepEP's V1 communication buffer (docs/design.md, "DeepEP's V1 Buffer"; across nodes,
+    docs/design.md "DeepEP's V1 Buffer across nodes"); `ElasticBuffer` objects do the communication.
 
     Args (DeepEP's, in its order):
         group: the ranks; None needs ``comm``. Where torch sees a CUDA device the Buffer runs on the GPU
@@ -30,12 +33,13 @@ class Buffer(LowLatencyMethods, PlannedMethods):
             CPU group with GPU tensors); without CUDA, or with ``device="cpu"``, a gloo group runs on CPU
             tensors (`deep_ep.ElasticBuffer`, docs/design.md "Which backend").
         num_nvl_bytes: the GPU window per rank (`Config.get_nvl_buffer_size_hint`); unused on CPU.
-        num_rdma_bytes: must be 0 outside low-latency mode (internode is not built yet); in it, at
-            least `get_low_latency_rdma_size_hint` of the calls made.
+        num_rdma_bytes: in low-latency mode, at least `get_low_latency_rdma_size_hint` of the calls
+            made; outside it, stored (deep_ep's normal mode needs no RDMA buffer of its own).
         low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (on the GPU the
             window is ``num_nvl_bytes + num_rdma_bytes``, rounded up to 2 MiB).
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: low-latency / RDMA
-            settings, validated and stored.
+        num_qps_per_rank: RDMA QPs per peer (>= 1 in low-latency mode or across nodes): across
+            nodes, the ``num_allocated_qps`` of the direct-mode `ElasticBuffer` low-latency calls run on.
+        allow_nvlink_for_low_latency_mode, allow_mnnvl: validated and stored.
         explicitly_destroy: resources are released by `destroy()` only.
         enable_shrink: keep a rank mask for low-latency mode (`low_latency_update_mask_buffer`).
         comm: an ``mpi4py`` communicator instead of ``group``: NotImplementedError.
@@ -46,11 +50,13 @@ class Buffer(LowLatencyMethods, PlannedMethods):
 
     Attributes: ``num_sms`` (class-wide, `set_num_sms`), ``rank``, ``group_size``, ``group``,
     ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``,
-    ``enable_shrink``, ``elastic_buffer`` (the `ElasticBuffer` underneath).
+    ``enable_shrink``, ``num_rdma_ranks`` / ``num_nvl_ranks`` (nodes, ranks per node: the group's
+    domains), ``elastic_buffer`` (the `ElasticBuffer` of normal mode).
 
     Raises:
         ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
-        NotImplementedError: ``comm``, RDMA bytes outside low-latency mode, more than 8 ranks.
+        NotImplementedError: ``comm``, an NVLink domain of more than 8 ranks, normal mode across
+        nodes on GPU (`deep_ep.legacy.internode`).
     """
 
     num_sms: int = 20
@@ -77,10 +83,6 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         explicitly_destroy = checks.check_bool("explicitly_destroy", explicitly_destroy)
         enable_shrink = checks.check_bool("enable_shrink", enable_shrink)
         rank, group_size = group_rank_and_size(group)
-        if group_size > NUM_MAX_NVL_PEERS:
-            planned(f"__init__ with {group_size} ranks (more than {NUM_MAX_NVL_PEERS}: internode)")
-        if num_rdma_bytes and not low_latency_mode:
-            planned(f"__init__(num_rdma_bytes={num_rdma_bytes})", "RDMA buffers for low-latency mode / internode")
         self.rank = rank
         self.group = group
         self.group_size = group_size
@@ -97,8 +99,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
             # one window for both modes: a low-latency call that does not fit gets its own, sized for it
             num_bytes = num_nvl_bytes + (num_rdma_bytes if low_latency_mode else 0)
             num_bytes = -(-num_bytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT
-        self.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
-                                            device=device)
+        open_elastic_buffers(self, group, num_bytes, num_qps_per_rank, low_latency_mode, explicitly_destroy, device)
         if enable_shrink:
             # Made and zeroed here: a mask first made inside a CUDA-graph capture would hold garbage
             # until the first replay, and every replay would zero it again.
@@ -129,7 +130,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         if self.elastic_buffer is not None:
             self.elastic_buffer.destroy()
             self.elastic_buffer = None
-        for key in ("_low_latency_extra_buffer", "_low_latency_second_buffer"):
+        for key in ("_low_latency_extra_buffer", "_low_latency_second_buffer", "_low_latency_cpu_buffer"):
             extra = self.__dict__.pop(key, None)
             if extra is not None:
                 extra.destroy()
@@ -168,13 +169,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         Raises:
             ValueError: a rank count outside DeepEP's table (2, 4, 8, 16, ..., 160).
         """
-        table = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
-                 24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
-                 96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128),
-                 160: (28, 720, 12, 128)}
-        if num_ranks not in table:
-            raise ValueError(f"Unsupported number of EP ranks: {num_ranks} (supported: {sorted(table)})")
-        return Config(Buffer.num_sms, *table[num_ranks])
+        return recommended_config(DISPATCH_CONFIGS, num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
@@ -183,16 +178,17 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         Raises:
             ValueError: a rank count outside DeepEP's table.
         """
-        table = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
-                 24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
-                 96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
-        if num_ranks not in table:
-            raise ValueError(f"Unsupported number of EP ranks: {num_ranks} (supported: {sorted(table)})")
-        return Config(Buffer.num_sms, *table[num_ranks])
+        return recommended_config(COMBINE_CONFIGS, num_ranks, Buffer.num_sms)
 
     # ------------------------------------------------------------------ helpers
     def _device(self) -> torch.device:
         return self._alive().device
+
+    def _normal_alive(self) -> ElasticBuffer:
+        """The `ElasticBuffer` of normal-mode calls. Raises NotImplementedError where they cannot run."""
+        if self._alive() is not None and self._normal_mode_refusal:
+            raise NotImplementedError(f"deep_ep.Buffer: {self._normal_mode_refusal}")
+        return self.elastic_buffer
 
     def _default_config(self, table) -> Config:
         # DeepEP's tables start at 2 ranks; a rank alone takes the default chunk sizes
@@ -229,8 +225,9 @@ class Buffer(LowLatencyMethods, PlannedMethods):
                 an event marking the end. allocate_on_comm_stream: accepted (flag).
 
         Returns:
-            ``(num_tokens_per_rank int32 [R], None (no RDMA ranks), num_tokens_per_expert int32 [E]
-            (one count per top-k slot), is_token_in_rank bool [T, R], event)``.
+            ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank (int32 [nodes], tokens going to
+            each node, once per node; None on one node), num_tokens_per_expert int32 [E] (one count
+            per top-k slot), is_token_in_rank bool [T, R], event)``.
 
         Raises:
             TypeError / ValueError: bad arguments or expert ids.
@@ -244,8 +241,9 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         checks.check_topk_values(topk_idx, num_experts)
         self._wait(previous_event)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self._layout(topk_idx, num_experts)
+        per_rdma_rank = rdma_counts(is_token_in_rank, self.num_rdma_ranks) if self.num_rdma_ranks > 1 else None
         event = self._finish(async_finish, (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+        return num_tokens_per_rank, per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
 
     def _layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple:
         # device ops only (no host read): masked slots add 0 to expert 0
@@ -277,7 +275,8 @@ class Buffer(LowLatencyMethods, PlannedMethods):
                 dispatch (same layout; the routing arguments must then be None).
             num_tokens_per_rank: int32 ``[R]``; is_token_in_rank: bool ``[T, R]``;
                 num_tokens_per_expert: int32 ``[E]`` (`get_dispatch_layout`'s; required without ``handle``).
-            num_tokens_per_rdma_rank: None within one NVLink domain (ignored, as DeepEP does).
+            num_tokens_per_rdma_rank: across nodes, int32 ``[nodes]`` (`get_dispatch_layout`'s;
+                required); within one NVLink domain ignored, as DeepEP does.
             topk_idx: optional `topk_idx_t` ``[T, K]`` global expert ids or -1; it must agree with
                 ``is_token_in_rank`` and ``num_tokens_per_expert``.
             topk_weights: optional float32 ``[T, K]`` (needs ``topk_idx``).
@@ -293,15 +292,15 @@ class Buffer(LowLatencyMethods, PlannedMethods):
             source token order); ``recv_topk_idx`` int64 ``[rows, K]`` local expert ids, -1 for other
             ranks' experts and past the true count; ``recv_topk_weights`` float32 ``[rows, K]``, 0
             where the id is -1 (both None without ``topk_idx``); the count list ``[E / R]`` ints;
-            ``handle`` a `LegacyHandle`. A cached dispatch returns ``(recv_x, None, None, None, None,
-            event)``.
+            ``handle`` a `LegacyHandle` (across nodes its 10-item `InternodeHandle`). A cached dispatch
+            returns ``(recv_x, None, None, None, None, event)``.
 
         Raises:
             TypeError / ValueError: bad arguments, routing tensors that disagree, a receive larger than
             ``num_worst_tokens`` (before any communication, except the last, found after it).
-            NotImplementedError: internode arguments.
+            NotImplementedError: normal mode across nodes on GPU.
         """
-        buffer = self._alive()
+        buffer = self._normal_alive()
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         checks.check_int("expert_alignment", expert_alignment, minimum=1)
@@ -328,6 +327,9 @@ class Buffer(LowLatencyMethods, PlannedMethods):
                             device=device)
         checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,),
                             device=device)
+        if self.num_rdma_ranks > 1:
+            checks.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
+                                shape=(self.num_rdma_ranks,), device=device)
         num_experts = num_tokens_per_expert.shape[0]
         if num_experts == 0 or num_experts % R:
             raise ValueError(f"num_tokens_per_expert must have a positive multiple of {R} (the group size) "
@@ -335,6 +337,10 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         settle(device)
         if not torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)):
             raise ValueError("num_tokens_per_rank must be the column sums of is_token_in_rank "
+                             "(get_dispatch_layout gives both)")
+        if self.num_rdma_ranks > 1 and not torch.equal(num_tokens_per_rdma_rank,
+                                                       rdma_counts(is_token_in_rank, self.num_rdma_ranks)):
+            raise ValueError("num_tokens_per_rdma_rank does not match is_token_in_rank "
                              "(get_dispatch_layout gives both)")
         if topk_idx is None:
             if topk_weights is not None:
@@ -363,10 +369,14 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         recv_x, _, _, ep_handle, _ = buffer.dispatch(data if sf is None else (data, sf), topk_idx=routing,
                                                      num_experts=num_experts, num_sms=num_sms)
         settle(device)
-        counts = torch.cat([num_tokens_per_expert.view(R, L), num_tokens_per_rank.unsqueeze(0).expand(R, R),
-                            torch.full((R, 1), num_tokens, dtype=torch.int32, device=device)], dim=1)
-        recv_topk_idx, recv_topk_weights, counts = exchange_metadata(buffer, routing, topk_idx, topk_weights, counts,
-                                                                     num_experts, num_sms)
+        C, N = config.num_channels, self.num_rdma_ranks
+        counts = [num_tokens_per_expert.view(R, L), num_tokens_per_rank.unsqueeze(0).expand(R, R),
+                  torch.full((R, 1), num_tokens, dtype=torch.int32, device=device)]
+        if N > 1:   # each rank's RDMA channel counts of its node, and each token's ranks per node
+            counts.append(rdma_channel_prefix(is_token_in_rank, N, C).repeat_interleave(R // N, dim=0))
+        recv_topk_idx, recv_topk_weights, counts, bits = exchange_metadata(
+            buffer, routing, topk_idx, topk_weights, torch.cat(counts, dim=1), num_experts, num_sms,
+            node_bits(is_token_in_rank, N) if N > 1 else None)
         counts = counts.to(torch.int64)                      # by source rank
         per_expert = counts[:, :L].sum(0).tolist()
         sent = counts[:, L:L + R]                            # N[s, d]
@@ -381,25 +391,11 @@ class Buffer(LowLatencyMethods, PlannedMethods):
             raise ValueError(f"deep_ep.Buffer.dispatch: rank {self.rank} received {num_recv} tokens, more than "
                              f"num_worst_tokens={num_worst_tokens}")
         num_rows = num_worst_tokens or num_recv
-        recv_src_idx = ep_handle.recv_src_token.to(torch.int32)
         if num_rows > num_recv:
-            recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = self._pad(
-                num_rows, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx)
-
-        # The V1 handle.
-        C = config.num_channels
-        rank_prefix_matrix = sent.cumsum(0).to(torch.int32)
-        channel_prefix_matrix = torch.stack([
-            channel_counts(torch.arange(num_tokens, device=device), is_token_in_rank[:, dst], num_tokens, C)
-            for dst in range(R)]).cumsum(1).to(torch.int32)
-        recv_rank = ep_handle.recv_src_rank.long()
-        recv_channel_prefix_matrix = torch.zeros((R, C), dtype=torch.int32, device=device)
-        for src in range(R):
-            inclusive = channel_counts(ep_handle.recv_src_token, recv_rank == src, source_tokens[src], C).cumsum(0)
-            recv_channel_prefix_matrix[src, 1:] = inclusive[:-1].to(torch.int32)
-        send_head = ep_handle.dst_buffer_slot_idx.to(torch.int32)
-        legacy_handle = LegacyHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                      recv_src_idx, is_token_in_rank, send_head), ep_handle, num_rows)
+            recv_x, recv_topk_idx, recv_topk_weights, _ = self._pad(num_rows, recv_x, recv_topk_idx,
+                                                                    recv_topk_weights, None)
+        node = None if N == 1 else (counts[:, L + R + 1:], bits[:, self.rank // (R // N)])
+        legacy_handle = build_handle(self.rank, is_token_in_rank, sent, source_tokens, ep_handle, num_rows, C, N, node)
         count_list = [] if num_worst_tokens else [-(-count // expert_alignment) * expert_alignment
                                                     for count in per_expert]
         event = self._finish(async_finish, (x, recv_x, recv_topk_idx, recv_topk_weights, legacy_handle))
@@ -471,7 +467,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         Raises:
             TypeError / ValueError: bad arguments (before any communication).
         """
-        buffer = self._alive()
+        buffer = self._normal_alive()
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         if config is None:
@@ -495,6 +491,7 @@ class Buffer(LowLatencyMethods, PlannedMethods):
         num_sms = 0 if device.type == "cpu" else config.num_sms
         combined_x, _, _ = buffer.combine(x, ep_handle, bias=bias, num_sms=num_sms)
         combined_topk_weights = None if topk_weights is None else reduce_weights_back(
-            buffer, topk_weights, ep_handle.recv_src_rank[:num_recv], handle[5], ep_handle.num_experts, num_sms)
+            buffer, topk_weights, ep_handle.recv_src_rank[:num_recv], handle.is_token_in_rank, ep_handle.num_experts,
+            num_sms, self.num_nvl_ranks)
         event = self._finish(async_finish, (x, topk_weights, combined_x, combined_topk_weights, handle))
         return combined_x, combined_topk_weights, event

@@ -43,22 +43,27 @@ def _words(rows: int, width: int, device) -> torch.Tensor:
 
 def exchange_metadata(buffer, routing: torch.Tensor, topk_idx: Optional[torch.Tensor],
                       topk_weights: Optional[torch.Tensor], counts: torch.Tensor, num_experts: int,
-                      num_sms: int) -> tuple:
-    """One dispatch with ``routing`` (`rank_routing`) carrying each token's top-k ids and weights, plus
-    one token per destination rank carrying ``counts`` (int32 ``[R, C]``, row ``d`` for rank ``d``).
+                      num_sms: int, token_words: Optional[torch.Tensor] = None) -> tuple:
+    """One dispatch with ``routing`` (`rank_routing`) carrying each token's top-k ids and weights (and
+    ``token_words``, int32 ``[T, W]``, when given), plus one token per destination rank carrying
+    ``counts`` (int32 ``[R, C]``, row ``d`` for rank ``d``).
 
     Returns ``(recv_topk_idx int64 [n, K] global ids or None, recv_topk_weights float32 [n, K] or
-    None, recv_counts int32 [R, C] by source rank)``, ``n`` the received tokens in V1's order.
+    None, recv_counts int32 [R, C] by source rank, recv_token_words int32 [n, W] or None)``, ``n`` the
+    received tokens in V1's order.
     """
     num_tokens, num_ranks = routing.shape
     device = routing.device
     num_topk = 0 if topk_idx is None else topk_idx.shape[1]
     num_words = 2 * num_topk if topk_weights is not None else num_topk
-    words = _words(num_tokens + num_ranks, max(num_words, counts.shape[1]), device)
+    num_extra = 0 if token_words is None else token_words.shape[1]
+    words = _words(num_tokens + num_ranks, max(num_words + num_extra, counts.shape[1]), device)
     if topk_idx is not None:
         words[:num_tokens, :num_topk] = topk_idx.to(torch.int32)
     if topk_weights is not None:
         words[:num_tokens, num_topk:2 * num_topk] = topk_weights.view(torch.int32)
+    if token_words is not None:
+        words[:num_tokens, num_words:num_words + num_extra] = token_words
     words[num_tokens:, :counts.shape[1]] = counts
     # the counts token for rank d names d's first expert only
     counts_routing = torch.full((num_ranks, num_ranks), -1, dtype=routing.dtype, device=device)
@@ -75,22 +80,28 @@ def exchange_metadata(buffer, routing: torch.Tensor, topk_idx: Optional[torch.Te
     recv_topk_idx = None if topk_idx is None else tokens[:, :num_topk].to(torch.int64)
     recv_topk_weights = None if topk_weights is None else \
         tokens[:, num_topk:2 * num_topk].contiguous().view(torch.float32)
-    return recv_topk_idx, recv_topk_weights, recv[counts_rows][:, :counts.shape[1]]
+    recv_token_words = None if token_words is None else tokens[:, num_words:num_words + num_extra].contiguous()
+    return recv_topk_idx, recv_topk_weights, recv[counts_rows][:, :counts.shape[1]], recv_token_words
 
 
 def reduce_weights_back(buffer, topk_weights: torch.Tensor, recv_src_rank: torch.Tensor,
-                        send_head: torch.Tensor, num_experts: int, num_sms: int) -> torch.Tensor:
+                        is_token_in_rank: torch.Tensor, num_experts: int, num_sms: int,
+                        num_nvl_ranks: int = 0) -> torch.Tensor:
     """V1's combine of top-k weights: each received row's weights (float32 ``[n, K]``) go back to the
-    row's source rank, which sums, per token, the rows of the ranks it went to in rank order.
+    row's source rank, which sums, per token, the rows of the ranks it went to in rank order; across
+    nodes (DeepEP's internode combine) the ranks of each node first, from 0.0, then the nodes' sums in
+    node order, all in float32.
 
     Args:
         recv_src_rank: int ``[n]`` source rank of each received row.
-        send_head: int32 ``[T, R]`` the row of this rank's token ``t`` at rank ``d``, -1 if not sent.
+        is_token_in_rank: bool ``[T, R]`` the dispatch's routing.
+        num_nvl_ranks: ranks per node (0: one node).
 
     Returns:
         float32 ``[T, K]``.
     """
-    num_tokens, num_ranks = send_head.shape
+    num_tokens, num_ranks = is_token_in_rank.shape
+    num_nvl_ranks = num_nvl_ranks or num_ranks
     num_topk = topk_weights.shape[1]
     device = topk_weights.device
     words = _words(topk_weights.shape[0], num_topk, device)
@@ -103,11 +114,16 @@ def reduce_weights_back(buffer, topk_weights: torch.Tensor, recv_src_rank: torch
     ends = handle.rank_prefix_sum.tolist()
     combined = torch.zeros((num_tokens, num_topk), dtype=torch.float32, device=device)
     start = 0
-    for rank in range(num_ranks):
-        # rank d's rows of this rank's tokens are in token order
-        tokens = (send_head[:, rank] >= 0).nonzero().squeeze(1)
-        combined[tokens] += values[start:ends[rank]]
-        start = ends[rank]
+    for first in range(0, num_ranks, num_nvl_ranks):
+        node_sum = combined if num_nvl_ranks == num_ranks else torch.zeros_like(combined)
+        for rank in range(first, first + num_nvl_ranks):
+            # rank d's rows of this rank's tokens are in token order
+            tokens = is_token_in_rank[:, rank].nonzero().squeeze(1)
+            node_sum[tokens] += values[start:ends[rank]]
+            start = ends[rank]
+        if node_sum is not combined:
+            reached = is_token_in_rank[:, first:first + num_nvl_ranks].any(1)
+            combined[reached] += node_sum[reached]
     return combined
 
 

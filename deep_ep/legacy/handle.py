@@ -1,4 +1,5 @@
-"""DeepEP's V1 intranode handle: the 6-tuple its ``dispatch`` returns and ``combine`` takes."""
+"""DeepEP's V1 intranode handle: the 6-tuple its ``dispatch`` returns and ``combine`` takes (the
+internode one, a 10-tuple, is `deep_ep.legacy.internode.InternodeHandle`)."""
 from __future__ import annotations
 
 __all__ = ["LegacyHandle"]
@@ -28,3 +29,8 @@ class LegacyHandle(tuple):
         handle.ep_handle = ep_handle
         handle.num_rows = num_rows
         return handle
+
+    @property
+    def is_token_in_rank(self):
+        """The dispatch's routing, bool ``[T, R]`` (item 4 of the intranode handle, 0 of the internode one)."""
+        return self[4] if len(self) == 6 else self[0]

@@ -7,7 +7,9 @@ preferring one whose last dispatch was combined (`_free_half`; every rank makes 
 combine takes the dispatch's; a call with a receive hook holds its half until the hook is called
 (`_hook`); a call that raises before returning its hook holds nothing (`release_on_error`). On
 the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the Buffer's when
-it holds the call, half 1 one made on its first use (collective).
+it holds the call, half 1 one made on its first use (collective). Across nodes every low-latency
+window is in direct mode with ``num_qps_per_rank`` QPs (`deep_ep.legacy.internode`); on the CPU
+backend both halves then use the Buffer's direct-mode `ElasticBuffer`.
 """
 from __future__ import annotations
 
@@ -73,13 +75,13 @@ class LowLatencyState:
 
     def _low_latency_elastic_buffer(self, max_pairs: int, hidden: int, slot: int = 0):
         """The `ElasticBuffer` a low-latency call of up to ``max_pairs`` (token, expert) pairs per rank
-        at ``hidden`` runs on in buffer half ``slot``: the Buffer's own on CPU (both halves), and on the
-        GPU for half 0 when its window holds the call; else one sized for the call (one per half), made
-        here (collective: every rank makes the same calls; not while a CUDA graph is being captured)
-        and kept for later calls."""
+        at ``hidden`` runs on in buffer half ``slot``: the Buffer's own on CPU (both halves; across
+        nodes its direct-mode one), and on the GPU for half 0 when its window holds the call; else one
+        sized for the call (one per half), made here (collective: every rank makes the same calls; not
+        while a CUDA graph is being captured) and kept for later calls."""
         buffer = self._alive()
         if buffer.device.type == "cpu":
-            return buffer
+            return buffer if self._low_latency_cpu_buffer is None else self._low_latency_cpu_buffer
         from ..backends.gpu import window
         need = window.buffer_size_hint(self.group_size, max_pairs, hidden, 0, False)
         if slot == 0 and buffer.num_bytes >= need:
@@ -96,13 +98,15 @@ class LowLatencyState:
         from ..buffer import ElasticBuffer
         if extra is not None:
             extra.destroy()
-        extra = ElasticBuffer(self.group, num_bytes=need, explicitly_destroy=self.explicitly_destroy)
+        extra = ElasticBuffer(self.group, num_bytes=need, explicitly_destroy=self.explicitly_destroy,
+                              **self._low_latency_options)
         self.__dict__[key] = extra
         return extra
 
     def _low_latency_buffers(self) -> list:
         """The `ElasticBuffer` objects low-latency calls may have run on."""
-        return [b for b in [self._alive()] + [self.__dict__.get(key) for key in _HALF_BUFFERS] if b is not None]
+        keys = _HALF_BUFFERS + ("_low_latency_cpu_buffer",)
+        return [b for b in [self._alive()] + [self.__dict__.get(key) for key in keys] if b is not None]
 
     def _pending_hooks(self) -> list:
         """Per buffer half, the name of the call whose receive hook is pending there, or None."""

@@ -1,11 +1,11 @@
-"""The parts of DeepEP's V1 ``Buffer`` not built yet (internode), present with DeepEP's signatures
-and raising `NotImplementedError` that names the method; and the keywords of DeepEP's side branches,
-taken and refused (`refuse_side_keywords`) unless they hold their defaults."""
+"""The `NotImplementedError` of the parts of DeepEP's V1 ``Buffer`` not built yet (`planned`), and
+the keywords of DeepEP's side branches, taken and refused (`refuse_side_keywords`) unless they hold
+their defaults."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["planned", "PlannedMethods", "SIDE_BRANCH_KEYWORDS", "refuse_side_keywords"]
+__all__ = ["planned", "SIDE_BRANCH_KEYWORDS", "refuse_side_keywords"]
 
 
 def planned(name: str, what: str = "low-latency mode / internode"):
@@ -14,13 +14,12 @@ def planned(name: str, what: str = "low-latency mode / internode"):
 
 
 #: Keywords only DeepEP's side branches give these methods (NVFP4 dispatch, single-batch overlap,
-#: signalled sources, eager RDMA, MNNVL fabric memory, PCIe normal mode, internode worst-case
-#: padding), with their defaults there. deep_ep takes them (keyword-only: the branches place them
-#: differently) and refuses any other value.
+#: signalled sources, eager RDMA, MNNVL fabric memory, PCIe normal mode), with their defaults there.
+#: deep_ep takes them (keyword-only: the branches place them differently) and refuses any other
+#: value. (``internode_dispatch``'s ``num_worst_tokens`` is supported: `deep_ep.legacy.internode`.)
 SIDE_BRANCH_KEYWORDS = {
     "__init__": {"use_fabric": False, "allow_nvlink_for_normal_mode": True, "eager_support": False},
     "get_low_latency_rdma_size_hint": {"eager_support": False},
-    "internode_dispatch": {"num_worst_tokens": 0},
     "low_latency_dispatch": {"topk_weights": None, "x_global_scale": None, "use_nvfp4": False,
                              "use_ue8m0_for_sf": False, "use_eager": False},
     "low_latency_combine": {"overlap": False, "packed_recv_count": None, "comp_signal": None, "block_m": 64,
@@ -45,21 +44,3 @@ def refuse_side_keywords(method: str, values: dict) -> None:
             raise NotImplementedError(
                 f"deep_ep.Buffer.{method}({name}={shown}): {name} is a keyword of DeepEP's side branches; deep_ep "
                 f"takes only its default ({default!r}), the feature behind it is not built")
-
-
-class PlannedMethods:
-    """DeepEP's V1 internode methods (`deep_ep.Buffer` inherits them)."""
-
-    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                           is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                           expert_alignment: int = 1, config=None, previous_event=None, async_finish: bool = False,
-                           allocate_on_comm_stream: bool = False, *, num_worst_tokens: int = 0):
-        """Internode dispatch. Raises NotImplementedError (planned; ``num_worst_tokens``, of DeepEP's
-        side branches, likewise when not 0)."""
-        refuse_side_keywords("internode_dispatch", {"num_worst_tokens": num_worst_tokens})
-        planned("internode_dispatch")
-
-    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Internode combine. Raises NotImplementedError (planned)."""
-        planned("internode_combine")
