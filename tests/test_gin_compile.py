@@ -156,3 +156,27 @@ def test_receive_halves_match_every_call_layout():
         assert (layout.recv_offset, layout.half_bytes) == (recv_offset, half)
         # a source's rows from each owner (combine_args.cuh's pushed_row_offset) fit a half
         assert layout.rows_per_half // 8 >= 64
+
+
+def test_hybrid_dispatch_modules_compile_without_spills():
+    """Hybrid mode's dispatch (EP_TRANSPORT_GIN=2: comm/gin_hybrid.cuh, impls/dispatch_forward.cuh) in
+    the structures the scale-out GPU test runs, BF16 and FP8, both layouts."""
+    from deep_ep.backends.gpu import modules
+    for structure in [(512, 0, 4, False), (512, 0, 4, True), (512, 4, 4, False), (512, 4, 4, True)]:
+        key, module = modules.build_module("dispatch", structure, False, 2)
+        assert ("EP_TRANSPORT_GIN", 2) in key[1]
+        assert sorted(module.kernel_names()) == sorted([modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL,
+                                                        modules.CACHED_DISPATCH_KERNEL])
+        for name, info in module.info.items():
+            assert info["stack"] == info["spill_stores"] == info["spill_loads"] == 0, (structure, name, info)
+
+
+def test_gin_hybrid_transport_args_mirror():
+    """TransportArgs with EP_TRANSPORT_GIN=2: the direct mode's fields, then the forwarding area's offset."""
+    args = gin.GinHybridTransportArgs
+    assert ctypes.sizeof(args) == 72 and args.forward_offset.offset == 64
+    from deep_ep.backends.gpu import window
+    # the forwarding slot mirrors impls/dispatch_forward.cuh's forward_slot_bytes
+    assert window.forward_slot_bytes(512, 4, 4, 2) == 528 + 64
+    header = (jit.locate.deep_ep_include_dir() / "deep_ep" / "impls" / "dispatch_forward.cuh").read_text()
+    assert "(8 + 12 * K + 4 * node_ranks + 15) / 16 * 16" in header

@@ -79,6 +79,11 @@ def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has
 def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
     """The handle's prepared combine launch for this key, every argument but the per-call pointers
     and the call number set; returns ``(launch, SMs)``."""
+    if getattr(backend, "hybrid_scaleout", False):
+        raise NotImplementedError(
+            "combine in hybrid mode across nodes (node partials rounded at the forwarding rank, "
+            "docs/scaleout.md) is not built on the GPU yet: create the buffer with allow_hybrid_mode=False "
+            "(direct mode), or use the CPU backend")
     if handle.do_expand and not backend.config.allow_multiple_reduction:
         raise NotImplementedError(
             "combine of an expanded handle with allow_multiple_reduction=False (one reduction of every "

@@ -129,6 +129,9 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
                         use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
     if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
         raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
+    if phases != modules.BOTH_PHASES and getattr(backend, "transport_gin", 0) == 2:
+        raise NotImplementedError("a dispatch's send phase alone (a receive hook) in hybrid mode across nodes: "
+                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     call.phases = phases
     while True:   # the steps up to the notify kernel's launch, again after a refused grid
         try:

@@ -60,6 +60,13 @@ def dispatch_row_stride(data_bytes: int, num_sf: int, num_topk: int) -> int:
     return _align(data_bytes + 4 * num_sf, 16) + _align(4 + 12 * (num_topk or MAX_TOPK), 16)
 
 
+def forward_slot_bytes(data_bytes: int, num_sf: int, num_topk: int, node_ranks: int) -> int:
+    """Bytes of a hybrid dispatch's forwarding slot (impls/dispatch_forward.cuh): the row's data and
+    scale factors, then the trailer (token, call, ``num_topk`` ids, weights and pair rows, a token
+    row per rank of the destination node of ``node_ranks``)."""
+    return _align(data_bytes + 4 * num_sf, 16) + _align(8 + 12 * num_topk + 4 * node_ranks, 16)
+
+
 def combine_row_stride(hidden: int, num_topk: int) -> int:
     """Bytes of a staged combine row: ``hidden`` bf16 values and the top-k weights."""
     return _align(2 * hidden, 16) + _align(4 * (num_topk or MAX_TOPK), 16)
