@@ -23,9 +23,11 @@ host thread (a host-side wait in one rank must not block another)::
 
 Several nodes on one GPU: ``EmulatedGroup(8, num_nvlink_ranks=2)`` (or ``EP_EMULATED_NUM_NVLINK_RANKS=2``)
 makes 4 nodes of 2 ranks (`ElasticBuffer.num_rdma_ranks` 4, ``num_nvlink_ranks`` 2). Buffers of such a
-group run direct mode (``allow_hybrid_mode=False``): dispatch and combine reach the ranks of other
-nodes through an emulated GIN whose NIC lands puts after seeded delays and in a seeded order
-(``gin_settings``, `deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
+group run hybrid mode (the default, ``allow_hybrid_mode=True``: a row crosses the network once per
+node, to the rail peer there, which forwards it over NVLink) or direct mode (``allow_hybrid_mode=False``:
+every rank of another node is reached directly); either reaches other nodes through an emulated GIN
+whose NIC lands puts after seeded delays and in a seeded order (``gin_settings``,
+`deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
 
 One thread can also make the ranks' calls one after another (`EmulatedGroup.acting_as`), for calls
 whose host side never waits for the peers (a cached dispatch, a combine): the bench captures every
@@ -98,7 +100,7 @@ class EmulatedGroup:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_nvlink_ranks = _nvlink_ranks(num_ranks, num_nvlink_ranks)
         self.gin_settings = gin_settings
-        self._hybrid_dispatch = False   # tests only: let buffers run hybrid mode (its dispatch) across nodes
+        self._hybrid_mode = True   # False: buffers refuse hybrid mode across nodes (`hybrid_mode_enabled`)
         ensure_cuda_settings(num_ranks)
         if not torch.cuda.is_available():
             raise RuntimeError("emulated ranks run on a CUDA device; none is available")
@@ -385,11 +387,11 @@ class EmulatedRankGroup:
         """Ranks of one emulated node (`deep_ep.topology`)."""
         return self.parent.num_nvlink_ranks
 
-    def hybrid_dispatch_enabled(self) -> bool:
-        """Whether buffers of this group may run hybrid mode across emulated nodes (a private switch
-        of the tests, ``EmulatedGroup._hybrid_dispatch``: only the hybrid dispatch is built, so such a
-        buffer's combine raises `NotImplementedError`; docs/scaleout.md)."""
-        return bool(getattr(self.parent, "_hybrid_dispatch", False))
+    def hybrid_mode_enabled(self) -> bool:
+        """Whether buffers of this group run hybrid mode across emulated nodes when asked to (the
+        default); a private switch, ``EmulatedGroup._hybrid_mode = False``, makes them refuse it as
+        before the hybrid kernels existed (docs/scaleout.md)."""
+        return bool(getattr(self.parent, "_hybrid_mode", True))
 
     def make_transport(self, num_bytes: int, num_allocated_qps: int = 0, timeout_ns: int = 2_000_000_000,
                        allow_hybrid_mode: bool = False):

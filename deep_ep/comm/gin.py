@@ -206,8 +206,9 @@ class GinTransportArgs(ctypes.Structure):
 
 class GinHybridTransportArgs(GinTransportArgs):
     """Host mirror of ``deep_ep::comm::TransportArgs`` built with ``EP_TRANSPORT_GIN=2`` (hybrid mode):
-    `GinTransportArgs`, then the forwarding area's offset from every window (comm/gin_hybrid.cuh)."""
-    _fields_ = [("forward_offset", ctypes.c_int64)]
+    `GinTransportArgs`, then the offsets of the forwarding area and of combine's inbox from every
+    window (comm/gin_hybrid.cuh)."""
+    _fields_ = [("forward_offset", ctypes.c_int64), ("inbox_offset", ctypes.c_int64)]
 
 
 class EmulatedGinSettings:
@@ -272,10 +273,10 @@ class EmulatedGinState:
                                queue_depth=settings.queue_depth, stage_bytes=settings.stage_bytes)
         self.recv_offset, self.half_bytes = receive_halves(num_ranks, num_bytes)
         self.staging = torch.zeros(num_ranks * num_ranks * self.half_bytes, dtype=torch.uint8, device=windows[0].device)
-        # hybrid mode: each rank's forwarding area (two halves), at the same offset from every window
-        # (slices as far apart as the windows)
-        self.forwarding = torch.zeros(num_ranks * num_bytes if self.hybrid else 0, dtype=torch.uint8,
-                                      device=windows[0].device)
+        # hybrid mode: each rank's forwarding area and combine's inbox (two halves each), at the same
+        # offset from every window (slices as far apart as the windows)
+        self.forwarding, self.inbox = (torch.zeros(num_ranks * num_bytes if self.hybrid else 0, dtype=torch.uint8,
+                                                   device=windows[0].device) for _ in range(2))
         self.num_bytes = num_bytes
         size = ctypes.sizeof(EmulatedGinArgs)
         blob = b"".join(bytes(self.gin.kernel_args(
@@ -305,7 +306,9 @@ class EmulatedGinState:
         args = GinHybridTransportArgs()
         ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.transport_args(base_args, rank)),
                        ctypes.sizeof(GinTransportArgs))
-        args.forward_offset = (self.forwarding.data_ptr() + rank * self.num_bytes) - self.windows[rank].data_ptr()
+        window = self.windows[rank].data_ptr()
+        args.forward_offset = (self.forwarding.data_ptr() + rank * self.num_bytes) - window
+        args.inbox_offset = (self.inbox.data_ptr() + rank * self.num_bytes) - window
         return args
 
 

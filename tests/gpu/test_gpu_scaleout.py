@@ -7,14 +7,14 @@ second sends every peer through the NIC on three contexts), runs dispatch + comb
 tests/gpu_cases.py through `test_gpu_backend.run_case`: fresh random inputs per case, outputs poisoned
 first, every element compared with deep_ep.reference (dispatch bit for bit, combine bit for bit in the
 reference's fp32 order), a cached dispatch and a second combine with the same handle. Also checks the
-domains a buffer reports, that hybrid mode is refused by default, and that a GIN wait that times out
-names the rank, the missing peer and the phase.
+domains a buffer reports, that the group's switch turns hybrid mode off, and that a GIN wait that
+times out names the rank, the missing peer and the phase.
 
-Hybrid mode's dispatch (comm/gin_hybrid.cuh, impls/dispatch_forward.cuh: a row crosses the emulated
-network once per node, to the rail peer there, which forwards it over NVLink) runs behind the tests'
-switch (``EmulatedGroup._hybrid_dispatch``) at 2 x 2 and 4 x 2 with both NIC seeds: a fresh dispatch
-and two cached ones (both receive halves) against deep_ep.reference on poisoned outputs; its combine
-must raise `NotImplementedError`. Skipped without a CUDA device; run with
+Hybrid mode (comm/gin_hybrid.cuh, impls/dispatch_forward.cuh, impls/combine_forward.cuh: a row
+crosses the emulated network once per node, to the rail peer there, which forwards it over NVLink;
+combine's node partials are rounded at that rank) runs the same cases at 2 x 2 and 4 x 2 with both NIC
+seeds, its combine checked in the reference's hybrid order (``num_scaleup_ranks``); a rail wait that
+times out names the rank, the rail peer and the phase. Skipped without a CUDA device; run with
 ``EXTRA_FILES="tests/gpu/test_gpu_scaleout.py" bash tools/device_suite.sh extra``.
 """
 from __future__ import annotations
@@ -52,9 +52,10 @@ def _group(nodes: int, per_node: int, seed: int, contexts: int, gin_within_node:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_domains_and_hybrid_refused(shape):
+def test_domains_and_hybrid_switched_off(shape):
     nodes, per_node = shape
     group = _group(nodes, per_node, 1, 2)
+    group._hybrid_mode = False   # the group's private switch: hybrid mode refused as before it was built
 
     def body(rank_group):
         with pytest.raises(NotImplementedError, match="hybrid mode"):
@@ -134,79 +135,18 @@ def test_a_gin_wait_times_out_naming_rank_peer_and_phase():
 HYBRID_SHAPES = [(2, 2), (4, 2)]
 
 
-def _run_hybrid_dispatch_case(case, group, dev, seed: int) -> None:
-    """A fresh dispatch, then two cached ones of fresh data (the second lands in the other receive
-    half), every output poisoned and compared bit for bit with the reference; then a combine, which
-    hybrid mode refuses on every rank alike."""
-    from deep_ep import reference as ref
-    from deep_ep.backends import outputs
-    from gpu_cases import handle_to_cpu, to_cpu
-    from test_gpu_backend import fresh_data, make_inputs, to_dev
-    xs, idxs, ws, _ = make_inputs(case, seed)
-    M = max(case.max_tokens, 1)
-    common = dict(do_expand=case.expand, expert_alignment=case.alignment, do_cpu_sync=case.do_cpu_sync,
-                  num_max_tokens_per_rank=M, use_tma_aligned_col_major_sf=case.col_major_sf)
-    exp = ref.reference_dispatch(xs, idxs, ws, case.num_experts, **common)
-    cached_inputs = [fresh_data(xs, torch.Generator().manual_seed(seed + 2 + i)) for i in range(2)]
-    exp_cached = [ref.reference_dispatch(x2, idxs, ws, case.num_experts, **common) for x2 in cached_inputs]
-    if not case.weights:
-        for e in (e for run in exp_cached for e in run):
-            e.recv_topk_weights = None   # a cached dispatch given no topk_weights returns None
-
-    def body(g):
-        r = g.rank()
-        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=M, hidden=case.hidden, num_topk=case.num_topk,
-                                    use_fp8_dispatch=bool(case.fp8), num_gpu_timeout_secs=20)
-
-        def sync():
-            buf.get_comm_stream().synchronize()
-            torch.cuda.current_stream(dev).synchronize()
-
-        try:
-            with outputs.poisoned():
-                out = buf.dispatch(to_dev(xs[r], dev), to_dev(idxs[r], dev),
-                                   to_dev(ws[r], dev) if ws is not None else None, num_experts=case.num_experts,
-                                   expert_alignment=case.alignment, num_sms=case.num_sms,
-                                   do_cpu_sync=case.do_cpu_sync, do_expand=case.expand,
-                                   do_zero_padding=case.zero_padding,
-                                   use_tma_aligned_col_major_sf=case.col_major_sf, num_max_tokens_per_rank=M)
-            sync()
-            handle = out[3]
-            result = {"dispatch": (to_cpu(out[0]), to_cpu(out[1]), to_cpu(out[2]), handle_to_cpu(handle))}
-            for i, x2 in enumerate(cached_inputs):
-                with outputs.poisoned():
-                    out2 = buf.dispatch(to_dev(x2[r], dev), handle=handle, num_sms=case.num_sms,
-                                        topk_weights=to_dev(ws[r], dev) if ws is not None else None,
-                                        do_zero_padding=case.zero_padding,
-                                        use_tma_aligned_col_major_sf=case.col_major_sf)
-                sync()
-                result[f"cached{i}"] = (to_cpu(out2[0]), to_cpu(out2[1]), to_cpu(out2[2]), handle_to_cpu(out2[3]))
-            y = torch.zeros((handle.num_recv_rows, case.hidden), dtype=torch.bfloat16, device=dev)
-            with pytest.raises(NotImplementedError, match="allow_hybrid_mode=False"):
-                buf.combine(y, handle)
-            buf.barrier()
-            return result
-        finally:
-            buf.destroy()
-
-    for r, res in enumerate(group.run(body)):
-        ref.check_dispatch(res["dispatch"], exp[r], do_zero_padding=case.zero_padding, rank=r)
-        for i in range(2):
-            try:
-                ref.check_dispatch(res[f"cached{i}"], exp_cached[i][r], do_zero_padding=case.zero_padding, rank=r)
-            except AssertionError as exc:
-                raise AssertionError(f"cached dispatch {i}: {exc}") from None
-
-
 @pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
 @pytest.mark.parametrize("shape", HYBRID_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_hybrid_dispatch(shape, nic):
-    """Hybrid mode's dispatch at this shape (every case), behind the tests' switch."""
+def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
+    """Hybrid mode (the default) at this shape: every case of `test_dispatch_combine`, the combine
+    checked against the reference's hybrid order (node partials rounded to bf16 at the forwarder)."""
     import traceback
+
+    from deep_ep import reference as ref
+    from test_gpu_backend import run_case
     nodes, per_node = shape
     seed, contexts, gin_within_node = nic
     group = _group(nodes, per_node, seed, contexts, gin_within_node)
-    group._hybrid_dispatch = True
     cases = [c for c in cases_for(nodes * per_node) if c.name.split("-", 1)[1] in CASE_NAMES]
     assert len(cases) == len(CASE_NAMES)
     dev = torch.device("cuda", 0)
@@ -219,12 +159,46 @@ def test_hybrid_dispatch(shape, nic):
             buf.destroy()
 
     assert group.run(domains) == [(nodes, per_node, 2)] * (nodes * per_node)
+    # run_case's expected combine in the hybrid order of nodes of `per_node` ranks
+    monkeypatch.setattr(ref, "reference_combine", functools.partial(ref.reference_combine, num_scaleup_ranks=per_node))
     for case in cases:
         name = f"hybrid-{nodes}x{per_node}-seed{seed}-{case.name}"
         case_log(f"{name}: start")
         try:
-            _run_hybrid_dispatch_case(case, group, dev, case_seed(case.name, "hybrid", nodes, per_node, seed))
+            run_case(case, group.run, dev, seed=case_seed(case.name, "hybrid", nodes, per_node, seed))
         except Exception as exc:
             case_log(f"{name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             raise
         case_log(f"{name}: ok")
+
+
+def test_a_hybrid_rail_wait_times_out_naming_rank_peer_and_phase():
+    """2 nodes x 2: rank 2 (node 1) skips a combine. Rank 0's combine waits for its rail peer's
+    signals in vain (rank 2 forwards node 1's partials to it), records the timeout naming that peer,
+    and rank 0's next call raises it."""
+    group = _group(2, 2, 3, 2)
+    dev = torch.device("cuda", 0)
+    x = torch.randn((8, 256), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(16)[:4] for _ in range(8)]).to(dev)
+
+    def body(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=16, hidden=256, num_topk=4, num_gpu_timeout_secs=3)
+        try:
+            _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=16)
+            y = torch.randn((handle.num_recv_rows, 256), device=dev).to(torch.bfloat16)
+            buf.combine(y, handle)
+            buf.barrier()
+            if g.rank() != 0:
+                # the others skip the next combine and wait on the host with their buffers alive
+                g.barrier()
+                return None
+            buf.combine(y, handle)                 # queued; its waits give up after 3 s
+            buf.get_comm_stream().synchronize()
+            with pytest.raises(TimeoutError, match=r"rank 0: peer rank [12] did not arrive .* combine"):
+                buf.dispatch(x, handle=handle)
+            g.barrier()
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)

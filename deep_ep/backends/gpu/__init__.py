@@ -107,7 +107,7 @@ class GPUBackend(Backend):
         self.emulated = hasattr(group, "make_transport")
         if self.emulated:
             # hybrid mode across emulated nodes only where the group allows it (`topology.require_scaleout_support`)
-            hybrid = self.config.allow_hybrid_mode and getattr(group, "hybrid_dispatch_enabled", lambda: False)()
+            hybrid = self.config.allow_hybrid_mode and getattr(group, "hybrid_mode_enabled", lambda: False)()
             self.transport = group.make_transport(num_bytes, num_allocated_qps=self.config.num_allocated_qps,
                                                   **({"allow_hybrid_mode": True} if hybrid else {}))
             self._device = self.transport.device

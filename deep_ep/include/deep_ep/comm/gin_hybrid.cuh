@@ -10,8 +10,11 @@
 //   - wait_all waits for the node's ranks (this rank included).
 // Forwarding area: `forward_offset` from every window (the emulation keeps it in an allocation of its
 // own), two halves of `half_bytes` as the receive region, each a region of `node_bytes()` per source
-// node: a 16-byte header (tokens of the source, call number), then a slot per token.
-// Rail signals are [epoch parity][source rank], reset by `end_block` as comm/gin_direct.cuh does.
+// node: dispatch puts a 16-byte header (tokens of the source, call tag), then a slot per token;
+// combine's owners store a rank partial per (token, rank of the node) there (impls/combine_forward.cuh).
+// Inbox (combine only): `inbox_offset`, the same halves and node regions: a node partial per token,
+// put by the rail peer of that node. Rail signals are [epoch parity][source rank], reset by
+// `end_block` as comm/gin_direct.cuh does.
 #pragma once
 
 #include "../common/copy.cuh"
@@ -29,7 +32,7 @@ struct GinHybridTransport {
     int num_contexts;
     int max_put_bytes;     // the largest single put (the emulated NIC's staging slot)
     int node_ranks;        // ranks of a node
-    int64_t recv_offset, half_bytes, stage_offset, forward_offset;
+    int64_t recv_offset, half_bytes, stage_offset, forward_offset, inbox_offset;
     uint32_t* done;        // [2] user blocks that ended, NIC warps that ended (the emulated NIC's stop)
 
     __device__ __forceinline__ uint8_t* local() const { return lsa.local(); }
@@ -68,32 +71,47 @@ struct GinHybridTransport {
     __device__ __forceinline__ int64_t forward_slot(int half, int from_node, int token, int slot_bytes) const {
         return forward_header(half, from_node) + 16 + static_cast<int64_t>(token) * slot_bytes;
     }
+    // Combine: entry `index` (of `entry_bytes`) of source node `from_node` in a forwarding area's half,
+    // and the node partial slot `token` (of `slot_bytes`) of node `from_node` in an inbox's half.
+    __device__ __forceinline__ int64_t combine_entry(int half, int from_node, int index, int entry_bytes) const {
+        return forward_offset + half * half_bytes + from_node * node_bytes() + static_cast<int64_t>(index) * entry_bytes;
+    }
+    __device__ __forceinline__ int64_t inbox_slot(int half, int from_node, int token, int slot_bytes) const {
+        return inbox_offset + half * half_bytes + from_node * node_bytes() + static_cast<int64_t>(token) * slot_bytes;
+    }
     // Where this rank stages the header and the slots it puts to rail peer `forwarder`.
     __device__ __forceinline__ int64_t stage_header(int forwarder) const { return stage_offset + forwarder * half_bytes; }
+    __device__ __forceinline__ int64_t stage_row(int peer, int index, int row_bytes) const {
+        return stage_header(peer) + static_cast<int64_t>(index) * row_bytes;
+    }
     __device__ __forceinline__ int64_t stage_slot(int forwarder, int token, int slot_bytes) const {
         return stage_header(forwarder) + 16 + static_cast<int64_t>(token) * slot_bytes;
     }
 
-    // Every lane of a warp, after its stores into the staged slot `token` for rail peer `forwarder`:
-    // the slot is put into the forwarder's area, on the warp's context.
-    __device__ __forceinline__ void put_slot(int forwarder, int half, int token, int slot_bytes, int lane) const {
+    // Every lane of a warp, after its stores of `bytes` staged at `src` (an offset of this window) for
+    // rail peer `peer`: they are put at `dst` of the peer's window, on the warp's context.
+    __device__ __forceinline__ void put_staged(int peer, int64_t src, int64_t dst, int bytes, int lane) const {
         __threadfence();  // this lane's stores before lane 0's puts, which the NIC reads later
         __syncwarp();
         if (lane == 0) {
             const int context = gin.context_of((blockIdx.x * blockDim.x + threadIdx.x) / 32);
-            const int64_t src = stage_slot(forwarder, token, slot_bytes);
-            const int64_t dst = forward_slot(half, node(), token, slot_bytes);
-            for (int done_bytes = 0; done_bytes < slot_bytes; done_bytes += max_put_bytes) {
-                const int piece = min(max_put_bytes, slot_bytes - done_bytes);
-                gin.put(context, forwarder, dst + done_bytes, src + done_bytes, static_cast<uint64_t>(piece));
+            for (int done_bytes = 0; done_bytes < bytes; done_bytes += max_put_bytes) {
+                const int piece = min(max_put_bytes, bytes - done_bytes);
+                gin.put(context, peer, dst + done_bytes, src + done_bytes, static_cast<uint64_t>(piece));
             }
         }
         __syncwarp();
     }
+    // Dispatch: the staged slot `token` for rail peer `forwarder`, into its forwarding area.
+    __device__ __forceinline__ void put_slot(int forwarder, int half, int token, int slot_bytes, int lane) const {
+        put_staged(forwarder, stage_slot(forwarder, token, slot_bytes), forward_slot(half, node(), token, slot_bytes),
+                   slot_bytes, lane);
+    }
 
-    // Every thread of the last block of the rail stage: to each rail peer the header (`num_tokens`, the
-    // call number), this rank's tag, then a strong signal per context; then flush, so that staging may
-    // be rewritten by the next call.
+    // Every thread of the last block of a rail stage: to each rail peer, for a dispatch (`num_tokens`
+    // >= 0) the header (`num_tokens`, the call tag) and this rank's tag, for a combine the tags of
+    // this rank's node (its ranks signalled them here); then a strong signal per context; then flush,
+    // so that staging may be rewritten by the next call.
     __device__ __forceinline__ void signal_rails(CallTag tag, int half, int num_tokens) const {
         __threadfence_system();
         uint8_t* mine = local();
@@ -108,11 +126,17 @@ struct GinHybridTransport {
         for (int to_node = threadIdx.x; to_node < num_nodes(); to_node += blockDim.x) {
             if (to_node == node()) continue;
             const int peer = rail_peer(to_node);
-            int* header = reinterpret_cast<int*>(at(stage_header(peer)));
-            header[0] = num_tokens;
-            header[1] = static_cast<int>(tag.seq);
-            gin.put(0, peer, forward_header(half, node()), stage_header(peer), 16);
-            gin.put(0, peer, tag_offset, tag_offset, 8);
+            if (num_tokens >= 0) {
+                int* header = reinterpret_cast<int*>(at(stage_header(peer)));
+                header[0] = num_tokens;
+                header[1] = static_cast<int>(tag.seq);
+                header[2] = static_cast<int>(tag.fingerprint);
+                gin.put(0, peer, forward_header(half, node()), stage_header(peer), 16);
+                gin.put(0, peer, tag_offset, tag_offset, 8);
+            } else {
+                const int64_t first = reinterpret_cast<uint8_t*>(tag_words(mine, slot, node() * node_ranks)) - mine;
+                gin.put(0, peer, first, first, static_cast<uint64_t>(8 * node_ranks));
+            }
             for (int c = 0; c < num_contexts; ++c) gin.signal(c, peer, slot * num_ranks + rank, 1);
         }
         __syncthreads();
@@ -142,9 +166,10 @@ struct GinHybridTransport {
         return ok_flag != 0;
     }
 
-    // Every thread of the last block of the forwarding stage: to each rank of the node (this one
-    // included) the tags of this rank and of its rail peers (forwarded), then an arrival.
-    __device__ __forceinline__ void signal_node(CallTag tag) const {
+    // Every thread of the last block of a stage that stored to the node: to each rank of the node
+    // (this one included) this rank's tag, with `with_rails` its rail peers' too (forwarded), then an
+    // arrival.
+    __device__ __forceinline__ void signal_node(CallTag tag, bool with_rails) const {
         __threadfence_system();
         uint8_t* mine = local();
         const int slot = static_cast<int>(ld_volatile(ctrl_of(mine) + kCtrlEpoch) & 1u);
@@ -152,6 +177,7 @@ struct GinHybridTransport {
             const int peer = node() * node_ranks + j;
             for (int from_node = 0; from_node < num_nodes(); ++from_node) {
                 const int source = rail_peer(from_node);
+                if (!with_rails && source != rank) continue;
                 uint32_t* to = tag_words(lsa.bases[peer], slot, source);
                 const uint32_t* from = tag_words(mine, slot, source);
                 to[0] = source == rank ? tag.seq : ld_volatile(from);

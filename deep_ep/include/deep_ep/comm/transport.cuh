@@ -59,6 +59,7 @@ struct TransportArgs {
     int node_ranks;                 // ranks of a node, reached by loads and stores (1: every peer by GIN)
 #if EP_TRANSPORT_GIN == 2
     int64_t forward_offset;         // the forwarding area (comm/gin_hybrid.cuh), from every window
+    int64_t inbox_offset;           // combine's inbox of node partials (comm/gin_hybrid.cuh), likewise
 #endif
 #endif
 };
@@ -86,6 +87,7 @@ __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs
     tr.half_bytes = t.half_bytes;
     tr.stage_offset = t.stage_offset;
     tr.forward_offset = t.forward_offset;
+    tr.inbox_offset = t.inbox_offset;
     tr.done = t.gin->done;
     return tr;
 }

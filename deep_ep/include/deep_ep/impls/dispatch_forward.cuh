@@ -10,9 +10,10 @@
 //      block sends the node its tags (its own and its rail peers') and an arrival;
 //   4. the generic receive phase (dispatch_recv.cuh), which waits for the node's arrivals.
 // The received layout is the one-node layout bit for bit. A slot: [data][scale factors] as a row,
-// then at kMetaOffset the trailer int token, uint call number (marks the slot as this call's),
-// int expert[K] (-1: masked), float weight[K], int pair row[K] (expanded: the absolute output row at
-// the expert's owner; -1 otherwise), int token row[S] at each rank of the destination node (-1: none).
+// then at kMetaOffset the trailer int token, the call tag (number and fingerprint: they mark the slot
+// as this call's), a pad word, int expert[K] (-1: masked), float weight[K], int pair row[K] (expanded:
+// the absolute output row at the expert's owner; -1 otherwise), int token row[S] at each rank of the
+// destination node (-1: none).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -26,7 +27,7 @@ namespace deep_ep {
 // Bytes of a forwarding slot for nodes of `node_ranks` ranks (deep_ep/backends/gpu/window.py mirrors it).
 template <int kDataBytes, int kNumSF, int K>
 __device__ __forceinline__ int forward_slot_bytes(int node_ranks) {
-    return DispatchRow<kDataBytes, kNumSF, K>::kMetaOffset + (8 + 12 * K + 4 * node_ranks + 15) / 16 * 16;
+    return DispatchRow<kDataBytes, kNumSF, K>::kMetaOffset + (16 + 12 * K + 4 * node_ranks + 15) / 16 * 16;
 }
 
 // The rail stage (2. above), warps over tokens as in dispatch_send_impl: the same warp reads the
@@ -64,13 +65,14 @@ __device__ __forceinline__ void dispatch_rail_send_impl(const DispatchArgs& a, c
             if (lane == 0) {
                 trailer[0] = t;
                 trailer[1] = static_cast<int>(a.tag.seq);
+                trailer[2] = static_cast<int>(a.tag.fingerprint);
             }
             if (lane < K) {
-                trailer[2 + lane] = expert;
-                reinterpret_cast<float*>(trailer)[2 + K + lane] = weight;
-                trailer[2 + 2 * K + lane] = pair;
+                trailer[4 + lane] = expert;
+                reinterpret_cast<float*>(trailer)[4 + K + lane] = weight;
+                trailer[4 + 2 * K + lane] = pair;
             }
-            if (lane < S) trailer[2 + 3 * K + lane] = row;
+            if (lane < S) trailer[4 + 3 * K + lane] = row;
             tr.put_slot(forwarder, half, t, slot_bytes, lane);
         }
     }
@@ -85,24 +87,24 @@ __device__ __forceinline__ void dispatch_forward_impl(const DispatchArgs& a, con
     const int lane = wg.lane, S = tr.node_ranks, L = a.num_experts / tr.num_ranks;
     const int slot_bytes = forward_slot_bytes<kDataBytes, kNumSF, K>(S);
     const int half = comm::current_half(tr.local());
-    const int call = static_cast<int>(a.tag.seq);
+    const int call = static_cast<int>(a.tag.seq), fingerprint = static_cast<int>(a.tag.fingerprint);
     for (int from_node = 0; from_node < tr.num_nodes(); ++from_node) {
         if (from_node == tr.node()) continue;
         const int* header = reinterpret_cast<const int*>(tr.at(tr.forward_header(half, from_node)));
-        const int num_tokens = __ldcg(header + 1) == call ? __ldcg(header) : 0;
+        const int num_tokens = (__ldcg(header + 1) == call && __ldcg(header + 2) == fingerprint) ? __ldcg(header) : 0;
         for (int t = wg.warp; t < num_tokens; t += wg.num_warps) {
             const uint8_t* slot = tr.at(tr.forward_slot(half, from_node, t, slot_bytes));
             const int* trailer = reinterpret_cast<const int*>(slot + Row::kMetaOffset);
-            if (__ldcg(trailer + 1) != call) continue;  // the token reaches no rank of this node
+            if (__ldcg(trailer + 1) != call || __ldcg(trailer + 2) != fingerprint) continue;  // reaches no rank here
             const int token = __ldcg(trailer);
             int expert = -1, pair = -1;
             float weight = 0.0f;
             if (lane < K) {
-                expert = __ldcg(trailer + 2 + lane);
-                weight = __ldcg(reinterpret_cast<const float*>(trailer) + 2 + K + lane);
-                pair = __ldcg(trailer + 2 + 2 * K + lane);
+                expert = __ldcg(trailer + 4 + lane);
+                weight = __ldcg(reinterpret_cast<const float*>(trailer) + 4 + K + lane);
+                pair = __ldcg(trailer + 4 + 2 * K + lane);
             }
-            const int my_row = lane < S ? __ldcg(trailer + 2 + 3 * K + lane) : -1;
+            const int my_row = lane < S ? __ldcg(trailer + 4 + 3 * K + lane) : -1;
             const int4* src = reinterpret_cast<const int4*>(slot);
             const int* src_sf = reinterpret_cast<const int*>(slot + kDataBytes);
             for (int j = 0; j < S; ++j) {
@@ -134,7 +136,7 @@ __device__ __forceinline__ void dispatch_hybrid_impl(const DispatchArgs& a, bool
     if (comm::last_block(my_window, comm::kCtrlRailDone)) tr.signal_rails(a.tag, comm::current_half(my_window), a.num_tokens);
     const bool ok = tr.wait_rails(kPhaseDispatch, a.timeout_ns);
     dispatch_forward_impl<kDataBytes, kNumSF, K, kExpand>(a, tr, ok);
-    if (comm::last_block(my_window, comm::kCtrlForwardDone)) tr.signal_node(a.tag);
+    if (comm::last_block(my_window, comm::kCtrlForwardDone)) tr.signal_node(a.tag, true);
     dispatch_recv_impl<kDataBytes, kNumSF, K, kExpand, kCached>(a, zero_padding, tr);
 }
 
