@@ -159,8 +159,21 @@ def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
             buf.destroy()
 
     assert group.run(domains) == [(nodes, per_node, 2)] * (nodes * per_node)
-    # run_case's expected combine in the hybrid order of nodes of `per_node` ranks
+    # run_case's expected combine in the hybrid order of nodes of `per_node` ranks, and handles whose
+    # psum_num_recv_tokens_per_scaleup_rank counts per scale-up rank (DeepEP's hybrid layout)
     monkeypatch.setattr(ref, "reference_combine", functools.partial(ref.reference_combine, num_scaleup_ranks=per_node))
+    flat_dispatch = ref.reference_dispatch
+
+    def hybrid_dispatch(*args, **kwargs):
+        results = flat_dispatch(*args, **kwargs)
+        for e in results:
+            psum = e.handle.psum_num_recv_tokens_per_scaleup_rank
+            counts = torch.diff(psum, prepend=psum.new_zeros(1))
+            e.handle.psum_num_recv_tokens_per_scaleup_rank = torch.cumsum(
+                counts.view(-1, per_node).sum(0), 0).to(torch.int32)
+        return results
+
+    monkeypatch.setattr(ref, "reference_dispatch", hybrid_dispatch)
     for case in cases:
         name = f"hybrid-{nodes}x{per_node}-seed{seed}-{case.name}"
         case_log(f"{name}: start")

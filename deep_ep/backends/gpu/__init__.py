@@ -78,7 +78,7 @@ class GPUBackend(Backend):
     """
 
     transport_gin = 0   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
-    hybrid_scaleout, hybrid_node_ranks = False, 0
+    hybrid_scaleout, hybrid_node_ranks, hybrid_scaleup_ranks = False, 0, 0
 
     def __init__(self, group, config: BufferConfig) -> None:
         super().__init__(group, config)
@@ -123,6 +123,7 @@ class GPUBackend(Backend):
         # ranks of a node (`dispatch_plan.check_config`), else 0
         self.hybrid_scaleout = bool(self.config.allow_hybrid_mode and self.transport_gin)
         self.hybrid_node_ranks = self.transport.state.node_ranks if self.transport_gin == 2 else 0
+        self.hybrid_scaleup_ranks = group.num_nvlink_ranks() if self.hybrid_scaleout else 0   # the handles' psum
         self.transport_args = self.transport.kernel_args()   # fixed for the window's life
         self.num_device_sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
