@@ -97,7 +97,7 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
     layout = backend.layout(window.combine_row_stride(hidden, backend.config.num_topk))
     if getattr(backend, "hybrid_node_ranks", 0):
         window.check_hybrid_combine(backend.transport_args.half_bytes, backend.num_ranks, backend.hybrid_node_ranks,
-                                    handle.num_max_tokens_per_rank, hidden, num_topk)
+                                    handle.num_max_tokens_per_rank or handle.num_tokens, hidden, num_topk)
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("combine", (hidden, num_topk, bool(handle.do_expand)))
     tag = call_tag(0, 3, hidden, num_topk, int(bool(handle.do_expand)), num_experts, has_weights,

@@ -47,7 +47,7 @@ __device__ __forceinline__ void combine_stage_partials(const CombineArgs& a, con
         int64_t dst = comm::row_offset(a, half, j);
         int64_t weights_at = dst + Row::kWeightOffset;
         if (source / S != tr.node()) {
-            const int token = meta[0] - source * a.max_tokens;
+            const int token = meta[0] - source * a.max_tokens;  // (M = 0: column 0 is the token)
             peer = tr.node() * S + source % S;  // the forwarder: this node's rank of the source's local index
             dst = tr.combine_entry(half, source / S, token * S + rank % S, entry_bytes);
             weights_at = dst + Row::kWeightOffset + 16;
@@ -98,7 +98,9 @@ __device__ __forceinline__ void combine_forward_impl(const CombineArgs& a, const
     const int half = comm::current_half(tr.local());
     const int call = static_cast<int>(a.tag.seq), fingerprint = static_cast<int>(a.tag.fingerprint);
     const int entry_bytes = hybrid_entry_bytes<kHidden, K>(), slot_bytes = hybrid_node_slot_bytes<kHidden, K>(S);
-    const int max_tokens = ok ? a.max_tokens : 0;
+    // Tokens a source may have: M, or (M = 0: no limit was given) what a node region holds.
+    const int64_t fit = tr.node_bytes() / (static_cast<int64_t>(S) * entry_bytes);
+    const int max_tokens = !ok ? 0 : a.max_tokens > 0 ? a.max_tokens : static_cast<int>(fit);
     for (int from_node = 0; from_node < tr.num_nodes(); ++from_node) {
         if (from_node == tr.node()) continue;
         const int source = tr.rail_peer(from_node);
