@@ -11,7 +11,7 @@ several nodes: the dispatch and combine data kernels, built with ``EP_TRANSPORT_
 other rank through the emulated GIN (``comm/gin_direct.cuh``), and each data kernel of a rank runs
 next to an NIC kernel of that rank (``kernels/gin_nic.cuh``) on a stream of its own. In hybrid mode
 (``EP_TRANSPORT_GIN=2``, ``comm/gin_hybrid.cuh``) the same class reaches only the rail peers through
-the GIN, and the state holds each rank's forwarding area.
+the GIN, and the state holds each rank's forwarding area and inbox.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
-           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings", "EmulatedGinState",
-           "EmulatedGinDirectTransport"]
+           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings",
+           "EmulatedGinState", "EmulatedGinDirectTransport"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -251,13 +251,15 @@ def receive_halves(num_ranks: int, num_bytes: int) -> tuple:
 class EmulatedGinState:
     """What the ranks of one buffer share: the emulated GIN over their windows (``num_allocated``
     contexts), each rank's staging area (``[num_ranks][half_bytes]``: the rows it sends, by
-    destination) and each rank's copy of ``EmulatedGinArgs`` in device memory.
+    destination), each rank's copy of ``EmulatedGinArgs`` in device memory, and in hybrid mode each
+    rank's forwarding area and inbox (comm/gin_hybrid.cuh).
 
     Args:
         windows: the ranks' windows (`EmulatedGin`). num_bytes: a window's size.
         num_allocated: contexts allocated (the buffer's ``num_allocated_qps``).
         settings: `EmulatedGinSettings`. timeout_ns: a put's wait for room and a flush.
-        num_nvlink_ranks: ranks of a node.
+        num_nvlink_ranks: ranks of a node. hybrid: the buffer runs hybrid mode (rail peers only
+            through the GIN, whatever ``settings.gin_within_node`` says).
     """
 
     def __init__(self, windows: list, num_bytes: int, num_allocated: int, settings: EmulatedGinSettings,
@@ -293,16 +295,15 @@ class EmulatedGinState:
         # The staging area is addressed from the rank's window (an offset that may be negative here;
         # a real NIC needs it inside the registered window).
         stage = self.staging.data_ptr() + rank * len(self.windows) * self.half_bytes
-        fields = dict(
+        return GinTransportArgs(
             peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
             gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
             half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
             max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts, node_ranks=self.node_ranks)
-        return GinTransportArgs(**fields)
 
     def hybrid_transport_args(self, base_args, rank: int) -> GinHybridTransportArgs:
-        """The hybrid-mode kernels' ``TransportArgs`` of ``rank`` (`transport_args` and the forwarding
-        area's offset, the same from every window)."""
+        """The hybrid-mode kernels' ``TransportArgs`` of ``rank``: `transport_args`, then the offsets
+        of the forwarding area and the inbox (the same from every window)."""
         args = GinHybridTransportArgs()
         ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.transport_args(base_args, rank)),
                        ctypes.sizeof(GinTransportArgs))
