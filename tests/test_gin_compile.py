@@ -161,11 +161,12 @@ def test_receive_halves_match_every_call_layout():
 def test_hybrid_modules_compile_without_spills():
     """Hybrid mode's dispatch and combine (EP_TRANSPORT_GIN=2: comm/gin_hybrid.cuh,
     impls/dispatch_forward.cuh, impls/combine_forward.cuh) in the structures the scale-out GPU test
-    runs: BF16 and FP8 dispatch, both layouts."""
+    runs (BF16 and FP8 dispatch, both layouts) and a DeepSeek-V3 shape."""
     from deep_ep.backends.gpu import modules
     for kind, structure in [("dispatch", (512, 0, 4, False)), ("dispatch", (512, 0, 4, True)),
                             ("dispatch", (512, 4, 4, False)), ("dispatch", (512, 4, 4, True)),
-                            ("combine", (256, 4, False)), ("combine", (256, 4, True)), ("combine", (7168, 8, True))]:
+                            ("dispatch", (14336, 0, 8, True)), ("combine", (256, 4, False)), ("combine", (256, 4, True)),
+                            ("combine", (7168, 8, True))]:
         key, module = modules.build_module(kind, structure, False, 2)
         assert ("EP_TRANSPORT_GIN", 2) in key[1]
         for name, info in module.info.items():
