@@ -23,9 +23,11 @@ host thread (a host-side wait in one rank must not block another)::
 
 Several nodes on one GPU: ``EmulatedGroup(8, num_nvlink_ranks=2)`` (or ``EP_EMULATED_NUM_NVLINK_RANKS=2``)
 makes 4 nodes of 2 ranks (`ElasticBuffer.num_rdma_ranks` 4, ``num_nvlink_ranks`` 2). Buffers of such a
-group run direct mode (``allow_hybrid_mode=False``): dispatch and combine reach the ranks of other
-nodes through an emulated GIN whose NIC lands puts after seeded delays and in a seeded order
-(``gin_settings``, `deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
+group run hybrid mode (the default, ``allow_hybrid_mode=True``: a row crosses the network once per
+node, to the rail peer there, which forwards it over NVLink) or direct mode (``allow_hybrid_mode=False``:
+every rank of another node is reached directly); either reaches other nodes through an emulated GIN
+whose NIC lands puts after seeded delays and in a seeded order (``gin_settings``,
+`deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
 
 One thread can also make the ranks' calls one after another (`EmulatedGroup.acting_as`), for calls
 whose host side never waits for the peers (a cached dispatch, a combine): the bench captures every
@@ -98,6 +100,7 @@ class EmulatedGroup:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_nvlink_ranks = _nvlink_ranks(num_ranks, num_nvlink_ranks)
         self.gin_settings = gin_settings
+        self._hybrid_mode = True   # False: buffers refuse hybrid mode across nodes (`hybrid_mode_enabled`)
         ensure_cuda_settings(num_ranks)
         if not torch.cuda.is_available():
             raise RuntimeError("emulated ranks run on a CUDA device; none is available")
@@ -240,8 +243,9 @@ class EmulatedGroup:
                 f"at the same call), and not every rank reached it within {self.timeout_secs} s or a rank "
                 f"failed: emulated ranks must make the same sequence of calls") from None
 
-    def _gin_for(self, windows: EmulatedWindowSet, num_allocated: int, timeout_ns: int):
-        """The emulated GIN state of a buffer's window set, made by the first rank that asks."""
+    def _gin_for(self, windows: EmulatedWindowSet, num_allocated: int, timeout_ns: int, hybrid: bool = False):
+        """The emulated GIN state of a buffer's window set, made by the first rank that asks
+        (``hybrid``: the buffer runs hybrid mode, every rank's forwarding area with it)."""
         from .comm.gin import EmulatedGinSettings, EmulatedGinState
         with self._lock:
             state = getattr(windows, "gin_state", None)
@@ -250,7 +254,7 @@ class EmulatedGroup:
                           for r in range(self.num_ranks)]
                 state = windows.gin_state = EmulatedGinState(slices, windows.num_bytes, num_allocated,
                                                              self.gin_settings or EmulatedGinSettings(), timeout_ns,
-                                                             self.num_nvlink_ranks)
+                                                             self.num_nvlink_ranks, hybrid)
             return state
 
     # called by the ranks' transports
@@ -383,14 +387,24 @@ class EmulatedRankGroup:
         """Ranks of one emulated node (`deep_ep.topology`)."""
         return self.parent.num_nvlink_ranks
 
-    def make_transport(self, num_bytes: int, num_allocated_qps: int = 0, timeout_ns: int = 2_000_000_000):
+    def hybrid_mode_enabled(self) -> bool:
+        """Whether buffers of this group run hybrid mode across emulated nodes when asked to (the
+        default); a private switch, ``EmulatedGroup._hybrid_mode = False``, makes them refuse it as
+        before the hybrid kernels existed (docs/scaleout.md)."""
+        return bool(getattr(self.parent, "_hybrid_mode", True))
+
+    def make_transport(self, num_bytes: int, num_allocated_qps: int = 0, timeout_ns: int = 2_000_000_000,
+                       allow_hybrid_mode: bool = False):
         """Collective over the ranks: the window set shared by this group's next buffer; with several
-        nodes, its emulated GIN too (``num_allocated_qps`` contexts, 0: DeepEP's 17 of direct mode)."""
+        nodes, its emulated GIN too (``num_allocated_qps`` contexts, 0: DeepEP's 17 of direct mode),
+        for hybrid mode with ``allow_hybrid_mode`` and nodes of several ranks (with one rank per node
+        hybrid mode moves what direct mode moves)."""
         ws = self.parent._windows_for(self._rank, num_bytes)
         transport = EmulatedTransport(ws, self._rank, self.parent.barrier)
         if self.parent.num_nvlink_ranks < self.parent.num_ranks:
             from .comm.gin import EmulatedGinDirectTransport
-            state = self.parent._gin_for(ws, num_allocated_qps or 17, timeout_ns)
+            hybrid = bool(allow_hybrid_mode) and self.parent.num_nvlink_ranks > 1
+            state = self.parent._gin_for(ws, num_allocated_qps or 17, timeout_ns, hybrid)
             transport = EmulatedGinDirectTransport(transport, state)
         self.parent.barrier()  # every rank holds its transport before any kernel can signal
         return transport

@@ -156,3 +156,33 @@ def test_receive_halves_match_every_call_layout():
         assert (layout.recv_offset, layout.half_bytes) == (recv_offset, half)
         # a source's rows from each owner (combine_args.cuh's pushed_row_offset) fit a half
         assert layout.rows_per_half // 8 >= 64
+
+
+def test_hybrid_modules_compile_without_spills():
+    """Hybrid mode's dispatch and combine (EP_TRANSPORT_GIN=2: comm/gin_hybrid.cuh,
+    impls/dispatch_forward.cuh, impls/combine_forward.cuh) in the structures the scale-out GPU test
+    runs (BF16 and FP8 dispatch, both layouts) and a DeepSeek-V3 shape."""
+    from deep_ep.backends.gpu import modules
+    for kind, structure in [("dispatch", (512, 0, 4, False)), ("dispatch", (512, 0, 4, True)),
+                            ("dispatch", (512, 4, 4, False)), ("dispatch", (512, 4, 4, True)),
+                            ("dispatch", (14336, 0, 8, True)), ("combine", (256, 4, False)), ("combine", (256, 4, True)),
+                            ("combine", (7168, 8, True))]:
+        key, module = modules.build_module(kind, structure, False, 2)
+        assert ("EP_TRANSPORT_GIN", 2) in key[1]
+        for name, info in module.info.items():
+            assert info["stack"] == info["spill_stores"] == info["spill_loads"] == 0, (structure, name, info)
+
+
+def test_gin_hybrid_transport_args_mirror():
+    """TransportArgs with EP_TRANSPORT_GIN=2: the direct mode's fields, then the offsets of the
+    forwarding area and of combine's inbox."""
+    args = gin.GinHybridTransportArgs
+    assert ctypes.sizeof(args) == 80 and (args.forward_offset.offset, args.inbox_offset.offset) == (64, 72)
+    from deep_ep.backends.gpu import window
+    # the forwarding slot mirrors impls/dispatch_forward.cuh's forward_slot_bytes
+    assert window.forward_slot_bytes(512, 4, 4, 2) == 528 + 80
+    include = jit.locate.deep_ep_include_dir() / "deep_ep" / "impls"
+    assert "(16 + 12 * K + 4 * node_ranks + 15) / 16 * 16" in (include / "dispatch_forward.cuh").read_text()
+    # and combine's entries and node slots mirror combine_hybrid_reduce.cuh's sizes
+    reduce = (include / "combine_hybrid_reduce.cuh").read_text()
+    assert "(16 + 4 * K + 15) / 16 * 16" in reduce and "(16 + 4 * K * node_ranks + 15) / 16 * 16" in reduce

@@ -9,7 +9,9 @@ signal trusted for other puts, a source reused before flush) the seeded NIC make
 `EmulatedGinDirectTransport` is the transport of an `deep_ep.emulated.EmulatedGroup` whose ranks form
 several nodes: the dispatch and combine data kernels, built with ``EP_TRANSPORT_GIN=1``, reach every
 other rank through the emulated GIN (``comm/gin_direct.cuh``), and each data kernel of a rank runs
-next to an NIC kernel of that rank (``kernels/gin_nic.cuh``) on a stream of its own.
+next to an NIC kernel of that rank (``kernels/gin_nic.cuh``) on a stream of its own. In hybrid mode
+(``EP_TRANSPORT_GIN=2``, ``comm/gin_hybrid.cuh``) the same class reaches only the rail peers through
+the GIN, and the state holds each rank's forwarding area and inbox.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
-           "GinTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings", "EmulatedGinState",
-           "EmulatedGinDirectTransport"]
+           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings",
+           "EmulatedGinState", "EmulatedGinDirectTransport"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -202,6 +204,13 @@ class GinTransportArgs(ctypes.Structure):
                 ("node_ranks", ctypes.c_int)]
 
 
+class GinHybridTransportArgs(GinTransportArgs):
+    """Host mirror of ``deep_ep::comm::TransportArgs`` built with ``EP_TRANSPORT_GIN=2`` (hybrid mode):
+    `GinTransportArgs`, then the offsets of the forwarding area and of combine's inbox from every
+    window (comm/gin_hybrid.cuh)."""
+    _fields_ = [("forward_offset", ctypes.c_int64), ("inbox_offset", ctypes.c_int64)]
+
+
 class EmulatedGinSettings:
     """How the emulated NIC of a group behaves (`deep_ep.emulated.EmulatedGroup`'s ``gin_*`` arguments).
 
@@ -242,25 +251,35 @@ def receive_halves(num_ranks: int, num_bytes: int) -> tuple:
 class EmulatedGinState:
     """What the ranks of one buffer share: the emulated GIN over their windows (``num_allocated``
     contexts), each rank's staging area (``[num_ranks][half_bytes]``: the rows it sends, by
-    destination) and each rank's copy of ``EmulatedGinArgs`` in device memory.
+    destination), each rank's copy of ``EmulatedGinArgs`` in device memory, and in hybrid mode each
+    rank's forwarding area and inbox (comm/gin_hybrid.cuh).
 
     Args:
         windows: the ranks' windows (`EmulatedGin`). num_bytes: a window's size.
         num_allocated: contexts allocated (the buffer's ``num_allocated_qps``).
         settings: `EmulatedGinSettings`. timeout_ns: a put's wait for room and a flush.
-        num_nvlink_ranks: ranks of a node.
+        num_nvlink_ranks: ranks of a node. hybrid: the buffer runs hybrid mode (rail peers only
+            through the GIN, whatever ``settings.gin_within_node`` says).
     """
 
     def __init__(self, windows: list, num_bytes: int, num_allocated: int, settings: EmulatedGinSettings,
-                 timeout_ns: int, num_nvlink_ranks: int = 1) -> None:
+                 timeout_ns: int, num_nvlink_ranks: int = 1, hybrid: bool = False) -> None:
         num_ranks = len(windows)
         self.settings = settings
-        self.node_ranks = 1 if settings.gin_within_node else num_nvlink_ranks
+        # hybrid mode: the node's ranks by loads and stores whatever the settings say (only rail
+        # peers are reached through the NIC)
+        self.hybrid = bool(hybrid)
+        self.node_ranks = num_nvlink_ranks if self.hybrid or not settings.gin_within_node else 1
         self.num_contexts = min(settings.num_contexts, num_allocated)
         self.gin = EmulatedGin(windows, num_contexts=num_allocated, num_signals=2 * num_ranks, num_counters=1,
                                queue_depth=settings.queue_depth, stage_bytes=settings.stage_bytes)
         self.recv_offset, self.half_bytes = receive_halves(num_ranks, num_bytes)
         self.staging = torch.zeros(num_ranks * num_ranks * self.half_bytes, dtype=torch.uint8, device=windows[0].device)
+        # hybrid mode: each rank's forwarding area and combine's inbox (two halves each), at the same
+        # offset from every window (slices as far apart as the windows)
+        self.forwarding, self.inbox = (torch.zeros(num_ranks * num_bytes if self.hybrid else 0, dtype=torch.uint8,
+                                                   device=windows[0].device) for _ in range(2))
+        self.num_bytes = num_bytes
         size = ctypes.sizeof(EmulatedGinArgs)
         blob = b"".join(bytes(self.gin.kernel_args(
             seed=settings.seed, min_delay_ns=settings.min_delay_ns, max_delay_ns=settings.max_delay_ns,
@@ -282,6 +301,17 @@ class EmulatedGinState:
             half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
             max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts, node_ranks=self.node_ranks)
 
+    def hybrid_transport_args(self, base_args, rank: int) -> GinHybridTransportArgs:
+        """The hybrid-mode kernels' ``TransportArgs`` of ``rank``: `transport_args`, then the offsets
+        of the forwarding area and the inbox (the same from every window)."""
+        args = GinHybridTransportArgs()
+        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.transport_args(base_args, rank)),
+                       ctypes.sizeof(GinTransportArgs))
+        window = self.windows[rank].data_ptr()
+        args.forward_offset = (self.forwarding.data_ptr() + rank * self.num_bytes) - window
+        args.inbox_offset = (self.inbox.data_ptr() + rank * self.num_bytes) - window
+        return args
+
 
 class EmulatedGinDirectTransport:
     """One emulated rank's transport when the group's ranks form several nodes: the window of
@@ -292,13 +322,15 @@ class EmulatedGinDirectTransport:
     """
 
     kernel_define = 0
-    gin_define = 1
 
     def __init__(self, base, state: EmulatedGinState) -> None:
         from ..cuda.streams import StreamJoin, new_stream
         self.base, self.state = base, state
         self.rank, self.num_ranks, self.num_bytes, self.device = base.rank, base.num_ranks, base.num_bytes, base.device
-        self._args = state.transport_args(base.kernel_args(), base.rank)
+        #: the kernels' EP_TRANSPORT_GIN: 1 direct mode, 2 hybrid mode (comm/gin_hybrid.cuh)
+        self.gin_define = 2 if state.hybrid else 1
+        self._nic_args = state.transport_args(base.kernel_args(), base.rank)   # the NIC kernel's (GIN=1)
+        self._args = state.hybrid_transport_args(base.kernel_args(), base.rank) if state.hybrid else self._nic_args
         self.nic_blocks = -(-state.num_contexts * self.num_ranks * 32 // NIC_THREADS)
         self._nic_stream = new_stream(self.device)
         self._join = StreamJoin(self.device)
@@ -330,7 +362,7 @@ class EmulatedGinDirectTransport:
         on ``stream``); then make ``stream`` wait for the NIC kernel."""
         nic = self._nic_stream.cuda_stream
         self._join.wait(nic, stream)
-        nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._args, jit.i32(num_user_blocks)),
+        nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks)),
                                                stream=nic, device=self.device.index)
         launch()
         self._join.wait(stream, nic)

@@ -7,8 +7,14 @@ second sends every peer through the NIC on three contexts), runs dispatch + comb
 tests/gpu_cases.py through `test_gpu_backend.run_case`: fresh random inputs per case, outputs poisoned
 first, every element compared with deep_ep.reference (dispatch bit for bit, combine bit for bit in the
 reference's fp32 order), a cached dispatch and a second combine with the same handle. Also checks the
-domains a buffer reports, that hybrid mode is refused, and that a GIN wait that times out names the
-rank, the missing peer and the phase. Skipped without a CUDA device; run with
+domains a buffer reports, that the group's switch turns hybrid mode off, and that a GIN wait that
+times out names the rank, the missing peer and the phase.
+
+Hybrid mode (comm/gin_hybrid.cuh, impls/dispatch_forward.cuh, impls/combine_forward.cuh: a row
+crosses the emulated network once per node, to the rail peer there, which forwards it over NVLink;
+combine's node partials are rounded at that rank) runs the same cases at 2 x 2 and 4 x 2 with both NIC
+seeds, its combine checked in the reference's hybrid order (``num_scaleup_ranks``); a rail wait that
+times out names the rank, the rail peer and the phase. Skipped without a CUDA device; run with
 ``EXTRA_FILES="tests/gpu/test_gpu_scaleout.py" bash tools/device_suite.sh extra``.
 """
 from __future__ import annotations
@@ -46,9 +52,10 @@ def _group(nodes: int, per_node: int, seed: int, contexts: int, gin_within_node:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_domains_and_hybrid_refused(shape):
+def test_domains_and_hybrid_switched_off(shape):
     nodes, per_node = shape
     group = _group(nodes, per_node, 1, 2)
+    group._hybrid_mode = False   # the group's private switch: hybrid mode refused as before it was built
 
     def body(rank_group):
         with pytest.raises(NotImplementedError, match="hybrid mode"):
@@ -115,6 +122,92 @@ def test_a_gin_wait_times_out_naming_rank_peer_and_phase():
             buf.combine(y, handle)                 # queued; its GIN wait gives up after 3 s
             buf.get_comm_stream().synchronize()    # rank 1 is at the host barrier: nothing waits for rank 0
             with pytest.raises(TimeoutError, match=r"rank 0: peer rank 1 did not arrive .* combine"):
+                buf.dispatch(x, handle=handle)
+            g.barrier()
+            return None
+        finally:
+            buf.get_comm_stream().synchronize()
+
+    group.run(body)
+
+
+# ---------------------------------------------------------------------------------------- hybrid mode
+HYBRID_SHAPES = [(2, 2), (4, 2)]
+
+
+@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
+@pytest.mark.parametrize("shape", HYBRID_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
+    """Hybrid mode (the default) at this shape: every case of `test_dispatch_combine`, the combine
+    checked against the reference's hybrid order (node partials rounded to bf16 at the forwarder)."""
+    import traceback
+
+    from deep_ep import reference as ref
+    from test_gpu_backend import run_case
+    nodes, per_node = shape
+    seed, contexts, gin_within_node = nic
+    group = _group(nodes, per_node, seed, contexts, gin_within_node)
+    cases = [c for c in cases_for(nodes * per_node) if c.name.split("-", 1)[1] in CASE_NAMES]
+    assert len(cases) == len(CASE_NAMES)
+    dev = torch.device("cuda", 0)
+
+    def domains(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=16, hidden=256, num_topk=4)
+        try:
+            return (buf.num_scaleout_ranks, buf.num_scaleup_ranks, buf._backend.transport_gin)
+        finally:
+            buf.destroy()
+
+    assert group.run(domains) == [(nodes, per_node, 2)] * (nodes * per_node)
+    # run_case's expected combine in the hybrid order of nodes of `per_node` ranks, and handles whose
+    # psum_num_recv_tokens_per_scaleup_rank counts per scale-up rank (DeepEP's hybrid layout)
+    monkeypatch.setattr(ref, "reference_combine", functools.partial(ref.reference_combine, num_scaleup_ranks=per_node))
+    flat_dispatch = ref.reference_dispatch
+
+    def hybrid_dispatch(*args, **kwargs):
+        results = flat_dispatch(*args, **kwargs)
+        for e in results:
+            psum = e.handle.psum_num_recv_tokens_per_scaleup_rank
+            counts = torch.diff(psum, prepend=psum.new_zeros(1))
+            e.handle.psum_num_recv_tokens_per_scaleup_rank = torch.cumsum(
+                counts.view(-1, per_node).sum(0), 0).to(torch.int32)
+        return results
+
+    monkeypatch.setattr(ref, "reference_dispatch", hybrid_dispatch)
+    for case in cases:
+        name = f"hybrid-{nodes}x{per_node}-seed{seed}-{case.name}"
+        case_log(f"{name}: start")
+        try:
+            run_case(case, group.run, dev, seed=case_seed(case.name, "hybrid", nodes, per_node, seed))
+        except Exception as exc:
+            case_log(f"{name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            raise
+        case_log(f"{name}: ok")
+
+
+def test_a_hybrid_rail_wait_times_out_naming_rank_peer_and_phase():
+    """2 nodes x 2: rank 2 (node 1) skips a combine. Rank 0's combine waits for its rail peer's
+    signals in vain (rank 2 forwards node 1's partials to it), records the timeout naming that peer,
+    and rank 0's next call raises it."""
+    group = _group(2, 2, 3, 2)
+    dev = torch.device("cuda", 0)
+    x = torch.randn((8, 256), device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(16)[:4] for _ in range(8)]).to(dev)
+
+    def body(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=16, hidden=256, num_topk=4, num_gpu_timeout_secs=3)
+        try:
+            _, _, _, handle, _ = buf.dispatch(x, idx, num_experts=16)
+            y = torch.randn((handle.num_recv_rows, 256), device=dev).to(torch.bfloat16)
+            buf.combine(y, handle)
+            buf.barrier()
+            if g.rank() != 0:
+                # the others skip the next combine and wait on the host with their buffers alive
+                g.barrier()
+                return None
+            buf.combine(y, handle)                 # queued; its waits give up after 3 s
+            buf.get_comm_stream().synchronize()
+            with pytest.raises(TimeoutError, match=r"rank 0: peer rank [12] did not arrive .* combine"):
                 buf.dispatch(x, handle=handle)
             g.barrier()
             return None

@@ -77,7 +77,8 @@ class GPUBackend(Backend):
         ValueError: no window size. NotImplementedError: the group spans more than one NVLink domain.
     """
 
-    transport_gin = False   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
+    transport_gin = 0   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
+    hybrid_scaleout, hybrid_node_ranks, hybrid_scaleup_ranks = False, 0, 0
 
     def __init__(self, group, config: BufferConfig) -> None:
         super().__init__(group, config)
@@ -105,7 +106,10 @@ class GPUBackend(Backend):
         what the device lends its kernels (SMs, cooperative launches)."""
         self.emulated = hasattr(group, "make_transport")
         if self.emulated:
-            self.transport = group.make_transport(num_bytes, num_allocated_qps=self.config.num_allocated_qps)
+            # hybrid mode across emulated nodes only where the group allows it (`topology.require_scaleout_support`)
+            hybrid = self.config.allow_hybrid_mode and getattr(group, "hybrid_mode_enabled", lambda: False)()
+            self.transport = group.make_transport(num_bytes, num_allocated_qps=self.config.num_allocated_qps,
+                                                  **({"allow_hybrid_mode": True} if hybrid else {}))
             self._device = self.transport.device
         else:
             from ...comm.lsa import NcclLsaTransport
@@ -113,7 +117,13 @@ class GPUBackend(Backend):
             self.transport = NcclLsaTransport(group, num_bytes, self._device)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         self.transport_nccl = bool(self.transport.kernel_define)
-        self.transport_gin = bool(getattr(self.transport, "gin_define", 0))   # emulated nodes (comm/gin.py)
+        # emulated nodes (comm/gin.py): 1 direct mode, 2 hybrid mode (forwarding within a node)
+        self.transport_gin = int(getattr(self.transport, "gin_define", 0))
+        # hybrid mode across nodes: its combine is refused (`combine._prepare`); with forwarding, the
+        # ranks of a node (`dispatch_plan.check_config`), else 0
+        self.hybrid_scaleout = bool(self.config.allow_hybrid_mode and self.transport_gin)
+        self.hybrid_node_ranks = self.transport.state.node_ranks if self.transport_gin == 2 else 0
+        self.hybrid_scaleup_ranks = group.num_nvlink_ranks() if self.hybrid_scaleout else 0   # the handles' psum
         self.transport_args = self.transport.kernel_args()   # fixed for the window's life
         self.num_device_sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.

@@ -139,4 +139,4 @@ class CombineArgs(ctypes.Structure):
                 ("out_weights", ctypes.c_void_p), ("num_experts", ctypes.c_int), ("apply_weights", ctypes.c_int),
                 ("recv_offset", ctypes.c_int64), ("half_bytes", ctypes.c_int64),
                 ("row_stride", ctypes.c_int), ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p),
-                ("tag", CallTag)]
+                ("tag", CallTag), ("max_tokens", ctypes.c_int)]

@@ -47,6 +47,9 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     if phases == modules.BOTH_PHASES:
         backend.launch_data(prepared, num_blocks)
         return out, out_w
+    if getattr(backend, "transport_gin", 0) == 2:
+        raise NotImplementedError("a combine's send phase alone (a receive hook) in hybrid mode across nodes: "
+                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     structure = (handle.hidden, handle.num_topk, bool(handle.do_expand))
     deferred = modules.launch_send_phase(backend, "combine", structure, prepared, num_blocks,
                                          keep=(x, topk_weights, bias))
@@ -79,6 +82,11 @@ def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has
 def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
     """The handle's prepared combine launch for this key, every argument but the per-call pointers
     and the call number set; returns ``(launch, SMs)``."""
+    if getattr(backend, "hybrid_scaleout", False) and not backend.config.allow_multiple_reduction:
+        raise NotImplementedError(
+            "combine in hybrid mode across nodes with allow_multiple_reduction=False (forwarders passing "
+            "every rank's row on unreduced) is not implemented on the GPU: create the buffer with "
+            "allow_multiple_reduction=True (the default) or allow_hybrid_mode=False, or use the CPU backend")
     if handle.do_expand and not backend.config.allow_multiple_reduction:
         raise NotImplementedError(
             "combine of an expanded handle with allow_multiple_reduction=False (one reduction of every "
@@ -87,6 +95,9 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
     state = handle.backend_state
     hidden, num_topk, num_experts = handle.hidden, handle.num_topk, handle.num_experts
     layout = backend.layout(window.combine_row_stride(hidden, backend.config.num_topk))
+    if getattr(backend, "hybrid_node_ranks", 0):
+        window.check_hybrid_combine(backend.transport_args.half_bytes, backend.num_ranks, backend.hybrid_node_ranks,
+                                    handle.num_max_tokens_per_rank or handle.num_tokens, hidden, num_topk)
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("combine", (hidden, num_topk, bool(handle.do_expand)))
     tag = call_tag(0, 3, hidden, num_topk, int(bool(handle.do_expand)), num_experts, has_weights,
@@ -97,7 +108,8 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
         pos_pair=state.pos_pair_ptr, topk_idx=_ptr(handle.topk_idx), num_tokens=handle.num_tokens,
         num_experts=num_experts, apply_weights=int(bool(apply_dispatch_weights)),
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
-        timeout_ns=backend.timeout_ns, err_host=backend.err_record.device_ptr, tag=tag)
+        timeout_ns=backend.timeout_ns, err_host=backend.err_record.device_ptr, tag=tag,
+        max_tokens=handle.num_max_tokens_per_rank)
     prepared = module.function(modules.COMBINE_KERNEL).prepare(
         num_blocks, modules.THREADS, (args, backend.transport_args), device=backend.device.index,
         cooperative=backend.cooperative)

@@ -129,6 +129,9 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
                         use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
     if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
         raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
+    if phases != modules.BOTH_PHASES and getattr(backend, "transport_gin", 0) == 2:
+        raise NotImplementedError("a dispatch's send phase alone (a receive hook) in hybrid mode across nodes: "
+                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     call.phases = phases
     while True:   # the steps up to the notify kernel's launch, again after a refused grid
         try:
@@ -278,7 +281,8 @@ def _launch_data(call: DispatchCall) -> None:
     else:   # worst-case rows; recv_src_metadata's are a piece of the words
         out_rows, tok_capacity, meta_rows = plan.out_capacity, plan.tok_capacity, None
     out_x, out_sf, out_w, out_idx, src_meta, sf_ld = _allocate_outputs(call, out_rows, meta_rows)
-    state = call.state = GPUHandleState(call.words, call.word_plan, out_idx, src_meta, tok_capacity, call.addresses)
+    state = call.state = GPUHandleState(call.words, call.word_plan, out_idx, src_meta, tok_capacity, call.addresses,
+                                        getattr(backend, "hybrid_scaleup_ranks", 0))
     _set_outputs(data_args, out_x, out_sf, sf_ld, out_idx, out_w, state.src_meta_ptr, out_rows, tok_capacity)
     if call.phases == modules.BOTH_PHASES:
         backend.launch_data(plan.data, plan.num_sms)

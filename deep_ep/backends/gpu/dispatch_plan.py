@@ -159,4 +159,15 @@ def check_config(backend, data, sf, num_topk, num_experts, num_max_tokens_per_ra
         raise ValueError(f"the window holds {cap_tok_rows} token rows per round, fewer than "
                          f"{num_ranks} ranks x num_max_tokens_per_rank={num_max_tokens}: create the buffer with a "
                          f"larger num_bytes (see ElasticBuffer.get_buffer_size_hint)")
+    node_ranks = getattr(backend, "hybrid_node_ranks", 0)
+    if node_ranks:   # hybrid mode across emulated nodes: each source node's slots in a forwarding area's half
+        if node_ranks > 32:
+            raise NotImplementedError(f"hybrid mode on emulated nodes of {node_ranks} ranks: at most 32 are "
+                                      f"supported; pass allow_hybrid_mode=False")
+        slot = window.forward_slot_bytes(data_bytes, num_sf, num_topk, node_ranks)
+        node_bytes = backend.transport_args.half_bytes // (num_ranks // node_ranks) // 16 * 16
+        if 16 + num_max_tokens * slot > node_bytes:
+            raise ValueError(f"the forwarding area holds {(node_bytes - 16) // slot} tokens per source node, fewer "
+                             f"than num_max_tokens_per_rank={num_max_tokens}: create the buffer with a larger "
+                             f"num_bytes (see ElasticBuffer.get_buffer_size_hint)")
     return data_bytes, num_sf, layout, num_max_tokens

@@ -90,22 +90,24 @@ def tunable_defines() -> dict:
     return out
 
 
-def _common(transport_nccl: bool, transport_gin: bool = False) -> dict:
-    gin = {"EP_TRANSPORT_GIN": 1} if transport_gin else {}   # emulated nodes (comm/transport.cuh)
+def _common(transport_nccl: bool, transport_gin: int = 0) -> dict:
+    # emulated nodes (comm/transport.cuh): 1 direct mode, 2 hybrid mode
+    gin = {"EP_TRANSPORT_GIN": int(transport_gin)} if transport_gin else {}
     return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, **gin,
             **tunable_defines()}
 
 
 def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, phases: int = BOTH_PHASES,
-                     transport_nccl: bool = False, transport_gin: bool = False) -> dict:
+                     transport_nccl: bool = False, transport_gin: int = 0) -> dict:
     """Defines of the dispatch module (notify-and-layout and dispatch kernels) for one structure;
-    ``phases``: what its data kernels run (`SEND_PHASE`, `RECEIVE_PHASE` or `BOTH_PHASES`)."""
+    ``phases``: what its data kernels run (`SEND_PHASE`, `RECEIVE_PHASE` or `BOTH_PHASES`);
+    ``transport_gin``: 0, or the emulated GIN's mode (1 direct, 2 hybrid: both phases only)."""
     return {"EP_DATA_BYTES": data_bytes, "EP_NUM_SF": num_sf, "EP_TOPK": num_topk, "EP_EXPAND": int(expand),
             **_phases_define(phases), **_common(transport_nccl, transport_gin)}
 
 
 def combine_defines(hidden: int, num_topk: int, expand: bool, phases: int = BOTH_PHASES,
-                    transport_nccl: bool = False, transport_gin: bool = False) -> dict:
+                    transport_nccl: bool = False, transport_gin: int = 0) -> dict:
     """Defines of the combine module for one structure (``phases`` as in `dispatch_defines`)."""
     return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expand), **_phases_define(phases),
             **_common(transport_nccl, transport_gin)}
@@ -118,7 +120,7 @@ def _phases_define(phases: int) -> dict:
     return {} if phases == BOTH_PHASES else {"EP_DATA_PHASES": int(phases)}
 
 
-def gin_nic_defines(transport_nccl: bool = False, transport_gin: bool = True) -> dict:
+def gin_nic_defines(transport_nccl: bool = False, transport_gin: int = 1) -> dict:
     """Defines of the emulated NIC's module (kernels/gin_nic.cuh; emulated nodes only)."""
     return {"EP_TRANSPORT_NCCL": 0, "EP_TRANSPORT_GIN": 1}
 
@@ -150,11 +152,12 @@ _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
-def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gin: bool = False):
+def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gin: int = 0):
     """``(key, module)`` for ``kind`` and ``structure`` (the arguments of its ``*_defines``), built once
     per process. Modules of the NCCL transport compile against NCCL's device headers; with
-    ``transport_gin`` (emulated nodes) the data kernels use the emulated GIN."""
-    gin = {"transport_gin": True} if transport_gin and kind in _GIN_KINDS else {}
+    ``transport_gin`` (emulated nodes: 1 direct mode, 2 hybrid mode) the data kernels use the
+    emulated GIN (the NIC's module is the same for both)."""
+    gin = {"transport_gin": int(transport_gin)} if transport_gin and kind in _GIN_KINDS else {}
     defines = _DEFINES[kind](*structure, transport_nccl=transport_nccl, **gin)
     key = (kind, tuple(sorted(defines.items())))
     mod = _modules.get(key)

@@ -83,14 +83,17 @@ class GPUHandleState:
     handle's recv_src_metadata: its columns 2.. are the expanded rows of every received token row,
     which cached dispatch and combine read). Their addresses, for the kernels' arguments, are plain
     ints: ``layout_ptr``, ``pos_tok_ptr``, ``pos_pair_ptr``, ``src_meta_ptr`` (None for an empty or
-    absent piece), and ``tok_capacity`` (rows of ``src_meta``).
+    absent piece), ``tok_capacity`` (rows of ``src_meta``), and ``scaleup_ranks`` (hybrid mode across
+    nodes: the ranks of a node, over which ``psum_num_recv_tokens_per_scaleup_rank`` counts; 0: per
+    source rank).
     """
 
     __slots__ = ("words", "plan", "recv_topk_idx", "launches", "layout_ptr", "pos_tok_ptr", "pos_pair_ptr",
-                 "src_meta_ptr", "tok_capacity", "_src_meta", "_views")
+                 "src_meta_ptr", "tok_capacity", "scaleup_ranks", "_src_meta", "_views")
 
     def __init__(self, words: torch.Tensor, plan: WordPlan, recv_topk_idx: Optional[torch.Tensor],
-                 src_meta: Optional[torch.Tensor], tok_capacity: int, addresses: Optional[tuple] = None):
+                 src_meta: Optional[torch.Tensor], tok_capacity: int, addresses: Optional[tuple] = None,
+                 scaleup_ranks: int = 0):
         """``src_meta``: recv_src_metadata as a tensor of its own, or None when it lives in ``words``
         (``plan``'s meta piece: its first ``tok_capacity`` rows, at most ``plan.meta_rows``).
         ``addresses``: ``words``' address and ``plan.addresses`` of it, where the caller has them
@@ -99,6 +102,7 @@ class GPUHandleState:
         self.launches = {}
         self._src_meta, self._views = src_meta, {}
         self.tok_capacity = tok_capacity
+        self.scaleup_ranks = scaleup_ranks
         if addresses is None:
             layout_ptr = words.data_ptr()
             addresses = (layout_ptr,) + plan.addresses(layout_ptr)
@@ -156,7 +160,12 @@ class GPUHandleState:
         dispatch's handle makes them on first access (`EPHandle.with_lazy_fields`), so that a call
         that never reads them never pays for the views."""
         if name == "psum_num_recv_tokens_per_scaleup_rank":
-            return self._view("tok_prefix")
+            prefix = self._view("tok_prefix")
+            if not self.scaleup_ranks:
+                return prefix
+            # hybrid mode across nodes: entry j sums the tokens from rank j of every node (DeepEP's)
+            counts = torch.diff(prefix, prepend=prefix.new_zeros(1))
+            return torch.cumsum(counts.view(-1, self.scaleup_ranks).sum(0), 0).to(torch.int32)
         if name == "psum_num_recv_tokens_per_expert":
             return self._view("psum_expert")
         if name == "num_unaligned_recv_tokens_per_expert":
@@ -177,15 +186,16 @@ class GPUHandleState:
         """Copies and pickles leave the prepared launches behind (ctypes memory pointing at the
         original's tensors), and the views (made again from the copy's tensors)."""
         return {"words": self.words, "plan": tuple(self.plan), "recv_topk_idx": self.recv_topk_idx,
-                "src_meta": self._src_meta, "tok_capacity": self.tok_capacity}
+                "src_meta": self._src_meta, "tok_capacity": self.tok_capacity, "scaleup_ranks": self.scaleup_ranks}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["words"], WordPlan(*state["plan"]), state["recv_topk_idx"], state["src_meta"],
-                      state["tok_capacity"])
+                      state["tok_capacity"], scaleup_ranks=state.get("scaleup_ranks", 0))
 
     def clone(self) -> "GPUHandleState":
         """A copy with every tensor cloned (for `EPHandle.clone`); no launches."""
         return GPUHandleState(self.words.clone(), self.plan,
                               None if self.recv_topk_idx is None else self.recv_topk_idx.clone(),
-                              None if self._src_meta is None else self._src_meta.clone(), self.tok_capacity)
+                              None if self._src_meta is None else self._src_meta.clone(), self.tok_capacity,
+                              scaleup_ranks=self.scaleup_ranks)
 

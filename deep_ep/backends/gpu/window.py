@@ -60,6 +60,32 @@ def dispatch_row_stride(data_bytes: int, num_sf: int, num_topk: int) -> int:
     return _align(data_bytes + 4 * num_sf, 16) + _align(4 + 12 * (num_topk or MAX_TOPK), 16)
 
 
+def forward_slot_bytes(data_bytes: int, num_sf: int, num_topk: int, node_ranks: int) -> int:
+    """Bytes of a hybrid dispatch's forwarding slot (impls/dispatch_forward.cuh): the row's data and
+    scale factors, then the trailer (token, call tag, ``num_topk`` ids, weights and pair rows, a token
+    row per rank of the destination node of ``node_ranks``)."""
+    return _align(data_bytes + 4 * num_sf, 16) + _align(16 + 12 * num_topk + 4 * node_ranks, 16)
+
+
+def check_hybrid_combine(half_bytes: int, num_ranks: int, node_ranks: int, num_max_tokens: int, hidden: int,
+                         num_topk: int) -> None:
+    """Refuse a hybrid combine whose rows do not fit (impls/combine_forward.cuh): per source node, an
+    entry per (token, rank of the node) in the forwarding area and a node slot per token in the
+    inbox, each region ``half_bytes / nodes``.
+
+    Raises:
+        ValueError: they do not fit ``num_max_tokens`` tokens per rank.
+    """
+    values = _align(2 * hidden, 16)
+    entry = values + _align(16 + 4 * num_topk, 16)
+    slot = values + _align(16 + 4 * num_topk * node_ranks, 16)
+    node_bytes = half_bytes // (num_ranks // node_ranks) // 16 * 16
+    if max(num_max_tokens * node_ranks * entry, num_max_tokens * slot) > node_bytes:
+        raise ValueError(f"hybrid combine: {num_max_tokens} tokens per rank need {num_max_tokens * node_ranks * entry} "
+                         f"bytes per source node, the window's half holds {node_bytes}: create the buffer with "
+                         f"a larger num_bytes (see ElasticBuffer.get_buffer_size_hint)")
+
+
 def combine_row_stride(hidden: int, num_topk: int) -> int:
     """Bytes of a staged combine row: ``hidden`` bf16 values and the top-k weights."""
     return _align(2 * hidden, 16) + _align(4 * (num_topk or MAX_TOPK), 16)

@@ -7,6 +7,8 @@
 // the emulated GIN, whose state `TransportArgs::gin` points at (deep_ep/comm/gin.py lays it out);
 // `make_data_transport` is what the dispatch and combine data kernels call, `make_transport` the
 // kernels that still reach every peer by loads and stores (notify, barrier).
+// EP_TRANSPORT_GIN=2 (emulated nodes in hybrid mode): the data kernels' transport is
+// comm/gin_hybrid.cuh, and TransportArgs ends with the forwarding area's offset.
 #pragma once
 
 #include "lsa.cuh"
@@ -20,6 +22,7 @@
 #endif
 #if EP_TRANSPORT_GIN
 #include "gin_direct.cuh"
+#include "gin_hybrid.cuh"
 #endif
 
 #if EP_TRANSPORT_NCCL
@@ -54,6 +57,10 @@ struct TransportArgs {
     int max_put_bytes;              // the emulated NIC's staging slot
     int num_contexts;               // contexts used (num_qps)
     int node_ranks;                 // ranks of a node, reached by loads and stores (1: every peer by GIN)
+#if EP_TRANSPORT_GIN == 2
+    int64_t forward_offset;         // the forwarding area (comm/gin_hybrid.cuh), from every window
+    int64_t inbox_offset;           // combine's inbox of node partials (comm/gin_hybrid.cuh), likewise
+#endif
 #endif
 };
 
@@ -64,7 +71,27 @@ __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, u
 }
 #endif
 
-#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
+#if EP_TRANSPORT_GIN == 2 && !EP_TRANSPORT_NCCL
+using DataTransport = GinHybridTransport<EmulatedGinTransport>;
+
+__device__ __forceinline__ DataTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
+    DataTransport tr;
+    tr.lsa = make_transport(t, table);
+    tr.gin = EmulatedGinTransport{t.gin, t.rank, t.num_contexts};
+    tr.rank = t.rank;
+    tr.num_ranks = t.num_ranks;
+    tr.num_contexts = t.num_contexts;
+    tr.max_put_bytes = t.max_put_bytes;
+    tr.node_ranks = t.node_ranks;
+    tr.recv_offset = t.recv_offset;
+    tr.half_bytes = t.half_bytes;
+    tr.stage_offset = t.stage_offset;
+    tr.forward_offset = t.forward_offset;
+    tr.inbox_offset = t.inbox_offset;
+    tr.done = t.gin->done;
+    return tr;
+}
+#elif EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
 using DataTransport = GinDirectTransport<EmulatedGinTransport>;
 
 __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
@@ -93,7 +120,7 @@ __device__ __forceinline__ LsaTransport make_data_transport(const TransportArgs&
 // At the end of every block of a data kernel: what the transport does once the kernel's phases are over.
 template <typename Transport>
 __device__ __forceinline__ void end_data_block(const Transport& tr) {
-    if constexpr (kPushes<Transport>) tr.end_block();
+    if constexpr (kPushes<Transport> || kForwards<Transport>) tr.end_block();
 }
 
 }  // namespace deep_ep::comm

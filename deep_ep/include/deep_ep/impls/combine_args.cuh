@@ -39,6 +39,7 @@ struct CombineArgs {
     uint64_t timeout_ns;
     uint32_t* err_host;               // mapped host memory for the error record (finish_wait), or null
     comm::CallTag tag;                // this call's number and fingerprint (comm/window.cuh)
+    int max_tokens;                   // the handle's num_max_tokens_per_rank (M of recv_src_metadata's col 0; may be 0)
 };
 
 // A pushing transport (comm/push.cuh): where owner rank `owner`'s row for the `index`-th token a

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../comm/transport.cuh"
+#include "../impls/combine_forward.cuh"
 #include "../impls/combine_recv.cuh"
 #include "../impls/combine_send.cuh"
 
@@ -18,9 +19,15 @@ namespace deep_ep {
 template <int kPhases, typename Transport>
 __device__ __forceinline__ void combine_phases(const CombineArgs& a, const Transport& tr) {
     static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
-    if constexpr ((kPhases & 1) != 0)
-        if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
-    if constexpr ((kPhases & 2) != 0) combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+    if constexpr (comm::kForwards<Transport>) {
+        // hybrid mode across nodes: node partials at the forwarders (impls/combine_forward.cuh)
+        static_assert(kPhases == 3, "the hybrid combine runs both phases in one launch");
+        combine_hybrid_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+    } else {
+        if constexpr ((kPhases & 1) != 0)
+            if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+        if constexpr ((kPhases & 2) != 0) combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+    }
 }
 
 }  // namespace deep_ep

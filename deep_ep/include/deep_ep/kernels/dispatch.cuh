@@ -7,6 +7,7 @@
 #pragma once
 
 #include "../comm/transport.cuh"
+#include "../impls/dispatch_forward.cuh"
 #include "../impls/dispatch_recv.cuh"
 #include "../impls/dispatch_send.cuh"
 #include "../impls/layout.cuh"
@@ -41,9 +42,15 @@ namespace deep_ep {
 template <int kPhases, bool kCached, typename Transport>
 __device__ __forceinline__ void dispatch_phases(const DispatchArgs& a, const Transport& tr, bool zero_padding) {
     static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
-    if constexpr ((kPhases & 1) != 0) dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, tr);
-    if constexpr ((kPhases & 2) != 0)
-        dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, zero_padding, tr);
+    if constexpr (comm::kForwards<Transport>) {
+        // hybrid mode across nodes: forwarding waits between the halves (impls/dispatch_forward.cuh)
+        static_assert(kPhases == 3, "the hybrid dispatch runs both phases in one launch");
+        dispatch_hybrid_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, zero_padding, tr);
+    } else {
+        if constexpr ((kPhases & 1) != 0) dispatch_send_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, tr);
+        if constexpr ((kPhases & 2) != 0)
+            dispatch_recv_impl<EP_DATA_BYTES, EP_NUM_SF, EP_TOPK, EP_EXPAND != 0, kCached>(a, zero_padding, tr);
+    }
 }
 
 }  // namespace deep_ep
