@@ -263,6 +263,7 @@ def test_reduce_kernel_equals_the_torch_spec():
             pairs[0, 0, :4] = torch.tensor([float("inf"), float("nan"), -0.0, 0.0])
             pairs[1, :, 5] = -0.0
         topk_idx = torch.randint(-1, num_ranks * num_local, (num_tokens, num_topk), generator=generator)
+        topk_idx[:, 0] = torch.randint(0, num_local, (num_tokens,), generator=generator)   # rank 0: never masked
         topk_weights = torch.randn(num_tokens, num_topk, generator=generator)
         masked = torch.tensor([0, 1, 0, 1], dtype=torch.int32) if use_mask else None
         want = ll_reduce.weighted_sum_torch(pairs, topk_idx, topk_weights, masked, num_local,

@@ -204,7 +204,7 @@ class GPUEngramTable(EngramTableState):
                                                  [row[_SHARD:_SHARD + DESCRIPTION_WORDS] for row in rows])
             addresses = [self.host_shard.address if shard is None else shard.address for shard in self.peer_shards]
             # on the stream, from pinned memory (as the header): the wait for the shard covers it
-            self.shard_addresses = torch.tensor(addresses, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+            self.shard_addresses = torch.tensor(addresses, dtype=torch.int64, device="cpu").pin_memory().to(device, non_blocking=True)
         # 3. The shard, then every rank's before any rank fetches.
         if location == "host":
             copy_bytes(device, self.host_shard.address, storage, stream)
