@@ -166,9 +166,9 @@ def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emu
              f"ranks, which needs the scale-out path over NCCL GIN")
     if emulated:
         if domains.num_scaleout_ranks > 1 and not emulated_hybrid:
-            raise NotImplementedError(f"{where}: hybrid mode (allow_hybrid_mode=True) is switched off for this "
-                                      f"group; emulated nodes run direct mode: pass allow_hybrid_mode=False "
-                                      f"(docs/scaleout.md)")
+            raise NotImplementedError(f"{where}: hybrid mode (allow_hybrid_mode=True) does not run on emulated "
+                                      f"nodes yet (its kernels are not working on a GPU); emulated nodes run "
+                                      f"direct mode: pass allow_hybrid_mode=False (docs/scaleout.md)")
         return
     found = nccl_version_text(nccl_version)
     needed = nccl_version_text(NCCL_GIN_MIN_VERSION)

@@ -337,7 +337,7 @@ def test_signatures():
     assert isinstance(inspect.getattr_static(cls, "get_engram_storage_size_hint"), staticmethod)
     expect = {"get_engram_storage_size_hint": [("num_entries", None), ("hidden", None),
                                                ("num_max_tokens_per_rank", None), ("dtype", torch.bfloat16)],
-              "engram_write": [("self", None), ("storage", None), ("sf", None), ("storage_location", "host")],
+              "engram_write": [("self", None), ("storage", None), ("sf", None), ("storage_location", "device")],
               "engram_fetch": [("self", None), ("indices", None), ("num_qps", 0),
                                ("use_tma_aligned_col_major_sf", False)]}
     for name, params in expect.items():

@@ -247,7 +247,7 @@ def test_a_host_shard_outlives_its_owner_while_a_peer_reads_it(no_cuda):
     buffers, kernels = _buffers(2, 2 * MIB2, MIB2)
     table = _random_bits((2 * num_entries, hidden), torch.bfloat16, 7)
     _on_ranks(buffers, lambda buffer: buffer.engram_write(
-        table[buffer.rank_idx * num_entries:(buffer.rank_idx + 1) * num_entries].clone()))
+        table[buffer.rank_idx * num_entries:(buffer.rank_idx + 1) * num_entries].clone(), storage_location="host"))
     _release(buffers[:1])
     assert len(engram_host.LocalShard._live) == 2
     indices = torch.arange(2 * num_entries, dtype=torch.int32).view(-1, 2)

@@ -4,8 +4,8 @@ Every rank owns a shard of a table (``num_entries`` rows of ``hidden`` bf16 or F
 entry ``owner * num_entries + local`` is row ``local`` of rank ``owner``'s shard. `engram_write`
 publishes the shards (collective), `engram_fetch` gathers any entries from their owners. The CPU
 backend (`deep_ep.backends.cpu.engram`: shared memory) is the executable specification; GPU buffers
-(`deep_ep.backends.gpu.engram`) keep each shard in ``num_cpu_bytes`` of pinned host memory (as
-DeepEP) or, with ``storage_location="device"``, in the last ``num_cpu_bytes`` of the rank's window,
+(`deep_ep.backends.gpu.engram`) keep each shard in the last ``num_cpu_bytes`` of the rank's window
+or, with ``storage_location="host"``, in ``num_cpu_bytes`` of pinned host memory (DeepEP's place),
 and gather with one kernel on the caller's stream. Argument checks live here, for both. Out-of-range
 indices: the CPU checks them on the host before reading; a GPU kernel checks them while it gathers
 (an index is never read outside the table), and the next fetch on that rank raises.
@@ -114,7 +114,7 @@ class EngramMixin:
                 shapes.align_up(entry_bytes * num_entries, _BUFFER_ALIGNMENT))
 
     def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None, *,
-                     storage_location: str = "host") -> None:
+                     storage_location: str = "device") -> None:
         """(Experimental) Publish this rank's shard of the Engram table. Collective: every rank calls
         it, with the same shapes and format; it includes a barrier before and after, so every rank
         can fetch every rank's new entries once it returns. A later call replaces the table.
@@ -128,12 +128,12 @@ class EngramMixin:
                 an opaque 4-byte value (``torch.float32``, or ``torch.int32`` holding four UE8M0
                 exponents). Copied; a fetch takes the factors from this rank's copy.
 
-            storage_location: where a GPU buffer keeps the shard (every rank the same): ``"host"``
-                (default, as DeepEP: ``num_cpu_bytes`` of pinned host memory, allocated at the first
-                such write and kept until `destroy`; peers' GPUs read it over PCIe or C2C) or
-                ``"device"`` (the last ``num_cpu_bytes`` of the window, in GPU memory, read over
-                NVLink: faster fetches, GPU memory instead of host memory). A CPU buffer keeps every
-                shard in host memory whatever this says.
+            storage_location: where a GPU buffer keeps the shard (every rank the same): ``"device"``
+                (default: the last ``num_cpu_bytes`` of the window, in GPU memory, read over NVLink)
+                or ``"host"`` (DeepEP's place: ``num_cpu_bytes`` of pinned host memory, allocated at
+                the first such write and kept until `destroy`; peers' GPUs read it over PCIe or C2C;
+                not yet run on a GPU, so not yet the default). A CPU buffer keeps every shard in host
+                memory whatever this says.
 
         On a GPU buffer the call blocks the host: it waits for this rank's earlier fetches and
         kernels, and cannot be captured in a CUDA graph. Host storage for ranks in separate
