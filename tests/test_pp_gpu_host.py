@@ -236,16 +236,14 @@ def test_an_empty_tensor_moves_no_bytes_on_the_copy_engine(monkeypatch):
     assert ("stream_write_u32", _word(0, "kPpPublished"), 1, 5) in backend.driver_calls
 
 
-def test_the_copy_engine_refuses_graphs(monkeypatch):
+def test_the_copy_engine_gives_way_to_the_kernel_in_and_after_graphs(monkeypatch):
     backend, pipeline = _configured(monkeypatch, 0, 2)
     tensor = torch.zeros(4)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="pass num_sms >= 1 .* inside a capture"):
-        pipeline.check("pp_send", tensor, 1, 0)
+    assert pipeline.check("pp_send", tensor, 1, 0) == 1                # num_sms=0 in a capture: one block
     pipeline.send(tensor, 1, pipeline.check("pp_send", tensor, 1, 1))   # captured: replays move the counters
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    with pytest.raises(RuntimeError, match="captured in a CUDA graph since the last pp_set_config"):
-        pipeline.check("pp_recv", tensor, 1, 0)
+    assert pipeline.check("pp_recv", tensor, 1, 0) == 1                # after it, until pp_set_config
     assert pipeline.check("pp_recv", tensor, 1, 1) == 1
     backend.call_record = CallRecord()
     rows = [[1, 0, 1, 0, 2, 2] for _ in range(2)]   # the replays' tensors were all received

@@ -198,16 +198,17 @@ class PipelineMixin:
                 at most ``num_max_tensor_bytes`` (rounded up to 32) bytes.
             dst_rank_idx: int, the previous (``(rank - 1) % num_ranks``) or next (``(rank + 1) %
                 num_ranks``) rank.
-            num_sms: int >= 0; 0 (default): the copy engine, no SM; > 0: blocks of the GPU's copy
-                kernel (fewer for a small tensor; emulated ranks: at most the device's SMs / ranks),
-                the only choice inside a CUDA-graph capture. Ignored on CPU.
+            num_sms: int >= 0; 0 (default): the copy engine, no SM (inside a CUDA-graph capture,
+                and after one until the next pp_set_config, the copy kernel with one block: the
+                copy engine's sequence numbers are fixed when queued); > 0: blocks of the GPU's copy
+                kernel (fewer for a small tensor; emulated ranks: at most the device's SMs / ranks).
+                Ignored on CPU.
 
         Raises (argument errors before any communication):
             TypeError / ValueError: bad ``t``, ``dst_rank_idx`` or ``num_sms``.
             RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
                 1-rank group with the in-flight limit reached; a failed connection; (GPU) a
-                dispatch or combine since the last pp_set_config; (GPU) ``num_sms=0`` during a
-                CUDA-graph capture, or after PP calls were captured since the last pp_set_config.
+                dispatch or combine since the last pp_set_config.
             TimeoutError: the receiver did not take the oldest tensor in time (the buffer's PP
                 traffic is then unusable).
         """
@@ -243,8 +244,7 @@ class PipelineMixin:
                 slot's bytes anyway). On a GPU buffer that is found after the call, and the next PP
                 call raises the ValueError; the buffer is then unusable.
             RuntimeError: destroyed or unconfigured buffer; another primitive holds the window; a
-                1-rank group with nothing in flight; a failed connection; (GPU) ``num_sms=0``
-                during or after a CUDA-graph capture (as in `pp_send`).
+                1-rank group with nothing in flight; a failed connection.
             TimeoutError: nothing arrived in time (the buffer's PP traffic is then unusable).
         """
         pipeline = self._pp_checked_pipeline("pp_recv", t, src_rank_idx, "src_rank_idx", num_sms)

@@ -6,7 +6,7 @@ receive (they wait with `deep_ep.emulated.wait_for_stream` before reading result
 interleavings in both ring directions with GPU-side delays and several block counts, aligned and
 unaligned tensors, the in-flight limit (a receiver that sleeps on the GPU: a sender that did not
 wait would overwrite a slot not yet read), refusals before any launch, dispatch against PP traffic,
-a CUDA graph replayed with fresh inputs (and the copy engine refused in and after a capture), that
+a CUDA graph replayed with fresh inputs (num_sms=0 taking the kernel in and after a capture), that
 the copy engine launches no kernel, a GPU timeout and a byte-count mismatch. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_pp.py bash tools/device_suite.sh extra``.
 """
@@ -339,9 +339,9 @@ def _graph_replays(group, buf, rank, num_ranks, next_rank, prev_rank, replays):
     for capturing in range(num_ranks):
         if capturing == rank:
             with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-                # the copy engine's sequence numbers would be fixed in the graph: refused before queueing
-                _expect(RuntimeError, "inside a capture", buf.pp_send, x, next_rank, num_sms=0)
-                buf.pp_send(x, next_rank, num_sms=1)
+                # the copy engine's sequence numbers would be fixed in the graph: num_sms=0 (the
+                # default) takes the one-block kernel inside a capture
+                buf.pp_send(x, next_rank)
                 buf.pp_recv(out, prev_rank, num_sms=1)
         if num_ranks > 1:
             group.barrier()
@@ -352,8 +352,14 @@ def _graph_replays(group, buf, rank, num_ranks, next_rank, prev_rank, replays):
         _wait()
         expected = torch.arange(1000, dtype=torch.float32) * (replay + 1) + 10_000 * prev_rank
         assert torch.equal(out.cpu(), expected), f"rank {rank} replay {replay}"
-    # the replays moved the GPU's counters past the host's count: the copy engine waits for a flush
-    _expect(RuntimeError, "captured in a CUDA graph since the last pp_set_config", buf.pp_send, x, next_rank)
+    # the replays moved the GPU's counters past the host's count: until a flush, num_sms=0 takes the
+    # kernel, which reads them on the GPU
+    x.copy_(torch.arange(1000, dtype=torch.float32, device=DEVICE) + 7 + 10_000 * rank)
+    out.fill_(float("nan"))
+    buf.pp_send(x, next_rank)
+    buf.pp_recv(out, prev_rank)
+    _wait()
+    assert torch.equal(out.cpu(), torch.arange(1000, dtype=torch.float32) + 7 + 10_000 * prev_rank), rank
     buf.pp_set_config(4096, 2)   # the replays' tensors were all received (the GPU's counters say so)
     x.copy_(torch.arange(1000, dtype=torch.float32, device=DEVICE) - 10_000 * rank)
     out.fill_(float("nan"))

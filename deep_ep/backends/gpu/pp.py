@@ -13,8 +13,9 @@ move the bytes, over the same words and slots, so calls may mix them on one chan
   it copies the slot's byte count to mapped host memory (`ByteCountChecks`) and the host compares at
   its next PP call. No GPU-side timeout: a stream whose peer never sends waits until it does (the
   host wait of pp_set_config gives up after ``num_cpu_timeout_secs``). Not capturable in a CUDA
-  graph (a replay would repeat the sequence numbers), and refused after a capture of PP calls until
-  the next pp_set_config (the replays moved the GPU's counters past the host's count).
+  graph (a replay would repeat the sequence numbers): inside a capture, and after one until the next
+  pp_set_config (the replays moved the GPU's counters past the host's count), ``num_sms=0`` runs the
+  kernel below with one block instead.
 * ``num_sms > 0``: one kernel (``include/deep_ep/kernels/pp.cuh``) of that many blocks (fewer for a
   small tensor), which reads the counters on the GPU, so it can be captured in a CUDA graph and
   replayed; its waits give up after ``num_gpu_timeout_secs``.
@@ -240,8 +241,7 @@ class GPUPipeline:
 
         Raises:
             RuntimeError: a recorded error, a dispatch or combine since pp_set_config, or a one-rank
-                group whose call would wait for itself; ``num_sms == 0`` during a CUDA-graph capture
-                or after one since pp_set_config. TimeoutError / ValueError: see `raise_errors`.
+                group whose call would wait for itself. TimeoutError / ValueError: see `raise_errors`.
             ValueError: a copy-engine receive whose byte count differed; ``num_sms`` beyond what
                 emulated ranks may hold at once.
         """
@@ -261,18 +261,12 @@ class GPUPipeline:
             if method == "pp_recv" and inflight <= 0:
                 raise RuntimeError("deep_ep: pp_recv on a group of one rank with nothing in flight would wait for "
                                    "itself forever; pp_send first")
-        if num_sms == 0:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"{method}: num_sms=0 moves the bytes with the copy engine, whose sequence numbers "
-                                   f"are fixed when queued, so a CUDA graph's replays would repeat them; pass "
-                                   f"num_sms >= 1 (an SM kernel that reads them on the GPU) inside a capture")
-            if not self.counts_exact:
-                raise RuntimeError(f"{method}: num_sms=0 (the copy engine) needs the sequence numbers the host "
-                                   f"counted, and pipeline send/recv were captured in a CUDA graph since the last "
-                                   f"pp_set_config (its replays moved the GPU's counters); call pp_set_config on "
-                                   f"every rank first, or pass num_sms >= 1")
+        if num_sms == 0 and self.counts_exact and not torch.cuda.is_current_stream_capturing():
             return 0
-        blocks = num_sms
+        # Inside a capture (a replay would repeat the copy engine's sequence numbers, fixed when
+        # queued) and after one until pp_set_config (the replays moved the GPU's counters past the
+        # host's count), num_sms=0 takes the SM kernel with one block: it reads the counters on the GPU.
+        blocks = max(1, num_sms)
         if blocks > backend._sm_limit:
             if backend.emulated:
                 raise ValueError(f"{method}: {self.num_ranks} emulated ranks x num_sms={blocks} > "
