@@ -48,15 +48,22 @@ def _public(b):
     return pub
 
 
+def _same(t):
+    """A returned tensor as a comparable value, by layout and values (strided FP8 scales come back as
+    a contiguous copy from both paths, each a new tensor, so identity cannot compare them)."""
+    if t is None:
+        return None
+    return t.dtype, tuple(t.shape), t.stride(), tuple(t.flatten().tolist())
+
+
 def _outcome(fn):
-    """``fn()``'s result as comparable values (the tensors by identity), or its exception's type and
-    message."""
+    """``fn()``'s result as comparable values (`_same`), or its exception's type and message."""
     try:
         result = fn()
     except (TypeError, ValueError) as exc:
         return type(exc), str(exc)
     *tensors, plan = result
-    return [id(t) for t in tensors[-1]] if len(tensors) == 1 else [id(t) for t in tensors], plan
+    return [_same(t) for t in (tensors[-1] if len(tensors) == 1 else tensors)], plan
 
 
 def _counting(monkeypatch):
@@ -188,8 +195,8 @@ def test_a_warm_fresh_dispatch_signature_has_the_outcome_of_the_full_checks():
     cases = _fresh_cases(T, g)
     # (buffer, how many cases are valid): two ranks want other statistics; without M a dispatch
     # without CPU sync is refused and M above 64 is taken; M = 8 takes the dispatch of no tokens only
-    for buf, expected in ((_buffer(b), 20), (_buffer(b, num_ranks=2), 19),
-                          (_buffer(b, config=dataclasses.replace(b.config, num_max_tokens_per_rank=0)), 19),
+    for buf, expected in ((_buffer(b), 21), (_buffer(b, num_ranks=2), 20),
+                          (_buffer(b, config=dataclasses.replace(b.config, num_max_tokens_per_rank=0)), 20),
                           (_buffer(b, config=dataclasses.replace(b.config, num_max_tokens_per_rank=8)), 1)):
         for case in cases.values():   # warm: every valid signature of the table gets its plan
             try:
