@@ -547,6 +547,38 @@ def test_with_cpu_sync_every_rank_count_waits_for_the_counts_then_allocates_and_
     assert data.out_x == recv_x.data_ptr() and data.src_meta == handle.recv_src_metadata.data_ptr()
 
 
+@pytest.fixture(autouse=True)
+def _notify_stream_busy(monkeypatch):
+    """No driver here: the notify kernel's stream, which a wait for the counts asks about once a
+    second, reads as busy (``CUDA_ERROR_NOT_READY``) unless a test says otherwise."""
+    import deep_ep.backends.gpu as gpu_backend
+    monkeypatch.setattr(gpu_backend, "stream_query", lambda stream, device: 600)
+
+
+@pytest.mark.parametrize("code, message", [(0, "finished without the report"), (700, "failed with .*compute-sanitizer")])
+def test_a_wait_for_the_counts_stops_when_the_notify_stream_ends_without_a_report(monkeypatch, code, message):
+    """A notify kernel that ended (or faulted) without writing its report and without recording an
+    error: the wait asks the stream once a second and raises within about a second, not after the
+    host's timeout, naming what the stream said; the buffer is unusable."""
+    import time
+
+    import deep_ep.backends.gpu as gpu_backend
+    queried = []
+    monkeypatch.setattr(gpu_backend, "stream_query", lambda stream, device: queried.append((stream, device)) or code)
+    monkeypatch.setattr(gpu_backend, "error_name", lambda err: f"CUDA_ERROR_{err}")
+    b = GPUBackend.__new__(GPUBackend)
+    b.config = types.SimpleNamespace(num_cpu_timeout_secs=30)
+    b.spin_secs, b.rank, b.broken = 0.0, 0, None
+    b.comm_handle, b.call_stream, b._device = 1234, None, torch.device("cuda", 3)
+    b.readback = types.SimpleNamespace(words=[0] * READBACK_WORDS)
+    b.err_record = types.SimpleNamespace(words=[0] * 4)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=message):
+        b.wait_readback(1, E, K)
+    assert time.monotonic() - start < 5 and queried == [(1234, 3)]
+    assert b.broken == "no report of the counts"
+
+
 def test_an_interrupted_or_timed_out_wait_for_the_counts_leaves_the_buffer_unusable(monkeypatch):
     """A wait for the layout stage's report that ends without it (an interrupt, the host's timeout)
     leaves the call half queued, its peers waiting for the rest: the buffer is marked unusable."""

@@ -128,6 +128,18 @@ def launch_kernel(function, grid: int, block: int, smem: int, stream: int, param
     return int(err)
 
 
+def stream_query(stream: int, device: int) -> int:
+    """``cuStreamQuery`` of the raw ``stream`` of ``device``: 0 once all its work is done, 600
+    (``CUDA_ERROR_NOT_READY``) while some is queued or running, another ``CUresult`` after a fault
+    (the context is then unusable). Never blocks."""
+    previous = enter_context(device)
+    try:
+        (err,) = driver().cuStreamQuery(stream)
+    finally:
+        leave_context(previous)
+    return int(err)
+
+
 def event_record(event, stream: int) -> int:
     """Record ``event`` (a ``CUevent`` or an int) on the raw ``stream`` in the current context."""
     (err,) = driver().cuEventRecord(event, stream)

@@ -17,11 +17,13 @@ transport (`deep_ep.comm`) is NCCL's symmetric window and device communicator fo
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 
 from ... import envs, jit, resources
+from ...cuda.driver import error_name, stream_query
 from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, spin_until
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
@@ -411,14 +413,31 @@ class GPUBackend(Backend):
         """
         words, err = self.readback.words, self.err_record.words
         seq_word = READBACK["seq"]
-        # Also stops at an error in the host's record (not an out-of-range id: an earlier call's,
-        # raised at the next call as usual) when no report is coming.
+        stream_state = [600, time.monotonic() + 1.0]   # the stream's last cuStreamQuery, the next one's time
+
+        def ended() -> bool:
+            # Also stops at an error in the host's record (not an out-of-range id: an earlier call's,
+            # raised at the next call as usual) when no report is coming; and, asked once a second,
+            # when the stream of the notify kernel (the last work this call queued) has finished or
+            # faulted without the report: a wait for it would last until the host's timeout.
+            if words[seq_word] == seq or err[0] not in (0, ERR_BAD_EXPERT):
+                return True
+            if time.monotonic() < stream_state[1]:
+                return False
+            stream_state[:] = stream_query(self.launch_stream, self._device.index), time.monotonic() + 1.0
+            return stream_state[0] != 600
+
         try:
-            arrived = spin_until(lambda: words[seq_word] == seq or err[0] not in (0, ERR_BAD_EXPERT),
-                                 self.config.num_cpu_timeout_secs, self.spin_secs)
+            arrived = spin_until(ended, self.config.num_cpu_timeout_secs, self.spin_secs)
         except KeyboardInterrupt:
             self.broken = "interrupted while waiting for the counts"   # the call is half queued
             raise
+        if arrived and words[seq_word] != seq and err[0] in (0, ERR_BAD_EXPERT):
+            self.broken = "no report of the counts"
+            what = "finished" if stream_state[0] == 0 else f"failed with {error_name(stream_state[0])}"
+            raise RuntimeError(f"deep_ep: rank {self.rank}: the stream of the notify kernel {what} without the "
+                               f"report of the counts (call {seq}); the buffer is unusable"
+                               + ("" if stream_state[0] == 0 else " (a fault: compute-sanitizer finds where)"))
         if arrived and words[seq_word] != seq:
             self._raise(self.err_record.read())
         if not arrived:
