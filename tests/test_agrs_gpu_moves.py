@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deep_ep.backends.gpu import agrs as gpu_agrs
+from deep_ep.backends.gpu import errors as gpu_errors
 from test_agrs import _reduce_reference, _tensor
 
 WINDOW_BYTES = 256 * 1024
@@ -48,8 +49,8 @@ def host_driver(monkeypatch):
     monkeypatch.setattr(gpu_agrs, "memcpy_async", _memmove)
     monkeypatch.setattr(gpu_agrs, "stream_write_u32", _write)
     monkeypatch.setattr(gpu_agrs, "stream_wait_u32", _wait)
-    monkeypatch.setattr(gpu_agrs, "enter_context", lambda device: None)
-    monkeypatch.setattr(gpu_agrs, "leave_context", lambda previous: None)
+    monkeypatch.setattr(gpu_errors, "enter_context", lambda device: None)
+    monkeypatch.setattr(gpu_errors, "leave_context", lambda previous: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

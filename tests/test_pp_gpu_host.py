@@ -14,6 +14,7 @@ import torch
 from deep_ep import ElasticBuffer
 from deep_ep.backends.gpu import CallRecord, GPUBackend
 from deep_ep.backends.gpu import pp as gpu_pp
+from deep_ep.backends.gpu import errors as gpu_errors
 
 HEADER = Path(gpu_pp.__file__).resolve().parents[2] / "include" / "deep_ep" / "impls" / "pp.cuh"
 
@@ -61,8 +62,8 @@ def _backend(monkeypatch, rank, num_ranks, reports):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=5))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(gpu_pp, "MappedWords", _FakeWords)
-    monkeypatch.setattr(gpu_pp, "enter_context", lambda device: None)
-    monkeypatch.setattr(gpu_pp, "leave_context", lambda previous: None)
+    monkeypatch.setattr(gpu_errors, "enter_context", lambda device: None)
+    monkeypatch.setattr(gpu_errors, "leave_context", lambda previous: None)
     driver_calls = []
     for name in ("memcpy_async", "_copy_async"):
         monkeypatch.setattr(gpu_pp, name, lambda dst, src, num_bytes, stream, name=name: driver_calls.append(

@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 
-from ...cuda.driver import enter_context, error_name, leave_context, memcpy_async, stream_wait_u32, stream_write_u32
+from ...cuda.driver import memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from . import agrs_reduce
 from .abi import CTRL_BYTES, _read_constants
+from .errors import queue_driver_calls
 from .modules import AGRS_PEERS_KERNEL
 
 __all__ = ["AGRS_OFFSET", "AGRS_CONSTANTS", "space_offset", "window_bytes", "GPUAgrsMoves"]
@@ -120,22 +121,8 @@ class GPUAgrsMoves:
                 for rank in range(self.num_ranks)]
 
     def _queue(self, what: str, calls: list) -> None:
-        """Run driver calls ``(function, args)`` (each returning a ``CUresult`` int) in order in the
-        device's context. A refusal leaves the peers waiting for this rank: the buffer is then unusable.
-
-        Raises:
-            RuntimeError: the driver refused a call.
-        """
-        previous = enter_context(self.device.index)
-        try:
-            for function, args in calls:
-                err = function(*args)
-                if err != 0:
-                    self.backend.broken = f"{what} could not be queued"
-                    raise RuntimeError(f"deep_ep: rank {self.rank}: queueing {what} failed: {error_name(err)}; "
-                                       f"this buffer can no longer be used (destroy it and create a new one)")
-        finally:
-            leave_context(previous)
+        """`errors.queue_driver_calls` for this rank (RuntimeError, the buffer unusable, on a refusal)."""
+        queue_driver_calls(self.backend, self.rank, what, calls)
         self.backend.call_record.launched_call = self.backend.calls
         self.configured_call = self.backend.calls
 

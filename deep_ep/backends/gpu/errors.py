@@ -5,7 +5,8 @@ A kernel that gives up waiting for a peer, or that finds more rows than the outp
 data kernel that waited, and the notify kernel's layout stage, also copy a recorded error to
 page-locked host memory mapped into the device (`ErrorRecord`), so the host sees an asynchronous
 call's error at its next call without any operation on the stream. `raise_recorded` turns a record
-into the exception users see.
+into the exception users see. `queue_driver_calls` queues the driver calls of the copy-engine paths
+(all-gather sessions, pipeline send/recv) and reports a refusal.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import ctypes
 
 import torch
 
-from ...cuda.driver import ensure_context
+from ...cuda.driver import ensure_context, enter_context, error_name, leave_context
 from .abi import ERR_CAPACITY, ERR_MISMATCH, PHASES
 
-__all__ = ["MappedWords", "ErrorRecord", "raise_recorded", "raise_bad_expert"]
+__all__ = ["MappedWords", "ErrorRecord", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
 
 
 class MappedWords:
@@ -114,3 +115,23 @@ def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: 
         f"deep_ep GPU timeout on rank {rank}: peer rank {peer} did not arrive within "
         f"{timeout_secs} s in phase {PHASES.get(phase, phase)}. A rank skipped a "
         f"call or failed; this buffer is no longer usable (destroy it and create a new one)")
+
+
+def queue_driver_calls(backend, rank: int, what: str, calls) -> None:
+    """Run driver calls ``(function, args)`` (each returning a ``CUresult`` int) in order in the
+    context of ``backend``'s device. A refusal leaves the peers waiting for this rank: ``backend``
+    is then marked unusable.
+
+    Raises:
+        RuntimeError: the driver refused a call (the message names ``what`` and the error).
+    """
+    previous = enter_context(backend.device.index)
+    try:
+        for function, args in calls:
+            err = function(*args)
+            if err != 0:
+                backend.broken = f"{what} could not be queued"
+                raise RuntimeError(f"deep_ep: rank {rank}: queueing {what} failed: {error_name(err)}; this buffer "
+                                   f"can no longer be used (destroy it and create a new one)")
+    finally:
+        leave_context(previous)

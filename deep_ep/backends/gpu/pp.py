@@ -39,11 +39,10 @@ from pathlib import Path
 
 import torch
 
-from ...cuda.driver import driver, enter_context, error_name, leave_context, memcpy_async, stream_wait_u32, \
-    stream_write_u32
+from ...cuda.driver import driver, memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from .abi import CTRL_BYTES, ERR_TIMEOUT, _read_constants
-from .errors import MappedWords
+from .errors import MappedWords, queue_driver_calls
 from .modules import PP_FLUSH_KERNEL, PP_RECV_KERNEL, PP_SEND_KERNEL
 
 __all__ = ["PP_OFFSET", "PP_CONSTANTS", "PpArgs", "PpLayout", "pp_layout", "ByteCountChecks", "GPUPipeline",
@@ -310,23 +309,8 @@ class GPUPipeline:
         return self.peers[rank] + PP_OFFSET + self.layout.sizes_offset + 4 * self._slot_index(channel, seq)
 
     def _queue(self, what: str, calls: list) -> None:
-        """Run driver calls ``(function, args)`` (each returning a ``CUresult`` int) in order in the
-        device's context. A refusal leaves the peer waiting for this rank: the buffer is unusable.
-
-        Raises:
-            RuntimeError: the driver refused a call.
-        """
-        previous = enter_context(self.backend.device.index)
-        try:
-            for function, args in calls:
-                err = function(*args)
-                if err != 0:
-                    self.backend.broken = f"{what} could not be queued"
-                    raise RuntimeError(f"deep_ep: rank {self.rank}: queueing {what} on the copy engine failed: "
-                                       f"{error_name(err)}; this buffer can no longer be used (destroy it and "
-                                       f"create a new one)")
-        finally:
-            leave_context(previous)
+        """`errors.queue_driver_calls` for this rank (RuntimeError, the buffer unusable, on a refusal)."""
+        queue_driver_calls(self.backend, self.rank, what, calls)
 
     def _send_by_copy_engine(self, t: torch.Tensor, peer: int) -> None:
         """Tensor ``seq`` waits for the receiver to have freed tensor ``seq - num_slots`` (the slot's
