@@ -71,28 +71,12 @@ __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, u
 }
 #endif
 
-#if EP_TRANSPORT_GIN == 2 && !EP_TRANSPORT_NCCL
+#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
+#if EP_TRANSPORT_GIN == 2
 using DataTransport = GinHybridTransport<EmulatedGinTransport>;
-
-__device__ __forceinline__ DataTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
-    DataTransport tr;
-    tr.lsa = make_transport(t, table);
-    tr.gin = EmulatedGinTransport{t.gin, t.rank, t.num_contexts};
-    tr.rank = t.rank;
-    tr.num_ranks = t.num_ranks;
-    tr.num_contexts = t.num_contexts;
-    tr.max_put_bytes = t.max_put_bytes;
-    tr.node_ranks = t.node_ranks;
-    tr.recv_offset = t.recv_offset;
-    tr.half_bytes = t.half_bytes;
-    tr.stage_offset = t.stage_offset;
-    tr.forward_offset = t.forward_offset;
-    tr.inbox_offset = t.inbox_offset;
-    tr.done = t.gin->done;
-    return tr;
-}
-#elif EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
+#else
 using DataTransport = GinDirectTransport<EmulatedGinTransport>;
+#endif
 
 __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
     DataTransport tr;
@@ -106,6 +90,10 @@ __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs
     tr.recv_offset = t.recv_offset;
     tr.half_bytes = t.half_bytes;
     tr.stage_offset = t.stage_offset;
+#if EP_TRANSPORT_GIN == 2
+    tr.forward_offset = t.forward_offset;   // hybrid: the rail peers' forwarding slots and the inbox
+    tr.inbox_offset = t.inbox_offset;
+#endif
     tr.done = t.gin->done;
     return tr;
 }
