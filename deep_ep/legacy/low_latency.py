@@ -13,8 +13,9 @@ How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dis
 synchronisation (DeepEP sends one message per pair too), and comes back alone through
 `ElasticBuffer.combine`. Around the pair dispatch, `deep_ep.legacy.ll_layout` casts and repeats the
 rows (one kernel) and places the received rows into DeepEP's layouts (two kernels; their work scales
-with the rows received); one kernel (`deep_ep.legacy.ll_reduce`) sums the combine's pairs with their
-weights; on the CPU the torch ops that specify those kernels run instead. Host reads remain only in
+with the rows received); around the pair combine, `deep_ep.legacy.ll_reduce` gathers the received
+pairs' rows from the per-expert layout (one kernel) and sums the pairs that come back with their
+weights (one kernel); on the CPU the torch ops that specify those kernels run instead. Host reads remain only in
 argument checks (skipped while a CUDA graph is captured).
 
 Receive hooks (``return_recv_hook=True``) on the GPU: the call launches the send half of its data
@@ -41,7 +42,7 @@ from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allow
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
 from .ll_layout import ReceiveOutputs, cast_pairs, load_kernels, receive_layout
-from .ll_reduce import load_kernel, weighted_sum
+from .ll_reduce import gather_rows, load_kernel, weighted_sum
 from .ll_state import LowLatencyState, release_on_error
 from .planned import planned, refuse_side_keywords
 
@@ -411,13 +412,13 @@ class LowLatencyMethods(LowLatencyState):
         self._check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, num_ranks)
         source = self._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
 
-        # Every received pair's row, in the pair dispatch's expanded layout, goes back alone.
-        rows = source[handle.row_expert, handle.row_slot]
+        # Every received pair's row, in the pair dispatch's expanded layout, goes back alone (rows of
+        # masked ranks as zeros).
         masked = self._mask_if_shrink()
-        if masked is not None:                     # rows of masked ranks go back as zeros
-            rows = torch.where(handle.row_kept.unsqueeze(1), rows, 0)
-            if return_recv_hook:                   # the mask of the call, whenever the hook runs
-                masked = masked.clone()
+        rows = gather_rows(source, ep_handle.psum_num_recv_tokens_per_expert, handle.row_expert, handle.row_slot,
+                           handle.row_kept, masked)
+        if masked is not None and return_recv_hook:    # the mask of the call, whenever the hook runs
+            masked = masked.clone()
         deferred = None
         if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
             pairs, deferred = send_combine(buffer, rows, ep_handle, self._low_latency_num_sms(device))

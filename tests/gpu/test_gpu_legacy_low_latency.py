@@ -447,3 +447,58 @@ def test_layout_kernels_equal_the_torch_spec(num_ranks):
         kept = int(want_outputs.recv_count.sum())
         assert num_received == 0 or kept > 0 or (masked is not None and bool(masked.bool().any())), case
         assert int(got_rows[2].sum()) == kept, case
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_gather_kernel_equals_the_torch_spec(num_ranks):
+    """The combine's gather kernel (deep_ep/legacy/ll_reduce.py) equals its torch spec bit for bit on
+    the received rows of synthetic pair dispatches, into a poisoned output: layout rows contiguous, with
+    the zero-copy buffer's row stride, and with a stride off 16 bytes (the torch path), rank masks
+    (masked rows come back as zeros), 0 and 1 token per rank; rows past the received pairs keep the
+    poison (the pair combine does not read them)."""
+    from deep_ep.legacy import ll_layout, ll_reduce
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(29 + num_ranks)
+    cases = [(256 // num_ranks, 128, 8, 7168, [128] * num_ranks, "contiguous", None),
+             (256 // num_ranks, 128, 8, 7168, [128] * num_ranks, "zero_copy", [0, 1, 0, 0, 0, 0, 1, 0]),
+             (3, 5, 2, 512, [5, 0, 1, 4, 2, 5, 0, 3][:num_ranks], "zero_copy", [1, 0, 1, 0, 0, 1, 0, 0]),
+             (2, 4, 3, 256, [4, 1, 0, 2, 4, 4, 1, 3][:num_ranks], "zero_copy", None),
+             (1, 1, 1, 128, [1, 0, 1, 1, 0, 1, 1, 1][:num_ranks], "contiguous", [0, 0, 1, 0, 0, 0, 0, 1]),
+             (4, 3, 2, 512, [0] * num_ranks, "contiguous", None),
+             (8, 6, 4, 1024, [6, 3, 6, 1, 0, 6, 2, 5][:num_ranks], "contiguous", [1] * 8)]
+    for num_local, num_slots, num_topk, hidden, tokens, strides, mask in cases:
+        rank = num_ranks - 1
+        handle, num_received = _pair_dispatch(generator, num_ranks, rank, num_local, num_slots, num_topk, tokens,
+                                              device)
+        num_rows = num_ranks * num_slots
+        masked = None if mask is None else torch.tensor(mask[:num_ranks], dtype=torch.int32, device=device)
+        placement = _poisoned_outputs(generator, num_local, num_ranks, num_slots, hidden, False, False, False,
+                                      device)()
+        recv = torch.zeros(handle.num_expanded_tokens, hidden, dtype=torch.bfloat16, device=device)
+        row_expert, row_slot, row_kept = ll_layout.receive_layout_torch(handle, recv, num_ranks, num_slots, num_topk,
+                                                                        masked, placement)
+        row = hidden + 2 * (hidden // 128) if strides == "zero_copy" else hidden
+        # made on the device: the decode shape's layout is 470 MB
+        rows_generator = torch.Generator(device).manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=generator)))
+        source = torch.randn(num_local, num_rows, row, generator=rows_generator, device=device,
+                             dtype=torch.bfloat16)[:, :, :hidden]
+        aligned = ll_reduce._gather_ready(source, handle.psum_num_recv_tokens_per_expert, row_expert, row_slot,
+                                          row_kept)
+        assert aligned == (row * 2 % 16 == 0), (strides, hidden)
+        poison = torch.randint(-2 ** 15, 2 ** 15, (handle.num_expanded_tokens, hidden), generator=generator,
+                               dtype=torch.int16)
+        out = poison.to(device).view(torch.bfloat16)
+        want = ll_reduce.gather_rows_torch(source, row_expert, row_slot, row_kept, masked)
+        got = ll_reduce.gather_rows(source, handle.psum_num_recv_tokens_per_expert, row_expert, row_slot, row_kept,
+                                    masked, out=out)
+        case = (num_ranks, num_local, num_slots, num_topk, hidden, strides, mask)
+        assert got.data_ptr() == out.data_ptr() and got.shape == want.shape, case
+        received = int(handle.psum_num_recv_tokens_per_expert[-1]) if num_local else 0
+        assert received == num_received, case
+        got_bits, want_bits = got.view(torch.int16).cpu(), want.view(torch.int16).cpu()
+        assert torch.equal(got_bits[:received], want_bits[:received]), case
+        if aligned:
+            assert torch.equal(got_bits[received:], poison[received:]), case
+        kept = int(row_kept.sum())
+        assert received == 0 or kept == 0 or bool(got_bits[:received].ne(0).any()), case
+        assert masked is not None or kept == received, case
