@@ -108,7 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="GPU: DeepEP's V1 low-latency decode step instead (deep_ep.Buffer, 128 tokens per rank, "
                              "hidden 7168, top-8 of 256, FP8 dispatch, BF16 combine): graph times of dispatch and "
                              "combine, and of each with a receive hook and a matmul between call and hook "
-                             "(deep_ep.bench.legacy_ll); reads --virtual-ranks, --iters, --seed, --num-sms")
+                             "(deep_ep.bench.legacy_ll); reads --virtual-ranks, --iters, --seed, --num-sms, --profile")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --legacy-ll: also profile each call (torch.profiler): its kernels with their "
+                             "device times, and the torch ops it makes")
     parser.add_argument("--primitive", choices=("pp", "agrs", "engram", "all"), default=None,
                         help="GPU: time an experimental primitive instead (pipeline send/recv, all-gather / "
                              "reduce-scatter, Engram fetch): time and bandwidth per size against a device copy of "

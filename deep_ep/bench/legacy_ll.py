@@ -8,7 +8,10 @@ calls in one graph, `deep_ep.bench.rank_graphs`): dispatch and combine each; the
 variant of each call with a matmul issued between the call (the send half) and the hook (the
 receive half), its time against the larger of the matmul alone and the call with its hook alone
 (``overlap ratio``: 1.0 is a perfect overlap, the sum of both over the larger is none). The matmul is
-sized to take about as long as the call. Results are not checked here (the GPU tests do).
+sized to take about as long as the call. With ``--profile`` (EP=1 or emulated ranks), each call's
+graph is captured again and replayed under torch.profiler: per call, every kernel the graph holds
+(launches, device time per launch and per call) and every torch op the capture recorded.
+Results are not checked here (the GPU tests do).
 """
 from __future__ import annotations
 
@@ -16,18 +19,19 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["TOKENS", "HIDDEN", "TOP_K", "NUM_EXPERTS", "run"]
+__all__ = ["TOKENS", "HIDDEN", "TOP_K", "NUM_EXPERTS", "PROFILE_REPLAYS", "run", "profile_graph"]
 
 TOKENS = 128
 HIDDEN = 7168
 TOP_K = 8
 NUM_EXPERTS = 256
 CALLS_PER_GRAPH = 10
+PROFILE_REPLAYS = 20            # graph replays of each call under the profiler (--profile)
 
 
 def run(args) -> int:
     """Run the low-latency bench for parsed ``args`` (``--virtual-ranks``, ``--iters``, ``--seed``,
-    ``--num-sms`` are read); returns the exit code.
+    ``--num-sms``, ``--profile`` are read); returns the exit code.
 
     Raises:
         SystemExit: no CUDA device, or ``--virtual-ranks`` under torchrun.
@@ -37,6 +41,7 @@ def run(args) -> int:
     from .runner_gpu import setup
     gs = setup(args)
     iters = max(20, args.iters or 50)
+    do_profile = bool(getattr(args, "profile", False))
     if args.num_sms:
         import deep_ep
         deep_ep.Buffer.set_num_sms(args.num_sms)
@@ -45,13 +50,14 @@ def run(args) -> int:
         from .. import emulated
         group = emulated.EmulatedGroup(gs.num_ranks, device=gs.device)
         _limit_sms(gs.num_ranks)
-        group.run(lambda rank_group: _emulated_body(rank_group, group, gs.num_ranks, args.seed, iters, results))
+        group.run(lambda rank_group: _emulated_body(rank_group, group, gs.num_ranks, args.seed, iters, results,
+                                                    do_profile))
     else:
         import torch.distributed as dist
         from .gpu_timing import single_rank_nccl_group
         process_group = single_rank_nccl_group(gs.device)
         barrier = (lambda: dist.barrier()) if gs.multiprocess else (lambda: None)
-        results[gs.rank] = _process_body(process_group, gs.num_ranks, gs.rank, args.seed, iters, barrier)
+        results[gs.rank] = _process_body(process_group, gs.num_ranks, gs.rank, args.seed, iters, barrier, do_profile)
         if gs.multiprocess and gs.rank != 0:
             return 0
     _print(gs, results[0])
@@ -127,8 +133,10 @@ def _matmul_rows(call_us: float, matmul_us: float, rows: int) -> int:
     return max(64, min(16384, int(rows * call_us / max(matmul_us, 1e-3)) // 64 * 64))
 
 
-def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barrier) -> Dict[str, float]:
-    """One rank per process: each call captured CALLS_PER_GRAPH times in a graph and timed."""
+def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barrier,
+                  do_profile: bool = False) -> Dict[str, Any]:
+    """One rank per process: each call captured CALLS_PER_GRAPH times in a graph and timed; then,
+    with ``do_profile`` and one rank, each call's graph profiled (`profile_graph`)."""
     from .gpu_timing import graph_time_us
     step = _Step(group, num_ranks, rank, seed)
     try:
@@ -143,14 +151,20 @@ def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barri
         for name in ("dispatch_hook_matmul", "combine_hook_matmul"):
             times[name] = graph_time_us(calls[name], iters, barrier, CALLS_PER_GRAPH) or float("nan")
         times["matmul_rows"] = step.activations.shape[0]
+        if do_profile and num_ranks == 1:      # (ranks in step: each replay is a collective)
+            for name in ("dispatch", "combine"):
+                times[f"{name}_profile"] = profile_graph(lambda: _capture_calls(calls[name], CALLS_PER_GRAPH),
+                                                         CALLS_PER_GRAPH)
         return times
     finally:
         step.buffer.destroy()
 
 
-def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, results: list) -> None:
+def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, results: list,
+                   do_profile: bool = False) -> None:
     """Emulated ranks: each rank makes its calls once in its thread (windows, plans, modules), then
-    rank 0's thread captures every rank's call in one graph per call while the others wait."""
+    rank 0's thread captures every rank's call in one graph per call while the others wait (with
+    ``do_profile`` once more, profiled: `profile_graph`)."""
     from .rank_graphs import capture_rank_calls, time_replays
     rank = rank_group.rank()
     step = _Step(rank_group, num_ranks, rank, seed)
@@ -179,10 +193,91 @@ def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, res
             for name in ("dispatch_hook_matmul", "combine_hook_matmul"):
                 times[name] = measure(name)
             times["matmul_rows"] = rows
+            if do_profile:
+                for name in ("dispatch", "combine"):
+                    times[f"{name}_profile"] = profile_graph(
+                        lambda: (capture_rank_calls(group, [s.calls()[name] for s in steps]) or (None,))[0],
+                        num_ranks)
             results[0] = times
-        rank_group.barrier()
     finally:
         step.buffer.destroy()
+
+
+def _device_us(event) -> float:
+    """An averaged profiler event's own device time in us (named per torch version)."""
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, key, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def _profiled(activity, run: Callable[[], Any]):
+    """``(profiler, result)``: ``run()`` under torch.profiler recording ``activity``."""
+    from torch.profiler import profile
+    with profile(activities=[activity]) as profiler:
+        result = run()
+        torch.cuda.synchronize()
+    return profiler, result
+
+
+def profile_graph(capture: Callable[[], Any], calls_in_graph: int, replays: int = PROFILE_REPLAYS) -> Dict[str, list]:
+    """Where one call's device time goes, as a CUDA graph replays it: ``capture()`` (returning the
+    graph, or None when capture failed) runs under the profiler's CPU activity (the torch ops the
+    graph holds: argument checks that read the host are skipped while capturing), then ``replays``
+    replays of the graph under its CUDA activity (the graph's kernels). ``calls_in_graph``: the calls
+    one replay makes (emulated ranks: one per rank), the divisor of every count.
+
+    Returns ``{"kernels": [(name, launches per call, us per launch, us per call)], "ops": [(torch op,
+    per call)]}``, kernels by device time per call, largest first (empty lists when capture failed).
+    """
+    from torch.profiler import ProfilerActivity
+    captured, graph = _profiled(ProfilerActivity.CPU, capture)
+    if graph is None:
+        return {"kernels": [], "ops": []}
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed, _ = _profiled(ProfilerActivity.CUDA, lambda: [graph.replay() for _ in range(replays)])
+    per_call = replays * calls_in_graph
+    cuda_type = torch.autograd.DeviceType.CUDA
+    kernels = [(event.key, event.count / per_call, _device_us(event) / max(event.count, 1),
+                _device_us(event) / per_call) for event in replayed.key_averages()
+               if getattr(event, "device_type", None) == cuda_type and _device_us(event) > 0]
+    ops = [(event.key, event.count / calls_in_graph) for event in captured.key_averages()
+           if event.key.startswith("aten::")]
+    kernels.sort(key=lambda row: -row[3])
+    ops.sort(key=lambda row: (-row[1], row[0]))
+    return {"kernels": kernels, "ops": ops}
+
+
+def _capture_calls(call: Callable[[], Any], calls: int):
+    """A CUDA graph of ``calls`` calls of ``call`` (warmed up before), or None (a warning printed)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                call()
+    except RuntimeError as exc:
+        print(f"warning: CUDA-graph capture for the profile failed: {exc}", flush=True)
+        return None
+    return graph
+
+
+def _print_profile(name: str, table: Optional[Dict[str, list]], num_ranks: int, emulated: bool) -> None:
+    if not table:
+        return
+    scope = f"per rank's call ({num_ranks} emulated ranks at once)" if emulated else "per call"
+    kernels = table["kernels"]
+    launches = sum(row[1] for row in kernels)
+    total = sum(row[3] for row in kernels)
+    if not kernels:
+        print(f"  {name}: the profiler saw no kernel of the graph's replays")
+    print(f"  {name}: {launches:.1f} kernel launches and {total:.1f} us of kernels {scope}")
+    for kernel, count, per_launch, per_call in kernels:
+        print(f"    {per_call:8.1f} us  {count:5.2f} x {per_launch:8.1f} us  {kernel[:90]}")
+    if table["ops"]:
+        print(f"  {name}: torch ops per call: " + ", ".join(f"{op[len('aten::'):]} x{count:g}"
+                                                          for op, count in table["ops"]))
 
 
 def _print(gs, times: Dict[str, float]) -> None:
@@ -198,3 +293,7 @@ def _print(gs, times: Dict[str, float]) -> None:
         ratio = both / max(comm, times["matmul"])
         print(f"  {name} with hook: call + hook {comm:9.1f} us; call, matmul, hook {both:9.1f} us; "
               f"overlap ratio {ratio:.2f} (total / max(matmul, call + hook))")
+    if "dispatch_profile" in times:
+        print("profile (CUDA-graph replays under torch.profiler; each kernel's own device time):")
+        for name in ("dispatch", "combine"):
+            _print_profile(name, times.get(f"{name}_profile"), gs.num_ranks, gs.emulated)
