@@ -4,8 +4,9 @@ their experts, rank mask applied) and the per-expert receive layout the received
 into (counts, ``src_info``, ``layout_range``, rows and scales, every expanded row's place).
 `cast_pairs_torch` and `receive_layout_torch` (torch ops, mostly those of `deep_ep.legacy.layouts`)
 are the specification and the path off the GPU; on a CUDA device NVRTC kernels
-(``include/deep_ep/kernels/ll_layout.cuh``) write the same bits: one launch for the pairs, two for the
-layout. No host reads: graph capturable."""
+(``include/deep_ep/kernels/ll_layout.cuh``) write the same bits: one launch for the pairs, and for the
+layout one without a rank mask (the counts gathered in a scratch the pairs' launch zeroed:
+`count_scratch`), two with one. No host reads: graph capturable."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +19,8 @@ from ..backends.gpu.abi import _read_constants
 from .layouts import NUM_CHANNELS_PER_SCALE, cast_to_fp8, per_expert_layout, per_pair, place_rows, place_scales, \
     row_targets
 
-__all__ = ["ReceiveOutputs", "cast_pairs", "cast_pairs_torch", "receive_layout", "receive_layout_torch",
-           "load_kernels", "KERNEL_NAMES"]
+__all__ = ["ReceiveOutputs", "cast_pairs", "cast_pairs_torch", "count_scratch", "receive_layout",
+           "receive_layout_torch", "load_kernels", "KERNEL_NAMES"]
 
 _CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_layout.cuh")
 _THREADS = _CONSTANTS["kLlLayoutThreads"]
@@ -30,7 +31,8 @@ _MAX_BLOCKS = 4096
 _INT32_LIMIT = 2 ** 31
 
 CAST_KERNEL, COUNT_KERNEL, PLACE_KERNEL = "deep_ep_ll_cast_pairs", "deep_ep_ll_count", "deep_ep_ll_place"
-KERNEL_NAMES = (CAST_KERNEL, COUNT_KERNEL, PLACE_KERNEL)
+PLACE_COUNTED_KERNEL = "deep_ep_ll_place_counted"
+KERNEL_NAMES = (CAST_KERNEL, COUNT_KERNEL, PLACE_KERNEL, PLACE_COUNTED_KERNEL)
 # one module, three entry points: the builds share it (same name and source)
 _kernels = {name: jit.LazyKernel("deep_ep_ll_layout", "deep_ep/kernels/ll_layout.cuh", name) for name in KERNEL_NAMES}
 
@@ -38,8 +40,9 @@ _kernels = {name: jit.LazyKernel("deep_ep_ll_layout", "deep_ep/kernels/ll_layout
 class ReceiveOutputs(NamedTuple):
     """Where a dispatch's receive writes (`receive_layout`): ``recv_count`` int32 ``[L]``, ``src_info``
     int32 ``[L, N]``, ``layout_range`` int64 ``[L, R]`` (N = R * T_max), the storages of
-    `deep_ep.legacy.layouts.receive_storage` and (FP8, else None) `scale_storage`, ``use_ue8m0``, and
-    ``stats`` (int32 ``[L]`` the counts are added to, or None)."""
+    `deep_ep.legacy.layouts.receive_storage` and (FP8, else None) `scale_storage`, ``use_ue8m0``,
+    ``stats`` (int32 ``[L]`` the counts are added to, or None) and ``scratch`` (`count_scratch`, zeroed
+    by `cast_pairs` before the pair dispatch; None: the layout makes a zeroed one)."""
     recv_count: torch.Tensor
     src_info: torch.Tensor
     layout_range: torch.Tensor
@@ -47,6 +50,14 @@ class ReceiveOutputs(NamedTuple):
     scales_storage: Optional[torch.Tensor]
     use_ue8m0: bool
     stats: Optional[torch.Tensor]
+    scratch: Optional[torch.Tensor] = None
+
+
+def count_scratch(num_local_experts: int, num_ranks: int, device: torch.device) -> torch.Tensor:
+    """The scratch of a receive layout without a rank mask on a CUDA device: int32 ``[L * R + 1]``
+    (the received pairs per (expert, source rank), and the ticket of the last block), uninitialised:
+    `cast_pairs` zeroes it."""
+    return torch.empty(num_local_experts * num_ranks + 1, dtype=torch.int32, device=device)
 
 
 def load_kernels(device: torch.device) -> None:
@@ -77,7 +88,8 @@ def cast_pairs_torch(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, rou
 
 
 def cast_pairs(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, round_scale: bool,
-               masked: Optional[torch.Tensor] = None, num_local_experts: int = 1) -> tuple:
+               masked: Optional[torch.Tensor] = None, num_local_experts: int = 1,
+               scratch: Optional[torch.Tensor] = None) -> tuple:
     """The rows and routing of the pair dispatch: every token's row ``K`` times in a row (row
     ``t * K + k``), and each pair's expert.
 
@@ -87,6 +99,7 @@ def cast_pairs(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, round_sca
         use_fp8: cast with `deep_ep.legacy.layouts.cast_to_fp8` (``round_scale``: power-of-two scales).
         masked: int32 ``[R]`` rank mask (1: pairs to that rank's experts get -1) or None.
         num_local_experts: experts per rank (an expert's rank is ``id // num_local_experts``).
+        scratch: a `count_scratch` to zero on the way (one launch fewer than a fill of its own), or None.
 
     Returns:
         ``(pairs_x, pairs_topk)``: bf16 ``[T*K, H]``, or with ``use_fp8`` ``(float8_e4m3fn [T*K, H],
@@ -97,6 +110,8 @@ def cast_pairs(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, round_sca
     """
     if x.device.type != "cuda" or x.data_ptr() % 16 or not x.is_contiguous() or not topk_idx.is_contiguous() \
             or (masked is not None and (masked.dtype != torch.int32 or not masked.is_contiguous())):
+        if scratch is not None:
+            scratch.zero_()
         return cast_pairs_torch(x, topk_idx, use_fp8, round_scale, masked, num_local_experts)
     num_tokens, hidden = x.shape
     num_topk = topk_idx.shape[1]
@@ -114,11 +129,13 @@ def cast_pairs(x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, round_sca
     else:
         pairs_topk = torch.empty((num_pairs, 1), dtype=topk_idx.dtype, device=device)
     num_chunks = num_tokens * hidden // _CAST_CHANNELS
-    if num_chunks:
-        blocks = min((num_chunks + _THREADS - 1) // _THREADS, _MAX_BLOCKS)
+    scratch_words = 0 if scratch is None else scratch.numel()
+    if num_chunks or scratch_words:
+        blocks = max(1, min((num_chunks + _THREADS - 1) // _THREADS, _MAX_BLOCKS))
         _launch(CAST_KERNEL, blocks, _THREADS,
                 (x, *outputs, topk_idx, masked, pairs_topk if masked is not None else None, num_tokens, hidden,
-                 num_topk, bool(round_scale), num_local_experts, 0 if masked is None else masked.numel()), device)
+                 num_topk, bool(round_scale), num_local_experts, 0 if masked is None else masked.numel(), scratch,
+                 scratch_words), device)
     return result, pairs_topk
 
 
@@ -177,8 +194,8 @@ def receive_layout(ep_handle, recv, num_ranks: int, num_slots: int, num_topk: in
         ``(row_expert int64 [rows], row_slot int64 [rows], row_kept bool [rows])``: every expanded
         row's place in the layout (`deep_ep.legacy.layouts.per_expert_layout`).
 
-    The caller checks the arguments; on a CUDA device two kernels, elsewhere `receive_layout_torch`,
-    equal bit for bit (rows past a count keep what they held).
+    The caller checks the arguments; on a CUDA device one kernel (two with a rank mask), elsewhere
+    `receive_layout_torch`, equal bit for bit (rows past a count keep what they held).
     """
     num_local_experts = ep_handle.num_local_experts
     num_rows = num_ranks * num_slots
@@ -193,12 +210,6 @@ def receive_layout(ep_handle, recv, num_ranks: int, num_slots: int, num_topk: in
     unaligned = ep_handle.num_unaligned_recv_tokens_per_expert
     max_pairs = num_slots * num_topk
     num_metadata_rows = metadata.shape[0]
-    mask = masked.contiguous() if masked is not None else None
-    slot_shift = torch.empty(num_local_experts * num_ranks, dtype=torch.int32, device=device)
-    smem = (num_local_experts * num_ranks + num_local_experts) * 4
-    _launch(COUNT_KERNEL, 1, _COUNT_THREADS,
-            (metadata, metadata.stride(0), num_metadata_rows, ends, mask, outputs.recv_count, outputs.layout_range,
-             slot_shift, outputs.stats, num_ranks, num_local_experts, max_pairs), device, smem)
     row_expert = torch.empty(num_expanded, dtype=torch.int64, device=device)
     row_slot = torch.empty(num_expanded, dtype=torch.int64, device=device)
     row_kept = torch.empty(num_expanded, dtype=torch.bool, device=device)
@@ -207,10 +218,27 @@ def receive_layout(ep_handle, recv, num_ranks: int, num_slots: int, num_topk: in
     num_scales = scales.shape[1] if use_fp8 else 0
     scale_strides = (scales.stride(0), scales.stride(1)) if use_fp8 else (0, 0)
     blocks = max(1, min((num_metadata_rows + _WARPS - 1) // _WARPS, _MAX_BLOCKS))
+    rows_args = (rows, jit.i64(row_stride), row_chunks, scales, jit.i64(scale_strides[0]), jit.i64(scale_strides[1]),
+                 num_scales, bool(outputs.use_ue8m0), outputs.data_storage, outputs.scales_storage, outputs.src_info,
+                 row_expert, row_slot, row_kept, num_expanded, num_ranks, num_local_experts, num_slots, num_topk,
+                 max_pairs)
+    if masked is None:
+        # one launch: no row moves up, so the placement needs no count; the counts come together in
+        # the scratch and the last block writes them out
+        scratch = outputs.scratch
+        if scratch is None or scratch.numel() != num_local_experts * num_ranks + 1:
+            scratch = torch.zeros(num_local_experts * num_ranks + 1, dtype=torch.int32, device=device)
+        _launch(PLACE_COUNTED_KERNEL, blocks, _THREADS,
+                (metadata, metadata.stride(0), num_metadata_rows, ends, unaligned, scratch, outputs.recv_count,
+                 outputs.layout_range, outputs.stats) + rows_args, device)
+        return row_expert, row_slot, row_kept
+    mask = masked.contiguous()
+    slot_shift = torch.empty(num_local_experts * num_ranks, dtype=torch.int32, device=device)
+    smem = (num_local_experts * num_ranks + num_local_experts) * 4
+    _launch(COUNT_KERNEL, 1, _COUNT_THREADS,
+            (metadata, metadata.stride(0), num_metadata_rows, ends, mask, outputs.recv_count, outputs.layout_range,
+             slot_shift, outputs.stats, num_ranks, num_local_experts, max_pairs), device, smem)
     _launch(PLACE_KERNEL, blocks, _THREADS,
-            (metadata, metadata.stride(0), num_metadata_rows, ends, unaligned, mask, slot_shift, outputs.recv_count,
-             rows, jit.i64(row_stride), row_chunks, scales, jit.i64(scale_strides[0]), jit.i64(scale_strides[1]),
-             num_scales, bool(outputs.use_ue8m0), outputs.data_storage, outputs.scales_storage, outputs.src_info,
-             row_expert, row_slot, row_kept, num_expanded, num_ranks, num_local_experts, num_slots, num_topk,
-             max_pairs), device)
+            (metadata, metadata.stride(0), num_metadata_rows, ends, unaligned, mask, slot_shift, outputs.recv_count)
+            + rows_args, device)
     return row_expert, row_slot, row_kept

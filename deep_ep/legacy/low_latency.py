@@ -12,8 +12,8 @@ weighted sum (float32, top-k slot order, one bf16 rounding) of the rows the expe
 How: every (token, top-k slot) pair is one row of an expanded `ElasticBuffer.dispatch` without host
 synchronisation (DeepEP sends one message per pair too), and comes back alone through
 `ElasticBuffer.combine`. Around the pair dispatch, `deep_ep.legacy.ll_layout` casts and repeats the
-rows (one kernel) and places the received rows into DeepEP's layouts (two kernels; their work scales
-with the rows received); around the pair combine, `deep_ep.legacy.ll_reduce` gathers the received
+rows (one kernel) and places the received rows into DeepEP's layouts (one kernel, two with a rank
+mask; their work scales with the rows received); around the pair combine, `deep_ep.legacy.ll_reduce` gathers the received
 pairs' rows from the per-expert layout (one kernel) and sums the pairs that come back with their
 weights (one kernel); on the CPU the torch ops that specify those kernels run instead. Host reads remain only in
 argument checks (skipped while a CUDA graph is captured).
@@ -41,7 +41,7 @@ from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allow
                       receive_storage, scale_storage)
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
-from .ll_layout import ReceiveOutputs, cast_pairs, load_kernels, receive_layout
+from .ll_layout import ReceiveOutputs, cast_pairs, count_scratch, load_kernels, receive_layout
 from .ll_reduce import gather_rows, load_kernel, weighted_sum
 from .ll_state import LowLatencyState, release_on_error
 from .planned import planned, refuse_side_keywords
@@ -276,7 +276,10 @@ class LowLatencyMethods(LowLatencyState):
         half = self._free_half("low_latency_dispatch")
         buffer = self._low_latency_elastic_buffer(max_pairs, hidden, half)
         masked = self._mask_if_shrink()            # nothing goes to a masked rank
-        pairs_x, pairs_topk = cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local_experts)
+        # the receive layout's counts without a mask, zeroed by the cast (no launch of its own)
+        scratch = count_scratch(num_local_experts, num_ranks, device) \
+            if masked is None and device.type == "cuda" else None
+        pairs_x, pairs_topk = cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local_experts, scratch)
         if masked is not None and return_recv_hook:    # the mask of the call, whenever the hook runs
             masked = masked.clone()
         deferred = None
@@ -299,7 +302,7 @@ class LowLatencyMethods(LowLatencyState):
         if use_fp8:
             scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, num_scales, use_ue8m0, device)
         outputs = ReceiveOutputs(recv_count, src_info, layout_range, data_storage, scales_storage, use_ue8m0,
-                                 cumulative_local_expert_recv_stats)
+                                 cumulative_local_expert_recv_stats, scratch)
         handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
                                   half)
         handle.number = self._mark_dispatched(half)   # which half its combine finds waiting

@@ -299,7 +299,8 @@ def test_cast_kernel_equals_the_torch_spec():
     device) bit for bit: bf16 replication and FP8 with float and power-of-two scales, for 0, 1 and
     more tokens, top-1 to top-8, with rows of zeros (the 1e-4 floor), tiny values (FP8 subnormals),
     signed zeros, large values, infinities and NaN among the inputs, and the decode shape; the pairs'
-    routing with and without a rank mask (-1 slots among the ids)."""
+    routing with and without a rank mask (-1 slots among the ids); the receive layout's count
+    scratch, poisoned, zeroed on the way."""
     from deep_ep.legacy import ll_layout
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator().manual_seed(11)
@@ -323,8 +324,11 @@ def test_cast_kernel_equals_the_torch_spec():
         for use_fp8 in (False, True):
             for round_scale in ((False, True) if use_fp8 else (False,)):
                 want, want_topk = ll_layout.cast_pairs_torch(x, topk_idx, use_fp8, round_scale, masked, num_local)
-                got, got_topk = ll_layout.cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local)
+                scratch = ll_layout.count_scratch(num_local, num_ranks, device).fill_(-1515870811)
+                got, got_topk = ll_layout.cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local, scratch)
                 case = (num_tokens, num_topk, hidden, use_fp8, round_scale, mask)
+                # the receive layout's scratch, zeroed on the way (0 tokens too)
+                assert scratch.numel() == num_local * num_ranks + 1 and not bool(scratch.any()), case
                 assert got_topk.shape == (num_tokens * num_topk, 1) and torch.equal(got_topk.cpu(),
                                                                                    want_topk.cpu()), case
                 assert mask is None or num_tokens < 5 or bool((got_topk == -1).any() & (got_topk >= 0).any()), case
@@ -399,10 +403,11 @@ def _poisoned_outputs(generator, num_local: int, num_ranks: int, num_slots: int,
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_layout_kernels_equal_the_torch_spec(num_ranks):
-    """The receive layout's kernels (deep_ep/legacy/ll_layout.py) equal their torch spec bit for bit on
-    synthetic pair dispatches: every output poisoned first (rows past a count keep the poison in both),
-    bf16 and FP8 rows, float and UE8M0 scales (row-major and column-major received scales), rank masks
-    (this rank's own included), -1 slots, 0 and 1 token per rank, statistics added."""
+    """The receive layout's kernels (deep_ep/legacy/ll_layout.py: without a rank mask the one-launch
+    placement with its counts, with one the counts then the placement) equal their torch spec bit for
+    bit on synthetic pair dispatches: every output poisoned first (rows past a count keep the poison in
+    both), bf16 and FP8 rows, float and UE8M0 scales (row-major and column-major received scales), rank
+    masks (this rank's own included), -1 slots, 0 and 1 token per rank, statistics added."""
     from deep_ep.legacy import ll_layout
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator().manual_seed(17 + num_ranks)
@@ -429,7 +434,7 @@ def test_layout_kernels_equal_the_torch_spec(num_ranks):
             recv = torch.randn(rows_count, hidden, generator=generator).to(torch.bfloat16).to(device)
         masked = None if mask is None else torch.tensor(mask[:num_ranks], dtype=torch.int32, device=device)
         copy = _poisoned_outputs(generator, num_local, num_ranks, num_slots, hidden, use_fp8, use_ue8m0,
-                                 mask is not None, device)
+                                 num_topk % 2 == 0, device)          # statistics with and without a mask
         want_outputs, got_outputs = copy(), copy()
         want_rows = ll_layout.receive_layout_torch(handle, recv, num_ranks, num_slots, num_topk, masked, want_outputs)
         got_rows = ll_layout.receive_layout(handle, recv, num_ranks, num_slots, num_topk, masked, got_outputs)

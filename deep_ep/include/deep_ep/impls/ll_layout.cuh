@@ -9,7 +9,11 @@
 //    dispatch's metadata, the rank mask applied: recv_count, layout_range, the statistics, and how
 //    far each (expert, rank)'s rows move up past the masked ranks before it;
 //  - ll_place_impl: every received row (and its scales) to its place in the per-expert layout,
-//    src_info and each expanded row's place; src_info past the count -1, rows without a pair zeros.
+//    src_info and each expanded row's place; src_info past the count -1, rows without a pair zeros;
+//  - without a rank mask, the counts and the placement in one launch (deep_ep_ll_place_counted): the
+//    placement then needs no count (no rows move up), it adds each row to its (expert, source rank)
+//    count in a scratch the cast zeroed, and the last block to finish (a ticket in the scratch) writes
+//    recv_count, layout_range and the statistics from those counts (ll_finish_counts).
 #pragma once
 
 #include "../common/types.cuh"
@@ -80,10 +84,15 @@ __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, 
                                                    const int32_t* __restrict__ rank_mask,
                                                    int64_t* __restrict__ pairs_topk, int num_tokens, int hidden,
                                                    int num_topk, int round_scale, int num_local_experts,
-                                                   int num_ranks) {
+                                                   int num_ranks, int32_t* __restrict__ scratch,
+                                                   int scratch_words) {
     const int64_t chunks_per_row = hidden / kLlCastChannels;
     const int64_t num_chunks = static_cast<int64_t>(num_tokens) * chunks_per_row;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    // the counts (and ticket) of the receive layout that runs after the pair dispatch
+    for (int64_t word = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; word < scratch_words;
+         word += stride)
+        scratch[word] = 0;
     if (rank_mask != nullptr) {
         // the pairs' routing: nothing goes to a masked rank (ids past the experts are left to the dispatch)
         const int64_t num_pairs = static_cast<int64_t>(num_tokens) * num_topk;
@@ -209,7 +218,11 @@ __device__ __forceinline__ void ll_place_impl(
         int64_t scale_row_stride, int64_t scale_column_stride, int num_scales, int use_ue8m0,
         uint4* __restrict__ data_out, float* __restrict__ scales_out, int32_t* __restrict__ src_info,
         int64_t* __restrict__ row_expert, int64_t* __restrict__ row_slot, uint8_t* __restrict__ row_kept,
-        int num_expanded, int num_ranks, int num_local_experts, int num_slots, int num_topk, int max_pairs) {
+        int num_expanded, int num_ranks, int num_local_experts, int num_slots, int num_topk, int max_pairs,
+        int32_t* __restrict__ counts) {
+    // counts (no rank mask: recv_count is then the unaligned counts, slot_shift all zero): each kept
+    // row is added to its (expert, source rank) count there; otherwise recv_count and slot_shift come
+    // from ll_count_impl
     const int lane = threadIdx.x % 32;
     const int64_t num_rows = static_cast<int64_t>(num_ranks) * num_slots;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kLlLayoutWarps;
@@ -224,7 +237,7 @@ __device__ __forceinline__ void ll_place_impl(
         const int expert = ll_expert_of(ends, num_local_experts, expanded_row);
         int64_t slot = expanded_row - (__ldg(ends + expert) - __ldg(unaligned + expert));
         const bool kept = rank_mask == nullptr || __ldg(rank_mask + source_rank) == 0;
-        if (kept)
+        if (kept && slot_shift != nullptr)
             slot -= __ldg(slot_shift + expert * num_ranks + source_rank);
         if (lane == 0) {
             row_expert[expanded_row] = kept ? expert : 0;
@@ -232,6 +245,8 @@ __device__ __forceinline__ void ll_place_impl(
             row_kept[expanded_row] = kept ? 1 : 0;
             if (kept)
                 src_info[expert * num_rows + slot] = token;
+            if (kept && counts != nullptr)
+                atomicAdd(counts + expert * num_ranks + source_rank, 1);
         }
         if (!kept)
             continue;
@@ -267,14 +282,43 @@ __device__ __forceinline__ void ll_place_impl(
     const int stride = gridDim.x * blockDim.x;
     const int first = blockIdx.x * blockDim.x + threadIdx.x;
     const int layout_rows = num_ranks * num_slots;
+    const int32_t* limits = counts != nullptr ? unaligned : recv_count;
     for (int index = first; index < num_local_experts * layout_rows; index += stride) {
-        if (index % layout_rows >= __ldg(recv_count + index / layout_rows))
+        if (index % layout_rows >= __ldg(limits + index / layout_rows))
             src_info[index] = -1;
     }
     for (int index = __ldg(ends + num_local_experts - 1) + first; index < num_expanded; index += stride) {
         row_expert[index] = 0;
         row_slot[index] = 0;
         row_kept[index] = 0;
+    }
+}
+
+// After ll_place_impl with counts (every block): the last block to finish writes the layout's counts.
+// The other blocks' atomics are visible to it (each block fences before taking its ticket); it reads
+// them past L1 (which is not coherent).
+__device__ __forceinline__ void ll_finish_counts(int32_t* __restrict__ counts, int32_t* __restrict__ recv_count,
+                                                 int64_t* __restrict__ layout_range, int32_t* __restrict__ stats,
+                                                 int num_ranks, int num_local_experts) {
+    __shared__ int ll_last_block;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        ll_last_block = atomicAdd(counts + num_local_experts * num_ranks, 1) == static_cast<int>(gridDim.x) - 1;
+    __syncthreads();
+    if (!ll_last_block)
+        return;
+    __threadfence();
+    for (int expert = threadIdx.x; expert < num_local_experts; expert += blockDim.x) {
+        int32_t begin = 0;
+        for (int rank = 0; rank < num_ranks; ++rank) {
+            const int32_t count = __ldcg(counts + expert * num_ranks + rank);
+            layout_range[expert * num_ranks + rank] = (static_cast<int64_t>(begin) << 32) | count;
+            begin += count;
+        }
+        recv_count[expert] = begin;
+        if (stats != nullptr)
+            stats[expert] = static_cast<int32_t>(static_cast<uint32_t>(stats[expert]) + static_cast<uint32_t>(begin));
     }
 }
 
