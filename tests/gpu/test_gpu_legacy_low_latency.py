@@ -5,9 +5,9 @@ buffering with hook results equal bit for bit to those without hooks) on a one-r
 on 2, 4 and 8 emulated ranks of one device; that a call with a receive hook launches only the send
 half of its data kernel and the hook the receive half, with a matmul between them that finishes
 while peers have not even made their call; and the decode step captured in a CUDA graph and
-replayed with fresh inputs, rank masks set after capture included; the combine's weighted-sum
-kernel equal bit for bit to its torch loop, and the dispatch's layout kernels (the pairs' cast, the
-receive layout) to their torch spec. Run by
+replayed with fresh inputs, rank masks set after capture included; the combine's kernels (the
+rows' gather, the weighted sum) equal bit for bit to their torch specs, and the dispatch's layout
+kernels (the pairs' cast, the receive layout with and without a rank mask) to theirs. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_low_latency.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
