@@ -25,7 +25,7 @@ from .link_bytes import (CALL_TAG_BYTES, FORWARD_HEADER_BYTES, RouteCounts, deep
                          route_counts, row_sizes)
 
 __all__ = ["Topology", "TOPOLOGIES", "PUBLISHED", "expected_link_bytes", "predict", "seeded_routing",
-           "model_rows", "format_model", "DEFAULT_TOKENS", "NVLINK5_GBS"]
+           "model_rows", "format_model", "run_model", "DEFAULT_TOKENS", "NVLINK5_GBS"]
 
 #: DeepEP V2's README bench size: 8K tokens per rank.
 DEFAULT_TOKENS = 8192
@@ -205,3 +205,17 @@ def format_model(rows: Sequence[dict]) -> str:
             f"{row['time_us']:.0f} | {_gbps(row['so_gbps'])} | {_gbps(row['su_gbps'])} | {row['num_sms']} | "
             f"{published} |")
     return "\n".join(lines)
+
+
+def run_model(tokens: Optional[int] = None, seed: int = 0) -> int:
+    """``python -m deep_ep bench --scaleout-model``: print the table of `TOPOLOGIES` (DeepSeek-V3
+    sizes, ``tokens`` per rank, default `DEFAULT_TOKENS`); returns 0."""
+    tokens = DEFAULT_TOKENS if tokens is None else tokens
+    if tokens < 1:
+        raise SystemExit(f"error: --tokens must be >= 1 for --scaleout-model, got {tokens}")
+    print(f"Scale-out on paper: DeepSeek-V3 (hidden 7168, top-8 of 256; NVL72: of 288 slots), {tokens} tokens "
+          f"per rank, balanced routing (seed {seed}); computed, not measured. NVLink 450 GB/s (H200), "
+          f"{NVLINK5_GBS:.0f} GB/s (NVL72), RDMA {resources.DEFAULT_RDMA_GBS:.0f} GB/s (CX7 400 Gb/s), per GPU "
+          f"and direction.", flush=True)
+    print(format_model(model_rows(tokens=tokens, seed=seed)))
+    return 0
