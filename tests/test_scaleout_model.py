@@ -149,3 +149,39 @@ def test_paper_bandwidth_near_deepep_published():
         rows = model.model_rows((topology,), tokens=1024, modes=("hybrid",))
         for row in rows[:2]:
             assert row["published_gbps"] <= row["so_gbps"] <= 1.3 * row["published_gbps"], row
+
+
+def test_cpu_bench_across_nodes(tmp_path, capsys):
+    """``python -m deep_ep bench --nvlink-ranks 2`` on 4 gloo ranks: both modes run and pass the check;
+    the JSON's bytes are `link_bytes`' for the bench's routing."""
+    import json
+
+    from deep_ep.__main__ import main
+
+    out = tmp_path / "scaleout.json"
+    code = main(["bench", "--device", "cpu", "--ranks", "4", "--nvlink-ranks", "2", "--model", "deepseek-v2-lite",
+                 "--tokens", "24", "--iters", "1", "--warmup", "0", "--fp8", "--bias", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "hybrid mode (logical domains 2 x 2)" in printed and "direct mode (logical domains 1 x 4)" in printed
+    result = json.loads(out.read_text())
+    hybrid, direct = result["modes"]
+    assert hybrid["refused"] is None and not hybrid["mismatches"] and hybrid["checked"]
+    from deep_ep.__main__ import build_parser
+    from deep_ep.bench.config import Workload, make_config
+    args = build_parser().parse_args(["bench", "--model", "deepseek-v2-lite", "--tokens", "24", "--fp8", "--bias", "1"])
+    cfg = make_config(args, 4, gpu=False)
+    idxs = [Workload(cfg).inputs(rank)["topk_idx"] for rank in range(4)]
+    want = lb.link_bytes(idxs, cfg.num_experts, 2, hybrid=True, hidden=cfg.hidden, fp8=True, num_sf=cfg.num_sf)
+    assert [row["dispatch_rdma_sent_bytes"] for row in hybrid["rows"]] == want["dispatch"].rdma.sum(1).tolist()
+    assert hybrid["totals"]["combine"] == want["combine"].totals()
+    assert all(row["dispatch_so_gbps"] > 0 for row in hybrid["rows"])
+    assert all(row["dispatch_so_gbps"] is None and row["dispatch_su_gbps"] > 0 for row in direct["rows"])
+    assert direct["totals"]["dispatch"]["rdma"] > hybrid["totals"]["dispatch"]["rdma"]
+
+
+def test_bench_refuses_bad_nvlink_ranks():
+    from deep_ep.__main__ import main
+
+    with pytest.raises(SystemExit, match="must divide"):
+        main(["bench", "--device", "cpu", "--ranks", "4", "--nvlink-ranks", "3", "--tokens", "4"])

@@ -216,7 +216,6 @@ def _run_gpu(cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, progress
         out[mode] = group.run(lambda g: _rank_pass(
             cfg, mode, g.rank(), g, g.barrier, CudaClock(), progress if g.rank() == 0 else silent,
             expected[g.rank()] if expected is not None else None, device))
-        del expected
     return out
 
 
