@@ -112,6 +112,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true",
                         help="with --legacy-ll: also profile each call (torch.profiler): its kernels with their "
                              "device times, and the torch ops it makes")
+    parser.add_argument("--nvlink-ranks", type=int, default=None, metavar="N",
+                        help="act as nodes of N ranks (CPU: --ranks gloo processes with EP_CPU_NUM_NVLINK_RANKS=N; "
+                             "GPU: --virtual-ranks emulated ranks): per --scaleout-mode, times, bytes per "
+                             "domain and DeepEP's SO / SU bandwidths (deep_ep.bench.scaleout)")
+    parser.add_argument("--scaleout-mode", choices=("both", "hybrid", "direct"), default="both",
+                        help="with --nvlink-ranks: allow_hybrid_mode of the buffers (default both, one after the other)")
+    parser.add_argument("--scaleout-model", action="store_true",
+                        help="print the scale-out paper model instead (bytes per link, predicted times and "
+                             "bandwidths; deep_ep.bench.scaleout_model); reads --tokens, --seed; needs no GPU")
     parser.add_argument("--primitive", choices=("pp", "agrs", "engram", "all"), default=None,
                         help="GPU: time an experimental primitive instead (pipeline send/recv, all-gather / "
                              "reduce-scatter, Engram fetch): time and bandwidth per size against a device copy of "
@@ -173,6 +182,9 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
     Raises:
         SystemExit: bad options (before any process or communication starts), a failed rank.
     """
+    if getattr(args, "scaleout_model", False):
+        from .scaleout_model import run_model  # noqa: WPS433
+        return run_model(args.tokens, args.seed)
     if getattr(args, "primitive", None):
         from .primitives_gpu import run as run_primitives  # noqa: WPS433 (refuses without CUDA)
         return run_primitives(args)
@@ -191,6 +203,9 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     sweep = parse_sm_sweep(getattr(args, "sm_sweep", None))
     gpu = use_gpu_runner(args)
+    if getattr(args, "nvlink_ranks", None) is not None:
+        from .scaleout import run as run_scaleout  # noqa: WPS433
+        return run_scaleout(args, gpu=gpu)
     if sweep and not gpu:
         raise SystemExit("error: --sm-sweep varies the SMs of the GPU kernels; it needs the GPU runner "
                          "(a CUDA device, or --virtual-ranks N)")

@@ -1,0 +1,291 @@
+"""``python -m deep_ep bench --nvlink-ranks N``: dispatch and combine across emulated nodes, per mode.
+
+The ranks act as ``R / N`` nodes of ``N`` ranks: gloo processes with ``EP_CPU_NUM_NVLINK_RANKS=N``
+on CPU (``--ranks R``), or ``EmulatedGroup(R, num_nvlink_ranks=N)`` on one GPU (``--virtual-ranks
+R``). For each mode of ``--scaleout-mode`` (hybrid, direct, or both) every rank makes the bench's
+calls (`deep_ep.bench.session.RankSession`: checked first calls, the timed loop, a checked
+iteration) on a buffer made with that ``allow_hybrid_mode``; combine is checked against the
+reference in the mode's order (the hybrid order across nodes). A mode the buffer refuses is
+reported as refused, with the reason.
+
+Reported per rank and mode: the median full dispatch (CPU sync) and combine times (CUDA events on
+the GPU, wall time on CPU); the bytes each puts on NVLink and RDMA, computed from the routing and
+the GPU kernels' layouts (`deep_ep.bench.link_bytes`, not measured: the CPU backend moves no bytes
+over links, and the emulated GIN keeps no byte counters); DeepEP V2's logical "SO" and "SU"
+bandwidths (scale-out and scale-up bytes over the measured time).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .. import reference as ref
+from .check import RankExpected
+from .config import BenchConfig, Workload, expert_output, make_config
+from .link_bytes import deepep_logical_bytes, link_bytes_of_counts, route_counts
+from .progress import Progress
+from .report import cell, text_table
+from .session import HostClock, RankSession
+
+__all__ = ["MODES", "run", "expected_outputs", "summarize_mode", "format_mode"]
+
+MODES = ("hybrid", "direct")
+
+
+def expected_outputs(cfg: BenchConfig, inputs: Sequence[Dict[str, Any]], ranks: Sequence[int],
+                     num_scaleup_ranks: int) -> Dict[int, RankExpected]:
+    """`deep_ep.reference` on every rank's ``inputs``, kept for ``ranks``; combine in the order of
+    ``num_scaleup_ranks`` (the buffer's: ``R`` flat, fewer for hybrid mode across nodes)."""
+    xs, idxs, ws = [i["x"] for i in inputs], [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs]
+    common = dict(do_expand=cfg.expand, expert_alignment=cfg.alignment, do_zero_padding=cfg.expand,
+                  num_max_tokens_per_rank=cfg.max_tokens)
+    sync = ref.reference_dispatch(xs, idxs, ws, cfg.num_experts, **common)
+    ys = [expert_output(cfg, r.recv_x) for r in sync]
+    combined = ref.reference_combine(ys, [r.handle for r in sync], biases=[i["biases"] or None for i in inputs],
+                                     num_scaleup_ranks=num_scaleup_ranks)
+    no_sync = ref.reference_dispatch(xs, idxs, ws, cfg.num_experts, do_cpu_sync=False, **common)
+    if num_scaleup_ranks < len(inputs):
+        # Across nodes in hybrid mode the handle counts per scale-up rank (docs/scaleout.md, "Handles
+        # across nodes"): the tokens from rank j of every node together.
+        for result in [sync[r] for r in ranks] + [no_sync[r] for r in ranks]:
+            psum = result.handle.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
+            per_source = torch.diff(psum, prepend=psum.new_zeros(1))
+            result.handle.psum_num_recv_tokens_per_scaleup_rank = torch.cumsum(
+                per_source.view(-1, num_scaleup_ranks).sum(0), 0).to(torch.int32)
+    return {r: RankExpected(sync[r], no_sync[r], ys[r], combined[r][0]) for r in ranks}
+
+
+def _rank_pass(cfg: BenchConfig, mode: str, rank: int, group, barrier, clock, progress: Progress,
+               expected: Optional[RankExpected], device, buffer_device: Optional[str] = None) -> Dict[str, Any]:
+    """One rank's calls in ``mode`` on a fresh buffer; ``{"refused": message}`` when the buffer refuses it."""
+    from ..buffer import ElasticBuffer
+
+    try:
+        buffer = ElasticBuffer(group, num_max_tokens_per_rank=cfg.max_tokens, hidden=cfg.hidden, num_topk=cfg.top_k,
+                               use_fp8_dispatch=cfg.fp8, allow_hybrid_mode=mode == "hybrid", explicitly_destroy=True,
+                               **({"device": buffer_device} if buffer_device else {}))
+    except NotImplementedError as exc:
+        return {"rank": rank, "refused": str(exc)}
+    try:
+        sess = RankSession(Workload(cfg), rank, buffer, device, barrier, clock, progress, expected)
+        sess.first_calls()
+        sess.timed_loop()
+        sess.checked_iteration()
+        result = sess.result()
+        result["logical_domains"] = [buffer.num_scaleout_ranks, buffer.num_scaleup_ranks]
+        result["num_sms"] = cfg.num_sms or buffer.get_theoretical_num_sms(cfg.num_experts, cfg.top_k)
+    finally:
+        buffer.destroy()
+    return result
+
+
+def _median_s(samples: List[Dict[str, Optional[float]]]) -> float:
+    values = [s["event_s"] if s.get("event_s") is not None else s["sync_s"] for s in samples]
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize_mode(cfg: BenchConfig, mode: str, num_nvlink_ranks: int, results: Sequence[Dict[str, Any]],
+                   topk_idxs: Sequence[torch.Tensor]) -> Dict[str, Any]:
+    """One mode's report: per rank times, computed bytes per domain and DeepEP's SO / SU bandwidths.
+
+    Returns ``{"mode", "refused" (str or None), "logical_domains", "rows": [per rank], "totals":
+    {call: {domain: bytes}}, "mismatches": [...], "checked": [...]}``.
+    """
+    refused = next((r["refused"] for r in results if "refused" in r), None)
+    out: Dict[str, Any] = {"mode": mode, "refused": refused, "rows": [], "totals": {}, "mismatches": [],
+                           "checked": []}
+    if refused is not None:
+        return out
+    hybrid = mode == "hybrid"
+    counts = route_counts(topk_idxs, cfg.num_experts, num_nvlink_ranks)
+    num_sf = cfg.num_sf if cfg.fp8 else 0
+    calls = link_bytes_of_counts(counts, cfg.top_k, hybrid=hybrid, hidden=cfg.hidden, fp8=cfg.fp8, num_sf=num_sf)
+    domains = results[0]["logical_domains"]
+    logical = deepep_logical_bytes(counts, cfg.top_k, domains[0], hidden=cfg.hidden, fp8=cfg.fp8, num_sf=num_sf)
+    per_rank = {name: call.per_rank() for name, call in calls.items()}
+    for res in results:
+        rank = res["rank"]
+        row = {"rank": rank, "num_sms": res.get("num_sms"),
+               "check": (not any(m["rank"] == rank for m in res["mismatches"])) if res["checked"] else None}
+        for name, key in (("dispatch", "full_dispatch_cpu_sync"), ("combine", "combine")):
+            seconds = _median_s(res["samples"][key])
+            row[f"{name}_us"] = seconds * 1e6
+            for domain in ("nvlink", "rdma"):
+                row[f"{name}_{domain}_sent_bytes"] = per_rank[name][domain]["sent"][rank]
+                row[f"{name}_{domain}_received_bytes"] = per_rank[name][domain]["received"][rank]
+            scaleout, scaleup = logical[name]["scaleout"][rank], logical[name]["scaleup"][rank]
+            row[f"{name}_so_bytes"], row[f"{name}_su_bytes"] = scaleout, scaleup
+            row[f"{name}_so_gbps"] = scaleout / 1e9 / seconds if domains[0] > 1 and seconds > 0 else None
+            row[f"{name}_su_gbps"] = scaleup / 1e9 / seconds if seconds > 0 else None
+        out["rows"].append(row)
+        out["mismatches"].extend(res["mismatches"])
+    out["checked"] = results[0]["checked"]
+    out["logical_domains"] = domains
+    out["totals"] = {name: call.totals() for name, call in calls.items()}
+    return out
+
+
+def format_mode(summary: Dict[str, Any]) -> str:
+    """The mode's lines: its rank table, or why the buffer refused it."""
+    mode = summary["mode"]
+    if summary["refused"] is not None:
+        return f"{mode} mode: refused by the buffer: {summary['refused']}"
+    so, su = summary["logical_domains"]
+    header = ["rank", "dispatch us", "NVLink MB", "RDMA MB", "SO GB/s", "SU GB/s",
+              "combine us", "NVLink MB", "RDMA MB", "SO GB/s", "SU GB/s", "SMs", "check"]
+    body = []
+    for row in summary["rows"]:
+        cells = [str(row["rank"])]
+        for name in ("dispatch", "combine"):
+            cells += [cell(row[f"{name}_us"], "{:.1f}"), cell(row[f"{name}_nvlink_sent_bytes"] / 1e6, "{:.2f}"),
+                      cell(row[f"{name}_rdma_sent_bytes"] / 1e6, "{:.2f}"), cell(row[f"{name}_so_gbps"], "{:.1f}"),
+                      cell(row[f"{name}_su_gbps"], "{:.1f}")]
+        cells += [cell(row["num_sms"], "{}"), cell(row["check"], None)]
+        body.append(cells)
+    totals = "; ".join(f"{name}: NVLink {t['nvlink'] / 1e6:.2f} MB, RDMA {t['rdma'] / 1e6:.2f} MB"
+                       for name, t in summary["totals"].items())
+    verdict = "check: n/a" if not summary["checked"] else (
+        "check: passed" if not summary["mismatches"] else
+        "check: FAILED:\n" + "\n".join(f"  {m['message']}" for m in summary["mismatches"][:20]))
+    return "\n".join([f"{mode} mode (logical domains {so} x {su}):", text_table(header, body),
+                      f"all ranks, computed: {totals}", verdict])
+
+
+def run(args: argparse.Namespace, *, gpu: bool) -> int:
+    """Run ``--nvlink-ranks`` for parsed ``args``; returns the exit code (1: a checked output differs).
+
+    Raises:
+        SystemExit: bad options, a failed rank.
+    """
+    num_ranks = args.virtual_ranks if gpu else args.ranks
+    if gpu and args.virtual_ranks is None:
+        raise SystemExit("error: --nvlink-ranks on the GPU emulates nodes on one GPU: add --virtual-ranks R")
+    cfg = make_config(args, num_ranks, gpu=gpu)
+    nvlink_ranks = args.nvlink_ranks
+    if nvlink_ranks < 1 or num_ranks % nvlink_ranks:
+        raise SystemExit(f"error: --nvlink-ranks {nvlink_ranks} must divide the {num_ranks} ranks")
+    if args.eplb or getattr(args, "sm_sweep", None) or args.plot:
+        raise SystemExit("error: --nvlink-ranks cannot be combined with --eplb, --sm-sweep or --plot")
+    modes = MODES if args.scaleout_mode == "both" else (args.scaleout_mode,)
+    progress = Progress("gpu" if gpu else "cpu")
+    where = f"{num_ranks} {'emulated ranks on one GPU' if gpu else 'gloo processes'}"
+    print(f"scale-out bench: {where} as {num_ranks // nvlink_ranks} nodes x {nvlink_ranks}; {cfg.model} "
+          f"(hidden {cfg.hidden}, top-{cfg.top_k} of {cfg.num_experts}), {cfg.tokens} tokens per rank, "
+          f"{'FP8' if cfg.fp8 else 'BF16'} dispatch, modes: {', '.join(modes)}", flush=True)
+    per_mode = _run_gpu(cfg, modes, nvlink_ranks, progress) if gpu else _run_cpu(cfg, modes, nvlink_ranks, progress)
+    topk_idxs = [Workload(cfg).inputs(rank)["topk_idx"] for rank in range(num_ranks)]
+    summaries = [summarize_mode(cfg, mode, nvlink_ranks, per_mode[mode], topk_idxs) for mode in modes]
+    for summary in summaries:
+        print(format_mode(summary))
+    print("NVLink / RDMA MB: bytes each rank sends per call, computed from the routing and the GPU kernels' row "
+          "layouts (deep_ep.bench.link_bytes); SO / SU: DeepEP V2's logical scale-out / scale-up bytes over the "
+          "measured time (SO only with several scale-out ranks, i.e. hybrid mode across nodes)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": dataclasses.asdict(cfg), "num_nvlink_ranks": nvlink_ranks, "runner": "gpu/emulated" if gpu else "cpu/gloo",
+                       "modes": summaries}, f, indent=1)
+        print(f"wrote {args.json}")
+    failed = any(s["mismatches"] for s in summaries)
+    return 1 if failed else 0
+
+
+def _run_gpu(cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, progress: Progress) -> Dict[str, list]:
+    from .. import emulated
+    from .gpu_timing import CudaClock
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = [Workload(cfg).inputs(rank, device) for rank in range(cfg.num_ranks)]
+    silent = Progress(progress.tag, enabled=False)
+    out = {}
+    for mode in modes:
+        scaleup = nvlink_ranks if mode == "hybrid" else cfg.num_ranks
+        expected = expected_outputs(cfg, inputs, range(cfg.num_ranks), scaleup) if cfg.check else None
+        progress.say(f"{mode} mode: reference ready" if cfg.check else f"{mode} mode")
+        group = emulated.EmulatedGroup(cfg.num_ranks, device=device, num_nvlink_ranks=nvlink_ranks)
+        out[mode] = group.run(lambda g: _rank_pass(
+            cfg, mode, g.rank(), g, g.barrier, CudaClock(), progress if g.rank() == 0 else silent,
+            expected[g.rank()] if expected is not None else None, device))
+    return out
+
+
+def _run_cpu(cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, progress: Progress) -> Dict[str, list]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    threads = max(1, (os.cpu_count() or 1) // cfg.num_ranks)
+    with tempfile.TemporaryDirectory(prefix="deep_ep_scaleout_") as tmp:
+        init_method = "file://" + os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_cpu_worker, daemon=True,
+                             args=(rank, cfg, tuple(modes), nvlink_ranks, init_method, threads, queue))
+                 for rank in range(cfg.num_ranks)]
+        for proc in procs:
+            proc.start()
+        result, error = None, None
+        try:
+            while result is None and error is None:
+                if queue.empty():
+                    if not any(proc.is_alive() for proc in procs) and queue.empty():
+                        error = f"bench processes exited without a result ({[p.exitcode for p in procs]})"
+                    time.sleep(0.02)
+                    continue
+                kind, payload = queue.get()
+                if kind == "progress":
+                    progress.say(payload)
+                elif kind == "result":
+                    result = payload
+                else:
+                    error = payload
+        finally:
+            for proc in procs:
+                if error is not None and proc.is_alive():
+                    proc.terminate()
+                proc.join(timeout=30)
+    del queue
+    if error is not None:
+        raise SystemExit("error: a bench rank failed:\n" + error)
+    return result
+
+
+def _cpu_worker(rank: int, cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, init_method: str,
+                threads: int, queue) -> None:
+    import torch.distributed as dist
+
+    try:
+        os.environ["EP_CPU_NUM_NVLINK_RANKS"] = str(nvlink_ranks)
+        torch.set_num_threads(threads)
+        progress = Progress("", sink=lambda line: queue.put(("progress", line)), enabled=rank == 0)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=cfg.num_ranks,
+                                timeout=datetime.timedelta(seconds=300))
+        group = dist.group.WORLD
+        inputs = [Workload(cfg).inputs(source) for source in range(cfg.num_ranks)] if cfg.check else None
+        out = {}
+        for mode in modes:
+            scaleup = nvlink_ranks if mode == "hybrid" else cfg.num_ranks
+            expected = expected_outputs(cfg, inputs, [rank], scaleup)[rank] if cfg.check else None
+            progress.say(f"{mode} mode: rank {rank} starts")
+            result = _rank_pass(cfg, mode, rank, group, lambda: dist.barrier(group), HostClock(), progress, expected,
+                                torch.device("cpu"), buffer_device="cpu")
+            gathered = [None] * cfg.num_ranks if rank == 0 else None
+            dist.gather_object(result, gathered, dst=0, group=group)
+            out[mode] = gathered
+        if rank == 0:
+            queue.put(("result", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        return
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
