@@ -35,8 +35,8 @@ SPLITS = [(2, 2), (2, 4), (4, 2)]
 def _buffer(group, allow_hybrid_mode: bool = True):
     from deep_ep import ElasticBuffer
     return ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, deterministic=True,
-                         allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=True, prefer_overlap_with_compute=False, sl_idx=0,
-                         num_allocated_qps=0, explicitly_destroy=True,
+                         allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=True,
+                         prefer_overlap_with_compute=False, sl_idx=0, num_allocated_qps=0, explicitly_destroy=True,
                          num_gpu_timeout_secs=float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20")),
                          num_cpu_timeout_secs=60)
 
@@ -105,6 +105,14 @@ def test_emulated_scaleout(split, hybrid):
     done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=hybrid,
                                               do_cpu_sync=(seed + hybrid) % 2 == 0, domains=domains))
     assert done == [len(modes)] * num_ranks
+
+
+def test_emulated_scaleout_without_multiple_reduction():
+    """DeepEP's test with ``--allow-multiple-reduction 0`` is not part of the GPU matrix, across nodes
+    as on one node: said here rather than left out silently."""
+    pytest.skip("allow_multiple_reduction=False: the expanded combine without it is not implemented on the GPU "
+                "(one node too), nor is hybrid combine across nodes; tests/test_deepep_compat_scaleout.py runs "
+                "these modes on the CPU backend across nodes")
 
 
 def _profiler_lines(call, calls: int = 5) -> tuple:
