@@ -204,9 +204,12 @@ def _launch(buffer, name: str, with_previous_event: int, async_with_compute_stre
 # ---------------------------------------------------------------------------------------------- the body
 def run_ep_modes(buffer, device, *, num_tokens: int = 16, hidden: int = 128, num_topk: int = 4,
                  num_experts: int = 16, do_cpu_sync: bool = True, masked_ratio: float = 0.1, seed: int = 0,
-                 modes=None) -> int:
+                 modes=None, order_differs: Optional[list] = None) -> int:
     """Every check of DeepEP's test for each mode (default: all 144) on this rank; returns the number
-    of modes run. ``num_tokens`` is M; rank ``r`` dispatches ``max(1, M - r)`` tokens."""
+    of modes run. ``num_tokens`` is M; rank ``r`` dispatches ``max(1, M - r)`` tokens.
+    ``order_differs``: a list that gets, per mode run in hybrid mode across nodes with multiple
+    reduction, whether the expected combine differs from the flat order's (so a caller can tell that
+    its checks tell the two orders apart)."""
     R, rank = buffer.num_ranks, buffer.rank_idx
     M, H, K, E = num_tokens, hidden, num_topk, num_experts
     L = E // R
@@ -247,6 +250,9 @@ def run_ep_modes(buffer, device, *, num_tokens: int = 16, hidden: int = 128, num
         scaleup = num_scaleup_ranks if multi else 0
         ref_combined_y = reference_combine_deepep(ref_y, topk_idx, R, E, bias, True, scaleup)
         ref_reduced_combined_y = reference_combine_deepep(ref_y, topk_idx, R, E, bias, multi, scaleup)
+        if order_differs is not None and 0 < scaleup < R:
+            flat = reference_combine_deepep(ref_y, topk_idx, R, E, bias, True)
+            order_differs.append(bool((bits(flat) != bits(ref_combined_y)).any()))
 
         # dispatches
         dispatch_args = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, num_sms=num_sms, num_qps=num_qps,
