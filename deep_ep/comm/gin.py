@@ -290,27 +290,48 @@ class EmulatedGinState:
         torch.cuda.current_stream(windows[0].device).synchronize()   # zeroed and copied before any kernel
         self.windows = windows
 
-    def transport_args(self, base_args, rank: int) -> GinTransportArgs:
-        """The GIN kernels' ``TransportArgs`` of ``rank`` (``base_args``: its emulated transport's)."""
+    def _transport_fields(self, base_args, rank: int) -> dict:
+        """The fields of ``rank``'s `GinTransportArgs` (``base_args``: its emulated transport's), by name."""
         # The staging area is addressed from the rank's window (an offset that may be negative here;
         # a real NIC needs it inside the registered window).
         stage = self.staging.data_ptr() + rank * len(self.windows) * self.half_bytes
-        return GinTransportArgs(
-            peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
-            gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
-            half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
-            max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts, node_ranks=self.node_ranks)
+        return dict(peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
+                    gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
+                    half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
+                    max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts,
+                    node_ranks=self.node_ranks)
+
+    def transport_args(self, base_args, rank: int) -> GinTransportArgs:
+        """The GIN kernels' ``TransportArgs`` of ``rank`` (``base_args``: its emulated transport's)."""
+        return GinTransportArgs(**self._transport_fields(base_args, rank))
 
     def hybrid_transport_args(self, base_args, rank: int) -> GinHybridTransportArgs:
-        """The hybrid-mode kernels' ``TransportArgs`` of ``rank``: `transport_args`, then the offsets
-        of the forwarding area and the inbox (the same from every window)."""
-        args = GinHybridTransportArgs()
-        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.transport_args(base_args, rank)),
-                       ctypes.sizeof(GinTransportArgs))
+        """The hybrid-mode kernels' ``TransportArgs`` of ``rank``: `transport_args`' fields, then the
+        offsets of the forwarding area and the inbox (the same from every window). Built field by
+        field: a copy of the bytes of a temporary struct would read memory freed with it."""
         window = self.windows[rank].data_ptr()
-        args.forward_offset = (self.forwarding.data_ptr() + rank * self.num_bytes) - window
-        args.inbox_offset = (self.inbox.data_ptr() + rank * self.num_bytes) - window
-        return args
+        return GinHybridTransportArgs(**self._transport_fields(base_args, rank),
+                                      forward_offset=self.forwarding.data_ptr() + rank * self.num_bytes - window,
+                                      inbox_offset=self.inbox.data_ptr() + rank * self.num_bytes - window)
+
+    def check_transport_args(self, args, base_args, rank: int) -> None:
+        """Raise `RuntimeError` unless ``args`` (the struct ``rank``'s kernels get) holds exactly
+        `transport_args`' fields (and, in hybrid mode, the forwarding and inbox offsets): a kernel
+        given another peer table, rank or GIN state faults or waits on the wrong words."""
+        expected = self.hybrid_transport_args(base_args, rank) if self.hybrid else self.transport_args(base_args, rank)
+        if type(args) is not type(expected):
+            wrong = [f"a {type(args).__name__}, expected a {type(expected).__name__}"]
+        else:
+            wrong = [f"{name} = {getattr(args, name)!r}, expected {getattr(expected, name)!r}"
+                     for name in _field_names(type(expected)) if getattr(args, name) != getattr(expected, name)]
+        if wrong:
+            raise RuntimeError(f"deep_ep: emulated rank {rank}: the kernels' transport arguments differ from the "
+                               f"GIN state's: {'; '.join(wrong)}")
+
+
+def _field_names(struct: type) -> list:
+    """Every field of a ctypes structure, its bases' first (``_fields_`` lists a class's own only)."""
+    return [name for cls in reversed(struct.__mro__) for name, *_ in cls.__dict__.get("_fields_", ())]
 
 
 class EmulatedGinDirectTransport:
@@ -331,6 +352,7 @@ class EmulatedGinDirectTransport:
         self.gin_define = 2 if state.hybrid else 1
         self._nic_args = state.transport_args(base.kernel_args(), base.rank)   # the NIC kernel's (GIN=1)
         self._args = state.hybrid_transport_args(base.kernel_args(), base.rank) if state.hybrid else self._nic_args
+        state.check_transport_args(self._args, base.kernel_args(), base.rank)
         self.nic_blocks = -(-state.num_contexts * self.num_ranks * 32 // NIC_THREADS)
         self._nic_stream = new_stream(self.device)
         self._join = StreamJoin(self.device)
