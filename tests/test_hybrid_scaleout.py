@@ -242,3 +242,91 @@ def test_emulated_gin_kernel_args_check_refuses_a_wrong_field():
             state.check_transport_args(args, base, 1)
     with pytest.raises(RuntimeError, match="GinTransportArgs"):   # the direct struct given to hybrid kernels
         state.check_transport_args(state.transport_args(base, 1), base, 1)
+
+
+class _Recorder:
+    """Fakes of the NIC transport's stream, join, module and base: every call in one list."""
+
+    def __init__(self):
+        self.calls = []
+        self.cuda_stream = 77   # the NIC stream's raw handle
+
+    def wait(self, waiter, producer):
+        self.calls.append(("wait", waiter, producer))
+
+    def function(self, name):
+        return self
+
+    def launch(self, grid, block, args, stream, device):
+        self.calls.append(("nic", grid, stream))
+
+    def destroy(self):
+        self.calls.append(("destroy",))
+
+
+def _nic_transport(recorder):
+    from deep_ep.comm import gin
+    transport = gin.EmulatedGinDirectTransport.__new__(gin.EmulatedGinDirectTransport)
+    transport._nic_stream, transport._join, transport.base = recorder, recorder, recorder
+    transport.nic_blocks, transport._nic_args, transport.rank = 1, gin.GinTransportArgs(), 2
+    transport.device = torch.device("cpu")
+    transport._release_nic = lambda stream, blocks: recorder.calls.append(("release", stream, blocks))
+    return transport
+
+
+def test_nic_is_released_and_joined_when_the_data_launch_fails():
+    """A data kernel that fails to launch leaves its NIC kernel waiting for blocks that never come:
+    the NIC is told they ended, the data stream still waits for it, and the error is passed on."""
+    recorder = _Recorder()
+    transport = _nic_transport(recorder)
+
+    def launch():
+        recorder.calls.append(("data",))
+        raise RuntimeError("launch refused")
+
+    with pytest.raises(RuntimeError, match="launch refused"):
+        transport.launch_data(recorder, 5, 8, launch)
+    assert recorder.calls == [("wait", 77, 5), ("nic", 1, 77), ("data",), ("release", 5, 8), ("wait", 5, 77)]
+    recorder.calls.clear()
+    transport.launch_data(recorder, 5, 8, lambda: recorder.calls.append(("data",)))
+    assert recorder.calls == [("wait", 77, 5), ("nic", 1, 77), ("data",), ("wait", 5, 77)]
+
+
+def test_destroy_keeps_a_nic_stream_whose_kernel_never_ended(monkeypatch):
+    """destroy waits for the NIC's kernels before recycling its stream; one that does not end leaves the
+    stream, the windows and the GIN's memory alive (the kernel may still write them) and raises."""
+    from deep_ep.comm import gin
+    from deep_ep.cuda import streams
+    released = []
+    monkeypatch.setattr(streams, "release_stream", released.append)
+    recorder = _Recorder()
+    transport = _nic_transport(recorder)
+    transport.state, transport.base.windows = _host_gin_state(True), recorder
+    transport.state.timeout_ns = 2_000_000_000
+    assert transport.drain_secs == (gin.NIC_IDLE_TIMEOUTS + 1) * 2 + 5
+    transport._drain_nic = lambda: False
+    kept = len(gin._ABANDONED)
+    with pytest.raises(TimeoutError, match="rank 2: its emulated NIC kernel did not end"):
+        transport.destroy()
+    assert released == [] and transport._nic_stream is None and ("destroy",) in recorder.calls
+    assert len(gin._ABANDONED) == kept + 1 and gin._ABANDONED[-1][1] is transport.state
+    gin._ABANDONED.pop()
+
+
+def test_gin_phase_and_nic_constants_mirror_the_headers():
+    """Rail waits, the NIC's and GIN's own waits name their phase on the host; the NIC's idle limit and
+    each emulated rank's hardware queues (three streams on nodes) are those the code uses."""
+    import re
+
+    from deep_ep import jit
+    from deep_ep.backends.gpu.abi import PHASES
+    from deep_ep.backends.gpu.errors import raise_recorded
+    from deep_ep.comm import gin
+    from deep_ep.emulated import connections_needed
+    comm = jit.locate.deep_ep_include_dir() / "deep_ep" / "comm"
+    assert re.search(r"constexpr int kGinNicIdleTimeouts = (\d+);", (comm / "gin.cuh").read_text()).group(1) == \
+        str(gin.NIC_IDLE_TIMEOUTS)
+    assert [PHASES[p].split(" ")[0] for p in (16, 17, 18, 19, 20)] == ["GIN", "GIN", "emulated", "dispatch", "combine"]
+    with pytest.raises(TimeoutError, match=r"rank 0: peer rank 2 did not arrive .* combine over the network"):
+        raise_recorded((1, 0, 2, 20), 3.0, 16)
+    assert (connections_needed(4, 3), connections_needed(8, 3), connections_needed(16, 2)) == (14, 26, 32)

@@ -24,8 +24,8 @@ from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
-           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings",
-           "EmulatedGinState", "EmulatedGinDirectTransport"]
+           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "NIC_IDLE_TIMEOUTS",
+           "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -193,6 +193,9 @@ def run_selftest(mode: str = "strong", num_ranks: int = 2, num_contexts: int = 2
 
 NIC_KERNEL = "deep_ep_gin_nic"
 NIC_THREADS = 256   # 8 NIC warps per block of the NIC kernel
+#: kGinNicIdleTimeouts of comm/gin.cuh: the NIC gives up after this many GPU timeouts without a put
+#: or the end of its rank's data kernel
+NIC_IDLE_TIMEOUTS = 4
 
 
 class GinTransportArgs(ctypes.Structure):
@@ -257,7 +260,8 @@ class EmulatedGinState:
     Args:
         windows: the ranks' windows (`EmulatedGin`). num_bytes: a window's size.
         num_allocated: contexts allocated (the buffer's ``num_allocated_qps``).
-        settings: `EmulatedGinSettings`. timeout_ns: a put's wait for room and a flush.
+        settings: `EmulatedGinSettings`. timeout_ns: the buffer's GPU timeout, which also bounds a
+            put's wait for room, a flush, and (`NIC_IDLE_TIMEOUTS` of it) the NIC's wait for its rank.
         num_nvlink_ranks: ranks of a node. hybrid: the buffer runs hybrid mode (rail peers only
             through the GIN, whatever ``settings.gin_within_node`` says).
     """
@@ -265,7 +269,7 @@ class EmulatedGinState:
     def __init__(self, windows: list, num_bytes: int, num_allocated: int, settings: EmulatedGinSettings,
                  timeout_ns: int, num_nvlink_ranks: int = 1, hybrid: bool = False) -> None:
         num_ranks = len(windows)
-        self.settings = settings
+        self.settings, self.timeout_ns = settings, timeout_ns
         # hybrid mode: the node's ranks by loads and stores whatever the settings say (only rail
         # peers are reached through the NIC)
         self.hybrid = bool(hybrid)
@@ -367,24 +371,74 @@ class EmulatedGinDirectTransport:
         self.base.host_barrier()
 
     def destroy(self) -> None:
+        """Release the NIC's stream once its kernels have ended, then the window (the last rank out
+        frees the GIN's memory with the windows').
+
+        Raises:
+            TimeoutError: an NIC kernel of this rank did not end within `drain_secs` (its own timeout
+                failed): its stream, the windows and the GIN's memory are kept (the kernel may still
+                write them) and the rest is released.
+        """
         from ..cuda.streams import release_stream
+        stuck = False
         if self._nic_stream is not None:
-            release_stream(self._nic_stream)
+            stuck = not self._drain_nic()
+            if not stuck:
+                release_stream(self._nic_stream)   # never recycled while a kernel may still run on it
             self._nic_stream = None
         self._join.destroy()
-        self.base.destroy()
         windows = self.base.windows
+        if stuck:
+            _ABANDONED.append((windows, self.state))
+            raise TimeoutError(f"deep_ep: emulated rank {self.rank}: its emulated NIC kernel did not end within "
+                               f"{self.drain_secs:.0f} s of the buffer's destroy; its stream and the GIN's memory "
+                               f"are kept")
+        self.base.destroy()
         with windows.lock:
             if windows.refs == 0:
                 windows.gin_state = None   # the last rank out frees the GIN's memory with the windows'
 
+    @property
+    def drain_secs(self) -> float:
+        """How long `destroy` waits for this rank's NIC kernels: past the NIC's own limit on waiting
+        for the data kernel's blocks (kGinNicIdleTimeouts GPU timeouts), plus a margin."""
+        return (NIC_IDLE_TIMEOUTS + 1) * self.state.timeout_ns / 1e9 + 5.0
+
+    def _drain_nic(self) -> bool:
+        """Wait on the host (an event, polled) for the NIC kernels queued on this rank's NIC stream."""
+        from ..cuda.streams import poll_event
+        done = torch.cuda.Event()
+        done.record(self._nic_stream)
+        return poll_event(done, self.drain_secs)
+
     def launch_data(self, nic_module, stream: int, num_user_blocks: int, launch) -> None:
         """Launch this rank's NIC kernel (from ``nic_module``) on its own stream, after the work queued
         on the raw stream ``stream``; then ``launch()`` (the data kernel of ``num_user_blocks`` blocks,
-        on ``stream``); then make ``stream`` wait for the NIC kernel."""
+        on ``stream``); then make ``stream`` wait for the NIC kernel, also when ``launch()`` raised (its
+        error is passed on): the NIC kernel, which ends once the data kernel's blocks have, is then
+        told that they have (a write to its ``done`` word queued on ``stream``)."""
         nic = self._nic_stream.cuda_stream
         self._join.wait(nic, stream)
         nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks)),
                                                stream=nic, device=self.device.index)
-        launch()
-        self._join.wait(stream, nic)
+        try:
+            launch()
+        except BaseException:
+            self._release_nic(stream, num_user_blocks)
+            raise
+        finally:
+            self._join.wait(stream, nic)
+
+    def _release_nic(self, stream: int, num_user_blocks: int) -> None:
+        """Count the data kernel's ``num_user_blocks`` blocks as ended in this rank's NIC ``done`` word
+        (a write queued on the raw ``stream``, which is not behind the NIC kernel)."""
+        from ..cuda.driver import enter_context, leave_context, stream_write_u32
+        previous = enter_context(self.device.index)
+        try:
+            stream_write_u32(stream, self.state.gin.done.data_ptr() + 8 * self.rank, num_user_blocks)
+        finally:
+            leave_context(previous)
+
+
+#: what the destroy of a rank whose NIC kernel never ended keeps alive (the kernel may still write it)
+_ABANDONED: list = []
