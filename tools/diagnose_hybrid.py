@@ -69,7 +69,10 @@ def main() -> int:
         if late:
             print(f"\n!!! stage deadline ({args.stage_secs} s) passed: " + "; ".join(late), flush=True)
             for rank in range(num_ranks):
-                print(probe.report(rank, run), flush=True)
+                try:
+                    print(probe.report(rank, run), flush=True)
+                except Exception as exc:  # noqa: BLE001 - the other ranks' reports still help
+                    print(f"--- rank {rank}: no report ({type(exc).__name__}: {exc})", flush=True)
             os._exit(3)
     if run.error is not None:
         print(f"\nFAILED: {run.error}", flush=True)
@@ -233,8 +236,8 @@ class _Probe:
         from deep_ep.cuda.driver import error_name, stream_query
         lines = [f"--- rank {rank}: stage '{run.stage[rank][0]}'"]
         buf = run.buffers[rank]
-        if buf is None:
-            return lines[0] + " (no buffer yet)"
+        if buf is None or buf.is_destroyed:
+            return lines[0] + (" (no buffer yet)" if buf is None else " (buffer destroyed)")
         backend, transport, num_ranks = buf._backend, buf._backend.transport, self.num_ranks
         for name, stream in (("communication", backend.comm_handle), ("NIC", getattr(transport._nic_stream, "cuda_stream", None))):
             if stream is not None:
