@@ -71,7 +71,8 @@ from . import envs
 from .comm.emulated import EmulatedTransport, EmulatedWindowSet
 from .cuda.streams import new_stream, poll_event, release_stream
 
-__all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "ensure_cuda_settings", "wait_for_stream"]
+__all__ = ["EmulatedGroup", "EmulatedRankGroup", "CollectiveLoadError", "connections_needed", "ensure_cuda_settings",
+           "wait_for_stream"]
 
 MAX_CONNECTIONS = 32  # the most CUDA_DEVICE_MAX_CONNECTIONS allows
 
@@ -103,7 +104,8 @@ class EmulatedGroup:
         # True: buffers run the hybrid kernels across nodes (`hybrid_mode_enabled`). Off: on the H200 their
         # first dispatch (2 nodes x 2) waited past every timeout; until that is found, hybrid mode is refused.
         self._hybrid_mode = False
-        ensure_cuda_settings(num_ranks)
+        # a rank of several emulated nodes has a third stream, its emulated NIC's (comm/gin.py)
+        ensure_cuda_settings(num_ranks, 3 if self.num_nvlink_ranks < num_ranks else 2)
         if not torch.cuda.is_available():
             raise RuntimeError("emulated ranks run on a CUDA device; none is available")
         self.num_ranks = num_ranks
@@ -307,21 +309,29 @@ _wait_events = threading.local()   # per thread: device index -> the event wait_
 _acting = threading.local()        # per thread: the rank `EmulatedGroup.acting_as` stands in for, or None
 
 
-def ensure_cuda_settings(num_ranks: int) -> None:
+def connections_needed(num_ranks: int, streams_per_rank: int = 2) -> int:
+    """CUDA hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) that ``num_ranks`` emulated ranks of
+    ``streams_per_rank`` streams each need: one per stream, two more for torch's own streams, at
+    most the 32 CUDA allows."""
+    return min(streams_per_rank * num_ranks + 2, MAX_CONNECTIONS)
+
+
+def ensure_cuda_settings(num_ranks: int, streams_per_rank: int = 2) -> None:
     """Make CUDA load kernels eagerly and use enough hardware queues for ``num_ranks`` emulated ranks
-    (see the module docstring), or raise if CUDA was initialised without them.
+    of ``streams_per_rank`` streams each (2: compute and communication; 3 on emulated nodes, with
+    the NIC's; see the module docstring), or raise if CUDA was initialised without them.
 
     Sets ``CUDA_MODULE_LOADING=EAGER`` and ``CUDA_DEVICE_MAX_CONNECTIONS=32`` when CUDA is not
     initialised yet (a larger value already set is kept).
 
-    With 16 ranks or more, even 32 queues (the most CUDA allows) are shared by some streams: such
-    groups are accepted, but a rank's work can wait behind another rank's kernel.
+    With 16 ranks or more (10 on emulated nodes), even 32 queues (the most CUDA allows) are shared by
+    some streams: such groups are accepted, but a rank's work can wait behind another rank's kernel.
 
     Raises:
         RuntimeError: CUDA was initialised with lazy loading, or with fewer than
-            ``min(2 * num_ranks + 2, 32)`` connections (8 when the variable is unset).
+            `connections_needed` connections (8 when the variable is unset).
     """
-    need = min(2 * num_ranks + 2, MAX_CONNECTIONS)
+    need = connections_needed(num_ranks, streams_per_rank)
     if not torch.cuda.is_initialized():
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
         if _connections() < MAX_CONNECTIONS:
@@ -400,7 +410,8 @@ class EmulatedRankGroup:
         """Collective over the ranks: the window set shared by this group's next buffer; with several
         nodes, its emulated GIN too (``num_allocated_qps`` contexts, 0: DeepEP's 17 of direct mode),
         for hybrid mode with ``allow_hybrid_mode`` and nodes of several ranks (with one rank per node
-        hybrid mode moves what direct mode moves)."""
+        hybrid mode moves what direct mode moves). ``timeout_ns``: the buffer's GPU timeout, which
+        bounds the emulated GIN's waits (`deep_ep.comm.gin.EmulatedGinState`)."""
         ws = self.parent._windows_for(self._rank, num_bytes)
         transport = EmulatedTransport(ws, self._rank, self.parent.barrier)
         if self.parent.num_nvlink_ranks < self.parent.num_ranks:

@@ -8,9 +8,13 @@
 * A gloo group of 4 acting as 2 nodes x 2 (`EP_CPU_NUM_NVLINK_RANKS=2`): combine in hybrid mode gives
   exactly the reference's hybrid order, direct mode (`allow_hybrid_mode=False`) the flat order, both
   layouts, with biases and weights; dispatch outputs are those of the one-node run.
+* Emulated nodes on a GPU, host side only: every rank's kernel transport arguments (direct and hybrid
+  mode) hold the peer table, rank, GIN state and offsets they are built from, and a struct that
+  differs is refused before any launch.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -178,3 +182,151 @@ def _two_nodes_worker(rank, world_size):
 
 def test_cpu_two_nodes_hybrid_combine_order(tmp_path):
     assert run_gloo_ranks(_two_nodes_worker, RANKS, tmp_path, deadline=200) == {r: 8 for r in range(RANKS)}
+
+
+# ------------------------------------------------------------------ emulated nodes: the kernels' transport arguments
+def _host_gin_state(hybrid: bool, num_ranks: int = 4, node_ranks: int = 2, num_bytes: int = 1 << 14):
+    """An `EmulatedGinState` of host tensors with the attributes its argument builders read (the real
+    one allocates on a GPU): windows of ``num_bytes``, receive halves of 4 KiB after the control region."""
+    from deep_ep.backends.gpu.abi import CTRL_BYTES
+    from deep_ep.comm import gin
+    state = gin.EmulatedGinState.__new__(gin.EmulatedGinState)
+    state.settings = gin.EmulatedGinSettings(seed=1, num_contexts=2)
+    state.hybrid, state.node_ranks, state.num_contexts, state.num_bytes = hybrid, node_ranks, 2, num_bytes
+    state.windows = [torch.zeros(num_bytes, dtype=torch.uint8) for _ in range(num_ranks)]
+    state.recv_offset, state.half_bytes = CTRL_BYTES, 4096
+    state.staging = torch.zeros(num_ranks * num_ranks * state.half_bytes, dtype=torch.uint8)
+    state.forwarding, state.inbox = (torch.zeros(num_ranks * num_bytes, dtype=torch.uint8) for _ in range(2))
+    state.args_bytes = ctypes.sizeof(gin.EmulatedGinArgs)
+    state.rank_args = torch.zeros(num_ranks * state.args_bytes, dtype=torch.uint8)
+    return state
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["direct", "hybrid"])
+def test_emulated_gin_kernel_args_hold_every_field(hybrid):
+    """Every rank's TransportArgs (what the notify, dispatch and combine kernels of emulated nodes get)
+    holds its peer table, rank, GIN state and offsets, built again and again with allocations in
+    between: a byte copy of a temporary struct reads memory freed with it, whose first words (the peer
+    table, the rank) the allocator overwrites, and the first kernel that reads them faults."""
+    from deep_ep.comm import gin
+    from deep_ep.comm.emulated import EmulatedTransportArgs
+    state = _host_gin_state(hybrid)
+    num_ranks, peers = len(state.windows), 0x7F00_0000_1000
+    for attempt in range(200):
+        for rank in range(num_ranks):
+            base = EmulatedTransportArgs(peers, rank, num_ranks)
+            args = state.hybrid_transport_args(base, rank) if hybrid else state.transport_args(base, rank)
+            junk = [bytes(64) + bytes([attempt % 256]) for _ in range(8)]   # reuse freed blocks, as other threads do
+            window = state.windows[rank].data_ptr()
+            assert (args.peers, args.rank, args.num_ranks) == (peers, rank, num_ranks), (attempt, rank)
+            assert args.gin == state.rank_args.data_ptr() + rank * ctypes.sizeof(gin.EmulatedGinArgs)
+            assert args.stage_offset == state.staging.data_ptr() + rank * num_ranks * 4096 - window
+            assert (args.recv_offset, args.half_bytes, args.max_put_bytes) == (state.recv_offset, 4096, 4096)
+            assert (args.num_contexts, args.node_ranks) == (2, 2)
+            if hybrid:
+                assert isinstance(args, gin.GinHybridTransportArgs)
+                assert args.forward_offset == state.forwarding.data_ptr() + rank * state.num_bytes - window
+                assert args.inbox_offset == state.inbox.data_ptr() + rank * state.num_bytes - window
+            state.check_transport_args(args, base, rank)
+            del junk
+
+
+def test_emulated_gin_kernel_args_check_refuses_a_wrong_field():
+    from deep_ep.comm.emulated import EmulatedTransportArgs
+    state = _host_gin_state(True)
+    base = EmulatedTransportArgs(0x7F00_0000_1000, 1, 4)
+    for field, value in [("peers", 1), ("rank", 0), ("num_ranks", 32720), ("inbox_offset", 0)]:
+        args = state.hybrid_transport_args(base, 1)
+        setattr(args, field, value)
+        with pytest.raises(RuntimeError, match=rf"rank 1: .*{field} = {value}"):
+            state.check_transport_args(args, base, 1)
+    with pytest.raises(RuntimeError, match="GinTransportArgs"):   # the direct struct given to hybrid kernels
+        state.check_transport_args(state.transport_args(base, 1), base, 1)
+
+
+class _Recorder:
+    """Fakes of the NIC transport's stream, join, module and base: every call in one list."""
+
+    def __init__(self):
+        self.calls = []
+        self.cuda_stream = 77   # the NIC stream's raw handle
+
+    def wait(self, waiter, producer):
+        self.calls.append(("wait", waiter, producer))
+
+    def function(self, name):
+        return self
+
+    def launch(self, grid, block, args, stream, device):
+        self.calls.append(("nic", grid, stream))
+
+    def destroy(self):
+        self.calls.append(("destroy",))
+
+
+def _nic_transport(recorder):
+    from deep_ep.comm import gin
+    transport = gin.EmulatedGinDirectTransport.__new__(gin.EmulatedGinDirectTransport)
+    transport._nic_stream, transport._join, transport.base = recorder, recorder, recorder
+    transport.nic_blocks, transport._nic_args, transport.rank = 1, gin.GinTransportArgs(), 2
+    transport.device = torch.device("cpu")
+    transport._release_nic = lambda stream, blocks: recorder.calls.append(("release", stream, blocks))
+    return transport
+
+
+def test_nic_is_released_and_joined_when_the_data_launch_fails():
+    """A data kernel that fails to launch leaves its NIC kernel waiting for blocks that never come:
+    the NIC is told they ended, the data stream still waits for it, and the error is passed on."""
+    recorder = _Recorder()
+    transport = _nic_transport(recorder)
+
+    def launch():
+        recorder.calls.append(("data",))
+        raise RuntimeError("launch refused")
+
+    with pytest.raises(RuntimeError, match="launch refused"):
+        transport.launch_data(recorder, 5, 8, launch)
+    assert recorder.calls == [("wait", 77, 5), ("nic", 1, 77), ("data",), ("release", 5, 8), ("wait", 5, 77)]
+    recorder.calls.clear()
+    transport.launch_data(recorder, 5, 8, lambda: recorder.calls.append(("data",)))
+    assert recorder.calls == [("wait", 77, 5), ("nic", 1, 77), ("data",), ("wait", 5, 77)]
+
+
+def test_destroy_keeps_a_nic_stream_whose_kernel_never_ended(monkeypatch):
+    """destroy waits for the NIC's kernels before recycling its stream; one that does not end leaves the
+    stream, the windows and the GIN's memory alive (the kernel may still write them) and raises."""
+    from deep_ep.comm import gin
+    from deep_ep.cuda import streams
+    released = []
+    monkeypatch.setattr(streams, "release_stream", released.append)
+    recorder = _Recorder()
+    transport = _nic_transport(recorder)
+    transport.state, transport.base.windows = _host_gin_state(True), recorder
+    transport.state.timeout_ns = 2_000_000_000
+    assert transport.drain_secs == (gin.NIC_IDLE_TIMEOUTS + 1) * 2 + 5
+    transport._drain_nic = lambda: False
+    kept = len(gin._ABANDONED)
+    with pytest.raises(TimeoutError, match="rank 2: its emulated NIC kernel did not end"):
+        transport.destroy()
+    assert released == [] and transport._nic_stream is None and ("destroy",) in recorder.calls
+    assert len(gin._ABANDONED) == kept + 1 and gin._ABANDONED[-1][1] is transport.state
+    gin._ABANDONED.pop()
+
+
+def test_gin_phase_and_nic_constants_mirror_the_headers():
+    """Rail waits, the NIC's and GIN's own waits name their phase on the host; the NIC's idle limit and
+    each emulated rank's hardware queues (three streams on nodes) are those the code uses."""
+    import re
+
+    from deep_ep import jit
+    from deep_ep.backends.gpu.abi import PHASES
+    from deep_ep.backends.gpu.errors import raise_recorded
+    from deep_ep.comm import gin
+    from deep_ep.emulated import connections_needed
+    comm = jit.locate.deep_ep_include_dir() / "deep_ep" / "comm"
+    assert re.search(r"constexpr int kGinNicIdleTimeouts = (\d+);", (comm / "gin.cuh").read_text()).group(1) == \
+        str(gin.NIC_IDLE_TIMEOUTS)
+    assert [PHASES[p].split(" ")[0] for p in (16, 17, 18, 19, 20)] == ["GIN", "GIN", "emulated", "dispatch", "combine"]
+    with pytest.raises(TimeoutError, match=r"rank 0: peer rank 2 did not arrive .* combine over the network"):
+        raise_recorded((1, 0, 2, 20), 3.0, 16)
+    assert (connections_needed(4, 3), connections_needed(8, 3), connections_needed(16, 2)) == (14, 26, 32)

@@ -24,8 +24,8 @@ from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
-           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "EmulatedGinSettings",
-           "EmulatedGinState", "EmulatedGinDirectTransport"]
+           "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "NIC_IDLE_TIMEOUTS",
+           "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -193,6 +193,9 @@ def run_selftest(mode: str = "strong", num_ranks: int = 2, num_contexts: int = 2
 
 NIC_KERNEL = "deep_ep_gin_nic"
 NIC_THREADS = 256   # 8 NIC warps per block of the NIC kernel
+#: kGinNicIdleTimeouts of comm/gin.cuh: the NIC gives up after this many GPU timeouts without a put
+#: or the end of its rank's data kernel
+NIC_IDLE_TIMEOUTS = 4
 
 
 class GinTransportArgs(ctypes.Structure):
@@ -257,7 +260,8 @@ class EmulatedGinState:
     Args:
         windows: the ranks' windows (`EmulatedGin`). num_bytes: a window's size.
         num_allocated: contexts allocated (the buffer's ``num_allocated_qps``).
-        settings: `EmulatedGinSettings`. timeout_ns: a put's wait for room and a flush.
+        settings: `EmulatedGinSettings`. timeout_ns: the buffer's GPU timeout, which also bounds a
+            put's wait for room, a flush, and (`NIC_IDLE_TIMEOUTS` of it) the NIC's wait for its rank.
         num_nvlink_ranks: ranks of a node. hybrid: the buffer runs hybrid mode (rail peers only
             through the GIN, whatever ``settings.gin_within_node`` says).
     """
@@ -265,7 +269,7 @@ class EmulatedGinState:
     def __init__(self, windows: list, num_bytes: int, num_allocated: int, settings: EmulatedGinSettings,
                  timeout_ns: int, num_nvlink_ranks: int = 1, hybrid: bool = False) -> None:
         num_ranks = len(windows)
-        self.settings = settings
+        self.settings, self.timeout_ns = settings, timeout_ns
         # hybrid mode: the node's ranks by loads and stores whatever the settings say (only rail
         # peers are reached through the NIC)
         self.hybrid = bool(hybrid)
@@ -290,27 +294,48 @@ class EmulatedGinState:
         torch.cuda.current_stream(windows[0].device).synchronize()   # zeroed and copied before any kernel
         self.windows = windows
 
-    def transport_args(self, base_args, rank: int) -> GinTransportArgs:
-        """The GIN kernels' ``TransportArgs`` of ``rank`` (``base_args``: its emulated transport's)."""
+    def _transport_fields(self, base_args, rank: int) -> dict:
+        """The fields of ``rank``'s `GinTransportArgs` (``base_args``: its emulated transport's), by name."""
         # The staging area is addressed from the rank's window (an offset that may be negative here;
         # a real NIC needs it inside the registered window).
         stage = self.staging.data_ptr() + rank * len(self.windows) * self.half_bytes
-        return GinTransportArgs(
-            peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
-            gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
-            half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
-            max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts, node_ranks=self.node_ranks)
+        return dict(peers=base_args.peers, rank=rank, num_ranks=base_args.num_ranks,
+                    gin=self.rank_args.data_ptr() + rank * self.args_bytes, recv_offset=self.recv_offset,
+                    half_bytes=self.half_bytes, stage_offset=stage - self.windows[rank].data_ptr(),
+                    max_put_bytes=self.settings.stage_bytes, num_contexts=self.num_contexts,
+                    node_ranks=self.node_ranks)
+
+    def transport_args(self, base_args, rank: int) -> GinTransportArgs:
+        """The GIN kernels' ``TransportArgs`` of ``rank`` (``base_args``: its emulated transport's)."""
+        return GinTransportArgs(**self._transport_fields(base_args, rank))
 
     def hybrid_transport_args(self, base_args, rank: int) -> GinHybridTransportArgs:
-        """The hybrid-mode kernels' ``TransportArgs`` of ``rank``: `transport_args`, then the offsets
-        of the forwarding area and the inbox (the same from every window)."""
-        args = GinHybridTransportArgs()
-        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self.transport_args(base_args, rank)),
-                       ctypes.sizeof(GinTransportArgs))
+        """The hybrid-mode kernels' ``TransportArgs`` of ``rank``: `transport_args`' fields, then the
+        offsets of the forwarding area and the inbox (the same from every window). Built field by
+        field: a copy of the bytes of a temporary struct would read memory freed with it."""
         window = self.windows[rank].data_ptr()
-        args.forward_offset = (self.forwarding.data_ptr() + rank * self.num_bytes) - window
-        args.inbox_offset = (self.inbox.data_ptr() + rank * self.num_bytes) - window
-        return args
+        return GinHybridTransportArgs(**self._transport_fields(base_args, rank),
+                                      forward_offset=self.forwarding.data_ptr() + rank * self.num_bytes - window,
+                                      inbox_offset=self.inbox.data_ptr() + rank * self.num_bytes - window)
+
+    def check_transport_args(self, args, base_args, rank: int) -> None:
+        """Raise `RuntimeError` unless ``args`` (the struct ``rank``'s kernels get) holds exactly
+        `transport_args`' fields (and, in hybrid mode, the forwarding and inbox offsets): a kernel
+        given another peer table, rank or GIN state faults or waits on the wrong words."""
+        expected = self.hybrid_transport_args(base_args, rank) if self.hybrid else self.transport_args(base_args, rank)
+        if type(args) is not type(expected):
+            wrong = [f"a {type(args).__name__}, expected a {type(expected).__name__}"]
+        else:
+            wrong = [f"{name} = {getattr(args, name)!r}, expected {getattr(expected, name)!r}"
+                     for name in _field_names(type(expected)) if getattr(args, name) != getattr(expected, name)]
+        if wrong:
+            raise RuntimeError(f"deep_ep: emulated rank {rank}: the kernels' transport arguments differ from the "
+                               f"GIN state's: {'; '.join(wrong)}")
+
+
+def _field_names(struct: type) -> list:
+    """Every field of a ctypes structure, its bases' first (``_fields_`` lists a class's own only)."""
+    return [name for cls in reversed(struct.__mro__) for name, *_ in cls.__dict__.get("_fields_", ())]
 
 
 class EmulatedGinDirectTransport:
@@ -331,6 +356,7 @@ class EmulatedGinDirectTransport:
         self.gin_define = 2 if state.hybrid else 1
         self._nic_args = state.transport_args(base.kernel_args(), base.rank)   # the NIC kernel's (GIN=1)
         self._args = state.hybrid_transport_args(base.kernel_args(), base.rank) if state.hybrid else self._nic_args
+        state.check_transport_args(self._args, base.kernel_args(), base.rank)
         self.nic_blocks = -(-state.num_contexts * self.num_ranks * 32 // NIC_THREADS)
         self._nic_stream = new_stream(self.device)
         self._join = StreamJoin(self.device)
@@ -345,24 +371,74 @@ class EmulatedGinDirectTransport:
         self.base.host_barrier()
 
     def destroy(self) -> None:
+        """Release the NIC's stream once its kernels have ended, then the window (the last rank out
+        frees the GIN's memory with the windows').
+
+        Raises:
+            TimeoutError: an NIC kernel of this rank did not end within `drain_secs` (its own timeout
+                failed): its stream, the windows and the GIN's memory are kept (the kernel may still
+                write them) and the rest is released.
+        """
         from ..cuda.streams import release_stream
+        stuck = False
         if self._nic_stream is not None:
-            release_stream(self._nic_stream)
+            stuck = not self._drain_nic()
+            if not stuck:
+                release_stream(self._nic_stream)   # never recycled while a kernel may still run on it
             self._nic_stream = None
         self._join.destroy()
-        self.base.destroy()
         windows = self.base.windows
+        if stuck:
+            _ABANDONED.append((windows, self.state))
+            raise TimeoutError(f"deep_ep: emulated rank {self.rank}: its emulated NIC kernel did not end within "
+                               f"{self.drain_secs:.0f} s of the buffer's destroy; its stream and the GIN's memory "
+                               f"are kept")
+        self.base.destroy()
         with windows.lock:
             if windows.refs == 0:
                 windows.gin_state = None   # the last rank out frees the GIN's memory with the windows'
 
+    @property
+    def drain_secs(self) -> float:
+        """How long `destroy` waits for this rank's NIC kernels: past the NIC's own limit on waiting
+        for the data kernel's blocks (kGinNicIdleTimeouts GPU timeouts), plus a margin."""
+        return (NIC_IDLE_TIMEOUTS + 1) * self.state.timeout_ns / 1e9 + 5.0
+
+    def _drain_nic(self) -> bool:
+        """Wait on the host (an event, polled) for the NIC kernels queued on this rank's NIC stream."""
+        from ..cuda.streams import poll_event
+        done = torch.cuda.Event()
+        done.record(self._nic_stream)
+        return poll_event(done, self.drain_secs)
+
     def launch_data(self, nic_module, stream: int, num_user_blocks: int, launch) -> None:
         """Launch this rank's NIC kernel (from ``nic_module``) on its own stream, after the work queued
         on the raw stream ``stream``; then ``launch()`` (the data kernel of ``num_user_blocks`` blocks,
-        on ``stream``); then make ``stream`` wait for the NIC kernel."""
+        on ``stream``); then make ``stream`` wait for the NIC kernel, also when ``launch()`` raised (its
+        error is passed on): the NIC kernel, which ends once the data kernel's blocks have, is then
+        told that they have (a write to its ``done`` word queued on ``stream``)."""
         nic = self._nic_stream.cuda_stream
         self._join.wait(nic, stream)
         nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks)),
                                                stream=nic, device=self.device.index)
-        launch()
-        self._join.wait(stream, nic)
+        try:
+            launch()
+        except BaseException:
+            self._release_nic(stream, num_user_blocks)
+            raise
+        finally:
+            self._join.wait(stream, nic)
+
+    def _release_nic(self, stream: int, num_user_blocks: int) -> None:
+        """Count the data kernel's ``num_user_blocks`` blocks as ended in this rank's NIC ``done`` word
+        (a write queued on the raw ``stream``, which is not behind the NIC kernel)."""
+        from ..cuda.driver import enter_context, leave_context, stream_write_u32
+        previous = enter_context(self.device.index)
+        try:
+            stream_write_u32(stream, self.state.gin.done.data_ptr() + 8 * self.rank, num_user_blocks)
+        finally:
+            leave_context(previous)
+
+
+#: what the destroy of a rank whose NIC kernel never ended keeps alive (the kernel may still write it)
+_ABANDONED: list = []

@@ -111,6 +111,7 @@ class GPUBackend(Backend):
             # hybrid mode across emulated nodes only where the group allows it (`topology.require_scaleout_support`)
             hybrid = self.config.allow_hybrid_mode and getattr(group, "hybrid_mode_enabled", lambda: False)()
             self.transport = group.make_transport(num_bytes, num_allocated_qps=self.config.num_allocated_qps,
+                                                  timeout_ns=int(self.config.num_gpu_timeout_secs * 1e9),
                                                   **({"allow_hybrid_mode": True} if hybrid else {}))
             self._device = self.transport.device
         else:
@@ -443,7 +444,9 @@ class GPUBackend(Backend):
         if not arrived:
             self.broken = "host timeout"   # kernels of this call may still be queued
             raise TimeoutError(f"deep_ep: rank {self.rank} waited {self.config.num_cpu_timeout_secs} s on the "
-                               f"host for the GPU (num_cpu_timeout_secs); the GPU-side timeout did not fire")
+                               f"host for the GPU (num_cpu_timeout_secs) in phase dispatch notify: the counts of "
+                               f"call {seq} (the notify kernel's report) never came, and the GPU-side timeout "
+                               f"did not fire")
         report = self.readback.ints[:READBACK["counts"] + num_experts // self.num_ranks].tolist()   # header, L counts
         status = report[READBACK["status"]]
         if status == ERR_BAD_EXPERT:

@@ -21,8 +21,8 @@ _COMMON = Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "common"
 _CONSTEXPR = re.compile(r"^\s*constexpr\s+int\s+(k\w+)\s*=\s*([^;]+);")
 
 
-def _read_constants(path: Path) -> dict:
-    values = {}
+def _read_constants(path: Path, known: dict = None) -> dict:
+    values = dict(known or {})
     for line in path.read_text().splitlines():
         m = _CONSTEXPR.match(line)
         if m:
@@ -54,6 +54,14 @@ PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts
           CONSTANTS["kPhaseDispatch"]: "dispatch (waiting for peers' tokens)",
           CONSTANTS["kPhaseCombine"]: "combine (waiting for peers' expert outputs)",
           CONSTANTS["kPhaseBarrier"]: "barrier (waiting for peers)"}
+# the GIN transports' phases (comm/gin.cuh, comm/push.cuh: emulated nodes)
+_GIN = _read_constants(_COMMON.parent / "comm" / "push.cuh", _read_constants(_COMMON.parent / "comm" / "gin.cuh",
+                                                                             CONSTANTS))
+PHASES.update({_GIN["kGinPhasePut"]: "GIN put (waiting for room in a full NIC queue to the peer)",
+               _GIN["kGinPhaseFlush"]: "GIN flush (waiting for the NIC to read this rank's sources)",
+               _GIN["kGinPhaseNic"]: "emulated NIC (waiting for this rank's data kernel to put or end)",
+               _GIN["kPhaseDispatchRail"]: "dispatch forwarding (waiting for rail peers' rows over the network)",
+               _GIN["kPhaseCombineRail"]: "combine over the network (waiting for rail peers' node partials)"})
 
 
 def _layout_words() -> list:

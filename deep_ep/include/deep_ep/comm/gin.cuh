@@ -36,10 +36,16 @@
 
 namespace deep_ep::comm {
 
-// Phases of the emulated GIN's own error records: a put that waited too long for room in a full
-// queue or broke the emulation's limits (kErrCapacity), a flush that waited too long for the NIC.
+// Phases of the GIN's error records (names in deep_ep/backends/gpu/abi.py, PHASES): a put that waited
+// too long for room in a full queue or broke the emulation's limits (kErrCapacity), a flush that
+// waited too long for the NIC.
 constexpr int kGinPhasePut = 16;
 constexpr int kGinPhaseFlush = 17;
+// The emulated NIC gave up: its rank's user blocks neither put nor ended for kGinNicIdleTimeouts
+// GPU timeouts (`EmulatedGinArgs::issue_timeout_ns`). Recorded in the issuing rank's window, the
+// queue's destination as the peer; deep_ep/comm/gin.py mirrors the count.
+constexpr int kGinPhaseNic = 18;
+constexpr int kGinNicIdleTimeouts = 4;
 
 // A signal added to a peer's context when a put lands (signal < 0: none).
 struct GinSignal {
@@ -392,8 +398,13 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
     uint64_t landed_mask = 0;  // bit i: entry landed_prefix + i has landed
     const int depth = a.queue_depth;
     const int batch = a.batch < 1 ? 1 : (a.batch > depth ? depth : a.batch);
+    // The issuers (the user blocks) may go quiet for as long as their own waits last, each bounded by
+    // the GPU timeout, a few in a row; past kGinNicIdleTimeouts of them the NIC gives up.
+    const uint64_t idle_limit_ns = kGinNicIdleTimeouts * a.issue_timeout_ns;
+    uint64_t idle_since = global_timer_ns();  // when this queue last had an entry to gather
     while (true) {
-        // Gather: published entries from `consumed` on, waiting up to linger_ns for a full batch.
+        // Gather: published entries from `consumed` on, waiting up to linger_ns for a full batch. The
+        // warp acts as one: the entries every lane has seen published, and lane 0's decision.
         int ready = 0;
         uint64_t first_seen = 0;
         while (true) {
@@ -402,16 +413,33 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
                 if (ld_acquire_gpu_u64(&entries[index % depth].seq) != index + 1) break;
                 ++ready;
             }
-            if (ready == batch) break;
-            const uint64_t now = global_timer_ns();
-            if (ready > 0) {
-                if (first_seen == 0) first_seen = now;
-                else if (now - first_seen > a.linger_ns) break;
-            } else if (ld_volatile(a.done) >= static_cast<uint32_t>(num_user_blocks)
-                       && ld_acquire_gpu_u64(&queue->issued) == consumed) {
-                return;  // every issuer is done and nothing is left
+            for (int offset = 16; offset > 0; offset >>= 1) ready = min(ready, __shfl_xor_sync(0xffffffffu, ready, offset));
+            int action = 0;  // 0: gather on, 1: land what is ready, 2: every issuer is done and nothing is left,
+                             // 3: no entry and no end for idle_limit_ns
+            if (lane == 0) {
+                const uint64_t now = global_timer_ns();
+                if (ready == batch) {
+                    action = 1;
+                } else if (ready > 0) {
+                    if (first_seen == 0) first_seen = now;
+                    else if (now - first_seen > a.linger_ns) action = 1;
+                } else if (ld_volatile(a.done) >= static_cast<uint32_t>(num_user_blocks)
+                           && ld_acquire_gpu_u64(&queue->issued) == consumed) {
+                    action = 2;
+                } else if (idle_limit_ns != 0 && now - idle_since > idle_limit_ns) {
+                    action = 3;
+                }
             }
+            action = __shfl_sync(0xffffffffu, action, 0);
+            if (action == 1) break;
+            if (action == 3 && lane == 0) {
+                // recorded in the issuing rank's window: its next call raises it (kErrTimeout, this
+                // rank, the queue's destination, kGinPhaseNic)
+                record_error(a.windows[src_rank], kErrTimeout, src_rank, dst_rank, kGinPhaseNic);
+            }
+            if (action >= 2) return;
         }
+        idle_since = global_timer_ns();
         // Read the sources in order, each after a random delay: a source overwritten before flush is
         // read as overwritten.
         for (int i = 0; i < ready; ++i) {

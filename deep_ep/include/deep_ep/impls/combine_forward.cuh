@@ -165,7 +165,7 @@ __device__ __forceinline__ void combine_hybrid_impl(const CombineArgs& a, const 
     combine_stage_partials<kHidden, K, kExpand>(a, tr);
     const bool node_ok = tr.wait_all(kPhaseCombine, a.timeout_ns);
     combine_forward_impl<kHidden, K, kExpand>(a, tr, node_ok);
-    const bool rails_ok = tr.wait_rails(kPhaseCombine, a.timeout_ns);
+    const bool rails_ok = tr.wait_rails(comm::kPhaseCombineRail, a.timeout_ns);
     const bool ok = node_ok && rails_ok && comm::check_tags(my_window, tr.rank, tr.num_ranks, a.tag);
     combine_hybrid_reduce_impl<kHidden, K, kExpand>(a, tr, ok);
     comm::finish_wait(my_window, true, a.err_host);
