@@ -377,6 +377,15 @@ class Module:
             f = self._functions.setdefault(kernel_name, Function(self, kernel_name, symbol))
         return f
 
+    def load(self, device: int) -> None:
+        """Load the module on ``device`` now (``cuModuleLoadData`` waits for the device's work to drain,
+        so callers whose kernels wait on each other load before launching any).
+
+        Raises:
+            LaunchError: the cubin could not be loaded.
+        """
+        self._load(device)
+
     def _load(self, device: int):
         m = self._modules.get(device)
         if m is None:

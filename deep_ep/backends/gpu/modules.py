@@ -172,7 +172,9 @@ def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gi
 
 
 def load_module(mod, device_index: int) -> None:
-    """Load every kernel of ``mod`` on the device now (not at its first launch)."""
+    """Load every kernel of ``mod`` on the device now (not at its first launch). The module itself is
+    loaded first: that is the step that waits for the device, and a cached module may list no kernels."""
+    mod.load(device_index)
     for name in mod.kernel_names():
         mod.function(name).handle(device_index)
 
