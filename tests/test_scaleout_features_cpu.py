@@ -4,10 +4,10 @@
 * EPLB: a hierarchical plan (every group of experts on one node), dispatch to the replicas and
   combine equal bit for bit to the run without replicas, the received counts per replica those of
   the reference;
-* deep_ep.ops: tests/test_ops.py's gradient checks (a flat case with CPU sync, an expanded one
-  without, duplicate experts), the expected combines in the mode's order;
-* torch.compile(fullgraph=True, aot_eager) of tests/test_ops_ranks.py's function: one graph, equal
-  to eager, outputs and gradients.
+* deep_ep.ops: tests/test_ops.py's gradient checks (hybrid mode: expanded without CPU sync, with
+  duplicate experts; direct mode: flat with CPU sync), the expected combines in the mode's order;
+* torch.compile(fullgraph=True, aot_eager) of tests/test_ops_ranks.py's function in hybrid mode: one
+  graph, equal to eager, outputs and gradients.
 
 The helpers at the top (the plan and inputs, the expected results per mode) are shared with
 tests/gpu/test_gpu_scaleout_features.py, which runs the same on emulated nodes.
@@ -124,8 +124,9 @@ def _worker(rank, world):
             checked.append("eplb")
             # test_ops' checks look reference_combine up when they run
             ref.reference_combine = hybrid_combine_order(PER_NODE) if hybrid else flat_combine
+            # a rank without tokens in both; hybrid mode takes the expanded case, direct mode the flat one
             for i, case in enumerate(grads.cases(world)):
-                if case.name.endswith(("flat-sync", "expand-A4-nosync-dup")):   # a rank without tokens in both
+                if case.name.endswith("expand-A4-nosync-dup" if hybrid else "flat-sync"):
                     grads.check_dispatch_grads(buf, case, rank, world, torch.device("cpu"), seed=900 + i)
                     grads.check_combine_grads(buf, case, rank, world, torch.device("cpu"), seed=950 + i)
                     checked.append(case.name)
@@ -142,6 +143,5 @@ def _worker(rank, world):
 
 
 def test_eplb_and_operators_across_cpu_nodes(tmp_path):
-    per_mode = ["eplb", "R4-flat-sync", "R4-expand-A4-nosync-dup"]
-    want = per_mode + ["compile"] + per_mode
+    want = ["eplb", "R4-expand-A4-nosync-dup", "compile", "eplb", "R4-flat-sync"]
     assert run_gloo_ranks(_worker, NODES * PER_NODE, tmp_path, deadline=240) == {r: want for r in range(4)}

@@ -44,6 +44,8 @@ from deep_ep.backends import outputs  # noqa: E402
 from ep_cases import bits_equal  # noqa: E402
 from gpu_cases import case_seed, handle_to_cpu, random_routing, to_cpu  # noqa: E402
 from test_gpu_scaleout import _group as scaleout_group  # noqa: E402
+from test_scaleout_features_cpu import (REPLICA_SLOTS, expected_dispatch, hybrid_combine_order,  # noqa: E402
+                                        replica_case)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -70,22 +72,10 @@ def _id(shape, mode, *more) -> str:
     return "-".join([f"{shape[0]}x{shape[1]}", mode, f"seed{GIN_SEED}", *map(str, more)])
 
 
-def _expected_dispatch(mode: str, per_node: int, *args, **kwargs) -> list:
-    """`reference_dispatch`; in hybrid mode each handle's ``psum_num_recv_tokens_per_scaleup_rank`` per
-    scale-up rank (entry j: the tokens of rank j of every node, DeepEP's hybrid layout)."""
-    results = ref.reference_dispatch(*args, **kwargs)
-    if mode == "hybrid":
-        for e in results:
-            psum = e.handle.psum_num_recv_tokens_per_scaleup_rank
-            counts = torch.diff(psum, prepend=psum.new_zeros(1))
-            e.handle.psum_num_recv_tokens_per_scaleup_rank = torch.cumsum(
-                counts.view(-1, per_node).sum(0), 0).to(torch.int32)
-    return results
-
-
 def _expected_combine(mode: str, per_node: int, *args, **kwargs) -> list:
     """`reference_combine` in the order of the mode: hybrid mode rounds each node's partial."""
-    return ref.reference_combine(*args, num_scaleup_ranks=per_node if mode == "hybrid" else None, **kwargs)
+    combine = hybrid_combine_order(per_node) if mode == "hybrid" else ref.reference_combine
+    return combine(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ CUDA graphs
@@ -111,15 +101,16 @@ def test_graph_replays_fresh_dispatch_and_combine_with_fresh_routing(shape, mode
         return ([torch.randn((t, H), generator=g).to(torch.bfloat16) for t in tokens],
                 [random_routing(t, E, K, g) for t in tokens], [torch.rand((t, K), generator=g) for t in tokens],
                 [torch.randn((t, H), generator=g).to(torch.bfloat16) for t in tokens])
-    first = new_inputs()
+    # on the device before the ranks start: a copy from the host in a rank's thread could stall its peers
+    statics = [dict(x=x.to(dev), idx=idx.to(dev), w=w.to(dev), bias=bias.to(dev))
+               for x, idx, w, bias in zip(*new_inputs())]
+    torch.cuda.synchronize()
 
     def setup(rank_group):
-        rank = rank_group.rank()
-        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
-                                    allow_hybrid_mode=mode == "hybrid", num_gpu_timeout_secs=TIMEOUT,
-                                    num_cpu_timeout_secs=TIMEOUT)
-        static = dict(buf=buf, x=first[0][rank].to(dev), idx=first[1][rank].to(dev), w=first[2][rank].to(dev),
-                      bias=first[3][rank].to(dev))
+        static = statics[rank_group.rank()]
+        static["buf"] = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                                              allow_hybrid_mode=mode == "hybrid", num_gpu_timeout_secs=TIMEOUT,
+                                              num_cpu_timeout_secs=TIMEOUT)
         handle = _graph_step(static, E, M, expand, align, None)[3]   # kernels loaded, the plan made
         static["y"] = torch.zeros((handle.num_recv_rows, H), dtype=torch.bfloat16, device=dev)
         _graph_step(static, E, M, expand, align, static["y"])
@@ -145,8 +136,8 @@ def test_graph_replays_fresh_dispatch_and_combine_with_fresh_routing(shape, mode
                         outputs.fill_poison(t)
             graph.replay()
             torch.cuda.synchronize()
-            exp = _expected_dispatch(mode, per_node, xs, idxs, ws, E, do_expand=expand, expert_alignment=align,
-                                     do_cpu_sync=False, num_max_tokens_per_rank=M)
+            exp = expected_dispatch(mode == "hybrid", per_node, xs, idxs, ws, E, do_expand=expand,
+                                    expert_alignment=align, do_cpu_sync=False, num_max_tokens_per_rank=M)
             want = _expected_combine(mode, per_node, ys, [e.handle for e in exp], None, biases)
             for rank, ((recv_x, recv_idx, recv_w, handle, combined), e) in enumerate(zip(outs, exp)):
                 where = f"replay {replay}, rank {rank} ({tokens[rank]} tokens)"
@@ -174,71 +165,59 @@ def _graph_step(static: dict, num_experts: int, num_max_tokens: int, expand: boo
 
 
 # ------------------------------------------------------------------------------------------------- EPLB
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shape", [(2, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_dispatch_to_replicas_across_nodes(shape, mode):
-    """A hierarchical plan (a group of experts per node) for a skewed load; tokens mapped to replicas
-    on the GPU (equal to the CPU map), dispatched with ``num_experts`` = replicas, experts computed
-    from the logical id, combined: equal bit for bit to the run without replicas on every rank, the
-    values exact in bf16 whatever the summation order (small integers)."""
-    from deep_ep.eplb import ReplicaMap, rebalance_experts
-    nodes, per_node = shape
-    R, E, N, K, H, T = nodes * per_node, 16, 24, 4, 128, 48
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: _id((2, 2), m))
+def test_dispatch_to_replicas_across_nodes(mode):
+    """tests/test_scaleout_features_cpu.py's replica case (a hierarchical plan, a group of experts per
+    node; rank 1 without tokens): the GPU replica map equal to the CPU's; dispatch to the replicas
+    with ``num_experts`` = replicas, experts computed from the logical id, combine: equal bit for bit
+    to the run without replicas on every rank, and the received pairs per replica those of the
+    reference."""
+    from deep_ep.eplb import ReplicaMap
+    nodes, per_node = 2, 2
+    R, E, N = nodes * per_node, 16, REPLICA_SLOTS
     seed = case_seed("scaleout-eplb", nodes, per_node, mode, GIN_SEED)
-    where = f"{_id(shape, mode)}, inputs seed {seed}"
+    where = f"{_id((nodes, per_node), mode)}, inputs seed {seed}"
     dev = torch.device("cuda", 0)
     group = _nodes(nodes, per_node, mode)
-    g = torch.Generator().manual_seed(seed)
-    tokens = [T if r != 1 else 0 for r in range(R)]
-    idx = [torch.rand(t, E, generator=g).argsort(dim=1)[:, :K] for t in tokens]
-    for i in idx:
-        i[torch.rand(i.shape, generator=g) < 0.1] = -1
-    xs = [torch.randint(-1, 2, (t, H), generator=g).to(torch.bfloat16) for t in tokens]
-    ws = [torch.randint(1, 3, (t, K), generator=g).to(torch.float32) for t in tokens]
-    load = torch.ones(E, dtype=torch.float64)
-    load[[1, 9]] = 12.0      # a hot expert in each group
-    p2l, l2p, count = rebalance_experts(load, N, nodes, nodes, R)
-    slots = N // R
-    node_of_slot = torch.arange(N) // slots // per_node
-    for group_idx in range(nodes):   # hierarchical: every group's replicas on one node
-        held = node_of_slot[p2l // (E // nodes) == group_idx].unique()
-        assert held.numel() == 1, f"{where}: expert group {group_idx} on nodes {held.tolist()}, plan {p2l.tolist()}"
-    assert count[1] >= 2 and count[9] >= 2, f"{where}: the hot experts should be replicated, counts {count}"
-    cpu_map = ReplicaMap(p2l, l2p, count)
-    rmap = ReplicaMap(p2l, l2p, count, device=dev)
-    physical = [cpu_map.map(i, token_offset=r * T) for r, i in enumerate(idx)]
+    case = replica_case(nodes, per_node, seed)
+    xs, ws, idx, p2l, T = case["xs"], case["ws"], case["idx"], case["p2l"], max(case["tokens"])
+    rmap = ReplicaMap(p2l, case["l2p"], case["count"], device=dev)
     for r, i in enumerate(idx):   # the GPU map (its kernel loaded before the ranks start spinning)
-        assert torch.equal(rmap.map(i.to(dev), token_offset=r * T).cpu(), physical[r]), f"{where}: rank {r}'s map"
-    torch.cuda.synchronize()
+        got = rmap.map(i.to(dev), token_offset=r * T).cpu()
+        assert torch.equal(got, case["physical"][r]), f"{where}: rank {r}'s replica map"
     want_counts = [e.handle.num_unaligned_recv_tokens_per_expert
-                   for e in ref.reference_dispatch(xs, physical, ws, N)]
+                   for e in ref.reference_dispatch(xs, case["physical"], ws, N)]
+    # on the device before the ranks start: a copy from the host in a rank's thread could stall its peers
+    on_device = [(x.to(dev), i.to(dev), w.to(dev)) for x, i, w in zip(xs, idx, ws)]
+    logical = (torch.arange(E, device=dev), p2l.to(dev))
+    torch.cuda.synchronize()
 
     def body(rank_group):
         r = rank_group.rank()
-        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
-                                    allow_hybrid_mode=mode == "hybrid", num_gpu_timeout_secs=TIMEOUT,
-                                    num_cpu_timeout_secs=TIMEOUT)
+        x, topk, w = on_device[r]
+        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=T, hidden=xs[0].shape[1],
+                                    num_topk=idx[0].shape[1], allow_hybrid_mode=mode == "hybrid",
+                                    num_gpu_timeout_secs=TIMEOUT, num_cpu_timeout_secs=TIMEOUT)
         try:
-            def run(topk, num_experts, logical_of, stats=None):
+            def run(ids, num_experts, logical_of, stats=None):
                 with outputs.poisoned():
                     recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(
-                        xs[r].to(dev), topk, ws[r].to(dev), num_experts=num_experts,
-                        cumulative_local_expert_recv_stats=stats)
+                        x, ids, w, num_experts=num_experts, cumulative_local_expert_recv_stats=stats)
                     local = num_experts // R
                     y = eplb_cpu._experts(recv_x, recv_idx, recv_w, logical_of[r * local:(r + 1) * local])
                     out, _, _ = buf.combine(y, handle)
+                grads.settle(dev)
                 return out.cpu()
-            plain = run(idx[r].to(dev), E, torch.arange(E, device=dev))
-            stats = torch.zeros(slots, dtype=torch.int32, device=dev)
-            replicas = run(rmap.map(idx[r].to(dev), token_offset=r * T), N, p2l.to(dev), stats)
+            plain = run(topk, E, logical[0])
+            stats = torch.zeros(N // R, dtype=torch.int32, device=dev)
+            replicas = run(rmap.map(topk, token_offset=r * T), N, logical[1], stats)
+            grads.settle(dev)
             return plain, replicas, stats.cpu()
         finally:
             buf.destroy()
 
     for r, (plain, replicas, stats) in enumerate(group.run(body)):
-        want = sum(ws[r][:, k:k + 1] * (idx[r][:, k:k + 1] + 1) * (idx[r][:, k:k + 1] >= 0)
-                   for k in range(K)) * xs[r].float()
-        assert bits_equal(plain, want.to(torch.bfloat16)), f"{where}: rank {r}, combine without replicas"
+        assert bits_equal(plain, case["want"][r]), f"{where}: rank {r}, combine without replicas"
         assert bits_equal(replicas, plain), f"{where}: rank {r}, combine through the replicas"
         assert torch.equal(stats, want_counts[r].to(torch.int32)), f"{where}: rank {r}, received per replica"
 
@@ -249,8 +228,7 @@ def hybrid_order(monkeypatch):
     """Makes tests/test_ops.py's expected combines (and dispatch gradients) use the hybrid order of
     nodes of ``per_node`` ranks: ``hybrid_order(per_node)``."""
     def use(per_node: int) -> None:
-        monkeypatch.setattr(ref, "reference_combine",
-                            functools.partial(ref.reference_combine, num_scaleup_ranks=per_node))
+        monkeypatch.setattr(ref, "reference_combine", hybrid_combine_order(per_node))
     return use
 
 
@@ -302,7 +280,7 @@ def test_compiled_operators_equal_eager_across_nodes(mode):
             for i, (got, want) in enumerate(zip(compiled, eager)):
                 got, want = got.cpu(), want.cpu()
                 same = torch.allclose(got, want, rtol=1e-5) if i == 0 else bits_equal(got, want)
-                assert same, f"rank {rank}: output {i} differs between compiled and eager{grads.recorded_gpu_error(buf)}"
+                assert same, f"rank {rank}: output {i} differs from eager{grads.recorded_gpu_error(buf)}"
         finally:
             buf.destroy()
         return True
