@@ -169,7 +169,11 @@ class EPHandle:
         if name in EPHandle.LAZY_FIELDS:
             state = self.__dict__.get("backend_state")
             if state is not None and hasattr(state, "handle_field"):
-                v = self.__dict__[name] = state.handle_field(name)
+                v = state.handle_field(name)
+                # a view follows the state's words (graph replays included); a value computed from
+                # them does not, so it is made again at every access
+                if name not in getattr(state, "computed_fields", ()):
+                    self.__dict__[name] = v
                 return v
             raise AttributeError(f"EPHandle.{name} is made from the handle's backend state on first access, "
                                  f"but backend_state is now {type(state).__name__}: assign the field, or keep "

@@ -155,6 +155,12 @@ class GPUHandleState:
     def src_meta(self) -> torch.Tensor:
         return self._view("src_meta")
 
+    @property
+    def computed_fields(self) -> tuple:
+        """The `EPHandle.LAZY_FIELDS` that `handle_field` computes rather than views (a handle makes
+        them again at every access, so a CUDA graph's replays show in them)."""
+        return ("psum_num_recv_tokens_per_scaleup_rank",) if self.scaleup_ranks else ()
+
     def handle_field(self, name: str) -> torch.Tensor:
         """The `EPHandle` field ``name`` (one of `EPHandle.LAZY_FIELDS`) as a view of this state: a GPU
         dispatch's handle makes them on first access (`EPHandle.with_lazy_fields`), so that a call
