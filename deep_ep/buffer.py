@@ -213,9 +213,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         if not on_cpu and domains.num_rdma_ranks > 1:
             from .comm.nccl import nccl_version
             emulated = hasattr(group, "make_transport")   # emulated nodes: an emulated GIN, no NCCL
-            topology.require_scaleout_support(
-                domains, config.rank, 0 if emulated else nccl_version(), emulated=emulated,
-                emulated_hybrid=emulated and bool(getattr(group, "hybrid_mode_enabled", lambda: False)()))
+            topology.require_scaleout_support(domains, config.rank, 0 if emulated else nccl_version(),
+                                              emulated=emulated)
         self.config = config
         self._backend = make_backend(group, config, device)
         self._resources = self._backend.device_resources()

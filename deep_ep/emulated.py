@@ -23,8 +23,8 @@ host thread (a host-side wait in one rank must not block another)::
 
 Several nodes on one GPU: ``EmulatedGroup(8, num_nvlink_ranks=2)`` (or ``EP_EMULATED_NUM_NVLINK_RANKS=2``)
 makes 4 nodes of 2 ranks (`ElasticBuffer.num_rdma_ranks` 4, ``num_nvlink_ranks`` 2). Buffers of such a
-group run direct mode (``allow_hybrid_mode=False``: every rank of another node is reached directly;
-hybrid mode, the default of `ElasticBuffer`, is refused on emulated nodes for now: docs/scaleout.md);
+group run hybrid mode (the default of `ElasticBuffer`: a token crosses the network once per node, then
+NVLink) or direct mode (``allow_hybrid_mode=False``: every rank of another node is reached directly);
 other nodes are reached through an emulated GIN
 whose NIC lands puts after seeded delays and in a seeded order (``gin_settings``,
 `deep_ep.comm.gin.EmulatedGinSettings`); docs/scaleout.md says what runs.
@@ -101,9 +101,6 @@ class EmulatedGroup:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_nvlink_ranks = _nvlink_ranks(num_ranks, num_nvlink_ranks)
         self.gin_settings = gin_settings
-        # True: buffers run the hybrid kernels across nodes (`hybrid_mode_enabled`). Off: on the H200 their
-        # first dispatch (2 nodes x 2) waited past every timeout; until that is found, hybrid mode is refused.
-        self._hybrid_mode = False
         # a rank of several emulated nodes has a third stream, its emulated NIC's (comm/gin.py)
         ensure_cuda_settings(num_ranks, 3 if self.num_nvlink_ranks < num_ranks else 2)
         if not torch.cuda.is_available():
@@ -398,12 +395,6 @@ class EmulatedRankGroup:
     def num_nvlink_ranks(self) -> int:
         """Ranks of one emulated node (`deep_ep.topology`)."""
         return self.parent.num_nvlink_ranks
-
-    def hybrid_mode_enabled(self) -> bool:
-        """Whether buffers of this group run hybrid mode across emulated nodes when asked to: not by
-        default (they refuse it, docs/scaleout.md says why); the private switch
-        ``EmulatedGroup._hybrid_mode = True`` runs the hybrid kernels (their GPU tests set it)."""
-        return bool(getattr(self.parent, "_hybrid_mode", False))
 
     def make_transport(self, num_bytes: int, num_allocated_qps: int = 0, timeout_ns: int = 2_000_000_000,
                        allow_hybrid_mode: bool = False):

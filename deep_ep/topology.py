@@ -142,34 +142,25 @@ def nccl_version_text(code: int) -> str:
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
-def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emulated: bool = False,
-                             emulated_hybrid: bool = False) -> None:
+def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emulated: bool = False) -> None:
     """Refuse a GPU buffer over more than one NVLink domain that cannot run: GIN needs NCCL >=
     2.28.7, and the NCCL GIN transport is not wired to the kernels yet. Emulated nodes (``emulated``)
-    run direct mode over the emulated GIN, and hybrid mode where the group allows it
-    (``emulated_hybrid``). Every rank of such a group
-    raises the same error (each sees more than one domain), before anything is allocated.
+    run both modes, hybrid and direct, over the emulated GIN. Every rank of a refused group raises
+    the same error (each sees more than one domain), before anything is allocated.
 
     Args:
         domains: the rank's `Domains`. rank: for the message. nccl_version: the loaded libnccl's
             ``ncclGetVersion`` code (not read when ``emulated``). emulated: the group is an
-            `deep_ep.emulated.EmulatedGroup`'s. emulated_hybrid: the emulated group lets its buffers
-            run hybrid mode (`deep_ep.emulated.EmulatedRankGroup.hybrid_mode_enabled`).
+            `deep_ep.emulated.EmulatedGroup`'s.
 
     Raises:
-        RuntimeError: more than one NVLink domain and an NCCL older than 2.28.7.
-        NotImplementedError: more than one NVLink domain in hybrid mode, or on an NCCL group.
+        RuntimeError: more than one NVLink domain on an NCCL group and an NCCL older than 2.28.7.
+        NotImplementedError: more than one NVLink domain on an NCCL group (either mode).
     """
-    if domains.num_rdma_ranks <= 1:
+    if domains.num_rdma_ranks <= 1 or emulated:
         return
     where = (f"rank {rank}: the group spans {domains.num_rdma_ranks} NVLink domains of {domains.num_nvlink_ranks} "
              f"ranks, which needs the scale-out path over NCCL GIN")
-    if emulated:
-        if domains.num_scaleout_ranks > 1 and not emulated_hybrid:
-            raise NotImplementedError(f"{where}: hybrid mode (allow_hybrid_mode=True) does not run on emulated "
-                                      f"nodes yet (its kernels are not working on a GPU); emulated nodes run "
-                                      f"direct mode: pass allow_hybrid_mode=False (docs/scaleout.md)")
-        return
     found = nccl_version_text(nccl_version)
     needed = nccl_version_text(NCCL_GIN_MIN_VERSION)
     if nccl_version < NCCL_GIN_MIN_VERSION:

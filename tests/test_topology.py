@@ -432,14 +432,16 @@ def test_emulated_nodes_report_their_domains(num_ranks, nvlink):
         hybrid = topology.group_domains(_EmulatedRankGroup(nvlink), rank, num_ranks, False)
         assert hybrid.logical == (num_ranks // nvlink, nvlink)
         assert (hybrid.scaleout_rank_idx, hybrid.scaleup_rank_idx) == (rank // nvlink, rank % nvlink)
-        # direct mode runs over the emulated GIN; hybrid mode is refused, naming the fix
+        # both modes run over the emulated GIN
         topology.require_scaleout_support(direct, rank, 0, emulated=True)
+        topology.require_scaleout_support(hybrid, rank, 0, emulated=True)
         if nvlink < num_ranks:
-            with pytest.raises(NotImplementedError, match="allow_hybrid_mode=False"):
-                topology.require_scaleout_support(hybrid, rank, 0, emulated=True)
-            # a real NCCL group over several domains is still refused
-            with pytest.raises(NotImplementedError, match="not built yet"):
-                topology.require_scaleout_support(direct, rank, 22809)
+            # a real NCCL group over several domains is still refused, in either mode
+            for domains, mode in ((direct, "direct"), (hybrid, "hybrid")):
+                with pytest.raises(NotImplementedError, match=f"the {mode}-mode scale-out kernels"):
+                    topology.require_scaleout_support(domains, rank, 22809)
+            with pytest.raises(RuntimeError, match="NCCL >= 2.28.7"):
+                topology.require_scaleout_support(hybrid, rank, 22600)
 
 
 def test_emulated_num_nvlink_ranks_setting(monkeypatch):

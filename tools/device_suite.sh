@@ -7,8 +7,8 @@
 #          EXTRA_FILES="tests/gpu/a.py ..." runs only those);
 #          compat (DeepEP V2's test of ElasticBuffer, all 144 modes: EP=1 on NCCL, 2, 4 and 8 emulated ranks;
 #                  DEEP_EP_DEEPEP_MODES=k runs every k-th mode on emulated ranks);
-#          compat-scaleout (the same test on emulated nodes 2x2, 2x4 and 4x2, direct mode; hybrid too with
-#                  DEEP_EP_GPU_HYBRID=1; every DEEP_EP_DEEPEP_MODES-th mode, 8 unless set; the emulated NIC's
+#          compat-scaleout (the same test on emulated nodes 2x2, 2x4 and 4x2, direct and hybrid mode;
+#                  every DEEP_EP_DEEPEP_MODES-th mode, 8 unless set; the emulated NIC's
 #                  seed from the clock unless DEEP_EP_GIN_SEED is set, in the test ids);
 #          deepep (DeepEP V2's own tests/elastic/test_ep.py, unchanged, one process: tools/run_deepep_tests.sh;
 #                  needs .deepep/ carried to the device; DEEPEP_ARGS are passed on, e.g. "--skip-perf-test";

@@ -1,8 +1,8 @@
 """Hybrid mode on emulated nodes, one stage at a time, each under a host deadline: the stage that does
 not end is named with what every rank's kernels left behind.
 
-One GPU acts as NODES x PER_NODE ranks (`deep_ep.emulated.EmulatedGroup`, hybrid kernels switched on)
-and runs a fresh dispatch with CPU sync, a combine, a cached dispatch and a second combine, each
+One GPU acts as NODES x PER_NODE ranks (`deep_ep.emulated.EmulatedGroup`; hybrid mode, or direct mode
+with ``--direct``) and runs a fresh dispatch with CPU sync, a combine, a cached dispatch and a second combine, each
 checked against `deep_ep.reference` (combine in the hybrid order). Every rank's thread marks its
 stage; the main thread watches. When a rank stays in a stage past ``--stage-secs`` (the kernels'
 own timeout is ``--gpu-timeout``: by then every GPU wait should have given up), it prints for every
@@ -52,7 +52,6 @@ def main() -> int:
     # the group first: it sets CUDA's settings before anything initialises CUDA
     group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), num_nvlink_ranks=args.per_node,
                           gin_settings=EmulatedGinSettings(seed=args.seed, num_contexts=args.contexts))
-    group._hybrid_mode = not args.direct
     mode = "direct" if args.direct else "hybrid"
     print(f"{mode} mode, {args.nodes} nodes x {args.per_node} ranks, NIC seed {args.seed}, {args.contexts} contexts, "
           f"GPU timeout {args.gpu_timeout} s, stage deadline {args.stage_secs} s", flush=True)

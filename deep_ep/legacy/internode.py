@@ -7,8 +7,9 @@ several nodes is "internode"). Low-latency calls run on an
 `ElasticBuffer` in direct mode (``allow_hybrid_mode=False``: DeepEP's low-latency kernels send every
 token straight to its expert's rank) with ``num_allocated_qps = num_qps_per_rank``. Normal mode runs
 on one in hybrid mode (a token crosses the network once per node, then NVLink forwarding, as DeepEP's
-internode kernels): on the CPU backend; on GPU hybrid mode is not built, so a normal-mode Buffer there
-raises `NotImplementedError` at creation, and a low-latency one at its normal-mode calls.
+internode kernels): on the CPU backend; on GPU it is not wired to ElasticBuffer's hybrid mode yet, so a
+normal-mode Buffer there raises `NotImplementedError` at creation, and a low-latency one at its
+normal-mode calls.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ __all__ = ["open_elastic_buffers", "InternodeHandle", "InternodeMethods", "rdma_
 
 #: why normal mode cannot run across nodes on GPU
 GPU_HYBRID_MISSING = ("normal mode (dispatch / combine) across NVLink domains runs DeepEP's internode path, which "
-                      "is ElasticBuffer's hybrid mode (RDMA to one rank per node, then NVLink forwarding); hybrid "
-                      "mode is not built on GPU yet (docs/scaleout.md). Use low_latency_mode=True (direct mode), "
-                      "or the CPU backend")
+                      "is ElasticBuffer's hybrid mode (RDMA to one rank per node, then NVLink forwarding); on GPU "
+                      "the V1 Buffer is not wired to hybrid mode yet (docs/design.md). Use low_latency_mode=True "
+                      "(direct mode), or the CPU backend")
 
 
 def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_latency_mode: bool,

@@ -1,7 +1,7 @@
 """DeepEP V2's test of ElasticBuffer (tests/deepep_cases.py: every check of its tests/elastic/test_ep.py, all
 144 modes) on the GPU backend: one rank on real NCCL, 2, 4 and 8 emulated ranks on one GPU, and emulated
-nodes (`EmulatedGroup(R, num_nvlink_ranks=N)`: 2 x 2, 2 x 4 and 4 x 2) in direct mode and, with
-``DEEP_EP_GPU_HYBRID=1``, hybrid mode (combine checked in DeepEP's hybrid order).
+nodes (`EmulatedGroup(R, num_nvlink_ranks=N)`: 2 x 2, 2 x 4 and 4 x 2) in direct mode and in hybrid
+mode (combine checked in DeepEP's hybrid order).
 
 ``DEEP_EP_DEEPEP_MODES=stride`` runs every stride-th mode on emulated ranks (default 1: all of them).
 The emulated NIC's seed (its delays and landing order, and from it the contexts used, whether a node's
@@ -86,9 +86,6 @@ def test_emulated_scaleout(split, hybrid):
     sync on every other split (by the seed). Every mode of the matrix runs across nodes in both modes:
     none is refused."""
     from deep_ep.emulated import EmulatedGroup
-    if hybrid and os.environ.get("DEEP_EP_GPU_HYBRID") != "1":
-        pytest.skip("hybrid kernels on emulated nodes off (their first dispatch hung on the H200): "
-                    "DEEP_EP_GPU_HYBRID=1 runs them")
     nodes, per_node = split
     num_ranks = nodes * per_node
     split_index = SPLITS.index(split)
@@ -100,7 +97,6 @@ def test_emulated_scaleout(split, hybrid):
           f"(NIC seed {seed}, {nic.num_contexts} contexts, gin_within_node={nic.gin_within_node}), "
           f"{len(modes)} modes (stride {stride})")
     group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), num_nvlink_ranks=per_node, gin_settings=nic)
-    group._hybrid_mode = hybrid      # the private switch: the hybrid kernels across nodes
     domains = (nodes, per_node) if hybrid else (1, num_ranks)
     done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=hybrid,
                                               do_cpu_sync=(seed + hybrid) % 2 == 0, domains=domains))

@@ -6,8 +6,8 @@ as R / 2 nodes of 2 ranks (4 and 8 ranks), the ranks of other nodes reached thro
   scales, UE8M0; two dispatches per case, so both buffer halves; combine from ``x``, zero-copy and
   ``out=``), and rank masks, every element against the spec there. Receive hooks over the GIN are refused
   (`NotImplementedError`, before anything is sent), as are the Buffer's normal-mode calls.
-* Normal mode: refused at Buffer creation (`NotImplementedError` naming hybrid mode, which the GPU
-  does not have yet), on every rank, before anything is allocated.
+* Normal mode: refused at Buffer creation (`NotImplementedError` naming hybrid mode, which the V1
+  Buffer does not use on GPU yet), on every rank, before anything is allocated.
 * A probe, skipped unless ``DEEP_EP_PROBE_GIN_HOOKS=1``: the low-latency cases with receive hooks over
   the GIN, the refusal lifted, to learn whether the send / receive split already works there.
 
@@ -97,7 +97,7 @@ def test_low_latency_across_emulated_nodes(shape):
 
 
 def _normal_mode_body(group, num_ranks, per_node):
-    with pytest.raises(NotImplementedError, match="hybrid mode is not built on GPU"):
+    with pytest.raises(NotImplementedError, match="not wired to hybrid mode"):
         deep_ep.Buffer(group, num_nvl_bytes=1 << 22, explicitly_destroy=True)
     # the group is still usable: a low-latency Buffer after the refusal
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, num_ranks, num_ranks * 2)

@@ -7,13 +7,13 @@ second sends every peer through the NIC on three contexts), runs dispatch + comb
 tests/gpu_cases.py through `test_gpu_backend.run_case`: fresh random inputs per case, outputs poisoned
 first, every element compared with deep_ep.reference (dispatch bit for bit, combine bit for bit in the
 reference's fp32 order), a cached dispatch and a second combine with the same handle. Also checks the
-domains a buffer reports, that the group's switch turns hybrid mode off, and that a GIN wait that
-times out names the rank, the missing peer and the phase.
+domains a buffer reports in either mode, and that a GIN wait that times out names the rank, the
+missing peer and the phase.
 
 Hybrid mode (comm/gin_hybrid.cuh, impls/dispatch_forward.cuh, impls/combine_forward.cuh: a row
 crosses the emulated network once per node, to the rail peer there, which forwards it over NVLink;
-combine's node partials are rounded at that rank) runs the same cases at 2 x 2 and 4 x 2 with both NIC
-seeds, its combine checked in the reference's hybrid order (``num_scaleup_ranks``); a rail wait that
+combine's node partials are rounded at that rank; the default of `ElasticBuffer`) runs the same cases
+at 2 x 1, 2 x 2 and 4 x 2 with both NIC seeds (with one rank per node it moves what direct mode moves), its combine checked in the reference's hybrid order (``num_scaleup_ranks``); a rail wait that
 times out names the rank, the rail peer and the phase. Skipped without a CUDA device; run with
 ``EXTRA_FILES="tests/gpu/test_gpu_scaleout.py" bash tools/device_suite.sh extra``.
 """
@@ -52,23 +52,27 @@ def _group(nodes: int, per_node: int, seed: int, contexts: int, gin_within_node:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_domains_and_hybrid_switched_off(shape):
+def test_domains_of_both_modes(shape):
+    """Hybrid mode (the default) and direct mode are both accepted on emulated nodes; each buffer
+    reports DeepEP's domains and runs the emulated GIN's kernels of its mode (1 direct, 2 hybrid with
+    forwarding within a node of several ranks)."""
     nodes, per_node = shape
-    group = _group(nodes, per_node, 1, 2)
-    assert not group._hybrid_mode   # hybrid mode refused by default (the hybrid tests below switch it on)
 
     def body(rank_group):
-        with pytest.raises(NotImplementedError, match="hybrid mode"):
-            deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4)
-        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4,
-                                    allow_hybrid_mode=False)
-        try:
-            return (buf.num_rdma_ranks, buf.num_nvlink_ranks, buf.num_scaleout_ranks, buf.num_scaleup_ranks)
-        finally:
-            buf.destroy()
+        seen = []
+        for options in ({}, {"allow_hybrid_mode": False}):
+            buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4, **options)
+            try:
+                seen.append((buf.num_rdma_ranks, buf.num_nvlink_ranks, buf.num_scaleout_ranks, buf.num_scaleup_ranks,
+                             buf.scaleout_rank_idx, buf.scaleup_rank_idx, buf._backend.transport_gin))
+            finally:
+                buf.destroy()
+        return seen
 
-    for r, got in enumerate(group.run(body)):
-        assert got == (nodes, per_node, 1, nodes * per_node), f"rank {r}: {got}"
+    for rank, (hybrid, direct) in enumerate(_group(nodes, per_node, 1, 2).run(body)):
+        assert hybrid == (nodes, per_node, nodes, per_node, rank // per_node, rank % per_node,
+                          2 if per_node > 1 else 1), f"rank {rank}: {hybrid}"
+        assert direct == (nodes, per_node, 1, nodes * per_node, 0, rank, 1), f"rank {rank}: {direct}"
 
 
 @pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
@@ -132,14 +136,10 @@ def test_a_gin_wait_times_out_naming_rank_peer_and_phase():
 
 
 # ---------------------------------------------------------------------------------------- hybrid mode
-HYBRID_SHAPES = [(2, 2), (4, 2)]
-# Hybrid mode is refused by default (deep_ep/emulated.py) until these pass on a GPU: they run only
-# when asked for (tools/diagnose_hybrid.py runs one case stage by stage, naming a stage that hangs).
-hybrid_kernels = pytest.mark.skipif(os.environ.get("DEEP_EP_GPU_HYBRID") != "1",
-                                    reason="hybrid kernels off by default; DEEP_EP_GPU_HYBRID=1 runs them")
+# tools/diagnose_hybrid.py runs one case stage by stage, naming a stage that hangs
+HYBRID_SHAPES = [(2, 1), (2, 2), (4, 2)]
 
 
-@hybrid_kernels
 @pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
 @pytest.mark.parametrize("shape", HYBRID_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
@@ -152,7 +152,6 @@ def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
     nodes, per_node = shape
     seed, contexts, gin_within_node = nic
     group = _group(nodes, per_node, seed, contexts, gin_within_node)
-    group._hybrid_mode = True      # the private switch: the hybrid kernels
     cases = [c for c in cases_for(nodes * per_node) if c.name.split("-", 1)[1] in CASE_NAMES]
     assert len(cases) == len(CASE_NAMES)
     dev = torch.device("cuda", 0)
@@ -164,7 +163,7 @@ def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
         finally:
             buf.destroy()
 
-    assert group.run(domains) == [(nodes, per_node, 2)] * (nodes * per_node)
+    assert group.run(domains) == [(nodes, per_node, 2 if per_node > 1 else 1)] * (nodes * per_node)
     # run_case's expected combine in the hybrid order of nodes of `per_node` ranks, and handles whose
     # psum_num_recv_tokens_per_scaleup_rank counts per scale-up rank (DeepEP's hybrid layout)
     monkeypatch.setattr(ref, "reference_combine", functools.partial(ref.reference_combine, num_scaleup_ranks=per_node))
@@ -191,13 +190,11 @@ def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
         case_log(f"{name}: ok")
 
 
-@hybrid_kernels
 def test_a_hybrid_rail_wait_times_out_naming_rank_peer_and_phase():
     """2 nodes x 2: rank 2 (node 1) skips a combine. Rank 0's combine waits for its rail peer's
     signals in vain (rank 2 forwards node 1's partials to it), records the timeout naming that peer,
     and rank 0's next call raises it."""
     group = _group(2, 2, 3, 2)
-    group._hybrid_mode = True      # the private switch: the hybrid kernels
     dev = torch.device("cuda", 0)
     x = torch.randn((8, 256), device=dev).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(16)[:4] for _ in range(8)]).to(dev)

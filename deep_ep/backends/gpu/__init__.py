@@ -108,11 +108,9 @@ class GPUBackend(Backend):
         what the device lends its kernels (SMs, cooperative launches)."""
         self.emulated = hasattr(group, "make_transport")
         if self.emulated:
-            # hybrid mode across emulated nodes only where the group allows it (`topology.require_scaleout_support`)
-            hybrid = self.config.allow_hybrid_mode and getattr(group, "hybrid_mode_enabled", lambda: False)()
             self.transport = group.make_transport(num_bytes, num_allocated_qps=self.config.num_allocated_qps,
                                                   timeout_ns=int(self.config.num_gpu_timeout_secs * 1e9),
-                                                  **({"allow_hybrid_mode": True} if hybrid else {}))
+                                                  allow_hybrid_mode=self.config.allow_hybrid_mode)
             self._device = self.transport.device
         else:
             from ...comm.lsa import NcclLsaTransport
