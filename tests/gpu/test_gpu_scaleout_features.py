@@ -55,17 +55,9 @@ TIMEOUT = 30   # seconds: a rank whose peer never comes reports it well within t
 TOKENS = (24, 0, 17, 9)   # per rank, cycled: rank 1 (and 5) has no tokens
 
 
-def _allow_hybrid(group) -> None:
-    """Hybrid mode across emulated nodes: the group's private switch, where the group still has it."""
-    if hasattr(group, "_hybrid_mode"):
-        group._hybrid_mode = True
-
-
 def _nodes(nodes: int, per_node: int, mode: str, seed: int = GIN_SEED):
-    group = scaleout_group(nodes, per_node, seed, 2)
-    if mode == "hybrid":
-        _allow_hybrid(group)
-    return group
+    """Emulated nodes (both modes run on them; ``mode`` picks the buffers' allow_hybrid_mode)."""
+    return scaleout_group(nodes, per_node, seed, 2)
 
 
 def _id(shape, mode, *more) -> str:
