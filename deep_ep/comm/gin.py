@@ -106,6 +106,13 @@ class EmulatedGin:
         for t in (self.queues, self.entries, self.signals, self.counters, self.done):
             t.zero_()
 
+    def issued(self, rank: int) -> list:
+        """Puts (signals alone included) that rank ``rank`` has issued to each rank so far, summed over
+        the contexts: ``num_ranks`` ints, read from the queues (a copy on the current stream; read them
+        when nothing of the rank runs)."""
+        queues = self.queues.view(self.num_ranks, self.num_contexts, self.num_ranks, QUEUE_BYTES // 8)
+        return queues[rank, :, :, 0].sum(0).tolist()
+
     def full_waits(self) -> list:
         """Puts that found their queue full, per queue (index (source * contexts + context) * ranks + destination)."""
         return self.queues.view(-1, QUEUE_BYTES // 8)[:, 3].tolist()
