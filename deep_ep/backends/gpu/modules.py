@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ... import jit
+from ... import envs, jit
 
 __all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredReceive", "launch_send_phase",
            "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
@@ -93,7 +93,7 @@ def gin_control() -> bool:
     nodes reach the ranks of other nodes through the emulated GIN (comm/gin_control.cuh), each beside
     an NIC kernel of its rank (`launch_control`): yes unless ``DEEP_EP_GIN_CONTROL=0``, which keeps
     them on loads and stores (``EP_GIN_CONTROL=0``; only emulated nodes can reach other nodes so)."""
-    return os.environ.get("DEEP_EP_GIN_CONTROL", "1") != "0"
+    return envs.flag("DEEP_EP_GIN_CONTROL")
 
 
 def _gin(transport_gin: int) -> dict:
