@@ -113,7 +113,7 @@ def test_notify_and_barrier_go_through_gin(shape, nic, mode):
             return ([f - s for f, s in zip(fresh, start)], [c - f for c, f in zip(cached, fresh)],
                     [b - c for b, c in zip(barrier, cached)], recv_x.cpu(), recv_idx.cpu(), cached_x.cpu())
         finally:
-            buf.get_comm_stream().synchronize()
+            buf.destroy()
 
     for rank, (fresh, cached, barrier, recv_x, recv_idx, cached_x) in enumerate(group.run(body)):
         gin_peers = [_through_gin(rank, peer, per_node, hybrid, gin_within_node) for peer in range(num_ranks)]
