@@ -9,7 +9,9 @@ signal trusted for other puts, a source reused before flush) the seeded NIC make
 `EmulatedGinDirectTransport` is the transport of an `deep_ep.emulated.EmulatedGroup` whose ranks form
 several nodes: the dispatch and combine data kernels, built with ``EP_TRANSPORT_GIN=1``, reach every
 other rank through the emulated GIN (``comm/gin_direct.cuh``), and each data kernel of a rank runs
-next to an NIC kernel of that rank (``kernels/gin_nic.cuh``) on a stream of its own. In hybrid mode
+next to an NIC kernel of that rank (``kernels/gin_nic.cuh``) on a stream of its own; so do the control
+kernels (a dispatch's notify stage, the GPU barrier: ``comm/gin_control.cuh``,
+`deep_ep.backends.gpu.modules.launch_control`), which reach other nodes through it too. In hybrid mode
 (``EP_TRANSPORT_GIN=2``, ``comm/gin_hybrid.cuh``) the same class reaches only the rail peers through
 the GIN, and the state holds each rank's forwarding area and inbox.
 """
@@ -105,6 +107,13 @@ class EmulatedGin:
         """Zero every queue, signal and counter (between launches; nothing may be in flight)."""
         for t in (self.queues, self.entries, self.signals, self.counters, self.done):
             t.zero_()
+
+    def issued(self, rank: int) -> list:
+        """Puts (signals alone included) that rank ``rank`` has issued to each rank so far, summed over
+        the contexts: ``num_ranks`` ints, read from the queues (a copy on the current stream; read them
+        when nothing of the rank runs)."""
+        queues = self.queues.view(self.num_ranks, self.num_contexts, self.num_ranks, QUEUE_BYTES // 8)
+        return queues[rank, :, :, 0].sum(0).tolist()
 
     def full_waits(self) -> list:
         """Puts that found their queue full, per queue (index (source * contexts + context) * ranks + destination)."""
@@ -341,8 +350,8 @@ def _field_names(struct: type) -> list:
 class EmulatedGinDirectTransport:
     """One emulated rank's transport when the group's ranks form several nodes: the window of
     ``base`` (a `deep_ep.comm.emulated.EmulatedTransport`), and the emulated GIN of ``state``
-    (`EmulatedGinState`) for the data kernels, each launched next to this rank's NIC kernel
-    (`launch_data`). Same interface as `deep_ep.comm.transport.Transport`, plus ``gin_define`` (the
+    (`EmulatedGinState`) for the data and control kernels, each launched next to this rank's NIC
+    kernel (`launch_data`). Same interface as `deep_ep.comm.transport.Transport`, plus ``gin_define`` (the
     kernels' ``EP_TRANSPORT_GIN``) and ``nic_blocks`` (blocks of the NIC kernel, on SMs of their own).
     """
 

@@ -34,7 +34,7 @@ from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
 from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, dispatch_defines,
-                      kernel_source, load_module, num_modules_built, tunable_defines)
+                      kernel_source, launch_control, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
 
 __all__ = ["GPUBackend", "CallRecord", "GPUHandleState", "kernel_source", "dispatch_defines", "combine_defines",
@@ -280,10 +280,10 @@ class GPUBackend(Backend):
         """Queue a barrier across the ranks on the raw stream ``stream_handle``: a kernel that signals
         every peer and waits for every peer's signal (the buffer's GPU timeout applies)."""
         self.raise_if_broken()
-        module = self.module("barrier", ())
-        module.function(BARRIER_KERNEL).launch(
-            1, 128, (self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr),
-                     call_tag(self.calls, 4)), stream=stream_handle, device=self._device.index)
+        kernel, args = self.module("barrier", ()).function(BARRIER_KERNEL), (
+            self.transport_args, jit.u64(self.timeout_ns), jit.ptr(self.err_record.device_ptr), call_tag(self.calls, 4))
+        launch_control(self, stream_handle, 1, lambda: kernel.launch(1, 128, args, stream=stream_handle,
+                                                                     device=self._device.index))
 
     def destroy(self) -> None:
         """Wait for this rank's kernels, release the window (collective for NCCL) and the stream."""

@@ -7,7 +7,8 @@ Flow of one non-cached dispatch (every kernel on the buffer's communication stre
    tokens per destination rank and pairs per expert, checks the expert ids, copies them for the
    handle (``do_handle_copy``), and writes its count row into every peer's window; its last block
    signals the peers, then waits for every peer's counts and writes the handle's layout words (the
-   layout stage, in the same kernel).
+   layout stage, in the same kernel). On emulated nodes the ranks of other nodes get the count row
+   through the emulated GIN, this rank's NIC kernel beside the notify kernel (`modules.launch_control`).
 2. With ``do_cpu_sync`` the layout stage also writes the received row counts to mapped host memory,
    which the host polls (`GPUBackend.wait_readback`), then allocates exact outputs; without it the
    outputs are sized for the worst case and nothing waits on the host.
@@ -254,8 +255,9 @@ def _launch_notify(call: DispatchCall) -> None:
     notify_tag, layout_tag, data_tag = plan.tags
     notify_tag.seq = layout_tag.seq = data_tag.seq = backend.calls & 0xFFFFFFFF
     record.launched_call = backend.calls
-    try:
-        plan.notify.launch(backend.launch_stream, call.notify_blocks)
+    try:   # on emulated nodes beside this rank's NIC kernel (its counts reach other nodes through it)
+        stream, blocks = backend.launch_stream, call.notify_blocks
+        modules.launch_control(backend, stream, blocks, lambda: plan.notify.launch(stream, blocks))
     except jit.LaunchError as exc:
         if "COOPERATIVE_LAUNCH_TOO_LARGE" in str(exc):
             raise _NotifyRefused(call.notify_blocks) from exc

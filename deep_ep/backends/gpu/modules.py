@@ -10,16 +10,14 @@ from __future__ import annotations
 import os
 import threading
 
-from ... import jit
+from ... import envs, jit
 
 __all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredReceive", "launch_send_phase",
            "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
            "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL",
            "ENGRAM_GATHER_KERNEL", "ENGRAM_STORE_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
            "dispatch_defines", "combine_defines", "barrier_defines", "pp_defines", "agrs_defines", "engram_defines",
-           "build_module",
-           "load_module",
-           "num_modules_built"]
+           "gin_control", "build_module", "launch_control", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
@@ -90,10 +88,23 @@ def tunable_defines() -> dict:
     return out
 
 
+def gin_control() -> bool:
+    """Whether the control kernels (a dispatch's notify and layout stages, the GPU barrier) of emulated
+    nodes reach the ranks of other nodes through the emulated GIN (comm/gin_control.cuh), each beside
+    an NIC kernel of its rank (`launch_control`): yes unless ``DEEP_EP_GIN_CONTROL=0``, which keeps
+    them on loads and stores (``EP_GIN_CONTROL=0``; only emulated nodes can reach other nodes so)."""
+    return envs.flag("DEEP_EP_GIN_CONTROL")
+
+
+def _gin(transport_gin: int) -> dict:
+    # emulated nodes (comm/transport.cuh): 1 direct mode, 2 hybrid mode; EP_GIN_CONTROL named only when off
+    if not transport_gin:
+        return {}
+    return {"EP_TRANSPORT_GIN": int(transport_gin), **({} if gin_control() else {"EP_GIN_CONTROL": 0})}
+
+
 def _common(transport_nccl: bool, transport_gin: int = 0) -> dict:
-    # emulated nodes (comm/transport.cuh): 1 direct mode, 2 hybrid mode
-    gin = {"EP_TRANSPORT_GIN": int(transport_gin)} if transport_gin else {}
-    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, **gin,
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl), "EP_THREADS": THREADS, **_gin(transport_gin),
             **tunable_defines()}
 
 
@@ -125,9 +136,9 @@ def gin_nic_defines(transport_nccl: bool = False, transport_gin: int = 1) -> dic
     return {"EP_TRANSPORT_NCCL": 0, "EP_TRANSPORT_GIN": 1}
 
 
-def barrier_defines(transport_nccl: bool = False) -> dict:
-    """Defines of the control module (the GPU barrier)."""
-    return {"EP_TRANSPORT_NCCL": int(transport_nccl)}
+def barrier_defines(transport_nccl: bool = False, transport_gin: int = 0) -> dict:
+    """Defines of the control module (the GPU barrier); ``transport_gin`` as in `dispatch_defines`."""
+    return {"EP_TRANSPORT_NCCL": int(transport_nccl), **_gin(transport_gin)}
 
 
 def pp_defines(transport_nccl: bool = False) -> dict:
@@ -147,7 +158,7 @@ def engram_defines(transport_nccl: bool = False) -> dict:
 
 _DEFINES = {"dispatch": dispatch_defines, "combine": combine_defines, "barrier": barrier_defines,
             "pp": pp_defines, "agrs": agrs_defines, "engram": engram_defines, "gin_nic": gin_nic_defines}
-_GIN_KINDS = ("dispatch", "combine", "gin_nic")   # the kinds built for the emulated GIN
+_GIN_KINDS = ("dispatch", "combine", "barrier", "gin_nic")   # the kinds built for the emulated GIN
 _modules: dict = {}
 _modules_lock = threading.Lock()
 
@@ -169,6 +180,18 @@ def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gi
                 mod = jit.build(name, kernel_source(kind), defines=defines, use_nccl=transport_nccl)
                 _modules[key] = mod
     return key, mod
+
+
+def launch_control(backend, stream: int, num_blocks: int, launch) -> None:
+    """Call ``launch()``, which launches a control kernel of ``backend`` (a dispatch's notify kernel,
+    the GPU barrier) of ``num_blocks`` blocks on the raw stream ``stream``. On emulated nodes (with
+    `gin_control`) the kernel's puts to other nodes need this rank's emulated NIC, which runs only
+    beside a kernel that counts its blocks in it (comm/gin_control.cuh's ``end_block``): it is launched
+    as a data kernel's is (`deep_ep.comm.gin.EmulatedGinDirectTransport.launch_data`)."""
+    if backend.transport_gin and gin_control():
+        backend.transport.launch_data(backend.module("gin_nic", ()), stream, num_blocks, launch)
+    else:
+        launch()
 
 
 def load_module(mod, device_index: int) -> None:

@@ -5,10 +5,13 @@
 //   EP_TRANSPORT_NCCL=0: ranks emulated on one GPU, window slices of one allocation.
 // EP_TRANSPORT_GIN=1 (emulated ranks only): the data kernels' transport is comm/gin_direct.cuh over
 // the emulated GIN, whose state `TransportArgs::gin` points at (deep_ep/comm/gin.py lays it out);
-// `make_data_transport` is what the dispatch and combine data kernels call, `make_transport` the
-// kernels that still reach every peer by loads and stores (notify, barrier).
+// `make_data_transport` is what the dispatch and combine data kernels call, `make_control_transport`
+// the control kernels (notify and layout, barrier: comm/gin_control.cuh), `make_transport` the
+// kernels that reach every peer by loads and stores (pp, agrs, engram).
 // EP_TRANSPORT_GIN=2 (emulated nodes in hybrid mode): the data kernels' transport is
 // comm/gin_hybrid.cuh, and TransportArgs ends with the forwarding area's offset.
+// EP_GIN_CONTROL=0 (a switch, default 1): the control kernels reach every peer by loads and stores
+// even with EP_TRANSPORT_GIN (only emulated nodes can); the host launches no NIC beside them then.
 #pragma once
 
 #include "lsa.cuh"
@@ -20,9 +23,11 @@
 #ifndef EP_TRANSPORT_GIN
 #define EP_TRANSPORT_GIN 0
 #endif
+#ifndef EP_GIN_CONTROL
+#define EP_GIN_CONTROL 1
+#endif
 #if EP_TRANSPORT_GIN
-#include "gin_direct.cuh"
-#include "gin_hybrid.cuh"
+#include "gin_control.cuh"
 #endif
 
 #if EP_TRANSPORT_NCCL
@@ -104,6 +109,31 @@ __device__ __forceinline__ LsaTransport make_data_transport(const TransportArgs&
     return make_transport(t, table);
 }
 #endif
+
+// The control kernels' transport: the scale-out one's control form (comm/gin_control.cuh) on emulated
+// nodes, else the loads and stores of LsaTransport. `set_control_region` names the bytes each rank
+// sends (`bytes` at `offset + rank * stride` of every window); `end_control_block` ends every block.
+#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL && EP_GIN_CONTROL
+using ControlTransport = GinControlTransport<DataTransport>;
+
+__device__ __forceinline__ ControlTransport make_control_transport(const TransportArgs& t, uint8_t** table) {
+    ControlTransport tr;
+    tr.net = make_data_transport(t, table);
+    tr.rank = t.rank;
+    tr.num_ranks = t.num_ranks;
+    return tr;
+}
+#else
+using ControlTransport = LsaTransport;
+
+__device__ __forceinline__ LsaTransport make_control_transport(const TransportArgs& t, uint8_t** table) {
+    return make_transport(t, table);
+}
+#endif
+
+// LsaTransport stores every peer's bytes where they belong, and its blocks have no NIC to tell.
+__device__ __forceinline__ void set_control_region(LsaTransport&, int64_t, int64_t, int) {}
+__device__ __forceinline__ void end_control_block(const LsaTransport&) {}
 
 // At the end of every block of a data kernel: what the transport does once the kernel's phases are over.
 template <typename Transport>

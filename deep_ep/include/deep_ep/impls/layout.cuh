@@ -38,8 +38,9 @@ __device__ __forceinline__ int first_bad_source(const int* C, int R, int row, in
 }
 
 // ``scratch``: 3 R + L + 2 E ints of shared memory that no other thread of the block uses any more.
-__device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, const comm::LsaTransport& tr,
-                                            int* scratch) {
+// `Transport`: the notify stage's (impls/notify.cuh).
+template <typename Transport>
+__device__ __forceinline__ void layout_impl(const LayoutArgs& a, bool expand, const Transport& tr, int* scratch) {
     const int rank = tr.rank, num_ranks = tr.num_ranks, num_experts = a.num_experts, alignment = a.alignment;
     int* __restrict__ layout = a.layout;
     int* __restrict__ cumulative_stats = a.cumulative_stats;

@@ -2,6 +2,9 @@
 // pos_tok[t, d] is t's index among s's tokens to rank d (-1: not sent); expanded, pos_pair[t, k] the
 // pair's index among s's pairs for its expert (-1: masked); every peer's window gets s's count row.
 // All blocks must be resident at once (grid barriers); the last to finish signals every peer.
+// `Transport`: LsaTransport (stores into every peer's row), or on several nodes the control form of
+// the scale-out transport (comm/gin_control.cuh: stores into the node's ranks, and the row, kept in
+// this rank's own window, goes to the other nodes whole with the signal).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -138,8 +141,8 @@ __device__ __forceinline__ void notify_prefix_columns(int* counts, int cols, int
 // Expert ids outside [-1, E) count as masked; the first one is published with the counts, so every
 // rank's layout stage sees it and the call moves nothing (kErrBadExpert). Returns true in the block
 // that finished last (and signalled the peers).
-template <int K, bool kExpand>
-__device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::LsaTransport& tr) {
+template <int K, bool kExpand, typename Transport>
+__device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const Transport& tr) {
     const int R = tr.num_ranks, rank = tr.rank, E = a.num_experts, L = E / R;
     const int cols = R + E;
     const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
@@ -187,7 +190,7 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
         for (int j = 0; j < kNotifyColumnsAtOnce; ++j) {
             const int c = c0 + j * num_groups;
             if (c < cols)
-                for (int p = lane; p < R; p += 32) tr.put<int>(p, my_row + 4 * c, totals[j]);
+                for (int p = lane; p < R; p += 32) tr.template put<int>(p, my_row + 4 * c, totals[j]);
         }
     }
     if (ok && group == 0) {
@@ -199,8 +202,8 @@ __device__ __forceinline__ bool notify_impl(const NotifyArgs& a, const comm::Lsa
             value = static_cast<int>(max(static_cast<int64_t>(-0x7fffffff), min(e, static_cast<int64_t>(0x7fffffff))));
         }
         for (int p = lane; p < R; p += 32) {
-            tr.put<int>(p, my_row + 4 * cols, any ? bad : -1);
-            tr.put<int>(p, my_row + 4 * (cols + 1), value);
+            tr.template put<int>(p, my_row + 4 * cols, any ? bad : -1);
+            tr.template put<int>(p, my_row + 4 * (cols + 1), value);
         }
         if (lane == 0) a.scratch[kNotifyBadIndex] = 0x7fffffff;  // for the next call (read by this warp only)
     }

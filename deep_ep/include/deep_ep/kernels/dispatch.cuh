@@ -21,15 +21,19 @@
 
 // Notify and layout in one launch; all blocks resident, as they meet at grid barriers
 // (impls/notify.cuh). The block that finishes last signals the peers, then waits for theirs and
-// writes the layout (impls/layout.cuh) after the other blocks have exited.
+// writes the layout (impls/layout.cuh) after the other blocks have exited. On emulated nodes the
+// ranks of other nodes are reached through GIN (comm/gin_control.cuh), a NIC kernel beside it.
 extern "C" __global__ void __launch_bounds__(deep_ep::kNotifyWarps * 32, 1) deep_ep_notify(
         deep_ep::NotifyArgs a, deep_ep::LayoutArgs layout, deep_ep::comm::TransportArgs transport) {
     EP_TRANSPORT_TABLE(peers);
-    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::comm::ControlTransport tr = deep_ep::comm::make_control_transport(transport, peers);
+    const int row_bytes = 4 * (tr.num_ranks + a.num_experts + deep_ep::kCountsExtraWords);   // a count row
+    deep_ep::comm::set_control_region(tr, a.counts_offset, row_bytes, row_bytes);
     // The layout stage reuses the notify stage's dynamic shared memory ([kNotifyWarps][R + E] ints, more
     // than the 3 R + L + 2 E it needs), whose counts are dead once the block has numbered its tokens.
     extern __shared__ int smem[];
     if (deep_ep::notify_impl<EP_TOPK, EP_EXPAND != 0>(a, tr)) deep_ep::layout_impl(layout, EP_EXPAND != 0, tr, smem);
+    deep_ep::comm::end_control_block(tr);
 }
 
 namespace deep_ep {

@@ -1,8 +1,9 @@
 // The emulated NIC of one rank (comm/gin.cuh's `emulated_gin_nic`), a kernel of its own: emulated
 // ranks launch their data kernels separately, so a rank's outgoing queues are drained by this kernel,
-// launched on a stream of its own next to each of the rank's data kernels (deep_ep/comm/gin.py). One
-// warp per (context used, destination); it ends once the data kernel's blocks have all ended
-// (`GinDirectTransport::end_block`) and its queues are empty, or after recording kGinPhaseNic when
+// launched on a stream of its own next to each of the rank's data kernels (deep_ep/comm/gin.py) and
+// control kernels (notify, barrier: deep_ep/backends/gpu/modules.py's launch_control). One warp per
+// (context used, destination); it ends once the kernel's blocks have all ended (the transports'
+// `end_block`, comm/gin_direct.cuh, comm/gin_control.cuh) and its queues are empty, or after recording kGinPhaseNic when
 // they neither put nor ended for kGinNicIdleTimeouts GPU timeouts, and its last warp zeroes the
 // rank's `done` words for the next launch. Built with EP_TRANSPORT_GIN=1 (comm/transport.cuh).
 #pragma once
