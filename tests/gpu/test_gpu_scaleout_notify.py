@@ -41,12 +41,9 @@ def _group(nodes: int, per_node: int, nic, hybrid: bool):
     from deep_ep.comm.gin import EmulatedGinSettings
     from deep_ep.emulated import EmulatedGroup
     seed, contexts, gin_within_node, stage_bytes = nic
-    group = EmulatedGroup(nodes * per_node, device=torch.device("cuda", 0), num_nvlink_ranks=per_node,
-                          gin_settings=EmulatedGinSettings(seed=seed, num_contexts=contexts, stage_bytes=stage_bytes,
-                                                           gin_within_node=gin_within_node))
-    if hybrid and hasattr(group, "_hybrid_mode"):
-        group._hybrid_mode = True   # the private switch, where hybrid mode is not yet on by default
-    return group
+    return EmulatedGroup(nodes * per_node, device=torch.device("cuda", 0), num_nvlink_ranks=per_node,
+                         gin_settings=EmulatedGinSettings(seed=seed, num_contexts=contexts, stage_bytes=stage_bytes,
+                                                          gin_within_node=gin_within_node))
 
 
 def _through_gin(rank: int, peer: int, per_node: int, hybrid: bool, gin_within_node: bool) -> bool:
