@@ -677,3 +677,12 @@ def test_backend_rewords_a_refused_cooperative_launch():
                                               r"no longer be used .* smaller num_sms"):
         GPUBackend.launch_data(fake, Refused("... (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too many blocks)"), 132)
     assert fake.broken == "cooperative launch refused"   # later calls raise before launching anything
+
+
+def test_kernel_names_from_the_cubin_without_ptxas_info():
+    """A module whose compiler log named no kernel lists them from the cubin's entry symbols (its
+    loads and handles then cover every kernel)."""
+    from deep_ep.jit.runtime import Module
+    mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
+    assert Module(mod.name, mod.cubin, mod.key, None, {}).kernel_names() == ["axpy"]
+    assert Module("junk", b"not an image", "key", None, {}).kernel_names() == []

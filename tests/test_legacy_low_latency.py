@@ -511,6 +511,18 @@ def test_bench_legacy_ll_needs_a_gpu():
         main(["bench", "--legacy-ll"])
 
 
+def test_bench_sizes_its_matmul_without_every_graph_timing(capsys):
+    """The bench's matmul follows the longest timed call; a missing time (a failed capture) leaves
+    the rows as they are, with a warning, instead of failing on NaN."""
+    from deep_ep.bench.legacy_ll import _matmul_rows
+    assert _matmul_rows((52.7, 47.9), 48.1, 1024) == 1088
+    assert _matmul_rows((math.nan, 47.9), 47.9, 1024) == 1024
+    assert capsys.readouterr().out == ""
+    assert _matmul_rows((math.nan, math.nan), 48.1, 1024) == 1024
+    assert _matmul_rows((52.7, 47.9), math.nan, 512) == 512
+    assert capsys.readouterr().out.count("no graph timing") == 2
+
+
 def test_reduce_kernel_compiles():
     """The combine's kernels (kernels/ll_reduce.cuh: the rows' gather, the weighted top-k sum) compile
     under NVRTC without spills, one module for every shape."""
@@ -575,3 +587,78 @@ def test_no_pass_over_the_whole_layout(tmp_path):
     makes a tensor of the layout's size (the regression the GPU's timing would show)."""
     results = run_gloo_ranks(_traffic_worker, 1, tmp_path, deadline=120)
     assert set(results[0]) <= _LAYOUT_SIZED_OK, results
+
+
+# ---------------------------------------------------------------- kernel loads before a call's launches
+class _LoadingGroup:
+    """An emulated rank's group as the kernel loads see it: ``load_collectively`` records its keys."""
+
+    def __init__(self):
+        self.keys = []
+
+    def load_collectively(self, key, load):
+        self.keys.append(key)
+        load()
+
+
+def _loading_state(group):
+    from deep_ep.legacy.ll_state import LowLatencyState
+    state = LowLatencyState()
+    state.group = group
+    return state
+
+
+def _record_kernel_loads(monkeypatch) -> list:
+    from deep_ep.legacy import ll_layout, ll_reduce
+    loads = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ll_reduce, "load_kernel", lambda device: loads.append(("reduce", device.index)))
+    monkeypatch.setattr(ll_layout, "load_kernels", lambda device: loads.append(("layout", device.index)))
+    return loads
+
+
+def test_emulated_ranks_load_the_kernels_together_once_per_buffer(monkeypatch):
+    """On emulated ranks the layout and reduce kernels load at the group's collective load, at a
+    Buffer's first dispatch only (every rank's Buffer calls it then); later calls load nothing."""
+    loads = _record_kernel_loads(monkeypatch)
+    group = _LoadingGroup()
+    device = torch.device("cuda", 1)
+    for state in (_loading_state(group), _loading_state(group)):
+        for _ in range(3):
+            state._load_low_latency_kernels(device)
+    assert group.keys == [("deep_ep_ll_kernels", 1)] * 2
+    assert loads == [("reduce", 1), ("layout", 1)] * 2
+
+
+def test_a_process_group_loads_the_kernels_at_each_call_and_cpu_none(monkeypatch):
+    loads = _record_kernel_loads(monkeypatch)
+    state = _loading_state(object())
+    state._load_low_latency_kernels(torch.device("cuda", 0))
+    state._load_low_latency_kernels(torch.device("cpu"))
+    assert loads == [("reduce", 0), ("layout", 0)]
+
+
+def test_load_module_loads_a_module_that_lists_no_kernel():
+    """The module load (the step that waits for the device) happens in `load_module`, not at a
+    first launch, even for a module whose kernel list is empty."""
+    from deep_ep.backends.gpu import modules
+    steps = []
+
+    class Listed:
+        def __init__(self, names):
+            self.names = names
+
+        def load(self, device):
+            steps.append(("load", device))
+
+        def kernel_names(self):
+            return self.names
+
+        def function(self, name):
+            return type("Function", (), {"handle": lambda _self, device: steps.append((name, device))})()
+
+    modules.load_module(Listed([]), 3)
+    assert steps == [("load", 3)]
+    steps.clear()
+    modules.load_module(Listed(["deep_ep_notify"]), 0)
+    assert steps == [("load", 0), ("deep_ep_notify", 0)]

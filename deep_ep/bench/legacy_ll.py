@@ -15,6 +15,7 @@ Results are not checked here (the GPU tests do).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -128,9 +129,15 @@ class _Step:
         self.activations = torch.randn(rows, HIDDEN, generator=generator, dtype=torch.float32, device="cpu").to(torch.bfloat16).to(self.x.device)
 
 
-def _matmul_rows(call_us: float, matmul_us: float, rows: int) -> int:
-    """Rows of the matmul that takes about ``call_us`` (it took ``matmul_us`` with ``rows``)."""
-    return max(64, min(16384, int(rows * call_us / max(matmul_us, 1e-3)) // 64 * 64))
+def _matmul_rows(calls_us: tuple, matmul_us: float, rows: int) -> int:
+    """Rows of the matmul that takes about as long as the longest of ``calls_us`` (it took
+    ``matmul_us`` with ``rows``); call times missing (NaN: no graph timing) are left out, and ``rows``
+    is kept when every call time or the matmul's is missing."""
+    call_us = max((us for us in calls_us if math.isfinite(us) and us > 0), default=math.nan)
+    if not (math.isfinite(call_us) and math.isfinite(matmul_us) and matmul_us > 0):
+        print(f"warning: no graph timing of the calls or the matmul: the matmul keeps {rows} rows", flush=True)
+        return rows
+    return max(64, min(16384, int(rows * call_us / matmul_us) // 64 * 64))
 
 
 def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barrier,
@@ -146,7 +153,7 @@ def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barri
         calls = step.calls()
         for name in ("dispatch", "combine", "dispatch_hook", "combine_hook", "matmul"):
             times[name] = graph_time_us(calls[name], iters, barrier, CALLS_PER_GRAPH) or float("nan")
-        step.size_matmul(_matmul_rows(max(times["dispatch_hook"], times["combine_hook"]), times["matmul"], 1024))
+        step.size_matmul(_matmul_rows((times["dispatch_hook"], times["combine_hook"]), times["matmul"], 1024))
         times["matmul"] = graph_time_us(calls["matmul"], iters, barrier, CALLS_PER_GRAPH) or float("nan")
         for name in ("dispatch_hook_matmul", "combine_hook_matmul"):
             times[name] = graph_time_us(calls[name], iters, barrier, CALLS_PER_GRAPH) or float("nan")
@@ -163,8 +170,10 @@ def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barri
 def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, results: list,
                    do_profile: bool = False) -> None:
     """Emulated ranks: each rank makes its calls once in its thread (windows, plans, modules), then
-    rank 0's thread captures every rank's call in one graph per call while the others wait (with
-    ``do_profile`` once more, profiled: `profile_graph`)."""
+    rank 0's thread captures every rank's call in one graph per call while the others wait at a host
+    barrier (with ``do_profile`` once more, profiled: `profile_graph`): a CUDA call of theirs, such as
+    their buffer's destruction, would invalidate the capture. After a failed capture nothing more is
+    captured (the ranks captured before the failure made one call more than the others)."""
     from .rank_graphs import capture_rank_calls, time_replays
     rank = rank_group.rank()
     step = _Step(rank_group, num_ranks, rank, seed)
@@ -178,15 +187,22 @@ def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, res
         rank_group.barrier()
         if rank == 0:
             times: Dict[str, float] = {}
+            failed = []
+
+            def capture(name: str):
+                captured = None if failed else capture_rank_calls(group, [s.calls()[name] for s in steps])
+                if captured is None:
+                    failed.append(name)
+                return captured
 
             def measure(name: str) -> float:
-                captured = capture_rank_calls(group, [s.calls()[name] for s in steps])
+                captured = capture(name)
                 replays = None if captured is None else time_replays(captured[0], iters)
                 return float("nan") if not replays else sorted(replays)[len(replays) // 2]
 
             for name in ("dispatch", "combine", "dispatch_hook", "combine_hook", "matmul"):
                 times[name] = measure(name)
-            rows = _matmul_rows(max(times["dispatch_hook"], times["combine_hook"]), times["matmul"], 1024)
+            rows = _matmul_rows((times["dispatch_hook"], times["combine_hook"]), times["matmul"], 1024)
             for s in steps:
                 s.size_matmul(rows)
             times["matmul"] = measure("matmul")
@@ -195,10 +211,9 @@ def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, res
             times["matmul_rows"] = rows
             if do_profile:
                 for name in ("dispatch", "combine"):
-                    times[f"{name}_profile"] = profile_graph(
-                        lambda: (capture_rank_calls(group, [s.calls()[name] for s in steps]) or (None,))[0],
-                        num_ranks)
+                    times[f"{name}_profile"] = profile_graph(lambda: (capture(name) or (None,))[0], num_ranks)
             results[0] = times
+        rank_group.barrier()           # rank 0's captures are done: buffers may go
     finally:
         step.buffer.destroy()
 
@@ -280,19 +295,24 @@ def _print_profile(name: str, table: Optional[Dict[str, list]], num_ranks: int, 
                                                           for op, count in table["ops"]))
 
 
+def _us(value: float) -> str:
+    return f"{value:9.1f} us" if math.isfinite(value) else "no graph timing"
+
+
 def _print(gs, times: Dict[str, float]) -> None:
     where = f"{gs.num_ranks} emulated ranks on one GPU" if gs.emulated else f"{gs.num_ranks} rank(s), NCCL"
     per = "per replay of every rank's call" if gs.emulated else "per call"
     print(f"legacy low-latency decode ({where}; {gs.device_name}): {TOKENS} tokens per rank, hidden {HIDDEN}, "
           f"top-{TOP_K} of {NUM_EXPERTS} experts, FP8 dispatch, BF16 combine; CUDA-graph device time {per}")
-    print(f"  dispatch                  {times['dispatch']:9.1f} us")
-    print(f"  combine                   {times['combine']:9.1f} us")
-    print(f"  matmul [{int(times['matmul_rows'])}, {HIDDEN}] x [{HIDDEN}, {HIDDEN}] alone {times['matmul']:9.1f} us")
+    print(f"  dispatch                  {_us(times['dispatch'])}")
+    print(f"  combine                   {_us(times['combine'])}")
+    print(f"  matmul [{int(times['matmul_rows'])}, {HIDDEN}] x [{HIDDEN}, {HIDDEN}] alone {_us(times['matmul'])}")
     for name in ("dispatch", "combine"):
         comm, both = times[f"{name}_hook"], times[f"{name}_hook_matmul"]
         ratio = both / max(comm, times["matmul"])
-        print(f"  {name} with hook: call + hook {comm:9.1f} us; call, matmul, hook {both:9.1f} us; "
-              f"overlap ratio {ratio:.2f} (total / max(matmul, call + hook))")
+        overlap = f"overlap ratio {ratio:.2f}" if math.isfinite(ratio) else "no overlap ratio"
+        print(f"  {name} with hook: call + hook {_us(comm)}; call, matmul, hook {_us(both)}; "
+              f"{overlap} (total / max(matmul, call + hook))")
     if "dispatch_profile" in times:
         print("profile (CUDA-graph replays under torch.profiler; each kernel's own device time):")
         for name in ("dispatch", "combine"):

@@ -12,6 +12,7 @@ import struct
 __all__ = ["symbol_bytes", "function_names"]
 
 _SHT_NOBITS = 8
+_STO_CUDA_ENTRY = 0x10   # st_other of a kernel's symbol
 
 
 def symbol_bytes(cubin: bytes, name: str) -> bytes:
@@ -51,8 +52,9 @@ def symbol_bytes(cubin: bytes, name: str) -> bytes:
     raise ValueError(f"no symbol {name!r} in the cubin")
 
 
-def function_names(cubin: bytes) -> list:
-    """Names of the function symbols (``STT_FUNC``) defined in ``cubin``, as stored (mangled for C++).
+def function_names(cubin: bytes, entries_only: bool = False) -> list:
+    """Names of the function symbols (``STT_FUNC``) defined in ``cubin``, as stored (mangled for C++);
+    with ``entries_only``, only the ``__global__`` entry points (``STO_CUDA_ENTRY`` set).
 
     Raises:
         ValueError: not an ELF64 little-endian image.
@@ -68,9 +70,11 @@ def function_names(cubin: bytes) -> list:
             continue
         strtab_offset = sections[sh_link][4]
         for j in range(sh_size // (sh_entsize or 24)):
-            st_name, st_info, _st_other, st_shndx, _value, _size = \
+            st_name, st_info, st_other, st_shndx, _value, _size = \
                 struct.unpack_from("<IBBHQQ", cubin, sh_offset + j * (sh_entsize or 24))
             if st_info & 0xF != 2 or st_shndx == 0:   # STT_FUNC, defined here
+                continue
+            if entries_only and not st_other & _STO_CUDA_ENTRY:
                 continue
             start = strtab_offset + st_name
             names.append(cubin[start:cubin.index(b"\0", start)].decode(errors="replace"))

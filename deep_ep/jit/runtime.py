@@ -341,8 +341,15 @@ class Module:
 
     def kernel_names(self) -> list[str]:
         """Names of the ``__global__`` entry points in the cubin: an ``extern "C"`` kernel's own name, a
-        C++ kernel's qualified name (``deep_ep::combine_impl``), as `function` takes them."""
-        return sorted(qualified_name(symbol) for symbol in self.info)
+        C++ kernel's qualified name (``deep_ep::combine_impl``), as `function` takes them. From the
+        ptxas info, or the cubin's entry symbols where the compiler log had none."""
+        symbols = self.info
+        if not symbols:
+            try:
+                symbols = function_names(self.cubin, entries_only=True)
+            except ValueError:   # not an ELF image: nothing to list
+                symbols = ()
+        return sorted(qualified_name(symbol) for symbol in symbols)
 
     def _symbol(self, kernel_name: str) -> str | None:
         """The cubin's symbol of ``kernel_name`` (a qualified name is matched to its mangled symbol;

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .. import checks
+from . import ll_layout, ll_reduce
 from .deferred import launch_receive, num_sends, sent_since
 from .layouts import NUM_CHANNELS_PER_SCALE, ReceiveHook, low_latency_rdma_size_hint
 
@@ -102,6 +103,23 @@ class LowLatencyState:
                               **self._low_latency_options)
         self.__dict__[key] = extra
         return extra
+
+    def _load_low_latency_kernels(self, device: torch.device) -> None:
+        """Load the layout and reduce kernels on a CUDA ``device`` before the call's first launch (and
+        before any graph capture; nothing during one). A module load waits for the device to drain,
+        so emulated ranks, whose kernels wait on each other, load together the first time (the
+        group's ``load_collectively``: every rank's Buffer makes its first low-latency dispatch at
+        the same call); elsewhere each call checks (a dict read once loaded)."""
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        load_collectively = getattr(self.group, "load_collectively", None)
+        if load_collectively is None:
+            ll_reduce.load_kernel(device)
+            ll_layout.load_kernels(device)
+        elif not self.__dict__.get("_low_latency_kernels_loaded"):
+            load_collectively(("deep_ep_ll_kernels", device.index),
+                              lambda: (ll_reduce.load_kernel(device), ll_layout.load_kernels(device)))
+            self.__dict__["_low_latency_kernels_loaded"] = True
 
     def _low_latency_buffers(self) -> list:
         """The `ElasticBuffer` objects low-latency calls may have run on."""

@@ -41,8 +41,8 @@ from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allow
                       receive_storage, scale_storage)
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
-from .ll_layout import ReceiveOutputs, cast_pairs, count_scratch, load_kernels, receive_layout
-from .ll_reduce import gather_rows, load_kernel, weighted_sum
+from .ll_layout import ReceiveOutputs, cast_pairs, count_scratch, receive_layout
+from .ll_reduce import gather_rows, weighted_sum
 from .ll_state import LowLatencyState, release_on_error
 from .planned import planned, refuse_side_keywords
 
@@ -267,8 +267,7 @@ class LowLatencyMethods(LowLatencyState):
                     token = int(repeated.any(dim=1).nonzero()[0])
                     raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
-        load_kernel(device)                        # its combine's and its own, before any graph capture
-        load_kernels(device)
+        self._load_low_latency_kernels(device)     # its combine's and its own, before any launch or capture
         # One (token, slot) pair per row, each routed to its expert alone: the expanded receive is
         # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
         num_slots = num_max_dispatch_tokens_per_rank

@@ -25,6 +25,7 @@ constexpr int kLlCountThreads = 1024;       // the one block of the counts
 constexpr int kLlCastChannels = 8;          // bf16 channels per thread of the cast: one 16-byte load
 constexpr int kLlScaleChannels = 128;       // channels of one FP8 scale
 constexpr int kLlLayoutWarps = kLlLayoutThreads / 32;
+constexpr int kLlPlaceUnroll = 4;          // 16-byte loads a lane of the placement keeps in flight
 
 __device__ __forceinline__ bool ll_is_nan(float value) { return value != value; }
 
@@ -253,8 +254,16 @@ __device__ __forceinline__ void ll_place_impl(
         const int64_t target = expert * num_rows + slot;
         const uint4* from = rows + expanded_row * row_stride;
         uint4* to = data_out + target * row_chunks;
-        for (int chunk = lane; chunk < row_chunks; chunk += 32)
-            to[chunk] = __ldg(from + chunk);
+        // a warp per row leaves most of an SM idle: each lane keeps several loads in flight
+        for (int chunk = lane; chunk < row_chunks; chunk += 32 * kLlPlaceUnroll) {
+            uint4 values[kLlPlaceUnroll];
+#pragma unroll
+            for (int i = 0; i < kLlPlaceUnroll; ++i)
+                if (chunk + 32 * i < row_chunks) values[i] = __ldg(from + chunk + 32 * i);
+#pragma unroll
+            for (int i = 0; i < kLlPlaceUnroll; ++i)
+                if (chunk + 32 * i < row_chunks) to[chunk + 32 * i] = values[i];
+        }
         if (scales == nullptr)
             continue;
         const float* row_scales = scales + expanded_row * scale_row_stride;
