@@ -62,7 +62,7 @@ def dispatch_row_stride(data_bytes: int, num_sf: int, num_topk: int) -> int:
 
 def forward_slot_bytes(data_bytes: int, num_sf: int, num_topk: int, node_ranks: int) -> int:
     """Bytes of a hybrid dispatch's forwarding slot (impls/dispatch_forward.cuh): the row's data and
-    scale factors, then the trailer (token, call tag, ``num_topk`` ids, weights and pair rows, a token
+    scale factors, then the trailer (token, call mark and fingerprint, ``num_topk`` ids, weights and pair rows, a token
     row per rank of the destination node of ``node_ranks``)."""
     return _align(data_bytes + 4 * num_sf, 16) + _align(16 + 12 * num_topk + 4 * node_ranks, 16)
 

@@ -10,11 +10,12 @@
 //   - wait_all waits for the node's ranks (this rank included).
 // Forwarding area: `forward_offset` from every window (the emulation keeps it in an allocation of its
 // own), two halves of `half_bytes` as the receive region, each a region of `node_bytes()` per source
-// node: dispatch puts a 16-byte header (tokens of the source, call tag), then a slot per token;
+// node: dispatch puts a 16-byte header (tokens of the source, call mark), then a slot per token;
 // combine's owners store a rank partial per (token, rank of the node) there (impls/combine_forward.cuh).
 // Inbox (combine only): `inbox_offset`, the same halves and node regions: a node partial per token,
 // put by the rail peer of that node. Rail signals are [epoch parity][source rank], reset by
-// `end_block` as comm/gin_direct.cuh does.
+// `end_block` as comm/gin_direct.cuh does. Headers, slots and entries carry the call mark
+// (`call_mark`) and the call tag's fingerprint: they tell this call's from an earlier one's.
 #pragma once
 
 #include "../common/copy.cuh"
@@ -60,6 +61,12 @@ struct GinHybridTransport {
         lsa.get_chunk<kUnroll, kVecs>(peer, offset, base, lane, v);
     }
     __device__ __forceinline__ void signal_all(CallTag) const {}
+
+    // What marks a header, slot or entry as this call's: this rank's epoch, read on the device. Every
+    // rank has the same epoch during the same call (each wait pairs them) and it advances at the end
+    // of every data kernel, so it also tells calls apart in the replays of a CUDA graph, which repeat
+    // the captured call tag (the tag's number is a host count).
+    __device__ __forceinline__ uint32_t call_mark() const { return ld_volatile(ctrl_of(local()) + kCtrlEpoch); }
 
     // This rank's own bytes at an offset of its window (staging, forwarding area).
     __device__ __forceinline__ uint8_t* at(int64_t offset) const { return local() + offset; }
@@ -109,9 +116,9 @@ struct GinHybridTransport {
     }
 
     // Every thread of the last block of a rail stage: to each rail peer, for a dispatch (`num_tokens`
-    // >= 0) the header (`num_tokens`, the call tag) and this rank's tag, for a combine the tags of
-    // this rank's node (its ranks signalled them here); then a strong signal per context; then flush,
-    // so that staging may be rewritten by the next call.
+    // >= 0) the header (`num_tokens`, the call mark, the tag's fingerprint) and this rank's tag, for a
+    // combine the tags of this rank's node (its ranks signalled them here); then a strong signal per
+    // context; then flush, so that staging may be rewritten by the next call.
     __device__ __forceinline__ void signal_rails(CallTag tag, int half, int num_tokens) const {
         __threadfence_system();
         uint8_t* mine = local();
@@ -129,7 +136,7 @@ struct GinHybridTransport {
             if (num_tokens >= 0) {
                 int* header = reinterpret_cast<int*>(at(stage_header(peer)));
                 header[0] = num_tokens;
-                header[1] = static_cast<int>(tag.seq);
+                header[1] = static_cast<int>(call_mark());
                 header[2] = static_cast<int>(tag.fingerprint);
                 gin.put(0, peer, forward_header(half, node()), stage_header(peer), 16);
                 gin.put(0, peer, tag_offset, tag_offset, 8);

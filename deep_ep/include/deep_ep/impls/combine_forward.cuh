@@ -4,18 +4,18 @@
 //      the bf16 of the fp32 sum of its slots) and stores it over NVLink: for a source of its own node
 //      into its own window at the row's index (the source pulls it, as on one node); for a source s of
 //      another node into the forwarding area of f = node(d) * S + local(s), entry (token, local(d)),
-//      with the call number, d's last top-k slot of the token and d's K weights; the last block
+//      with the call mark, d's last top-k slot of the token and d's K weights; the last block
 //      signals the node;
 //   B. after the node's arrivals, each forwarder sums the entries of every token of its rail peers in
 //      ascending order of their last slots, from +0.0, rounds to bf16 and puts ONE slot per token to
-//      the source's inbox (the node partial, the call number, which entries there were, their
+//      the source's inbox (the node partial, the call mark, which entries there were, their
 //      weights); the last block puts the node's tags and signals every rail peer;
 //   C. after the rail signals, each source adds per token the biases and each node's partial at the
 //      node's last slot (its own node's computed from pulled rows, as B computes it).
 // An entry (owner to forwarder) and a node slot (forwarder to source): [values: kHidden bf16] then at
-// CombineRow::kWeightOffset the call tag (number and fingerprint: they mark it as this call's), int
-// last slot (entry) or mask of entries (node slot), a pad word, float weight[K] (entry) or
-// weight[S][K] (node slot).
+// CombineRow::kWeightOffset the call mark and the call tag's fingerprint (they mark it as this call's,
+// also in a CUDA graph's replays: comm/gin_hybrid.cuh), int last slot (entry) or mask of entries
+// (node slot), a pad word, float weight[K] (entry) or weight[S][K] (node slot).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -38,6 +38,7 @@ __device__ __forceinline__ void combine_stage_partials(const CombineArgs& a, con
     const int self_begin = rank == 0 ? 0 : a.layout[ix.tok_prefix() + rank - 1];
     const int self_end = a.layout[ix.tok_prefix() + rank];
     const int entry_bytes = hybrid_entry_bytes<kHidden, K>();
+    const int mark = static_cast<int>(tr.call_mark());
     for (int j = wg.warp; j < num_tok_rows; j += wg.num_warps) {
         if (j >= self_begin && j < self_end) continue;  // the source is this rank: summed there
         int source = 0;
@@ -52,7 +53,7 @@ __device__ __forceinline__ void combine_stage_partials(const CombineArgs& a, con
             dst = tr.combine_entry(half, source / S, token * S + rank % S, entry_bytes);
             weights_at = dst + Row::kWeightOffset + 16;
             if (lane == 0) {
-                tr.template put<int>(peer, dst + Row::kWeightOffset, static_cast<int>(a.tag.seq));
+                tr.template put<int>(peer, dst + Row::kWeightOffset, mark);
                 tr.template put<int>(peer, dst + Row::kWeightOffset + 4, static_cast<int>(a.tag.fingerprint));
                 tr.template put<int>(peer, dst + Row::kWeightOffset + 8, meta[1] - source * K);
             }
@@ -96,7 +97,7 @@ __device__ __forceinline__ void combine_forward_impl(const CombineArgs& a, const
     const WarpGrid wg;
     const int lane = wg.lane, S = tr.node_ranks;
     const int half = comm::current_half(tr.local());
-    const int call = static_cast<int>(a.tag.seq), fingerprint = static_cast<int>(a.tag.fingerprint);
+    const int call = static_cast<int>(tr.call_mark()), fingerprint = static_cast<int>(a.tag.fingerprint);
     const int entry_bytes = hybrid_entry_bytes<kHidden, K>(), slot_bytes = hybrid_node_slot_bytes<kHidden, K>(S);
     // Tokens a source may have: M, or (M = 0: no limit was given) what a node region holds.
     const int64_t fit = tr.node_bytes() / (static_cast<int64_t>(S) * entry_bytes);

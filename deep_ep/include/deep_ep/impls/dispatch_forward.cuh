@@ -10,10 +10,10 @@
 //      block sends the node its tags (its own and its rail peers') and an arrival;
 //   4. the generic receive phase (dispatch_recv.cuh), which waits for the node's arrivals.
 // The received layout is the one-node layout bit for bit. A slot: [data][scale factors] as a row,
-// then at kMetaOffset the trailer int token, the call tag (number and fingerprint: they mark the slot
-// as this call's), a pad word, int expert[K] (-1: masked), float weight[K], int pair row[K] (expanded:
-// the absolute output row at the expert's owner; -1 otherwise), int token row[S] at each rank of the
-// destination node (-1: none).
+// then at kMetaOffset the trailer int token, the call mark and the call tag's fingerprint (they mark
+// the slot as this call's, also in a CUDA graph's replays: comm/gin_hybrid.cuh), a pad word, int
+// expert[K] (-1: masked), float weight[K], int pair row[K] (expanded: the absolute output row at the
+// expert's owner; -1 otherwise), int token row[S] at each rank of the destination node (-1: none).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -41,6 +41,7 @@ __device__ __forceinline__ void dispatch_rail_send_impl(const DispatchArgs& a, c
     uint8_t* my_window = tr.local();
     const int half = comm::current_half(my_window);
     const int end = comm::has_error(my_window) ? 0 : a.num_tokens;
+    const int mark = static_cast<int>(tr.call_mark());
     __syncwarp();
     for (int t = wg.warp; t < end; t += wg.num_warps) {
         int expert = -1, pair = -1;
@@ -64,7 +65,7 @@ __device__ __forceinline__ void dispatch_rail_send_impl(const DispatchArgs& a, c
             int* trailer = reinterpret_cast<int*>(slot + Row::kMetaOffset);
             if (lane == 0) {
                 trailer[0] = t;
-                trailer[1] = static_cast<int>(a.tag.seq);
+                trailer[1] = mark;
                 trailer[2] = static_cast<int>(a.tag.fingerprint);
             }
             if (lane < K) {
@@ -87,7 +88,7 @@ __device__ __forceinline__ void dispatch_forward_impl(const DispatchArgs& a, con
     const int lane = wg.lane, S = tr.node_ranks, L = a.num_experts / tr.num_ranks;
     const int slot_bytes = forward_slot_bytes<kDataBytes, kNumSF, K>(S);
     const int half = comm::current_half(tr.local());
-    const int call = static_cast<int>(a.tag.seq), fingerprint = static_cast<int>(a.tag.fingerprint);
+    const int call = static_cast<int>(tr.call_mark()), fingerprint = static_cast<int>(a.tag.fingerprint);
     for (int from_node = 0; from_node < tr.num_nodes(); ++from_node) {
         if (from_node == tr.node()) continue;
         const int* header = reinterpret_cast<const int*>(tr.at(tr.forward_header(half, from_node)));
