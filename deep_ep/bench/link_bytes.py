@@ -39,6 +39,7 @@ __all__ = ["RowSizes", "row_sizes", "CallBytes", "RouteCounts", "reach", "route_
            "CALL_TAG_BYTES", "FORWARD_HEADER_BYTES"]
 
 DOMAINS = ("nvlink", "rdma")
+_CPU = torch.device("cpu")   # the counts are host tensors, whatever a caller's default device
 #: The call tag (number and fingerprint) put to every GIN peer per call (comm/gin_direct.cuh, gin_hybrid.cuh).
 CALL_TAG_BYTES = 8
 #: The header of a hybrid dispatch's forwarding region (token count and call tag).
@@ -143,8 +144,8 @@ def route_counts(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink
     if num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} is not divisible by {num_ranks} ranks")
     node_ranks, num_nodes = num_nvlink_ranks, num_ranks // num_nvlink_ranks
-    tokens, slots, onward = (torch.zeros(num_ranks, num_ranks, dtype=torch.int64) for _ in range(3))
-    nodes_reached = torch.zeros(num_ranks, dtype=torch.int64)
+    tokens, slots, onward = (torch.zeros(num_ranks, num_ranks, dtype=torch.int64, device=_CPU) for _ in range(3))
+    nodes_reached = torch.zeros(num_ranks, dtype=torch.int64, device=_CPU)
     for source, idx in enumerate(topk_idxs):
         hits = reach(idx.cpu(), num_experts, num_ranks)
         tokens[source] = hits.sum(0)
@@ -152,14 +153,14 @@ def route_counts(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink
         node_hits = by_node.any(2)                                   # [T, nodes]
         nodes_reached[source] = node_hits.sum()
         local, own_node = source % node_ranks, source // node_ranks
-        forwarders = torch.arange(num_nodes) * node_ranks + local
+        forwarders = torch.arange(num_nodes, dtype=torch.int64, device=_CPU) * node_ranks + local
         slots[source, forwarders] = node_hits.sum(0)
         slots[source, own_node * node_ranks + local] = 0
         rows = by_node.sum(0)                                        # [nodes, node_ranks]
         rows[:, local] = 0                                           # the forwarder's own rows stay there
         rows[own_node] = 0                                           # the own node is reached directly
-        onward[forwarders] += torch.zeros(num_nodes, num_ranks, dtype=torch.int64).scatter_(
-            1, torch.arange(num_ranks).view(num_nodes, node_ranks), rows)
+        onward[forwarders] += torch.zeros(num_nodes, num_ranks, dtype=torch.int64, device=_CPU).scatter_(
+            1, torch.arange(num_ranks, dtype=torch.int64, device=_CPU).view(num_nodes, node_ranks), rows)
     return RouteCounts(num_nvlink_ranks, tokens, slots, onward, nodes_reached)
 
 
@@ -194,9 +195,9 @@ def link_bytes_of_counts(counts: RouteCounts, num_topk: int, *, hybrid: bool, hi
     node_ranks = counts.num_nvlink_ranks
     num_nodes = num_ranks // node_ranks
     sizes = row_sizes(hidden, num_topk, fp8=fp8, num_sf=num_sf, node_ranks=node_ranks)
-    rank_ids = torch.arange(num_ranks)
+    rank_ids = torch.arange(num_ranks, dtype=torch.int64, device=_CPU)
     cross = (rank_ids[:, None] // node_ranks) != (rank_ids[None, :] // node_ranks)
-    same_node = ~cross & ~torch.eye(num_ranks, dtype=torch.bool)
+    same_node = ~cross & ~torch.eye(num_ranks, dtype=torch.bool, device=_CPU)
     tokens = counts.tokens
     if not (hybrid and num_nodes > 1 and node_ranks > 1):
         rows = tokens * (cross | same_node)
@@ -241,7 +242,7 @@ def deepep_logical_bytes(counts: RouteCounts, num_topk: int, num_scaleout_ranks:
                          f"nodes of the counts")
     dispatch_token = (hidden + 4 * num_sf if fp8 else 2 * hidden) + 12 * num_topk
     combine_token = 2 * hidden + 4 * num_topk
-    scaleout_tokens = counts.nodes_reached if num_scaleout_ranks > 1 else torch.zeros(num_ranks, dtype=torch.int64)
+    scaleout_tokens = counts.nodes_reached if num_scaleout_ranks > 1 else torch.zeros(num_ranks, dtype=torch.int64, device=_CPU)
     received = counts.tokens.sum(0)
     return {name: {"scaleout": (scaleout_tokens * per_token).tolist(), "scaleup": (received * per_token).tolist()}
             for name, per_token in (("dispatch", dispatch_token), ("combine", combine_token))}
