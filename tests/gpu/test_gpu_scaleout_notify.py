@@ -142,6 +142,11 @@ def test_a_control_wait_times_out_naming_rank_peer_and_phase(mode, what):
         x, idx = xs[rank].to(dev), idxs[rank].to(dev)
         try:
             buf.dispatch(x, idx, num_experts=NUM_EXPERTS)     # one call that every rank makes
+            if what == "barrier":
+                # every rank makes one GPU barrier too: the first use of a kernel module is collective
+                # on emulated ranks (a host barrier); made by ranks 0, 1 and 3 alone below, it would
+                # pair with rank 2's host barrier and wait for the group's host timeout
+                buf._backend.gpu_barrier(buf.get_comm_stream().cuda_stream)
             buf.barrier()
             if rank == 2:
                 # skips the call, and waits on the host with its buffer alive: freeing it would
