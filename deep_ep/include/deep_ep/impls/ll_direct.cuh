@@ -57,19 +57,27 @@ __device__ __forceinline__ int64_t ll_direct_flag_offset(int half, int word, int
     return static_cast<int64_t>(ll_direct_word(half, word)) * 4 + static_cast<int64_t>(index) * 8;
 }
 
-__device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t value) {
-    return (static_cast<uint64_t>(tag) << 32) | value;
+// A flag: the call's fingerprint (16 bits of its configuration, from the host), the low 16 bits of
+// its tag, and a 32-bit value.
+__device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t fingerprint, uint32_t value) {
+    return (static_cast<uint64_t>(fingerprint & 0xFFFFu) << 48) | (static_cast<uint64_t>(tag & 0xFFFFu) << 32) | value;
 }
 
 // Wait until the local flag at byte `offset` carries `tag`; its value comes back in `value`. False
-// (nothing to trust) once an error is recorded, or after `timeout_ns`, recorded as a timeout here.
-__device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t& value, int rank,
-                                               int peer, int phase, uint64_t timeout_ns) {
+// (nothing to trust) once an error is recorded, after `timeout_ns` (recorded as a timeout here), or
+// when the flag's fingerprint differs from this rank's (ranks that disagree on the call: recorded as
+// a mismatch, with the call's tag).
+__device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t fingerprint,
+                                               uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns) {
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(window + offset);
     const uint64_t start = global_timer_ns();
     while (true) {
         const uint64_t word = ld_acquire_sys_u64(flag);
-        if (static_cast<uint32_t>(word >> 32) == tag) {
+        if (static_cast<uint32_t>(word >> 32 & 0xFFFFu) == (tag & 0xFFFFu)) {
+            if (static_cast<uint32_t>(word >> 48) != (fingerprint & 0xFFFFu)) {
+                comm::record_error(window, kErrMismatch, rank, peer, static_cast<int>(tag));
+                return false;
+            }
             value = static_cast<uint32_t>(word);
             return true;
         }
@@ -99,9 +107,9 @@ __device__ __forceinline__ uint32_t ll_direct_tag(uint8_t* window, int half, int
 // One 8-channel chunk of a row as FP8 codes and, in `scale_inv`, its 128 channels' scale (the lanes of
 // one scale are kLlScaleChannels / kLlCastChannels consecutive lanes, all in or all out).
 __device__ __forceinline__ uint2 ll_direct_cast(const uint4& packed, int round_scale, float& scale_inv) {
-    constexpr int kChunksPerScale = kLlScaleChannels / kLlCastChannels;
+    constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
     const uint32_t lane = threadIdx.x % 32;
-    const uint32_t group_mask = ((1u << kChunksPerScale) - 1u) << (lane / kChunksPerScale * kChunksPerScale);
+    const uint32_t group_mask = ((1u << chunks_per_scale) - 1u) << (lane / chunks_per_scale * chunks_per_scale);
     const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
     float channels[kLlCastChannels];
     float amax = 0.0f;
@@ -111,8 +119,8 @@ __device__ __forceinline__ uint2 ll_direct_cast(const uint4& packed, int round_s
         amax = ll_nan_max(amax, fabsf(channels[i]));
     }
 #pragma unroll
-    for (int offset = kChunksPerScale / 2; offset > 0; offset /= 2)
-        amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, kChunksPerScale));
+    for (int offset = chunks_per_scale / 2; offset > 0; offset /= 2)
+        amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, chunks_per_scale));
     float scale;
     ll_scales_of(amax, round_scale, scale, scale_inv);
     uint2 codes = make_uint2(0u, 0u);
@@ -139,14 +147,14 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                                                              const int64_t* __restrict__ topk_idx, int num_tokens,
                                                              int hidden, int num_topk, int num_experts,
                                                              int num_local_experts, int num_slots, int use_fp8,
-                                                             int round_scale) {
+                                                             int round_scale, uint32_t fingerprint) {
     __shared__ int64_t s_expert[kLlDirectMaxTopk];
     __shared__ int s_place[kLlDirectMaxTopk];
     __shared__ int64_t s_row[kLlDirectMaxTopk];    // the row in its owner's window, -1: no expert
     const int chunks_per_row = hidden / kLlCastChannels;
     const int num_scales = hidden / kLlScaleChannels;
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
-    constexpr int kChunksPerScale = kLlScaleChannels / kLlCastChannels;
+    constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
     for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
         if (threadIdx.x < num_topk) {
             s_expert[threadIdx.x] = __ldg(topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
@@ -196,8 +204,8 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                     continue;
                 const int owner = static_cast<int>(s_expert[slot] / num_local_experts);
                 tr.put<uint2>(owner, regions.rows + row * row_bytes + chunk * 8, codes);
-                if (chunk % kChunksPerScale == 0)
-                    tr.put<float>(owner, regions.scales + (row * num_scales + chunk / kChunksPerScale) * 4, scale_inv);
+                if (chunk % chunks_per_scale == 0)
+                    tr.put<float>(owner, regions.scales + (row * num_scales + chunk / chunks_per_scale) * 4, scale_inv);
             }
         }
         __syncthreads();    // the places are read before the next token's
@@ -223,7 +231,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
         const int local = expert % num_local_experts;
         tr.put_release(expert / num_local_experts,
                        ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
-                       ll_direct_flag(tag, static_cast<uint32_t>(s_count[expert])));
+                       ll_direct_flag(tag, fingerprint, static_cast<uint32_t>(s_count[expert])));
     }
 }
 
@@ -268,7 +276,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
         int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
-        uint64_t timeout_ns, uint32_t* err_host) {
+        uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     __shared__ int s_counts[kLlDirectMaxRanks];
     __shared__ int s_begins[kLlDirectMaxRanks + 1];
     __shared__ int s_ok;
@@ -288,7 +296,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
             uint32_t count = 0;
             if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * num_ranks + source),
-                                tag, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
+                                tag, fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
                 s_ok = 0;
                 count = 0;
             }
@@ -350,7 +358,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
                                                             int64_t expert_stride, int64_t row_stride,
                                                             const int32_t* __restrict__ recv_count,
                                                             const int32_t* __restrict__ routes, int num_local_experts,
-                                                            int num_slots, int num_topk, int hidden) {
+                                                            int num_slots, int num_topk, int hidden,
+                                                            uint32_t fingerprint) {
     const int num_rows = tr.num_ranks * num_slots;
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
@@ -379,7 +388,7 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
     __threadfence_system();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x)
-        tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank), ll_direct_flag(tag, 1u));
+        tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank), ll_direct_flag(tag, fingerprint, 1u));
 }
 
 __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTransport& tr, int half,
@@ -387,7 +396,8 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                                                             const int64_t* __restrict__ topk_idx,
                                                             const float* __restrict__ topk_weights,
                                                             uint4* __restrict__ out, int num_tokens, int num_topk,
-                                                            int hidden, uint64_t timeout_ns, uint32_t* err_host) {
+                                                            int hidden, uint32_t fingerprint, uint64_t timeout_ns,
+                                                            uint32_t* err_host) {
     __shared__ int s_ok;
     uint8_t* window = tr.local();
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
@@ -396,8 +406,8 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
     __syncthreads();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
         uint32_t value = 0;
-        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, value, tr.rank,
-                            peer, kPhaseCombine, timeout_ns))
+        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint, value,
+                            tr.rank, peer, kPhaseCombine, timeout_ns))
             s_ok = 0;
     }
     __syncthreads();

@@ -14,43 +14,43 @@ namespace deep_ep {
 __global__ void __launch_bounds__(kLlDirectThreads) dispatch_ll_direct_send(
         comm::TransportArgs transport, int half, LlDirectRegions regions, const uint4* x, const int64_t* topk_idx,
         int num_tokens, int hidden, int num_topk, int num_experts, int num_local_experts, int num_slots, int use_fp8,
-        int round_scale) {
+        int round_scale, uint32_t fingerprint) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
     ll_direct_dispatch_send_impl(tr, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
-                                 num_local_experts, num_slots, use_fp8, round_scale);
+                                 num_local_experts, num_slots, use_fp8, round_scale, fingerprint);
 }
 
 __global__ void __launch_bounds__(kLlDirectThreads) dispatch_ll_direct_recv(
         comm::TransportArgs transport, int half, LlDirectRegions regions, uint4* data_out, float* scales_out,
         int32_t* recv_count, int32_t* src_info, int64_t* layout_range, int32_t* stats, int32_t* routes,
         int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
-        uint64_t timeout_ns, uint32_t* err_host) {
+        uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
     ll_direct_dispatch_recv_impl(tr, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
                                  routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0,
-                                 timeout_ns, err_host);
+                                 fingerprint, timeout_ns, err_host);
 }
 
 __global__ void __launch_bounds__(kLlDirectThreads) combine_ll_direct_send(
         comm::TransportArgs transport, int half, LlDirectRegions regions, const uint4* x, int64_t expert_stride,
         int64_t row_stride, const int32_t* recv_count, const int32_t* routes, int num_local_experts, int num_slots,
-        int num_topk, int hidden) {
+        int num_topk, int hidden, uint32_t fingerprint) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
     ll_direct_combine_send_impl(tr, half, regions, x, expert_stride, row_stride, recv_count, routes,
-                                num_local_experts, num_slots, num_topk, hidden);
+                                num_local_experts, num_slots, num_topk, hidden, fingerprint);
 }
 
 __global__ void __launch_bounds__(kLlDirectThreads) combine_ll_direct_recv(
         comm::TransportArgs transport, int half, LlDirectRegions regions, const int64_t* topk_idx,
-        const float* topk_weights, uint4* out, int num_tokens, int num_topk, int hidden, uint64_t timeout_ns,
-        uint32_t* err_host) {
+        const float* topk_weights, uint4* out, int num_tokens, int num_topk, int hidden, uint32_t fingerprint,
+        uint64_t timeout_ns, uint32_t* err_host) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
     ll_direct_combine_recv_impl(tr, half, regions, topk_idx, topk_weights, out, num_tokens, num_topk, hidden,
-                                timeout_ns, err_host);
+                                fingerprint, timeout_ns, err_host);
 }
 
 }  // namespace deep_ep
