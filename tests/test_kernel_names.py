@@ -79,6 +79,21 @@ def test_the_data_kernels_match_deepeps_v1_hook_names():
     assert "::" not in modules.NOTIFY_KERNEL and "::" not in modules.BARRIER_KERNEL
 
 
+def test_the_direct_low_latency_kernels_match_deepeps_v1_hook_names():
+    """The V1 low-latency direct kernels (deep_ep/legacy/ll_direct.py): a call's send and receive
+    kernels are named ``deep_ep::dispatch...`` or ``deep_ep::combine...`` (DeepEP's V1 test counts
+    them per call), as kernels/ll_direct.cuh declares them, and match none of V2's timed names."""
+    from deep_ep.legacy import ll_direct
+    assert sorted(_entry_points("ll_direct")) == sorted(ll_direct.KERNEL_NAMES)
+    for name in (ll_direct.DISPATCH_SEND_KERNEL, ll_direct.DISPATCH_RECV_KERNEL):
+        assert name.startswith("deep_ep::dispatch") and "::combine" not in name
+    for name in (ll_direct.COMBINE_SEND_KERNEL, ll_direct.COMBINE_RECV_KERNEL):
+        assert name.startswith("deep_ep::combine") and "::dispatch" not in name
+    for name in ll_direct.KERNEL_NAMES:
+        assert not [s for s in DISPATCH_NAMES + COMBINE_NAMES if s in name], name
+        assert re.fullmatch(r"([A-Za-z_]\w*::)?[A-Za-z_]\w*", name) and len(name) < 100, name
+
+
 def test_qualified_names_from_symbols():
     from deep_ep.jit.runtime import qualified_name
     assert qualified_name("_ZN7deep_ep12combine_implENS_11CombineArgsEi") == "deep_ep::combine_impl"
