@@ -10,7 +10,7 @@
 //    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
 //    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
 //    rank's (token, slot) pair);
-//  - combine send (a warp per received row): the expert's output row into its source rank's window at
+//  - combine send (a warp per received row, rows of every expert in order): the expert's output row into its source rank's window at
 //    pair (token, slot); the last block publishes a tagged flag to every rank;
 //  - combine receive: waits for every rank's flag, then per token the weighted top-k sum
 //    (impls/ll_reduce.cuh's arithmetic: float32, slot order, products rounded first, one bf16 rounding).
@@ -235,9 +235,10 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     }
 }
 
-// The source rank of layout row `row`: the last with begins[rank] <= row (begins[0] = 0).
-__device__ __forceinline__ int ll_direct_source_of(const int* begins, int num_ranks, int row) {
-    int low = 0, high = num_ranks - 1;
+// Which of `count` consecutive ranges (begins[0] = 0, nondecreasing) holds `row`: the last with
+// begins[index] <= row, past empty ranges.
+__device__ __forceinline__ int ll_direct_range_of(const int* begins, int count, int row) {
+    int low = 0, high = count - 1;
     while (low < high) {
         const int middle = (low + high + 1) / 2;
         if (begins[middle] <= row)
@@ -321,7 +322,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         for (int row = total + threadIdx.x; row < num_rows; row += blockDim.x)
             src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
         for (int row = threadIdx.x / 32; row < total; row += kLlDirectWarps) {
-            const int source = ll_direct_source_of(s_begins, num_ranks, row);
+            const int source = ll_direct_range_of(s_begins, num_ranks, row);
             const int64_t window_row = (static_cast<int64_t>(local) * num_ranks + source) * num_slots +
                                        (row - s_begins[source]);
             const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
@@ -360,27 +361,29 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
                                                             const int32_t* __restrict__ routes, int num_local_experts,
                                                             int num_slots, int num_topk, int hidden,
                                                             uint32_t fingerprint) {
+    __shared__ int s_counts[kLlDirectMaxExperts];
+    __shared__ int s_begins[kLlDirectMaxExperts + 1];
     const int num_rows = tr.num_ranks * num_slots;
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
     const int lane = threadIdx.x % 32;
-    const int warp = blockIdx.x * kLlDirectWarps + threadIdx.x / 32;
     const int num_warps = gridDim.x * kLlDirectWarps;
     // the received rows of every expert in order, row r to warp r % num_warps
-    int begin = 0;
-    for (int local = 0; local < num_local_experts; ++local) {
-        const int count = min(__ldg(recv_count + local), num_rows);
-        for (int flat = begin + (warp - begin % num_warps + num_warps) % num_warps; flat < begin + count;
-             flat += num_warps) {
-            const int row = flat - begin;
-            const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
-            const int peer = route / pairs_per_rank;
-            const int64_t to = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
-            const uint4* from = x + local * expert_stride + row * row_stride;
-            for (int chunk = lane; chunk < row_chunks; chunk += 32)
-                tr.put<uint4>(peer, to + chunk * 16, __ldg(from + chunk));
-        }
-        begin += count;
+    for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
+        s_counts[local] = min(__ldg(recv_count + local), num_rows);
+    __syncthreads();
+    ll_direct_scan(s_counts, s_begins, num_local_experts);
+    __syncthreads();
+    const int total = s_begins[num_local_experts];
+    for (int flat = blockIdx.x * kLlDirectWarps + threadIdx.x / 32; flat < total; flat += num_warps) {
+        const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
+        const int row = flat - s_begins[local];
+        const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
+        const int peer = route / pairs_per_rank;
+        const int64_t to = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
+        const uint4* from = x + local * expert_stride + row * row_stride;
+        for (int chunk = lane; chunk < row_chunks; chunk += 32)
+            tr.put<uint4>(peer, to + chunk * 16, __ldg(from + chunk));
     }
     uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
