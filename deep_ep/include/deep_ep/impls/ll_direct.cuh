@@ -391,7 +391,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
     __threadfence_system();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x)
-        tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank), ll_direct_flag(tag, fingerprint, 1u));
+        tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
+                       ll_direct_flag(tag, fingerprint, 1u));
 }
 
 __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTransport& tr, int half,
