@@ -1,8 +1,8 @@
-"""The host side of DeepEP's V1 low-latency direct kernels (`deep_ep.legacy.ll_direct`), without a GPU:
-the switch (``DEEP_EP_LL_DIRECT``, off by default), where the path applies, the window's regions
-(both halves within `window_bytes`, which DeepEP's RDMA size hint covers past the control region), the control words both
-halves keep (past the shared ones, inside the control region) and the flags' fingerprints. The
-kernels run in tests/gpu/test_gpu_legacy_ll_direct.py."""
+"""The host side of DeepEP's V1 low-latency direct kernels (`deep_ep.legacy.ll_direct`), without a
+GPU: the switch (``DEEP_EP_LL_DIRECT``, off by default), where the path applies, the window's regions
+(both halves within `window_bytes`, which DeepEP's RDMA size hint covers past the control region),
+the control words both halves keep (past the shared ones, inside the control region) and the flags'
+fingerprints. The kernels run in tests/gpu/test_gpu_legacy_ll_direct.py."""
 from __future__ import annotations
 
 import types

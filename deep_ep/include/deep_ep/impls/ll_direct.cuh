@@ -10,8 +10,9 @@
 //    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
 //    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
 //    rank's (token, slot) pair);
-//  - combine send (a warp per received row, rows of every expert in order): the expert's output row into its source rank's window at
-//    pair (token, slot); the last block publishes a tagged flag to every rank;
+//  - combine send (a warp per received row, every expert's rows in order): the expert's output row
+//    into its source rank's window at pair (token, slot); the last block publishes a tagged flag to
+//    every rank;
 //  - combine receive: waits for every rank's flag, then per token the weighted top-k sum
 //    (impls/ll_reduce.cuh's arithmetic: float32, slot order, products rounded first, one bf16 rounding).
 // Every window holds two call halves (DeepEP's double buffering), each with control words of its
@@ -335,7 +336,8 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                 for (int column = lane; column < num_scales; column += 32) {
                     const float value = __ldcg(scales + column);
                     if (use_ue8m0) {
-                        const int64_t word = (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
+                        const int64_t word =
+                            (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
                         reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
                             static_cast<uint8_t>((__float_as_uint(value) >> 23) & 0xFFu);
                     } else {
