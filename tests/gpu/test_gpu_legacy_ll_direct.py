@@ -5,12 +5,16 @@ scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, doubl
 results equal bit for bit to those without) on a one-rank NCCL group and on 2, 4 and 8 emulated ranks
 of one device, every output allocated from memory poisoned first; that the calls took the direct
 path (and a Buffer with ``enable_shrink`` the expanded one, its mask cases passing); and the decode
-step captured in a CUDA graph and replayed with fresh inputs. Run by
+step captured in a CUDA graph and replayed with fresh inputs; that a call with a receive hook launches
+only its send kernel and the hook its receive kernel, with a matmul between them that finishes while
+peers have not even made their call. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_ll_direct.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
+from deep_ep.legacy import ll_direct  # noqa: E402
 from gpu_cases import run_legacy_on_emulated_ranks  # noqa: E402
 from test_legacy_low_latency import (MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
                                      _expert_output, _host, _rank_inputs, num_experts_for, run_cases,
@@ -129,3 +134,92 @@ def test_graph_replays_with_fresh_inputs(nccl_group, use_fp8):
             assert torch.equal(_host(combined), want), replay
     finally:
         buffer.destroy()
+
+
+_recorded = threading.local()      # each emulated rank's thread: the direct kernels it launched
+
+
+def _recording_launch(original):
+    def launch(owner, window, name, blocks, args, device):
+        launches = getattr(_recorded, "launches", None)
+        if launches is not None:
+            launches.append(name)
+        original(owner, window, name, blocks, args, device)
+    return launch
+
+
+def _idle_within(stream, seconds: float) -> bool:
+    """Whether ``stream``'s work queued so far finishes within ``seconds`` (polled: never a blocking wait)."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _hooks_hold_no_sm(group, num_ranks):
+    """A dispatch and a combine with receive hooks on the direct path: each call launches its send
+    kernel only, its hook the receive kernel. For the combine, rank 0 then runs a matmul on its
+    stream, which finishes while every other rank has not made its combine call yet (they wait at a
+    host barrier). Then the others call, every rank calls its hook, and the results are the spec's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts, hidden = num_experts_for(num_ranks), MAX_HIDDEN
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    rank, barrier = buffer.rank, (group.barrier if num_ranks > 1 else (lambda: None))
+    try:
+        inputs = [_rank_inputs(95, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+        x, topk_idx, topk_weights = (tensor.to(device) for tensor in inputs[rank])
+        warm = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
+        buffer.low_latency_combine(warm[0], topk_idx, topk_weights, warm[2])
+        launches = _recorded.launches = []
+        result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False,
+                                             return_recv_hook=True)
+        assert launches == [ll_direct.DISPATCH_SEND_KERNEL], launches
+        result[4]()
+        assert launches == [ll_direct.DISPATCH_SEND_KERNEL, ll_direct.DISPATCH_RECV_KERNEL], launches
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
+                                   False, False, False)
+        num_local = num_experts // num_ranks
+        expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                for local in range(num_local)]).to(device)
+        weight = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+        launches.clear()
+        barrier()
+        idle = True
+        if rank == 0:
+            combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, result[2],
+                                                           return_recv_hook=True)
+            product = weight @ weight
+            idle = _idle_within(torch.cuda.current_stream(device), 30.0)
+            barrier()
+        else:
+            barrier()
+            combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, result[2],
+                                                           return_recv_hook=True)
+            product = weight @ weight
+        assert launches == [ll_direct.COMBINE_SEND_KERNEL], launches
+        hook()
+        assert launches == [ll_direct.COMBINE_SEND_KERNEL, ll_direct.COMBINE_RECV_KERNEL], launches
+        want = _expected_combine(rank, num_experts, hidden, inputs, False, False)
+        assert (want.numel() == 0 or want.abs().sum() > 0) and torch.equal(_host(combined), want)
+        assert bool(torch.isfinite(product).all())
+        assert idle, "rank 0's combine call left a kernel waiting for the peers' call"
+        torch.cuda.current_stream(device).synchronize()
+    finally:
+        _recorded.launches = None
+        buffer.destroy()
+
+
+def test_hook_launches_the_receive_kernel_one_rank(nccl_group, monkeypatch):
+    monkeypatch.setattr(ll_direct, "_launch", _recording_launch(ll_direct._launch))
+    _hooks_hold_no_sm(nccl_group, 1)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_emulated_hooks_hold_no_sm(num_ranks, monkeypatch):
+    monkeypatch.setattr(ll_direct, "_launch", _recording_launch(ll_direct._launch))
+    run_legacy_on_emulated_ranks(_hooks_hold_no_sm, num_ranks)
