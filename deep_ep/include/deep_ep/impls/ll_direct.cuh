@@ -10,9 +10,9 @@
 //    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
 //    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
 //    rank's (token, slot) pair);
-//  - combine send (a warp per received row, every expert's rows in order): the expert's output row
-//    into its source rank's window at pair (token, slot); the last block publishes a tagged flag to
-//    every rank;
+//  - combine send (every expert's received rows in order, as 16-byte chunks spread over the grid):
+//    each expert output row into its source rank's window at pair (token, slot); the last block
+//    publishes a tagged flag to every rank;
 //  - combine receive: waits for every rank's flag, then per token the weighted top-k sum
 //    (impls/ll_reduce.cuh's arithmetic: float32, slot order, products rounded first, one bf16 rounding).
 // Every window holds two call halves (DeepEP's double buffering), each with control words of its
@@ -30,6 +30,7 @@ namespace deep_ep {
 
 constexpr int kLlDirectThreads = 512;
 constexpr int kLlDirectWarps = 16;
+constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
 constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
 constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
 constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
@@ -250,6 +251,13 @@ __device__ __forceinline__ int ll_direct_range_of(const int* begins, int count, 
     return low;
 }
 
+// The window row of layout row `row` of local expert `local`: its source rank's region, its place there.
+__device__ __forceinline__ int64_t ll_direct_window_row(const int* begins, int num_ranks, int num_slots, int local,
+                                                        int row) {
+    const int source = ll_direct_range_of(begins, num_ranks, row);
+    return (static_cast<int64_t>(local) * num_ranks + source) * num_slots + (row - begins[source]);
+}
+
 // Exclusive prefix sums of counts[0..n) into begins[0..n] (begins[n]: the total), by warp 0.
 __device__ __forceinline__ void ll_direct_scan(const int* counts, int* begins, int n) {
     if (threadIdx.x >= 32)
@@ -290,7 +298,6 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
     const int row_chunks = static_cast<int>(row_bytes / 16);
     const int pairs_per_rank = num_slots * num_topk;
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
-    const int lane = threadIdx.x % 32;
     for (int local = blockIdx.x; local < num_local_experts; local += gridDim.x) {
         if (threadIdx.x == 0)
             s_ok = 1;
@@ -322,34 +329,53 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                 (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
         for (int row = total + threadIdx.x; row < num_rows; row += blockDim.x)
             src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
-        for (int row = threadIdx.x / 32; row < total; row += kLlDirectWarps) {
-            const int source = ll_direct_range_of(s_begins, num_ranks, row);
-            const int64_t window_row = (static_cast<int64_t>(local) * num_ranks + source) * num_slots +
-                                       (row - s_begins[source]);
-            const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
-            // window memory, written by peers: loads that skip L1 (a previous call's lines may be there)
-            const uint4* from = reinterpret_cast<const uint4*>(window + regions.rows + window_row * row_bytes);
-            for (int chunk = lane; chunk < row_chunks; chunk += 32)
-                data_out[out_row * row_chunks + chunk] = __ldcg(from + chunk);
-            if (use_fp8) {
-                const float* scales = reinterpret_cast<const float*>(window + regions.scales) + window_row * num_scales;
-                for (int column = lane; column < num_scales; column += 32) {
-                    const float value = __ldcg(scales + column);
-                    if (use_ue8m0) {
-                        const int64_t word =
-                            (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
-                        reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
-                            static_cast<uint8_t>((__float_as_uint(value) >> 23) & 0xFFu);
-                    } else {
-                        scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] = value;
-                    }
+        // window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
+        // The expert's rows as 16-byte chunks spread over the block, kLlDirectUnroll loads in flight.
+        const int64_t num_chunks = static_cast<int64_t>(total) * row_chunks;
+        for (int64_t first = threadIdx.x; first < num_chunks; first += kLlDirectThreads * kLlDirectUnroll) {
+            uint4 values[kLlDirectUnroll];
+            int64_t targets[kLlDirectUnroll];
+#pragma unroll
+            for (int i = 0; i < kLlDirectUnroll; ++i) {
+                const int64_t index = first + static_cast<int64_t>(i) * kLlDirectThreads;
+                targets[i] = -1;
+                if (index < num_chunks) {
+                    const int row = static_cast<int>(index / row_chunks);
+                    const int chunk = static_cast<int>(index % row_chunks);
+                    const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
+                    values[i] = __ldcg(reinterpret_cast<const uint4*>(window + regions.rows + window_row * row_bytes) +
+                                       chunk);
+                    targets[i] = (static_cast<int64_t>(local) * num_rows + row) * row_chunks + chunk;
                 }
             }
-            if (lane == 0) {
-                const int pair = __ldcg(reinterpret_cast<const int32_t*>(window + regions.pairs) + window_row);
-                src_info[out_row] = pair / num_topk;
-                routes[out_row] = source * pairs_per_rank + pair;
+#pragma unroll
+            for (int i = 0; i < kLlDirectUnroll; ++i)
+                if (targets[i] >= 0)
+                    data_out[targets[i]] = values[i];
+        }
+        if (use_fp8) {
+            const float* scales = reinterpret_cast<const float*>(window + regions.scales);
+            for (int index = threadIdx.x; index < total * num_scales; index += kLlDirectThreads) {
+                const int row = index / num_scales;
+                const int column = index % num_scales;
+                const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
+                const float value = __ldcg(scales + window_row * num_scales + column);
+                if (use_ue8m0) {
+                    const int64_t word = (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
+                    reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
+                        static_cast<uint8_t>((__float_as_uint(value) >> 23) & 0xFFu);
+                } else {
+                    scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] = value;
+                }
             }
+        }
+        for (int row = threadIdx.x; row < total; row += kLlDirectThreads) {
+            const int source = ll_direct_range_of(s_begins, num_ranks, row);
+            const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
+            const int pair = __ldcg(reinterpret_cast<const int32_t*>(window + regions.pairs) + window_row);
+            const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
+            src_info[out_row] = pair / num_topk;
+            routes[out_row] = source * pairs_per_rank + pair;
         }
     }
     if (comm::last_block(window, ll_direct_word(half, kLlDirectDispatchDone), false) && threadIdx.x == 0)
@@ -368,24 +394,39 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     const int num_rows = tr.num_ranks * num_slots;
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
-    const int lane = threadIdx.x % 32;
-    const int num_warps = gridDim.x * kLlDirectWarps;
-    // the received rows of every expert in order, row r to warp r % num_warps
+    // every expert's received rows in order, as 16-byte chunks spread over the grid
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
         s_counts[local] = min(__ldg(recv_count + local), num_rows);
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_local_experts);
     __syncthreads();
-    const int total = s_begins[num_local_experts];
-    for (int flat = blockIdx.x * kLlDirectWarps + threadIdx.x / 32; flat < total; flat += num_warps) {
-        const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
-        const int row = flat - s_begins[local];
-        const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
-        const int peer = route / pairs_per_rank;
-        const int64_t to = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
-        const uint4* from = x + local * expert_stride + row * row_stride;
-        for (int chunk = lane; chunk < row_chunks; chunk += 32)
-            tr.put<uint4>(peer, to + chunk * 16, __ldg(from + chunk));
+    const int64_t num_chunks = static_cast<int64_t>(s_begins[num_local_experts]) * row_chunks;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kLlDirectThreads;
+    for (int64_t first = static_cast<int64_t>(blockIdx.x) * kLlDirectThreads + threadIdx.x; first < num_chunks;
+         first += stride * kLlDirectUnroll) {
+        uint4 values[kLlDirectUnroll];
+        int64_t targets[kLlDirectUnroll];
+        int peers[kLlDirectUnroll];
+#pragma unroll
+        for (int i = 0; i < kLlDirectUnroll; ++i) {
+            const int64_t index = first + i * stride;
+            targets[i] = -1;
+            peers[i] = 0;
+            if (index < num_chunks) {
+                const int flat = static_cast<int>(index / row_chunks);
+                const int chunk = static_cast<int>(index % row_chunks);
+                const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
+                const int row = flat - s_begins[local];
+                const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
+                values[i] = __ldg(x + local * expert_stride + row * row_stride + chunk);
+                peers[i] = route / pairs_per_rank;
+                targets[i] = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2 + chunk * 16;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kLlDirectUnroll; ++i)
+            if (targets[i] >= 0)
+                tr.put<uint4>(peers[i], targets[i], values[i]);
     }
     uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
@@ -431,15 +472,29 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
 #pragma unroll
             for (int i = 0; i < kLlReduceChannels; ++i)
                 acc[i] = 0.0f;
-            for (int slot = 0; slot < num_topk; ++slot) {
-                if (__ldg(topk_idx + token * num_topk + slot) < 0)
-                    continue;
-                const float weight = __ldg(topk_weights + token * num_topk + slot);
-                const uint4 packed = __ldcg(pairs + (token * num_topk + slot) * chunks_per_row + column);
-                const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+            // the slots' rows kLlDirectUnroll at a time, in flight together, summed in slot order
+            for (int first = 0; first < num_topk; first += kLlDirectUnroll) {
+                uint4 packed[kLlDirectUnroll];
+                float weights[kLlDirectUnroll];
+                bool selected[kLlDirectUnroll];
 #pragma unroll
-                for (int i = 0; i < kLlReduceChannels; ++i)
-                    acc[i] = __fadd_rn(acc[i], __fmul_rn(__bfloat162float(values[i]), weight));
+                for (int i = 0; i < kLlDirectUnroll; ++i) {
+                    const int slot = first + i;
+                    selected[i] = slot < num_topk && __ldg(topk_idx + token * num_topk + slot) >= 0;
+                    weights[i] = selected[i] ? __ldg(topk_weights + token * num_topk + slot) : 0.0f;
+                    packed[i] = selected[i] ? __ldcg(pairs + (token * num_topk + slot) * chunks_per_row + column)
+                                            : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (int i = 0; i < kLlDirectUnroll; ++i) {
+                    if (!selected[i])
+                        continue;
+                    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed[i]);
+#pragma unroll
+                    for (int channel = 0; channel < kLlReduceChannels; ++channel)
+                        acc[channel] = __fadd_rn(acc[channel],
+                                                 __fmul_rn(__bfloat162float(values[channel]), weights[i]));
+                }
             }
             uint4 result;
             uint16_t* bits = reinterpret_cast<uint16_t*>(&result);
