@@ -406,12 +406,12 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
          first += stride * kLlDirectUnroll) {
         uint4 values[kLlDirectUnroll];
         int64_t targets[kLlDirectUnroll];
-        int peers[kLlDirectUnroll];
+        int destinations[kLlDirectUnroll];
 #pragma unroll
         for (int i = 0; i < kLlDirectUnroll; ++i) {
             const int64_t index = first + i * stride;
             targets[i] = -1;
-            peers[i] = 0;
+            destinations[i] = 0;
             if (index < num_chunks) {
                 const int flat = static_cast<int>(index / row_chunks);
                 const int chunk = static_cast<int>(index % row_chunks);
@@ -419,14 +419,14 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
                 const int row = flat - s_begins[local];
                 const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
                 values[i] = __ldg(x + local * expert_stride + row * row_stride + chunk);
-                peers[i] = route / pairs_per_rank;
+                destinations[i] = route / pairs_per_rank;
                 targets[i] = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2 + chunk * 16;
             }
         }
 #pragma unroll
         for (int i = 0; i < kLlDirectUnroll; ++i)
             if (targets[i] >= 0)
-                tr.put<uint4>(peers[i], targets[i], values[i]);
+                tr.put<uint4>(destinations[i], targets[i], values[i]);
     }
     uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
