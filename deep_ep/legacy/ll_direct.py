@@ -178,8 +178,12 @@ def _fingerprint(*sizes) -> jit.u32:
 
 
 def _blocks(backend, work: int) -> int:
-    # every emulated rank's waiting blocks must be resident with the others' (`GPUBackend.num_sms`)
-    return max(1, min(work, backend.device_resources().max_sms))
+    """Blocks of a kernel with ``work`` units: emulated ranks' receive kernels wait for the others'
+    send kernels on the same device, so each rank keeps to its share of the SMs
+    (`GPUBackend.num_sms`); elsewhere no block waits for another of its device (two fit an SM)."""
+    resources = backend.device_resources()
+    limit = resources.max_sms if getattr(backend, "emulated", True) else 2 * resources.num_device_sms
+    return max(1, min(work, limit))
 
 
 def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num_experts: int, use_fp8: bool,

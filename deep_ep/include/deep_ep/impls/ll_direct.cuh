@@ -158,6 +158,9 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
     constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
     for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
+        const uint4* row_x = x + static_cast<int64_t>(token) * chunks_per_row;
+        // the thread's first chunk, loaded while the places are counted
+        const uint4 prefetched = threadIdx.x < chunks_per_row ? __ldg(row_x + threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
         if (threadIdx.x < num_topk) {
             s_expert[threadIdx.x] = __ldg(topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
             s_place[threadIdx.x] = 0;
@@ -188,7 +191,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
         }
         __syncthreads();
         for (int chunk = threadIdx.x; chunk < chunks_per_row; chunk += blockDim.x) {
-            const uint4 packed = __ldg(x + static_cast<int64_t>(token) * chunks_per_row + chunk);
+            const uint4 packed = chunk == static_cast<int>(threadIdx.x) ? prefetched : __ldg(row_x + chunk);
             if (!use_fp8) {
                 for (int slot = 0; slot < num_topk; ++slot) {
                     const int64_t row = s_row[slot];
@@ -329,53 +332,64 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                 (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
         for (int row = total + threadIdx.x; row < num_rows; row += blockDim.x)
             src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
-        // window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
-        // The expert's rows as 16-byte chunks spread over the block, kLlDirectUnroll loads in flight.
-        const int64_t num_chunks = static_cast<int64_t>(total) * row_chunks;
-        for (int64_t first = threadIdx.x; first < num_chunks; first += kLlDirectThreads * kLlDirectUnroll) {
+        // Window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
+        // Each row is `row_chunks` 16-byte chunks, its scales (FP8) and its pair word: items spread
+        // over the block, kLlDirectUnroll loads of any kind in flight per thread.
+        const int scale_items = use_fp8 ? num_scales : 0;
+        const int items_per_row = row_chunks + scale_items + 1;
+        const int64_t num_items = static_cast<int64_t>(total) * items_per_row;
+        const float* window_scales = reinterpret_cast<const float*>(window + regions.scales);
+        const int32_t* window_pairs = reinterpret_cast<const int32_t*>(window + regions.pairs);
+        for (int64_t first = threadIdx.x; first < num_items; first += kLlDirectThreads * kLlDirectUnroll) {
             uint4 values[kLlDirectUnroll];
-            int64_t targets[kLlDirectUnroll];
+            int rows[kLlDirectUnroll], items[kLlDirectUnroll];
 #pragma unroll
             for (int i = 0; i < kLlDirectUnroll; ++i) {
                 const int64_t index = first + static_cast<int64_t>(i) * kLlDirectThreads;
-                targets[i] = -1;
-                if (index < num_chunks) {
-                    const int row = static_cast<int>(index / row_chunks);
-                    const int chunk = static_cast<int>(index % row_chunks);
+                items[i] = -1;
+                rows[i] = 0;
+                values[i] = make_uint4(0u, 0u, 0u, 0u);
+                if (index < num_items) {
+                    const int row = static_cast<int>(index / items_per_row);
+                    const int item = static_cast<int>(index % items_per_row);
                     const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
-                    values[i] = __ldcg(reinterpret_cast<const uint4*>(window + regions.rows + window_row * row_bytes) +
-                                       chunk);
-                    targets[i] = (static_cast<int64_t>(local) * num_rows + row) * row_chunks + chunk;
+                    if (item < row_chunks)
+                        values[i] = __ldcg(reinterpret_cast<const uint4*>(window + regions.rows +
+                                                                          window_row * row_bytes) + item);
+                    else if (item < row_chunks + scale_items)
+                        values[i].x = __float_as_uint(__ldcg(window_scales + window_row * num_scales +
+                                                             (item - row_chunks)));
+                    else
+                        values[i].x = static_cast<uint32_t>(__ldcg(window_pairs + window_row));
+                    rows[i] = row;
+                    items[i] = item;
                 }
             }
 #pragma unroll
-            for (int i = 0; i < kLlDirectUnroll; ++i)
-                if (targets[i] >= 0)
-                    data_out[targets[i]] = values[i];
-        }
-        if (use_fp8) {
-            const float* scales = reinterpret_cast<const float*>(window + regions.scales);
-            for (int index = threadIdx.x; index < total * num_scales; index += kLlDirectThreads) {
-                const int row = index / num_scales;
-                const int column = index % num_scales;
-                const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
-                const float value = __ldcg(scales + window_row * num_scales + column);
-                if (use_ue8m0) {
-                    const int64_t word = (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
-                    reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
-                        static_cast<uint8_t>((__float_as_uint(value) >> 23) & 0xFFu);
+            for (int i = 0; i < kLlDirectUnroll; ++i) {
+                const int row = rows[i], item = items[i];
+                if (item < 0)
+                    continue;
+                const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
+                if (item < row_chunks) {
+                    data_out[out_row * row_chunks + item] = values[i];
+                } else if (item < row_chunks + scale_items) {
+                    const int column = item - row_chunks;
+                    if (use_ue8m0) {
+                        const int64_t word =
+                            (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
+                        reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
+                            static_cast<uint8_t>((values[i].x >> 23) & 0xFFu);
+                    } else {
+                        scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] =
+                            __uint_as_float(values[i].x);
+                    }
                 } else {
-                    scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] = value;
+                    const int pair = static_cast<int>(values[i].x);
+                    src_info[out_row] = pair / num_topk;
+                    routes[out_row] = ll_direct_range_of(s_begins, num_ranks, row) * pairs_per_rank + pair;
                 }
             }
-        }
-        for (int row = threadIdx.x; row < total; row += kLlDirectThreads) {
-            const int source = ll_direct_range_of(s_begins, num_ranks, row);
-            const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
-            const int pair = __ldcg(reinterpret_cast<const int32_t*>(window + regions.pairs) + window_row);
-            const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
-            src_info[out_row] = pair / num_topk;
-            routes[out_row] = source * pairs_per_rank + pair;
         }
     }
     if (comm::last_block(window, ll_direct_word(half, kLlDirectDispatchDone), false) && threadIdx.x == 0)
