@@ -90,8 +90,8 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
 
 
 def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
-                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, fingerprint,
-                   timeout_ns, err_host):
+                   routes, num_local_experts, num_parts, num_slots, num_topk, hidden, use_fp8, use_ue8m0,
+                   fingerprint, timeout_ns, err_host):
     window = windows[rank]
     num_ranks = len(windows)
     num_rows = num_ranks * num_slots

@@ -40,6 +40,7 @@ MAX_TOPK = _CONSTANTS["kLlDirectMaxTopk"]
 MAX_EXPERTS = _CONSTANTS["kLlDirectMaxExperts"]
 MAX_RANKS = _CONSTANTS["kLlDirectMaxRanks"]
 _CHUNK_CHANNELS = 8               # bf16 channels of one 16-byte load (the combine's sum)
+_MAX_PARTS = 16                   # blocks that share one expert's rows in a dispatch receive
 _ALIGNMENT = 128
 _INT32_LIMIT = 2 ** 31
 
@@ -230,10 +231,14 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
             (transport, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts,
              num_slots, int(use_fp8), int(round_scale), fingerprint), device)
 
+    # parts of each expert's rows, one block each, where the device lends more blocks than experts
+    num_parts = max(1, min(_MAX_PARTS, _blocks(backend, 1 << 30) // num_local_experts))
+
     def receive() -> None:
-        _launch(owner, window, DISPATCH_RECV_KERNEL, _blocks(backend, num_local_experts),
+        _launch(owner, window, DISPATCH_RECV_KERNEL, _blocks(backend, num_local_experts * num_parts),
                 (transport, half, regions, data_storage, scales_storage, recv_count, src_info, layout_range, stats,
-                 routes, num_local_experts, num_slots, num_topk, hidden, int(use_fp8), int(use_ue8m0), fingerprint,
+                 routes, num_local_experts, num_parts, num_slots, num_topk, hidden, int(use_fp8), int(use_ue8m0),
+                 fingerprint,
                  jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr)), device)
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 

@@ -6,7 +6,7 @@
 //    or FP8 cast as impls/ll_layout.cuh casts, with its scales) and its (token, slot) word into the
 //    expert owner's window at [local expert][source rank][place]; the last block to finish
 //    publishes this rank's count of every expert, tagged, one release store each;
-//  - dispatch receive (a block per local expert, strided): waits for every source rank's count,
+//  - dispatch receive (blocks per local expert, strided): waits for every source rank's count,
 //    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
 //    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
 //    rank's (token, slot) pair);
@@ -288,7 +288,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         const comm::LsaTransport& tr, int half, LlDirectRegions regions, uint4* __restrict__ data_out,
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
-        int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
+        int num_local_experts, int num_parts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
         uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     __shared__ int s_counts[kLlDirectMaxRanks];
     __shared__ int s_begins[kLlDirectMaxRanks + 1];
@@ -301,7 +301,11 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
     const int row_chunks = static_cast<int>(row_bytes / 16);
     const int pairs_per_rank = num_slots * num_topk;
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
-    for (int local = blockIdx.x; local < num_local_experts; local += gridDim.x) {
+    // units of work: `num_parts` parts of each local expert's rows; every part waits for the expert's
+    // counts, the first writes its counts, ranges and statistics
+    for (int unit = blockIdx.x; unit < num_local_experts * num_parts; unit += gridDim.x) {
+        const int local = unit / num_parts;
+        const int part = unit % num_parts;
         if (threadIdx.x == 0)
             s_ok = 1;
         __syncthreads();
@@ -322,30 +326,35 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         if (!ok)
             continue;    // nothing moves after an error (s_ok is rewritten past the next barrier only)
         const int total = s_begins[num_ranks];
-        if (threadIdx.x == 0) {
-            recv_count[local] = total;
-            if (stats != nullptr)
-                stats[local] += total;
+        if (part == 0) {
+            if (threadIdx.x == 0) {
+                recv_count[local] = total;
+                if (stats != nullptr)
+                    stats[local] += total;
+            }
+            for (int source = threadIdx.x; source < num_ranks; source += blockDim.x)
+                layout_range[static_cast<int64_t>(local) * num_ranks + source] =
+                    (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
         }
-        for (int source = threadIdx.x; source < num_ranks; source += blockDim.x)
-            layout_range[static_cast<int64_t>(local) * num_ranks + source] =
-                (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
-        for (int row = total + threadIdx.x; row < num_rows; row += blockDim.x)
+        for (int row = total + part * kLlDirectThreads + threadIdx.x; row < num_rows;
+             row += num_parts * kLlDirectThreads)
             src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
         // Window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
         // Each row is `row_chunks` 16-byte chunks, its scales (FP8) and its pair word: items spread
-        // over the block, kLlDirectUnroll loads of any kind in flight per thread.
+        // over the expert's parts, kLlDirectUnroll loads of any kind in flight per thread.
         const int scale_items = use_fp8 ? num_scales : 0;
         const int items_per_row = row_chunks + scale_items + 1;
         const int64_t num_items = static_cast<int64_t>(total) * items_per_row;
         const float* window_scales = reinterpret_cast<const float*>(window + regions.scales);
         const int32_t* window_pairs = reinterpret_cast<const int32_t*>(window + regions.pairs);
-        for (int64_t first = threadIdx.x; first < num_items; first += kLlDirectThreads * kLlDirectUnroll) {
+        const int64_t stride = static_cast<int64_t>(num_parts) * kLlDirectThreads;
+        for (int64_t first = static_cast<int64_t>(part) * kLlDirectThreads + threadIdx.x; first < num_items;
+             first += stride * kLlDirectUnroll) {
             uint4 values[kLlDirectUnroll];
             int rows[kLlDirectUnroll], items[kLlDirectUnroll];
 #pragma unroll
             for (int i = 0; i < kLlDirectUnroll; ++i) {
-                const int64_t index = first + static_cast<int64_t>(i) * kLlDirectThreads;
+                const int64_t index = first + i * stride;
                 items[i] = -1;
                 rows[i] = 0;
                 values[i] = make_uint4(0u, 0u, 0u, 0u);

@@ -24,12 +24,13 @@ __global__ void __launch_bounds__(kLlDirectThreads) dispatch_ll_direct_send(
 __global__ void __launch_bounds__(kLlDirectThreads) dispatch_ll_direct_recv(
         comm::TransportArgs transport, int half, LlDirectRegions regions, uint4* data_out, float* scales_out,
         int32_t* recv_count, int32_t* src_info, int64_t* layout_range, int32_t* stats, int32_t* routes,
-        int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
+        int num_local_experts, int num_parts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
         uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
     ll_direct_dispatch_recv_impl(tr, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
-                                 routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0,
+                                 routes, num_local_experts, num_parts, num_slots, num_topk, hidden, use_fp8,
+                                 use_ue8m0,
                                  fingerprint, timeout_ns, err_host);
 }
 
