@@ -55,10 +55,30 @@ def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int) -> int:
 
 def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     """Run kernel ``name`` of ``owner``'s rank on the model's windows (``args``: the host's tuple)."""
-    transport = args[0]
-    {ll_direct.DISPATCH_SEND_KERNEL: _dispatch_send, ll_direct.DISPATCH_RECV_KERNEL: _dispatch_recv,
-     ll_direct.COMBINE_SEND_KERNEL: _combine_send, ll_direct.COMBINE_RECV_KERNEL: _combine_recv}[name](
-        transport.rank, transport.windows, *args[1:])
+    transport, phase, half, regions = args[:4]
+    if name == ll_direct.DISPATCH_KERNEL:
+        (x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts, num_slots, use_fp8, round_scale,
+         use_ue8m0, num_parts, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, fingerprint,
+         _, _) = args[4:]
+        if phase == ll_direct.SEND_PHASE:
+            _dispatch_send(transport.rank, transport.windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk,
+                           num_experts, num_local_experts, num_slots, use_fp8, round_scale, fingerprint)
+        else:
+            assert phase == ll_direct.RECEIVE_PHASE and num_parts >= 1
+            _dispatch_recv(transport.rank, transport.windows, half, regions, data_out, scales_out, recv_count,
+                           src_info, layout_range, stats, routes, num_local_experts, num_slots, num_topk, hidden,
+                           use_fp8, use_ue8m0, fingerprint)
+        return
+    assert name == ll_direct.COMBINE_KERNEL
+    (x, expert_stride, row_stride, recv_count, routes, num_local_experts, num_slots, num_topk, hidden, topk_idx,
+     topk_weights, out, num_tokens, fingerprint, _, _) = args[4:]
+    if phase == ll_direct.SEND_PHASE:
+        _combine_send(transport.rank, transport.windows, half, regions, x, expert_stride, row_stride, recv_count,
+                      routes, num_local_experts, num_slots, num_topk, hidden, fingerprint)
+    else:
+        assert phase == ll_direct.RECEIVE_PHASE
+        _combine_recv(transport.rank, transport.windows, half, regions, topk_idx, topk_weights, out, num_tokens,
+                      num_topk, hidden, fingerprint)
 
 
 def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
@@ -90,8 +110,7 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
 
 
 def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
-                   routes, num_local_experts, num_parts, num_slots, num_topk, hidden, use_fp8, use_ue8m0,
-                   fingerprint, timeout_ns, err_host):
+                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, fingerprint):
     window = windows[rank]
     num_ranks = len(windows)
     num_rows = num_ranks * num_slots
@@ -146,7 +165,7 @@ def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, re
 
 
 def _combine_recv(rank, windows, half, regions, topk_idx, topk_weights, out, num_tokens, num_topk, hidden,
-                  fingerprint, timeout_ns, err_host):
+                  fingerprint):
     from deep_ep.legacy.ll_reduce import weighted_sum_torch
     window = windows[rank]
     tag = _seq(window, half, "kLlDirectCombineSeq") + 1

@@ -30,7 +30,8 @@ from ..backends.gpu.abi import CONSTANTS, CTRL_BYTES, _read_constants
 from ..event import EventHandle, EventOverlap
 from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allowed, receive_storage, scale_storage
 
-__all__ = ["enabled", "applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE"]
+__all__ = ["enabled", "applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
+           "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE"]
 
 _CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_direct.cuh",
                              CONSTANTS)
@@ -44,11 +45,12 @@ _MAX_PARTS = 16                   # blocks that share one expert's rows in a dis
 _ALIGNMENT = 128
 _INT32_LIMIT = 2 ** 31
 
-DISPATCH_SEND_KERNEL = "deep_ep::dispatch_ll_direct_send"
-DISPATCH_RECV_KERNEL = "deep_ep::dispatch_ll_direct_recv"
-COMBINE_SEND_KERNEL = "deep_ep::combine_ll_direct_send"
-COMBINE_RECV_KERNEL = "deep_ep::combine_ll_direct_recv"
-KERNEL_NAMES = (DISPATCH_SEND_KERNEL, DISPATCH_RECV_KERNEL, COMBINE_SEND_KERNEL, COMBINE_RECV_KERNEL)
+# one kernel per call kind, launched for its send phase, then for its receive phase
+DISPATCH_KERNEL = "deep_ep::dispatch_ll_direct"
+COMBINE_KERNEL = "deep_ep::combine_ll_direct"
+KERNEL_NAMES = (DISPATCH_KERNEL, COMBINE_KERNEL)
+SEND_PHASE = _CONSTANTS["kLlDirectSendPhase"]
+RECEIVE_PHASE = _CONSTANTS["kLlDirectReceivePhase"]
 SOURCE = "#include <deep_ep/kernels/ll_direct.cuh>\n"
 # the Buffer's attributes: a window made for the calls (when its own is too small), the stream of
 # the last kernel
@@ -227,19 +229,20 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
     fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
-    _launch(owner, window, DISPATCH_SEND_KERNEL, _blocks(backend, num_tokens),
-            (transport, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts,
-             num_slots, int(use_fp8), int(round_scale), fingerprint), device)
-
     # parts of each expert's rows, one block each, where the device lends more blocks than experts
     num_parts = max(1, min(_MAX_PARTS, _blocks(backend, 1 << 30) // num_local_experts))
 
+    def args(phase: int) -> tuple:
+        return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
+                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0), num_parts, data_storage,
+                scales_storage, recv_count, src_info, layout_range, stats, routes, fingerprint,
+                jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
+
+    _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_tokens), args(SEND_PHASE), device)
+
     def receive() -> None:
-        _launch(owner, window, DISPATCH_RECV_KERNEL, _blocks(backend, num_local_experts * num_parts),
-                (transport, half, regions, data_storage, scales_storage, recv_count, src_info, layout_range, stats,
-                 routes, num_local_experts, num_parts, num_slots, num_topk, hidden, int(use_fp8), int(use_ue8m0),
-                 fingerprint,
-                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr)), device)
+        _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_local_experts * num_parts), args(RECEIVE_PHASE),
+                device)
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 
     owner._flip()
@@ -289,16 +292,19 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     transport = backend.transport_args
     fingerprint = _fingerprint("combine", hidden, num_topk, num_slots, num_experts)
     num_rows = num_ranks * num_slots
-    _launch(owner, window, COMBINE_SEND_KERNEL, _blocks(backend, -(-num_local_experts * num_rows // _WARPS)),
-            (transport, half, route.regions, source, jit.i64(source.stride(0) * item // 16),
-             jit.i64(source.stride(1) * item // 16), route.recv_count, route.routes, num_local_experts, num_slots,
-             num_topk, hidden, fingerprint), device)
+
+    def args(phase: int) -> tuple:
+        return (transport, phase, half, route.regions, source, jit.i64(source.stride(0) * item // 16),
+                jit.i64(source.stride(1) * item // 16), route.recv_count, route.routes, num_local_experts, num_slots,
+                num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, fingerprint,
+                jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
+
+    _launch(owner, window, COMBINE_KERNEL, _blocks(backend, -(-num_local_experts * num_rows // _WARPS)),
+            args(SEND_PHASE), device)
 
     def receive() -> None:
         chunks = num_tokens * hidden // _CHUNK_CHANNELS
-        _launch(owner, window, COMBINE_RECV_KERNEL, _blocks(backend, -(-chunks // _THREADS)),
-                (transport, half, route.regions, topk_idx, topk_weights, combined_x, num_tokens, num_topk, hidden,
-                 fingerprint, jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr)), device)
+        _launch(owner, window, COMBINE_KERNEL, _blocks(backend, -(-chunks // _THREADS)), args(RECEIVE_PHASE), device)
         if out is not None and combined_x is not out:
             out.copy_(combined_x)
 

@@ -6,7 +6,7 @@ results equal bit for bit to those without) on a one-rank NCCL group and on 2, 4
 of one device, every output allocated from memory poisoned first; that the calls took the direct
 path (and a Buffer with ``enable_shrink`` the expanded one, its mask cases passing); and the decode
 step captured in a CUDA graph and replayed with fresh inputs; that a call with a receive hook launches
-only its send kernel and the hook its receive kernel, with a matmul between them that finishes while
+only its kernel's send phase and the hook its receive phase, with a matmul between them that finishes while
 peers have not even made their call. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_ll_direct.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _recording_launch(original):
     def launch(owner, window, name, blocks, args, device):
         launches = getattr(_recorded, "launches", None)
         if launches is not None:
-            launches.append(name)
+            launches.append((name, args[1]))
         original(owner, window, name, blocks, args, device)
     return launch
 
@@ -161,8 +161,8 @@ def _idle_within(stream, seconds: float) -> bool:
 
 
 def _hooks_hold_no_sm(group, num_ranks):
-    """A dispatch and a combine with receive hooks on the direct path: each call launches its send
-    kernel only, its hook the receive kernel. For the combine, rank 0 then runs a matmul on its
+    """A dispatch and a combine with receive hooks on the direct path: each call launches its kernel's
+    send phase only, its hook the receive phase. For the combine, rank 0 then runs a matmul on its
     stream, which finishes while every other rank has not made its combine call yet (they wait at a
     host barrier). Then the others call, every rank calls its hook, and the results are the spec's."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -178,9 +178,11 @@ def _hooks_hold_no_sm(group, num_ranks):
         launches = _recorded.launches = []
         result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False,
                                              return_recv_hook=True)
-        assert launches == [ll_direct.DISPATCH_SEND_KERNEL], launches
+        send, receive = (ll_direct.DISPATCH_KERNEL, ll_direct.SEND_PHASE), (ll_direct.DISPATCH_KERNEL,
+                                                                            ll_direct.RECEIVE_PHASE)
+        assert launches == [send], launches
         result[4]()
-        assert launches == [ll_direct.DISPATCH_SEND_KERNEL, ll_direct.DISPATCH_RECV_KERNEL], launches
+        assert launches == [send, receive], launches
         received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
                                    False, False, False)
         num_local = num_experts // num_ranks
@@ -201,9 +203,11 @@ def _hooks_hold_no_sm(group, num_ranks):
             combined, _, hook = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, result[2],
                                                            return_recv_hook=True)
             product = weight @ weight
-        assert launches == [ll_direct.COMBINE_SEND_KERNEL], launches
+        send, receive = (ll_direct.COMBINE_KERNEL, ll_direct.SEND_PHASE), (ll_direct.COMBINE_KERNEL,
+                                                                           ll_direct.RECEIVE_PHASE)
+        assert launches == [send], launches
         hook()
-        assert launches == [ll_direct.COMBINE_SEND_KERNEL, ll_direct.COMBINE_RECV_KERNEL], launches
+        assert launches == [send, receive], launches
         want = _expected_combine(rank, num_experts, hidden, inputs, False, False)
         assert (want.numel() == 0 or want.abs().sum() > 0) and torch.equal(_host(combined), want)
         assert bool(torch.isfinite(product).all())

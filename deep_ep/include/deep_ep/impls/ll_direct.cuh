@@ -31,6 +31,8 @@ namespace deep_ep {
 constexpr int kLlDirectThreads = 512;
 constexpr int kLlDirectWarps = 16;
 constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
+constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
+constexpr int kLlDirectReceivePhase = 2;    // the receive
 constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
 constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
 constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
