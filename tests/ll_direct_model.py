@@ -1,6 +1,6 @@
 """A model of the direct low-latency kernels (include/deep_ep/impls/ll_direct.cuh) in torch ops on the
-CPU, byte for byte on a model of each rank's window: the send kernels write rows, scales, pair words and
-tagged flags at the byte offsets the host passes, the receive kernels check the flags' tags and
+CPU, byte for byte on a model of each rank's window: the send phases write rows, scales, pair words and
+tagged flags at the byte offsets the host passes, the receive phases check the flags' tags and
 fingerprints and write the outputs. tests/test_legacy_ll_direct.py runs `deep_ep.legacy.ll_direct`'s
 host code on it (its launches replaced by `launch`) against the spec of tests/test_legacy_low_latency.py."""
 from __future__ import annotations

@@ -14,7 +14,7 @@ expanded `ElasticBuffer` path elsewhere, or when ``DEEP_EP_LL_DIRECT`` is off (`
 Window: both buffer halves in one window, the Buffer's own when it is large enough (DeepEP's
 ``get_low_latency_rdma_size_hint`` is), else one made for them (collective, not during a CUDA-graph
 capture); each half has control words of its own (`impls/ll_direct.cuh`). Receive hooks: the call
-launches the send kernel, the hook the receive kernel; in between nothing holds an SM.
+launches its kernel's send phase, the hook its receive phase; in between nothing holds an SM.
 """
 from __future__ import annotations
 
@@ -181,8 +181,8 @@ def _fingerprint(*sizes) -> jit.u32:
 
 
 def _blocks(backend, work: int) -> int:
-    """Blocks of a kernel with ``work`` units: emulated ranks' receive kernels wait for the others'
-    send kernels on the same device, so each rank keeps to its share of the SMs
+    """Blocks of a launch with ``work`` units: emulated ranks' receive phases wait for the others'
+    send phases on the same device, so each rank keeps to its share of the SMs
     (`GPUBackend.num_sms`); elsewhere no block waits for another of its device (two fit an SM)."""
     resources = backend.device_resources()
     limit = resources.max_sms if getattr(backend, "emulated", True) else 2 * resources.num_device_sms
