@@ -183,9 +183,9 @@ def _fingerprint(*sizes) -> jit.u32:
 def _blocks(backend, work: int) -> int:
     """Blocks of a launch with ``work`` units: emulated ranks' receive phases wait for the others'
     send phases on the same device, so each rank keeps to its share of the SMs
-    (`GPUBackend.num_sms`); elsewhere no block waits for another of its device (two fit an SM)."""
+    (`GPUBackend.num_sms`); elsewhere a block per SM of the device."""
     resources = backend.device_resources()
-    limit = resources.max_sms if getattr(backend, "emulated", True) else 2 * resources.num_device_sms
+    limit = resources.max_sms if getattr(backend, "emulated", True) else resources.num_device_sms
     return max(1, min(work, limit))
 
 
