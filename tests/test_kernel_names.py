@@ -79,6 +79,21 @@ def test_the_data_kernels_match_deepeps_v1_hook_names():
     assert "::" not in modules.NOTIFY_KERNEL and "::" not in modules.BARRIER_KERNEL
 
 
+def test_the_direct_low_latency_kernels_match_deepeps_v1_hook_names():
+    """The V1 low-latency direct kernels (deep_ep/legacy/ll_direct.py): one kernel per call, named
+    ``deep_ep::dispatch...`` or ``deep_ep::combine...`` (DeepEP's V1 test times a call by the one
+    profiler-table line holding "dispatch" / "combine", and counts its launches, two with a receive
+    hook: the send and the receive phase), as kernels/ll_direct.cuh declares them, and matching none
+    of V2's timed names."""
+    from deep_ep.legacy import ll_direct
+    assert sorted(_entry_points("ll_direct")) == sorted(ll_direct.KERNEL_NAMES)
+    assert ll_direct.DISPATCH_KERNEL.startswith("deep_ep::dispatch") and "combine" not in ll_direct.DISPATCH_KERNEL
+    assert ll_direct.COMBINE_KERNEL.startswith("deep_ep::combine") and "dispatch" not in ll_direct.COMBINE_KERNEL
+    for name in ll_direct.KERNEL_NAMES:
+        assert not [s for s in DISPATCH_NAMES + COMBINE_NAMES if s in name], name
+        assert re.fullmatch(r"([A-Za-z_]\w*::)?[A-Za-z_]\w*", name) and len(name) < 100, name
+
+
 def test_qualified_names_from_symbols():
     from deep_ep.jit.runtime import qualified_name
     assert qualified_name("_ZN7deep_ep12combine_implENS_11CombineArgsEi") == "deep_ep::combine_impl"

@@ -137,3 +137,14 @@ def test_low_latency_layout_module_compiles():
     from deep_ep.legacy import ll_layout
     mod = jit.build("deep_ep_ll_layout", "#include <deep_ep/kernels/ll_layout.cuh>\n", check_spills=True)
     assert sorted(mod.kernel_names()) == sorted(ll_layout.KERNEL_NAMES)
+
+
+@pytest.mark.parametrize("transport_nccl", [False, True], ids=["emulated", "nccl"])
+def test_low_latency_direct_module_compiles(transport_nccl):
+    """The V1 low-latency direct kernels (kernels/ll_direct.cuh: dispatch and combine, a send and a
+    receive kernel each) compile under NVRTC without spills for both transports, one module for every
+    shape."""
+    from deep_ep.legacy import ll_direct
+    mod = jit.build("deep_ep_ll_direct", ll_direct.SOURCE, defines={"EP_TRANSPORT_NCCL": int(transport_nccl)},
+                    use_nccl=transport_nccl, check_spills=True)
+    assert sorted(mod.kernel_names()) == sorted(ll_direct.KERNEL_NAMES)

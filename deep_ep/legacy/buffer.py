@@ -130,7 +130,8 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         if self.elastic_buffer is not None:
             self.elastic_buffer.destroy()
             self.elastic_buffer = None
-        for key in ("_low_latency_extra_buffer", "_low_latency_second_buffer", "_low_latency_cpu_buffer"):
+        for key in ("_low_latency_extra_buffer", "_low_latency_second_buffer", "_low_latency_cpu_buffer",
+                    "_ll_direct_window"):
             extra = self.__dict__.pop(key, None)
             if extra is not None:
                 extra.destroy()

@@ -39,6 +39,7 @@ from .. import checks
 from ..event import EventHandle, EventOverlap
 from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allowed, low_latency_rdma_size_hint,
                       receive_storage, scale_storage)
+from . import ll_direct
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
 from .ll_layout import ReceiveOutputs, cast_pairs, count_scratch, receive_layout
@@ -267,6 +268,10 @@ class LowLatencyMethods(LowLatencyState):
                     token = int(repeated.any(dim=1).nonzero()[0])
                     raise ValueError(f"topk_idx row {token} names an expert twice: {topk_idx[token].tolist()}")
 
+        if ll_direct.applies(self, device, num_experts, num_topk, num_max_dispatch_tokens_per_rank):
+            return ll_direct.dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                      round_scale, use_ue8m0, async_finish, return_recv_hook,
+                                      cumulative_local_expert_recv_stats)
         self._load_low_latency_kernels(device)     # its combine's and its own, before any launch or capture
         # One (token, slot) pair per row, each routed to its expert alone: the expanded receive is
         # then DeepEP's per-expert layout, and combine returns every pair's row unreduced.
@@ -399,6 +404,9 @@ class LowLatencyMethods(LowLatencyState):
             raise RuntimeError(f"low_latency_combine: the buffer half of this handle's dispatch is held by a {holder} "
                                f"whose receive hook was not called yet: at most two low-latency results can be "
                                f"alive (DeepEP's double buffering); call that hook first. Nothing was sent")
+        if getattr(handle, "direct", None) is not None:
+            return ll_direct.combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                     return_recv_hook, out)
         self._mark_combined(handle)
         ep_handle = handle.ep_handle
         buffer = next((b for b in self._low_latency_buffers() if b.buffer_id == ep_handle.buffer_id), self._alive())

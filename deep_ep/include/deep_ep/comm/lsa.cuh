@@ -28,6 +28,12 @@ struct LsaTransport {
     __device__ __forceinline__ T get(int peer, int64_t offset) const {
         return __ldcg(reinterpret_cast<const T*>(bases[peer] + offset));
     }
+    // A 64-bit flag at ``offset`` of a peer's window, stored with system-scope release: the writes
+    // this thread ordered before it (a fence covering other threads' writes included) are visible to
+    // a peer that reads the flag with acquire.
+    __device__ __forceinline__ void put_release(int peer, int64_t offset, uint64_t value) const {
+        st_release_sys_u64(reinterpret_cast<uint64_t*>(bases[peer] + offset), value);
+    }
     template <int kUnroll, int kVecs>
     __device__ __forceinline__ void put_chunk(int peer, int64_t offset, int base, int lane, const int4 (&v)[kUnroll]) const {
         store_chunk<kUnroll, kVecs>(reinterpret_cast<int4*>(bases[peer] + offset), base, lane, v);

@@ -1,0 +1,536 @@
+// DeepEP's V1 low-latency dispatch and combine with every row sent straight to its final place in
+// the destination's window, no counts exchanged first (host: deep_ep/legacy/ll_direct.py; the torch
+// specifications of deep_ep/legacy/layouts.py and ll_reduce.py hold bit for bit):
+//  - dispatch send (a block per token, tokens strided over the grid): the token's place among the
+//    tokens of each of its experts (how many earlier tokens chose that expert), then its row (bf16,
+//    or FP8 cast as impls/ll_layout.cuh casts, with its scales) and its (token, slot) word into the
+//    expert owner's window at [local expert][source rank][place]; the last block to finish
+//    publishes this rank's count of every expert, tagged, one release store each;
+//  - dispatch receive (blocks per local expert, strided): waits for every source rank's count,
+//    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
+//    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
+//    rank's (token, slot) pair);
+//  - combine send (every expert's received rows in order, as 16-byte chunks spread over the grid):
+//    each expert output row into its source rank's window at pair (token, slot); the last block
+//    publishes a tagged flag to every rank;
+//  - combine receive: waits for every rank's flag, then per token the weighted top-k sum
+//    (impls/ll_reduce.cuh's arithmetic: float32, slot order, products rounded first, one bf16 rounding).
+// Every window holds two call halves (DeepEP's double buffering), each with control words of its
+// own past the shared ones (abi.cuh, comm/push.cuh). A half counts its completed dispatch and combine
+// receives; a send tags its flags with that count plus one and the receive waits for that tag, so a
+// flag an earlier call left (emulated ranks and CUDA graph replays reuse the window) is never taken.
+// A wait that times out records rank, peer and phase as every kernel does (comm/window.cuh).
+#pragma once
+
+#include "../comm/lsa.cuh"
+#include "ll_layout.cuh"
+#include "ll_reduce.cuh"
+
+namespace deep_ep {
+
+constexpr int kLlDirectThreads = 512;
+constexpr int kLlDirectWarps = 16;
+constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
+constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
+constexpr int kLlDirectReceivePhase = 2;    // the receive
+constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
+constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
+constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
+// u32 words of the control region: a half's words begin at kLlDirectCtrlWord + half * kLlDirectHalfWords
+constexpr int kLlDirectCtrlWord = 6144;
+constexpr int kLlDirectDispatchSeq = 0;      // dispatch receives completed on the half
+constexpr int kLlDirectCombineSeq = 1;       // combine receives completed on the half
+constexpr int kLlDirectDispatchSent = 2;     // blocks of the dispatch send that finished (ticket)
+constexpr int kLlDirectCombineSent = 3;      // likewise, combine send
+constexpr int kLlDirectDispatchDone = 4;     // likewise, dispatch receive
+constexpr int kLlDirectCombineDone = 5;      // likewise, combine receive
+constexpr int kLlDirectDispatchFlags = 16;   // [local expert][source rank] u64: tag << 32 | count
+constexpr int kLlDirectCombineFlags = kLlDirectDispatchFlags + 2 * kLlDirectMaxExperts;   // [rank] u64
+constexpr int kLlDirectHalfWords = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks;
+
+static_assert(kCtrlTag + 4 * kMaxRanks + 2 <= kLlDirectCtrlWord, "the shared control words end before these");
+static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "both halves fit the control region");
+static_assert(kLlDirectWarps * 32 == kLlDirectThreads, "whole warps");
+
+__device__ __forceinline__ int ll_direct_word(int half, int word) {
+    return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
+}
+
+// Byte offset (in every window) of flag `index` of the array starting at a half's word `word`.
+__device__ __forceinline__ int64_t ll_direct_flag_offset(int half, int word, int index) {
+    return static_cast<int64_t>(ll_direct_word(half, word)) * 4 + static_cast<int64_t>(index) * 8;
+}
+
+// A flag: the call's fingerprint (16 bits of its configuration, from the host), the low 16 bits of
+// its tag, and a 32-bit value.
+__device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t fingerprint, uint32_t value) {
+    return (static_cast<uint64_t>(fingerprint & 0xFFFFu) << 48) | (static_cast<uint64_t>(tag & 0xFFFFu) << 32) | value;
+}
+
+// Wait until the local flag at byte `offset` carries `tag`; its value comes back in `value`. False
+// (nothing to trust) once an error is recorded, after `timeout_ns` (recorded as a timeout here), or
+// when the flag's fingerprint differs from this rank's (ranks that disagree on the call: recorded as
+// a mismatch, with the call's tag).
+__device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t fingerprint,
+                                               uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns) {
+    const uint64_t* flag = reinterpret_cast<const uint64_t*>(window + offset);
+    const uint64_t start = global_timer_ns();
+    while (true) {
+        const uint64_t word = ld_acquire_sys_u64(flag);
+        if (static_cast<uint32_t>(word >> 32 & 0xFFFFu) == (tag & 0xFFFFu)) {
+            if (static_cast<uint32_t>(word >> 48) != (fingerprint & 0xFFFFu)) {
+                comm::record_error(window, kErrMismatch, rank, peer, static_cast<int>(tag));
+                return false;
+            }
+            value = static_cast<uint32_t>(word);
+            return true;
+        }
+        if (comm::has_error(window))
+            return false;
+        if (global_timer_ns() - start > timeout_ns) {
+            comm::record_error(window, kErrTimeout, rank, peer, phase);
+            return false;
+        }
+    }
+}
+
+// By one thread of the last block of a receive: the half's next tag, and any recorded error to the
+// host's mapped record (comm/window.cuh's end_wait, without the shared epoch).
+__device__ __forceinline__ void ll_direct_finish(uint8_t* window, int half, int seq_word, uint32_t* err_host) {
+    uint32_t* ctrl = comm::ctrl_of(window);
+    __threadfence();
+    const volatile uint32_t* record = reinterpret_cast<const volatile uint32_t*>(ctrl + kCtrlError);
+    atomicAdd(ctrl + ll_direct_word(half, seq_word), 1u);
+    comm::error_to_host(record, record[0], err_host);
+}
+
+__device__ __forceinline__ uint32_t ll_direct_tag(uint8_t* window, int half, int seq_word) {
+    return ld_volatile(comm::ctrl_of(window) + ll_direct_word(half, seq_word)) + 1u;
+}
+
+// One 8-channel chunk of a row as FP8 codes and, in `scale_inv`, its 128 channels' scale (the lanes of
+// one scale are kLlScaleChannels / kLlCastChannels consecutive lanes, all in or all out).
+__device__ __forceinline__ uint2 ll_direct_cast(const uint4& packed, int round_scale, float& scale_inv) {
+    constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t group_mask = ((1u << chunks_per_scale) - 1u) << (lane / chunks_per_scale * chunks_per_scale);
+    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+    float channels[kLlCastChannels];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLlCastChannels; ++i) {
+        channels[i] = __bfloat162float(values[i]);
+        amax = ll_nan_max(amax, fabsf(channels[i]));
+    }
+#pragma unroll
+    for (int offset = chunks_per_scale / 2; offset > 0; offset /= 2)
+        amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, chunks_per_scale));
+    float scale;
+    ll_scales_of(amax, round_scale, scale, scale_inv);
+    uint2 codes = make_uint2(0u, 0u);
+#pragma unroll
+    for (int i = 0; i < kLlCastChannels; ++i) {
+        const uint32_t code = ll_cast_value(channels[i], scale) << (8 * (i % 4));
+        if (i < 4)
+            codes.x |= code;
+        else
+            codes.y |= code;
+    }
+    return codes;
+}
+
+// Window regions (byte offsets, the same in every window; deep_ep/legacy/ll_direct.py lays them
+// out): rows [L][R][T_max] of `row_bytes`, their scales [L][R][T_max][S] float32, their pair words
+// [L][R][T_max] int32 (token * K + slot), and the combine's rows [T_max * K] bf16.
+struct LlDirectRegions {
+    int64_t rows, scales, pairs, combine;
+};
+
+__device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTransport& tr, int half,
+                                                             LlDirectRegions regions, const uint4* __restrict__ x,
+                                                             const int64_t* __restrict__ topk_idx, int num_tokens,
+                                                             int hidden, int num_topk, int num_experts,
+                                                             int num_local_experts, int num_slots, int use_fp8,
+                                                             int round_scale, uint32_t fingerprint) {
+    __shared__ int64_t s_expert[kLlDirectMaxTopk];
+    __shared__ int s_place[kLlDirectMaxTopk];
+    __shared__ int64_t s_row[kLlDirectMaxTopk];    // the row in its owner's window, -1: no expert
+    const int chunks_per_row = hidden / kLlCastChannels;
+    const int num_scales = hidden / kLlScaleChannels;
+    const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
+    constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
+    for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
+        const uint4* row_x = x + static_cast<int64_t>(token) * chunks_per_row;
+        // the thread's first chunk, loaded while the places are counted
+        const uint4 prefetched = threadIdx.x < chunks_per_row ? __ldg(row_x + threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
+        if (threadIdx.x < num_topk) {
+            s_expert[threadIdx.x] = __ldg(topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
+            s_place[threadIdx.x] = 0;
+        }
+        __syncthreads();
+        // the place among each expert's tokens: the earlier tokens that chose it (a token names an
+        // expert once)
+        const int earlier = token * num_topk;
+        for (int index = threadIdx.x; index < earlier; index += blockDim.x) {
+            const int64_t expert = __ldg(topk_idx + index);
+            if (expert < 0)
+                continue;
+            for (int slot = 0; slot < num_topk; ++slot)
+                if (s_expert[slot] == expert)
+                    atomicAdd(&s_place[slot], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x < num_topk) {
+            const int64_t expert = s_expert[threadIdx.x];
+            int64_t row = -1;
+            if (expert >= 0) {
+                const int owner = static_cast<int>(expert / num_local_experts);
+                const int64_t local = expert % num_local_experts;
+                row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
+                tr.put<int32_t>(owner, regions.pairs + row * 4, token * num_topk + static_cast<int>(threadIdx.x));
+            }
+            s_row[threadIdx.x] = row;
+        }
+        __syncthreads();
+        for (int chunk = threadIdx.x; chunk < chunks_per_row; chunk += blockDim.x) {
+            const uint4 packed = chunk == static_cast<int>(threadIdx.x) ? prefetched : __ldg(row_x + chunk);
+            if (!use_fp8) {
+                for (int slot = 0; slot < num_topk; ++slot) {
+                    const int64_t row = s_row[slot];
+                    if (row >= 0)
+                        tr.put<uint4>(static_cast<int>(s_expert[slot] / num_local_experts),
+                                      regions.rows + row * row_bytes + chunk * 16, packed);
+                }
+                continue;
+            }
+            float scale_inv;
+            const uint2 codes = ll_direct_cast(packed, round_scale, scale_inv);
+            for (int slot = 0; slot < num_topk; ++slot) {
+                const int64_t row = s_row[slot];
+                if (row < 0)
+                    continue;
+                const int owner = static_cast<int>(s_expert[slot] / num_local_experts);
+                tr.put<uint2>(owner, regions.rows + row * row_bytes + chunk * 8, codes);
+                if (chunk % chunks_per_scale == 0)
+                    tr.put<float>(owner, regions.scales + (row * num_scales + chunk / chunks_per_scale) * 4, scale_inv);
+            }
+        }
+        __syncthreads();    // the places are read before the next token's
+    }
+    uint8_t* window = tr.local();
+    if (!comm::last_block(window, ll_direct_word(half, kLlDirectDispatchSent), true))
+        return;
+    // every block's rows are out: this rank's count of every expert, to the expert's owner
+    __shared__ int s_count[kLlDirectMaxExperts];
+    for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x)
+        s_count[expert] = 0;
+    __syncthreads();
+    const int num_pairs = num_tokens * num_topk;
+    for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
+        const int64_t expert = __ldg(topk_idx + index);
+        if (expert >= 0)
+            atomicAdd(&s_count[expert], 1);
+    }
+    __syncthreads();
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
+    __threadfence_system();
+    for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
+        const int local = expert % num_local_experts;
+        tr.put_release(expert / num_local_experts,
+                       ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
+                       ll_direct_flag(tag, fingerprint, static_cast<uint32_t>(s_count[expert])));
+    }
+}
+
+// Which of `count` consecutive ranges (begins[0] = 0, nondecreasing) holds `row`: the last with
+// begins[index] <= row, past empty ranges.
+__device__ __forceinline__ int ll_direct_range_of(const int* begins, int count, int row) {
+    int low = 0, high = count - 1;
+    while (low < high) {
+        const int middle = (low + high + 1) / 2;
+        if (begins[middle] <= row)
+            low = middle;
+        else
+            high = middle - 1;
+    }
+    return low;
+}
+
+// The window row of layout row `row` of local expert `local`: its source rank's region, its place there.
+__device__ __forceinline__ int64_t ll_direct_window_row(const int* begins, int num_ranks, int num_slots, int local,
+                                                        int row) {
+    const int source = ll_direct_range_of(begins, num_ranks, row);
+    return (static_cast<int64_t>(local) * num_ranks + source) * num_slots + (row - begins[source]);
+}
+
+// Exclusive prefix sums of counts[0..n) into begins[0..n] (begins[n]: the total), by warp 0.
+__device__ __forceinline__ void ll_direct_scan(const int* counts, int* begins, int n) {
+    if (threadIdx.x >= 32)
+        return;
+    const int lane = threadIdx.x;
+    int carry = 0;
+    for (int base = 0; base < n; base += 32) {
+        const int value = base + lane < n ? counts[base + lane] : 0;
+        int sum = value;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset *= 2) {
+            const int other = __shfl_up_sync(0xffffffffu, sum, offset);
+            if (lane >= offset)
+                sum += other;
+        }
+        if (base + lane < n)
+            begins[base + lane] = carry + sum - value;
+        carry += __shfl_sync(0xffffffffu, sum, 31);
+    }
+    if (lane == 0)
+        begins[n] = carry;
+}
+
+__device__ __forceinline__ void ll_direct_dispatch_recv_impl(
+        const comm::LsaTransport& tr, int half, LlDirectRegions regions, uint4* __restrict__ data_out,
+        float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
+        int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
+        int num_local_experts, int num_parts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
+        uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
+    __shared__ int s_counts[kLlDirectMaxRanks];
+    __shared__ int s_begins[kLlDirectMaxRanks + 1];
+    __shared__ int s_ok;
+    uint8_t* window = tr.local();
+    const int num_ranks = tr.num_ranks;
+    const int num_rows = num_ranks * num_slots;
+    const int num_scales = hidden / kLlScaleChannels;
+    const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
+    const int row_chunks = static_cast<int>(row_bytes / 16);
+    const int pairs_per_rank = num_slots * num_topk;
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
+    // units of work: `num_parts` parts of each local expert's rows; every part waits for the expert's
+    // counts, the first writes its counts, ranges and statistics
+    for (int unit = blockIdx.x; unit < num_local_experts * num_parts; unit += gridDim.x) {
+        const int local = unit / num_parts;
+        const int part = unit % num_parts;
+        if (threadIdx.x == 0)
+            s_ok = 1;
+        __syncthreads();
+        for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
+            uint32_t count = 0;
+            if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * num_ranks + source),
+                                tag, fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
+                s_ok = 0;
+                count = 0;
+            }
+            s_counts[source] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+        }
+        __syncthreads();
+        const bool ok = s_ok != 0;
+        ll_direct_scan(s_counts, s_begins, num_ranks);
+        __syncthreads();
+        __threadfence();    // the rows each flag covers, read by threads other than the one that waited
+        if (!ok)
+            continue;    // nothing moves after an error (s_ok is rewritten past the next barrier only)
+        const int total = s_begins[num_ranks];
+        if (part == 0) {
+            if (threadIdx.x == 0) {
+                recv_count[local] = total;
+                if (stats != nullptr)
+                    stats[local] += total;
+            }
+            for (int source = threadIdx.x; source < num_ranks; source += blockDim.x)
+                layout_range[static_cast<int64_t>(local) * num_ranks + source] =
+                    (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
+        }
+        for (int row = total + part * kLlDirectThreads + threadIdx.x; row < num_rows;
+             row += num_parts * kLlDirectThreads)
+            src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
+        // Window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
+        // Each row is `row_chunks` 16-byte chunks, its scales (FP8) and its pair word: items spread
+        // over the expert's parts, kLlDirectUnroll loads of any kind in flight per thread.
+        const int scale_items = use_fp8 ? num_scales : 0;
+        const int items_per_row = row_chunks + scale_items + 1;
+        const int64_t num_items = static_cast<int64_t>(total) * items_per_row;
+        const float* window_scales = reinterpret_cast<const float*>(window + regions.scales);
+        const int32_t* window_pairs = reinterpret_cast<const int32_t*>(window + regions.pairs);
+        const int64_t stride = static_cast<int64_t>(num_parts) * kLlDirectThreads;
+        for (int64_t first = static_cast<int64_t>(part) * kLlDirectThreads + threadIdx.x; first < num_items;
+             first += stride * kLlDirectUnroll) {
+            uint4 values[kLlDirectUnroll];
+            int rows[kLlDirectUnroll], items[kLlDirectUnroll];
+#pragma unroll
+            for (int i = 0; i < kLlDirectUnroll; ++i) {
+                const int64_t index = first + i * stride;
+                items[i] = -1;
+                rows[i] = 0;
+                values[i] = make_uint4(0u, 0u, 0u, 0u);
+                if (index < num_items) {
+                    const int row = static_cast<int>(index / items_per_row);
+                    const int item = static_cast<int>(index % items_per_row);
+                    const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
+                    if (item < row_chunks)
+                        values[i] = __ldcg(reinterpret_cast<const uint4*>(window + regions.rows +
+                                                                          window_row * row_bytes) + item);
+                    else if (item < row_chunks + scale_items)
+                        values[i].x = __float_as_uint(__ldcg(window_scales + window_row * num_scales +
+                                                             (item - row_chunks)));
+                    else
+                        values[i].x = static_cast<uint32_t>(__ldcg(window_pairs + window_row));
+                    rows[i] = row;
+                    items[i] = item;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kLlDirectUnroll; ++i) {
+                const int row = rows[i], item = items[i];
+                if (item < 0)
+                    continue;
+                const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
+                if (item < row_chunks) {
+                    data_out[out_row * row_chunks + item] = values[i];
+                } else if (item < row_chunks + scale_items) {
+                    const int column = item - row_chunks;
+                    if (use_ue8m0) {
+                        const int64_t word =
+                            (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
+                        reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
+                            static_cast<uint8_t>((values[i].x >> 23) & 0xFFu);
+                    } else {
+                        scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] =
+                            __uint_as_float(values[i].x);
+                    }
+                } else {
+                    const int pair = static_cast<int>(values[i].x);
+                    src_info[out_row] = pair / num_topk;
+                    routes[out_row] = ll_direct_range_of(s_begins, num_ranks, row) * pairs_per_rank + pair;
+                }
+            }
+        }
+    }
+    if (comm::last_block(window, ll_direct_word(half, kLlDirectDispatchDone), false) && threadIdx.x == 0)
+        ll_direct_finish(window, half, kLlDirectDispatchSeq, err_host);
+}
+
+__device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTransport& tr, int half,
+                                                            LlDirectRegions regions, const uint4* __restrict__ x,
+                                                            int64_t expert_stride, int64_t row_stride,
+                                                            const int32_t* __restrict__ recv_count,
+                                                            const int32_t* __restrict__ routes, int num_local_experts,
+                                                            int num_slots, int num_topk, int hidden,
+                                                            uint32_t fingerprint) {
+    __shared__ int s_counts[kLlDirectMaxExperts];
+    __shared__ int s_begins[kLlDirectMaxExperts + 1];
+    const int num_rows = tr.num_ranks * num_slots;
+    const int row_chunks = hidden * 2 / 16;
+    const int pairs_per_rank = num_slots * num_topk;
+    // every expert's received rows in order, as 16-byte chunks spread over the grid
+    for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
+        s_counts[local] = min(__ldg(recv_count + local), num_rows);
+    __syncthreads();
+    ll_direct_scan(s_counts, s_begins, num_local_experts);
+    __syncthreads();
+    const int64_t num_chunks = static_cast<int64_t>(s_begins[num_local_experts]) * row_chunks;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kLlDirectThreads;
+    for (int64_t first = static_cast<int64_t>(blockIdx.x) * kLlDirectThreads + threadIdx.x; first < num_chunks;
+         first += stride * kLlDirectUnroll) {
+        uint4 values[kLlDirectUnroll];
+        int64_t targets[kLlDirectUnroll];
+        int destinations[kLlDirectUnroll];
+#pragma unroll
+        for (int i = 0; i < kLlDirectUnroll; ++i) {
+            const int64_t index = first + i * stride;
+            targets[i] = -1;
+            destinations[i] = 0;
+            if (index < num_chunks) {
+                const int flat = static_cast<int>(index / row_chunks);
+                const int chunk = static_cast<int>(index % row_chunks);
+                const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
+                const int row = flat - s_begins[local];
+                const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
+                values[i] = __ldg(x + local * expert_stride + row * row_stride + chunk);
+                destinations[i] = route / pairs_per_rank;
+                targets[i] = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2 + chunk * 16;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kLlDirectUnroll; ++i)
+            if (targets[i] >= 0)
+                tr.put<uint4>(destinations[i], targets[i], values[i]);
+    }
+    uint8_t* window = tr.local();
+    if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
+        return;
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
+    __threadfence_system();
+    for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x)
+        tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
+                       ll_direct_flag(tag, fingerprint, 1u));
+}
+
+__device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTransport& tr, int half,
+                                                            LlDirectRegions regions,
+                                                            const int64_t* __restrict__ topk_idx,
+                                                            const float* __restrict__ topk_weights,
+                                                            uint4* __restrict__ out, int num_tokens, int num_topk,
+                                                            int hidden, uint32_t fingerprint, uint64_t timeout_ns,
+                                                            uint32_t* err_host) {
+    __shared__ int s_ok;
+    uint8_t* window = tr.local();
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
+        uint32_t value = 0;
+        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint, value,
+                            tr.rank, peer, kPhaseCombine, timeout_ns))
+            s_ok = 0;
+    }
+    __syncthreads();
+    __threadfence();    // the rows each flag covers, read by threads other than the one that waited
+    if (s_ok != 0) {
+        const uint4* pairs = reinterpret_cast<const uint4*>(window + regions.combine);
+        const int64_t chunks_per_row = hidden / kLlReduceChannels;
+        const int64_t num_chunks = static_cast<int64_t>(num_tokens) * chunks_per_row;
+        const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+        for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; chunk < num_chunks;
+             chunk += stride) {
+            const int64_t token = chunk / chunks_per_row;
+            const int64_t column = chunk % chunks_per_row;
+            float acc[kLlReduceChannels];
+#pragma unroll
+            for (int i = 0; i < kLlReduceChannels; ++i)
+                acc[i] = 0.0f;
+            // the slots' rows kLlDirectUnroll at a time, in flight together, summed in slot order
+            for (int first = 0; first < num_topk; first += kLlDirectUnroll) {
+                uint4 packed[kLlDirectUnroll];
+                float weights[kLlDirectUnroll];
+                bool selected[kLlDirectUnroll];
+#pragma unroll
+                for (int i = 0; i < kLlDirectUnroll; ++i) {
+                    const int slot = first + i;
+                    selected[i] = slot < num_topk && __ldg(topk_idx + token * num_topk + slot) >= 0;
+                    weights[i] = selected[i] ? __ldg(topk_weights + token * num_topk + slot) : 0.0f;
+                    packed[i] = selected[i] ? __ldcg(pairs + (token * num_topk + slot) * chunks_per_row + column)
+                                            : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (int i = 0; i < kLlDirectUnroll; ++i) {
+                    if (!selected[i])
+                        continue;
+                    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed[i]);
+#pragma unroll
+                    for (int channel = 0; channel < kLlReduceChannels; ++channel)
+                        acc[channel] = __fadd_rn(acc[channel],
+                                                 __fmul_rn(__bfloat162float(values[channel]), weights[i]));
+                }
+            }
+            uint4 result;
+            uint16_t* bits = reinterpret_cast<uint16_t*>(&result);
+#pragma unroll
+            for (int i = 0; i < kLlReduceChannels; ++i)
+                bits[i] = ll_reduce_to_bf16_bits(acc[i]);
+            out[token * chunks_per_row + column] = result;
+        }
+    }
+    if (comm::last_block(window, ll_direct_word(half, kLlDirectCombineDone), false) && threadIdx.x == 0)
+        ll_direct_finish(window, half, kLlDirectCombineSeq, err_host);
+}
+
+}  // namespace deep_ep

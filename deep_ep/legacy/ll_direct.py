@@ -1,0 +1,318 @@
+"""DeepEP's V1 low-latency dispatch and combine on direct kernels (``include/deep_ep/kernels/ll_direct.cuh``):
+every (token, top-k slot) row goes straight to its place in the expert owner's window, at
+[local expert][source rank][place] (its place: the earlier tokens of its rank that chose that expert),
+and the sender then publishes its per-expert counts, tagged with the call; the receive waits for
+those counts and writes DeepEP's layouts (the same as `deep_ep.legacy.low_latency`'s, bit for bit).
+A combine writes each received row's expert output into its source rank's window at (token, slot)
+and flags every rank; the source waits for the flags and sums the top-k rows (float32, slot order,
+one bf16 rounding). No counts exchange before the rows, no host reads: graph capturable.
+
+Where: one node (NCCL's LSA window or emulated ranks on one GPU), no rank mask, ``E <= 1024``
+experts and top-k ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the
+expanded `ElasticBuffer` path elsewhere, or when ``DEEP_EP_LL_DIRECT`` is off (`enabled`).
+
+Window: both buffer halves in one window, the Buffer's own when it is large enough (DeepEP's
+``get_low_latency_rdma_size_hint`` is), else one made for them (collective, not during a CUDA-graph
+capture); each half has control words of its own (`impls/ll_direct.cuh`). Receive hooks: the call
+launches its kernel's send phase, the hook its receive phase; in between nothing holds an SM.
+"""
+from __future__ import annotations
+
+import ctypes
+import zlib
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import checks, envs, jit
+from ..backends.gpu.abi import CONSTANTS, CTRL_BYTES, _read_constants
+from ..event import EventHandle, EventOverlap
+from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allowed, receive_storage, scale_storage
+
+__all__ = ["enabled", "applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
+           "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE"]
+
+_CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_direct.cuh",
+                             CONSTANTS)
+_THREADS = _CONSTANTS["kLlDirectThreads"]
+_WARPS = _CONSTANTS["kLlDirectWarps"]
+MAX_TOPK = _CONSTANTS["kLlDirectMaxTopk"]
+MAX_EXPERTS = _CONSTANTS["kLlDirectMaxExperts"]
+MAX_RANKS = _CONSTANTS["kLlDirectMaxRanks"]
+_CHUNK_CHANNELS = 8               # bf16 channels of one 16-byte load (the combine's sum)
+_MAX_PARTS = 16                   # blocks that share one expert's rows in a dispatch receive
+_ALIGNMENT = 128
+_INT32_LIMIT = 2 ** 31
+
+# one kernel per call kind, launched for its send phase, then for its receive phase
+DISPATCH_KERNEL = "deep_ep::dispatch_ll_direct"
+COMBINE_KERNEL = "deep_ep::combine_ll_direct"
+KERNEL_NAMES = (DISPATCH_KERNEL, COMBINE_KERNEL)
+SEND_PHASE = _CONSTANTS["kLlDirectSendPhase"]
+RECEIVE_PHASE = _CONSTANTS["kLlDirectReceivePhase"]
+SOURCE = "#include <deep_ep/kernels/ll_direct.cuh>\n"
+# the Buffer's attributes: a window made for the calls (when its own is too small), the stream of
+# the last kernel
+_WINDOW_KEY = "_ll_direct_window"
+_STREAM_KEY = "_ll_direct_stream"
+
+
+class Regions(ctypes.Structure):
+    """``LlDirectRegions`` of impls/ll_direct.cuh: byte offsets of a half's regions in every window."""
+    _fields_ = [("rows", ctypes.c_int64), ("scales", ctypes.c_int64), ("pairs", ctypes.c_int64),
+                ("combine", ctypes.c_int64)]
+
+
+class DirectRoute(NamedTuple):
+    """What a combine needs of its direct dispatch: the window (`ElasticBuffer`), the half's
+    `Regions`, each received row's route back (int32 ``[L, R*T_max]``: source rank * T_max * K +
+    token * K + slot), the received counts (int32 ``[L]``) and the dispatch's token count."""
+    window: object
+    regions: Regions
+    routes: torch.Tensor
+    recv_count: torch.Tensor
+    num_tokens: int
+
+
+def enabled() -> bool:
+    """Whether ``DEEP_EP_LL_DIRECT`` asks for the direct kernels (default: off)."""
+    return envs.flag("DEEP_EP_LL_DIRECT")
+
+
+def _align(value: int) -> int:
+    return -(-value // _ALIGNMENT) * _ALIGNMENT
+
+
+def _half_bytes(num_ranks: int, num_local_experts: int, num_slots: int, hidden: int, num_topk: int) -> int:
+    rows = num_local_experts * num_ranks * num_slots
+    return (_align(rows * 2 * hidden) + _align(rows * (hidden // NUM_CHANNELS_PER_SCALE) * 4) + _align(rows * 4)
+            + _align(num_slots * num_topk * 2 * hidden))
+
+
+def window_bytes(num_ranks: int, num_local_experts: int, num_slots: int, hidden: int, num_topk: int) -> int:
+    """Bytes of window both halves of direct calls of these sizes need (the control region included):
+    per half, rows ``[L, R, T_max]`` of up to ``2 * hidden`` bytes, their scales and (token, slot)
+    words, and the combine's ``T_max * K`` bf16 rows."""
+    return CTRL_BYTES + 2 * _half_bytes(num_ranks, num_local_experts, num_slots, hidden, num_topk)
+
+
+def _regions(half: int, num_ranks: int, num_local_experts: int, num_slots: int, hidden: int,
+             num_topk: int) -> Regions:
+    rows = num_local_experts * num_ranks * num_slots
+    base = CTRL_BYTES + half * _half_bytes(num_ranks, num_local_experts, num_slots, hidden, num_topk)
+    scales = base + _align(rows * 2 * hidden)
+    pairs = scales + _align(rows * (hidden // NUM_CHANNELS_PER_SCALE) * 4)
+    return Regions(base, scales, pairs, pairs + _align(rows * 4))
+
+
+def applies(owner, device: torch.device, num_experts: int, num_topk: int, num_slots: int) -> bool:
+    """Whether a low-latency call of ``owner`` (a `deep_ep.Buffer`) runs on the direct kernels:
+    `enabled`, on a CUDA device, no ``enable_shrink`` (rank masks), a transport of one node (not
+    the emulated GIN), and sizes within the kernels' limits."""
+    if not enabled() or device.type != "cuda" or owner.enable_shrink:
+        return False
+    backend = owner._alive()._backend
+    num_ranks = owner.group_size
+    return (not getattr(backend, "transport_gin", 0) and num_ranks <= MAX_RANKS and num_experts <= MAX_EXPERTS
+            and num_topk <= MAX_TOPK and num_ranks * num_slots * num_topk < _INT32_LIMIT
+            and num_experts * num_slots < _INT32_LIMIT)
+
+
+def _load(backend) -> object:
+    """The module on the backend's device, built and loaded once (collectively for emulated ranks:
+    a load waits for the device, where the peers' kernels may wait for this rank)."""
+    module = getattr(backend, "_ll_direct_module", None)
+    if module is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("deep_ep.Buffer: the direct low-latency kernels are not loaded yet; make a first "
+                               "low-latency call before CUDA-graph capture")
+        from ..backends.gpu.modules import load_module
+        nccl = bool(backend.transport_nccl)
+        module = jit.build("deep_ep_ll_direct", SOURCE, defines={"EP_TRANSPORT_NCCL": int(nccl)}, use_nccl=nccl)
+        device_index = backend.device.index
+        if backend.emulated:
+            backend.group.load_collectively(("ll_direct", nccl), lambda: load_module(module, device_index))
+        else:
+            load_module(module, device_index)
+        backend._ll_direct_module = module
+    return module
+
+
+def _window(owner, need: int):
+    """The `ElasticBuffer` whose window holds both halves: the Buffer's own when large enough, else
+    one made for ``need`` bytes (collective; kept for later calls, destroyed with the Buffer)."""
+    buffer = owner._alive()
+    if buffer.num_bytes - buffer._backend.config.num_cpu_bytes >= need:
+        return buffer
+    extra = owner.__dict__.get(_WINDOW_KEY)
+    if extra is not None and extra.num_bytes >= need:
+        return extra
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs a {need}-byte window, larger than the "
+                           f"buffer's {buffer.num_bytes}; make the first such call before CUDA-graph capture (or "
+                           f"pass a larger num_rdma_bytes)")
+    from ..buffer import ElasticBuffer
+    if extra is not None:
+        extra.destroy()
+    extra = ElasticBuffer(owner.group, num_bytes=need, explicitly_destroy=owner.explicitly_destroy,
+                          **owner._low_latency_options)
+    owner.__dict__[_WINDOW_KEY] = extra
+    return extra
+
+
+def _launch(owner, window, name: str, blocks: int, args: tuple, device: torch.device) -> None:
+    """Launch ``name`` on the current stream, after the previous direct kernel of ``owner`` when
+    that went to another stream (the halves' tags count calls in stream order)."""
+    stream = torch.cuda.current_stream(device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    last = owner.__dict__.get(_STREAM_KEY)
+    if last is not None and last != stream and not capturing:
+        stream.wait_stream(last)
+    owner.__dict__[_STREAM_KEY] = None if capturing else stream
+    backend = window._backend
+    _load(backend).function(name).launch(blocks, _THREADS, args, stream=stream, device=device.index)
+
+
+def _fingerprint(*sizes) -> jit.u32:
+    """16 bits of a call's sizes that every rank must agree on, carried by every flag: a rank that
+    disagrees is found at the wait (a mismatch error) instead of reading rows of another layout."""
+    return jit.u32(zlib.crc32(repr(sizes).encode()) & 0xFFFF)
+
+
+def _blocks(backend, work: int) -> int:
+    """Blocks of a launch with ``work`` units: emulated ranks' receive phases wait for the others'
+    send phases on the same device, so each rank keeps to its share of the SMs
+    (`GPUBackend.num_sms`); elsewhere a block per SM of the device."""
+    resources = backend.device_resources()
+    limit = resources.max_sms if getattr(backend, "emulated", True) else resources.num_device_sms
+    return max(1, min(work, limit))
+
+
+def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num_experts: int, use_fp8: bool,
+             round_scale: bool, use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
+             stats: Optional[torch.Tensor]) -> tuple:
+    """`deep_ep.Buffer.low_latency_dispatch` on the direct kernels, its arguments checked there (and
+    `applies`); returns what it returns. The handle carries a `DirectRoute` (``handle.direct``).
+
+    Raises:
+        RuntimeError: both buffer halves held (as the expanded path); a window to make during a
+            CUDA-graph capture; a GPU error an earlier call recorded.
+    """
+    device = x.device
+    num_ranks = owner.group_size
+    num_local_experts = num_experts // num_ranks
+    num_tokens, hidden = x.shape
+    num_topk = topk_idx.shape[1]
+    half = owner._free_half("low_latency_dispatch")
+    window = _window(owner, window_bytes(num_ranks, num_local_experts, num_slots, hidden, num_topk))
+    backend = window._backend
+    backend.raise_if_broken()
+    _load(backend)
+    regions = _regions(half, num_ranks, num_local_experts, num_slots, hidden, num_topk)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    topk_idx = topk_idx.contiguous()
+    num_rows = num_ranks * num_slots
+    data_storage, recv_data = receive_storage(num_local_experts, num_rows, hidden,
+                                              checks.FP8 if use_fp8 else torch.bfloat16, device)
+    recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    src_info = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
+    layout_range = torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device)
+    routes = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
+    scales_storage = recv_scales = None
+    if use_fp8:
+        scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, hidden // NUM_CHANNELS_PER_SCALE,
+                                                    use_ue8m0, device)
+    handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), None, num_topk, half)
+    handle.direct = DirectRoute(window, regions, routes, recv_count, num_tokens)
+    handle.number = owner._mark_dispatched(half)
+    transport = backend.transport_args
+    fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
+    # parts of each expert's rows, one block each, where the device lends more blocks than experts
+    num_parts = max(1, min(_MAX_PARTS, _blocks(backend, 1 << 30) // num_local_experts))
+
+    def args(phase: int) -> tuple:
+        return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
+                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0), num_parts, data_storage,
+                scales_storage, recv_count, src_info, layout_range, stats, routes, fingerprint,
+                jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
+
+    _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_tokens), args(SEND_PHASE), device)
+
+    def receive() -> None:
+        _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_local_experts * num_parts), args(RECEIVE_PHASE),
+                device)
+        handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
+
+    owner._flip()
+    hook = owner._hook(receive, "low_latency_dispatch", device, half) if return_recv_hook else None
+    if not return_recv_hook:
+        receive()
+    recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
+    event = EventOverlap(EventHandle(), (x, topk_idx, recv_data, recv_scales, recv_count, src_info, layout_range,
+                                         stats)) if async_finish else EventOverlap()
+    return recv_x, recv_count, handle, event, hook
+
+
+def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+            zero_copy: bool, async_finish: bool, return_recv_hook: bool, out: Optional[torch.Tensor]) -> tuple:
+    """`deep_ep.Buffer.low_latency_combine` of a direct dispatch's handle (checked there up to its
+    buffer half), on the direct kernels; returns what it returns.
+
+    Raises:
+        ValueError: ``topk_idx`` not of the dispatch's shape, a bad ``out``. RuntimeError: a GPU
+            error an earlier call recorded.
+    """
+    route = handle.direct
+    src_info, layout_range, num_slots, hidden, num_experts = handle
+    device = x.device
+    num_ranks = owner.group_size
+    num_local_experts = num_experts // num_ranks
+    num_tokens, num_topk = topk_idx.shape
+    if (num_tokens, num_topk) != (route.num_tokens, handle.num_topk):
+        raise ValueError(f"topk_idx must have the dispatch's shape [{route.num_tokens}, {handle.num_topk}], got "
+                         f"{list(topk_idx.shape)}")
+    if host_reads_allowed(device):
+        checks.check_topk_values(topk_idx, num_experts)
+    if out is not None:
+        checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
+    owner._mark_combined(handle)
+    source = owner._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
+    item = source.element_size()
+    if source.stride(2) != 1 or source.data_ptr() % 16 or source.stride(0) * item % 16 or source.stride(1) * item % 16:
+        source = source.contiguous()
+    window = route.window
+    backend = window._backend
+    backend.raise_if_broken()
+    half = handle.slot
+    combined_x = out if out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0 else \
+        torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
+    topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+    transport = backend.transport_args
+    fingerprint = _fingerprint("combine", hidden, num_topk, num_slots, num_experts)
+    num_rows = num_ranks * num_slots
+
+    def args(phase: int) -> tuple:
+        return (transport, phase, half, route.regions, source, jit.i64(source.stride(0) * item // 16),
+                jit.i64(source.stride(1) * item // 16), route.recv_count, route.routes, num_local_experts, num_slots,
+                num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, fingerprint,
+                jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
+
+    _launch(owner, window, COMBINE_KERNEL, _blocks(backend, -(-num_local_experts * num_rows // _WARPS)),
+            args(SEND_PHASE), device)
+
+    def receive() -> None:
+        chunks = num_tokens * hidden // _CHUNK_CHANNELS
+        _launch(owner, window, COMBINE_KERNEL, _blocks(backend, -(-chunks // _THREADS)), args(RECEIVE_PHASE), device)
+        if out is not None and combined_x is not out:
+            out.copy_(combined_x)
+
+    owner._flip()
+    hook = owner._hook(receive, "low_latency_combine", device, half) if return_recv_hook else None
+    if not return_recv_hook:
+        receive()
+    result = out if out is not None else combined_x
+    event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, result)) \
+        if async_finish else EventOverlap()
+    return result, event, hook

@@ -1,0 +1,160 @@
+"""The host side of DeepEP's V1 low-latency direct kernels (`deep_ep.legacy.ll_direct`), without a
+GPU: the switch (``DEEP_EP_LL_DIRECT``, off by default), where the path applies, the window's regions
+(both halves within `window_bytes`, which DeepEP's RDMA size hint covers past the control region),
+the control words both halves keep (past the shared ones, inside the control region) and the flags'
+fingerprints; and the host code on a byte-level model of the kernels and the windows
+(tests/ll_direct_model.py) against the spec of tests/test_legacy_low_latency.py, ranks' sends before
+their receives. The kernels themselves run in tests/gpu/test_gpu_legacy_ll_direct.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import ll_direct_model
+from deep_ep.backends.gpu.abi import CONSTANTS, CTRL_BYTES
+from deep_ep.legacy import ll_direct
+from deep_ep.legacy.layouts import low_latency_rdma_size_hint
+from deep_ep.legacy.ll_state import LowLatencyState
+from test_legacy_low_latency import (CASES, MAX_TOKENS, NUM_TOPK, _check_dispatch, _expected_combine, _expert_output,
+                                     _rank_inputs, num_experts_for)
+
+
+def test_the_switch_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("DEEP_EP_LL_DIRECT", raising=False)
+    assert not ll_direct.enabled()
+    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "1")
+    assert ll_direct.enabled()
+    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "0")
+    assert not ll_direct.enabled()
+
+
+def _owner(enable_shrink=False, group_size=8, transport_gin=0):
+    backend = types.SimpleNamespace(transport_gin=transport_gin)
+    elastic = types.SimpleNamespace(_backend=backend)
+    return types.SimpleNamespace(enable_shrink=enable_shrink, group_size=group_size, _alive=lambda: elastic)
+
+
+def test_where_the_direct_path_applies(monkeypatch):
+    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "1")
+    cuda = torch.device("cuda", 0)
+    assert ll_direct.applies(_owner(), cuda, 256, 8, 128)
+    assert not ll_direct.applies(_owner(), torch.device("cpu"), 256, 8, 128)        # the CPU backend
+    assert not ll_direct.applies(_owner(enable_shrink=True), cuda, 256, 8, 128)    # rank masks
+    assert not ll_direct.applies(_owner(transport_gin=1), cuda, 256, 8, 128)       # emulated nodes
+    assert not ll_direct.applies(_owner(), cuda, ll_direct.MAX_EXPERTS + 8, 8, 128)
+    assert not ll_direct.applies(_owner(), cuda, 256, ll_direct.MAX_TOPK + 1, 128)
+    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "0")
+    assert not ll_direct.applies(_owner(), cuda, 256, 8, 128)
+
+
+@pytest.mark.parametrize("num_ranks, num_experts, num_slots, hidden, num_topk",
+                         [(1, 256, 128, 7168, 8), (8, 256, 128, 7168, 8), (8, 288, 256, 7168, 9), (2, 6, 8, 384, 3),
+                          (72, 288, 128, 4096, 8)])
+def test_both_halves_fit_the_window_deepeps_hint_sizes(num_ranks, num_experts, num_slots, hidden, num_topk):
+    """Per half: rows [L, R, T] of up to 2 * hidden bytes, then their scales, their pair words and the
+    combine's T * K rows, 128-byte aligned and in that order; both halves past the control region,
+    within `window_bytes`, which DeepEP's size hint covers past the control region (the Buffer's
+    window: the hint rounded up to whole 2 MiB)."""
+    num_local = num_experts // num_ranks
+    need = ll_direct.window_bytes(num_ranks, num_local, num_slots, hidden, num_topk)
+    assert need <= low_latency_rdma_size_hint(num_slots, hidden, num_ranks, num_experts) + CTRL_BYTES
+    rows = num_local * num_ranks * num_slots
+    end = CTRL_BYTES
+    for half in (0, 1):
+        regions = ll_direct._regions(half, num_ranks, num_local, num_slots, hidden, num_topk)
+        offsets = [regions.rows, regions.scales, regions.pairs, regions.combine]
+        sizes = [rows * 2 * hidden, rows * hidden // 128 * 4, rows * 4, num_slots * num_topk * 2 * hidden]
+        assert offsets[0] == end
+        for offset, size, following in zip(offsets, sizes, offsets[1:] + [None]):
+            assert offset % 128 == 0
+            end = offset + size
+            assert following is None or following >= end
+    assert end <= need
+
+
+def test_the_control_words_of_both_halves_fit_the_control_region():
+    constants = ll_direct._CONSTANTS
+    shared_end = CONSTANTS["kCtrlTag"] + 4 * CONSTANTS["kMaxRanks"] + 2     # comm/push.cuh's words end there
+    assert constants["kLlDirectCtrlWord"] >= shared_end
+    assert (constants["kLlDirectCtrlWord"] + 2 * constants["kLlDirectHalfWords"]) * 4 <= CTRL_BYTES
+    assert constants["kLlDirectCombineFlags"] >= constants["kLlDirectDispatchFlags"] + 2 * ll_direct.MAX_EXPERTS
+    assert (constants["kLlDirectCtrlWord"] + constants["kLlDirectDispatchFlags"]) % 2 == 0   # 8-byte flags
+
+
+def test_fingerprints_tell_configurations_apart():
+    base = ll_direct._fingerprint("dispatch", 7168, 8, 128, 256, True).value
+    assert 0 <= base < 2 ** 16
+    assert base == ll_direct._fingerprint("dispatch", 7168, 8, 128, 256, True).value
+    others = {ll_direct._fingerprint("dispatch", hidden, 8, 128, 256, fp8).value
+              for hidden, fp8 in ((4096, True), (7168, False), (512, True))}
+    assert base not in others
+
+
+
+class _Owner(LowLatencyState):
+    """One rank of a `deep_ep.Buffer` as `deep_ep.legacy.ll_direct` sees it, its window in the kernels'
+    model (tests/ll_direct_model.py)."""
+
+    def __init__(self, rank: int, windows: list) -> None:
+        self.rank, self.group_size, self.enable_shrink = rank, len(windows), False
+        backend = types.SimpleNamespace(
+            transport_args=types.SimpleNamespace(rank=rank, windows=windows), timeout_ns=10 ** 9,
+            err_record=types.SimpleNamespace(device_ptr=0), raise_if_broken=lambda: None,
+            device_resources=lambda: types.SimpleNamespace(max_sms=4), config=types.SimpleNamespace(num_cpu_bytes=0),
+            transport_gin=0)
+        self.elastic = types.SimpleNamespace(_backend=backend, num_bytes=windows[rank].numel(),
+                                             device=torch.device("cpu"))
+
+    def _alive(self):
+        return self.elastic
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}_fp8{:d}_round{:d}_ue8m0{:d}".format(*c))
+def test_the_protocol_on_a_model_of_the_kernels(monkeypatch, num_ranks, case):
+    """`ll_direct.dispatch` and `ll_direct.combine` with receive hooks on every rank (every rank's send
+    before any receive, as the kernels may run), their kernels replaced by a byte-level model on
+    the windows: three rounds (the halves' tags advancing), zero-copy and ``out=`` combines, each
+    result equal to the spec of tests/test_legacy_low_latency.py."""
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    monkeypatch.setattr(ll_direct, "_launch", ll_direct_model.launch)
+    monkeypatch.setattr(ll_direct, "_load", lambda backend: None)
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    need = ll_direct.window_bytes(num_ranks, num_local, MAX_TOKENS, hidden, NUM_TOPK)
+    windows = [torch.zeros(need, dtype=torch.uint8) for _ in range(num_ranks)]
+    owners = [_Owner(rank, windows) for rank in range(num_ranks)]
+    for round_index, seed in enumerate((11, 12, 13)):
+        inputs = [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+        stats = [torch.zeros(num_local, dtype=torch.int32) for _ in range(num_ranks)]
+        results = [ll_direct.dispatch(owners[rank], inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts,
+                                      use_fp8, round_scale, use_ue8m0, False, True, stats[rank])
+                   for rank in range(num_ranks)]
+        for result in results:
+            result[4]()
+        expert_x = []
+        for rank, result in enumerate(results):
+            assert result[2].slot == 0 and result[2].direct is not None
+            received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result[:3] + (None, None),
+                                       use_fp8, round_scale, use_ue8m0)
+            assert torch.equal(stats[rank], result[1])
+            expert_x.append(torch.stack([_expert_output(received[local], rank * num_local + local)
+                                         for local in range(num_local)]))
+        zero_copy = round_index == 1
+        outs = [torch.full(inputs[rank][0].shape, float("nan"), dtype=torch.bfloat16) for rank in range(num_ranks)]
+        combines = []
+        for rank in range(num_ranks):
+            source = expert_x[rank]
+            if zero_copy:
+                owners[rank]._combine_buffer(MAX_TOKENS, hidden, num_experts)[:, :, :] = source
+                source = torch.zeros_like(source)
+            combines.append(ll_direct.combine(owners[rank], source, inputs[rank][1], inputs[rank][2], results[rank][2],
+                                              zero_copy, False, True, outs[rank] if round_index == 2 else None))
+        for combined in combines:
+            combined[2]()
+        for rank, combined in enumerate(combines):
+            assert combined[0] is outs[rank] or round_index != 2
+            want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
+            assert torch.equal(combined[0], want), (rank, round_index)
