@@ -23,10 +23,7 @@
 #ifndef EP_TRANSPORT_GIN
 #define EP_TRANSPORT_GIN 0
 #endif
-#ifndef EP_GIN_CONTROL
-#define EP_GIN_CONTROL 1
-#endif
-#if EP_TRANSPORT_GIN
+#if EP_TRANSPORT_GIN   // EP_GIN_CONTROL's default lives in comm/gin.cuh, which this brings in
 #include "gin_control.cuh"
 #endif
 
