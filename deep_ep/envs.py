@@ -78,9 +78,6 @@ VARIABLES = {v.name: v for v in (
              "(8-16 B) and fail it", (Alias("EP_JIT_PTXAS_CHECK"),)),
     Variable("DEEP_EP_KERNEL_DEFINES", None, "build-time tunables added to every dispatch/combine module, "
              "e.g. `EP_SEND_UNROLL=8` (`deep_ep.backends.gpu.modules`); for testing a variant"),
-    Variable("DEEP_EP_GIN_CONTROL", "1", "on emulated nodes, a dispatch's notify stage and the GPU barrier reach "
-             "the ranks of other nodes through the emulated GIN (`0`: by loads and stores, which only emulated "
-             "nodes can; docs/scaleout.md)"),
     Variable("DEEP_EP_COOPERATIVE", "1", "launch the data kernels cooperatively (`0`: plainly; emulated ranks "
              "always launch plainly); a plain grid that cannot be resident at once stalls until the GPU "
              "timeout instead of being refused"),

@@ -3,8 +3,6 @@
 * the barrier module with the direct and the hybrid scale-out transports (EP_TRANSPORT_GIN=1 and 2)
   compiles under NVRTC without spills or stack (the notify kernel's instantiations are in the dispatch
   modules that tests/test_gin_compile.py compiles);
-* ``DEEP_EP_GIN_CONTROL=0`` builds them on loads and stores (``EP_GIN_CONTROL=0``, a module of its
-  own) and launches no NIC beside them;
 * `modules.launch_control` launches a control kernel beside the rank's NIC on emulated nodes, and
   alone elsewhere.
 """
@@ -22,7 +20,6 @@ from deep_ep.backends.gpu import modules
 def _cache_dir(tmp_path_factory, monkeypatch):
     """A JIT cache of this test session: the builds are compiled here, not found in a stale cache."""
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jit-cache"))
-    monkeypatch.delenv("DEEP_EP_GIN_CONTROL", raising=False)
     jit.clear_memory_cache()
 
 
@@ -34,23 +31,11 @@ def _no_spills(module):
 def test_barrier_over_gin_compiles_without_spills():
     for gin_mode in (1, 2):
         key, module = modules.build_module("barrier", (), False, gin_mode)
-        assert ("EP_TRANSPORT_GIN", gin_mode) in key[1]
-        assert all(name != "EP_GIN_CONTROL" for name, _ in key[1])   # on by default, not named
+        assert key == ("barrier", (("EP_TRANSPORT_GIN", gin_mode), ("EP_TRANSPORT_NCCL", 0)))
         assert module.kernel_names() == [modules.BARRIER_KERNEL]
         _no_spills(module)
     key, _ = modules.build_module("barrier", (), False, 0)   # one node: no GIN define, the key unchanged
     assert key == ("barrier", (("EP_TRANSPORT_NCCL", 0),))
-
-
-def test_the_switch_keeps_control_kernels_on_loads_and_stores(monkeypatch):
-    monkeypatch.setenv("DEEP_EP_GIN_CONTROL", "0")
-    assert not modules.gin_control()
-    assert modules.barrier_defines(False, 1) == {"EP_TRANSPORT_NCCL": 0, "EP_TRANSPORT_GIN": 1, "EP_GIN_CONTROL": 0}
-    assert modules.dispatch_defines(512, 0, 4, False, transport_gin=2)["EP_GIN_CONTROL"] == 0
-    assert "EP_GIN_CONTROL" not in modules.dispatch_defines(512, 0, 4, False)   # one node: untouched
-    key, module = modules.build_module("barrier", (), False, 1)
-    assert ("EP_GIN_CONTROL", 0) in key[1]
-    _no_spills(module)
 
 
 class _Transport:
@@ -69,14 +54,11 @@ def _backend(transport_gin: int):
 
 
 @pytest.mark.parametrize("transport_gin", [1, 2])
-def test_launch_control_runs_beside_the_nic_on_emulated_nodes(transport_gin, monkeypatch):
+def test_launch_control_runs_beside_the_nic_on_emulated_nodes(transport_gin):
     backend, transport = _backend(transport_gin)
     launched = []
     modules.launch_control(backend, 77, 5, lambda: launched.append("kernel"))
     assert launched == ["kernel"] and transport.calls == [(("gin_nic", ()), 77, 5)]
-    monkeypatch.setenv("DEEP_EP_GIN_CONTROL", "0")    # switched off: the kernel alone
-    modules.launch_control(backend, 77, 5, lambda: launched.append("kernel"))
-    assert launched == ["kernel", "kernel"] and len(transport.calls) == 1
 
 
 def test_launch_control_alone_on_one_node():

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import threading
 
-from ... import envs, jit
+from ... import jit
 
 __all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredReceive", "launch_send_phase",
            "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
            "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL",
            "ENGRAM_GATHER_KERNEL", "ENGRAM_STORE_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
            "dispatch_defines", "combine_defines", "barrier_defines", "pp_defines", "agrs_defines", "engram_defines",
-           "gin_control", "build_module", "launch_control", "load_module", "num_modules_built"]
+           "build_module", "launch_control", "load_module", "num_modules_built"]
 
 THREADS = 512           # threads of the data kernels (EP_THREADS)
 
@@ -88,19 +88,11 @@ def tunable_defines() -> dict:
     return out
 
 
-def gin_control() -> bool:
-    """Whether the control kernels (a dispatch's notify and layout stages, the GPU barrier) of emulated
-    nodes reach the ranks of other nodes through the emulated GIN (comm/gin_control.cuh), each beside
-    an NIC kernel of its rank (`launch_control`): yes unless ``DEEP_EP_GIN_CONTROL=0``, which keeps
-    them on loads and stores (``EP_GIN_CONTROL=0``; only emulated nodes can reach other nodes so)."""
-    return envs.flag("DEEP_EP_GIN_CONTROL")
-
-
 def _gin(transport_gin: int) -> dict:
-    # emulated nodes (comm/transport.cuh): 1 direct mode, 2 hybrid mode; EP_GIN_CONTROL named only when off
+    # emulated nodes (comm/transport.cuh): 1 direct mode, 2 hybrid mode
     if not transport_gin:
         return {}
-    return {"EP_TRANSPORT_GIN": int(transport_gin), **({} if gin_control() else {"EP_GIN_CONTROL": 0})}
+    return {"EP_TRANSPORT_GIN": int(transport_gin)}
 
 
 def _common(transport_nccl: bool, transport_gin: int = 0) -> dict:
@@ -184,11 +176,10 @@ def build_module(kind: str, structure: tuple, transport_nccl: bool, transport_gi
 
 def launch_control(backend, stream: int, num_blocks: int, launch) -> None:
     """Call ``launch()``, which launches a control kernel of ``backend`` (a dispatch's notify kernel,
-    the GPU barrier) of ``num_blocks`` blocks on the raw stream ``stream``. On emulated nodes (with
-    `gin_control`) the kernel's puts to other nodes need this rank's emulated NIC, which runs only
-    beside a kernel that counts its blocks in it (comm/gin_control.cuh's ``end_block``): it is launched
-    as a data kernel's is (`deep_ep.comm.gin.EmulatedGinDirectTransport.launch_data`)."""
-    if backend.transport_gin and gin_control():
+    the GPU barrier) of ``num_blocks`` blocks on the raw stream ``stream``. On emulated nodes the
+    kernel's puts to other nodes need this rank's emulated NIC, which runs only beside a kernel that
+    counts its blocks in it (comm/gin_control.cuh's ``end_block``): it is launched as a data kernel's is (`deep_ep.comm.gin.EmulatedGinDirectTransport.launch_data`)."""
+    if backend.transport_gin:
         backend.transport.launch_data(backend.module("gin_nic", ()), stream, num_blocks, launch)
     else:
         launch()

@@ -34,12 +34,6 @@
 #endif
 #endif
 
-// The control kernels (notify and layout, barrier) reach the ranks of other nodes through GIN
-// (comm/gin_control.cuh); 0 keeps them on loads and stores, which only emulated nodes can do.
-#ifndef EP_GIN_CONTROL
-#define EP_GIN_CONTROL 1
-#endif
-
 namespace deep_ep::comm {
 
 // Phases of the GIN's error records (names in deep_ep/backends/gpu/abi.py, PHASES): a put that waited

@@ -13,8 +13,7 @@
 //   - wait_all waits for each peer's signal on every context: a strong signal lands after every
 //     earlier put of its (context, peer). Signals are [epoch parity][source rank]: a peer signals
 //     the slot of phase e + 2 only after this rank's phase e + 1, so `end_block` resets the slot of
-//     the phase that just ended (with EP_GIN_CONTROL=0 it also counts an arrival of every GIN peer,
-//     for control kernels that then wait on every rank by loads and stores).
+//     the phase that just ended.
 // The control kernels (notify and layout, barrier) use this transport's control form,
 // comm/gin_control.cuh.
 #pragma once
@@ -163,9 +162,6 @@ struct GinDirectTransport {
         for (int p = 0; p < num_ranks; ++p) {
             if (by_lsa(p)) continue;
             for (int c = 0; c < num_contexts; ++c) gin.reset_signal(c, slot * num_ranks + p);
-#if !EP_GIN_CONTROL
-            atomicAdd(ctrl + kCtrlArrive + p, 1u);
-#endif
         }
     }
 };

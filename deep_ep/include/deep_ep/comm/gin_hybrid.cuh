@@ -220,9 +220,8 @@ struct GinHybridTransport {
     }
 
     // Every thread of every block, at the end of a data kernel (after its wait ended the phase): the
-    // last block resets the rail signals of the phase that ended (with EP_GIN_CONTROL=0 it also counts
-    // an arrival of every rank of the other nodes, for control kernels that then wait on every rank by
-    // loads and stores; else they use comm/gin_control.cuh).
+    // last block resets the rail signals of the phase that ended (the control kernels reach the other
+    // nodes through comm/gin_control.cuh).
     __device__ __forceinline__ void end_block() const {
         __syncthreads();
         if (threadIdx.x != 0) return;
@@ -235,9 +234,6 @@ struct GinHybridTransport {
         for (int p = 0; p < num_ranks; ++p) {
             if (in_node(p)) continue;
             for (int c = 0; c < num_contexts; ++c) gin.reset_signal(c, slot * num_ranks + p);
-#if !EP_GIN_CONTROL
-            atomicAdd(ctrl + kCtrlArrive + p, 1u);
-#endif
         }
     }
 };

@@ -10,8 +10,6 @@
 // kernels that reach every peer by loads and stores (pp, agrs, engram).
 // EP_TRANSPORT_GIN=2 (emulated nodes in hybrid mode): the data kernels' transport is
 // comm/gin_hybrid.cuh, and TransportArgs ends with the forwarding area's offset.
-// EP_GIN_CONTROL=0 (a switch, default 1): the control kernels reach every peer by loads and stores
-// even with EP_TRANSPORT_GIN (only emulated nodes can); the host launches no NIC beside them then.
 #pragma once
 
 #include "lsa.cuh"
@@ -23,7 +21,7 @@
 #ifndef EP_TRANSPORT_GIN
 #define EP_TRANSPORT_GIN 0
 #endif
-#if EP_TRANSPORT_GIN   // EP_GIN_CONTROL's default lives in comm/gin.cuh, which this brings in
+#if EP_TRANSPORT_GIN
 #include "gin_control.cuh"
 #endif
 
@@ -110,7 +108,7 @@ __device__ __forceinline__ LsaTransport make_data_transport(const TransportArgs&
 // The control kernels' transport: the scale-out one's control form (comm/gin_control.cuh) on emulated
 // nodes, else the loads and stores of LsaTransport. `set_control_region` names the bytes each rank
 // sends (`bytes` at `offset + rank * stride` of every window); `end_control_block` ends every block.
-#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL && EP_GIN_CONTROL
+#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
 using ControlTransport = GinControlTransport<DataTransport>;
 
 __device__ __forceinline__ ControlTransport make_control_transport(const TransportArgs& t, uint8_t** table) {
