@@ -246,6 +246,66 @@ def test_replica_map_bad_input():
         rmap.map(idx, layer=0, out=torch.empty(3, 2, dtype=torch.int64))
 
 
+class _LoadingGroup:
+    """An emulated rank's group as the kernel load sees it: ``load_collectively`` records its keys."""
+
+    def __init__(self):
+        self.keys = []
+
+    def load_collectively(self, key, load):
+        self.keys.append(key)
+        load()
+
+
+def _loading_map(monkeypatch, group, device, capturing=False):
+    """A one-layer map of ``group`` whose tables on ``device`` exist (kept on the CPU: no CUDA here),
+    and the list its kernel loads go to."""
+    from deep_ep.eplb import replica_map
+    loads = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(replica_map, "load_kernel", lambda dev: loads.append(dev.index))
+    p2l, l2p, count = _plan()
+    rmap = ReplicaMap(p2l, l2p, count, layer=1, group=group)
+    rmap._device_tables[device] = (rmap._l2p.to(torch.int32), rmap._count.to(torch.int32))
+    return rmap, loads
+
+
+def test_emulated_ranks_load_the_map_kernel_together_once(monkeypatch):
+    """On emulated ranks the kernel loads at the group's collective load, at the map's first
+    ``to(device)`` (before its first launch), once per map and device; a CPU device or a CPU map
+    loads nothing."""
+    group = _LoadingGroup()
+    device = torch.device("cuda", 1)
+    rmap, loads = _loading_map(monkeypatch, group, device)
+    for _ in range(3):
+        assert rmap.to(device) is rmap
+    rmap.to("cpu")
+    physical = rmap.map(torch.tensor([[0, 3, -1]]))
+    assert rmap.physical_to_logical()[physical[0, :2]].tolist() == [0, 3] and physical[0, 2] == -1
+    assert group.keys == [("deep_ep_eplb", 1)] and loads == [1]
+
+
+@pytest.mark.parametrize("group", [None, object()], ids=["no group", "process group"])
+def test_the_map_kernel_loads_directly_without_a_collective_load(group, monkeypatch):
+    device = torch.device("cuda", 0)
+    rmap, loads = _loading_map(monkeypatch, group, device)
+    rmap.to(device)
+    rmap.to(device)
+    assert loads == [0]
+
+
+def test_no_map_kernel_load_during_a_capture(monkeypatch):
+    """Nothing loads inside a CUDA-graph capture; the first ``to`` after it does."""
+    group = _LoadingGroup()
+    device = torch.device("cuda", 2)
+    rmap, loads = _loading_map(monkeypatch, group, device, capturing=True)
+    rmap.to(device)
+    assert group.keys == [] and loads == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    rmap.to(device)
+    assert group.keys == [("deep_ep_eplb", 2)] and loads == [2]
+
+
 def test_packing_never_worse_than_greedy_then_lpt():
     """The candidate search includes the classical greedy-then-LPT packing and only improves on it."""
     from deep_ep.eplb import packing

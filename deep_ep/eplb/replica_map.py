@@ -6,6 +6,7 @@ to replica ``replica_hash(t, e) % logical_count[e]`` of ``e``, that is to physic
 ``logical_to_physical[e, that replica]``. The hash makes the choice deterministic for a given
 input and spreads an expert's tokens evenly over its replicas whatever the routing pattern;
 ``-1`` stays ``-1``. The CPU path below is the specification; the kernel matches it bit for bit.
+The kernel is loaded on a device when the map's tables are built there (``to``), before any launch.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from .. import jit
 from .validate import check_plan
 
-__all__ = ["ReplicaMap", "replica_hash"]
+__all__ = ["ReplicaMap", "replica_hash", "load_kernel"]
 
 _MASK32 = 0xFFFFFFFF
 _THREADS = 256
@@ -41,6 +42,11 @@ def replica_hash(token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
 _kernel = jit.LazyKernel("deep_ep_eplb", "deep_ep/kernels/eplb.cuh", "deep_ep_eplb_map")
 
 
+def load_kernel(device: torch.device) -> None:
+    """Build (once per process) and load the map kernel on the CUDA ``device`` now, not at a launch."""
+    _kernel().handle(device.index)
+
+
 class ReplicaMap:
     """Maps logical expert ids to physical replica slots of a plan, so that
     ``ElasticBuffer.dispatch(x, replica_map.map(topk_idx), ..., num_experts=num_replicas)`` sends
@@ -54,6 +60,11 @@ class ReplicaMap:
         num_logical_experts, num_physical_experts: the shape the caller expects; a plan for another
             shape is rejected.
         device: also build the GPU tables on this device now (see ``to``).
+        group: the process group of the rank that maps, or None. Loading a CUDA module waits for the
+            device to drain, so on emulated ranks (a group with ``load_collectively``, whose kernels
+            wait on each other) the kernel loads at a collective call: every rank's map must then
+            reach its first ``to(device)`` (the constructor with ``device=``, or the first GPU
+            ``map``) at the same call, and each rank needs a map of its own.
 
     The plan is checked once here (on the host: GPU plan tensors are read back). For CUDA-graph
     capture, build the GPU tables before capturing (``to(device)``, or one ``map`` call).
@@ -64,7 +75,7 @@ class ReplicaMap:
     """
 
     def __init__(self, physical_to_logical, logical_to_physical, logical_count, *, layer=None,
-                 num_logical_experts=None, num_physical_experts=None, device=None):
+                 num_logical_experts=None, num_physical_experts=None, device=None, group=None):
         plan = check_plan(physical_to_logical, logical_to_physical, logical_count,
                           num_experts=num_logical_experts, num_replicas=num_physical_experts)
         l2p = torch.from_numpy(plan.logical_to_physical)
@@ -80,6 +91,8 @@ class ReplicaMap:
         self.num_physical_experts = plan.num_replicas
         self.max_replicas = plan.max_replicas
         self._device_tables: dict = {}
+        self._group = group
+        self._loaded_devices: set = set()
         for t in (physical_to_logical, device):
             dev = t.device if isinstance(t, torch.Tensor) else (torch.device(t) if t is not None else None)
             if dev is not None and dev.type == "cuda":
@@ -94,11 +107,20 @@ class ReplicaMap:
         return self._count[self._layer(layer)]
 
     def to(self, device) -> "ReplicaMap":
-        """Build (once) the int32 tables the GPU kernel reads, on ``device``; returns ``self``."""
+        """Load the map kernel on a CUDA ``device`` (once, and not during a CUDA-graph capture;
+        collectively on emulated ranks, see ``group``) and build (once) the int32 tables it reads
+        there; returns ``self``. Nothing for a CPU device."""
         dev = torch.device(device)
         if dev.type == "cuda":
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
+            if dev not in self._loaded_devices and not torch.cuda.is_current_stream_capturing():
+                load_collectively = getattr(self._group, "load_collectively", None)
+                if load_collectively is None:
+                    load_kernel(dev)
+                else:
+                    load_collectively(("deep_ep_eplb", dev.index), lambda: load_kernel(dev))
+                self._loaded_devices.add(dev)
             if dev not in self._device_tables:
                 self._device_tables[dev] = (self._l2p.to(torch.int32).to(dev), self._count.to(torch.int32).to(dev))
         return self
