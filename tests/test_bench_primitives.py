@@ -104,6 +104,63 @@ def test_sms_held():
     assert prim.sms_held(engram_16, 0, 132) == 132           # 256 blocks, capped at the device's SMs
 
 
+def test_plain_copies_mirror_the_calls_copy_engine_moves():
+    """(source offset, target offset, bytes) of the copy-engine moves one rank's call queues."""
+    pp_1m = prim.cases("pp")[1]
+    gather_1m, _, scatter_1m, _ = prim.cases("agrs")
+    assert prim.plain_copies(pp_1m, 4) == [(0, 0, MIB), (MIB, MIB, MIB)]   # into the ring slot, then out of one
+    assert prim.plain_copies(gather_1m, 4) == [(0, 0, MIB), (0, MIB, MIB), (0, 2 * MIB, MIB), (0, 3 * MIB, MIB)]
+    assert prim.plain_copies(gather_1m, 1) == [(0, 0, MIB)]
+    chunk = 170 * 2048                                                     # 510 rows over 3 ranks
+    assert prim.plain_copies(scatter_1m, 3) == [(0, 0, chunk), (chunk, chunk, chunk), (2 * chunk, 2 * chunk, chunk)]
+    for case in (gather_1m, scatter_1m):   # the same bytes as the call's
+        assert sum(size for _, _, size in prim.plain_copies(case, 4)) == prim.bytes_per_rank(case, 4)
+    assert prim.plain_copies(prim.cases("engram")[0], 4) == []             # a gather kernel: no copy engine
+
+
+def test_plain_copies_queue_their_moves_between_buffers_of_their_own():
+    from deep_ep.bench.primitives_timing import PlainCopies
+    moves = prim.plain_copies(prim.cases("agrs")[0], 4)
+    copies = PlainCopies(moves, torch.device("cpu"))
+    assert copies.source.numel() == MIB and copies.target.numel() == 4 * MIB
+    source, target = copies.source.data_ptr(), copies.target.data_ptr()
+    assert copies.moves == [(target + rank * MIB, source, MIB) for rank in range(4)]
+
+
+def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
+    """`Timer.overlap` with made-up rounds: the matmul alone 100 us, beside the call 112 us, beside
+    the plain copies 109 us: slowdown +12%, the copies' +9%, the excess 112 / 109 - 1."""
+    from deep_ep.bench.primitives_timing import ROUNDS, PlainCopies, Timer
+    compute = prim.MATMULS[0]
+    copies = [PlainCopies(prim.plain_copies(prim.cases("agrs")[0], 2), torch.device("cpu")) for _ in range(2)]
+    calls = [lambda: None, lambda: None]
+    seen = []
+
+    def fake_round(round_calls, iters, matmul=None, count=0):
+        kind = "copies" if round_calls is copies else "call" if round_calls is calls else "alone"
+        seen.append((kind, count))
+        matmul_us = {"alone": 100.0, "call": 112.0, "copies": 109.0}[kind]
+        transfer_us = {"call": 30.0, "copies": 12.0}.get(kind)
+        out = {"matmul_us": matmul_us, "both_us": max(matmul_us * count, (transfer_us or 0.0) * iters),
+               "host_us": 1.0, "gate_us": 5000.0}
+        if transfer_us:
+            out["transfer_us"] = transfer_us
+        return out
+    timer = Timer.__new__(Timer)
+    timer.round = fake_round
+    figures, beside = timer.overlap(calls, 20, 25.0, compute, copies)
+    assert seen[0] == ("alone", 8) and figures["matmuls_per_round"] == 5   # 20 x 25 us over 100 us
+    assert seen[1 + ROUNDS:] == [("call", 5), ("copies", 5)] * ROUNDS        # taking turns, the same matmuls
+    assert figures["slowdown_percent"] == pytest.approx(12.0)
+    plain = figures["plain_copy"]
+    assert plain["copies_per_call"] == 2 and plain["bytes"] == 2 * 2 * MIB and plain["copy_both_us"] == 12.0
+    assert plain["slowdown_percent"] == pytest.approx(9.0)
+    assert figures["excess_percent"] == pytest.approx((112.0 / 109.0 - 1) * 100)
+    assert len(beside) == 2 * ROUNDS
+    alone_only, _ = timer.overlap(calls, 20, 25.0, compute)
+    assert alone_only["plain_copy"] is None and alone_only["excess_percent"] is None
+
+
 def test_floor_and_overlap_arithmetic():
     assert prim.bandwidth_gbps(4 * MIB, 10.0) == pytest.approx(4 * MIB / 1e4)
     assert prim.bandwidth_gbps(MIB, None) is None and prim.bandwidth_gbps(MIB, float("nan")) is None
@@ -134,10 +191,10 @@ def test_the_overlap_matmuls():
 def test_the_gate_scales_with_calls_and_host_time():
     """The gate's expected host time: calls x the slowest time per call seen in the case, a generous
     guess before any was measured."""
-    from deep_ep.bench import primitives_gpu
-    timer = primitives_gpu._Timer.__new__(primitives_gpu._Timer)
+    from deep_ep.bench import primitives_timing
+    timer = primitives_timing.Timer.__new__(primitives_timing.Timer)
     timer.host_per_call_us = {}
-    guess = primitives_gpu.HOST_GUESS_US
+    guess = primitives_timing.HOST_GUESS_US
     assert timer._host_us("transfer", 8) == 8 * guess["transfer"]
     assert timer._host_us("compute_bound", 3) == 3 * guess["matmul"]
     timer.host_per_call_us = {"transfer": 450.0, "memory_bound": 12.0}
@@ -145,19 +202,28 @@ def test_the_gate_scales_with_calls_and_host_time():
     assert timer._host_us("memory_bound", 10) == pytest.approx(120.0)
 
 
-def _overlap(matmul, slowdown):
+def _overlap(matmul, slowdown, copy_slowdown=None):
+    """An overlap entry; with ``copy_slowdown``, the matmul beside plain copies (2 per rank per call)."""
+    plain, excess = None, None
+    if copy_slowdown is not None:
+        plain = {"copies_per_call": 2, "bytes": 4 * 2 * MIB, "copy_both_us": 9.5, "matmul_both_us": 100.0 + copy_slowdown,
+                 "round_us": 401.0, "slowdown_percent": copy_slowdown}
+        excess = prim.slowdown_percent(100.0 + slowdown, 100.0 + copy_slowdown)
     return {"matmul_rows": matmul.rows, "matmul_width": matmul.width, "matmuls_per_round": 4, "matmul_us": 100.0,
             "matmul_both_us": 100.0 + slowdown, "transfer_both_us": 21.0, "matmul_round_us": 400.0,
-            "both_round_us": 401.0 + 4 * slowdown, "slowdown_percent": slowdown}
+            "both_round_us": 401.0 + 4 * slowdown, "slowdown_percent": slowdown, "plain_copy": plain,
+            "excess_percent": excess}
 
 
-def _row(case, sms, slowdown, check="check passed", time_us=20.0, memory_slowdown=30.0):
+def _row(case, sms, slowdown, check="check passed", time_us=20.0, memory_slowdown=30.0, emulated=False,
+         copy_slowdowns=(None, None)):
     nbytes = prim.process_bytes(case, 4, True)
     compute, memory = prim.MATMULS
     return {"primitive": case.primitive, "op": case.op, "label": case.label, "time_us": time_us, "bytes": nbytes,
             "gbps": prim.bandwidth_gbps(nbytes, time_us), "floor_us": 10.0, "floor_ratio": prim.ratio(time_us, 10.0),
-            "sms_held": sms, "host_bound": False, "check": check,
-            "overlap": {compute.key: _overlap(compute, slowdown), memory.key: _overlap(memory, memory_slowdown)}}
+            "sms_held": sms, "emulated": emulated, "host_bound": False, "check": check,
+            "overlap": {compute.key: _overlap(compute, slowdown, copy_slowdowns[0]),
+                        memory.key: _overlap(memory, memory_slowdown, copy_slowdowns[1])}}
 
 
 def test_report_lines():
@@ -187,8 +253,50 @@ def test_report_lines():
     assert "nan us/call" not in missing[0] and "n/a us/call" in missing[0] and len(missing) == 3
 
 
+def test_report_lines_of_the_plain_copy_floor():
+    """Emulated ranks: the bound judges the call's slowdown in excess of the plain copies'; one rank
+    per GPU: the slowdown itself, the floor informational."""
+    gather = prim.cases("agrs")[0]
+    lines = prim.format_case(_row(gather, 0, 20.0, emulated=True, copy_slowdowns=(17.6, 40.0)))
+    assert len(lines) == 6
+    assert lines[1].endswith("compute-bound matmul slowdown +20.0% (emulated ranks: the 5% bound judges the excess "
+                             "over a plain copy, below)")
+    assert lines[2] == ("    plain copy floor: 2 cuMemcpyDtoDAsync per rank per call (8.39 MB per call on this GPU, "
+                        "9.5 us/call beside the matmul); compute-bound matmul 117.6 us each; matmul slowdown beside a "
+                        "plain copy-engine copy of the same bytes: +17.6%; the call's slowdown in excess of it: +2.0% "
+                        "(within the 5% bound of a zero-SM transfer, judged on the excess: emulated ranks share one "
+                        "GPU's HBM and copy engines)")
+    assert "informational: it shares HBM bandwidth" in lines[3]
+    assert lines[4].endswith("matmul slowdown beside a plain copy-engine copy of the same bytes: +40.0%; the call's "
+                             "slowdown in excess of it: -7.1%")
+    over = prim.format_case(_row(gather, 0, 20.0, emulated=True, copy_slowdowns=(8.0, 40.0)))
+    assert "excess of it: +11.1% (OVER the 5% bound of a zero-SM transfer, judged on the excess" in over[2]
+    ep1 = prim.format_case(_row(gather, 0, 2.0, copy_slowdowns=(1.0, 25.0)))
+    assert ep1[1].endswith("slowdown +2.0% (within the 5% bound of a zero-SM transfer)")
+    assert ep1[2].endswith("the call's slowdown in excess of it: +1.0% (informational: at one rank per GPU the "
+                           "bound judges the slowdown)")
+    assert "OVER the 5% bound" in prim.format_case(_row(gather, 0, 7.5, copy_slowdowns=(6.0, 25.0)))[1]
+    scatter = prim.cases("agrs")[2]
+    scatter_lines = prim.format_case(_row(scatter, 0, 20.0, emulated=True, copy_slowdowns=(10.0, 25.0)))
+    assert "no bound: the sum in the handle runs on SMs" in scatter_lines[1]
+    assert scatter_lines[2].endswith("excess of it: +9.1%") and "5% bound" not in scatter_lines[2]
+
+
+def test_the_bound_verdict():
+    compute, memory = prim.MATMULS
+    gather, _, scatter, _ = prim.cases("agrs")
+    emulated = _row(gather, 0, 20.0, emulated=True, copy_slowdowns=(17.6, 40.0))
+    assert prim.bound_verdict(emulated, compute, True) == {"judged_on": "excess", "percent": pytest.approx(
+        (120.0 / 117.6 - 1) * 100), "within": True}
+    assert prim.bound_verdict(emulated, compute, False) == {"judged_on": "slowdown", "percent": 20.0, "within": False}
+    assert prim.bound_verdict(emulated, memory, True) is None
+    assert prim.bound_verdict(_row(scatter, 0, 1.0, copy_slowdowns=(0.5, 1.0)), compute, False) is None
+    assert prim.bound_verdict(_row(prim.cases("engram")[0], 64, 1.0), compute, False) is None
+    assert prim.bound_verdict(_row(gather, 0, 1.0), compute, True) is None   # no floor measured: no verdict
+
+
 def test_json_result(tmp_path):
-    rows = [_row(prim.cases("agrs")[0], 0, 1.0)]
+    rows = [_row(prim.cases("agrs")[0], 0, 1.0, emulated=True, copy_slowdowns=(-3.0, 28.0))]
     result = prim.build_result(["agrs"], rows, [], runner="gpu/emulated x4", device="H200", num_ranks=4,
                                emulated=True, iters=20, checked=True)
     path = tmp_path / "bench_primitives.json"
@@ -198,17 +306,28 @@ def test_json_result(tmp_path):
     assert back["check"] == {"enabled": True, "passed": True, "failures": []}
     assert back["cases"][0]["overlap"]["compute_bound"]["slowdown_percent"] == 1.0
     assert back["cases"][0]["overlap"]["memory_bound"]["slowdown_percent"] == 30.0
+    compute = back["cases"][0]["overlap"]["compute_bound"]
+    assert compute["plain_copy"]["slowdown_percent"] == -3.0 and compute["plain_copy"]["copies_per_call"] == 2
+    assert compute["excess_percent"] == pytest.approx((101.0 / 97.0 - 1) * 100)
+    assert compute["bound"] == {"judged_on": "excess", "percent": pytest.approx(4.1237, abs=1e-3), "within": True}
+    assert back["cases"][0]["overlap"]["memory_bound"]["bound"] is None
     assert back["zero_sm_slowdown_bound_percent"] == 5.0
+    assert back["zero_sm_bound_judges"] == "excess over a plain copy-engine copy"
     assert back["overlap_matmuls"] == {"compute_bound": {"rows": 2048, "width": 4096, "dtype": "bf16"},
                                        "memory_bound": {"rows": 64, "width": 7168, "dtype": "bf16"}}
     failed = prim.build_result(["pp"], [], ["rank 1, pp: differs"], runner="r", device="d", num_ranks=2,
                                emulated=True, iters=5, checked=True)
-    assert failed["check"]["passed"] is False
+    assert failed["check"]["passed"] is False and failed["zero_sm_bound_judges"] == "excess over a plain copy-engine copy"
+    ep1 = prim.build_result(["agrs"], [_row(prim.cases("agrs")[0], 0, 6.0, copy_slowdowns=(1.0, 2.0))], [],
+                            runner="r", device="d", num_ranks=1, emulated=False, iters=5, checked=True)
+    assert ep1["zero_sm_bound_judges"] == "slowdown"
+    assert ep1["cases"][0]["overlap"]["compute_bound"]["bound"] == {"judged_on": "slowdown", "percent": 6.0,
+                                                                    "within": False}
 
 
 def test_the_check_names_the_first_differing_byte(monkeypatch):
     from deep_ep.bench import primitives_gpu
-    monkeypatch.setattr(primitives_gpu, "_wait", lambda stream=None: None)   # CPU tensors: nothing to wait for
+    monkeypatch.setattr(primitives_gpu, "wait", lambda stream=None: None)   # CPU tensors: nothing to wait for
     want = torch.arange(64, dtype=torch.int16).to(torch.bfloat16).reshape(4, 16)
     assert primitives_gpu._compare(want.clone(), want, "out") is None
     got = want.clone()

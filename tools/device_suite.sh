@@ -16,7 +16,8 @@
 #                  $OUT/deepep_<test>.log);
 #          primbench (python -m deep_ep bench --primitive for pp, agrs and engram: EP=1, 4 emulated ranks
 #                     (PRIMBENCH_RANKS overrides the 4) and, with several GPUs, torchrun one rank per GPU;
-#                     $OUT/bench_primitives_<primitive>_<ep1|emuN|epN>.log/json);
+#                     bench_primitives_<primitive>_<ep1|emuN|epN>.log/json, up to 12 files, packed at the
+#                     end into $OUT/primbench.tgz, since the device tool returns 8 files);
 #          multi (several GPUs: the suite and the bench under torchrun);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
@@ -82,18 +83,20 @@ for step in $steps; do
         for mode in ep1 "emu${PRIMBENCH_RANKS:-4}"; do
           ranks=""; [ "$mode" != ep1 ] && ranks="--virtual-ranks ${PRIMBENCH_RANKS:-4}"
           echo "--- bench_primitives_${prim}_$mode"
-          timeout ${PRIMBENCH_TIMEOUT:-90} python3 -m deep_ep bench --primitive "$prim" $ranks \
+          timeout ${PRIMBENCH_TIMEOUT:-150} python3 -m deep_ep bench --primitive "$prim" $ranks \
             --json "$OUT/bench_primitives_${prim}_$mode.json" > "$OUT/bench_primitives_${prim}_$mode.log" 2>&1
           echo "exit $?"; grep -vE "^\s*$" "$OUT/bench_primitives_${prim}_$mode.log" | tail -16
         done
         n=$(nvidia-smi -L | wc -l)
         if [ "$n" -ge 2 ]; then   # one rank per GPU: the bytes cross NVLink
           echo "--- bench_primitives_${prim}_ep$n"
-          timeout ${PRIMBENCH_TIMEOUT:-90} torchrun --nproc-per-node "$n" -m deep_ep bench --primitive "$prim" \
+          timeout ${PRIMBENCH_TIMEOUT:-150} torchrun --nproc-per-node "$n" -m deep_ep bench --primitive "$prim" \
             --json "$OUT/bench_primitives_${prim}_ep$n.json" > "$OUT/bench_primitives_${prim}_ep$n.log" 2>&1
           echo "exit $?"; grep -vE "^\s*$" "$OUT/bench_primitives_${prim}_ep$n.log" | tail -16
         fi
-      done ;;
+      done
+      (cd "$OUT" && tar czf primbench.tgz bench_primitives_* && rm -f bench_primitives_*) \
+        && echo "primbench: logs and JSON in $OUT/primbench.tgz" ;;
     multi)
       n=$(nvidia-smi -L | wc -l)
       timeout ${MULTI_TIMEOUT:-400} torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
