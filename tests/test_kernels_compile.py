@@ -141,9 +141,9 @@ def test_low_latency_layout_module_compiles():
 
 @pytest.mark.parametrize("transport_nccl", [False, True], ids=["emulated", "nccl"])
 def test_low_latency_direct_module_compiles(transport_nccl):
-    """The V1 low-latency direct kernels (kernels/ll_direct.cuh: dispatch and combine, a send and a
-    receive kernel each) compile under NVRTC without spills for both transports, one module for every
-    shape."""
+    """The V1 low-latency direct kernels (kernels/ll_direct.cuh: dispatch and combine, one kernel each
+    with a send and a receive phase) compile under NVRTC without spills for both transports, one
+    module for every shape."""
     from deep_ep.legacy import ll_direct
     mod = jit.build("deep_ep_ll_direct", ll_direct.SOURCE, defines={"EP_TRANSPORT_NCCL": int(transport_nccl)},
                     use_nccl=transport_nccl, check_spills=True)

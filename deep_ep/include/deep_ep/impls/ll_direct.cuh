@@ -183,7 +183,9 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
         if (threadIdx.x < num_topk) {
             const int64_t expert = s_expert[threadIdx.x];
             int64_t row = -1;
-            if (expert >= 0) {
+            // an id past the experts (unchecked inside a CUDA-graph capture) or a place past the
+            // slots (a token naming an expert twice) would write outside the window: not sent
+            if (expert >= 0 && expert < num_experts && s_place[threadIdx.x] < num_slots) {
                 const int owner = static_cast<int>(expert / num_local_experts);
                 const int64_t local = expert % num_local_experts;
                 row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
@@ -228,7 +230,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     const int num_pairs = num_tokens * num_topk;
     for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
         const int64_t expert = __ldg(topk_idx + index);
-        if (expert >= 0)
+        if (expert >= 0 && expert < num_experts)
             atomicAdd(&s_count[expert], 1);
     }
     __syncthreads();
