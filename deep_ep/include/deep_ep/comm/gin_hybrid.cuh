@@ -63,9 +63,9 @@ struct GinHybridTransport {
     __device__ __forceinline__ void signal_all(CallTag) const {}
 
     // What marks a header, slot or entry as this call's: this rank's epoch, read on the device. Every
-    // rank has the same epoch during the same call (each wait pairs them) and it advances at the end
-    // of every data kernel, so it also tells calls apart in the replays of a CUDA graph, which repeat
-    // the captured call tag (the tag's number is a host count).
+    // rank has the same epoch during the same call (each wait pairs them) and it advances at every
+    // wait of a data or control kernel, after every block has read it, so it also tells calls apart in
+    // the replays of a CUDA graph, which repeat the captured call tag (the tag's number is a host count).
     __device__ __forceinline__ uint32_t call_mark() const { return ld_volatile(ctrl_of(local()) + kCtrlEpoch); }
 
     // This rank's own bytes at an offset of its window (staging, forwarding area).
