@@ -7,8 +7,8 @@ receive order as DeepEP's V1 ``Buffer``; a dispatch returns rows grouped by sour
 tokens in source order within a rank, ``recv_topk_idx`` as local expert ids (-1 for experts of other
 ranks). Low-latency mode (`deep_ep.legacy.low_latency`: DeepEP's per-expert layouts, FP8 / UE8M0,
 receive hooks, rank masks) runs on the same `ElasticBuffer` calls, CPU backend or GPU; across nodes
-normal mode runs on `ElasticBuffer`'s hybrid mode (CPU backend only for now) and low-latency mode on
-its direct mode. Bad input raises before any communication.
+normal mode runs on `ElasticBuffer`'s hybrid mode and low-latency mode on its direct mode. Bad input
+raises before any communication.
 """
 from __future__ import annotations
 

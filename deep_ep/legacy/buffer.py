@@ -55,8 +55,7 @@ class Buffer(LowLatencyMethods, InternodeMethods):
 
     Raises:
         ValueError: neither ``group`` nor ``comm``; TypeError / ValueError: bad arguments;
-        NotImplementedError: ``comm``, an NVLink domain of more than 8 ranks, normal mode across
-        nodes on GPU (`deep_ep.legacy.internode`).
+        NotImplementedError: ``comm``, an NVLink domain of more than 8 ranks (`deep_ep.legacy.internode`).
     """
 
     num_sms: int = 20
@@ -185,12 +184,6 @@ class Buffer(LowLatencyMethods, InternodeMethods):
     def _device(self) -> torch.device:
         return self._alive().device
 
-    def _normal_alive(self) -> ElasticBuffer:
-        """The `ElasticBuffer` of normal-mode calls. Raises NotImplementedError where they cannot run."""
-        if self._alive() is not None and self._normal_mode_refusal:
-            raise NotImplementedError(f"deep_ep.Buffer: {self._normal_mode_refusal}")
-        return self.elastic_buffer
-
     def _default_config(self, table) -> Config:
         # DeepEP's tables start at 2 ranks; a rank alone takes the default chunk sizes
         return table(self.group_size) if self.group_size > 1 else Config(Buffer.num_sms)
@@ -299,9 +292,8 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         Raises:
             TypeError / ValueError: bad arguments, routing tensors that disagree, a receive larger than
             ``num_worst_tokens`` (before any communication, except the last, found after it).
-            NotImplementedError: normal mode across nodes on GPU.
         """
-        buffer = self._normal_alive()
+        buffer = self._alive()
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         checks.check_int("expert_alignment", expert_alignment, minimum=1)
@@ -468,7 +460,7 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         Raises:
             TypeError / ValueError: bad arguments (before any communication).
         """
-        buffer = self._normal_alive()
+        buffer = self._alive()
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         if config is None:

@@ -7,9 +7,9 @@ several nodes is "internode"). Low-latency calls run on an
 `ElasticBuffer` in direct mode (``allow_hybrid_mode=False``: DeepEP's low-latency kernels send every
 token straight to its expert's rank) with ``num_allocated_qps = num_qps_per_rank``. Normal mode runs
 on one in hybrid mode (a token crosses the network once per node, then NVLink forwarding, as DeepEP's
-internode kernels): on the CPU backend; on GPU it is not wired to ElasticBuffer's hybrid mode yet, so a
-normal-mode Buffer there raises `NotImplementedError` at creation, and a low-latency one at its
-normal-mode calls.
+internode kernels), on the CPU backend and on emulated GPU nodes alike; its combine sums in DeepEP's
+internode order (each node's ranks, rounded to bf16, then the nodes), which is `ElasticBuffer`'s
+hybrid order for the rank routing `deep_ep.legacy.exchange` uses.
 """
 from __future__ import annotations
 
@@ -22,26 +22,20 @@ from .handle import LegacyHandle
 from .planned import planned
 
 __all__ = ["open_elastic_buffers", "InternodeHandle", "InternodeMethods", "rdma_counts", "rdma_channel_prefix",
-           "node_bits", "build_handle", "GPU_HYBRID_MISSING"]
-
-#: why normal mode cannot run across nodes on GPU
-GPU_HYBRID_MISSING = ("normal mode (dispatch / combine) across NVLink domains runs DeepEP's internode path, which "
-                      "is ElasticBuffer's hybrid mode (RDMA to one rank per node, then NVLink forwarding); on GPU "
-                      "the V1 Buffer is not wired to hybrid mode yet (docs/design.md). Use low_latency_mode=True "
-                      "(direct mode), or the CPU backend")
+           "node_bits", "build_handle"]
 
 
 def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_latency_mode: bool,
                          explicitly_destroy: bool, device) -> None:
     """Make the `ElasticBuffer` objects of ``owner`` (a `deep_ep.Buffer`) and set its domain
-    attributes: ``elastic_buffer`` (normal mode, and low-latency mode on GPU), ``num_rdma_ranks``,
-    ``num_nvl_ranks``, ``_low_latency_options`` (the keywords of every low-latency `ElasticBuffer`),
-    ``_low_latency_cpu_buffer`` (the CPU backend's low-latency buffer across nodes, else None) and
-    ``_normal_mode_refusal`` (why normal-mode calls cannot run, else None).
+    attributes: ``elastic_buffer`` (normal mode; hybrid across nodes; low-latency mode on GPU within
+    one node), ``num_rdma_ranks``, ``num_nvl_ranks``, ``_low_latency_options`` (the keywords of every
+    low-latency `ElasticBuffer`) and ``_low_latency_cpu_buffer`` (the CPU backend's low-latency buffer
+    across nodes, else None). Across nodes on GPU in low-latency mode, buffer half 0's direct-mode
+    window (``_low_latency_extra_buffer``, `deep_ep.legacy.ll_state`) is made here too, of the same size.
 
     Raises:
-        NotImplementedError: an NVLink domain of more than 8 ranks (DeepEP's V1 nodes have at most 8);
-        normal mode across nodes on GPU (`GPU_HYBRID_MISSING`).
+        NotImplementedError: an NVLink domain of more than 8 ranks (DeepEP's V1 nodes have at most 8).
         ValueError: ``num_qps_per_rank`` 0 where RDMA QPs are needed (low-latency mode, or several nodes).
         as `ElasticBuffer` (e.g. an NCCL group over several nodes).
     """
@@ -63,19 +57,19 @@ def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_lat
     if (low_latency_mode or across) and num_qps_per_rank < 1:
         raise ValueError("num_qps_per_rank must be >= 1 in low-latency mode or across NVLink domains "
                          "(DeepEP's QPs per peer), got 0")
-    if across and not on_cpu and not low_latency_mode:
-        raise NotImplementedError(f"deep_ep.Buffer over {num_rdma_ranks} NVLink domains of {num_nvl_ranks} ranks "
-                                  f"on GPU: {GPU_HYBRID_MISSING}")
     owner.num_rdma_ranks, owner.num_nvl_ranks = num_rdma_ranks, num_nvl_ranks
     owner._low_latency_options = dict(allow_hybrid_mode=False, num_allocated_qps=num_qps_per_rank) if across else {}
-    owner._normal_mode_refusal = GPU_HYBRID_MISSING if across and not on_cpu else None
     owner._low_latency_cpu_buffer = None
-    main_options = owner._low_latency_options if across and not on_cpu else {}
+    # across nodes in hybrid mode (ElasticBuffer's default), on either backend
     owner.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
-                                         device=device, **main_options)
-    if across and on_cpu and low_latency_mode:
-        owner._low_latency_cpu_buffer = ElasticBuffer(group, explicitly_destroy=explicitly_destroy, device=device,
-                                                      **owner._low_latency_options)
+                                         device=device)
+    if across and low_latency_mode:
+        direct = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy, device=device,
+                               **owner._low_latency_options)
+        if on_cpu:
+            owner._low_latency_cpu_buffer = direct
+        else:   # made now, not at the first call: a call may be captured in a CUDA graph
+            owner.__dict__["_low_latency_extra_buffer"] = direct
 
 
 def rdma_counts(is_token_in_rank: torch.Tensor, num_rdma_ranks: int) -> torch.Tensor:

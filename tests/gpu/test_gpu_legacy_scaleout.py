@@ -5,9 +5,11 @@ as R / 2 nodes of 2 ranks (4 and 8 ranks), the ranks of other nodes reached thro
   num_qps_per_rank``; the cases of tests/test_legacy_low_latency.py (BF16, FP8 with float and rounded
   scales, UE8M0; two dispatches per case, so both buffer halves; combine from ``x``, zero-copy and
   ``out=``), and rank masks, every element against the spec there. Receive hooks over the GIN are refused
-  (`NotImplementedError`, before anything is sent), as are the Buffer's normal-mode calls.
-* Normal mode: refused at Buffer creation (`NotImplementedError` naming hybrid mode, which the V1
-  Buffer does not use on GPU yet), on every rank, before anything is allocated.
+  (`NotImplementedError`, before anything is sent). The same Buffer's normal-mode calls run in hybrid mode.
+* Normal mode: the Buffer's `ElasticBuffer` in hybrid mode; the cases of tests/test_legacy_buffer.py
+  (`_run_case`: get_dispatch_layout with ``num_tokens_per_rdma_rank``, a fresh dispatch, a cached one
+  with the handle, combine with biases and weights), every element against the per-token spec there
+  (DeepEP's 10-item internode handle, combine in DeepEP's internode order), every output poisoned.
 * A probe, skipped unless ``DEEP_EP_PROBE_GIN_HOOKS=1``: the low-latency cases with receive hooks over
   the GIN, the refusal lifted, to learn whether the send / receive split already works there.
 
@@ -26,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_ep  # noqa: E402
 from proc_utils import case_log  # noqa: E402
+from test_legacy_buffer import CASES as NORMAL_CASES  # noqa: E402
+from test_legacy_buffer import _run_case as run_normal_case  # noqa: E402
 from test_legacy_low_latency import (CASES, MAX_TOKENS, _rank_inputs, _run_case, num_experts_for,  # noqa: E402
                                      run_mask_cases)
 
@@ -60,8 +64,7 @@ def _low_latency_body(group, num_ranks, per_node):
     rank = buffer.rank
     try:
         assert (buffer.num_rdma_ranks, buffer.num_nvl_ranks) == (num_ranks // per_node, per_node)
-        assert buffer.elastic_buffer.get_logical_domain_size() == (1, num_ranks)
-        assert buffer.elastic_buffer.num_allocated_qps == NUM_QPS
+        assert buffer.elastic_buffer.get_logical_domain_size() == (num_ranks // per_node, per_node)   # hybrid
         for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(CASES):
             name = f"{num_ranks}/{per_node} rank {rank} hidden {hidden} fp8 {use_fp8} round {round_scale} ue8m0 " \
                    f"{use_ue8m0}"
@@ -71,16 +74,15 @@ def _low_latency_body(group, num_ranks, per_node):
                           False, device)
             except Exception as exc:
                 raise AssertionError(f"{name}: {exc}") from exc
-        for elastic in buffer._low_latency_buffers():
+        for elastic in buffer._low_latency_buffers()[1:]:
             assert elastic.get_logical_domain_size() == (1, num_ranks) and elastic.num_allocated_qps == NUM_QPS
         x, topk_idx, _ = (tensor.to(device) for tensor in _rank_inputs(40, rank, num_ranks, num_experts, 512))
         with pytest.raises(NotImplementedError, match="return_recv_hook=True over the GIN"):
             buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, return_recv_hook=True)
-        with pytest.raises(NotImplementedError, match="hybrid mode"):
-            buffer.dispatch(x)
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
         buffer.low_latency_combine(recv_x, topk_idx, torch.ones(topk_idx.shape, device=device), handle)  # in step
         buffer.clean_low_latency_buffer(MAX_TOKENS, MAX_HIDDEN, num_experts)
+        run_normal_case(buffer, rank, num_ranks, 0, NORMAL_CASES[0], device)   # normal mode on the same Buffer
     finally:
         buffer.destroy()
     shrink = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=NUM_QPS,
@@ -97,17 +99,26 @@ def test_low_latency_across_emulated_nodes(shape):
 
 
 def _normal_mode_body(group, num_ranks, per_node):
-    with pytest.raises(NotImplementedError, match="not wired to hybrid mode"):
-        deep_ep.Buffer(group, num_nvl_bytes=1 << 22, explicitly_destroy=True)
-    # the group is still usable: a low-latency Buffer after the refusal
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, num_ranks, num_ranks * 2)
-    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=NUM_QPS,
-                            explicitly_destroy=True)
-    buffer.destroy()
+    from deep_ep.backends import outputs
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_nvl_bytes = deep_ep.Config().get_nvl_buffer_size_hint(2 * 256, num_ranks)   # hidden 256 at most
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True)
+    try:
+        assert (buffer.num_rdma_ranks, buffer.num_nvl_ranks) == (num_ranks // per_node, per_node)
+        assert buffer.elastic_buffer.get_logical_domain_size() == (num_ranks // per_node, per_node)   # hybrid
+        for index, case in enumerate(NORMAL_CASES):
+            case_log(f"legacy scaleout normal {num_ranks}/{per_node} rank {buffer.rank} {case[0]}: start")
+            try:
+                with outputs.poisoned():
+                    run_normal_case(buffer, buffer.rank, num_ranks, index, case, device)
+            except Exception as exc:
+                raise AssertionError(f"case {case[0]}, rank {buffer.rank} of {num_ranks}: {exc}") from exc
+    finally:
+        buffer.destroy()
 
 
-@pytest.mark.parametrize("shape", SHAPES[:1], ids=lambda s: f"{s[0] // s[1]}x{s[1]}")
-def test_normal_mode_refused_across_emulated_nodes(shape):
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] // s[1]}x{s[1]}")
+def test_normal_mode_across_emulated_nodes(shape):
     _run(_normal_mode_body, *shape)
 
 
