@@ -132,7 +132,8 @@ class EngramMixin:
                 (default: the last ``num_cpu_bytes`` of the window, in GPU memory, read over NVLink)
                 or ``"host"`` (DeepEP's place: ``num_cpu_bytes`` of pinned host memory, allocated at
                 the first such write and kept until `destroy`; peers' GPUs read it over PCIe or C2C;
-                not yet run on a GPU, so not yet the default). A CPU buffer keeps every shard in host
+                run on a GPU with the ranks of one process, not yet across processes, so not yet the
+                default). A CPU buffer keeps every shard in host
                 memory whatever this says.
 
         On a GPU buffer the call blocks the host: it waits for this rank's earlier fetches and
