@@ -14,6 +14,9 @@ kernels (a dispatch's notify stage, the GPU barrier: ``comm/gin_control.cuh``,
 `deep_ep.backends.gpu.modules.launch_control`), which reach other nodes through it too. In hybrid mode
 (``EP_TRANSPORT_GIN=2``, ``comm/gin_hybrid.cuh``) the same class reaches only the rail peers through
 the GIN, and the state holds each rank's forwarding area and inbox.
+
+`byte_counters` reads what the emulated NICs of a group carried: the bytes of every put, per (source
+rank, destination rank); `reset_byte_counters` zeroes them.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
            "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "NIC_IDLE_TIMEOUTS",
-           "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport"]
+           "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport", "byte_counters",
+           "reset_byte_counters"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -97,6 +101,9 @@ class EmulatedGin:
         self.counters = torch.zeros(self.num_ranks * num_contexts * num_counters, dtype=torch.int64, device=device)
         # [num_ranks][2]: per rank, user blocks that ended and NIC warps that ended (kernels/gin_nic.cuh)
         self.done = torch.zeros(2 * self.num_ranks, dtype=torch.int32, device=device)
+        # [num_ranks][num_ranks]: bytes of the puts the NIC kernel carried, by (source, destination)
+        # (kernels/gin_nic.cuh; `byte_counters`)
+        self.carried_bytes = torch.zeros(self.num_ranks, self.num_ranks, dtype=torch.int64, device=device)
 
     @property
     def num_queues(self) -> int:
@@ -104,8 +111,9 @@ class EmulatedGin:
         return self.num_ranks * self.num_contexts * self.num_ranks
 
     def reset(self) -> None:
-        """Zero every queue, signal and counter (between launches; nothing may be in flight)."""
-        for t in (self.queues, self.entries, self.signals, self.counters, self.done):
+        """Zero every queue, signal and counter, the byte counters too (between launches; nothing may
+        be in flight)."""
+        for t in (self.queues, self.entries, self.signals, self.counters, self.done, self.carried_bytes):
             t.zero_()
 
     def issued(self, rank: int) -> list:
@@ -356,6 +364,7 @@ class EmulatedGinDirectTransport:
     """
 
     kernel_define = 0
+    _carried_bytes = None   # the NIC kernel's byte counters (None: a null pointer, nothing counted)
 
     def __init__(self, base, state: EmulatedGinState) -> None:
         from ..cuda.streams import StreamJoin, new_stream
@@ -367,6 +376,7 @@ class EmulatedGinDirectTransport:
         self._args = state.hybrid_transport_args(base.kernel_args(), base.rank) if state.hybrid else self._nic_args
         state.check_transport_args(self._args, base.kernel_args(), base.rank)
         self.nic_blocks = -(-state.num_contexts * self.num_ranks * 32 // NIC_THREADS)
+        self._carried_bytes = state.gin.carried_bytes
         self._nic_stream = new_stream(self.device)
         self._join = StreamJoin(self.device)
 
@@ -428,8 +438,9 @@ class EmulatedGinDirectTransport:
         told that they have (a write to its ``done`` word queued on ``stream``)."""
         nic = self._nic_stream.cuda_stream
         self._join.wait(nic, stream)
-        nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks)),
-                                               stream=nic, device=self.device.index)
+        nic_module.function(NIC_KERNEL).launch(
+            self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks), self._carried_bytes),
+            stream=nic, device=self.device.index)
         try:
             launch()
         except BaseException:
@@ -451,3 +462,64 @@ class EmulatedGinDirectTransport:
 
 #: what the destroy of a rank whose NIC kernel never ended keeps alive (the kernel may still write it)
 _ABANDONED: list = []
+
+
+# ---------------------------------------------------------------------------------------------
+# What the emulated NICs carried.
+
+def _gin_states(group) -> list:
+    """The `EmulatedGinState` of every live buffer of ``group`` (an `deep_ep.emulated.EmulatedGroup`
+    or one of its rank groups), in creation order."""
+    parent = getattr(group, "parent", group)
+    window_sets = getattr(parent, "_windows", None)
+    if window_sets is None or not hasattr(parent, "num_nvlink_ranks"):
+        raise TypeError(f"deep_ep.comm.gin: byte counters belong to an emulated group (deep_ep.emulated."
+                        f"EmulatedGroup or its rank group), got {type(group).__name__}")
+    with parent._lock:
+        return [ws.gin_state for _, ws in sorted(window_sets.items())
+                if getattr(ws, "gin_state", None) is not None]
+
+
+def byte_counters(group) -> torch.Tensor:
+    """Bytes the emulated GIN carried from each rank to each rank, summed over ``group``'s live buffers.
+
+    Entry ``[i, j]`` is the sum of the byte counts of every put rank ``i`` issued to rank ``j``
+    through the emulated GIN since the buffer was made (or `reset_byte_counters`): rows, forwarding
+    and node slots, headers, call tags and a dispatch's count rows alike; a signal alone carries no
+    bytes. The NIC adds a put's bytes once, when it reads the put's source (kernels/gin_nic.cuh).
+    This is the quantity `deep_ep.bench.link_bytes` computes as ``rdma`` (with ``notify=True`` for a
+    fresh dispatch). Ranks of one node exchange through the GIN only with
+    ``EmulatedGinSettings(gin_within_node=True)`` in direct mode; otherwise the entries between ranks
+    of one node stay 0 (their loads and stores are not counted).
+
+    Read it when no kernel of the group is in flight (every rank synchronised its device and met the
+    others at a barrier): the NIC kernels run on streams of their own.
+
+    Args:
+        group: an `deep_ep.emulated.EmulatedGroup` or one of its rank groups.
+
+    Returns:
+        int64 ``[R, R]`` CPU tensor (zeros when the group spans one node or has no live buffer).
+
+    Raises:
+        TypeError: ``group`` is not an emulated group.
+    """
+    parent = getattr(group, "parent", group)
+    states = _gin_states(group)
+    total = torch.zeros(parent.num_ranks, parent.num_ranks, dtype=torch.int64)
+    for state in states:
+        total += state.gin.carried_bytes.cpu()
+    return total
+
+
+def reset_byte_counters(group) -> None:
+    """Zero `byte_counters` of ``group``'s live buffers (queued on the current stream; call it when no
+    kernel of the group is in flight, as `byte_counters`).
+
+    Raises:
+        TypeError: ``group`` is not an emulated group.
+    """
+    from ..emulated import wait_for_stream
+    for state in _gin_states(group):
+        state.gin.carried_bytes.zero_()
+    wait_for_stream()   # zeroed before a later NIC kernel, on a stream of its own, can add to them
