@@ -504,9 +504,12 @@ def byte_counters(group) -> torch.Tensor:
     Raises:
         TypeError: ``group`` is not an emulated group.
     """
+    from ..emulated import wait_for_stream
     parent = getattr(group, "parent", group)
     states = _gin_states(group)
     total = torch.zeros(parent.num_ranks, parent.num_ranks, dtype=torch.int64)
+    if states:
+        wait_for_stream()   # poll, then copy (deep_ep.emulated: a blocking copy can stall the peers)
     for state in states:
         total += state.gin.carried_bytes.cpu()
     return total
