@@ -15,8 +15,8 @@ kernels (a dispatch's notify stage, the GPU barrier: ``comm/gin_control.cuh``,
 (``EP_TRANSPORT_GIN=2``, ``comm/gin_hybrid.cuh``) the same class reaches only the rail peers through
 the GIN, and the state holds each rank's forwarding area and inbox.
 
-`byte_counters` reads what the emulated NICs of a group carried: the bytes of every put, per (source
-rank, destination rank); `reset_byte_counters` zeroes them.
+`byte_counters` (`deep_ep.comm.gin_bytes`) reads what the emulated NICs of a group carried: the
+bytes of every put, per (source rank, destination rank); `reset_byte_counters` zeroes them.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 
 from .. import jit
 from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
+from .gin_bytes import byte_counters, reset_byte_counters   # what the NICs carried (EmulatedGin.carried_bytes)
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
@@ -462,67 +463,3 @@ class EmulatedGinDirectTransport:
 
 #: what the destroy of a rank whose NIC kernel never ended keeps alive (the kernel may still write it)
 _ABANDONED: list = []
-
-
-# ---------------------------------------------------------------------------------------------
-# What the emulated NICs carried.
-
-def _gin_states(group) -> list:
-    """The `EmulatedGinState` of every live buffer of ``group`` (an `deep_ep.emulated.EmulatedGroup`
-    or one of its rank groups), in creation order."""
-    parent = getattr(group, "parent", group)
-    window_sets = getattr(parent, "_windows", None)
-    if window_sets is None or not hasattr(parent, "num_nvlink_ranks"):
-        raise TypeError(f"deep_ep.comm.gin: byte counters belong to an emulated group (deep_ep.emulated."
-                        f"EmulatedGroup or its rank group), got {type(group).__name__}")
-    with parent._lock:
-        return [ws.gin_state for _, ws in sorted(window_sets.items())
-                if getattr(ws, "gin_state", None) is not None]
-
-
-def byte_counters(group) -> torch.Tensor:
-    """Bytes the emulated GIN carried from each rank to each rank, summed over ``group``'s live buffers.
-
-    Entry ``[i, j]`` is the sum of the byte counts of every put rank ``i`` issued to rank ``j``
-    through the emulated GIN since the buffer was made (or `reset_byte_counters`): rows, forwarding
-    and node slots, headers, call tags and a dispatch's count rows alike; a signal alone carries no
-    bytes. The NIC adds a put's bytes once, when it reads the put's source (kernels/gin_nic.cuh).
-    This is the quantity `deep_ep.bench.link_bytes` computes as ``rdma`` (with ``notify=True`` for a
-    fresh dispatch). Ranks of one node exchange through the GIN only with
-    ``EmulatedGinSettings(gin_within_node=True)`` in direct mode; otherwise the entries between ranks
-    of one node stay 0 (their loads and stores are not counted).
-
-    Read it when no kernel of the group is in flight (every rank synchronised its device and met the
-    others at a barrier): the NIC kernels run on streams of their own.
-
-    Args:
-        group: an `deep_ep.emulated.EmulatedGroup` or one of its rank groups.
-
-    Returns:
-        int64 ``[R, R]`` CPU tensor (zeros when the group spans one node or has no live buffer).
-
-    Raises:
-        TypeError: ``group`` is not an emulated group.
-    """
-    from ..emulated import wait_for_stream
-    parent = getattr(group, "parent", group)
-    states = _gin_states(group)
-    total = torch.zeros(parent.num_ranks, parent.num_ranks, dtype=torch.int64)
-    if states:
-        wait_for_stream()   # poll, then copy (deep_ep.emulated: a blocking copy can stall the peers)
-    for state in states:
-        total += state.gin.carried_bytes.cpu()
-    return total
-
-
-def reset_byte_counters(group) -> None:
-    """Zero `byte_counters` of ``group``'s live buffers (queued on the current stream; call it when no
-    kernel of the group is in flight, as `byte_counters`).
-
-    Raises:
-        TypeError: ``group`` is not an emulated group.
-    """
-    from ..emulated import wait_for_stream
-    for state in _gin_states(group):
-        state.gin.carried_bytes.zero_()
-    wait_for_stream()   # zeroed before a later NIC kernel, on a stream of its own, can add to them
