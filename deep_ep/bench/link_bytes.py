@@ -21,6 +21,13 @@ is fixed by the layout, so the counts are exact for those kernels, not measured.
 
 NVLink counts hold rows only (the control words a node's ranks store for each other are left out);
 RDMA counts hold rows and the header / tag puts (`CallBytes.rdma_control`). Signals carry no bytes.
+A fresh dispatch (``notify=True``) also counts its notify stage: each rank's count row
+(`count_row_bytes`) and the tag, put to every GIN peer (direct mode: every rank of another node;
+hybrid mode across nodes: each rail peer, which stores the row on into its node, not counted).
+
+One definition, shared with the emulated NIC (`deep_ep.comm.gin.byte_counters`): ``rdma[i, j]`` is
+the sum of the byte counts of the GIN puts rank ``i`` issues to rank ``j``, exactly as the kernels
+issue them; a put split into pieces counts its pieces' sum, a signal alone counts 0.
 
 `deepep_logical_bytes` gives DeepEP V2's "SO" / "SU" byte counts for the same routing (its
 ``tests/elastic/test_ep.py`` convention, local traffic included).
@@ -33,10 +40,11 @@ from typing import Dict, Sequence
 import torch
 
 from ..backends.gpu import window
+from ..backends.gpu.abi import COUNTS_EXTRA_WORDS
 
 __all__ = ["RowSizes", "row_sizes", "CallBytes", "RouteCounts", "reach", "route_counts", "link_bytes",
            "link_bytes_of_counts", "deepep_logical_bytes", "DOMAINS",
-           "CALL_TAG_BYTES", "FORWARD_HEADER_BYTES"]
+           "CALL_TAG_BYTES", "FORWARD_HEADER_BYTES", "count_row_bytes"]
 
 DOMAINS = ("nvlink", "rdma")
 _CPU = torch.device("cpu")   # the counts are host tensors, whatever a caller's default device
@@ -44,6 +52,12 @@ _CPU = torch.device("cpu")   # the counts are host tensors, whatever a caller's 
 CALL_TAG_BYTES = 8
 #: The header of a hybrid dispatch's forwarding region (token count and call tag).
 FORWARD_HEADER_BYTES = 16
+
+
+def count_row_bytes(num_ranks: int, num_experts: int) -> int:
+    """Bytes of the count row a fresh dispatch's notify stage puts to each GIN peer: int32 counts per
+    rank and per expert and the extra words (``kernels/dispatch.cuh``, ``4 (R + E + 2)``)."""
+    return 4 * (num_ranks + num_experts + COUNTS_EXTRA_WORDS)
 
 
 def _align16(num_bytes: int) -> int:
@@ -124,12 +138,14 @@ class RouteCounts:
     """What a routing sends where, for nodes of ``num_nvlink_ranks`` (int64 ``[R, R]`` each):
     ``tokens[s, d]`` tokens of ``s`` reaching ``d``; ``slots[s, f]`` tokens of ``s`` reaching the node
     of its rail peer ``f`` (hybrid forwarding slots); ``onward[f, d]`` rows rail peer ``f`` stores to
-    ``d`` of its node for other nodes' sources; ``nodes_reached[s]`` (token, node) pairs of ``s``."""
+    ``d`` of its node for other nodes' sources; ``nodes_reached[s]`` (token, node) pairs of ``s``;
+    ``num_experts`` the routing's E (0: unknown, as for counts made by hand)."""
     num_nvlink_ranks: int
     tokens: torch.Tensor
     slots: torch.Tensor
     onward: torch.Tensor
     nodes_reached: torch.Tensor
+    num_experts: int = 0
 
 
 def route_counts(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink_ranks: int) -> RouteCounts:
@@ -161,11 +177,11 @@ def route_counts(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink
         rows[own_node] = 0                                           # the own node is reached directly
         onward[forwarders] += torch.zeros(num_nodes, num_ranks, dtype=torch.int64, device=_CPU).scatter_(
             1, torch.arange(num_ranks, dtype=torch.int64, device=_CPU).view(num_nodes, node_ranks), rows)
-    return RouteCounts(num_nvlink_ranks, tokens, slots, onward, nodes_reached)
+    return RouteCounts(num_nvlink_ranks, tokens, slots, onward, nodes_reached, num_experts)
 
 
 def link_bytes(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink_ranks: int, *, hybrid: bool,
-               hidden: int, fp8: bool = False, num_sf: int = 0) -> Dict[str, CallBytes]:
+               hidden: int, fp8: bool = False, num_sf: int = 0, notify: bool = False) -> Dict[str, CallBytes]:
     """Bytes per link of one dispatch and of the combine of its handle (module docstring).
 
     Args:
@@ -175,6 +191,8 @@ def link_bytes(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink_r
         num_nvlink_ranks: N, ranks per node (dividing ``R``).
         hybrid: the buffer's ``allow_hybrid_mode`` (it changes nothing with one node or one rank per node).
         hidden: H; fp8 / num_sf: FP8 dispatch with ``num_sf`` 4-byte scale factors per row.
+        notify: a fresh dispatch, its notify stage's count rows and tags included in ``dispatch``
+            (default False: the data kernel's bytes alone, those of a cached dispatch).
 
     Returns:
         ``{"dispatch": CallBytes, "combine": CallBytes}``. The layout (expanded or not) does not
@@ -185,12 +203,35 @@ def link_bytes(topk_idxs: Sequence[torch.Tensor], num_experts: int, num_nvlink_r
     """
     counts = route_counts(topk_idxs, num_experts, num_nvlink_ranks)
     return link_bytes_of_counts(counts, int(topk_idxs[0].shape[1]), hybrid=hybrid, hidden=hidden, fp8=fp8,
-                                num_sf=num_sf)
+                                num_sf=num_sf, notify=notify)
 
 
 def link_bytes_of_counts(counts: RouteCounts, num_topk: int, *, hybrid: bool, hidden: int, fp8: bool = False,
-                         num_sf: int = 0) -> Dict[str, CallBytes]:
-    """`link_bytes` of a routing's `RouteCounts` (top-``num_topk``)."""
+                         num_sf: int = 0, notify: bool = False) -> Dict[str, CallBytes]:
+    """`link_bytes` of a routing's `RouteCounts` (top-``num_topk``).
+
+    Raises:
+        ValueError: ``notify`` with counts that do not know their number of experts.
+    """
+    calls = _data_bytes(counts, num_topk, hybrid=hybrid, hidden=hidden, fp8=fp8, num_sf=num_sf)
+    if notify:
+        if counts.num_experts < 1:
+            raise ValueError("link_bytes_of_counts: notify=True needs the counts' num_experts (route_counts sets it)")
+        num_ranks, node_ranks = counts.tokens.shape[0], counts.num_nvlink_ranks
+        rank_ids = torch.arange(num_ranks, dtype=torch.int64, device=_CPU)
+        peers = (rank_ids[:, None] // node_ranks) != (rank_ids[None, :] // node_ranks)
+        if hybrid and node_ranks > 1:
+            peers &= (rank_ids[:, None] % node_ranks) == (rank_ids[None, :] % node_ranks)
+        control = peers.long() * (count_row_bytes(num_ranks, counts.num_experts) + CALL_TAG_BYTES)
+        dispatch = calls["dispatch"]
+        calls["dispatch"] = dataclasses.replace(dispatch, rdma=dispatch.rdma + control,
+                                                rdma_control=dispatch.rdma_control + control)
+    return calls
+
+
+def _data_bytes(counts: RouteCounts, num_topk: int, *, hybrid: bool, hidden: int, fp8: bool,
+                num_sf: int) -> Dict[str, CallBytes]:
+    """The data kernels' bytes of `link_bytes_of_counts` (the notify stage left out)."""
     num_ranks = counts.tokens.shape[0]
     node_ranks = counts.num_nvlink_ranks
     num_nodes = num_ranks // node_ranks

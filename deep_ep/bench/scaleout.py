@@ -10,9 +10,10 @@ reported as refused, with the reason.
 
 Reported per rank and mode: the median full dispatch (CPU sync) and combine times (CUDA events on
 the GPU, wall time on CPU); the bytes each puts on NVLink and RDMA, computed from the routing and
-the GPU kernels' layouts (`deep_ep.bench.link_bytes`, not measured: the CPU backend moves no bytes
-over links, and the emulated GIN keeps no byte counters); DeepEP V2's logical "SO" and "SU"
-bandwidths (scale-out and scale-up bytes over the measured time).
+the GPU kernels' layouts (`deep_ep.bench.link_bytes`; the CPU backend moves no bytes over links);
+DeepEP V2's logical "SO" and "SU" bandwidths (scale-out and scale-up bytes over the measured time).
+On emulated nodes also the bytes the emulated NICs carried (`deep_ep.comm.gin.byte_counters`)
+around one more full dispatch, cached dispatch and combine, beside the computed RDMA bytes of each.
 """
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ from .progress import Progress
 from .report import cell, text_table
 from .session import HostClock, RankSession
 
-__all__ = ["MODES", "run", "expected_outputs", "summarize_mode", "format_mode"]
+__all__ = ["MODES", "MEASURED_CALLS", "run", "expected_outputs", "summarize_mode", "format_mode"]
 
 MODES = ("hybrid", "direct")
+#: the calls whose NIC bytes are measured on emulated nodes, in order (`deep_ep.bench.session.CALLS` names)
+MEASURED_CALLS = ("full_dispatch_cpu_sync", "cached_dispatch", "combine")
 
 
 def expected_outputs(cfg: BenchConfig, inputs: Sequence[Dict[str, Any]], ranks: Sequence[int],
@@ -82,12 +85,61 @@ def _rank_pass(cfg: BenchConfig, mode: str, rank: int, group, barrier, clock, pr
         sess.first_calls()
         sess.timed_loop()
         sess.checked_iteration()
+        measured = _measure_nic_bytes(sess, group)
         result = sess.result()
+        if measured is not None:
+            result["measured_bytes"] = measured
         result["logical_domains"] = [buffer.num_scaleout_ranks, buffer.num_scaleup_ranks]
         result["num_sms"] = cfg.num_sms or buffer.get_theoretical_num_sms(cfg.num_experts, cfg.top_k)
     finally:
         buffer.destroy()
     return result
+
+
+def _measure_nic_bytes(sess: RankSession, group) -> Optional[Dict[str, list]]:
+    """On emulated nodes (an emulated group of several nodes): one more call of each of
+    `MEASURED_CALLS`, each between barriers that drain every rank, and on rank 0 the bytes the
+    emulated NICs carried during it, ``{call: [R][R]}`` (`deep_ep.comm.gin.byte_counters`); None
+    elsewhere and on the other ranks."""
+    parent = getattr(group, "parent", None)
+    if parent is None or getattr(parent, "num_nvlink_ranks", parent.num_ranks) >= parent.num_ranks:
+        return None
+    from ..comm import gin
+    readings = []
+
+    def settle() -> None:
+        sess.buffer.barrier()   # this rank's kernels, its NIC kernels with them, done; then the host barrier
+        if sess.rank == 0:
+            readings.append(gin.byte_counters(group))
+        sess.barrier()
+
+    settle()
+    for name in MEASURED_CALLS:
+        sess.call(name)
+        settle()
+    if sess.rank != 0:
+        return None
+    return {name: (after - before).tolist() for name, before, after in zip(MEASURED_CALLS, readings, readings[1:])}
+
+
+def _measured_summary(measured: Dict[str, list], counts, cfg: BenchConfig, hybrid: bool, num_sf: int,
+                      calls: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Per measured call: the NIC's bytes between nodes (``rdma``) and between ranks of one node
+    (``nvlink_by_nic``, 0 unless the GIN reaches them), link_bytes' RDMA bytes of the same call
+    (``computed_rdma``; the fresh dispatch with its notify stage) and whether every link agrees."""
+    fresh = link_bytes_of_counts(counts, cfg.top_k, hybrid=hybrid, hidden=cfg.hidden, fp8=cfg.fp8, num_sf=num_sf,
+                                 notify=True)["dispatch"]
+    computed = {"full_dispatch_cpu_sync": fresh.rdma, "cached_dispatch": calls["dispatch"].rdma,
+                "combine": calls["combine"].rdma}
+    num_ranks = counts.tokens.shape[0]
+    ranks = torch.arange(num_ranks)
+    same_node = (ranks[:, None] // counts.num_nvlink_ranks) == (ranks[None, :] // counts.num_nvlink_ranks)
+    out = {}
+    for name, matrix in measured.items():
+        carried = torch.tensor(matrix, dtype=torch.int64)
+        out[name] = {"rdma": int(carried[~same_node].sum()), "nvlink_by_nic": int(carried[same_node].sum()),
+                     "computed_rdma": int(computed[name].sum()), "per_link_equal": torch.equal(carried, computed[name])}
+    return out
 
 
 def _median_s(samples: List[Dict[str, Optional[float]]]) -> float:
@@ -133,6 +185,9 @@ def summarize_mode(cfg: BenchConfig, mode: str, num_nvlink_ranks: int, results: 
     out["checked"] = results[0]["checked"]
     out["logical_domains"] = domains
     out["totals"] = {name: call.totals() for name, call in calls.items()}
+    measured = next((r["measured_bytes"] for r in results if r.get("measured_bytes")), None)
+    if measured is not None:
+        out["measured"] = _measured_summary(measured, counts, cfg, hybrid, num_sf, calls)
     return out
 
 
@@ -158,8 +213,14 @@ def format_mode(summary: Dict[str, Any]) -> str:
     verdict = "check: n/a" if not summary["checked"] else (
         "check: passed" if not summary["mismatches"] else
         "check: FAILED:\n" + "\n".join(f"  {m['message']}" for m in summary["mismatches"][:20]))
-    return "\n".join([f"{mode} mode (logical domains {so} x {su}):", text_table(header, body),
-                      f"all ranks, computed: {totals}", verdict])
+    lines = [f"{mode} mode (logical domains {so} x {su}):", text_table(header, body), f"all ranks, computed: {totals}"]
+    if summary.get("measured"):
+        lines.append("all ranks, measured by the emulated NICs: " + "; ".join(
+            f"{name}: RDMA {m['rdma'] / 1e6:.4f} MB (computed {m['computed_rdma'] / 1e6:.4f} MB, per link "
+            f"{'equal' if m['per_link_equal'] else 'DIFFERENT'})"
+            + (f", NVLink through the NIC {m['nvlink_by_nic'] / 1e6:.4f} MB" if m["nvlink_by_nic"] else "")
+            for name, m in summary["measured"].items()))
+    return "\n".join(lines + [verdict])
 
 
 def run(args: argparse.Namespace, *, gpu: bool) -> int:

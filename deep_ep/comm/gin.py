@@ -14,6 +14,9 @@ kernels (a dispatch's notify stage, the GPU barrier: ``comm/gin_control.cuh``,
 `deep_ep.backends.gpu.modules.launch_control`), which reach other nodes through it too. In hybrid mode
 (``EP_TRANSPORT_GIN=2``, ``comm/gin_hybrid.cuh``) the same class reaches only the rail peers through
 the GIN, and the state holds each rank's forwarding area and inbox.
+
+`byte_counters` (`deep_ep.comm.gin_bytes`) reads what the emulated NICs of a group carried: the
+bytes of every put, per (source rank, destination rank); `reset_byte_counters` zeroes them.
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ import torch
 
 from .. import jit
 from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
+from .gin_bytes import byte_counters, reset_byte_counters   # what the NICs carried (EmulatedGin.carried_bytes)
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
            "GinTransportArgs", "GinHybridTransportArgs", "NIC_KERNEL", "NIC_THREADS", "NIC_IDLE_TIMEOUTS",
-           "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport"]
+           "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport", "byte_counters",
+           "reset_byte_counters"]
 
 #: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
 #: "no_signal" sends no signal, so every rank's first wait times out (and records it)
@@ -97,6 +102,9 @@ class EmulatedGin:
         self.counters = torch.zeros(self.num_ranks * num_contexts * num_counters, dtype=torch.int64, device=device)
         # [num_ranks][2]: per rank, user blocks that ended and NIC warps that ended (kernels/gin_nic.cuh)
         self.done = torch.zeros(2 * self.num_ranks, dtype=torch.int32, device=device)
+        # [num_ranks][num_ranks]: bytes of the puts the NIC kernel carried, by (source, destination)
+        # (kernels/gin_nic.cuh; `byte_counters`)
+        self.carried_bytes = torch.zeros(self.num_ranks, self.num_ranks, dtype=torch.int64, device=device)
 
     @property
     def num_queues(self) -> int:
@@ -104,8 +112,9 @@ class EmulatedGin:
         return self.num_ranks * self.num_contexts * self.num_ranks
 
     def reset(self) -> None:
-        """Zero every queue, signal and counter (between launches; nothing may be in flight)."""
-        for t in (self.queues, self.entries, self.signals, self.counters, self.done):
+        """Zero every queue, signal and counter, the byte counters too (between launches; nothing may
+        be in flight)."""
+        for t in (self.queues, self.entries, self.signals, self.counters, self.done, self.carried_bytes):
             t.zero_()
 
     def issued(self, rank: int) -> list:
@@ -356,6 +365,7 @@ class EmulatedGinDirectTransport:
     """
 
     kernel_define = 0
+    _carried_bytes = None   # the NIC kernel's byte counters (None: a null pointer, nothing counted)
 
     def __init__(self, base, state: EmulatedGinState) -> None:
         from ..cuda.streams import StreamJoin, new_stream
@@ -367,6 +377,7 @@ class EmulatedGinDirectTransport:
         self._args = state.hybrid_transport_args(base.kernel_args(), base.rank) if state.hybrid else self._nic_args
         state.check_transport_args(self._args, base.kernel_args(), base.rank)
         self.nic_blocks = -(-state.num_contexts * self.num_ranks * 32 // NIC_THREADS)
+        self._carried_bytes = state.gin.carried_bytes
         self._nic_stream = new_stream(self.device)
         self._join = StreamJoin(self.device)
 
@@ -428,8 +439,9 @@ class EmulatedGinDirectTransport:
         told that they have (a write to its ``done`` word queued on ``stream``)."""
         nic = self._nic_stream.cuda_stream
         self._join.wait(nic, stream)
-        nic_module.function(NIC_KERNEL).launch(self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks)),
-                                               stream=nic, device=self.device.index)
+        nic_module.function(NIC_KERNEL).launch(
+            self.nic_blocks, NIC_THREADS, (self._nic_args, jit.i32(num_user_blocks), self._carried_bytes),
+            stream=nic, device=self.device.index)
         try:
             launch()
         except BaseException:

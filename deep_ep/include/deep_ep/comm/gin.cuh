@@ -379,7 +379,10 @@ __device__ __forceinline__ void gin_add_signal(const EmulatedGinArgs& a, const G
 
 // Every thread of the NIC's blocks; `nic_warp` counts this warp among all NIC warps of the launch and
 // `num_user_blocks` is how many blocks report to `done` when they have issued their last put.
-__device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int nic_warp, int num_user_blocks) {
+// `carried_bytes` (null: none) is [num_ranks][num_ranks]: each put's bytes are added to its (source,
+// destination) word as the NIC reads its source (deep_ep/comm/gin.py, `byte_counters`).
+__device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int nic_warp, int num_user_blocks,
+                                                 unsigned long long* carried_bytes = nullptr) {
     const int lane = threadIdx.x % 32;
     const int num_queues = a.num_ranks * a.num_contexts * a.num_ranks;
     if (nic_warp >= num_queues) return;
@@ -455,6 +458,9 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
                     const int64_t row = static_cast<int64_t>(src_rank) * a.num_contexts + context;
                     atomicAdd(as_ull(a.counters + row * a.num_counters + e.counter), 1ull);
                 }
+                if (carried_bytes != nullptr && e.bytes != 0u)
+                    atomicAdd(carried_bytes + static_cast<int64_t>(src_rank) * a.num_ranks + dst_rank,
+                              static_cast<unsigned long long>(e.bytes));
                 st_release_gpu_u64(&queue->consumed, consumed + i + 1);
             }
         }

@@ -6,17 +6,21 @@
 // `end_block`, comm/gin_direct.cuh, comm/gin_control.cuh) and its queues are empty, or after recording kGinPhaseNic when
 // they neither put nor ended for kGinNicIdleTimeouts GPU timeouts, and its last warp zeroes the
 // rank's `done` words for the next launch. Built with EP_TRANSPORT_GIN=1 (comm/transport.cuh).
+// `carried_bytes` (null: not counted): the buffer's int64 [num_ranks][num_ranks] byte counters; each
+// put this rank issues adds its bytes (a signal alone: none) to word (this rank, its destination),
+// once, when the NIC reads its source (deep_ep/comm/gin.py, `byte_counters`).
 #pragma once
 
 #include "../comm/transport.cuh"
 
-extern "C" __global__ void deep_ep_gin_nic(deep_ep::comm::TransportArgs transport, int num_user_blocks) {
+extern "C" __global__ void deep_ep_gin_nic(deep_ep::comm::TransportArgs transport, int num_user_blocks,
+                                           unsigned long long* carried_bytes) {
     const deep_ep::comm::EmulatedGinArgs& gin = *transport.gin;
     const int num_ranks = gin.num_ranks, used = transport.num_contexts;
     const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
     if (warp >= used * num_ranks) return;
     const int queue = (transport.rank * gin.num_contexts + warp / num_ranks) * num_ranks + warp % num_ranks;
-    deep_ep::comm::emulated_gin_nic(gin, queue, num_user_blocks);
+    deep_ep::comm::emulated_gin_nic(gin, queue, num_user_blocks, carried_bytes);
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
         __threadfence();
