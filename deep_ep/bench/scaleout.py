@@ -132,11 +132,11 @@ def _measured_summary(measured: Dict[str, list], counts, cfg: BenchConfig, hybri
     computed = {"full_dispatch_cpu_sync": fresh.rdma, "cached_dispatch": calls["dispatch"].rdma,
                 "combine": calls["combine"].rdma}
     num_ranks = counts.tokens.shape[0]
-    ranks = torch.arange(num_ranks)
+    ranks = torch.arange(num_ranks, dtype=torch.int64, device=torch.device("cpu"))
     same_node = (ranks[:, None] // counts.num_nvlink_ranks) == (ranks[None, :] // counts.num_nvlink_ranks)
     out = {}
     for name, matrix in measured.items():
-        carried = torch.tensor(matrix, dtype=torch.int64)
+        carried = torch.tensor(matrix, dtype=torch.int64, device=torch.device("cpu"))
         out[name] = {"rdma": int(carried[~same_node].sum()), "nvlink_by_nic": int(carried[same_node].sum()),
                      "computed_rdma": int(computed[name].sum()), "per_link_equal": torch.equal(carried, computed[name])}
     return out

@@ -66,7 +66,7 @@ def byte_counters(group) -> torch.Tensor:
     """
     parent = getattr(group, "parent", group)
     states = _gin_states(group)
-    total = torch.zeros(parent.num_ranks, parent.num_ranks, dtype=torch.int64)
+    total = torch.zeros(parent.num_ranks, parent.num_ranks, dtype=torch.int64, device=torch.device("cpu"))
     if states:
         _wait_current_stream()   # poll, then copy (deep_ep.emulated: a blocking copy can stall the peers)
     for state in states:
