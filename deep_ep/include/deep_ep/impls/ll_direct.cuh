@@ -108,37 +108,6 @@ __device__ __forceinline__ uint32_t ll_direct_tag(uint8_t* window, int half, int
     return ld_volatile(comm::ctrl_of(window) + ll_direct_word(half, seq_word)) + 1u;
 }
 
-// One 8-channel chunk of a row as FP8 codes and, in `scale_inv`, its 128 channels' scale (the lanes of
-// one scale are kLlScaleChannels / kLlCastChannels consecutive lanes, all in or all out).
-__device__ __forceinline__ uint2 ll_direct_cast(const uint4& packed, int round_scale, float& scale_inv) {
-    constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
-    const uint32_t lane = threadIdx.x % 32;
-    const uint32_t group_mask = ((1u << chunks_per_scale) - 1u) << (lane / chunks_per_scale * chunks_per_scale);
-    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
-    float channels[kLlCastChannels];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLlCastChannels; ++i) {
-        channels[i] = __bfloat162float(values[i]);
-        amax = ll_nan_max(amax, fabsf(channels[i]));
-    }
-#pragma unroll
-    for (int offset = chunks_per_scale / 2; offset > 0; offset /= 2)
-        amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, chunks_per_scale));
-    float scale;
-    ll_scales_of(amax, round_scale, scale, scale_inv);
-    uint2 codes = make_uint2(0u, 0u);
-#pragma unroll
-    for (int i = 0; i < kLlCastChannels; ++i) {
-        const uint32_t code = ll_cast_value(channels[i], scale) << (8 * (i % 4));
-        if (i < 4)
-            codes.x |= code;
-        else
-            codes.y |= code;
-    }
-    return codes;
-}
-
 // Window regions (byte offsets, the same in every window; deep_ep/legacy/ll_direct.py lays them
 // out): rows [L][R][T_max] of `row_bytes`, their scales [L][R][T_max][S] float32, their pair words
 // [L][R][T_max] int32 (token * K + slot), and the combine's rows [T_max * K] bf16.
@@ -206,7 +175,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                 continue;
             }
             float scale_inv;
-            const uint2 codes = ll_direct_cast(packed, round_scale, scale_inv);
+            const uint2 codes = ll_cast_chunk(packed, round_scale, scale_inv);
             for (int slot = 0; slot < num_topk; ++slot) {
                 const int64_t row = s_row[slot];
                 if (row < 0)
@@ -392,7 +361,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                         const int64_t word =
                             (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
                         reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
-                            static_cast<uint8_t>((values[i].x >> 23) & 0xFFu);
+                            static_cast<uint8_t>(ll_ue8m0_of(values[i].x));
                     } else {
                         scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] =
                             __uint_as_float(values[i].x);
@@ -489,16 +458,7 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
     if (s_ok != 0) {
         const uint4* pairs = reinterpret_cast<const uint4*>(window + regions.combine);
         const int64_t chunks_per_row = hidden / kLlReduceChannels;
-        const int64_t num_chunks = static_cast<int64_t>(num_tokens) * chunks_per_row;
-        const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-        for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; chunk < num_chunks;
-             chunk += stride) {
-            const int64_t token = chunk / chunks_per_row;
-            const int64_t column = chunk % chunks_per_row;
-            float acc[kLlReduceChannels];
-#pragma unroll
-            for (int i = 0; i < kLlReduceChannels; ++i)
-                acc[i] = 0.0f;
+        ll_reduce_chunks(out, num_tokens, hidden, [&](int64_t token, int64_t column, float (&acc)[kLlReduceChannels]) {
             // the slots' rows kLlDirectUnroll at a time, in flight together, summed in slot order
             for (int first = 0; first < num_topk; first += kLlDirectUnroll) {
                 uint4 packed[kLlDirectUnroll];
@@ -513,23 +473,11 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                                             : make_uint4(0u, 0u, 0u, 0u);
                 }
 #pragma unroll
-                for (int i = 0; i < kLlDirectUnroll; ++i) {
-                    if (!selected[i])
-                        continue;
-                    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed[i]);
-#pragma unroll
-                    for (int channel = 0; channel < kLlReduceChannels; ++channel)
-                        acc[channel] = __fadd_rn(acc[channel],
-                                                 __fmul_rn(__bfloat162float(values[channel]), weights[i]));
-                }
+                for (int i = 0; i < kLlDirectUnroll; ++i)
+                    if (selected[i])
+                        ll_reduce_add(acc, packed[i], weights[i]);
             }
-            uint4 result;
-            uint16_t* bits = reinterpret_cast<uint16_t*>(&result);
-#pragma unroll
-            for (int i = 0; i < kLlReduceChannels; ++i)
-                bits[i] = ll_reduce_to_bf16_bits(acc[i]);
-            out[token * chunks_per_row + column] = result;
-        }
+        });
     }
     if (comm::last_block(window, ll_direct_word(half, kLlDirectCombineDone), false) && threadIdx.x == 0)
         ll_direct_finish(window, half, kLlDirectCombineSeq, err_host);

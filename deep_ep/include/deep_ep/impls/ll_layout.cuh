@@ -79,6 +79,42 @@ __device__ __forceinline__ uint32_t ll_cast_value(float value, float scale) {
     return ll_to_e4m3(scaled);
 }
 
+// The UE8M0 byte of a power-of-two scale (its float32 bits): the biased exponent.
+__device__ __forceinline__ uint32_t ll_ue8m0_of(uint32_t scale_bits) { return (scale_bits >> 23) & 0xFFu; }
+
+// One 8-channel chunk of a row (packed bf16) as FP8 codes and, in `scale_inv`, the scale of its 128
+// channels: the amax is shared by the kLlScaleChannels / kLlCastChannels consecutive lanes of one warp
+// that hold the scale's chunks, so those lanes call this together, all in or all out (hidden a multiple
+// of 128, blocks of whole warps).
+__device__ __forceinline__ uint2 ll_cast_chunk(const uint4& packed, int round_scale, float& scale_inv) {
+    constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t group_mask = ((1u << chunks_per_scale) - 1u) << (lane / chunks_per_scale * chunks_per_scale);
+    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+    float channels[kLlCastChannels];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLlCastChannels; ++i) {
+        channels[i] = __bfloat162float(values[i]);
+        amax = ll_nan_max(amax, fabsf(channels[i]));
+    }
+#pragma unroll
+    for (int offset = chunks_per_scale / 2; offset > 0; offset /= 2)
+        amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, chunks_per_scale));
+    float scale;
+    ll_scales_of(amax, round_scale, scale, scale_inv);
+    uint2 codes = make_uint2(0u, 0u);
+#pragma unroll
+    for (int i = 0; i < kLlCastChannels; ++i) {
+        const uint32_t code = ll_cast_value(channels[i], scale) << (8 * (i % 4));
+        if (i < 4)
+            codes.x |= code;
+        else
+            codes.y |= code;
+    }
+    return codes;
+}
+
 __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, uint4* __restrict__ out_bf16,
                                                    uint2* __restrict__ out_fp8, float* __restrict__ out_scales,
                                                    const int64_t* __restrict__ topk_idx,
@@ -107,10 +143,8 @@ __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, 
     }
     constexpr int kChunksPerScale = kLlScaleChannels / kLlCastChannels;
     const int num_scales = hidden / kLlScaleChannels;
-    // the chunks of one scale are kChunksPerScale consecutive lanes of one warp (hidden is a multiple
-    // of 128 and blocks of whole warps), all in or all out of the loop together
-    const uint32_t lane = threadIdx.x % 32;
-    const uint32_t group_mask = ((1u << kChunksPerScale) - 1u) << (lane / kChunksPerScale * kChunksPerScale);
+    // the chunks of one scale are kChunksPerScale consecutive lanes of one warp, all in or all out of
+    // the loop together (ll_cast_chunk)
     for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; chunk < num_chunks;
          chunk += stride) {
         const int64_t token = chunk / chunks_per_row;
@@ -121,28 +155,8 @@ __device__ __forceinline__ void ll_cast_pairs_impl(const uint4* __restrict__ x, 
                 out_bf16[(token * num_topk + slot) * chunks_per_row + column] = packed;
             continue;
         }
-        const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
-        float channels[kLlCastChannels];
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kLlCastChannels; ++i) {
-            channels[i] = __bfloat162float(values[i]);
-            amax = ll_nan_max(amax, fabsf(channels[i]));
-        }
-#pragma unroll
-        for (int offset = kChunksPerScale / 2; offset > 0; offset /= 2)
-            amax = ll_nan_max(amax, __shfl_xor_sync(group_mask, amax, offset, kChunksPerScale));
-        float scale, scale_inv;
-        ll_scales_of(amax, round_scale, scale, scale_inv);
-        uint2 codes = make_uint2(0u, 0u);
-#pragma unroll
-        for (int i = 0; i < kLlCastChannels; ++i) {
-            const uint32_t code = ll_cast_value(channels[i], scale) << (8 * (i % 4));
-            if (i < 4)
-                codes.x |= code;
-            else
-                codes.y |= code;
-        }
+        float scale_inv;
+        const uint2 codes = ll_cast_chunk(packed, round_scale, scale_inv);
         for (int slot = 0; slot < num_topk; ++slot)
             out_fp8[(token * num_topk + slot) * chunks_per_row + column] = codes;
         if (column % kChunksPerScale == 0) {
@@ -275,7 +289,7 @@ __device__ __forceinline__ void ll_place_impl(
 #pragma unroll
                 for (int byte = 0; byte < 4; ++byte) {
                     const uint32_t bits = __float_as_uint(__ldg(row_scales + (4 * word + byte) * scale_column_stride));
-                    packed |= ((bits >> 23) & 0xFFu) << (8 * byte);
+                    packed |= ll_ue8m0_of(bits) << (8 * byte);
                 }
                 words[(expert * num_words + word) * num_rows + slot] = packed;
             }

@@ -63,11 +63,22 @@ __device__ __forceinline__ uint16_t ll_reduce_to_bf16_bits(float value) {
     return *reinterpret_cast<const uint16_t*>(&rounded);
 }
 
-__device__ __forceinline__ void ll_reduce_impl(const uint4* __restrict__ pairs, const int64_t* __restrict__ topk_idx,
-                                               const float* __restrict__ topk_weights,
-                                               const int32_t* __restrict__ rank_mask, uint4* __restrict__ out,
-                                               int num_tokens, int num_topk, int hidden, int num_local_experts,
-                                               int num_ranks) {
+// acc[i] += weight * channel i of a chunk of 8 bf16 channels, the product rounded to float32 first
+// (no FMA).
+__device__ __forceinline__ void ll_reduce_add(float (&acc)[kLlReduceChannels], const uint4& packed, float weight) {
+    const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+    for (int i = 0; i < kLlReduceChannels; ++i)
+        acc[i] = __fadd_rn(acc[i], __fmul_rn(__bfloat162float(values[i]), weight));
+}
+
+// The weighted top-k sum's loop: every 8-channel chunk (token, column) of `num_tokens` rows of
+// `hidden` bf16 channels, strided over the grid. `sum_slots(token, column, acc)` adds the token's
+// selected slots to `acc` (+0.0f) in slot order (ll_reduce_add); each sum is rounded once to bf16
+// into `out`.
+template <typename SumSlots>
+__device__ __forceinline__ void ll_reduce_chunks(uint4* __restrict__ out, int num_tokens, int hidden,
+                                                 const SumSlots& sum_slots) {
     const int64_t chunks_per_row = hidden / kLlReduceChannels;
     const int64_t num_chunks = static_cast<int64_t>(num_tokens) * chunks_per_row;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -79,6 +90,23 @@ __device__ __forceinline__ void ll_reduce_impl(const uint4* __restrict__ pairs, 
 #pragma unroll
         for (int i = 0; i < kLlReduceChannels; ++i)
             acc[i] = 0.0f;
+        sum_slots(token, column, acc);
+        uint4 result;
+        uint16_t* bits = reinterpret_cast<uint16_t*>(&result);
+#pragma unroll
+        for (int i = 0; i < kLlReduceChannels; ++i)
+            bits[i] = ll_reduce_to_bf16_bits(acc[i]);
+        out[token * chunks_per_row + column] = result;
+    }
+}
+
+__device__ __forceinline__ void ll_reduce_impl(const uint4* __restrict__ pairs, const int64_t* __restrict__ topk_idx,
+                                               const float* __restrict__ topk_weights,
+                                               const int32_t* __restrict__ rank_mask, uint4* __restrict__ out,
+                                               int num_tokens, int num_topk, int hidden, int num_local_experts,
+                                               int num_ranks) {
+    const int64_t chunks_per_row = hidden / kLlReduceChannels;
+    ll_reduce_chunks(out, num_tokens, hidden, [&](int64_t token, int64_t column, float (&acc)[kLlReduceChannels]) {
         for (int slot = 0; slot < num_topk; ++slot) {
             const int64_t expert = __ldg(topk_idx + token * num_topk + slot);
             if (expert < 0)
@@ -89,19 +117,9 @@ __device__ __forceinline__ void ll_reduce_impl(const uint4* __restrict__ pairs, 
                     continue;
             }
             const float weight = __ldg(topk_weights + token * num_topk + slot);
-            const uint4 packed = __ldg(pairs + (token * num_topk + slot) * chunks_per_row + column);
-            const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
-#pragma unroll
-            for (int i = 0; i < kLlReduceChannels; ++i)
-                acc[i] = __fadd_rn(acc[i], __fmul_rn(__bfloat162float(values[i]), weight));
+            ll_reduce_add(acc, __ldg(pairs + (token * num_topk + slot) * chunks_per_row + column), weight);
         }
-        uint4 result;
-        uint16_t* bits = reinterpret_cast<uint16_t*>(&result);
-#pragma unroll
-        for (int i = 0; i < kLlReduceChannels; ++i)
-            bits[i] = ll_reduce_to_bf16_bits(acc[i]);
-        out[token * chunks_per_row + column] = result;
-    }
+    });
 }
 
 }  // namespace deep_ep
