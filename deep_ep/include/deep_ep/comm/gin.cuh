@@ -327,6 +327,54 @@ struct EmulatedGinTransport {
 };
 
 // ---------------------------------------------------------------------------------------------
+// What every GIN transport's signalling phase does (comm/gin_direct.cuh, gin_hybrid.cuh,
+// gin_control.cuh), by every thread of the one block that ends the phase: gin_publish_tag, then per
+// peer a node peer's store_tag or a GIN peer's gin_put_signal, then gin_flush_contexts.
+
+// One thread: `tag` into the tag words `rank` writes into `window` (of this rank or of a peer of its
+// node) at epoch parity `slot`; with `arrive`, then `rank`'s arrival there, a system-scope release
+// after the tag.
+__device__ __forceinline__ void store_tag(uint8_t* window, int slot, int rank, CallTag tag, bool arrive) {
+    uint32_t* words = tag_words(window, slot, rank);
+    words[0] = tag.seq;
+    words[1] = tag.fingerprint;
+    if (arrive) red_release_sys_add(ctrl_of(window) + kCtrlArrive + rank, 1u);
+}
+
+// Every thread of the block: a system fence (this GPU's earlier writes before any put or store that
+// signals them), then thread 0 stores `tag` as this rank's own (`arrive`: with its own arrival) in
+// `window` at the epoch's parity (returned in `slot`); the block meets. Returns the byte offset of
+// those tag words: a tag put's source and destination, as a peer keeps this rank's tag at the same
+// words. They are rewritten two phases later, after gin_flush_contexts has released them.
+__device__ __forceinline__ int64_t gin_publish_tag(uint8_t* window, int rank, CallTag tag, bool arrive, int& slot) {
+    __threadfence_system();
+    slot = static_cast<int>(ld_volatile(ctrl_of(window) + kCtrlEpoch) & 1u);
+    const int64_t offset = reinterpret_cast<uint8_t*>(tag_words(window, slot, rank)) - window;
+    if (threadIdx.x == 0) store_tag(window, slot, rank, tag, arrive);
+    __syncthreads();
+    return offset;
+}
+
+// One thread: `bytes` at `offset` of this rank's window to the same offset of `peer`'s on context 0,
+// then a strong signal `signal_id` (+1) on each of contexts [0, num_contexts): the one of context 0
+// lands after the put, each other after its context's earlier puts.
+template <typename Gin>
+__device__ __forceinline__ void gin_put_signal(const Gin& gin, int peer, int64_t offset, uint64_t bytes, int signal_id,
+                                               int num_contexts) {
+    gin.put(0, peer, offset, offset, bytes);
+    for (int c = 0; c < num_contexts; ++c) gin.signal(c, peer, signal_id, 1);
+}
+
+// Every thread of the block, after its puts: the block meets, contexts [0, num_contexts) are flushed
+// (a thread each), the block meets; every source put may be rewritten after.
+template <typename Gin>
+__device__ __forceinline__ void gin_flush_contexts(const Gin& gin, int num_contexts) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < num_contexts; c += blockDim.x) gin.flush(c);
+    __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------
 // The emulated NIC: one warp per queue. Each round it gathers up to `batch` published entries (or
 // what came within `linger_ns`), reads their sources in order into staging after a random delay
 // (counters count here, flush waits for it), then lands them in a seeded random order, weak-signalled

@@ -64,41 +64,23 @@ struct GinControlTransport {
             const int piece = min(net.max_put_bytes, region_bytes - sent);
             net.gin.put(0, peer, region + sent, region + sent, static_cast<uint64_t>(piece));
         }
-        net.gin.put(0, peer, tag_offset, tag_offset, 8);
-        net.gin.signal(0, peer, slot * num_ranks + rank, 1);
+        gin_put_signal(net.gin, peer, tag_offset, 8, slot * num_ranks + rank, 1);
     }
 
     __device__ __forceinline__ void signal_all(CallTag tag) const {
-        __threadfence_system();
         uint8_t* mine = local();
-        const int slot = static_cast<int>(ld_volatile(ctrl_of(mine) + kCtrlEpoch) & 1u);
-        uint32_t* my_tag = tag_words(mine, slot, rank);
-        if (threadIdx.x == 0) {
-            my_tag[0] = tag.seq;
-            my_tag[1] = tag.fingerprint;
-        }
-        __syncthreads();
-        // The tag travels from where this rank keeps its own (rewritten two phases later, after the
-        // flush below) to the same words of the peer's window; so does the region.
-        const int64_t tag_offset = reinterpret_cast<uint8_t*>(my_tag) - mine;
+        int slot;
+        const int64_t tag_offset = gin_publish_tag(mine, rank, tag, false, slot);
         if constexpr (kRails) {
             for (int to_node = threadIdx.x; to_node < net.num_nodes(); to_node += blockDim.x)
                 if (to_node != net.node()) put_region(net.rail_peer(to_node), slot, tag_offset);
         } else {
             for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
-                if (!net.by_lsa(p)) {
-                    put_region(p, slot, tag_offset);
-                    continue;
-                }
-                uint32_t* t = tag_words(net.lsa.bases[p], slot, rank);
-                t[0] = tag.seq;
-                t[1] = tag.fingerprint;
-                red_release_sys_add(ctrl_of(net.lsa.bases[p]) + kCtrlArrive + rank, 1u);
+                if (net.by_lsa(p)) store_tag(net.lsa.bases[p], slot, rank, tag, true);
+                else put_region(p, slot, tag_offset);
             }
         }
-        __syncthreads();
-        if (threadIdx.x == 0) net.gin.flush(0);  // the region and the tag may be rewritten after this
-        __syncthreads();
+        gin_flush_contexts(net.gin, 1);  // context 0 only: the region and the tag may be rewritten after
     }
 
     // Hybrid mode, after the rail waits: every rail peer's region, landed here, into every other rank

@@ -85,34 +85,15 @@ struct GinDirectTransport {
 
     // By every thread of the last block of a send phase.
     __device__ __forceinline__ void signal_all(CallTag tag) const {
-        __threadfence_system();
         uint8_t* mine = local();
-        const int slot = static_cast<int>(ld_volatile(ctrl_of(mine) + kCtrlEpoch) & 1u);
-        uint32_t* my_tag = tag_words(mine, slot, rank);
-        if (threadIdx.x == 0) {
-            my_tag[0] = tag.seq;
-            my_tag[1] = tag.fingerprint;
-            red_release_sys_add(ctrl_of(mine) + kCtrlArrive + rank, 1u);
-        }
-        __syncthreads();
-        // The tag travels from where this rank keeps its own (it is rewritten two phases later,
-        // after the flush below) to the same words of the peer's window.
-        const int64_t tag_offset = reinterpret_cast<uint8_t*>(my_tag) - mine;
+        int slot;
+        const int64_t tag_offset = gin_publish_tag(mine, rank, tag, true, slot);
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
             if (p == rank) continue;
-            if (by_lsa(p)) {
-                uint32_t* t = tag_words(lsa.bases[p], slot, rank);
-                t[0] = tag.seq;
-                t[1] = tag.fingerprint;
-                red_release_sys_add(ctrl_of(lsa.bases[p]) + kCtrlArrive + rank, 1u);
-                continue;
-            }
-            gin.put(0, p, tag_offset, tag_offset, 8);
-            for (int c = 0; c < num_contexts; ++c) gin.signal(c, p, slot * num_ranks + rank, 1);
+            if (by_lsa(p)) store_tag(lsa.bases[p], slot, rank, tag, true);
+            else gin_put_signal(gin, p, tag_offset, 8, slot * num_ranks + rank, num_contexts);
         }
-        __syncthreads();
-        for (int c = threadIdx.x; c < num_contexts; c += blockDim.x) gin.flush(c);
-        __syncthreads();
+        gin_flush_contexts(gin, num_contexts);
     }
 
     __device__ __forceinline__ bool wait_all(int phase, uint64_t timeout_ns) const {

@@ -120,35 +120,28 @@ struct GinHybridTransport {
     // combine the tags of this rank's node (its ranks signalled them here); then a strong signal per
     // context; then flush, so that staging may be rewritten by the next call.
     __device__ __forceinline__ void signal_rails(CallTag tag, int half, int num_tokens) const {
-        __threadfence_system();
         uint8_t* mine = local();
-        const int slot = static_cast<int>(ld_volatile(ctrl_of(mine) + kCtrlEpoch) & 1u);
-        uint32_t* my_tag = tag_words(mine, slot, rank);
-        if (threadIdx.x == 0) {
-            my_tag[0] = tag.seq;
-            my_tag[1] = tag.fingerprint;
-        }
-        __syncthreads();
-        const int64_t tag_offset = reinterpret_cast<uint8_t*>(my_tag) - mine;
+        int slot;
+        const int64_t tag_offset = gin_publish_tag(mine, rank, tag, false, slot);
         for (int to_node = threadIdx.x; to_node < num_nodes(); to_node += blockDim.x) {
             if (to_node == node()) continue;
             const int peer = rail_peer(to_node);
+            // a dispatch's header, then this rank's tag; a combine's node tags instead
+            int64_t tags = tag_offset;
+            uint64_t tag_bytes = 8;
             if (num_tokens >= 0) {
                 int* header = reinterpret_cast<int*>(at(stage_header(peer)));
                 header[0] = num_tokens;
                 header[1] = static_cast<int>(call_mark());
                 header[2] = static_cast<int>(tag.fingerprint);
                 gin.put(0, peer, forward_header(half, node()), stage_header(peer), 16);
-                gin.put(0, peer, tag_offset, tag_offset, 8);
             } else {
-                const int64_t first = reinterpret_cast<uint8_t*>(tag_words(mine, slot, node() * node_ranks)) - mine;
-                gin.put(0, peer, first, first, static_cast<uint64_t>(8 * node_ranks));
+                tags = reinterpret_cast<uint8_t*>(tag_words(mine, slot, node() * node_ranks)) - mine;
+                tag_bytes = static_cast<uint64_t>(8 * node_ranks);
             }
-            for (int c = 0; c < num_contexts; ++c) gin.signal(c, peer, slot * num_ranks + rank, 1);
+            gin_put_signal(gin, peer, tags, tag_bytes, slot * num_ranks + rank, num_contexts);
         }
-        __syncthreads();
-        for (int c = threadIdx.x; c < num_contexts; c += blockDim.x) gin.flush(c);
-        __syncthreads();
+        gin_flush_contexts(gin, num_contexts);
     }
 
     // Every thread of every block of the forwarding stage: each rail peer's signal on every context
