@@ -6,16 +6,17 @@ The cast, the pairs and the layout here specify the kernels of `deep_ep.legacy.l
 bit, and are its path off the GPU."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .. import checks
+from ..event import EventHandle, EventOverlap
 from .exchange import settle
 
 __all__ = ["LowLatencyHandle", "ReceiveHook", "host_reads_allowed", "low_latency_rdma_size_hint", "cast_to_fp8",
            "receive_storage", "scale_storage", "row_targets", "place_rows", "place_scales", "raw_bits", "per_pair",
-           "per_expert_layout", "NUM_CHANNELS_PER_SCALE"]
+           "per_expert_layout", "DispatchReceive", "dispatch_receive", "check_combine_inputs", "NUM_CHANNELS_PER_SCALE"]
 
 NUM_CHANNELS_PER_SCALE = 128      # FP8 scales cover 128 channels of a token
 FP8_MARGIN = 1e-4                 # the smallest amax a scale is computed from
@@ -89,6 +90,48 @@ def scale_storage(num_local_experts: int, num_rows: int, num_scales: int, use_ue
                           dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
     view = storage[:-1].view(num_local_experts, num_columns, num_rows).transpose(1, 2)
     return storage, view
+
+
+class DispatchReceive(NamedTuple):
+    """What a V1 low-latency dispatch receives into, made before it is sent (uninitialised):
+    ``recv_data`` bf16 or FP8 ``[L, N, H]`` over ``data_storage`` (`receive_storage`), with FP8
+    ``recv_scales`` over ``scales_storage`` (`scale_storage`; else both None), ``recv_count`` int32
+    ``[L]``, ``src_info`` int32 ``[L, N]`` and ``layout_range`` int64 ``[L, R]`` (N = R * T_max)."""
+    recv_data: torch.Tensor
+    data_storage: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    scales_storage: Optional[torch.Tensor]
+    recv_count: torch.Tensor
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+
+    def results(self, x: torch.Tensor, topk_idx: torch.Tensor, stats: Optional[torch.Tensor], handle,
+                async_finish: bool, hook) -> tuple:
+        """`deep_ep.Buffer.low_latency_dispatch`'s return: ``(recv_x, recv_count, handle, event, hook)``,
+        ``recv_x`` the rows (with FP8 ``(rows, scales)``); with ``async_finish`` the event keeps the
+        call's tensors (``x``, ``topk_idx``, the outputs, ``stats``) alive."""
+        recv_x = (self.recv_data, self.recv_scales) if self.recv_scales is not None else self.recv_data
+        event = EventOverlap(EventHandle(), (x, topk_idx, self.recv_data, self.recv_scales, self.recv_count,
+                                             self.src_info, self.layout_range, stats)) \
+            if async_finish else EventOverlap()
+        return recv_x, self.recv_count, handle, event, hook
+
+
+def dispatch_receive(num_local_experts: int, num_ranks: int, num_slots: int, hidden: int, use_fp8: bool,
+                     use_ue8m0: bool, device: torch.device) -> DispatchReceive:
+    """The `DispatchReceive` of a dispatch of ``num_slots`` (T_max) tokens per rank of ``hidden``
+    channels, FP8 (scales as ``use_ue8m0`` says) or bf16, on ``device``."""
+    num_rows = num_ranks * num_slots
+    data_storage, recv_data = receive_storage(num_local_experts, num_rows, hidden,
+                                              checks.FP8 if use_fp8 else torch.bfloat16, device)
+    scales_storage = recv_scales = None
+    if use_fp8:
+        scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, hidden // NUM_CHANNELS_PER_SCALE,
+                                                    use_ue8m0, device)
+    return DispatchReceive(recv_data, data_storage, recv_scales, scales_storage,
+                           torch.empty(num_local_experts, dtype=torch.int32, device=device),
+                           torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device),
+                           torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device))
 
 
 def row_targets(row_expert: torch.Tensor, row_slot: torch.Tensor, row_kept: torch.Tensor, num_local_experts: int,
@@ -166,6 +209,24 @@ def host_reads_allowed(device: torch.device) -> bool:
         return False
     settle(device)
     return True
+
+
+def check_combine_inputs(topk_idx: torch.Tensor, num_tokens: int, num_topk: int, num_experts: int,
+                         out: Optional[torch.Tensor], hidden: int, device: torch.device) -> None:
+    """A low-latency combine's ``topk_idx`` (the dispatch's shape ``[num_tokens, num_topk]``, ids below
+    ``num_experts`` where `host_reads_allowed` on ``device``) and ``out`` (None or bf16
+    ``[num_tokens, hidden]`` on ``device``).
+
+    Raises:
+        ValueError: a shape, an id, a dtype or a device that differs.
+    """
+    if tuple(topk_idx.shape) != (num_tokens, num_topk):
+        raise ValueError(f"topk_idx must have the dispatch's shape [{num_tokens}, {num_topk}], got "
+                         f"{list(topk_idx.shape)}")
+    if host_reads_allowed(device):
+        checks.check_topk_values(topk_idx, num_experts)
+    if out is not None:
+        checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
 
 
 class LowLatencyHandle(tuple):

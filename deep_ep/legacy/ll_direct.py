@@ -25,10 +25,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import checks, envs, jit
+from .. import envs, jit
 from ..backends.gpu.abi import CONSTANTS, CTRL_BYTES, _read_constants
 from ..event import EventHandle, EventOverlap
-from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allowed, receive_storage, scale_storage
+from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, check_combine_inputs, dispatch_receive
 
 __all__ = ["enabled", "applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
            "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE"]
@@ -213,19 +213,11 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     topk_idx = topk_idx.contiguous()
-    num_rows = num_ranks * num_slots
-    data_storage, recv_data = receive_storage(num_local_experts, num_rows, hidden,
-                                              checks.FP8 if use_fp8 else torch.bfloat16, device)
-    recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
-    src_info = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
-    layout_range = torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device)
-    routes = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
-    scales_storage = recv_scales = None
-    if use_fp8:
-        scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, hidden // NUM_CHANNELS_PER_SCALE,
-                                                    use_ue8m0, device)
-    handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), None, num_topk, half)
-    handle.direct = DirectRoute(window, regions, routes, recv_count, num_tokens)
+    received = dispatch_receive(num_local_experts, num_ranks, num_slots, hidden, use_fp8, use_ue8m0, device)
+    routes = torch.empty((num_local_experts, num_ranks * num_slots), dtype=torch.int32, device=device)
+    handle = LowLatencyHandle((received.src_info, received.layout_range, num_slots, hidden, num_experts), None,
+                              num_topk, half)
+    handle.direct = DirectRoute(window, regions, routes, received.recv_count, num_tokens)
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
     fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
@@ -234,8 +226,9 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
 
     def args(phase: int) -> tuple:
         return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
-                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0), num_parts, data_storage,
-                scales_storage, recv_count, src_info, layout_range, stats, routes, fingerprint,
+                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0), num_parts,
+                received.data_storage, received.scales_storage, received.recv_count, received.src_info,
+                received.layout_range, stats, routes, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_tokens), args(SEND_PHASE), device)
@@ -245,14 +238,8 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
                 device)
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 
-    owner._flip()
-    hook = owner._hook(receive, "low_latency_dispatch", device, half) if return_recv_hook else None
-    if not return_recv_hook:
-        receive()
-    recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
-    event = EventOverlap(EventHandle(), (x, topk_idx, recv_data, recv_scales, recv_count, src_info, layout_range,
-                                         stats)) if async_finish else EventOverlap()
-    return recv_x, recv_count, handle, event, hook
+    hook = owner._receive_or_hook(receive, "low_latency_dispatch", device, half, return_recv_hook)
+    return received.results(x, topk_idx, stats, handle, async_finish, hook)
 
 
 def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
@@ -270,13 +257,7 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     num_ranks = owner.group_size
     num_local_experts = num_experts // num_ranks
     num_tokens, num_topk = topk_idx.shape
-    if (num_tokens, num_topk) != (route.num_tokens, handle.num_topk):
-        raise ValueError(f"topk_idx must have the dispatch's shape [{route.num_tokens}, {handle.num_topk}], got "
-                         f"{list(topk_idx.shape)}")
-    if host_reads_allowed(device):
-        checks.check_topk_values(topk_idx, num_experts)
-    if out is not None:
-        checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
+    check_combine_inputs(topk_idx, route.num_tokens, handle.num_topk, num_experts, out, hidden, device)
     owner._mark_combined(handle)
     source = owner._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
     item = source.element_size()
@@ -308,10 +289,7 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         if out is not None and combined_x is not out:
             out.copy_(combined_x)
 
-    owner._flip()
-    hook = owner._hook(receive, "low_latency_combine", device, half) if return_recv_hook else None
-    if not return_recv_hook:
-        receive()
+    hook = owner._receive_or_hook(receive, "low_latency_combine", device, half, return_recv_hook)
     result = out if out is not None else combined_x
     event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, result)) \
         if async_finish else EventOverlap()

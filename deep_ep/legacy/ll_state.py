@@ -186,6 +186,18 @@ class LowLatencyState:
         pending[slot] = name
         return hook
 
+    def _receive_or_hook(self, receive, name: str, device: torch.device, slot: int,
+                         return_recv_hook: bool) -> Optional[ReceiveHook]:
+        """The end of a low-latency call whose send is launched: the next call gets the other
+        zero-copy combine buffer; then with ``return_recv_hook`` the `ReceiveHook` that runs
+        ``receive`` (holding buffer half ``slot`` until it is called), else ``receive`` runs now and
+        None comes back."""
+        self._flip()
+        if return_recv_hook:
+            return self._hook(receive, name, device, slot)
+        receive()
+        return None
+
     def _combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> torch.Tensor:
         """The current (of two) zero-copy combine buffer: bf16 ``[L, R*T, hidden]`` with DeepEP's row
         stride (``hidden`` plus two bf16 per 128 channels), on the buffer's device."""

@@ -37,8 +37,8 @@ import torch
 
 from .. import checks
 from ..event import EventHandle, EventOverlap
-from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, host_reads_allowed, low_latency_rdma_size_hint,
-                      receive_storage, scale_storage)
+from .layouts import (NUM_CHANNELS_PER_SCALE, LowLatencyHandle, check_combine_inputs, dispatch_receive,
+                      host_reads_allowed, low_latency_rdma_size_hint)
 from . import ll_direct
 from .deferred import launch_receive, send_combine, send_dispatch
 from .exchange import settle
@@ -295,20 +295,12 @@ class LowLatencyMethods(LowLatencyState):
                 pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
                 expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True, do_cpu_sync=False)
 
-        num_rows = num_ranks * num_slots
-        num_scales = hidden // NUM_CHANNELS_PER_SCALE
-        data_storage, recv_data = receive_storage(num_local_experts, num_rows, hidden,
-                                                  checks.FP8 if use_fp8 else torch.bfloat16, device)
-        recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
-        src_info = torch.empty((num_local_experts, num_rows), dtype=torch.int32, device=device)
-        layout_range = torch.empty((num_local_experts, num_ranks), dtype=torch.int64, device=device)
-        recv_scales = scales_storage = None
-        if use_fp8:
-            scales_storage, recv_scales = scale_storage(num_local_experts, num_rows, num_scales, use_ue8m0, device)
-        outputs = ReceiveOutputs(recv_count, src_info, layout_range, data_storage, scales_storage, use_ue8m0,
+        received = dispatch_receive(num_local_experts, num_ranks, num_slots, hidden, use_fp8, use_ue8m0, device)
+        outputs = ReceiveOutputs(received.recv_count, received.src_info, received.layout_range,
+                                 received.data_storage, received.scales_storage, use_ue8m0,
                                  cumulative_local_expert_recv_stats, scratch)
-        handle = LowLatencyHandle((src_info, layout_range, num_slots, hidden, num_experts), ep_handle, num_topk,
-                                  half)
+        handle = LowLatencyHandle((received.src_info, received.layout_range, num_slots, hidden, num_experts),
+                                  ep_handle, num_topk, half)
         handle.number = self._mark_dispatched(half)   # which half its combine finds waiting
 
         def receive() -> None:
@@ -318,14 +310,8 @@ class LowLatencyMethods(LowLatencyState):
             # received rows move (rows past a count are left as they were, as DeepEP's).
             handle.set_rows(*receive_layout(ep_handle, recv, num_ranks, num_slots, num_topk, masked, outputs))
 
-        self._flip()
-        hook = self._hook(receive, "low_latency_dispatch", device, half) if return_recv_hook else None
-        if not return_recv_hook:
-            receive()
-        recv_x = (recv_data, recv_scales) if use_fp8 else recv_data
-        event = EventOverlap(EventHandle(), (x, topk_idx, recv_data, recv_scales, recv_count, src_info, layout_range,
-                                             cumulative_local_expert_recv_stats)) if async_finish else EventOverlap()
-        return recv_x, recv_count, handle, event, hook
+        hook = self._receive_or_hook(receive, "low_latency_dispatch", device, half, return_recv_hook)
+        return received.results(x, topk_idx, cumulative_local_expert_recv_stats, handle, async_finish, hook)
 
     def _unpack_handle(self, handle) -> tuple:
         if not (isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
@@ -412,13 +398,8 @@ class LowLatencyMethods(LowLatencyState):
         buffer = next((b for b in self._low_latency_buffers() if b.buffer_id == ep_handle.buffer_id), self._alive())
         ep_handle.check_matches(buffer_id=buffer.buffer_id, num_ranks=buffer.num_ranks, rank=buffer.rank,
                                 device=buffer.device)
-        if (num_tokens, num_topk) != (ep_handle.num_tokens // handle.num_topk, handle.num_topk):
-            raise ValueError(f"topk_idx must have the dispatch's shape [{ep_handle.num_tokens // handle.num_topk}, "
-                             f"{handle.num_topk}], got {list(topk_idx.shape)}")
-        if host_reads_allowed(device):
-            checks.check_topk_values(topk_idx, num_experts)
-        if out is not None:
-            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
+        check_combine_inputs(topk_idx, ep_handle.num_tokens // handle.num_topk, handle.num_topk, num_experts, out,
+                             hidden, device)
         self._check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, num_ranks)
         source = self._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
 
@@ -443,10 +424,7 @@ class LowLatencyMethods(LowLatencyState):
                 launch_receive(buffer, deferred)
             weighted_sum(pairs, topk_idx, topk_weights, masked, num_local_experts, combined_x)
 
-        self._flip()
-        hook = self._hook(receive, "low_latency_combine", device, handle.slot) if return_recv_hook else None
-        if not return_recv_hook:
-            receive()
+        hook = self._receive_or_hook(receive, "low_latency_combine", device, handle.slot, return_recv_hook)
         event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, combined_x)) \
             if async_finish else EventOverlap()
         return combined_x, event, hook
