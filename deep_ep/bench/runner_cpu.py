@@ -23,7 +23,7 @@ from .progress import Progress
 from .report import rank_row
 from .session import HostClock, RankSession
 
-__all__ = ["run_cpu"]
+__all__ = ["run_cpu", "run_gloo_ranks"]
 
 
 def run_cpu(cfg: BenchConfig, works: Sequence[Workload], progress: Progress,
@@ -37,23 +37,45 @@ def run_cpu(cfg: BenchConfig, works: Sequence[Workload], progress: Progress,
     Raises:
         SystemExit: a rank failed (its traceback in the message) or the processes died.
     """
+    progress.say(f"starting {cfg.num_ranks} gloo processes")
+    passes = run_gloo_ranks(cfg.num_ranks, _cpu_passes, (cfg, list(works)), progress, "deep_ep_bench_", worker_setup)
+    out = []
+    for work, results in zip(works, passes):
+        out.append({"name": work.name, "rows": [rank_row(work.run_cfg, r) for r in results],
+                    "mismatches": [m for r in results for m in r["mismatches"]],
+                    "checked": results[0]["checked"], "floors": {}, "baselines": {}})
+    return out
+
+
+def run_gloo_ranks(num_ranks: int, body: Callable[..., Any], args: tuple, progress: Progress, prefix: str,
+                   setup: Optional[Callable[[], None]] = None) -> Any:
+    """Spawn ``num_ranks`` processes joined by a gloo group (rendezvous in a temporary directory named
+    with ``prefix``, the CPU's threads shared among them); each calls ``setup()`` first (if given),
+    then ``body(rank, progress, *args)`` with a `Progress` that reaches ``progress`` from rank 0
+    only. ``body``, ``args`` and ``setup`` must be picklable (module-level functions). Returns what
+    rank 0's ``body`` returned.
+
+    Raises:
+        SystemExit: a rank raised (its traceback in the message) or the processes died without a
+            result.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    threads = max(1, (os.cpu_count() or 1) // cfg.num_ranks)
-    progress.say(f"starting {cfg.num_ranks} gloo processes")
-    with tempfile.TemporaryDirectory(prefix="deep_ep_bench_") as tmp:
+    threads = max(1, (os.cpu_count() or 1) // num_ranks)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_cpu_worker, args=(rank, cfg, list(works), init_method, threads, queue,
-                                                       worker_setup), daemon=True)
-                 for rank in range(cfg.num_ranks)]
+        procs = [ctx.Process(target=_gloo_worker, args=(rank, num_ranks, body, args, setup, init_method, threads,
+                                                        queue), daemon=True)
+                 for rank in range(num_ranks)]
         for p in procs:
             p.start()
-        passes, errors = None, []
+        result, errors = None, []
+        received = False
         try:
             # Rank 0 sends progress lines and the result; any rank may send an error first.
-            while passes is None and not errors:
+            while not received and not errors:
                 if queue.empty():
                     if not any(p.is_alive() for p in procs) and queue.empty():
                         errors.append("bench processes exited without a result (exit codes "
@@ -65,7 +87,7 @@ def run_cpu(cfg: BenchConfig, works: Sequence[Workload], progress: Progress,
                 if kind == "progress":
                     progress.say(payload)
                 elif kind == "result":
-                    passes = payload
+                    result, received = payload, True
                 else:
                     errors.append(payload)
         finally:
@@ -78,32 +100,23 @@ def run_cpu(cfg: BenchConfig, works: Sequence[Workload], progress: Progress,
     del queue  # its locks are released now, not reported as leaked at exit
     if errors:
         raise SystemExit("error: a bench rank failed:\n" + errors[0])
-    out = []
-    for work, results in zip(works, passes):
-        out.append({"name": work.name, "rows": [rank_row(work.run_cfg, r) for r in results],
-                    "mismatches": [m for r in results for m in r["mismatches"]],
-                    "checked": results[0]["checked"], "floors": {}, "baselines": {}})
-    return out
+    return result
 
 
-def _cpu_worker(rank: int, cfg: BenchConfig, works: List[Workload], init_method: str, threads: int, queue,
-                worker_setup) -> None:
+def _gloo_worker(rank: int, num_ranks: int, body: Callable[..., Any], args: tuple,
+                 setup: Optional[Callable[[], None]], init_method: str, threads: int, queue) -> None:
     import torch.distributed as dist
 
     try:
-        if worker_setup is not None:
-            worker_setup()
+        if setup is not None:
+            setup()
         torch.set_num_threads(threads)
         progress = Progress("", sink=lambda line: queue.put(("progress", line)), enabled=rank == 0)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=cfg.num_ranks,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=num_ranks,
                                 timeout=datetime.timedelta(seconds=300))
-        progress.say(f"rank {rank}: process group ready ({cfg.num_ranks} ranks)")
-        passes = []
-        for work in works:
-            step = progress if work.name == "logical" else progress.child(work.name)
-            passes.append(_cpu_pass(work, rank, dist.group.WORLD, step))
+        result = body(rank, progress, *args)
         if rank == 0:
-            queue.put(("result", passes))
+            queue.put(("result", result))
     except BaseException:
         # Report at once, and leave the process group alone: peers may be waiting in a collective
         # (destroying it could wait for them); the parent terminates every process.
@@ -115,6 +128,18 @@ def _cpu_worker(rank: int, cfg: BenchConfig, works: List[Workload], init_method:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _cpu_passes(rank: int, progress: Progress, cfg: BenchConfig, works: List[Workload]) -> list:
+    """Every pass of ``works`` on this rank; on rank 0 each pass's gathered results."""
+    import torch.distributed as dist
+
+    progress.say(f"rank {rank}: process group ready ({cfg.num_ranks} ranks)")
+    passes = []
+    for work in works:
+        step = progress if work.name == "logical" else progress.child(work.name)
+        passes.append(_cpu_pass(work, rank, dist.group.WORLD, step))
+    return passes
 
 
 def _cpu_pass(work: Workload, rank: int, group, progress: Progress) -> Optional[List[Dict[str, Any]]]:

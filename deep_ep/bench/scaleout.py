@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
+import functools
 import json
 import os
 import statistics
-import sys
-import tempfile
-import time
-import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -37,6 +33,7 @@ from .config import BenchConfig, Workload, expert_output, make_config
 from .link_bytes import deepep_logical_bytes, link_bytes_of_counts, route_counts
 from .progress import Progress
 from .report import cell, text_table
+from .runner_cpu import run_gloo_ranks
 from .session import HostClock, RankSession
 
 __all__ = ["MODES", "MEASURED_CALLS", "run", "expected_outputs", "summarize_mode", "format_mode"]
@@ -281,72 +278,28 @@ def _run_gpu(cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, progress
 
 
 def _run_cpu(cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, progress: Progress) -> Dict[str, list]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    threads = max(1, (os.cpu_count() or 1) // cfg.num_ranks)
-    with tempfile.TemporaryDirectory(prefix="deep_ep_scaleout_") as tmp:
-        init_method = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_cpu_worker, daemon=True,
-                             args=(rank, cfg, tuple(modes), nvlink_ranks, init_method, threads, queue))
-                 for rank in range(cfg.num_ranks)]
-        for proc in procs:
-            proc.start()
-        result, error = None, None
-        try:
-            while result is None and error is None:
-                if queue.empty():
-                    if not any(proc.is_alive() for proc in procs) and queue.empty():
-                        error = f"bench processes exited without a result ({[p.exitcode for p in procs]})"
-                    time.sleep(0.02)
-                    continue
-                kind, payload = queue.get()
-                if kind == "progress":
-                    progress.say(payload)
-                elif kind == "result":
-                    result = payload
-                else:
-                    error = payload
-        finally:
-            for proc in procs:
-                if error is not None and proc.is_alive():
-                    proc.terminate()
-                proc.join(timeout=30)
-    del queue
-    if error is not None:
-        raise SystemExit("error: a bench rank failed:\n" + error)
-    return result
+    return run_gloo_ranks(cfg.num_ranks, _cpu_modes, (cfg, tuple(modes), nvlink_ranks), progress, "deep_ep_scaleout_",
+                          functools.partial(_set_nvlink_ranks, nvlink_ranks))
 
 
-def _cpu_worker(rank: int, cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int, init_method: str,
-                threads: int, queue) -> None:
+def _set_nvlink_ranks(nvlink_ranks: int) -> None:
+    os.environ["EP_CPU_NUM_NVLINK_RANKS"] = str(nvlink_ranks)
+
+
+def _cpu_modes(rank: int, progress: Progress, cfg: BenchConfig, modes: Sequence[str], nvlink_ranks: int) -> dict:
+    """Every mode of ``modes`` on this rank; on rank 0 each mode's gathered results."""
     import torch.distributed as dist
 
-    try:
-        os.environ["EP_CPU_NUM_NVLINK_RANKS"] = str(nvlink_ranks)
-        torch.set_num_threads(threads)
-        progress = Progress("", sink=lambda line: queue.put(("progress", line)), enabled=rank == 0)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=cfg.num_ranks,
-                                timeout=datetime.timedelta(seconds=300))
-        group = dist.group.WORLD
-        inputs = [Workload(cfg).inputs(source) for source in range(cfg.num_ranks)] if cfg.check else None
-        out = {}
-        for mode in modes:
-            scaleup = nvlink_ranks if mode == "hybrid" else cfg.num_ranks
-            expected = expected_outputs(cfg, inputs, [rank], scaleup)[rank] if cfg.check else None
-            progress.say(f"{mode} mode: rank {rank} starts")
-            result = _rank_pass(cfg, mode, rank, group, lambda: dist.barrier(group), HostClock(), progress, expected,
-                                torch.device("cpu"), buffer_device="cpu")
-            gathered = [None] * cfg.num_ranks if rank == 0 else None
-            dist.gather_object(result, gathered, dst=0, group=group)
-            out[mode] = gathered
-        if rank == 0:
-            queue.put(("result", out))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        return
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    group = dist.group.WORLD
+    inputs = [Workload(cfg).inputs(source) for source in range(cfg.num_ranks)] if cfg.check else None
+    out = {}
+    for mode in modes:
+        scaleup = nvlink_ranks if mode == "hybrid" else cfg.num_ranks
+        expected = expected_outputs(cfg, inputs, [rank], scaleup)[rank] if cfg.check else None
+        progress.say(f"{mode} mode: rank {rank} starts")
+        result = _rank_pass(cfg, mode, rank, group, lambda: dist.barrier(group), HostClock(), progress, expected,
+                            torch.device("cpu"), buffer_device="cpu")
+        gathered = [None] * cfg.num_ranks if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0, group=group)
+        out[mode] = gathered
+    return out
