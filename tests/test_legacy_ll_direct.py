@@ -92,6 +92,19 @@ def test_fingerprints_tell_configurations_apart():
     assert base not in others
 
 
+@pytest.mark.parametrize("phase, call", [("kPhaseDispatch", "low_latency_dispatch"),
+                                         ("kPhaseCombine", "low_latency_combine")])
+def test_a_fingerprint_mismatch_names_the_ranks_and_the_call(phase, call):
+    """A direct flag with this call's tag but another fingerprint (kErrFingerprint: rank, peer, the
+    wait's phase) is raised as ranks that disagree on that call's sizes, not as ranks at different calls."""
+    from deep_ep.backends.gpu.abi import ERR_FINGERPRINT
+    from deep_ep.backends.gpu.errors import raise_recorded
+    with pytest.raises(RuntimeError, match=rf"ranks 1 and 3 disagree on a {call}: rank 3's call paired with rank 1's"
+                                           r".* has other sizes \(hidden, top-k, num_max_dispatch_tokens_per_rank") as info:
+        raise_recorded((ERR_FINGERPRINT, 1, 3, CONSTANTS[phase]), 10.0, 128, calls=5)
+    assert "call #" not in str(info.value)
+
+
 
 class _Owner(LowLatencyState):
     """One rank of a `deep_ep.Buffer` as `deep_ep.legacy.ll_direct` sees it, its window in the kernels'

@@ -28,8 +28,8 @@ from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, 
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window
-from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_MISMATCH, MAX_EXPERTS, READBACK, READBACK_WORDS,
-                  call_tag)
+from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, MAX_EXPERTS,
+                  READBACK, READBACK_WORDS, call_tag)
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_dispatch
 from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
@@ -488,7 +488,8 @@ class GPUBackend(Backend):
             self._raise(recorded)
 
     def _raise(self, record: tuple) -> None:
-        self.broken = {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls"}.get(record[0], "timeout")
+        self.broken = {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls or disagreeing on one",
+                       ERR_FINGERPRINT: "ranks disagreeing on a call"}.get(record[0], "timeout")
         raise_recorded(record, self.config.num_gpu_timeout_secs, self.call_record.num_max_tokens,
                        self.call_record.launched_call)
 

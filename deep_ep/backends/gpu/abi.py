@@ -43,6 +43,7 @@ ERR_TIMEOUT = CONSTANTS["kErrTimeout"]
 ERR_CAPACITY = CONSTANTS["kErrCapacity"]
 ERR_BAD_EXPERT = CONSTANTS["kErrBadExpert"]
 ERR_MISMATCH = CONSTANTS["kErrMismatch"]
+ERR_FINGERPRINT = CONSTANTS["kErrFingerprint"]
 COUNTS_EXTRA_WORDS = CONSTANTS["kCountsExtraWords"]
 #: word offsets of what the layout stage reports to the host (kReadback*)
 #: readback word name ("out_rows" for kReadbackOutRows) -> index

@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from ...cuda.driver import ensure_context, enter_context, error_name, leave_context
-from .abi import ERR_CAPACITY, ERR_MISMATCH, PHASES
+from .abi import CONSTANTS, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, PHASES
 
 __all__ = ["MappedWords", "ErrorRecord", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
 
@@ -90,10 +90,22 @@ def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: 
     ``calls``: this rank's call count (a mismatch record holds the peer's in its phase word).
 
     Raises:
-        RuntimeError: a receive that would not fit (code 2), or ranks at different calls / disagreeing
-        on the call (code 4). TimeoutError: a peer did not arrive.
+        RuntimeError: a receive that would not fit (code 2), ranks at different calls / disagreeing
+        on the call (code 4), or paired low-latency direct calls with different sizes (code 5).
+        TimeoutError: a peer did not arrive.
     """
     code, rank, peer, phase = record
+    if code == ERR_FINGERPRINT:
+        # A low-latency direct flag from `peer` had the tag this rank waited for (the same count of
+        # calls on that buffer half) but another call's fingerprint.
+        call = {CONSTANTS["kPhaseDispatch"]: "low_latency_dispatch",
+                CONSTANTS["kPhaseCombine"]: "low_latency_combine"}.get(phase, "low-latency call")
+        raise RuntimeError(
+            f"deep_ep: ranks {rank} and {peer} disagree on a {call}: rank {peer}'s call paired with rank "
+            f"{rank}'s (the same number of low-latency calls on that buffer half) has other sizes (hidden, "
+            f"top-k, num_max_dispatch_tokens_per_rank, num_experts or, for a dispatch, use_fp8). The ranks "
+            f"passed different sizes, or made calls of different sizes in different orders. Both ranks raise "
+            f"this; the buffer is no longer usable (destroy it and create a new one on every rank)")
     if code == ERR_MISMATCH:
         theirs = phase & 0xFFFFFFFF
         if theirs != calls & 0xFFFFFFFF:

@@ -27,6 +27,7 @@ constexpr int kErrTimeout = 1;    // a peer did not arrive in time
 constexpr int kErrCapacity = 2;   // this rank would receive more rows than its outputs hold
 constexpr int kErrBadExpert = 3;  // a rank's topk_idx holds an id outside [-1, num_experts): nothing moved
 constexpr int kErrMismatch = 4;   // ranks are at different calls of the buffer, or disagree on the call
+constexpr int kErrFingerprint = 5;  // a low-latency direct call's peer made the same call with other sizes
 constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
 constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
 constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs

@@ -69,8 +69,9 @@ __device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t finger
 
 // Wait until the local flag at byte `offset` carries `tag`; its value comes back in `value`. False
 // (nothing to trust) once an error is recorded, after `timeout_ns` (recorded as a timeout here), or
-// when the flag's fingerprint differs from this rank's (ranks that disagree on the call: recorded as
-// a mismatch, with the call's tag).
+// when the flag's fingerprint differs from this rank's: the peer's call paired with this one (same
+// tag: the same count of calls on this half) has other sizes (recorded as kErrFingerprint, with the
+// phase).
 __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t fingerprint,
                                                uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns) {
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(window + offset);
@@ -79,7 +80,7 @@ __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, 
         const uint64_t word = ld_acquire_sys_u64(flag);
         if (static_cast<uint32_t>(word >> 32 & 0xFFFFu) == (tag & 0xFFFFu)) {
             if (static_cast<uint32_t>(word >> 48) != (fingerprint & 0xFFFFu)) {
-                comm::record_error(window, kErrMismatch, rank, peer, static_cast<int>(tag));
+                comm::record_error(window, kErrFingerprint, rank, peer, phase);
                 return false;
             }
             value = static_cast<uint32_t>(word);
