@@ -1,7 +1,9 @@
-"""Many emulated nodes on one GPU: 10 nodes x 1, 16 x 1 and 8 x 2 ranks, direct and hybrid mode.
+"""Wide groups on one GPU: many emulated nodes (10 x 1, 16 x 1 and 8 x 2 ranks, direct and hybrid
+mode), and one NVLink domain of 72 emulated ranks (NVL72's size: the kernels' paths for more ranks
+than a warp has lanes).
 
-Each split runs a few cases of tests/gpu_cases.py through `test_gpu_backend.run_case` at small token
-counts (BF16 expanded, BF16 without CPU sync, FP8 with per-128 scales): outputs poisoned first, every
+Each split runs two cases of tests/gpu_cases.py through `test_gpu_backend.run_case` at small token
+counts (BF16 expanded without CPU sync, FP8 with per-128 scales): outputs poisoned first, every
 element compared with deep_ep.reference (dispatch bit for bit; combine bit for bit in the reference's
 flat order in direct mode and with one rank per node, in its hybrid order across nodes of 2), a
 cached dispatch and a second combine with the same handle.
@@ -45,7 +47,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 NIC_THREADS, NIC_WARP_THREADS = 256, 32   # deep_ep.comm.gin.NIC_THREADS; a warp per (context, destination)
 CONTEXTS = 2
-CASE_NAMES = ("bf16-expand", "bf16-nosync", "fp8-fp32")
+CASE_NAMES = ("bf16-expand-nosync", "fp8-fp32")
 TOKENS = (7, 0, 12, 3, 5)                 # per rank, cycled: an empty rank in every split
 DIRECT_SHAPES = [(10, 1), (16, 1), (8, 2)]
 HYBRID_SHAPES = [(16, 1), (8, 2)]
@@ -60,10 +62,11 @@ def _deadline(monkeypatch):
     faulthandler.cancel_dump_traceback_later()
 
 
-def _data_blocks(num_ranks: int) -> int:
-    """SMs one emulated rank's data kernel may use beside its NIC kernel (`GPUBackend._sm_limit`)."""
+def _data_blocks(num_ranks: int, nodes: bool = True) -> int:
+    """SMs one emulated rank's data kernel may use (beside its NIC kernel on emulated nodes:
+    `GPUBackend._sm_limit`)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    nic_blocks = -(-CONTEXTS * num_ranks * NIC_WARP_THREADS // NIC_THREADS)
+    nic_blocks = -(-CONTEXTS * num_ranks * NIC_WARP_THREADS // NIC_THREADS) if nodes else 0
     return sms // num_ranks - nic_blocks
 
 
@@ -74,8 +77,8 @@ def _group(nodes: int, per_node: int, seed: int):
                          gin_settings=EmulatedGinSettings(seed=seed, num_contexts=CONTEXTS))
 
 
-def _cases(num_ranks: int) -> list:
-    blocks = _data_blocks(num_ranks)
+def _cases(num_ranks: int, nodes: bool = True) -> list:
+    blocks = _data_blocks(num_ranks, nodes)
     if blocks < 1:
         pytest.skip(f"{num_ranks} emulated ranks leave no SM for a data kernel beside the NIC's blocks")
     cases = [dataclasses.replace(c, tokens=TOKENS, num_sms=min(c.num_sms, blocks))
@@ -142,3 +145,14 @@ def test_wide_hybrid(shape, monkeypatch):
 
     monkeypatch.setattr(ref, "reference_dispatch", hybrid_dispatch)
     _run("hybrid", nodes, per_node, cases, group)
+
+
+def test_one_nvlink_domain_of_72_ranks():
+    """72 emulated ranks on one node (one SM each), the size of an NVL72 domain: every loop over
+    destination ranks strides past the 32 lanes of a warp, and combine reads the rows of owners
+    beyond lane 31 from memory rather than from a lane. 146 streams share the 32 hardware queues."""
+    from deep_ep.emulated import EmulatedGroup
+    num_ranks = 72
+    cases = _cases(num_ranks, nodes=False)
+    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), timeout_secs=60)
+    _run("one-node", 1, num_ranks, cases, group)
