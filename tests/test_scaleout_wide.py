@@ -158,6 +158,25 @@ def test_more_ranks_than_the_limit_are_refused_on_every_rank(num_bytes, hybrid):
     window.check_num_ranks(MAX_RANKS)   # the limit itself is allowed
 
 
+def test_top_k_beyond_a_warp_is_refused_before_any_launch():
+    """The GPU kernels give each top-k slot of a token a lane of a warp: a top-k of 33 is a ValueError
+    before any launch, even from a buffer made for it."""
+    from test_gpu_host_path import E, H, M, _backend
+
+    from deep_ep.backends.gpu import dispatch as gpu_dispatch
+    log = []
+    backend = _backend(log)
+    backend.config = dataclasses.replace(backend.config, num_topk=33)
+    x = torch.randn(4, H).to(torch.bfloat16)
+    idx = torch.arange(4 * 33, dtype=torch.int64).view(4, 33) % E
+    with pytest.raises(ValueError, match="top-k 33 exceeds the 32 .* lanes of a warp"):
+        gpu_dispatch.run_dispatch(
+            backend, x, None, idx, None, num_experts=E, num_max_tokens_per_rank=M, expert_alignment=1, num_sms=4,
+            handle=None, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
+            use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
+    assert log == []
+
+
 # ------------------------------------------------------------------ the CPU backend as many nodes
 def _run_ranks(fn, world_size, tmp_path, *args, deadline):
     """`proc_utils.run_gloo_ranks` with the ranks forked from a server that imported torch and
