@@ -76,7 +76,8 @@ class GPUBackend(Backend):
 
     Raises:
         RuntimeError: no CUDA device, or created during CUDA-graph capture.
-        ValueError: no window size. NotImplementedError: the group spans more than one NVLink domain.
+        ValueError: no window size, or more ranks than a window has room for (`window.check_num_ranks`),
+        before anything is allocated. NotImplementedError: the group spans more than one NVLink domain.
     """
 
     transport_gin = 0   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
@@ -84,6 +85,7 @@ class GPUBackend(Backend):
 
     def __init__(self, group, config: BufferConfig) -> None:
         super().__init__(group, config)
+        window.check_num_ranks(config.num_ranks)   # every rank sees the group's size: all refuse alike
         if not torch.cuda.is_available():
             raise RuntimeError("the GPU backend needs a CUDA device; use a gloo group with CPU tensors "
                                "to run deep_ep without a GPU")

@@ -19,6 +19,7 @@ __all__ = ["FreshPlan", "check_config", "dispatch_tag", "sf_ld", "ptr"]
 
 NOTIFY_WARPS = CONSTANTS["kNotifyWarps"]   # groups per block of the notify kernel
 NOTIFY_TILE_PAIRS = CONSTANTS["kNotifyTilePairs"]   # its shared-memory tile of ids: top-k at most this
+WARP_LANES = 32   # the data kernels give each top-k slot of a token a lane of a warp
 
 
 def ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
@@ -144,8 +145,9 @@ def check_config(backend, data, sf, num_topk, num_experts, num_max_tokens_per_ra
     if num_topk > (window_topk or MAX_TOPK):
         raise ValueError(f"top-k {num_topk} exceeds the {window_topk or MAX_TOPK} the window rows were "
                          f"sized for: create the buffer with num_topk={num_topk}")
-    if num_topk > NOTIFY_TILE_PAIRS:
-        raise ValueError(f"top-k {num_topk} exceeds the {NOTIFY_TILE_PAIRS} the GPU's dispatch supports")
+    if num_topk > min(NOTIFY_TILE_PAIRS, WARP_LANES):
+        raise ValueError(f"top-k {num_topk} exceeds the {min(NOTIFY_TILE_PAIRS, WARP_LANES)} the GPU's dispatch "
+                         f"supports (the kernels hold a token's top-k slots in the lanes of a warp)")
     hidden = int(data.shape[1])
     data_bytes = hidden * data.element_size()
     num_sf = 0 if sf is None else int(sf.shape[1])

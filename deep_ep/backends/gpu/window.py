@@ -28,9 +28,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .abi import COUNTS_EXTRA_WORDS, CTRL_BYTES, MAX_EXPERTS, MAX_TOPK
+from .abi import COUNTS_EXTRA_WORDS, CTRL_BYTES, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # window sizes are rounded up to 2 MiB (NCCL's allocation granularity)
+
+
+def check_num_ranks(num_ranks: int) -> None:
+    """Refuse a GPU group of more ranks than a window has room for: `MAX_RANKS` (``kMaxRanks``), the
+    per-peer signal and tag words of the control region and the kernels' shared-memory peer table, all
+    indexed by group rank. (Dispatch also needs ``num_experts`` divisible by the ranks and at most
+    `MAX_EXPERTS`, so no group of more ranks could dispatch either.)
+
+    Raises:
+        ValueError: ``num_ranks > MAX_RANKS``.
+    """
+    if num_ranks > MAX_RANKS:
+        raise ValueError(f"a GPU buffer holds at most {MAX_RANKS} ranks (kMaxRanks: per-peer words of every window's "
+                         f"control region, include/deep_ep/common/abi.cuh); this group has {num_ranks} "
+                         f"(docs/scaleout.md, \"How large a job\")")
 
 
 
@@ -132,9 +147,10 @@ def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, 
     one NVLink domain, and the GPU combine always sends one row per (token, rank).
 
     Raises:
-        ValueError: non-positive sizes.
+        ValueError: non-positive sizes, or more ranks than `check_num_ranks` allows.
     """
     if num_ranks <= 0 or num_max_tokens_per_rank <= 0 or hidden <= 0:
         raise ValueError(f"need num_ranks, num_max_tokens_per_rank and hidden > 0, got "
                          f"{num_ranks}, {num_max_tokens_per_rank}, {hidden}")
+    check_num_ranks(num_ranks)
     return make_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).num_bytes
