@@ -28,11 +28,10 @@ from ...cuda.streams import StreamJoin, new_stream, poll_event, release_stream, 
 from ...resources import DeviceResources
 from ..base import Backend, BufferConfig
 from . import window
-from .abi import (CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, MAX_EXPERTS,
-                  READBACK, READBACK_WORDS, call_tag)
+from .abi import CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, MAX_EXPERTS, READBACK, READBACK_WORDS, call_tag
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_dispatch
-from .errors import ErrorRecord, MappedWords, raise_bad_expert, raise_recorded
+from .errors import ErrorRecord, MappedWords, broken_label, raise_bad_expert, raise_recorded
 from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, dispatch_defines,
                       kernel_source, launch_control, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
@@ -490,8 +489,7 @@ class GPUBackend(Backend):
             self._raise(recorded)
 
     def _raise(self, record: tuple) -> None:
-        self.broken = {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls or disagreeing on one",
-                       ERR_FINGERPRINT: "ranks disagreeing on a call"}.get(record[0], "timeout")
+        self.broken = broken_label(record[0])
         raise_recorded(record, self.config.num_gpu_timeout_secs, self.call_record.num_max_tokens,
                        self.call_record.launched_call)
 

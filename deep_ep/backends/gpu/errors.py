@@ -17,7 +17,7 @@ import torch
 from ...cuda.driver import ensure_context, enter_context, error_name, leave_context
 from .abi import CONSTANTS, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, PHASES
 
-__all__ = ["MappedWords", "ErrorRecord", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
+__all__ = ["MappedWords", "ErrorRecord", "broken_label", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
 
 
 class MappedWords:
@@ -75,6 +75,12 @@ class ErrorRecord(MappedWords):
     def read(self) -> tuple:
         """(code, rank, peer, phase); the kernel writes the code last."""
         return tuple(self.words)
+
+
+def broken_label(code: int) -> str:
+    """What broke a buffer, from the error code its window recorded (a wait that gave up otherwise)."""
+    return {ERR_CAPACITY: "capacity", ERR_MISMATCH: "ranks at different calls or disagreeing on one",
+            ERR_FINGERPRINT: "ranks disagreeing on a call"}.get(code, "timeout")
 
 
 def raise_bad_expert(source: int, index: int, value: int, num_experts: int, num_topk: int) -> None:
