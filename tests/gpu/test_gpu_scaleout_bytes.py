@@ -133,7 +133,8 @@ def test_emulated_gin_bytes_match_link_bytes(hybrid, within_node):
     # the nvlink domain carried by the NIC: the node's rows plus what every GIN peer gets
     off_diagonal = same_node & ~torch.eye(num_ranks, dtype=torch.bool)
     control = off_diagonal.long() * lb.CALL_TAG_BYTES
-    notify = off_diagonal.long() * lb.count_row_bytes(num_ranks, cfg.num_experts)
+    # a fresh dispatch's notify stage: a count row and its own call tag to every GIN peer
+    notify = off_diagonal.long() * (lb.count_row_bytes(num_ranks, cfg.num_experts) + lb.CALL_TAG_BYTES)
     assert torch.equal(cached * same_node, want["dispatch"].nvlink + control)
     assert torch.equal(fresh * same_node, want["dispatch"].nvlink + control + notify)
     assert torch.equal(combine * same_node, want["combine"].nvlink + control)
