@@ -44,7 +44,8 @@ def _poison_allocator(device: torch.device) -> None:
     (small and large pools), filled, then freed, so that the outputs made next start poisoned."""
     sizes = [1 << 9, 1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 23, 1 << 25]
     blocks = [torch.full((size,), POISON, dtype=torch.uint8, device=device) for size in sizes for _ in range(8)]
-    torch.cuda.synchronize(device)
+    # the rank's own stream, never the device: emulated peers' kernels may be spinning on this rank
+    torch.cuda.current_stream(device).synchronize()
     del blocks
 
 
