@@ -3,7 +3,7 @@ compile under NVRTC against NCCL 2.28.9's and 2.32.3's headers (fetched as tests
 on machines without a GPU:
 
 * dispatch (its module holds the notify stage), combine and the GPU barrier, in both modes: no spills,
-  and no more stack than NCCL's own ``ncclGin::put`` keeps (the transports add none);
+  and no more stack than NCCL's own GIN calls keep (put, signal, flush: the transports add none);
 * the host's ``TransportArgs`` (`deep_ep.comm.nccl_gin.transport_args_type`) has the compiled layout,
   field for field, in both modes.
 """
@@ -39,13 +39,20 @@ def _include(version: str) -> str:
         pytest.skip(str(e))
 
 
-RAW_PUT = """
+# NCCL's own calls alone, each as the transport makes them (a put, a put with a signal, a signal, a
+# flush): the stack they keep is the reference the kernels are measured against.
+RAW_GIN = """
 #include <nccl.h>
 #include <nccl_device.h>
-extern "C" __global__ void raw_put(const __grid_constant__ ncclDevComm comm, ncclWindow_t window, int context) {
+extern "C" __global__ void raw_gin(const __grid_constant__ ncclDevComm comm, ncclWindow_t window, int context,
+                                   int what) {
     ncclGin gin(comm, context);
     ncclTeam world = ncclTeamWorld(comm);
-    gin.put(world, (world.rank + 1) % world.nRanks, window, 4096, window, 0, 1024);
+    const int peer = (world.rank + 1) % world.nRanks;
+    if (what == 0) gin.put(world, peer, window, 4096, window, 0, 1024);
+    else if (what == 1) gin.put(world, peer, window, 4096, window, 0, 1024, ncclGin_SignalAdd{0, 1});
+    else if (what == 2) gin.signal(world, peer, ncclGin_SignalAdd{1, 1});
+    else gin.flush(ncclCoopThread{});
 }
 """
 
@@ -60,8 +67,8 @@ MODULES = [("dispatch", (512, 0, 4, False), {modules.NOTIFY_KERNEL, modules.DISP
 @pytest.mark.parametrize("version", VERSIONS)
 def test_scaleout_kernels_compile_over_nccl_gin(version, gin_mode):
     inc = _include(version)
-    raw = jit.build("deep_ep_gin_raw_put", RAW_PUT, use_nccl=True, nccl_include_dir=inc, check_spills=False)
-    ncclgin_stack = raw.info["raw_put"]["stack"]
+    raw = jit.build("deep_ep_gin_raw_calls", RAW_GIN, use_nccl=True, nccl_include_dir=inc, check_spills=False)
+    ncclgin_stack = raw.info["raw_gin"]["stack"]
     for kind, structure, kernels in MODULES:
         defines = modules._DEFINES[kind](*structure, transport_nccl=True, transport_gin=gin_mode)
         assert defines["EP_TRANSPORT_NCCL"] == 1 and defines["EP_TRANSPORT_GIN"] == gin_mode
