@@ -44,9 +44,9 @@ _ALIGN = 4096
 _WINDOW_GRANULE = 2 << 20
 #: what every rank of such a buffer is told at its creation
 UNVALIDATED_WARNING = ("deep_ep: this buffer runs the scale-out kernels over NCCL's GIN across NVLink domains, a "
-                       "path that compiles and is tested on emulated nodes but has not been validated on RDMA "
-                       "hardware; a wait that never ends raises TimeoutError naming the rank, the peer and the "
-                       "phase after num_gpu_timeout_secs (docs/scaleout.md)")
+                       "path that compiles and whose kernels run on emulated nodes, but it has not been validated "
+                       "on RDMA hardware; a wait for a peer gives up after num_gpu_timeout_secs and the next call "
+                       "raises TimeoutError naming the rank, the peer and the phase (docs/scaleout.md)")
 
 
 class NcclGinFields(ctypes.Structure):
