@@ -18,8 +18,9 @@ rank itself) it is ``(1, R)``. Rank ``r`` is scale-out rank ``r // S`` and scale
 (``S`` scale-up ranks).
 
 GPU buffers spanning more than one NVLink domain need NCCL GIN (GPU-initiated networking, NCCL >=
-2.28.7); `require_scaleout_support` names the versions, and raises `NotImplementedError` for NCCL
-groups (the GIN transport runs on emulated nodes only) and for hybrid mode.
+2.28.7); `require_scaleout_support` names the versions before anything is made, and
+`require_gin_features` what the NCCL GIN transport (`deep_ep.comm.nccl_gin`) needs of the loaded
+NCCL and of its communicator before it allocates anything.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from . import envs
 
 __all__ = ["Domains", "NCCL_GIN_MIN_VERSION", "NCCL_GIN_FEATURES", "domains_from_nvlink_ranks",
            "cpu_num_nvlink_ranks", "group_num_nvlink_ranks", "group_domains", "nccl_version_text",
-           "require_scaleout_support"]
+           "require_scaleout_support", "require_gin_features", "NCCL_GIN_QUERY_VERSION",
+           "NCCL_GIN_TRAFFIC_CLASS_VERSION"]
 
 #: The first NCCL whose device API has GIN (``nccl_device/gin.h``), as ``ncclGetVersion`` codes it.
 NCCL_GIN_MIN_VERSION = 22807
@@ -37,9 +39,15 @@ NCCL_GIN_MIN_VERSION = 22807
 #: NCCL versions that bring the GIN features a scale-out transport may use (docs/scaleout.md).
 NCCL_GIN_FEATURES = {
     "GIN put, signal, counter, flush; World / LSA / Rail teams": 22807,
+    "communicator properties (ncclCommQueryProperties: whether the communicator has GIN)": 22900,
     "GIN connection types (FULL / RAIL), exclusive contexts, queue depth, VA signals": 22907,
     "GIN traffic class (RDMA service level)": 23003,
 }
+#: The NCCL GIN transport asks the communicator whether it has GIN (else it cannot tell a missing
+#: NIC from a working one before the first wait times out).
+NCCL_GIN_QUERY_VERSION = 22900
+#: ``sl_idx`` becomes GIN's traffic class (``ginTrafficClass``); earlier releases cannot set it.
+NCCL_GIN_TRAFFIC_CLASS_VERSION = 23003
 
 _CPU_VARIABLE = "EP_CPU_NUM_NVLINK_RANKS"
 
@@ -143,10 +151,11 @@ def nccl_version_text(code: int) -> str:
 
 
 def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emulated: bool = False) -> None:
-    """Refuse a GPU buffer over more than one NVLink domain that cannot run: GIN needs NCCL >=
-    2.28.7, and the NCCL GIN transport is not wired to the kernels yet. Emulated nodes (``emulated``)
-    run both modes, hybrid and direct, over the emulated GIN. Every rank of a refused group raises
-    the same error (each sees more than one domain), before anything is allocated.
+    """Refuse a GPU buffer over more than one NVLink domain whose NCCL has no GIN (older than
+    2.28.7). Emulated nodes (``emulated``) run both modes, hybrid and direct, over the emulated GIN;
+    an NCCL group runs them over NCCL's GIN, whose transport checks the rest
+    (`require_gin_features`). Every rank of a refused group raises the same error (each sees more
+    than one domain), before anything is allocated.
 
     Args:
         domains: the rank's `Domains`. rank: for the message. nccl_version: the loaded libnccl's
@@ -155,17 +164,47 @@ def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emu
 
     Raises:
         RuntimeError: more than one NVLink domain on an NCCL group and an NCCL older than 2.28.7.
-        NotImplementedError: more than one NVLink domain on an NCCL group (either mode).
     """
     if domains.num_rdma_ranks <= 1 or emulated:
         return
-    where = (f"rank {rank}: the group spans {domains.num_rdma_ranks} NVLink domains of {domains.num_nvlink_ranks} "
-             f"ranks, which needs the scale-out path over NCCL GIN")
-    found = nccl_version_text(nccl_version)
-    needed = nccl_version_text(NCCL_GIN_MIN_VERSION)
     if nccl_version < NCCL_GIN_MIN_VERSION:
-        raise RuntimeError(f"{where}: GIN needs NCCL >= {needed}, and the NCCL torch loaded is {found}; "
-                           f"install a newer nvidia-nccl wheel (docs/scaleout.md)")
-    mode = "hybrid" if domains.num_scaleout_ranks > 1 else "direct"
-    raise NotImplementedError(f"{where} (NCCL {found} found, >= {needed} needed: met); the {mode}-mode "
-                              f"scale-out kernels and the GIN transport are not built yet (docs/scaleout.md)")
+        raise RuntimeError(f"{_spans(domains, rank)}: GIN needs NCCL >= {nccl_version_text(NCCL_GIN_MIN_VERSION)}, "
+                           f"and the NCCL torch loaded is {nccl_version_text(nccl_version)}; install a newer "
+                           f"nvidia-nccl wheel (docs/scaleout.md)")
+
+
+def _spans(domains: Domains, rank: int) -> str:
+    return (f"rank {rank}: the group spans {domains.num_rdma_ranks} NVLink domains of {domains.num_nvlink_ranks} "
+            f"ranks, which needs the scale-out path over NCCL GIN")
+
+
+def require_gin_features(domains: Domains, rank: int, nccl_version: int, gin_type: int, sl_idx: int) -> None:
+    """What the NCCL GIN transport needs before it allocates anything, checked on every rank: an
+    NCCL that can report GIN (`NCCL_GIN_QUERY_VERSION`), a communicator that reports it (on rails in
+    hybrid mode: ``domains.num_scaleout_ranks > 1``), and an NCCL that can set ``sl_idx`` as GIN's
+    traffic class (`NCCL_GIN_TRAFFIC_CLASS_VERSION`).
+
+    Args:
+        domains: the rank's `Domains` (one NVLink domain: nothing is needed). rank: for the message.
+        nccl_version: the loaded libnccl's ``ncclGetVersion`` code. gin_type: the communicator's GIN
+            type for the mode (`deep_ep.comm.devcomm.comm_gin_types`; 0: none). sl_idx: the buffer's.
+
+    Raises:
+        RuntimeError: a feature the loaded NCCL lacks (naming the version that brings it), or a
+            communicator without GIN.
+    """
+    if domains.num_rdma_ranks <= 1:
+        return
+    where, found = _spans(domains, rank), nccl_version_text(nccl_version)
+    require_scaleout_support(domains, rank, nccl_version)
+    for needed, what in ((NCCL_GIN_QUERY_VERSION, "to report whether its communicator has GIN "
+                                                  "(ncclCommQueryProperties)"),
+                         (NCCL_GIN_TRAFFIC_CLASS_VERSION, f"to set sl_idx={sl_idx} as GIN's traffic class")):
+        if nccl_version < needed:
+            raise RuntimeError(f"{where}: NCCL >= {nccl_version_text(needed)} is needed {what}, and the NCCL "
+                               f"torch loaded is {found}; install a newer nvidia-nccl wheel (docs/scaleout.md)")
+    if gin_type == 0:
+        mode = "hybrid mode (GIN on rails)" if domains.num_scaleout_ranks > 1 else "direct mode (GIN to every rank)"
+        raise RuntimeError(f"{where}: the NCCL communicator ({found}) reports no GIN for {mode}: NCCL found no "
+                           f"network it can drive from the GPU (an RDMA NIC with GPUDirect, or its proxy); "
+                           f"NCCL_DEBUG=INFO says why")

@@ -85,7 +85,7 @@ def test_emulated_group_is_one_domain():
     assert get_logical_domain_size(Emulated(), False) == (1, 8)
 
 
-# ---------------------------------------------------------------------------------------- GPU refusal
+# ---------------------------------------------------------------------------------------- GPU scale-out checks
 def _fake_nccl_group(monkeypatch, rank, num_ranks, team_size, version):
     """A ProcessGroup the buffer takes for an NCCL group whose LSA team has ``team_size`` ranks."""
     import deep_ep.backends
@@ -104,16 +104,27 @@ def _fake_nccl_group(monkeypatch, rank, num_ranks, team_size, version):
 
 
 @pytest.mark.parametrize("rank", [0, 3, 5])
-def test_gpu_scaleout_refused_before_allocation(monkeypatch, rank):
+def test_gpu_scaleout_reaches_the_backend(monkeypatch, rank):
+    """With GIN in the NCCL, a buffer over several domains is made by the GPU backend (whose NCCL GIN
+    transport checks the communicator: tests/test_gin_nccl_creation.py), in both modes."""
+    import deep_ep.buffer
     from deep_ep import ElasticBuffer, get_logical_domain_size, get_physical_domain_size
     group = _fake_nccl_group(monkeypatch, rank, 8, 4, 22909)
     assert get_physical_domain_size(group) == (2, 4)
     assert get_logical_domain_size(group) == (2, 4) and get_logical_domain_size(group, False) == (1, 8)
-    with pytest.raises(NotImplementedError, match=rf"rank {rank}: the group spans 2 NVLink domains of 4 ranks.*"
-                       r"NCCL 2\.29\.9 found, >= 2\.28\.7 needed.*hybrid-mode scale-out kernels"):
-        ElasticBuffer(group, num_bytes=2 << 20)
-    with pytest.raises(NotImplementedError, match="direct-mode scale-out kernels"):
-        ElasticBuffer(group, num_bytes=2 << 20, allow_hybrid_mode=False)
+    made = []
+
+    class BackendMade(Exception):
+        pass
+
+    def backend_made(group, config, device):
+        made.append(config.allow_hybrid_mode)
+        raise BackendMade   # stop before anything reads the backend
+    monkeypatch.setattr(deep_ep.buffer, "make_backend", backend_made)
+    for hybrid in (True, False):
+        with pytest.raises(BackendMade):
+            ElasticBuffer(group, num_bytes=2 << 20, allow_hybrid_mode=hybrid)
+    assert made == [True, False]
 
 
 def test_gpu_scaleout_needs_gin_nccl(monkeypatch):
@@ -436,10 +447,9 @@ def test_emulated_nodes_report_their_domains(num_ranks, nvlink):
         topology.require_scaleout_support(direct, rank, 0, emulated=True)
         topology.require_scaleout_support(hybrid, rank, 0, emulated=True)
         if nvlink < num_ranks:
-            # a real NCCL group over several domains is still refused, in either mode
-            for domains, mode in ((direct, "direct"), (hybrid, "hybrid")):
-                with pytest.raises(NotImplementedError, match=f"the {mode}-mode scale-out kernels"):
-                    topology.require_scaleout_support(domains, rank, 22809)
+            # a real NCCL group over several domains needs an NCCL with GIN (its transport checks the rest)
+            for domains in (direct, hybrid):
+                topology.require_scaleout_support(domains, rank, 22809)
             with pytest.raises(RuntimeError, match="NCCL >= 2.28.7"):
                 topology.require_scaleout_support(hybrid, rank, 22600)
 

@@ -75,11 +75,11 @@ class GPUBackend(Backend):
 
     Raises:
         RuntimeError: no CUDA device, or created during CUDA-graph capture.
-        ValueError: no window size, or more ranks than a window has room for (`window.check_num_ranks`),
-        before anything is allocated. NotImplementedError: the group spans more than one NVLink domain.
+        ValueError: no window size, or more ranks than a window holds (`window.check_num_ranks`). RuntimeError:
+            the group spans NVLink domains and NCCL or its communicator lacks GIN (`deep_ep.comm.nccl_gin`).
     """
 
-    transport_gin = 0   # the data kernels use the emulated GIN (emulated nodes, `_open_transport`)
+    transport_gin = 0   # the data kernels use a GIN (emulated nodes, or NCCL's: `_open_transport`)
     hybrid_scaleout, hybrid_node_ranks, hybrid_scaleup_ranks = False, 0, 0
 
     def __init__(self, group, config: BufferConfig) -> None:
@@ -114,9 +114,9 @@ class GPUBackend(Backend):
                                                   allow_hybrid_mode=self.config.allow_hybrid_mode)
             self._device = self.transport.device
         else:
-            from ...comm.lsa import NcclLsaTransport
+            from ...comm.nccl_gin import open_nccl_transport   # one NVLink domain, or NCCL's GIN across them
             self._device = torch.device("cuda", torch.cuda.current_device())
-            self.transport = NcclLsaTransport(group, num_bytes, self._device)
+            self.transport = open_nccl_transport(group, num_bytes, self._device, self.config)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         self.transport_nccl = bool(self.transport.kernel_define)
         # emulated nodes (comm/gin.py): 1 direct mode, 2 hybrid mode (forwarding within a node)
@@ -125,7 +125,8 @@ class GPUBackend(Backend):
         # ranks of a node (`dispatch_plan.check_config`), else 0
         self.hybrid_scaleout = bool(self.config.allow_hybrid_mode and self.transport_gin)
         self.hybrid_node_ranks = self.transport.state.node_ranks if self.transport_gin == 2 else 0
-        self.hybrid_scaleup_ranks = group.num_nvlink_ranks() if self.hybrid_scaleout else 0   # the handles' psum
+        self.hybrid_scaleup_ranks = ((group.num_nvlink_ranks() if self.emulated else self.transport.num_nvlink_ranks)
+                                     if self.hybrid_scaleout else 0)   # the handles' psum
         self.transport_args = self.transport.kernel_args()   # fixed for the window's life
         self.num_device_sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         # Blocks a data kernel may use: every emulated rank's blocks must be resident at once.
@@ -327,7 +328,7 @@ class GPUBackend(Backend):
         LaunchError that says which ``num_sms`` to lower."""
         self.call_record.launched_call = self.calls
         try:
-            if self.transport_gin:   # emulated nodes: the NIC kernel beside it
+            if self.transport_gin and not self.transport_nccl:   # emulated nodes: the NIC kernel beside it
                 self.transport.launch_data(self.module("gin_nic", ()), self.launch_stream, n_sms,
                                            lambda: prepared.launch(self.launch_stream))
             else:

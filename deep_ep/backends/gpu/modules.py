@@ -179,7 +179,7 @@ def launch_control(backend, stream: int, num_blocks: int, launch) -> None:
     the GPU barrier) of ``num_blocks`` blocks on the raw stream ``stream``. On emulated nodes the
     kernel's puts to other nodes need this rank's emulated NIC, which runs only beside a kernel that
     counts its blocks in it (comm/gin_control.cuh's ``end_block``): it is launched as a data kernel's is (`deep_ep.comm.gin.EmulatedGinDirectTransport.launch_data`)."""
-    if backend.transport_gin:
+    if backend.transport_gin and not getattr(backend, "transport_nccl", False):   # NCCL's GIN has no NIC kernel
         backend.transport.launch_data(backend.module("gin_nic", ()), stream, num_blocks, launch)
     else:
         launch()

@@ -1,7 +1,7 @@
 // The scale-out transport over GIN (GPU-initiated networking): one-sided puts from this rank's window
 // to a peer's window, carried by a NIC, on `num_contexts` independent contexts (DeepEP's num_qps of
 // num_allocated_qps; one queue per peer each). Two implementations, same member functions:
-//   NcclGinTransport      NCCL's device API (`ncclGin`, NCCL >= 2.28.7), peers of one NCCL team;
+//   NcclGinTransport      NCCL's device API (`ncclGin`, NCCL >= 2.28.7) on one team of the communicator;
 //   EmulatedGinTransport  ranks emulated on one GPU: per-(context, peer) queues in device memory that
 //                         a "NIC" (`emulated_gin_nic`, warps of the same launch) drains with seeded delay
 //                         and reordering, so that code correct on a real NIC is the only code that passes.
@@ -63,21 +63,32 @@ __device__ __forceinline__ bool gin_reached(uint64_t value, uint64_t least) {
 __device__ __forceinline__ unsigned long long* as_ull(uint64_t* p) { return reinterpret_cast<unsigned long long*>(p); }
 
 #if EP_GIN_NCCL
+// Peers are ranks of the communicator (the world team), as the scale-out transports number them;
+// each operation converts its peer to an index of `team` (World for direct mode, Rail for hybrid,
+// whose peers are always rail peers). Errors name world ranks.
 struct NcclGinTransport {
     const ncclDevComm* comm;
     ncclWindow_t window;  // the buffer's symmetric window: sources and destinations are offsets in it
-    ncclTeam team;        // peers are indices in this team (World for direct mode, Rail for hybrid)
+    ncclTeam team;        // the team the puts go through (World for direct mode, Rail for hybrid)
     int num_contexts;     // contexts used (num_qps), at most the device communicator's
 
-    __device__ __forceinline__ int rank() const { return team.rank; }
-    __device__ __forceinline__ int num_ranks() const { return team.nRanks; }
+    // No emulated NIC counts a kernel's blocks: the scale-out transports zero their own block count.
+    static constexpr bool kNicCountsBlocks = false;
+
+    __device__ __forceinline__ int rank() const { return comm->rank; }
+    __device__ __forceinline__ int num_ranks() const { return comm->nRanks; }
     __device__ __forceinline__ uint8_t* local() const { return static_cast<uint8_t*>(ncclGetLocalPointer(window, 0)); }
     // Contexts are independent queues: spreading channels over them spreads the NIC's work.
     __device__ __forceinline__ int context_of(int channel) const { return channel % num_contexts; }
+    // `peer` (a world rank) as an index of `team`.
+    __device__ __forceinline__ int team_peer(int peer) const {
+        return ncclTeamRankToTeam(team, ncclTeamWorld(*comm), peer);
+    }
 
-    __device__ __forceinline__ void put(int context, int peer, int64_t dst_offset, int64_t src_offset, uint64_t bytes,
-                                        GinSignal signal = {}, int counter = -1) const {
+    __device__ __forceinline__ void put(int context, int world_peer, int64_t dst_offset, int64_t src_offset,
+                                        uint64_t bytes, GinSignal signal = {}, int counter = -1) const {
         ncclGin gin(*comm, context);
+        const int peer = team_peer(world_peer);
         const size_t dst = dst_offset, src = src_offset;
         if (signal.signal < 0) {
             if (counter < 0) gin.put(team, peer, window, dst, window, src, bytes);
@@ -91,9 +102,9 @@ struct NcclGinTransport {
         }
     }
     // A signal alone: strong, so it tells the peer that every earlier put of this context has landed.
-    __device__ __forceinline__ void signal(int context, int peer, int signal_id, uint64_t value) const {
+    __device__ __forceinline__ void signal(int context, int world_peer, int signal_id, uint64_t value) const {
         ncclGin gin(*comm, context);
-        gin.signal(team, peer, strong_add(GinSignal{signal_id, value, false}));
+        gin.signal(team, team_peer(world_peer), strong_add(GinSignal{signal_id, value, false}));
     }
     __device__ __forceinline__ void flush(int context) const {
         ncclGin gin(*comm, context);
@@ -123,7 +134,7 @@ struct NcclGinTransport {
         const uint64_t start = global_timer_ns();
         while (!gin_reached(gin.readSignal(static_cast<ncclGinSignal_t>(signal_id)), least)) {
             if (global_timer_ns() - start > timeout_ns) {
-                record_error(local(), kErrTimeout, team.rank, peer, phase);
+                record_error(local(), kErrTimeout, rank(), peer, phase);
                 return false;
             }
             if (has_error(local())) return false;
@@ -136,7 +147,7 @@ struct NcclGinTransport {
         const uint64_t start = global_timer_ns();
         while (!gin_reached(gin.readCounter(static_cast<ncclGinCounter_t>(counter)), least)) {
             if (global_timer_ns() - start > timeout_ns) {
-                record_error(local(), kErrTimeout, team.rank, team.rank, phase);
+                record_error(local(), kErrTimeout, rank(), rank(), phase);
                 return false;
             }
         }
@@ -218,6 +229,9 @@ struct EmulatedGinTransport {
     const EmulatedGinArgs* args;
     int rank;
     int num_contexts;  // contexts used (num_qps), at most args->num_contexts (allocated)
+
+    // The emulated NIC reads the count of a kernel's ended blocks to stop, and zeroes it.
+    static constexpr bool kNicCountsBlocks = true;
 
     __device__ __forceinline__ int num_ranks() const { return args->num_ranks; }
     __device__ __forceinline__ uint8_t* local() const { return args->windows[rank]; }

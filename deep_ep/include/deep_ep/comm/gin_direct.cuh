@@ -34,7 +34,8 @@ struct GinDirectTransport {
     int max_put_bytes;     // the largest single put (the emulated NIC's staging slot)
     int node_ranks;        // ranks of a node, reached by loads and stores
     int64_t recv_offset, half_bytes, stage_offset;
-    uint32_t* done;        // [2] user blocks that ended, NIC warps that ended (the emulated NIC's stop)
+    uint32_t* done;        // [2] user blocks that ended, NIC warps that ended (the emulated NIC's stop;
+                           // over NCCL's GIN the last block zeroes the first)
 
     __device__ __forceinline__ uint8_t* local() const { return lsa.local(); }
     __device__ __forceinline__ bool exchanges() const { return num_ranks > 1; }
@@ -138,6 +139,7 @@ struct GinDirectTransport {
         if (before != gridDim.x - 1) return;
         // The last block: every block's wait is over and the epoch was advanced past it.
         __threadfence();
+        if constexpr (!Gin::kNicCountsBlocks) *done = 0u;   // no NIC zeroes it: ready for the next launch
         uint32_t* ctrl = ctrl_of(local());
         const int slot = static_cast<int>((ld_volatile(ctrl + kCtrlEpoch) - 1u) & 1u);
         for (int p = 0; p < num_ranks; ++p) {

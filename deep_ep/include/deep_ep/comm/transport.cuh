@@ -10,6 +10,10 @@
 // kernels that reach every peer by loads and stores (pp, agrs, engram).
 // EP_TRANSPORT_GIN=2 (emulated nodes in hybrid mode): the data kernels' transport is
 // comm/gin_hybrid.cuh, and TransportArgs ends with the forwarding area's offset.
+// EP_TRANSPORT_NCCL=1 with EP_TRANSPORT_GIN=1 or 2: the same scale-out transports over NCCL's GIN
+// (NcclGinTransport, comm/gin.cuh) for a group over several NVLink domains; TransportArgs is the
+// NCCL one, then the scale-out fields (deep_ep/comm/nccl_gin.py mirrors them). The node's windows
+// come from the LSA team, placed at the world ranks of the node (its ranks are consecutive).
 #pragma once
 
 #include "lsa.cuh"
@@ -36,6 +40,20 @@ namespace deep_ep::comm {
 struct TransportArgs {
     ncclDevComm comm;      // the device communicator of the buffer's group
     ncclWindow_t window;   // the buffer's symmetric window on it
+#if EP_TRANSPORT_GIN
+    // mirrored by deep_ep/comm/nccl_gin.py (NcclGinFields)
+    const ncclDevComm* gin_comm;    // a copy of `comm` in device memory, which the GIN calls read
+    uint32_t* done;                 // [2] this rank's block count (data kernels), and the control kernels'
+    int64_t recv_offset, half_bytes;  // the receive halves (every call's layout has the same)
+    int64_t stage_offset;           // this rank's staging area: [num_ranks][half_bytes], in the window
+    int max_put_bytes;              // the largest single put
+    int num_contexts;               // contexts used, at most the device communicator's
+    int node_ranks;                 // ranks of a node (its LSA team)
+#if EP_TRANSPORT_GIN == 2
+    int64_t forward_offset;         // the forwarding area (comm/gin_hybrid.cuh), in the window
+    int64_t inbox_offset;           // combine's inbox of node partials, in the window
+#endif
+#endif
 };
 
 __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, uint8_t** table) {
@@ -71,7 +89,53 @@ __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, u
 }
 #endif
 
-#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
+#if EP_TRANSPORT_GIN && EP_TRANSPORT_NCCL && !EP_GIN_NCCL
+#error "EP_TRANSPORT_GIN over NCCL needs NCCL's GIN device API (NCCL >= 2.28.7 headers)"
+#endif
+
+#if EP_TRANSPORT_GIN && EP_TRANSPORT_NCCL
+#if EP_TRANSPORT_GIN == 2
+using DataTransport = GinHybridTransport<NcclGinTransport>;
+#else
+using DataTransport = GinDirectTransport<NcclGinTransport>;
+#endif
+
+// The node's windows at their world ranks (a node's ranks are consecutive; the others stay unset:
+// the scale-out transports reach them through GIN only).
+__device__ __forceinline__ LsaTransport make_node_transport(const TransportArgs& t, uint8_t** table) {
+    const ncclTeam lsa = ncclTeamLsa(t.comm);
+    const int first = t.comm.rank - lsa.rank;
+    for (int p = threadIdx.x; p < lsa.nRanks; p += blockDim.x)
+        table[first + p] = static_cast<uint8_t*>(ncclGetLsaPointer(t.window, 0, p));
+    __syncthreads();
+    return LsaTransport{table, t.comm.rank, t.comm.nRanks};
+}
+
+__device__ __forceinline__ DataTransport make_data_transport(const TransportArgs& t, uint8_t** table) {
+    DataTransport tr;
+    tr.lsa = make_node_transport(t, table);
+#if EP_TRANSPORT_GIN == 2
+    const ncclTeam team = ncclTeamRail(*t.gin_comm);   // hybrid: rail peers only
+#else
+    const ncclTeam team = ncclTeamWorld(*t.gin_comm);
+#endif
+    tr.gin = NcclGinTransport{t.gin_comm, t.window, team, t.num_contexts};
+    tr.rank = t.comm.rank;
+    tr.num_ranks = t.comm.nRanks;
+    tr.num_contexts = t.num_contexts;
+    tr.max_put_bytes = t.max_put_bytes;
+    tr.node_ranks = t.node_ranks;
+    tr.recv_offset = t.recv_offset;
+    tr.half_bytes = t.half_bytes;
+    tr.stage_offset = t.stage_offset;
+#if EP_TRANSPORT_GIN == 2
+    tr.forward_offset = t.forward_offset;
+    tr.inbox_offset = t.inbox_offset;
+#endif
+    tr.done = t.done;
+    return tr;
+}
+#elif EP_TRANSPORT_GIN
 #if EP_TRANSPORT_GIN == 2
 using DataTransport = GinHybridTransport<EmulatedGinTransport>;
 #else
@@ -105,17 +169,22 @@ __device__ __forceinline__ LsaTransport make_data_transport(const TransportArgs&
 }
 #endif
 
-// The control kernels' transport: the scale-out one's control form (comm/gin_control.cuh) on emulated
-// nodes, else the loads and stores of LsaTransport. `set_control_region` names the bytes each rank
+// The control kernels' transport: the scale-out one's control form (comm/gin_control.cuh) across
+// nodes (emulated or over NCCL's GIN), else the loads and stores of LsaTransport. `set_control_region` names the bytes each rank
 // sends (`bytes` at `offset + rank * stride` of every window); `end_control_block` ends every block.
-#if EP_TRANSPORT_GIN && !EP_TRANSPORT_NCCL
+#if EP_TRANSPORT_GIN
 using ControlTransport = GinControlTransport<DataTransport>;
 
 __device__ __forceinline__ ControlTransport make_control_transport(const TransportArgs& t, uint8_t** table) {
     ControlTransport tr;
     tr.net = make_data_transport(t, table);
-    tr.rank = t.rank;
-    tr.num_ranks = t.num_ranks;
+    tr.rank = tr.net.rank;
+    tr.num_ranks = tr.net.num_ranks;
+#if EP_TRANSPORT_NCCL
+    // No NIC reads the control kernels' block count: they count into a word of their own, so the
+    // data kernels' count (the last block's test) is untouched.
+    tr.net.done = t.done + 1;
+#endif
     return tr;
 }
 #else
