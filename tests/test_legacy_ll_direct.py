@@ -171,3 +171,60 @@ def test_the_protocol_on_a_model_of_the_kernels(monkeypatch, num_ranks, case):
             assert combined[0] is outs[rank] or round_index != 2
             want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
             assert torch.equal(combined[0], want), (rank, round_index)
+
+
+def test_combines_alternate_halves_of_their_own():
+    """Two combines of one handle in a row take different halves (a fast rank's second combine must
+    not overwrite the rows and flags a slow rank still waits for in the first); a half whose last
+    combine's receive hook was not called yet is refused before anything is sent."""
+    owner = types.SimpleNamespace()
+    assert [ll_direct._combine_half(owner) for _ in range(3)] == [0, 1, 0]
+    owner._ll_direct_combine["pending"][1] = 0     # a combine hook on half 1 not called yet
+    with pytest.raises(RuntimeError, match="last two combines were not called yet"):
+        ll_direct._combine_half(owner)
+    owner._ll_direct_combine["pending"][1] = None
+    assert ll_direct._combine_half(owner) == 1
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_a_slow_rank_keeps_its_combine_when_peers_run_the_next(monkeypatch, num_ranks):
+    """Two combines of one handle in a row (as DeepEP's tests make them), with receive hooks: every
+    rank but 0 receives the first and sends the second before rank 0 receives the first (on a GPU,
+    rank 0 still waiting for one peer's flag while the others move on). Rank 0's first result is
+    still the first combine's, and every second result (weights doubled) the second's."""
+    hidden, use_fp8, round_scale, use_ue8m0 = CASES[0]
+    monkeypatch.setattr(ll_direct, "_launch", ll_direct_model.launch)
+    monkeypatch.setattr(ll_direct, "_load", lambda backend: None)
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    need = ll_direct.window_bytes(num_ranks, num_local, MAX_TOKENS, hidden, NUM_TOPK)
+    windows = [torch.zeros(need, dtype=torch.uint8) for _ in range(num_ranks)]
+    owners = [_Owner(rank, windows) for rank in range(num_ranks)]
+    inputs = [_rank_inputs(21, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+    results = [ll_direct.dispatch(owners[rank], inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts, use_fp8,
+                                  round_scale, use_ue8m0, False, True, None) for rank in range(num_ranks)]
+    for result in results:
+        result[4]()
+    expert_x = []
+    for rank, result in enumerate(results):
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result[:3] + (None, None),
+                                   use_fp8, round_scale, use_ue8m0)
+        expert_x.append(torch.stack([_expert_output(received[local], rank * num_local + local)
+                                     for local in range(num_local)]))
+
+    def combine(rank: int, scale: float):
+        return ll_direct.combine(owners[rank], expert_x[rank], inputs[rank][1], inputs[rank][2] * scale,
+                                 results[rank][2], False, False, True, None)
+
+    first = [combine(rank, 1.0) for rank in range(num_ranks)]
+    second = [None] * num_ranks
+    for rank in range(1, num_ranks):
+        first[rank][2]()
+        second[rank] = combine(rank, 2.0)
+    first[0][2]()
+    second[0] = combine(0, 2.0)
+    for rank in range(num_ranks):
+        second[rank][2]()
+        want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
+        assert torch.equal(first[rank][0], want), rank
+        assert torch.equal(second[rank][0], want * 2), rank

@@ -5,7 +5,8 @@ and the sender then publishes its per-expert counts, tagged with the call; the r
 those counts and writes DeepEP's layouts (the same as `deep_ep.legacy.low_latency`'s, bit for bit).
 A combine writes each received row's expert output into its source rank's window at (token, slot)
 and flags every rank; the source waits for the flags and sums the top-k rows (float32, slot order,
-one bf16 rounding). No counts exchange before the rows, no host reads: graph capturable.
+one bf16 rounding); combines alternate the halves' combine rows and flags on their own, so that
+two combines of one handle never share them. No counts exchange before the rows, no host reads: graph capturable.
 
 Where: one node (NCCL's LSA window or emulated ranks on one GPU), no rank mask, ``E <= 1024``
 experts and top-k ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the
@@ -56,6 +57,7 @@ SOURCE = "#include <deep_ep/kernels/ll_direct.cuh>\n"
 # the last kernel
 _WINDOW_KEY = "_ll_direct_window"
 _STREAM_KEY = "_ll_direct_stream"
+_COMBINE_KEY = "_ll_direct_combine"   # the next combine's half and the halves held by combine hooks
 
 
 class Regions(ctypes.Structure):
@@ -242,6 +244,26 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     return received.results(x, topk_idx, stats, handle, async_finish, hook)
 
 
+def _combine_half(owner) -> int:
+    """The buffer half of the next combine: combines alternate halves of their own (every rank makes the
+    same calls, so every rank picks the same), whatever half their dispatch used. A rank's next combine
+    on a half can only start once its peers have finished receiving the previous one there, so a fast
+    rank never overwrites rows or flags a slow one is still waiting for; reusing the dispatch's half
+    would let two combines of one handle in a row do exactly that.
+
+    Raises:
+        RuntimeError: the receive hook of the last combine on that half was not called yet.
+    """
+    state = owner.__dict__.setdefault(_COMBINE_KEY, {"next": 0, "pending": [None, None]})
+    half = state["next"]
+    if state["pending"][half] is not None:
+        raise RuntimeError("deep_ep.Buffer.low_latency_combine: the receive hooks of the last two combines were not "
+                           "called yet: at most two can be (DeepEP's double buffering); call the older one first. "
+                           "Nothing was sent")
+    state["next"] ^= 1
+    return half
+
+
 def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
             zero_copy: bool, async_finish: bool, return_recv_hook: bool, out: Optional[torch.Tensor]) -> tuple:
     """`deep_ep.Buffer.low_latency_combine` of a direct dispatch's handle (checked there up to its
@@ -258,6 +280,7 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     num_local_experts = num_experts // num_ranks
     num_tokens, num_topk = topk_idx.shape
     check_combine_inputs(topk_idx, route.num_tokens, handle.num_topk, num_experts, out, hidden, device)
+    half = _combine_half(owner)        # raises before anything is marked or sent
     owner._mark_combined(handle)
     source = owner._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
     item = source.element_size()
@@ -266,7 +289,7 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     window = route.window
     backend = window._backend
     backend.raise_if_broken()
-    half = handle.slot
+    regions = _regions(half, num_ranks, num_local_experts, num_slots, hidden, handle.num_topk)
     combined_x = out if out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0 else \
         torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
@@ -275,7 +298,7 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     num_rows = num_ranks * num_slots
 
     def args(phase: int) -> tuple:
-        return (transport, phase, half, route.regions, source, jit.i64(source.stride(0) * item // 16),
+        return (transport, phase, half, regions, source, jit.i64(source.stride(0) * item // 16),
                 jit.i64(source.stride(1) * item // 16), route.recv_count, route.routes, num_local_experts, num_slots,
                 num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
@@ -289,7 +312,13 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         if out is not None and combined_x is not out:
             out.copy_(combined_x)
 
-    hook = owner._receive_or_hook(receive, "low_latency_combine", device, half, return_recv_hook)
+    # the hook holds the dispatch's half as on the expanded path (DeepEP's double buffering), and
+    # this combine's own half until it is called
+    pending = owner.__dict__[_COMBINE_KEY]["pending"]
+    if return_recv_hook:
+        pending[half] = handle.slot
+    hook = owner._receive_or_hook(receive, "low_latency_combine", device, handle.slot, return_recv_hook,
+                                  also_release=lambda: pending.__setitem__(half, None))
     result = out if out is not None else combined_x
     event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, src_info, layout_range, result)) \
         if async_finish else EventOverlap()

@@ -175,26 +175,29 @@ class LowLatencyState:
                            f"{pending[0]} and a {pending[1]} were not called yet: at most two can be (DeepEP's "
                            f"double buffering); call one of those hooks first. Nothing was sent")
 
-    def _hook(self, receive, name: str, device: torch.device, slot: int) -> ReceiveHook:
-        """A `ReceiveHook` for ``receive`` that holds buffer half ``slot`` until it is called."""
+    def _hook(self, receive, name: str, device: torch.device, slot: int, also_release=None) -> ReceiveHook:
+        """A `ReceiveHook` for ``receive`` that holds buffer half ``slot`` until it is called (then runs
+        ``also_release`` too, if given)."""
         pending = self._pending_hooks()
 
         def release() -> None:
             pending[slot] = None
+            if also_release is not None:
+                also_release()
 
         hook = ReceiveHook(receive, name, device, release)
         pending[slot] = name
         return hook
 
     def _receive_or_hook(self, receive, name: str, device: torch.device, slot: int,
-                         return_recv_hook: bool) -> Optional[ReceiveHook]:
+                         return_recv_hook: bool, also_release=None) -> Optional[ReceiveHook]:
         """The end of a low-latency call whose send is launched: the next call gets the other
         zero-copy combine buffer; then with ``return_recv_hook`` the `ReceiveHook` that runs
         ``receive`` (holding buffer half ``slot`` until it is called), else ``receive`` runs now and
         None comes back."""
         self._flip()
         if return_recv_hook:
-            return self._hook(receive, name, device, slot)
+            return self._hook(receive, name, device, slot, also_release)
         receive()
         return None
 
