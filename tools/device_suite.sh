@@ -32,7 +32,8 @@
 #                   passed / failed per test file, bench checks, the mutation lines; see docs/device-runs/)
 #          pack (every log and JSON under $OUT into one logs.tgz, summary.txt kept beside it: the device
 #                tool returns 8 files)
-# Every pytest step writes $OUT/<step>.log and JUnit XML $OUT/<step>.xml (read by summary).
+# Every pytest step writes $OUT/<step>.log and JUnit XML $OUT/<step>.xml (read by summary); the GPU tests'
+# failures also go to $OUT/failures.log as they happen.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -40,6 +41,8 @@ export EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-$PWD/.jitcache}
 # Emulated ranks spin on each other: no lazy kernel loading, and a hardware queue per stream (deep_ep/emulated.py)
 export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
+# every GPU test failure as it happens (tests/gpu/conftest.py), kept if a step's time runs out
+export DEEP_EP_FAIL_LOG=${DEEP_EP_FAIL_LOG:-$OUT/failures.log}
 steps=${*:-env jit gpu bench summary}
 for step in $steps; do
   echo "=== $step $(date -u +%H:%M:%S)"

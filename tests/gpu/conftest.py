@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(mark)
 
 
+def pytest_runtest_logreport(report):
+    """With ``DEEP_EP_FAIL_LOG`` set (tools/device_suite.sh sets it), each failure's report is appended
+    to that file the moment it happens: a device run whose time runs out still brings back why the
+    tests before it failed (pytest prints them only at the end)."""
+    path = os.environ.get("DEEP_EP_FAIL_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(scope="session")
 def nccl_group():
     """A one-rank NCCL process group on GPU 0: torch's own communicator, as a user's job has."""
