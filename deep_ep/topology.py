@@ -31,7 +31,7 @@ from . import envs
 __all__ = ["Domains", "NCCL_GIN_MIN_VERSION", "NCCL_GIN_FEATURES", "domains_from_nvlink_ranks",
            "cpu_num_nvlink_ranks", "group_num_nvlink_ranks", "group_domains", "nccl_version_text",
            "require_scaleout_support", "require_gin_features", "NCCL_GIN_QUERY_VERSION",
-           "NCCL_GIN_TRAFFIC_CLASS_VERSION"]
+           "NCCL_GIN_TRAFFIC_CLASS_VERSION", "MAX_HYBRID_NODE_RANKS"]
 
 #: The first NCCL whose device API has GIN (``nccl_device/gin.h``), as ``ncclGetVersion`` codes it.
 NCCL_GIN_MIN_VERSION = 22807
@@ -48,6 +48,10 @@ NCCL_GIN_FEATURES = {
 NCCL_GIN_QUERY_VERSION = 22900
 #: ``sl_idx`` becomes GIN's traffic class (``ginTrafficClass``); earlier releases cannot set it.
 NCCL_GIN_TRAFFIC_CLASS_VERSION = 23003
+
+#: The most ranks of a node in hybrid mode across nodes: the forwarding kernels
+#: (``impls/dispatch_forward.cuh``, ``impls/combine_forward.cuh``) give each rank of a node a warp lane.
+MAX_HYBRID_NODE_RANKS = 32
 
 _CPU_VARIABLE = "EP_CPU_NUM_NVLINK_RANKS"
 
@@ -151,11 +155,12 @@ def nccl_version_text(code: int) -> str:
 
 
 def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emulated: bool = False) -> None:
-    """Refuse a GPU buffer over more than one NVLink domain whose NCCL has no GIN (older than
-    2.28.7). Emulated nodes (``emulated``) run both modes, hybrid and direct, over the emulated GIN;
-    an NCCL group runs them over NCCL's GIN, whose transport checks the rest
-    (`require_gin_features`). Every rank of a refused group raises the same error (each sees more
-    than one domain), before anything is allocated.
+    """Refuse a GPU buffer over more than one NVLink domain that the kernels cannot run: hybrid mode
+    on nodes of more than `MAX_HYBRID_NODE_RANKS` ranks (real or emulated nodes), or an NCCL without
+    GIN (older than 2.28.7). Emulated nodes (``emulated``) run both modes, hybrid and direct, over
+    the emulated GIN; an NCCL group runs them over NCCL's GIN, whose transport checks the rest
+    (`require_gin_features`). Every rank of a refused group raises the same error (each sees the
+    same domains), before anything is allocated.
 
     Args:
         domains: the rank's `Domains`. rank: for the message. nccl_version: the loaded libnccl's
@@ -163,9 +168,19 @@ def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emu
             `deep_ep.emulated.EmulatedGroup`'s.
 
     Raises:
+        NotImplementedError: hybrid mode across nodes of more than 32 ranks (direct mode,
+            ``allow_hybrid_mode=False``, has no such limit).
         RuntimeError: more than one NVLink domain on an NCCL group and an NCCL older than 2.28.7.
     """
-    if domains.num_rdma_ranks <= 1 or emulated:
+    if domains.num_rdma_ranks <= 1:
+        return
+    if domains.num_scaleout_ranks > 1 and domains.num_nvlink_ranks > MAX_HYBRID_NODE_RANKS:
+        raise NotImplementedError(
+            f"rank {rank}: hybrid mode supports nodes of at most {MAX_HYBRID_NODE_RANKS} ranks (its forwarding "
+            f"kernels give each rank of a node a lane of a warp), and this group spans {domains.num_rdma_ranks} "
+            f"nodes (NVLink domains) of {domains.num_nvlink_ranks} ranks; pass allow_hybrid_mode=False (direct "
+            f"mode, which has no such limit)")
+    if emulated:
         return
     if nccl_version < NCCL_GIN_MIN_VERSION:
         raise RuntimeError(f"{_spans(domains, rank)}: GIN needs NCCL >= {nccl_version_text(NCCL_GIN_MIN_VERSION)}, "

@@ -8,7 +8,8 @@
   many configurations, and against DeepEP's numbers derived by hand.
 * A GPU group over two NVLink domains is refused before anything is allocated, naming the NCCL
   versions; emulated nodes (`EmulatedGroup(num_nvlink_ranks=...)`) report their domains, run direct
-  mode and refuse hybrid mode.
+  mode and refuse hybrid mode. Hybrid mode on nodes of more than 32 ranks (real or emulated) is
+  refused at creation.
 """
 from __future__ import annotations
 
@@ -143,6 +144,45 @@ def test_gpu_permuted_lsa_team_refused(monkeypatch):
     monkeypatch.setattr(topology, "_nccl_lsa_team", lambda g: (3, 1))
     with pytest.raises(ValueError, match="LSA team"):
         get_physical_domain_size(group)
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["nccl", "emulated"])
+def test_hybrid_nodes_of_more_than_32_ranks_refused_at_creation(monkeypatch, emulated):
+    """Hybrid mode across nodes of 33 ranks is refused on every rank by ElasticBuffer, before a backend
+    is made, for an NCCL group (LSA teams of 33) and emulated nodes alike; direct mode and nodes of 32
+    go on to the backend."""
+    import deep_ep.buffer
+    from deep_ep import ElasticBuffer
+
+    class BackendMade(Exception):
+        pass
+
+    def backend_made(group, config, device):
+        raise BackendMade   # stop before anything reads the backend
+
+    def group_of(rank, num_ranks, node_ranks):
+        if not emulated:
+            return _fake_nccl_group(monkeypatch, rank, num_ranks, node_ranks, 23007)
+        group = _EmulatedRankGroup(node_ranks)
+        group.rank, group.size = (lambda: rank), (lambda: num_ranks)
+        return group
+
+    for rank in (0, 32, 40, 65):
+        group = group_of(rank, 66, 33)
+        monkeypatch.setattr(deep_ep.buffer, "make_backend", backend_made)
+        with pytest.raises(NotImplementedError, match=rf"rank {rank}: hybrid mode supports nodes of at most 32 "
+                                                      r"ranks .* spans 2 nodes \(NVLink domains\) of 33 ranks; "
+                                                      r"pass allow_hybrid_mode=False \(direct mode"):
+            ElasticBuffer(group, num_bytes=2 << 20)
+        with pytest.raises(BackendMade):
+            ElasticBuffer(group, num_bytes=2 << 20, allow_hybrid_mode=False)
+    group = group_of(5, 64, 32)
+    monkeypatch.setattr(deep_ep.buffer, "make_backend", backend_made)
+    with pytest.raises(BackendMade):
+        ElasticBuffer(group, num_bytes=2 << 20)
+    # one node of 66 ranks: no forwarding, no limit
+    one_node = topology.domains_from_nvlink_ranks(66, 40, 66)
+    topology.require_scaleout_support(one_node, 40, 23007, emulated=emulated)
 
 
 def test_require_scaleout_support_one_domain_passes():
