@@ -9,7 +9,7 @@
 * A GPU group over two NVLink domains is refused before anything is allocated, naming the NCCL
   versions; emulated nodes (`EmulatedGroup(num_nvlink_ranks=...)`) report their domains, run direct
   mode and refuse hybrid mode. Hybrid mode on nodes of more than 32 ranks (real or emulated) is
-  refused at creation.
+  refused at creation; on a GPU buffer across nodes the experimental primitives refuse every method.
 """
 from __future__ import annotations
 
@@ -183,6 +183,56 @@ def test_hybrid_nodes_of_more_than_32_ranks_refused_at_creation(monkeypatch, emu
     # one node of 66 ranks: no forwarding, no limit
     one_node = topology.domains_from_nvlink_ranks(66, 40, 66)
     topology.require_scaleout_support(one_node, 40, 23007, emulated=emulated)
+
+
+def test_primitives_refuse_a_gpu_buffer_across_nvlink_domains():
+    """Every method of the experimental primitives on a GPU buffer whose transport is a GIN (nodes,
+    real or emulated) raises NotImplementedError naming the method and the primitive, before it uses
+    the backend (the stand-in fails the test on any use) or holds the window."""
+    from deep_ep import ElasticBuffer
+    from deep_ep.backends.gpu import GPUBackend
+    from deep_ep.primitives import WindowUse
+
+    class SpanningBackend(GPUBackend):
+        transport_gin, num_ranks, calls = 2, 4, 0
+
+        def __init__(self):
+            pass
+
+        def __getattr__(self, name):
+            raise AssertionError(f"the backend was used ({name}) before the refusal")
+
+    buf = ElasticBuffer.__new__(ElasticBuffer)
+    buf._destroyed, buf._backend, buf._window_use = False, SpanningBackend(), WindowUse()
+    buf.rank_idx, buf.num_ranks, buf.num_cpu_bytes = 1, 4, 0
+    tensor, storage = torch.zeros(8), torch.zeros(4, 128, dtype=torch.bfloat16)
+
+    def enter_session():
+        with buf.agrs_new_session():
+            pass
+
+    calls = {"pipeline send/recv": [("pp_set_config", lambda: buf.pp_set_config(64, 2)),
+                                    ("pp_send", lambda: buf.pp_send(tensor, 2)),
+                                    ("pp_recv", lambda: buf.pp_recv(tensor, 0))],
+             "all-gather / reduce-scatter": [("agrs_set_config", lambda: buf.agrs_set_config(1024, 2)),
+                                             ("create_agrs_session", buf.create_agrs_session),
+                                             ("agrs_new_session", enter_session),
+                                             ("agrs_get_inplace_tensor", lambda: buf.agrs_get_inplace_tensor(
+                                                 [(8,)], torch.float32)),
+                                             ("all_gather", lambda: buf.all_gather(tensor)),
+                                             ("reduce_scatter", lambda: buf.reduce_scatter(tensor)),
+                                             ("destroy_agrs_session", buf.destroy_agrs_session)],
+             "Engram": [("engram_write", lambda: buf.engram_write(storage)),
+                        ("engram_fetch", lambda: buf.engram_fetch(torch.zeros(1, 1, dtype=torch.int32)))]}
+    for primitive, methods in calls.items():
+        for method, call in methods:
+            with pytest.raises(NotImplementedError, match=(
+                    rf"ElasticBuffer\.{method}: {primitive} runs within one NVLink domain only on GPU buffers .*"
+                    rf"group of 4 ranks spans several NVLink domains \(nodes, real or emulated\)\. DeepEP's "
+                    rf"version goes over GIN")):
+                call()
+    assert buf._window_use.holder is None and "calls" not in vars(buf._backend)
+    buf._destroyed = True   # nothing to release: the backend is a stand-in
 
 
 def test_require_scaleout_support_one_domain_passes():
