@@ -20,7 +20,8 @@ rank itself) it is ``(1, R)``. Rank ``r`` is scale-out rank ``r // S`` and scale
 GPU buffers spanning more than one NVLink domain need NCCL GIN (GPU-initiated networking, NCCL >=
 2.28.7); `require_scaleout_support` names the versions before anything is made, and
 `require_gin_features` what the NCCL GIN transport (`deep_ep.comm.nccl_gin`) needs of the loaded
-NCCL and of its communicator before it allocates anything.
+NCCL and of its communicator before it allocates anything. On such buffers the experimental
+primitives refuse to run (`require_one_nvlink_domain`): their GPU paths stay within one domain.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from . import envs
 __all__ = ["Domains", "NCCL_GIN_MIN_VERSION", "NCCL_GIN_FEATURES", "domains_from_nvlink_ranks",
            "cpu_num_nvlink_ranks", "group_num_nvlink_ranks", "group_domains", "nccl_version_text",
            "require_scaleout_support", "require_gin_features", "NCCL_GIN_QUERY_VERSION",
-           "NCCL_GIN_TRAFFIC_CLASS_VERSION"]
+           "NCCL_GIN_TRAFFIC_CLASS_VERSION", "MAX_HYBRID_NODE_RANKS", "require_one_nvlink_domain"]
 
 #: The first NCCL whose device API has GIN (``nccl_device/gin.h``), as ``ncclGetVersion`` codes it.
 NCCL_GIN_MIN_VERSION = 22807
@@ -48,6 +49,10 @@ NCCL_GIN_FEATURES = {
 NCCL_GIN_QUERY_VERSION = 22900
 #: ``sl_idx`` becomes GIN's traffic class (``ginTrafficClass``); earlier releases cannot set it.
 NCCL_GIN_TRAFFIC_CLASS_VERSION = 23003
+
+#: The most ranks of a node in hybrid mode across nodes: the forwarding kernels
+#: (``impls/dispatch_forward.cuh``, ``impls/combine_forward.cuh``) give each rank of a node a warp lane.
+MAX_HYBRID_NODE_RANKS = 32
 
 _CPU_VARIABLE = "EP_CPU_NUM_NVLINK_RANKS"
 
@@ -151,11 +156,12 @@ def nccl_version_text(code: int) -> str:
 
 
 def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emulated: bool = False) -> None:
-    """Refuse a GPU buffer over more than one NVLink domain whose NCCL has no GIN (older than
-    2.28.7). Emulated nodes (``emulated``) run both modes, hybrid and direct, over the emulated GIN;
-    an NCCL group runs them over NCCL's GIN, whose transport checks the rest
-    (`require_gin_features`). Every rank of a refused group raises the same error (each sees more
-    than one domain), before anything is allocated.
+    """Refuse a GPU buffer over more than one NVLink domain that the kernels cannot run: hybrid mode
+    on nodes of more than `MAX_HYBRID_NODE_RANKS` ranks (real or emulated nodes), or an NCCL without
+    GIN (older than 2.28.7). Emulated nodes (``emulated``) run both modes, hybrid and direct, over
+    the emulated GIN; an NCCL group runs them over NCCL's GIN, whose transport checks the rest
+    (`require_gin_features`). Every rank of a refused group raises the same error (each sees the
+    same domains), before anything is allocated.
 
     Args:
         domains: the rank's `Domains`. rank: for the message. nccl_version: the loaded libnccl's
@@ -163,14 +169,47 @@ def require_scaleout_support(domains: Domains, rank: int, nccl_version: int, emu
             `deep_ep.emulated.EmulatedGroup`'s.
 
     Raises:
+        NotImplementedError: hybrid mode across nodes of more than 32 ranks (direct mode,
+            ``allow_hybrid_mode=False``, has no such limit).
         RuntimeError: more than one NVLink domain on an NCCL group and an NCCL older than 2.28.7.
     """
-    if domains.num_rdma_ranks <= 1 or emulated:
+    if domains.num_rdma_ranks <= 1:
+        return
+    if domains.num_scaleout_ranks > 1 and domains.num_nvlink_ranks > MAX_HYBRID_NODE_RANKS:
+        raise NotImplementedError(
+            f"rank {rank}: hybrid mode supports nodes of at most {MAX_HYBRID_NODE_RANKS} ranks (its forwarding "
+            f"kernels give each rank of a node a lane of a warp), and this group spans {domains.num_rdma_ranks} "
+            f"nodes (NVLink domains) of {domains.num_nvlink_ranks} ranks; pass allow_hybrid_mode=False (direct "
+            f"mode, which has no such limit)")
+    if emulated:
         return
     if nccl_version < NCCL_GIN_MIN_VERSION:
         raise RuntimeError(f"{_spans(domains, rank)}: GIN needs NCCL >= {nccl_version_text(NCCL_GIN_MIN_VERSION)}, "
                            f"and the NCCL torch loaded is {nccl_version_text(nccl_version)}; install a newer "
                            f"nvidia-nccl wheel (docs/scaleout.md)")
+
+
+def require_one_nvlink_domain(method: str, primitive: str, backend) -> None:
+    """Refuse an experimental primitive (pipeline send/recv, all-gather / reduce-scatter, Engram) on
+    a GPU buffer whose group spans several NVLink domains: its GPU path reaches the peers by loads,
+    stores and copy engines only, so it runs within one NVLink domain. ``backend`` is the buffer's
+    `deep_ep.backends.gpu.GPUBackend`; its ``transport_gin`` (nonzero: a GIN transport, NCCL's across
+    real nodes or the emulated one across emulated nodes) tells. Every rank raises alike (each sees
+    the same transport), before the primitive allocates or launches anything.
+
+    Args:
+        method: the public method called (for the message). primitive: the primitive's name.
+
+    Raises:
+        NotImplementedError: the buffer's group spans several NVLink domains.
+    """
+    if not getattr(backend, "transport_gin", 0):
+        return
+    raise NotImplementedError(
+        f"ElasticBuffer.{method}: {primitive} runs within one NVLink domain only on GPU buffers (its peers are "
+        f"reached by loads, stores and copy engines), and this buffer's group of {backend.num_ranks} ranks spans "
+        f"several NVLink domains (nodes, real or emulated). DeepEP's version goes over GIN across nodes; deep_ep's "
+        f"does not yet. Use a buffer on a group within one NVLink domain for it, or the CPU backend")
 
 
 def _spans(domains: Domains, rank: int) -> str:

@@ -7,7 +7,8 @@ calls faked (no GPU, no libnccl): `deep_ep.comm.nccl_gin.NcclGinTransport` and
   mode, exclusive contexts, ``sl_idx`` as the traffic class, each at the offset the headers give
   (compiled probes of NCCL 2.28.9's and 2.32.3's headers), and none of the later fields on 2.28.9;
 * the errors before anything is allocated: NCCL older than 2.28.7, 2.29 (cannot ask for GIN), 2.30.3
-  (cannot set the traffic class), a communicator without GIN (on rails in hybrid mode);
+  (cannot set the traffic class), a communicator without GIN (on rails in hybrid mode), hybrid mode on
+  nodes of more than 32 ranks;
 * one RuntimeWarning that the path has not run on RDMA hardware, the kernels' mode, the window
   (staging, forwarding area and inbox inside it) and the transport arguments;
 * `open_nccl_transport` keeps the one-node transport when the LSA team holds every rank.
@@ -236,6 +237,21 @@ def test_refused_before_anything_is_allocated(monkeypatch, kwargs, fake, match):
         with pytest.raises(RuntimeError, match=match):
             nccl_gin.NcclGinTransport(_Group(5, 8), 64 << 20, torch.device("cpu"), **kwargs)
     assert record.devcomms == [] and record.windows == [] and record.released == 1
+
+
+def test_hybrid_nodes_of_more_than_32_ranks_are_refused_before_allocation(monkeypatch):
+    """The transport refuses hybrid mode on LSA teams of 33 ranks itself too (`ElasticBuffer` does
+    first: tests/test_topology.py), before any warning or allocation; direct mode is made."""
+    record = _Record()
+    _fake_nccl(monkeypatch, record, team=(33, 7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(NotImplementedError, match=r"rank 40: hybrid mode supports nodes of at most 32 ranks"):
+            nccl_gin.NcclGinTransport(_Group(40, 66), 64 << 20, torch.device("cpu"))
+    assert record.devcomms == [] and record.windows == [] and record.released == 1
+    with pytest.warns(RuntimeWarning):
+        transport = nccl_gin.NcclGinTransport(_Group(40, 66), 64 << 20, torch.device("cpu"), allow_hybrid_mode=False)
+    assert transport.gin_define == 1 and transport.state.node_ranks == 33
 
 
 def test_a_window_too_small_is_refused_before_allocation(monkeypatch):

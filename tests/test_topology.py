@@ -8,7 +8,8 @@
   many configurations, and against DeepEP's numbers derived by hand.
 * A GPU group over two NVLink domains is refused before anything is allocated, naming the NCCL
   versions; emulated nodes (`EmulatedGroup(num_nvlink_ranks=...)`) report their domains, run direct
-  mode and refuse hybrid mode.
+  mode and refuse hybrid mode. Hybrid mode on nodes of more than 32 ranks (real or emulated) is
+  refused at creation; on a GPU buffer across nodes the experimental primitives refuse every method.
 """
 from __future__ import annotations
 
@@ -143,6 +144,95 @@ def test_gpu_permuted_lsa_team_refused(monkeypatch):
     monkeypatch.setattr(topology, "_nccl_lsa_team", lambda g: (3, 1))
     with pytest.raises(ValueError, match="LSA team"):
         get_physical_domain_size(group)
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["nccl", "emulated"])
+def test_hybrid_nodes_of_more_than_32_ranks_refused_at_creation(monkeypatch, emulated):
+    """Hybrid mode across nodes of 33 ranks is refused on every rank by ElasticBuffer, before a backend
+    is made, for an NCCL group (LSA teams of 33) and emulated nodes alike; direct mode and nodes of 32
+    go on to the backend."""
+    import deep_ep.buffer
+    from deep_ep import ElasticBuffer
+
+    class BackendMade(Exception):
+        pass
+
+    def backend_made(group, config, device):
+        raise BackendMade   # stop before anything reads the backend
+
+    def group_of(rank, num_ranks, node_ranks):
+        if not emulated:
+            return _fake_nccl_group(monkeypatch, rank, num_ranks, node_ranks, 23007)
+        group = _EmulatedRankGroup(node_ranks)
+        group.rank, group.size = (lambda: rank), (lambda: num_ranks)
+        return group
+
+    for rank in (0, 32, 40, 65):
+        group = group_of(rank, 66, 33)
+        monkeypatch.setattr(deep_ep.buffer, "make_backend", backend_made)
+        with pytest.raises(NotImplementedError, match=rf"rank {rank}: hybrid mode supports nodes of at most 32 "
+                                                      r"ranks .* spans 2 nodes \(NVLink domains\) of 33 ranks; "
+                                                      r"pass allow_hybrid_mode=False \(direct mode"):
+            ElasticBuffer(group, num_bytes=2 << 20)
+        with pytest.raises(BackendMade):
+            ElasticBuffer(group, num_bytes=2 << 20, allow_hybrid_mode=False)
+    group = group_of(5, 64, 32)
+    monkeypatch.setattr(deep_ep.buffer, "make_backend", backend_made)
+    with pytest.raises(BackendMade):
+        ElasticBuffer(group, num_bytes=2 << 20)
+    # one node of 66 ranks: no forwarding, no limit
+    one_node = topology.domains_from_nvlink_ranks(66, 40, 66)
+    topology.require_scaleout_support(one_node, 40, 23007, emulated=emulated)
+
+
+def test_primitives_refuse_a_gpu_buffer_across_nvlink_domains():
+    """Every method of the experimental primitives on a GPU buffer whose transport is a GIN (nodes,
+    real or emulated) raises NotImplementedError naming the method and the primitive, before it uses
+    the backend (the stand-in fails the test on any use) or holds the window."""
+    from deep_ep import ElasticBuffer
+    from deep_ep.backends.gpu import GPUBackend
+    from deep_ep.primitives import WindowUse
+
+    class SpanningBackend(GPUBackend):
+        transport_gin, num_ranks, calls = 2, 4, 0
+
+        def __init__(self):
+            pass
+
+        def __getattr__(self, name):
+            raise AssertionError(f"the backend was used ({name}) before the refusal")
+
+    buf = ElasticBuffer.__new__(ElasticBuffer)
+    buf._destroyed, buf._backend, buf._window_use = False, SpanningBackend(), WindowUse()
+    buf.rank_idx, buf.num_ranks, buf.num_cpu_bytes = 1, 4, 0
+    tensor, storage = torch.zeros(8), torch.zeros(4, 128, dtype=torch.bfloat16)
+
+    def enter_session():
+        with buf.agrs_new_session():
+            pass
+
+    calls = {"pipeline send/recv": [("pp_set_config", lambda: buf.pp_set_config(64, 2)),
+                                    ("pp_send", lambda: buf.pp_send(tensor, 2)),
+                                    ("pp_recv", lambda: buf.pp_recv(tensor, 0))],
+             "all-gather / reduce-scatter": [("agrs_set_config", lambda: buf.agrs_set_config(1024, 2)),
+                                             ("create_agrs_session", buf.create_agrs_session),
+                                             ("agrs_new_session", enter_session),
+                                             ("agrs_get_inplace_tensor", lambda: buf.agrs_get_inplace_tensor(
+                                                 [(8,)], torch.float32)),
+                                             ("all_gather", lambda: buf.all_gather(tensor)),
+                                             ("reduce_scatter", lambda: buf.reduce_scatter(tensor)),
+                                             ("destroy_agrs_session", buf.destroy_agrs_session)],
+             "Engram": [("engram_write", lambda: buf.engram_write(storage)),
+                        ("engram_fetch", lambda: buf.engram_fetch(torch.zeros(1, 1, dtype=torch.int32)))]}
+    for primitive, methods in calls.items():
+        for method, call in methods:
+            with pytest.raises(NotImplementedError, match=(
+                    rf"ElasticBuffer\.{method}: {primitive} runs within one NVLink domain only on GPU buffers .*"
+                    rf"group of 4 ranks spans several NVLink domains \(nodes, real or emulated\)\. DeepEP's "
+                    rf"version goes over GIN")):
+                call()
+    assert buf._window_use.holder is None and "calls" not in vars(buf._backend)
+    buf._destroyed = True   # nothing to release: the backend is a stand-in
 
 
 def test_require_scaleout_support_one_domain_passes():

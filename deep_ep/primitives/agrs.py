@@ -9,7 +9,8 @@ space. Each call returns at once with a handle that waits for its data; handles 
 order, and the session's end (`destroy_agrs_session`) waits for those left. This module keeps the
 per-rank bookkeeping and every check (all before anything is sent); backends move the bytes (CPU:
 `deep_ep.backends.cpu.agrs` over gloo; GPU: `deep_ep.backends.gpu.agrs`, copy engines and stream
-memory operations on the caller's stream, no SM).
+memory operations on the caller's stream, no SM, within one NVLink domain: on a GPU buffer across
+NVLink domains every method raises NotImplementedError).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import math
 
 import torch
 
-from .. import checks
+from .. import checks, topology
 from .agrs_session import AgrsHandle, _check_dtype, _parse_shapes, _Session
 
 __all__ = ["AllGatherReduceScatterMixin", "AgrsHandle", "AGRS_TENSOR_ALIGNMENT", "AGRS_MAX_OPS_PER_SESSION"]
@@ -94,12 +95,14 @@ class AllGatherReduceScatterMixin:
         return session
 
     def _agrs_on_gpu(self, method: str) -> bool:
-        """True for a GPU buffer, False for a CPU one; any other backend raises NotImplementedError."""
+        """True for a GPU buffer, False for a CPU one; any other backend, or a GPU buffer across NVLink
+        domains (`deep_ep.topology.require_one_nvlink_domain`), raises NotImplementedError."""
         from ..backends.cpu import CPUBackend
         if isinstance(self._backend, CPUBackend):
             return False
         from ..backends.gpu import GPUBackend
         if isinstance(self._backend, GPUBackend):
+            topology.require_one_nvlink_domain(method, "all-gather / reduce-scatter", self._backend)
             return True
         raise NotImplementedError(f"ElasticBuffer.{method}: all-gather / reduce-scatter sessions are not implemented "
                                   f"for this backend ({type(self._backend).__name__}); GPU buffers and the CPU "
@@ -187,7 +190,8 @@ class AllGatherReduceScatterMixin:
             the header). RuntimeError: a session is open, another primitive holds the window, a
             destroyed buffer, CUDA-graph capture (GPU), or (on every rank) ranks that disagree on
             the values. TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``.
-            NotImplementedError: a backend other than CPU and GPU.
+            NotImplementedError: a backend other than CPU and GPU, or a GPU buffer across NVLink
+                domains.
         """
         session = self._agrs("agrs_set_config")
         backend = self._backend
@@ -236,7 +240,8 @@ class AllGatherReduceScatterMixin:
             RuntimeError: a session is already open, `agrs_set_config` was not called, another
             primitive holds the window, a destroyed buffer, or (GPU) a dispatch, combine or pipeline
             send/recv since agrs_set_config, or an earlier GPU error. TimeoutError: (GPU) as
-            `all_gather`. NotImplementedError: a backend other than CPU and GPU.
+            `all_gather`. NotImplementedError: a backend other than CPU and GPU, or a GPU buffer
+            across NVLink domains.
         """
         session = self._agrs("create_agrs_session")
         if session.open:
@@ -267,7 +272,8 @@ class AllGatherReduceScatterMixin:
         Raises:
             RuntimeError: no session is open, a destroyed buffer, or (CPU, on every rank) ranks whose
             sessions differ. TimeoutError: (CPU) a peer did not arrive.
-            NotImplementedError: a backend other than CPU and GPU.
+            NotImplementedError: a backend other than CPU and GPU, or a GPU buffer across NVLink
+                domains.
         """
         session = self._agrs_in_session("destroy_agrs_session")
         backend = self._backend
@@ -287,8 +293,9 @@ class AllGatherReduceScatterMixin:
         exception). ``enabled=False`` makes it a no-op.
 
         Raises:
-            TypeError: ``enabled`` not a flag. NotImplementedError: a backend other than CPU and GPU
-            (``enabled`` or not); otherwise what the two methods raise.
+            TypeError: ``enabled`` not a flag. NotImplementedError: a backend other than CPU and GPU,
+            or a GPU buffer across NVLink domains (``enabled`` or not); otherwise what the two
+            methods raise.
         """
         self._agrs("agrs_new_session")
         if not checks.check_bool("enabled", enabled):
@@ -334,7 +341,7 @@ class AllGatherReduceScatterMixin:
         Raises:
             TypeError / ValueError: bad shapes or dtype. RuntimeError: outside a session, or the
             session's space or call count would be exceeded. NotImplementedError: a backend other
-            than CPU and GPU.
+            than CPU and GPU, or a GPU buffer across NVLink domains.
         """
         session = self._agrs_in_session("agrs_get_inplace_tensor")
         parsed, batched = _parse_shapes("shapes", shapes)
@@ -410,7 +417,8 @@ class AllGatherReduceScatterMixin:
             rank) ranks passing different shapes or dtypes (not detected on GPU: the outputs are
             then undefined), or (GPU) a dispatch, combine or pipeline send/recv since agrs_set_config.
             TimeoutError: (GPU) this rank's stream has waited over ``num_cpu_timeout_secs`` for a
-            peer's call (named) that never came. NotImplementedError: a backend other than CPU and GPU.
+            peer's call (named) that never came. NotImplementedError: a backend other than CPU and GPU,
+            or a GPU buffer across NVLink domains.
         """
         session = self._agrs_in_session("all_gather")
         backend = self._backend
@@ -453,7 +461,8 @@ class AllGatherReduceScatterMixin:
         Raises:
             TypeError / ValueError: bad tensors or flag (before any communication), an input inside
             the unused part of the session space. RuntimeError: as `all_gather`.
-            NotImplementedError: a backend other than CPU and GPU.
+            NotImplementedError: a backend other than CPU and GPU, or a GPU buffer across NVLink
+                domains.
         """
         session = self._agrs_in_session("reduce_scatter")
         backend = self._backend

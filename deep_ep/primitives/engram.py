@@ -6,7 +6,8 @@ publishes the shards (collective), `engram_fetch` gathers any entries from their
 backend (`deep_ep.backends.cpu.engram`: shared memory) is the executable specification; GPU buffers
 (`deep_ep.backends.gpu.engram`) keep each shard in the last ``num_cpu_bytes`` of the rank's window
 or, with ``storage_location="host"``, in ``num_cpu_bytes`` of pinned host memory (DeepEP's place),
-and gather with one kernel on the caller's stream. Argument checks live here, for both. Out-of-range
+and gather with one kernel on the caller's stream, within one NVLink domain (a GPU buffer across
+NVLink domains raises NotImplementedError). Argument checks live here, for both. Out-of-range
 indices: the CPU checks them on the host before reading; a GPU kernel checks them while it gathers
 (an index is never read outside the table), and the next fetch on that rank raises.
 `engram_fetch_reference` is the per-rank semantics of a fetch, given the whole table.
@@ -17,7 +18,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .. import checks, shapes
+from .. import checks, shapes, topology
 from ..backends.engram_table import STORAGE_LOCATIONS
 
 __all__ = ["EngramMixin", "EngramFetchHook", "engram_fetch_reference"]
@@ -143,7 +144,8 @@ class EngramMixin:
         0 or ``CAP_SYS_PTRACE``); else pass ``storage_location="device"``.
 
         Raises:
-            NotImplementedError: a backend without Engram; ranks on several hosts (CPU backend).
+            NotImplementedError: a backend without Engram; a GPU buffer across NVLink domains;
+                ranks on several hosts (CPU backend).
             TypeError / ValueError: bad arguments (``storage_location`` neither ``"host"`` nor
                 ``"device"`` included), raised on this rank before any communication;
                 on a GPU buffer also a window with less than 64 KiB + 64 bytes before its last
@@ -234,7 +236,7 @@ class EngramMixin:
             calls return the same tensors. Fresh tensors, on the buffer's device.
 
         Raises:
-            NotImplementedError: a backend without Engram.
+            NotImplementedError: a backend without Engram; a GPU buffer across NVLink domains.
             TypeError / ValueError: bad arguments, an index out of range, or a receive area too small
             (``T * E * hidden * itemsize`` over ``num_bytes - num_cpu_bytes``; not checked on CPU
             buffers made without ``num_bytes``, which allocate per call); all before anything is read.
@@ -286,14 +288,16 @@ class EngramMixin:
 
     # ------------------------------------------------------------------ helpers
     def _engram_backend(self, method: str) -> tuple:
-        """``(backend, on_gpu)``; NotImplementedError naming ``method`` for a backend without Engram
-        (before any communication)."""
+        """``(backend, on_gpu)``; NotImplementedError naming ``method`` for a backend without Engram or
+        a GPU buffer across NVLink domains (`deep_ep.topology.require_one_nvlink_domain`), before any
+        communication."""
         from ..backends.cpu import CPUBackend
         backend = self._backend
         if isinstance(backend, CPUBackend):
             return backend, False
         from ..backends.gpu import GPUBackend
         if isinstance(backend, GPUBackend):
+            topology.require_one_nvlink_domain(method, "Engram", backend)
             return backend, True
         raise NotImplementedError(
             f"ElasticBuffer.{method} (Engram) is not implemented for this backend ({type(backend).__name__}); "

@@ -5,7 +5,8 @@ rank of the ring, first in, first out per channel (an ordered pair of neighbours
 ``num_max_inflight_tensors`` tensors in flight per channel. The CPU backend runs it over gloo
 (`deep_ep.backends.cpu.pp`); the GPU backend on the caller's stream (`deep_ep.backends.gpu.pp`),
 with the copy engine and stream memory operations (``num_sms=0``, no SM held) or one kernel of
-``num_sms`` blocks, for ranks emulated on one GPU and NCCL windows alike.
+``num_sms`` blocks, for ranks emulated on one GPU and NCCL windows alike, within one NVLink domain
+(on a GPU buffer across NVLink domains every method raises NotImplementedError).
 
 Window: a rank that sent or received a PP tensor holds the buffer's window (dispatch, combine and
 the other primitives raise) until the next `pp_set_config`, which is collective and frees it on
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import checks
+from .. import checks, topology
 
 __all__ = ["PipelineMixin", "PP_SLOT_ALIGNMENT"]
 
@@ -66,12 +67,14 @@ class PipelineMixin:
 
     # ------------------------------------------------------------------ helpers
     def _pp_on_gpu(self, method: str) -> bool:
-        """True for a GPU buffer, False for a CPU one; any other backend raises."""
+        """True for a GPU buffer, False for a CPU one; any other backend, or a GPU buffer across NVLink
+        domains (`deep_ep.topology.require_one_nvlink_domain`), raises NotImplementedError."""
         from ..backends.cpu import CPUBackend
         if isinstance(self._backend, CPUBackend):
             return False
         from ..backends.gpu import GPUBackend
         if isinstance(self._backend, GPUBackend):
+            topology.require_one_nvlink_domain(method, "pipeline send/recv", self._backend)
             return True
         raise NotImplementedError(
             f"ElasticBuffer.{method}: pipeline send/recv is not implemented for this backend "
@@ -143,6 +146,8 @@ class PipelineMixin:
                 not received.
             TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``; a GPU wait of an
                 earlier pp_send / pp_recv gave up (GPU).
+            NotImplementedError: a backend other than CPU and GPU, or a GPU buffer across NVLink
+                domains (as pp_send and pp_recv), on every rank before anything else.
         """
         self._alive()
         on_gpu = self._pp_on_gpu("pp_set_config")
