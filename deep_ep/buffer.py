@@ -145,9 +145,9 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         TypeError / ValueError: invalid arguments (a bad ``EP_CPU_NUM_NVLINK_RANKS`` too; ``device="cpu"``
         with an NCCL-only or emulated group).
         deep_ep.cuda.nccl.NcclError: creating the private NCCL communicator failed.
-        NotImplementedError: the group needs the GPU backend and it is not available, or it spans
-        more than one NVLink domain on GPU (scale-out is not built yet; RuntimeError instead when
-        the NCCL loaded is older than GIN's 2.28.7), raised on every rank before any allocation.
+        NotImplementedError: the group needs the GPU backend and it is not available, or hybrid mode
+        across nodes of more than 32 ranks. RuntimeError: a GPU group over several NVLink domains
+        whose NCCL or communicator lacks GIN. Each raised on every rank before any allocation.
     """
 
     def __init__(self, group, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
