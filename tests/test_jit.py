@@ -242,18 +242,20 @@ def test_nccl_device_api_kernel_compiles(version, request):
     probe = jit.build("deep_ep_devcomm_probe", PROBE_SOURCE, use_nccl=True, nccl_include_dir=inc)
     assert probe.cubin[:4] == b"\x7fELF"
     src = (KERNELS / "nccl_device_api.cu").read_text()
+    # the probe may already be on disk (other tests of the session share the cache): count from here
+    builds, disk_hits = jit.stats()["builds"], jit.stats()["disk_hits"]
     t0 = time.perf_counter()
     mod = jit.build("nccl_device_api", src, use_nccl=True, nccl_include_dir=inc)
     cold = time.perf_counter() - t0
     assert mod.kernel_names() == ["nccl_device_api_probe"]
-    assert jit.stats()["builds"] == 2
+    assert jit.stats()["builds"] == builds + 1
     # Second build, disk path (in-memory cache cleared): a cache hit.
     jit.clear_memory_cache()
     t0 = time.perf_counter()
     again = jit.build("nccl_device_api", src, use_nccl=True, nccl_include_dir=inc)
     hit = time.perf_counter() - t0
     assert again.key == mod.key and again.cubin == mod.cubin
-    assert jit.stats()["disk_hits"] == 1 and jit.stats()["builds"] == 2
+    assert jit.stats()["disk_hits"] == disk_hits + 1 and jit.stats()["builds"] == builds + 1
     # Shown with `pytest -rP` (or -s), not in the quiet output.
     print(f"\nNCCL {found}: cold NVRTC build {cold * 1e3:.0f} ms, disk-cache hit {hit * 1e3:.1f} ms, "
           f"info {mod.info}")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from deep_ep.legacy import deferred, ll_state, low_latency
+from deep_ep.legacy import deferred, layouts, ll_state, low_latency
 from proc_utils import run_gloo_ranks
 from test_legacy_low_latency import MAX_TOKENS, _equal, _expected_combine, _raw, _rank_inputs, num_experts_for
 
@@ -65,8 +65,10 @@ def _check_failed_calls_hold_nothing(buffer, rank, num_ranks):
     expert_x = _expert_x(plain, rank, num_local)
     want = _expected_combine(rank, num_experts, HIDDEN, inputs, False, False)
     assert torch.equal(combine(expert_x, plain[2], False)[0], want)
+    # what each call makes after its hook: a dispatch's results come from layouts.py, a combine's here
+    dispatch_places = ((ll_state, "ReceiveHook"), (layouts, "EventOverlap"))
     places = ((ll_state, "ReceiveHook"), (low_latency, "EventOverlap"))
-    for module, name in places:
+    for module, name in dispatch_places:
         for _ in range(2):                     # without the release, two failures hold both halves
             with _raising(module, name), pytest.raises(_Forced):
                 dispatch(True)
@@ -87,7 +89,7 @@ def _check_failed_calls_hold_nothing(buffer, rank, num_ranks):
     assert torch.equal(combine_first[0], want) and torch.equal(combine_second[0], want)
     # a failing call leaves an earlier call's pending hook (and its half) as they were
     pending = dispatch(True)
-    with _raising(low_latency, "EventOverlap"), pytest.raises(_Forced):
+    with _raising(layouts, "EventOverlap"), pytest.raises(_Forced):
         dispatch(True)
     assert buffer._pending_hooks()[pending[2].slot] == "low_latency_dispatch"
     assert buffer._pending_hooks()[1 - pending[2].slot] is None
