@@ -246,10 +246,15 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
 
 def _combine_half(owner) -> int:
     """The buffer half of the next combine: combines alternate halves of their own (every rank makes the
-    same calls, so every rank picks the same), whatever half their dispatch used. A rank's next combine
-    on a half can only start once its peers have finished receiving the previous one there, so a fast
-    rank never overwrites rows or flags a slow one is still waiting for; reusing the dispatch's half
-    would let two combines of one handle in a row do exactly that.
+    same calls, so every rank picks the same), whatever half their dispatch used; reusing the
+    dispatch's half let two combines of one handle in a row share rows and flags. Without receive
+    hooks a rank's combine on a half starts only after its receive of the combine before, which
+    waited for every peer's send of it, each sent after that peer's own receive of the combine on
+    this half: a fast rank never overwrites what a slow one still waits for. With hooks the slack is
+    DeepEP's: every rank must call a combine's hook before its peers make two more combines. The half
+    is chosen on the host, so a CUDA graph replays its combines on the halves of their capture: a
+    graph of one dispatch and one combine (a decode step) is safe, as the dispatch orders the
+    replays; replaying a graph of combines alone back to back is not.
 
     Raises:
         RuntimeError: the receive hook of the last combine on that half was not called yet.
