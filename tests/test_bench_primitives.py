@@ -149,15 +149,18 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
     timer = Timer.__new__(Timer)
     timer.round = fake_round
     figures, beside = timer.overlap(calls, 20, 25.0, compute, copies)
-    assert seen[0] == ("alone", 8) and figures["matmuls_per_round"] == 5   # 20 x 25 us over 100 us
-    assert seen[1 + ROUNDS:] == [("call", 5), ("copies", 5)] * ROUNDS        # taking turns, the same matmuls
+    assert seen[:2] == [("alone", 1), ("alone", 8)]                        # a warm-up matmul, then the probe
+    assert figures["matmuls_per_round"] == 5                                # 20 x 25 us over 100 us
+    assert seen[2 + ROUNDS:] == [("call", 5), ("copies", 5)] * ROUNDS        # taking turns, the same matmuls
     assert figures["slowdown_percent"] == pytest.approx(12.0)
     plain = figures["plain_copy"]
     assert plain["copies_per_call"] == 2 and plain["bytes"] == 2 * 2 * MIB and plain["copy_both_us"] == 12.0
     assert plain["slowdown_percent"] == pytest.approx(9.0)
     assert figures["excess_percent"] == pytest.approx((112.0 / 109.0 - 1) * 100)
     assert len(beside) == 2 * ROUNDS
+    seen.clear()
     alone_only, _ = timer.overlap(calls, 20, 25.0, compute)
+    assert seen[0] == ("alone", 8)                                          # warmed up once per shape
     assert alone_only["plain_copy"] is None and alone_only["excess_percent"] is None
 
 

@@ -174,6 +174,10 @@ class Timer:
         ``iters`` calls of ``time_us`` (medians of `ROUNDS` rounds); with ``copies`` (one per rank),
         the same matmuls beside ``iters`` of each rank's plain copies per round, the rounds beside the
         transfer and beside the copies taking turns. Returns ``(figures, rounds beside)``."""
+        warm = self.__dict__.setdefault("_warm_matmuls", set())
+        if matmul.key not in warm:   # a shape's first matmul pays cuBLAS's set-up: it would size the rounds
+            self.round([], iters, matmul, 1)
+            warm.add(matmul.key)
         probe = self.round([], iters, matmul, PROBE_MATMULS)
         count = matmul_count(time_us * iters, probe["matmul_us"])
         alone = [self.round([], iters, matmul, count) for _ in range(ROUNDS)]
