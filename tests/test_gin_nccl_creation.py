@@ -139,11 +139,18 @@ class _Group:
 
 
 class _Record:
+    """What the faked NCCL saw: the device communicators and windows made and destroyed, the lease's
+    releases, every call in order (``calls``) and this rank's words of each agreement before the
+    all-reduce (``contributed``)."""
+
     def __init__(self) -> None:
         self.devcomms, self.windows, self.released = [], [], 0
+        self.calls, self.contributed = [], []
 
 
-def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3), contexts_given=4):
+def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3), contexts_given=4, peers=()):
+    """NCCL's calls faked for one rank; ``peers[i]`` (a list of words) is what the other ranks put
+    into the i-th agreement's all-reduce (MAX), none: they agree with this rank."""
     layout = devcomm.DevCommLayout(version=version, devcomm_size=248, requirements_size=104, transport_args_size=256,
                                    window_offset=248, offsets={}, requirements=b"", properties=b"x",
                                    properties_gin_type=36, devcomm_gin_context_count=(152, 4),
@@ -154,10 +161,12 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
 
         def release(self):
             record.released += 1
+            record.calls.append("lease released")
 
     class DeviceCommunicator:
         def __init__(self, comm, num_ranks, gin=None):
             record.devcomms.append((comm, num_ranks, gin))
+            record.calls.append("devcomm created")
             self.layout, self.gin_context_count = layout, contexts_given
 
         def devcomm_bytes(self):
@@ -165,14 +174,24 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
 
         def destroy(self):
             record.devcomms.append("destroyed")
+            record.calls.append("devcomm destroyed")
 
     class SymmetricWindow:
         def __init__(self, comm, num_bytes, device):
             record.windows.append(num_bytes)
+            record.calls.append("window registered")
             self.ptr, self.handle = 0x7000_0000, 0xABC
 
         def destroy(self):
             record.windows.append("destroyed")
+            record.calls.append("window deregistered")
+
+    def all_reduce_max(words, group):
+        record.contributed.append(words.tolist())
+        record.calls.append("agreement")
+        index = len(record.contributed) - 1
+        if index < len(peers):
+            words.copy_(torch.maximum(words, torch.tensor(peers[index], dtype=words.dtype)))
 
     monkeypatch.setattr(nccl_gin, "acquire_communicator", lambda group, device: Lease())
     monkeypatch.setattr(nccl_gin, "lsa_team", lambda comm: team)
@@ -182,6 +201,7 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
     monkeypatch.setattr(nccl_gin, "nccl_version", lambda: version)
     monkeypatch.setattr(nccl_gin, "DeviceCommunicator", DeviceCommunicator)
     monkeypatch.setattr(nccl_gin, "SymmetricWindow", SymmetricWindow)
+    monkeypatch.setattr(nccl_gin, "_all_reduce_max", all_reduce_max)
     monkeypatch.setattr(nccl_gin, "_device_words", lambda raw, device: (torch.frombuffer(bytearray(raw), dtype=torch.uint8),
                                                                         torch.zeros(2, dtype=torch.int32)))
     return layout
