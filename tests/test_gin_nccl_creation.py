@@ -342,7 +342,7 @@ def test_one_rank_refusing_makes_every_rank_raise(monkeypatch, refusing, cls, ow
     record1, error1 = _view(monkeypatch, 1, peers=[words5])
     assert type(error5) is cls and type(error1) is cls
     assert re.search(own, str(error5)) and not hasattr(error5, "__notes__")     # its own error, alone
-    assert str(error1).startswith(f"rank 1: rank 5 of the group refused the scale-out transport over NCCL's GIN")
+    assert str(error1).startswith("rank 1: rank 5 of the group refused the scale-out transport over NCCL's GIN")
     assert reason in str(error1) and "refused on ranks [5]" in str(error1)
     for record in (record5, record1):
         assert record.calls == ["agreement", "lease released"] and record.devcomms == [] and record.windows == []
