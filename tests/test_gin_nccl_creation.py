@@ -11,10 +11,16 @@ calls faked (no GPU, no libnccl): `deep_ep.comm.nccl_gin.NcclGinTransport` and
   nodes of more than 32 ranks;
 * one RuntimeWarning that the path has not run on RDMA hardware, the kernels' mode, the window
   (staging, forwarding area and inbox inside it) and the transport arguments;
-* `open_nccl_transport` keeps the one-node transport when the LSA team holds every rank.
+* `open_nccl_transport` keeps the one-node transport when the LSA team holds every rank;
+* the agreement over the group (two ranks' views, each all-reduce given the other's words): one
+  rank refusing makes every rank raise before the device communicator, naming the first refusing
+  rank; the least ``num_allocated_qps`` is asked for and the least number of GIN contexts given is
+  used; a device communicator failing or empty elsewhere stops every rank before the window;
+* release in reverse creation order: the window, the device communicator, the lease.
 """
 from __future__ import annotations
 
+import re
 import struct
 import warnings
 
@@ -139,11 +145,18 @@ class _Group:
 
 
 class _Record:
+    """What the faked NCCL saw: the device communicators and windows made and destroyed, the lease's
+    releases, every call in order (``calls``) and this rank's words of each agreement before the
+    all-reduce (``contributed``)."""
+
     def __init__(self) -> None:
         self.devcomms, self.windows, self.released = [], [], 0
+        self.calls, self.contributed = [], []
 
 
-def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3), contexts_given=4):
+def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3), contexts_given=4, peers=()):
+    """NCCL's calls faked for one rank; ``peers[i]`` (a list of words) is what the other ranks put
+    into the i-th agreement's all-reduce (MAX), none: they agree with this rank."""
     layout = devcomm.DevCommLayout(version=version, devcomm_size=248, requirements_size=104, transport_args_size=256,
                                    window_offset=248, offsets={}, requirements=b"", properties=b"x",
                                    properties_gin_type=36, devcomm_gin_context_count=(152, 4),
@@ -154,10 +167,12 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
 
         def release(self):
             record.released += 1
+            record.calls.append("lease released")
 
     class DeviceCommunicator:
         def __init__(self, comm, num_ranks, gin=None):
             record.devcomms.append((comm, num_ranks, gin))
+            record.calls.append("devcomm created")
             self.layout, self.gin_context_count = layout, contexts_given
 
         def devcomm_bytes(self):
@@ -165,14 +180,24 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
 
         def destroy(self):
             record.devcomms.append("destroyed")
+            record.calls.append("devcomm destroyed")
 
     class SymmetricWindow:
         def __init__(self, comm, num_bytes, device):
             record.windows.append(num_bytes)
+            record.calls.append("window registered")
             self.ptr, self.handle = 0x7000_0000, 0xABC
 
         def destroy(self):
             record.windows.append("destroyed")
+            record.calls.append("window deregistered")
+
+    def all_reduce_max(words, group):
+        record.contributed.append(words.tolist())
+        record.calls.append("agreement")
+        index = len(record.contributed) - 1
+        if index < len(peers):
+            words.copy_(torch.maximum(words, torch.tensor(peers[index], dtype=words.dtype)))
 
     monkeypatch.setattr(nccl_gin, "acquire_communicator", lambda group, device: Lease())
     monkeypatch.setattr(nccl_gin, "lsa_team", lambda comm: team)
@@ -182,6 +207,7 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
     monkeypatch.setattr(nccl_gin, "nccl_version", lambda: version)
     monkeypatch.setattr(nccl_gin, "DeviceCommunicator", DeviceCommunicator)
     monkeypatch.setattr(nccl_gin, "SymmetricWindow", SymmetricWindow)
+    monkeypatch.setattr(nccl_gin, "_all_reduce_max", all_reduce_max)
     monkeypatch.setattr(nccl_gin, "_device_words", lambda raw, device: (torch.frombuffer(bytearray(raw), dtype=torch.uint8),
                                                                         torch.zeros(2, dtype=torch.int32)))
     return layout
@@ -282,3 +308,98 @@ def test_open_nccl_transport_picks_by_the_lsa_team(monkeypatch):
     with pytest.warns(RuntimeWarning):
         transport = nccl_gin.open_nccl_transport(_Group(5, 8), 64 << 20, torch.device("cpu"), config)
     assert isinstance(transport, nccl_gin.NcclGinTransport) and record.devcomms[-1][2].contexts == 9
+
+
+# ---------------------------------------------------------------------------------------- agreement over the group
+def _view(monkeypatch, rank: int, size: int = 8, peers=(), **fake):
+    """Rank ``rank``'s creation with faked NCCL (``fake``) and the others' words (``peers``):
+    ``(its record, the transport or the exception it raised)``."""
+    record = _Record()
+    _fake_nccl(monkeypatch, record, peers=peers, **fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return record, nccl_gin.NcclGinTransport(_Group(rank, size), 64 << 20, torch.device("cpu"))
+        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+            return record, error
+
+
+@pytest.mark.parametrize("refusing, cls, own, reason", [
+    (dict(gin_types=(0, 0)), RuntimeError, "reports no GIN for hybrid mode", "cannot run GIN in this mode"),
+    (dict(team=(4, 2)), ValueError, r"LSA team \(index 2 of 4\)", "does not split the group"),
+    (dict(team=(3, 2)), ValueError, "cannot split a group of 8", "does not split the group"),
+    (dict(version=22809), RuntimeError, r"NCCL >= 2\.29\.0", "cannot run GIN in this mode"),
+], ids=["no-gin", "permuted-team", "unequal-teams", "old-nccl"])
+def test_one_rank_refusing_makes_every_rank_raise(monkeypatch, refusing, cls, own, reason):
+    """Rank 5 refuses, rank 1 passes its own checks: both raise before the device communicator
+    (each rank's view sees the other's words in the agreement's all-reduce)."""
+    alone5, _ = _view(monkeypatch, 5, **refusing)
+    alone1, _ = _view(monkeypatch, 1)
+    (words5,), words1 = alone5.contributed, alone1.contributed[0]     # rank 1 alone goes on to a second
+    assert words5[5] > 0 and words5[:5] + words5[6:8] == [0] * 7 and words5[8] == 0
+    assert words1 == [0] * 8 + [-129]                    # passed; 129 contexts (hybrid's default)
+    record5, error5 = _view(monkeypatch, 5, peers=[words1], **refusing)
+    record1, error1 = _view(monkeypatch, 1, peers=[words5])
+    assert type(error5) is cls and type(error1) is cls
+    assert re.search(own, str(error5)) and not hasattr(error5, "__notes__")     # its own error, alone
+    assert str(error1).startswith("rank 1: rank 5 of the group refused the scale-out transport over NCCL's GIN")
+    assert reason in str(error1) and "refused on ranks [5]" in str(error1)
+    for record in (record5, record1):
+        assert record.calls == ["agreement", "lease released"] and record.devcomms == [] and record.windows == []
+
+
+def test_every_refusing_rank_raises_its_own_error_and_names_the_others(monkeypatch):
+    alone2, _ = _view(monkeypatch, 2, team=(4, 3))
+    _, error5 = _view(monkeypatch, 5, peers=alone2.contributed, gin_types=(0, 0))
+    assert isinstance(error5, RuntimeError) and "reports no GIN" in str(error5)
+    assert error5.__notes__ == ["ranks [2, 5] of the group refused the scale-out transport"]
+    alone5, _ = _view(monkeypatch, 5, gin_types=(0, 0))
+    words = torch.maximum(torch.tensor(alone2.contributed[0]), torch.tensor(alone5.contributed[0])).tolist()
+    _, error0 = _view(monkeypatch, 0, peers=[words], team=(4, 0))
+    assert isinstance(error0, ValueError)                  # the first refusing rank's class and reason
+    assert "rank 0: rank 2 of the group refused" in str(error0) and "refused on ranks [2, 5]" in str(error0)
+
+
+def test_the_least_qps_and_contexts_are_agreed(monkeypatch):
+    """Rank 5 asks for 9 contexts and NCCL gives it 4; another rank asked for 6 and got 3: every
+    rank asks NCCL for 6 and its kernels use 3."""
+    record = _Record()
+    others_ask, others_got = [0] * 8 + [-6], [0] * 8 + [-3]
+    _fake_nccl(monkeypatch, record, contexts_given=4, peers=[others_ask, others_got])
+    with pytest.warns(RuntimeWarning):
+        transport = nccl_gin.NcclGinTransport(_Group(5, 8), 64 << 20, torch.device("cpu"), num_allocated_qps=9)
+    assert record.contributed == [[0] * 8 + [-9], [0] * 8 + [-4]]
+    assert record.devcomms[0][2].contexts == 6
+    assert transport.state.num_contexts == 3 and transport.kernel_args().num_contexts == 3
+    assert record.calls == ["agreement", "devcomm created", "agreement", "window registered"]
+
+
+@pytest.mark.parametrize("peer_code, match", [
+    (1, r"rank 5: NCCL could not create the device communicator on ranks \[3\]"),
+    (2, r"rank 5: NCCL's device communicator holds no GIN context on ranks \[3\] \(129 asked for\)"),
+])
+def test_a_device_communicator_failing_elsewhere_stops_every_rank(monkeypatch, peer_code, match):
+    record = _Record()
+    after = [0] * 8 + [0]
+    after[3] = peer_code
+    _fake_nccl(monkeypatch, record, peers=[[0] * 8 + [-129], after])
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=match):
+        nccl_gin.NcclGinTransport(_Group(5, 8), 64 << 20, torch.device("cpu"))
+    assert record.contributed[1] == [0] * 8 + [-4]          # this rank got 4 contexts
+    assert record.calls == ["agreement", "devcomm created", "agreement", "devcomm destroyed", "lease released"]
+
+
+def test_release_in_reverse_creation_order(monkeypatch):
+    """The window, registered after the device communicator, is deregistered before it is destroyed;
+    the lease goes last."""
+    record = _Record()
+    _fake_nccl(monkeypatch, record)
+    monkeypatch.setattr(nccl_gin.NcclGinTransport, "host_barrier", lambda self: record.calls.append("barrier"))
+    with pytest.warns(RuntimeWarning):
+        transport = nccl_gin.NcclGinTransport(_Group(5, 8), 64 << 20, torch.device("cpu"))
+    del record.calls[:]
+    transport.destroy()
+    assert record.calls == ["barrier", "window deregistered", "devcomm destroyed", "lease released"]
+    transport.destroy()                 # again: no NCCL call, the lease (idempotent itself) released again
+    assert record.calls[4:] == ["lease released"]
+    assert transport.window is None and transport.devcomm is None and transport._device_words == []

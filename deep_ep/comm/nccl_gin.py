@@ -11,8 +11,12 @@ What it asks of NCCL (`deep_ep.comm.devcomm.GinRequirements`): ``num_allocated_q
 transports' [epoch parity][source rank] signals) and one counter, exclusive contexts and RAIL
 connections in hybrid mode (FULL in direct mode) from NCCL 2.29.7, and ``sl_idx`` as the traffic
 class from 2.30.3. Before anything is allocated, every rank checks the loaded NCCL and its
-communicator (`deep_ep.topology.require_gin_features`) and warns that this path has not run on an
-RDMA NIC.
+communicator (`deep_ep.topology.require_gin_features`), the ranks agree over the torch group that
+every check passed (`agree_at_creation`: else every rank raises, naming the first rank that
+refused) and on the least ``num_allocated_qps``, and every rank warns that this path has not run
+on an RDMA NIC. After the device communicator they agree on the least number of GIN contexts NCCL
+gave, which every rank's kernels use. The window is released before the device communicator it
+was registered with.
 
 The registered window is larger than ``num_bytes``: a GIN put reads its source from the registered
 window, so the staging area (a receive half per rank: ``R * half_bytes``) follows the buffer's
@@ -35,7 +39,7 @@ from .nccl import SymmetricWindow, acquire_communicator, group_lsa_team, lsa_tea
 
 __all__ = ["NcclGinFields", "NcclGinHybridFields", "ScaleoutWindow", "scaleout_window", "transport_args_type",
            "gin_args_layout", "GIN_PROBE_SOURCE", "NcclGinTransport", "open_nccl_transport", "UNVALIDATED_WARNING",
-           "MAX_PUT_BYTES"]
+           "MAX_PUT_BYTES", "agree_at_creation"]
 
 #: the largest single put the kernels issue (a row or slot is one put below it)
 MAX_PUT_BYTES = 1 << 30
@@ -148,6 +152,65 @@ def _gin_requirements(num_ranks: int, num_allocated_qps: int, allow_hybrid_mode:
                            rail=bool(allow_hybrid_mode), traffic_class=int(sl_idx))
 
 
+#: why a rank refused the transport before the device communicator, by stage (the code gathered
+#: from every rank is ``4 * (index + 1) + kind``, kind the index of its exception's class in
+#: `_REFUSAL_KINDS`, anything else ``3``: a RuntimeError on the ranks that did not refuse)
+_REFUSALS = ("NCCL's LSA team does not split the group into NVLink domains of consecutive ranks",
+             "the group has more ranks than the kernels' peer table holds",
+             "the layout probe of the NCCL headers failed",
+             "the loaded NCCL, its communicator or the node size cannot run GIN in this mode",
+             "num_bytes is too small for the scale-out window")
+_REFUSAL_KINDS = (NotImplementedError, ValueError, RuntimeError)
+#: what a rank reports of the device communicator: created with GIN contexts, failed, none given
+_DEVCOMM_MADE, _DEVCOMM_FAILED, _DEVCOMM_NO_CONTEXT = 0, 1, 2
+
+
+def _refusal_code(stage: int, error: Exception) -> int:
+    kind = next((i for i, cls in enumerate(_REFUSAL_KINDS) if isinstance(error, cls)), len(_REFUSAL_KINDS))
+    return 4 * (stage + 1) + kind
+
+
+def _refusal_of(code: int) -> tuple:
+    """``(exception class, reason)`` of a rank's refusal code (`_refusal_code`)."""
+    kind = code % 4
+    return (_REFUSAL_KINDS[kind] if kind < len(_REFUSAL_KINDS) else RuntimeError), _REFUSALS[code // 4 - 1]
+
+
+def _all_reduce_max(words: torch.Tensor, group) -> None:
+    import torch.distributed as dist
+    dist.all_reduce(words, op=dist.ReduceOp.MAX, group=group)
+
+
+def agree_at_creation(group, device: torch.device, code: int, value: int) -> tuple:
+    """Collective over ``group``: ``(every rank's code, by rank; the least value any rank passed)``.
+
+    One all-reduce (MAX) of ``R + 1`` int64 words, on ``device`` for a group that carries CUDA
+    tensors only and on the CPU otherwise (as `deep_ep.comm.nccl.broadcast_unique_id` sends the
+    unique id): this rank's word holds ``code``, the last one ``-value``.
+
+    Args:
+        group: the torch group. device: this rank's CUDA device. code: this rank's, ``>= 0``
+            (0: nothing to report). value: this rank's, a non-negative int.
+    """
+    from .nccl import _carries_cpu_tensors
+    num_ranks = int(group.size())
+    words = torch.zeros(num_ranks + 1, dtype=torch.int64, device="cpu" if _carries_cpu_tensors(group) else device)
+    words[int(group.rank())] = int(code)
+    words[num_ranks] = -int(value)
+    _all_reduce_max(words, group)
+    gathered = [int(word) for word in words.tolist()]
+    return gathered[:num_ranks], -gathered[num_ranks]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every rank's checks found and the group agreed on, before the device communicator."""
+    hybrid: bool
+    node_ranks: int
+    window: ScaleoutWindow
+    num_allocated: int
+
+
 class NcclGinTransport(NcclLsaTransport):
     """A buffer's transport on a torch group over several NVLink domains (collective: every rank of
     ``group`` creates it with the same arguments; it holds a lease on the communicator until
@@ -155,26 +218,32 @@ class NcclGinTransport(NcclLsaTransport):
     ``EP_TRANSPORT_GIN``: 2 hybrid mode with nodes of several ranks, else 1), ``state`` (its
     `ScaleoutWindow`, with ``node_ranks`` and ``num_contexts``) and ``num_nvlink_ranks``.
 
+    Before each collective NCCL call the ranks agree over ``group`` (`agree_at_creation`), so that
+    a refusal raises on every rank instead of leaving the others waiting in NCCL: on their checks
+    and the least ``num_allocated_qps`` before the device communicator, on its creation and the
+    least number of GIN contexts NCCL gave after it (every rank uses that many).
+
     Args:
         group: the torch group. num_bytes: the buffer's window bytes (`ElasticBuffer`'s).
         device: this rank's CUDA device. allow_hybrid_mode, sl_idx, num_allocated_qps: the buffer's
             (``num_allocated_qps`` 0: 129 hybrid, 17 direct).
 
-    Raises:
-        ValueError: LSA teams that do not split the group into consecutive, equal domains, or more
-            ranks than the kernels' peer table holds.
+    Raises (on every rank: a rank whose own check failed raises its error, the others the same
+    class naming the first rank that refused and why):
+        ValueError: LSA teams that do not split the group into consecutive, equal domains, more
+            ranks than the kernels' peer table holds, or ``num_bytes`` too small for the window.
+        NotImplementedError: hybrid mode on nodes of more than 32 ranks.
         RuntimeError: a feature the loaded NCCL lacks, or a communicator without GIN
-            (`deep_ep.topology.require_gin_features`); NCCL gave no GIN context.
-        deep_ep.cuda.nccl.NcclError: an NCCL call failed (the device communicator's GIN
-            requirements refused included).
+            (`deep_ep.topology.require_gin_features`); NCCL gave some rank no GIN context; the
+            device communicator failed on another rank.
+        deep_ep.cuda.nccl.NcclError: an NCCL call failed on this rank (the device communicator's
+            GIN requirements refused included).
     """
 
     kernel_define = 1
 
     def __init__(self, group, num_bytes: int, device: torch.device, allow_hybrid_mode: bool = True,
                  sl_idx: int = 3, num_allocated_qps: int = 0) -> None:
-        from ..backends.gpu.abi import MAX_RANKS
-        from ..resources import DeviceResources, default_num_allocated_qps
         self.group, self.device = group, device
         self.rank, self.num_ranks = int(group.rank()), int(group.size())
         self.num_bytes = int(num_bytes)
@@ -184,37 +253,98 @@ class NcclGinTransport(NcclLsaTransport):
         self.lease = acquire_communicator(group, device)
         self.comm = self.lease.comm
         try:
+            plan = self._agreed_plan(allow_hybrid_mode, sl_idx, num_allocated_qps)
+            warnings.warn(UNVALIDATED_WARNING, RuntimeWarning, stacklevel=4)
+            self.num_nvlink_ranks = plan.node_ranks
+            self.gin_define = 2 if plan.hybrid else 1
+            num_contexts = self._agreed_device_communicator(
+                _gin_requirements(self.num_ranks, plan.num_allocated, allow_hybrid_mode, sl_idx))
+            # after the device communicator, so that the window is registered with its GIN
+            self.state = _State(plan.window, plan.node_ranks, num_contexts)
+            self.window = SymmetricWindow(self.comm, self.state.window.window_bytes, device)
+            self._args = self._pack_args(plan.hybrid)
+        except BaseException:
+            self._release_resources()
+            raise
+
+    def _agreed_plan(self, allow_hybrid_mode: bool, sl_idx: int, num_allocated_qps: int) -> _Plan:
+        """This rank's checks, then the group's agreement on them (collective): every rank returns
+        the same `_Plan` (the least ``num_allocated_qps``) or raises."""
+        from ..backends.gpu.abi import MAX_RANKS
+        from ..resources import DeviceResources, default_num_allocated_qps
+        stage, error, plan = 0, None, None
+        try:
             team_size, team_rank = lsa_team(self.comm)
             domains = topology.domains_from_nvlink_ranks(self.num_ranks, self.rank, team_size, allow_hybrid_mode)
             if team_rank != self.rank % team_size:
                 raise ValueError(f"rank {self.rank}: NCCL's LSA team (index {team_rank} of {team_size}) does not "
                                  f"hold consecutive ranks of the group")
+            stage = 1
             if self.num_ranks > MAX_RANKS:
                 raise ValueError(f"{self.num_ranks} ranks exceed the kernels' peer table of {MAX_RANKS}")
+            stage = 2
             layout = devcomm_layout()
             gin_type, railed_type = comm_gin_types(self.comm, layout)
+            stage = 3
             topology.require_gin_features(domains, self.rank, nccl_version(),
                                           railed_type if allow_hybrid_mode else gin_type, sl_idx)
+            stage = 4
             hybrid = bool(allow_hybrid_mode) and team_size > 1
-            window = scaleout_window(self.num_ranks, self.num_bytes, hybrid)
-            warnings.warn(UNVALIDATED_WARNING, RuntimeWarning, stacklevel=4)
-            self.num_nvlink_ranks = team_size
-            self.gin_define = 2 if hybrid else 1
             allocated = num_allocated_qps or default_num_allocated_qps(
                 DeviceResources(num_device_sms=1, max_sms=1, nvlink_gbs=0.0), allow_hybrid_mode)
-            self.devcomm = DeviceCommunicator(self.comm, self.num_ranks, gin=_gin_requirements(
-                self.num_ranks, allocated, allow_hybrid_mode, sl_idx))
-            num_contexts = min(allocated, self.devcomm.gin_context_count)
-            if num_contexts < 1:
-                raise RuntimeError(f"rank {self.rank}: NCCL's device communicator holds no GIN context "
-                                   f"({allocated} asked for)")
-            # after the device communicator, so that the window is registered with its GIN
-            self.state = _State(window, team_size, num_contexts)
-            self.window = SymmetricWindow(self.comm, self.state.window.window_bytes, device)
-            self._args = self._pack_args(hybrid)
-        except BaseException:
-            self._release_resources()
-            raise
+            plan = _Plan(hybrid, team_size, scaleout_window(self.num_ranks, self.num_bytes, hybrid), int(allocated))
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before NCCL's collective calls
+            error = exc
+        codes, least_allocated = agree_at_creation(self.group, self.device,
+                                                   0 if error is None else _refusal_code(stage, error),
+                                                   0 if plan is None else plan.num_allocated)
+        refused = [rank for rank, code in enumerate(codes) if code]
+        if error is not None:
+            if len(refused) > 1:
+                error.add_note(f"ranks {refused} of the group refused the scale-out transport")
+            raise error
+        if refused:
+            first = refused[0]
+            cls, reason = _refusal_of(codes[first])
+            raise cls(f"rank {self.rank}: rank {first} of the group refused the scale-out transport over NCCL's "
+                      f"GIN ({reason}; its own error says more; refused on ranks {refused}), so no rank creates it")
+        return _Plan(plan.hybrid, plan.node_ranks, plan.window, least_allocated)
+
+    def _agreed_device_communicator(self, requirements: GinRequirements) -> int:
+        """Create the device communicator (collective), then agree on it over the group: the least
+        number of GIN contexts NCCL gave any rank, at most ``requirements.contexts`` (every rank's
+        kernels use that many), or raise on every rank."""
+        error, given, code = None, 0, _DEVCOMM_MADE
+        try:
+            self.devcomm = DeviceCommunicator(self.comm, self.num_ranks, gin=requirements)
+            given = int(self.devcomm.gin_context_count)
+            code = _DEVCOMM_MADE if given > 0 else _DEVCOMM_NO_CONTEXT
+        except Exception as exc:  # noqa: BLE001 - the others must not go on to register the window
+            error, code = exc, _DEVCOMM_FAILED
+        codes, least_given = agree_at_creation(self.group, self.device, code, given)
+        if error is not None:
+            raise error
+        failed = [rank for rank, rank_code in enumerate(codes) if rank_code == _DEVCOMM_FAILED]
+        if failed:
+            raise RuntimeError(f"rank {self.rank}: NCCL could not create the device communicator on ranks {failed} "
+                               f"(their own errors say why), so no rank goes on")
+        empty = [rank for rank, rank_code in enumerate(codes) if rank_code == _DEVCOMM_NO_CONTEXT]
+        if empty:
+            raise RuntimeError(f"rank {self.rank}: NCCL's device communicator holds no GIN context on ranks {empty} "
+                               f"({requirements.contexts} asked for)")
+        return min(requirements.contexts, least_given)
+
+    def _release_resources(self) -> None:
+        """Release in the reverse order of creation: the window (registered with the device
+        communicator's GIN), the device communicator, then the lease on the communicator."""
+        if self.window is not None:
+            self.window.destroy()
+            self.window = None
+        self._device_words = []
+        if self.devcomm is not None:
+            self.devcomm.destroy()
+            self.devcomm = None
+        self.lease.release()
 
     def _pack_args(self, hybrid: bool):
         """The kernels' ``TransportArgs``: the device communicator and window (as on one node), then
