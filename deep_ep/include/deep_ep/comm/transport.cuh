@@ -93,6 +93,24 @@ __device__ __forceinline__ LsaTransport make_transport(const TransportArgs& t, u
 #error "EP_TRANSPORT_GIN over NCCL needs NCCL's GIN device API (NCCL >= 2.28.7 headers)"
 #endif
 
+#if EP_TRANSPORT_GIN
+// The window layout of the scale-out transports, the same fields in both argument forms.
+template <typename Transport, typename Args>
+__device__ __forceinline__ void copy_scaleout_layout(Transport& tr, const Args& t) {
+    tr.num_contexts = t.num_contexts;
+    tr.max_put_bytes = t.max_put_bytes;
+    tr.node_ranks = t.node_ranks;
+    tr.recv_offset = t.recv_offset;
+    tr.half_bytes = t.half_bytes;
+    tr.stage_offset = t.stage_offset;
+#if EP_TRANSPORT_GIN == 2
+    tr.forward_offset = t.forward_offset;   // hybrid: the rail peers' forwarding slots and the inbox
+    tr.inbox_offset = t.inbox_offset;
+#endif
+}
+
+#endif
+
 #if EP_TRANSPORT_GIN && EP_TRANSPORT_NCCL
 #if EP_TRANSPORT_GIN == 2
 using DataTransport = GinHybridTransport<NcclGinTransport>;
@@ -122,16 +140,7 @@ __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs
     tr.gin = NcclGinTransport{t.gin_comm, t.window, team, t.num_contexts};
     tr.rank = t.comm.rank;
     tr.num_ranks = t.comm.nRanks;
-    tr.num_contexts = t.num_contexts;
-    tr.max_put_bytes = t.max_put_bytes;
-    tr.node_ranks = t.node_ranks;
-    tr.recv_offset = t.recv_offset;
-    tr.half_bytes = t.half_bytes;
-    tr.stage_offset = t.stage_offset;
-#if EP_TRANSPORT_GIN == 2
-    tr.forward_offset = t.forward_offset;
-    tr.inbox_offset = t.inbox_offset;
-#endif
+    copy_scaleout_layout(tr, t);
     tr.done = t.done;
     return tr;
 }
@@ -148,16 +157,7 @@ __device__ __forceinline__ DataTransport make_data_transport(const TransportArgs
     tr.gin = EmulatedGinTransport{t.gin, t.rank, t.num_contexts};
     tr.rank = t.rank;
     tr.num_ranks = t.num_ranks;
-    tr.num_contexts = t.num_contexts;
-    tr.max_put_bytes = t.max_put_bytes;
-    tr.node_ranks = t.node_ranks;
-    tr.recv_offset = t.recv_offset;
-    tr.half_bytes = t.half_bytes;
-    tr.stage_offset = t.stage_offset;
-#if EP_TRANSPORT_GIN == 2
-    tr.forward_offset = t.forward_offset;   // hybrid: the rail peers' forwarding slots and the inbox
-    tr.inbox_offset = t.inbox_offset;
-#endif
+    copy_scaleout_layout(tr, t);
     tr.done = t.gin->done;
     return tr;
 }
