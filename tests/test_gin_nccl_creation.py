@@ -183,7 +183,7 @@ def _fake_nccl(monkeypatch, record, team=(4, 1), version=23203, gin_types=(3, 3)
             record.calls.append("devcomm destroyed")
 
     class SymmetricWindow:
-        def __init__(self, comm, num_bytes, device):
+        def __init__(self, comm, num_bytes, device, agree=None):
             record.windows.append(num_bytes)
             record.calls.append("window registered")
             self.ptr, self.handle = 0x7000_0000, 0xABC

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .devcomm import DeviceCommunicator
-from .nccl import SymmetricWindow, acquire_communicator, lsa_team
+from .nccl import SymmetricWindow, acquire_communicator, first_failed_rank, lsa_team
 from .transport import Transport
 
 __all__ = ["NcclLsaTransport"]
@@ -59,7 +59,8 @@ class NcclLsaTransport(Transport):
             if team_rank != self.rank:
                 raise NotImplementedError(f"LSA rank {team_rank} differs from group rank {self.rank}: "
                                           f"a group whose NVLink domain is permuted is not supported yet")
-            self.window = SymmetricWindow(self.comm, self.num_bytes, device)
+            self.window = SymmetricWindow(self.comm, self.num_bytes, device,
+                                          agree=lambda ok: first_failed_rank(group, device, ok))
             self.devcomm = DeviceCommunicator(self.comm, self.num_ranks)
             self._args = self.devcomm.transport_args(self.window.handle)
         except BaseException:

@@ -30,7 +30,7 @@ from ..cuda.nccl import NcclError, check, libnccl, loaded_libnccl_path, nccl_ver
 __all__ = ["NcclError", "comm_ptr", "SymmetricWindow", "lsa_team", "libnccl", "loaded_libnccl_path",
            "nccl_version", "NCCL_WIN_COLL_SYMMETRIC", "CommunicatorLease", "reuses_torch_communicator",
            "acquire_communicator", "hold_communicator", "creation_hold", "group_lsa_team", "broadcast_unique_id",
-           "private_communicators"]
+           "private_communicators", "first_failed_rank"]
 
 NCCL_WIN_COLL_SYMMETRIC = 0x01
 
@@ -214,10 +214,26 @@ def private_communicators() -> list:
         return [(entry.group, entry.device, entry.comm, entry.leases) for entry in _private.values()]
 
 
+def first_failed_rank(group, device: torch.device, ok: bool) -> Optional[int]:
+    """Collective over ``group``: the lowest rank that passed ``ok=False``, or None if none did. One
+    all-reduce (MAX) of a word per rank, on ``device`` for an NCCL-only group and on the CPU
+    otherwise (as `broadcast_unique_id`)."""
+    import torch.distributed as dist
+    num_ranks = int(group.size())
+    words = torch.zeros(num_ranks, dtype=torch.int64, device="cpu" if _carries_cpu_tensors(group) else device)
+    words[int(group.rank())] = 0 if ok else 1
+    dist.all_reduce(words, op=dist.ReduceOp.MAX, group=group)
+    failed = [rank for rank, word in enumerate(words.tolist()) if word]
+    return failed[0] if failed else None
+
+
 class SymmetricWindow:
     """``num_bytes`` of zeroed device memory registered as a symmetric window on ``comm``.
 
-    Collective: every rank of the communicator creates it with the same size.
+    Collective: every rank of the communicator creates it with the same size. ``agree`` (optional):
+    called on every rank with whether this rank's allocation succeeded, returns the first rank whose
+    did not, or None (`first_failed_rank`); with it, a failure raises on every rank before the
+    collective registration.
 
     Attributes:
         ptr: this rank's device address. handle: the ``ncclWindow_t`` (an int).
@@ -226,11 +242,33 @@ class SymmetricWindow:
         NcclError: an NCCL call failed. RuntimeError: the memory could not be zeroed.
     """
 
-    def __init__(self, comm: int, num_bytes: int, device: torch.device) -> None:
-        from cuda.bindings import driver
+    def __init__(self, comm: int, num_bytes: int, device: torch.device, agree=None) -> None:
         lib = libnccl()
         self.comm, self.num_bytes, self.device = comm, int(num_bytes), device
         self.ptr = self.handle = None
+        failure = None
+        try:
+            self._allocate(lib)
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks first, raised below
+            failure = exc
+        # The registration is collective: a rank whose allocation failed would leave the others
+        # waiting in it, so the ranks agree first (`first_failed_rank`) and all raise alike.
+        failed = agree(failure is None) if agree is not None else None
+        if failure is None and failed is not None:
+            failure = RuntimeError(f"rank {failed} could not allocate its {self.num_bytes}-byte NCCL window; no "
+                                   f"rank registered one")
+        if failure is not None:
+            self.destroy()
+            raise failure
+        win = ctypes.c_void_p()
+        check("ncclCommWindowRegister",
+              lib.ncclCommWindowRegister(ctypes.c_void_p(comm), ctypes.c_void_p(self.ptr),
+                                         ctypes.c_size_t(self.num_bytes), ctypes.byref(win),
+                                         NCCL_WIN_COLL_SYMMETRIC), comm)
+        self.handle = win.value
+
+    def _allocate(self, lib) -> None:
+        from cuda.bindings import driver
         ptr = ctypes.c_void_p()
         check("ncclMemAlloc", lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(self.num_bytes)))
         self.ptr = ptr.value
@@ -238,13 +276,7 @@ class SymmetricWindow:
         (err,) = driver.cuMemsetD8(self.ptr, 0, self.num_bytes)
         if int(err) != 0:
             raise RuntimeError(f"cuMemsetD8 on the NCCL window failed: {err}")
-        torch.cuda.synchronize(device)
-        win = ctypes.c_void_p()
-        check("ncclCommWindowRegister",
-              lib.ncclCommWindowRegister(ctypes.c_void_p(comm), ctypes.c_void_p(self.ptr),
-                                         ctypes.c_size_t(self.num_bytes), ctypes.byref(win),
-                                         NCCL_WIN_COLL_SYMMETRIC), comm)
-        self.handle = win.value
+        torch.cuda.synchronize(self.device)
 
     def destroy(self) -> None:
         """Deregister (collective) and free. The caller makes sure no peer still reads the window."""

@@ -35,7 +35,7 @@ from .. import jit, topology
 from .devcomm import DeviceCommunicator, GinRequirements, comm_gin_types, devcomm_layout
 from .gin import receive_halves
 from .lsa import NcclLsaTransport
-from .nccl import SymmetricWindow, acquire_communicator, group_lsa_team, lsa_team, nccl_version
+from .nccl import SymmetricWindow, acquire_communicator, first_failed_rank, group_lsa_team, lsa_team, nccl_version
 
 __all__ = ["NcclGinFields", "NcclGinHybridFields", "ScaleoutWindow", "scaleout_window", "transport_args_type",
            "gin_args_layout", "GIN_PROBE_SOURCE", "NcclGinTransport", "open_nccl_transport", "UNVALIDATED_WARNING",
@@ -261,7 +261,8 @@ class NcclGinTransport(NcclLsaTransport):
                 _gin_requirements(self.num_ranks, plan.num_allocated, allow_hybrid_mode, sl_idx))
             # after the device communicator, so that the window is registered with its GIN
             self.state = _State(plan.window, plan.node_ranks, num_contexts)
-            self.window = SymmetricWindow(self.comm, self.state.window.window_bytes, device)
+            self.window = SymmetricWindow(self.comm, self.state.window.window_bytes, device,
+                                          agree=lambda ok: first_failed_rank(self.group, device, ok))
             self._args = self._pack_args(plan.hybrid)
         except BaseException:
             self._release_resources()
