@@ -121,3 +121,35 @@ def test_framework_calls_across_nodes(name, tmp_path):
     (autograd) and TensorRT-LLM on 2 ranks acting as 2 nodes of 1: the same results as on one node
     (with one rank per node DeepEP's internode sums round nothing more)."""
     run_gloo_ranks(_framework_worker, 2, tmp_path, name, deadline=200)
+
+
+def test_a_gpu_groups_domains_come_from_nccl_and_the_hold_spans_both_buffers(monkeypatch):
+    """A V1 Buffer on a GPU torch group over two nodes of 8 (NCCL's LSA team, faked): two NVLink
+    domains, the normal-mode ElasticBuffer in hybrid mode and the low-latency one in direct mode with
+    ``num_qps_per_rank`` QPs, both made while one hold keeps the group's communicator."""
+    import contextlib
+    import types
+
+    import deep_ep.buffer
+    from deep_ep.legacy import internode
+    events = []
+
+    @contextlib.contextmanager
+    def hold(group, on_cpu):
+        events.append(("hold", on_cpu))
+        yield
+        events.append("release")
+
+    class FakeElastic:
+        def __init__(self, group, **kwargs):
+            events.append(("buffer", kwargs.get("allow_hybrid_mode", True), kwargs.get("num_allocated_qps")))
+
+    monkeypatch.setattr(internode, "is_cpu_group", lambda group, device: False)
+    monkeypatch.setattr(internode, "group_domain_sizes", lambda group, hybrid, device: ((2, 8), (2, 8)))
+    monkeypatch.setattr(internode, "creation_hold", hold)
+    monkeypatch.setattr(deep_ep.buffer, "ElasticBuffer", FakeElastic)
+    owner = types.SimpleNamespace()
+    internode.open_elastic_buffers(owner, object(), 1 << 20, 4, True, True, "cuda")
+    assert (owner.num_rdma_ranks, owner.num_nvl_ranks) == (2, 8)
+    assert events == [("hold", False), ("buffer", True, None), ("buffer", False, 4), "release"]
+    assert owner._low_latency_options == {"allow_hybrid_mode": False, "num_allocated_qps": 4}

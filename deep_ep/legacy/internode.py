@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import group_domain_sizes, group_rank_and_size, is_cpu_group
+from ..backends import group_domain_sizes, is_cpu_group
+from ..comm.nccl import creation_hold
 from .config import NUM_MAX_NVL_PEERS
 from .exchange import channel_counts
 from .handle import LegacyHandle
@@ -39,20 +40,20 @@ def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_lat
         ValueError: ``num_qps_per_rank`` 0 where RDMA QPs are needed (low-latency mode, or several nodes).
         as `ElasticBuffer` (e.g. an NCCL group over several nodes).
     """
-    import torch.distributed as dist
-
-    from ..buffer import ElasticBuffer
     on_cpu = is_cpu_group(group, device)
-    if not on_cpu and isinstance(group, dist.ProcessGroup):
-        # NCCL's domains need a communicator (a private one would be made twice); over several nodes
-        # ElasticBuffer refuses NCCL groups anyway, so the group is taken as one domain
-        num_rdma_ranks, num_nvl_ranks = 1, group_rank_and_size(group)[1]
-    else:
-        num_rdma_ranks, num_nvl_ranks = group_domain_sizes(group, True, device)[0]
+    # a GPU group's domains come from NCCL's LSA team: the hold keeps a private communicator (a gloo
+    # group with GPU tensors) alive until the buffers below are made on it, so it is created once
+    with creation_hold(group, on_cpu):
+        _open(owner, group, num_bytes, num_qps_per_rank, low_latency_mode, explicitly_destroy, device, on_cpu)
+
+
+def _open(owner, group, num_bytes, num_qps_per_rank: int, low_latency_mode: bool, explicitly_destroy: bool, device,
+          on_cpu: bool) -> None:
+    from ..buffer import ElasticBuffer
+    num_rdma_ranks, num_nvl_ranks = group_domain_sizes(group, True, device)[0]
     if num_nvl_ranks > NUM_MAX_NVL_PEERS:
         planned(f"__init__ with {num_nvl_ranks} ranks in one NVLink domain (DeepEP's V1 has at most "
-                f"{NUM_MAX_NVL_PEERS} per node; NCCL groups over several nodes are not supported yet, "
-                f"docs/scaleout.md)", "larger NVLink domains")
+                f"{NUM_MAX_NVL_PEERS} per node)", "larger NVLink domains")
     across = num_rdma_ranks > 1
     if (low_latency_mode or across) and num_qps_per_rank < 1:
         raise ValueError("num_qps_per_rank must be >= 1 in low-latency mode or across NVLink domains "
