@@ -210,6 +210,9 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         communicator of a GPU buffer is held)."""
         allow_hybrid_mode = config.allow_hybrid_mode
         domains = group_domains(group, allow_hybrid_mode, device)[2]
+        if not on_cpu:   # the group size's limit before any domain's: every rank refuses alike
+            from .backends.gpu.window import check_num_ranks
+            check_num_ranks(config.num_ranks)
         if not on_cpu and domains.num_rdma_ranks > 1:
             from .comm.nccl import nccl_version
             emulated = hasattr(group, "make_transport")   # emulated nodes: an emulated GIN, no NCCL
