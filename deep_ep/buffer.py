@@ -120,7 +120,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             communication every SM.
         sl_idx: RDMA service level 0..15 (the environment's ``EP_OVERRIDE_RDMA_SL`` wins);
             num_allocated_qps: RDMA queue pairs (0 = `deep_ep.resources.default_num_allocated_qps`).
-            Both are validated and stored; they take effect with the scale-out path.
+            Across nodes: the GIN traffic class and the GIN contexts asked of NCCL (docs/scaleout.md).
         num_cpu_timeout_secs, num_gpu_timeout_secs: seconds before a host wait / a GPU kernel gives
             up with a `TimeoutError` (on CPU each collective phase waits at most the former,
             whatever the process group's own timeout).

@@ -55,7 +55,7 @@ class NcclLsaTransport(Transport):
             if team_size != self.num_ranks:
                 raise NotImplementedError(
                     f"rank {self.rank}: only {team_size} of the group's {self.num_ranks} ranks share this GPU's "
-                    f"NVLink (LSA) domain; scale-out over RDMA (NCCL GIN) is not implemented yet")
+                    f"NVLink (LSA) domain: such a group takes deep_ep.comm.nccl_gin's transport")
             if team_rank != self.rank:
                 raise NotImplementedError(f"LSA rank {team_rank} differs from group rank {self.rank}: "
                                           f"a group whose NVLink domain is permuted is not supported yet")

@@ -143,8 +143,9 @@ def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, 
                      allow_multiple_reduction: bool = True) -> int:
     """Bytes of symmetric window one rank needs (a multiple of 2 MiB); see the module docstring.
 
-    ``allow_hybrid_mode`` and ``allow_multiple_reduction`` do not change the size yet: every group is
-    one NVLink domain, and the GPU combine always sends one row per (token, rank).
+    ``allow_hybrid_mode`` and ``allow_multiple_reduction`` do not change the size: across nodes the
+    scale-out transports allocate their staging, forwarding and inbox space beyond these bytes, and the GPU
+    combine always sends one row per (token, rank).
 
     Raises:
         ValueError: non-positive sizes, or more ranks than `check_num_ranks` allows.
