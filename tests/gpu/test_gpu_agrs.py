@@ -9,8 +9,8 @@ not wait would read poison), a slow reader of the previous session's outputs (a 
 wait for it to enter the next session would overwrite them), bad input refused before any launch,
 dispatch against an open session, dispatch and pp_set_config between sessions (refused until the
 next agrs_set_config), CUDA-graph capture refused, a peer that comes late named by the next call
-and by destroy's wait, the reduce kernel against its torch spec, and emulated nodes (2 x 2, both
-modes) refusing every method. Hosts never block
+and by destroy's wait, the reduce kernel against its torch spec (emulated nodes refusing every
+method: tests/gpu/test_gpu_primitives_across_nodes.py). Hosts never block
 on a call or a handle; they wait with `deep_ep.emulated.wait_for_stream` before reading results.
 Run by ``EXTRA_FILES=tests/gpu/test_gpu_agrs.py bash tools/device_suite.sh extra``.
 """
@@ -247,30 +247,6 @@ def _refusals_body(group):
 @pytest.mark.parametrize("num_ranks", [1, 2])
 def test_bad_input_is_refused_before_any_launch(num_ranks):
     _run(num_ranks, _refusals_body)
-
-
-def _across_nodes_body(group, hybrid):
-    """Emulated nodes of 2 ranks: every AGRS method refuses on every rank (no GPU path across
-    NVLink domains yet) before it holds the window; returns the transport's GIN mode."""
-    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=16, hidden=256, num_topk=4, allow_hybrid_mode=hybrid,
-                                explicitly_destroy=True, num_cpu_timeout_secs=TIMEOUT)
-    tensor = torch.zeros(8, device=DEVICE)
-    try:
-        for method, args in (("agrs_set_config", (1024, 2)), ("create_agrs_session", ()), ("all_gather", (tensor,)),
-                             ("reduce_scatter", (tensor,)), ("destroy_agrs_session", ())):
-            _expect(NotImplementedError, rf"ElasticBuffer\.{method}: .* runs within one NVLink domain only",
-                    getattr(buf, method), *args)
-        assert buf._window_use.holder is None
-        return buf._backend.transport_gin
-    finally:
-        buf.destroy()
-
-
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "direct"])
-def test_emulated_nodes_refuse_agrs(hybrid):
-    from deep_ep.emulated import EmulatedGroup
-    modes = EmulatedGroup(4, device=DEVICE, num_nvlink_ranks=2).run(_across_nodes_body, hybrid)
-    assert modes == [2 if hybrid else 1] * 4
 
 
 def test_capture_is_refused(nccl_group):

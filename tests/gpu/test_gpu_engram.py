@@ -9,7 +9,7 @@ the table, the hook (the current stream waits for the gather; a second call retu
 tensors), out-of-range indices found on the GPU (zeroed rows, raised by the next fetch), refusals
 before any launch, ranks that disagree (the old table stays), dispatch writing beside the table
 without touching it, a host shard holding the written bytes and outliving its owner's buffer while a
-peer still fetches from it, emulated nodes (2 x 2, both modes) refusing write and fetch. Hosts
+peer still fetches from it (emulated nodes refusing: tests/gpu/test_gpu_primitives_across_nodes.py). Hosts
 read results only after `deep_ep.emulated.wait_for_stream`. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_engram.py bash tools/device_suite.sh extra``; across processes (host
 shards shared through the driver, 2 or more GPUs) by ``torchrun --nproc-per-node 2
@@ -301,31 +301,6 @@ def _refusals_body(group, location):
 @pytest.mark.parametrize("num_ranks", [1, 2])
 def test_bad_input_is_refused(num_ranks, location):
     _run(num_ranks, _refusals_body, location)
-
-
-def _across_nodes_body(group, hybrid):
-    """Emulated nodes of 2 ranks: engram_write and engram_fetch refuse on every rank (no GPU path
-    across NVLink domains yet) before they hold the window; returns the transport's GIN mode."""
-    num_bytes, num_cpu_bytes = _sizes()
-    buf = deep_ep.ElasticBuffer(group, num_bytes=num_bytes, num_cpu_bytes=num_cpu_bytes, allow_hybrid_mode=hybrid,
-                                explicitly_destroy=True, num_cpu_timeout_secs=TIMEOUT)
-    storage = torch.ones(NUM_ENTRIES, 128, dtype=torch.bfloat16, device=DEVICE)
-    try:
-        _expect(NotImplementedError, r"ElasticBuffer\.engram_write: Engram runs within one NVLink domain only",
-                buf.engram_write, storage)
-        _expect(NotImplementedError, r"ElasticBuffer\.engram_fetch: Engram runs within one NVLink domain only",
-                buf.engram_fetch, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))
-        assert buf._window_use.holder is None
-        return buf._backend.transport_gin
-    finally:
-        buf.destroy()
-
-
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "direct"])
-def test_emulated_nodes_refuse_engram(hybrid):
-    from deep_ep.emulated import EmulatedGroup
-    modes = EmulatedGroup(4, device=DEVICE, num_nvlink_ranks=2).run(_across_nodes_body, hybrid)
-    assert modes == [2 if hybrid else 1] * 4
 
 
 def _dispatch_body(group):

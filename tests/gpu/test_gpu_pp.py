@@ -7,8 +7,8 @@ interleavings in both ring directions with GPU-side delays and several block cou
 unaligned tensors, the in-flight limit (a receiver that sleeps on the GPU: a sender that did not
 wait would overwrite a slot not yet read), refusals before any launch, dispatch against PP traffic,
 a CUDA graph replayed with fresh inputs (num_sms=0 taking the kernel in and after a capture), that
-the copy engine launches no kernel, a GPU timeout and a byte-count mismatch, and emulated nodes
-(2 x 2, both modes) refusing every method. Run by
+the copy engine launches no kernel, a GPU timeout and a byte-count mismatch (emulated nodes refusing
+every method: tests/gpu/test_gpu_primitives_across_nodes.py). Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_pp.py bash tools/device_suite.sh extra``.
 """
 from __future__ import annotations
@@ -276,31 +276,6 @@ def _refusals_body(group):
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
 def test_bad_input_is_refused_before_any_launch(num_ranks):
     _run(num_ranks, _refusals_body)
-
-
-def _across_nodes_body(group, hybrid):
-    """Emulated nodes of 2 ranks: every PP method refuses on every rank (no GPU path across
-    NVLink domains yet) before it holds the window; returns the transport's GIN mode."""
-    rank, num_ranks = group.rank(), group.size()
-    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=16, hidden=256, num_topk=4, allow_hybrid_mode=hybrid,
-                                explicitly_destroy=True, num_cpu_timeout_secs=TIMEOUT)
-    tensor = torch.zeros(8, device=DEVICE)
-    try:
-        for method, args in (("pp_set_config", (64, 2)), ("pp_send", (tensor, (rank + 1) % num_ranks)),
-                             ("pp_recv", (tensor, (rank - 1) % num_ranks))):
-            _expect(NotImplementedError, rf"ElasticBuffer\.{method}: .* runs within one NVLink domain only",
-                    getattr(buf, method), *args)
-        assert buf._window_use.holder is None
-        return buf._backend.transport_gin
-    finally:
-        buf.destroy()
-
-
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "direct"])
-def test_emulated_nodes_refuse_pp(hybrid):
-    from deep_ep.emulated import EmulatedGroup
-    modes = EmulatedGroup(4, device=DEVICE, num_nvlink_ranks=2).run(_across_nodes_body, hybrid)
-    assert modes == [2 if hybrid else 1] * 4
 
 
 def _window_body(group):
