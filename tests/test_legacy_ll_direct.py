@@ -124,6 +124,18 @@ class _Owner(LowLatencyState):
         return self.elastic
 
 
+def _model_ranks(monkeypatch, num_ranks: int, hidden: int) -> tuple:
+    """``(num_experts, local experts, owners)``: ``num_ranks`` ranks whose direct kernels run on the
+    byte-level model (tests/ll_direct_model.py), their windows sized for ``hidden``."""
+    monkeypatch.setattr(ll_direct, "_launch", ll_direct_model.launch)
+    monkeypatch.setattr(ll_direct, "_load", lambda backend: None)
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    need = ll_direct.window_bytes(num_ranks, num_local, MAX_TOKENS, hidden, NUM_TOPK)
+    windows = [torch.zeros(need, dtype=torch.uint8) for _ in range(num_ranks)]
+    return num_experts, num_local, [_Owner(rank, windows) for rank in range(num_ranks)]
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}_fp8{:d}_round{:d}_ue8m0{:d}".format(*c))
 def test_the_protocol_on_a_model_of_the_kernels(monkeypatch, num_ranks, case):
@@ -132,13 +144,7 @@ def test_the_protocol_on_a_model_of_the_kernels(monkeypatch, num_ranks, case):
     the windows: three rounds (the halves' tags advancing), zero-copy and ``out=`` combines, each
     result equal to the spec of tests/test_legacy_low_latency.py."""
     hidden, use_fp8, round_scale, use_ue8m0 = case
-    monkeypatch.setattr(ll_direct, "_launch", ll_direct_model.launch)
-    monkeypatch.setattr(ll_direct, "_load", lambda backend: None)
-    num_experts = num_experts_for(num_ranks)
-    num_local = num_experts // num_ranks
-    need = ll_direct.window_bytes(num_ranks, num_local, MAX_TOKENS, hidden, NUM_TOPK)
-    windows = [torch.zeros(need, dtype=torch.uint8) for _ in range(num_ranks)]
-    owners = [_Owner(rank, windows) for rank in range(num_ranks)]
+    num_experts, num_local, owners = _model_ranks(monkeypatch, num_ranks, hidden)
     for round_index, seed in enumerate((11, 12, 13)):
         inputs = [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
         stats = [torch.zeros(num_local, dtype=torch.int32) for _ in range(num_ranks)]
@@ -193,13 +199,7 @@ def test_a_slow_rank_keeps_its_combine_when_peers_run_the_next(monkeypatch, num_
     rank 0 still waiting for one peer's flag while the others move on). Rank 0's first result is
     still the first combine's, and every second result (weights doubled) the second's."""
     hidden, use_fp8, round_scale, use_ue8m0 = CASES[0]
-    monkeypatch.setattr(ll_direct, "_launch", ll_direct_model.launch)
-    monkeypatch.setattr(ll_direct, "_load", lambda backend: None)
-    num_experts = num_experts_for(num_ranks)
-    num_local = num_experts // num_ranks
-    need = ll_direct.window_bytes(num_ranks, num_local, MAX_TOKENS, hidden, NUM_TOPK)
-    windows = [torch.zeros(need, dtype=torch.uint8) for _ in range(num_ranks)]
-    owners = [_Owner(rank, windows) for rank in range(num_ranks)]
+    num_experts, num_local, owners = _model_ranks(monkeypatch, num_ranks, hidden)
     inputs = [_rank_inputs(21, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
     results = [ll_direct.dispatch(owners[rank], inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts, use_fp8,
                                   round_scale, use_ue8m0, False, True, None) for rank in range(num_ranks)]
