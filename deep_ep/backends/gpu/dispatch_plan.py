@@ -11,7 +11,6 @@ import torch
 
 from ...handle import EPHandle
 from ...shapes import worst_case_recv_rows, worst_case_recv_tokens
-from ...topology import MAX_HYBRID_NODE_RANKS
 from .abi import CONSTANTS, MAX_EXPERTS, MAX_TOPK, DispatchArgs, LayoutArgs, NotifyArgs, call_tag, layout_index
 from . import modules
 from . import window
@@ -163,10 +162,8 @@ def check_config(backend, data, sf, num_topk, num_experts, num_max_tokens_per_ra
                          f"{num_ranks} ranks x num_max_tokens_per_rank={num_max_tokens}: create the buffer with a "
                          f"larger num_bytes (see ElasticBuffer.get_buffer_size_hint)")
     node_ranks = getattr(backend, "hybrid_node_ranks", 0)
-    if node_ranks:   # hybrid mode across nodes: each source node's slots in a forwarding area's half
-        if node_ranks > MAX_HYBRID_NODE_RANKS:   # refused at creation too (`topology.require_scaleout_support`)
-            raise NotImplementedError(f"hybrid mode on nodes of {node_ranks} ranks: at most {MAX_HYBRID_NODE_RANKS} "
-                                      f"are supported; pass allow_hybrid_mode=False (direct mode has no such limit)")
+    if node_ranks:   # hybrid mode across nodes (at most 32 ranks each: `topology.require_scaleout_support`):
+        # each source node's slots in a forwarding area's half
         slot = window.forward_slot_bytes(data_bytes, num_sf, num_topk, node_ranks)
         node_bytes = backend.transport_args.half_bytes // (num_ranks // node_ranks) // 16 * 16
         if 16 + num_max_tokens * slot > node_bytes:
