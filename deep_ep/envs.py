@@ -81,9 +81,6 @@ VARIABLES = {v.name: v for v in (
     Variable("DEEP_EP_COOPERATIVE", "1", "launch the data kernels cooperatively (`0`: plainly; emulated ranks "
              "always launch plainly); a plain grid that cannot be resident at once stalls until the GPU "
              "timeout instead of being refused"),
-    Variable("DEEP_EP_LL_DIRECT", "0", "run DeepEP's V1 low-latency dispatch and combine on the direct kernels "
-             "(`deep_ep.legacy.ll_direct`: rows written straight into their places in the peers' windows, no counts "
-             "exchange) where they apply (one node, no rank mask); off: the expanded `ElasticBuffer` path"),
     Variable("EP_BUFFER_DEBUG", "0", "print each buffer's size, backend and device when it is made"),
     Variable("EP_CPU_NUM_NVLINK_RANKS", None, "ranks per NVLink domain a gloo (CPU) group acts as: the CPU "
              "backend then reports `R / N` RDMA ranks of `N` NVLink ranks (unset: one domain of every rank); "

@@ -1,5 +1,5 @@
 """The host side of DeepEP's V1 low-latency direct kernels (`deep_ep.legacy.ll_direct`), without a
-GPU: the switch (``DEEP_EP_LL_DIRECT``, off by default), where the path applies, the window's regions
+GPU: where the path applies, the window's regions
 (both halves within `window_bytes`, which DeepEP's RDMA size hint covers past the control region),
 the control words both halves keep (past the shared ones, inside the control region) and the flags'
 fingerprints; and the host code on a byte-level model of the kernels and the windows
@@ -21,23 +21,13 @@ from test_legacy_low_latency import (CASES, MAX_TOKENS, NUM_TOPK, _check_dispatc
                                      _rank_inputs, num_experts_for)
 
 
-def test_the_switch_is_off_by_default(monkeypatch):
-    monkeypatch.delenv("DEEP_EP_LL_DIRECT", raising=False)
-    assert not ll_direct.enabled()
-    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "1")
-    assert ll_direct.enabled()
-    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "0")
-    assert not ll_direct.enabled()
-
-
 def _owner(enable_shrink=False, group_size=8, transport_gin=0):
     backend = types.SimpleNamespace(transport_gin=transport_gin)
     elastic = types.SimpleNamespace(_backend=backend)
     return types.SimpleNamespace(enable_shrink=enable_shrink, group_size=group_size, _alive=lambda: elastic)
 
 
-def test_where_the_direct_path_applies(monkeypatch):
-    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "1")
+def test_where_the_direct_path_applies():
     cuda = torch.device("cuda", 0)
     assert ll_direct.applies(_owner(), cuda, 256, 8, 128)
     assert not ll_direct.applies(_owner(), torch.device("cpu"), 256, 8, 128)        # the CPU backend
@@ -45,8 +35,6 @@ def test_where_the_direct_path_applies(monkeypatch):
     assert not ll_direct.applies(_owner(transport_gin=1), cuda, 256, 8, 128)       # emulated nodes
     assert not ll_direct.applies(_owner(), cuda, ll_direct.MAX_EXPERTS + 8, 8, 128)
     assert not ll_direct.applies(_owner(), cuda, 256, ll_direct.MAX_TOPK + 1, 128)
-    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "0")
-    assert not ll_direct.applies(_owner(), cuda, 256, 8, 128)
 
 
 @pytest.mark.parametrize("num_ranks, num_experts, num_slots, hidden, num_topk",

@@ -10,7 +10,7 @@ two combines of one handle never share them. No counts exchange before the rows,
 
 Where: one node (NCCL's LSA window or emulated ranks on one GPU), no rank mask, ``E <= 1024``
 experts and top-k ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the
-expanded `ElasticBuffer` path elsewhere, or when ``DEEP_EP_LL_DIRECT`` is off (`enabled`).
+expanded `ElasticBuffer` path elsewhere (rank masks, emulated nodes, larger sizes).
 
 Window: both buffer halves in one window, the Buffer's own when it is large enough (DeepEP's
 ``get_low_latency_rdma_size_hint`` is), else one made for them (collective, not during a CUDA-graph
@@ -26,12 +26,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import envs, jit
+from .. import jit
 from ..backends.gpu.abi import CONSTANTS, CTRL_BYTES, _read_constants
 from ..event import EventHandle, EventOverlap
 from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, check_combine_inputs, dispatch_receive
 
-__all__ = ["enabled", "applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
+__all__ = ["applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
            "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE"]
 
 _CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_direct.cuh",
@@ -77,11 +77,6 @@ class DirectRoute(NamedTuple):
     num_tokens: int
 
 
-def enabled() -> bool:
-    """Whether ``DEEP_EP_LL_DIRECT`` asks for the direct kernels (default: off)."""
-    return envs.flag("DEEP_EP_LL_DIRECT")
-
-
 def _align(value: int) -> int:
     return -(-value // _ALIGNMENT) * _ALIGNMENT
 
@@ -110,9 +105,9 @@ def _regions(half: int, num_ranks: int, num_local_experts: int, num_slots: int, 
 
 def applies(owner, device: torch.device, num_experts: int, num_topk: int, num_slots: int) -> bool:
     """Whether a low-latency call of ``owner`` (a `deep_ep.Buffer`) runs on the direct kernels:
-    `enabled`, on a CUDA device, no ``enable_shrink`` (rank masks), a transport of one node (not
-    the emulated GIN), and sizes within the kernels' limits."""
-    if not enabled() or device.type != "cuda" or owner.enable_shrink:
+    on a CUDA device, no ``enable_shrink`` (rank masks), a transport of one node (not the
+    emulated GIN), and sizes within the kernels' limits."""
+    if device.type != "cuda" or owner.enable_shrink:
         return False
     backend = owner._alive()._backend
     num_ranks = owner.group_size

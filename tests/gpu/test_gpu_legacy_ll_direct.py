@@ -1,5 +1,5 @@
-"""DeepEP's V1 low-latency mode on the direct kernels (``DEEP_EP_LL_DIRECT=1``,
-`deep_ep.legacy.ll_direct`): the dispatch and combine cases of tests/gpu/test_gpu_legacy_low_latency.py
+"""DeepEP's V1 low-latency mode on the direct kernels (`deep_ep.legacy.ll_direct`, the default where
+they apply): the dispatch and combine cases of tests/gpu/test_gpu_legacy_low_latency.py
 (every element compared with the spec of tests/test_legacy_low_latency.py: layouts, FP8 and UE8M0
 scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, double buffering with hook
 results equal bit for bit to those without) on a one-rank NCCL group and on 2, 4 and 8 emulated ranks
@@ -33,10 +33,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 MAX_HIDDEN = 512     # the largest hidden of the cases
 POISON = 0x7F        # int32 0x7F7F7F7F (never -1), bf16 / float32 huge finite, FP8 NaN
 
-
-@pytest.fixture(autouse=True)
-def _direct(monkeypatch):
-    monkeypatch.setenv("DEEP_EP_LL_DIRECT", "1")
 
 
 def _poison_allocator(device: torch.device) -> None:

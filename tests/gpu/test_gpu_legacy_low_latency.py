@@ -1,4 +1,6 @@
-"""DeepEP's V1 low-latency mode of `deep_ep.Buffer` on the GPU: the cases of
+"""DeepEP's V1 low-latency mode of `deep_ep.Buffer` on the GPU, on its expanded `ElasticBuffer` path
+(taken with rank masks and across nodes; forced here for every case, the direct kernels that serve
+the rest having tests/gpu/test_gpu_legacy_ll_direct.py): the cases of
 tests/test_legacy_low_latency.py (every element compared with the spec there: layouts, FP8 and UE8M0
 scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, rank masks, double
 buffering with hook results equal bit for bit to those without hooks) on a one-rank NCCL group and
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_ep  # noqa: E402
 from gpu_cases import run_legacy_on_emulated_ranks  # noqa: E402
 from deep_ep.backends.gpu import modules  # noqa: E402
+from deep_ep.legacy import ll_direct  # noqa: E402
 from test_legacy_low_latency import (MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
                                      _expert_output, _host, _rank_inputs, num_experts_for, run_cases,
                                      run_double_buffer_cases, run_mask_cases)
@@ -31,6 +34,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 #: the largest hidden of the cases
 MAX_HIDDEN = 512
+
+
+@pytest.fixture(autouse=True)
+def _expanded(monkeypatch):
+    monkeypatch.setattr(ll_direct, "applies", lambda *args: False)
 
 
 def _body(group, num_ranks):
