@@ -263,6 +263,8 @@ class GPUAgrsMoves:
         reports = backend.host_read(header[_CONFIG_ROW * num_ranks:(_CONFIG_ROW + 2) * num_ranks], stream)
         with torch.cuda.stream(stream):
             header.zero_()
+        if backend.emulated:
+            self._warm_driver_operations(stream, num_bytes)
         self._wait_stream(stream)
         backend.transport.host_barrier()   # no rank writes into a header before every header is zeroed
         for row, name, scale in ((0, "num_max_session_bytes (rounded up to 32)", 32),
@@ -273,6 +275,18 @@ class GPUAgrsMoves:
                                    f"{values}); every rank raises this")
         self.configured_call = backend.calls
         return self._window_view(self.space_offset, num_bytes)
+
+    def _warm_driver_operations(self, stream, num_bytes: int) -> None:
+        """Queue one of each driver operation a session uses (a satisfied stream wait, a copy-engine
+        copy inside this rank's session space, a write to its own header) while no rank waits for
+        another: whatever the driver sets up on a first use then happens while every stream of the
+        process is idle, not while emulated peers' streams wait for this rank's flags."""
+        space = self.peers[self.rank] + self.space_offset
+        half = min(256, num_bytes // 2)
+        word = self._word(self.rank, _ENTERED_ROW, self.rank)
+        calls = [(stream_wait_u32, (stream.cuda_stream, word, 0))]
+        calls += [(memcpy_async, (space + half, space, half, stream.cuda_stream))] if half else []
+        self._queue("agrs_set_config's warm-up", calls + [(stream_write_u32, (stream.cuda_stream, word, 0))])
 
     def begin_session(self, session: int) -> None:
         """Queue this rank's "entered session ``session``" word into every window (current stream)."""
