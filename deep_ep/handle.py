@@ -236,7 +236,7 @@ class EPHandle:
 
     # ------------------------------------------------------------------ checks
     def check_matches(self, *, buffer_id: int, num_ranks: int, rank: int, device: torch.device,
-                      what: str = "handle") -> None:
+                      what: str = "handle", kind: str = "ElasticBuffer") -> None:
         """Raise `ValueError` unless this handle was made by the given buffer on this rank.
 
         Args:
@@ -244,11 +244,13 @@ class EPHandle:
             num_ranks, rank: that buffer's group size and rank.
             device: that buffer's device.
             what: the argument name used in the message.
+            kind: the class the caller made, named in the message (``"deep_ep.Buffer"`` for the V1
+                class, whose handles come from the `ElasticBuffer` inside it).
         """
         if self.buffer_id != buffer_id:
             owner = ("deep_ep.reference (no buffer)" if self.buffer_id < 0
-                     else f"ElasticBuffer #{self.buffer_id}")
-            raise ValueError(f"{what} was made by {owner}, but is used with ElasticBuffer #{buffer_id}: "
+                     else f"{kind} #{self.buffer_id}")
+            raise ValueError(f"{what} was made by {owner}, but is used with {kind} #{buffer_id}: "
                              f"a handle only works with the buffer whose dispatch made it")
         if self.num_ranks != num_ranks or self.rank != rank:
             raise ValueError(f"{what} was made on rank {self.rank} of {self.num_ranks}, "

@@ -605,6 +605,13 @@ def _worker(rank, world_size):
     with pytest.raises(RuntimeError, match="explicitly_destroy"):
         buffer.destroy()
     other = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * 4)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 2 * world_size)
+    received = buffer.dispatch(x, topk_idx=idx, topk_weights=torch.ones(4, 2), num_tokens_per_rank=per_rank,
+                               is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match=r"was made by deep_ep\.Buffer #\d+, but is used with deep_ep\.Buffer #"):
+        other.combine(received[0], received[4])   # the user made Buffers: the message names that class
     other.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         other.get_comm_stream()

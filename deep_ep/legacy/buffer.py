@@ -415,7 +415,7 @@ class Buffer(LowLatencyMethods, InternodeMethods):
                             f"{type(handle).__name__}")
         buffer = self._alive()
         handle.ep_handle.check_matches(buffer_id=buffer.buffer_id, num_ranks=buffer.num_ranks, rank=buffer.rank,
-                                       device=buffer.device)
+                                       device=buffer.device, kind="deep_ep.Buffer")
         return handle
 
     def _cached_dispatch(self, buffer, data, sf, handle, num_tokens_per_rank, is_token_in_rank,

@@ -397,7 +397,7 @@ class LowLatencyMethods(LowLatencyState):
         ep_handle = handle.ep_handle
         buffer = next((b for b in self._low_latency_buffers() if b.buffer_id == ep_handle.buffer_id), self._alive())
         ep_handle.check_matches(buffer_id=buffer.buffer_id, num_ranks=buffer.num_ranks, rank=buffer.rank,
-                                device=buffer.device)
+                                device=buffer.device, kind="deep_ep.Buffer")
         check_combine_inputs(topk_idx, ep_handle.num_tokens // handle.num_topk, handle.num_topk, num_experts, out,
                              hidden, device)
         self._check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, num_ranks)
