@@ -31,6 +31,7 @@ namespace deep_ep {
 constexpr int kLlDirectThreads = 512;
 constexpr int kLlDirectWarps = 16;
 constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
+constexpr int kLlDirectSendPrefetch = 2;    // chunks of its token a thread of the dispatch send loads first
 constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
 constexpr int kLlDirectReceivePhase = 2;    // the receive
 constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
@@ -124,15 +125,22 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                                                              int round_scale, uint32_t fingerprint) {
     __shared__ int64_t s_expert[kLlDirectMaxTopk];
     __shared__ int s_place[kLlDirectMaxTopk];
-    __shared__ int64_t s_row[kLlDirectMaxTopk];    // the row in its owner's window, -1: no expert
+    __shared__ int s_owner[kLlDirectMaxTopk];      // the expert's rank, -1: the slot sends nothing
+    __shared__ int64_t s_row[kLlDirectMaxTopk];    // byte offsets of the row and its scales in the owner's window
+    __shared__ int64_t s_scales[kLlDirectMaxTopk];
     const int chunks_per_row = hidden / kLlCastChannels;
     const int num_scales = hidden / kLlScaleChannels;
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
     constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
     for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
         const uint4* row_x = x + static_cast<int64_t>(token) * chunks_per_row;
-        // the thread's first chunk, loaded while the places are counted
-        const uint4 prefetched = threadIdx.x < chunks_per_row ? __ldg(row_x + threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
+        // the thread's first chunks, loaded while the places are counted
+        uint4 prefetched[kLlDirectSendPrefetch];
+#pragma unroll
+        for (int i = 0; i < kLlDirectSendPrefetch; ++i) {
+            const int chunk = threadIdx.x + i * kLlDirectThreads;
+            prefetched[i] = chunk < chunks_per_row ? __ldg(row_x + chunk) : make_uint4(0u, 0u, 0u, 0u);
+        }
         if (threadIdx.x < num_topk) {
             s_expert[threadIdx.x] = __ldg(topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
             s_place[threadIdx.x] = 0;
@@ -152,41 +160,54 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
         __syncthreads();
         if (threadIdx.x < num_topk) {
             const int64_t expert = s_expert[threadIdx.x];
-            int64_t row = -1;
+            int owner = -1;
             // an id past the experts (unchecked inside a CUDA-graph capture) or a place past the
             // slots (a token naming an expert twice) would write outside the window: not sent
             if (expert >= 0 && expert < num_experts && s_place[threadIdx.x] < num_slots) {
-                const int owner = static_cast<int>(expert / num_local_experts);
+                owner = static_cast<int>(expert / num_local_experts);
                 const int64_t local = expert % num_local_experts;
-                row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
+                const int64_t row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
                 tr.put<int32_t>(owner, regions.pairs + row * 4, token * num_topk + static_cast<int>(threadIdx.x));
+                s_row[threadIdx.x] = regions.rows + row * row_bytes;
+                s_scales[threadIdx.x] = regions.scales + row * num_scales * 4;
             }
-            s_row[threadIdx.x] = row;
+            s_owner[threadIdx.x] = owner;
         }
         __syncthreads();
-        for (int chunk = threadIdx.x; chunk < chunks_per_row; chunk += blockDim.x) {
-            const uint4 packed = chunk == static_cast<int>(threadIdx.x) ? prefetched : __ldg(row_x + chunk);
+        // a chunk to every slot's row; the per-slot offsets are computed once above, so the stores
+        // take no division
+        const auto send_chunk = [&](int chunk, const uint4& packed) {
             if (!use_fp8) {
                 for (int slot = 0; slot < num_topk; ++slot) {
-                    const int64_t row = s_row[slot];
-                    if (row >= 0)
-                        tr.put<uint4>(static_cast<int>(s_expert[slot] / num_local_experts),
-                                      regions.rows + row * row_bytes + chunk * 16, packed);
+                    const int owner = s_owner[slot];
+                    if (owner >= 0)
+                        tr.put<uint4>(owner, s_row[slot] + chunk * 16, packed);
                 }
-                continue;
+                return;
             }
             float scale_inv;
             const uint2 codes = ll_cast_chunk(packed, round_scale, scale_inv);
+            const bool first_of_scale = chunk % chunks_per_scale == 0;
             for (int slot = 0; slot < num_topk; ++slot) {
-                const int64_t row = s_row[slot];
-                if (row < 0)
+                const int owner = s_owner[slot];
+                if (owner < 0)
                     continue;
-                const int owner = static_cast<int>(s_expert[slot] / num_local_experts);
-                tr.put<uint2>(owner, regions.rows + row * row_bytes + chunk * 8, codes);
-                if (chunk % chunks_per_scale == 0)
-                    tr.put<float>(owner, regions.scales + (row * num_scales + chunk / chunks_per_scale) * 4, scale_inv);
+                tr.put<uint2>(owner, s_row[slot] + chunk * 8, codes);
+                if (first_of_scale)
+                    tr.put<float>(owner, s_scales[slot] + (chunk / chunks_per_scale) * 4, scale_inv);
             }
+        };
+        // the scale's chunks are consecutive lanes of one warp, all in or all out together
+        // (ll_cast_chunk): chunks_per_row and the thread count are multiples of chunks_per_scale
+#pragma unroll
+        for (int i = 0; i < kLlDirectSendPrefetch; ++i) {
+            const int chunk = threadIdx.x + i * kLlDirectThreads;
+            if (chunk < chunks_per_row)
+                send_chunk(chunk, prefetched[i]);
         }
+        for (int chunk = threadIdx.x + kLlDirectSendPrefetch * kLlDirectThreads; chunk < chunks_per_row;
+             chunk += kLlDirectThreads)
+            send_chunk(chunk, __ldg(row_x + chunk));
         __syncthreads();    // the places are read before the next token's
     }
     uint8_t* window = tr.local();
