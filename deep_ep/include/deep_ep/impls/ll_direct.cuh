@@ -10,9 +10,9 @@
 //    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
 //    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
 //    rank's (token, slot) pair);
-//  - combine send (every expert's received rows in order, as 16-byte chunks spread over the grid):
-//    each expert output row into its source rank's window at pair (token, slot); the last block
-//    publishes a tagged flag to every rank;
+//  - combine send (every expert's received rows in order, in segments of 16-byte chunks, a warp
+//    per segment): each expert output row into its source rank's window at pair (token, slot); the
+//    last block publishes a tagged flag to every rank;
 //  - combine receive: waits for every rank's flag, then per token the weighted top-k sum
 //    (impls/ll_reduce.cuh's arithmetic: float32, slot order, products rounded first, one bf16 rounding).
 // Every window holds two call halves (DeepEP's double buffering), each with control words of its
@@ -31,6 +31,7 @@ namespace deep_ep {
 constexpr int kLlDirectThreads = 512;
 constexpr int kLlDirectWarps = 16;
 constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
+constexpr int kLlDirectSegment = 256;       // 16-byte chunks of a row a warp copies at once (8 per lane)
 constexpr int kLlDirectSendPrefetch = 2;    // chunks of its token a thread of the dispatch send loads first
 constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
 constexpr int kLlDirectReceivePhase = 2;    // the receive
@@ -52,6 +53,7 @@ constexpr int kLlDirectHalfWords = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks
 static_assert(kCtrlTag + 4 * kMaxRanks + 2 <= kLlDirectCtrlWord, "the shared control words end before these");
 static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "both halves fit the control region");
 static_assert(kLlDirectWarps * 32 == kLlDirectThreads, "whole warps");
+static_assert(kLlDirectSegment % 32 == 0, "whole lanes per segment");
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
     return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
@@ -412,39 +414,36 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     const int num_rows = tr.num_ranks * num_slots;
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
-    // every expert's received rows in order, as 16-byte chunks spread over the grid
+    const int lane = threadIdx.x % 32;
+    // every expert's received rows in order, each cut in segments of kLlDirectSegment 16-byte chunks:
+    // a warp per segment, its route read once, kLlDirectSegment / 32 loads in flight per lane
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
         s_counts[local] = min(__ldg(recv_count + local), num_rows);
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_local_experts);
     __syncthreads();
-    const int64_t num_chunks = static_cast<int64_t>(s_begins[num_local_experts]) * row_chunks;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kLlDirectThreads;
-    for (int64_t first = static_cast<int64_t>(blockIdx.x) * kLlDirectThreads + threadIdx.x; first < num_chunks;
-         first += stride * kLlDirectUnroll) {
-        uint4 values[kLlDirectUnroll];
-        int64_t targets[kLlDirectUnroll];
-        int destinations[kLlDirectUnroll];
+    const int segments = (row_chunks + kLlDirectSegment - 1) / kLlDirectSegment;
+    const int64_t num_units = static_cast<int64_t>(s_begins[num_local_experts]) * segments;
+    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kLlDirectWarps;
+    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kLlDirectWarps + threadIdx.x / 32; unit < num_units;
+         unit += num_warps) {
+        const int flat = static_cast<int>(unit / segments);
+        const int first = static_cast<int>(unit % segments) * kLlDirectSegment + lane;
+        const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
+        const int row = flat - s_begins[local];
+        const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
+        const uint4* from = x + local * expert_stride + row * row_stride;
+        uint4 values[kLlDirectSegment / 32];
 #pragma unroll
-        for (int i = 0; i < kLlDirectUnroll; ++i) {
-            const int64_t index = first + i * stride;
-            targets[i] = -1;
-            destinations[i] = 0;
-            if (index < num_chunks) {
-                const int flat = static_cast<int>(index / row_chunks);
-                const int chunk = static_cast<int>(index % row_chunks);
-                const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
-                const int row = flat - s_begins[local];
-                const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
-                values[i] = __ldg(x + local * expert_stride + row * row_stride + chunk);
-                destinations[i] = route / pairs_per_rank;
-                targets[i] = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2 + chunk * 16;
-            }
-        }
+        for (int i = 0; i < kLlDirectSegment / 32; ++i)
+            if (first + i * 32 < row_chunks)
+                values[i] = __ldg(from + first + i * 32);
+        const int destination = route / pairs_per_rank;
+        const int64_t target = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
 #pragma unroll
-        for (int i = 0; i < kLlDirectUnroll; ++i)
-            if (targets[i] >= 0)
-                tr.put<uint4>(destinations[i], targets[i], values[i]);
+        for (int i = 0; i < kLlDirectSegment / 32; ++i)
+            if (first + i * 32 < row_chunks)
+                tr.put<uint4>(destination, target + (first + i * 32) * 16, values[i]);
     }
     uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
