@@ -32,6 +32,7 @@ constexpr int kLlDirectThreads = 512;
 constexpr int kLlDirectWarps = 16;
 constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
 constexpr int kLlDirectSegment = 256;       // 16-byte chunks of a row a warp copies at once (8 per lane)
+constexpr int kLlDirectReduceBatch = 8;     // top-k rows a thread of the combine receive loads at once
 constexpr int kLlDirectSendPrefetch = 2;    // chunks of its token a thread of the dispatch send loads first
 constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
 constexpr int kLlDirectReceivePhase = 2;    // the receive
@@ -480,21 +481,26 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
         const uint4* pairs = reinterpret_cast<const uint4*>(window + regions.combine);
         const int64_t chunks_per_row = hidden / kLlReduceChannels;
         ll_reduce_chunks(out, num_tokens, hidden, [&](int64_t token, int64_t column, float (&acc)[kLlReduceChannels]) {
-            // the slots' rows kLlDirectUnroll at a time, in flight together, summed in slot order
-            for (int first = 0; first < num_topk; first += kLlDirectUnroll) {
-                uint4 packed[kLlDirectUnroll];
-                float weights[kLlDirectUnroll];
-                bool selected[kLlDirectUnroll];
+            // the slots' rows kLlDirectReduceBatch at a time, all loaded before any is needed (a slot's
+            // row is read whether or not the slot is selected, so no load waits for the top-k ids),
+            // the selected ones summed in slot order
+            for (int first = 0; first < num_topk; first += kLlDirectReduceBatch) {
+                uint4 packed[kLlDirectReduceBatch];
+                float weights[kLlDirectReduceBatch];
+                bool selected[kLlDirectReduceBatch];
 #pragma unroll
-                for (int i = 0; i < kLlDirectUnroll; ++i) {
+                for (int i = 0; i < kLlDirectReduceBatch; ++i) {
                     const int slot = first + i;
-                    selected[i] = slot < num_topk && __ldg(topk_idx + token * num_topk + slot) >= 0;
-                    weights[i] = selected[i] ? __ldg(topk_weights + token * num_topk + slot) : 0.0f;
-                    packed[i] = selected[i] ? __ldcg(pairs + (token * num_topk + slot) * chunks_per_row + column)
-                                            : make_uint4(0u, 0u, 0u, 0u);
+                    selected[i] = false;
+                    if (slot < num_topk) {
+                        const int64_t pair = token * num_topk + slot;
+                        selected[i] = __ldg(topk_idx + pair) >= 0;
+                        weights[i] = __ldg(topk_weights + pair);
+                        packed[i] = __ldcg(pairs + pair * chunks_per_row + column);
+                    }
                 }
 #pragma unroll
-                for (int i = 0; i < kLlDirectUnroll; ++i)
+                for (int i = 0; i < kLlDirectReduceBatch; ++i)
                     if (selected[i])
                         ll_reduce_add(acc, packed[i], weights[i]);
             }
