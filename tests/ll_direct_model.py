@@ -58,13 +58,13 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     transport, phase, half, regions = args[:4]
     if name == ll_direct.DISPATCH_KERNEL:
         (x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts, num_slots, use_fp8, round_scale,
-         use_ue8m0, num_parts, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, fingerprint,
+         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, fingerprint,
          _, _) = args[4:]
         if phase == ll_direct.SEND_PHASE:
             _dispatch_send(transport.rank, transport.windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk,
                            num_experts, num_local_experts, num_slots, use_fp8, round_scale, fingerprint)
         else:
-            assert phase == ll_direct.RECEIVE_PHASE and num_parts >= 1
+            assert phase == ll_direct.RECEIVE_PHASE
             _dispatch_recv(transport.rank, transport.windows, half, regions, data_out, scales_out, recv_count,
                            src_info, layout_range, stats, routes, num_local_experts, num_slots, num_topk, hidden,
                            use_fp8, use_ue8m0, fingerprint)

@@ -42,7 +42,7 @@ MAX_TOPK = _CONSTANTS["kLlDirectMaxTopk"]
 MAX_EXPERTS = _CONSTANTS["kLlDirectMaxExperts"]
 MAX_RANKS = _CONSTANTS["kLlDirectMaxRanks"]
 _CHUNK_CHANNELS = 8               # bf16 channels of one 16-byte load (the combine's sum)
-_MAX_PARTS = 16                   # blocks that share one expert's rows in a dispatch receive
+_SEGMENT = _CONSTANTS["kLlDirectSegment"]   # 16-byte chunks of a row one warp of a receive copies
 _ALIGNMENT = 128
 _INT32_LIMIT = 2 ** 31
 
@@ -218,12 +218,15 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
     fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
-    # parts of each expert's rows, one block each, where the device lends more blocks than experts
-    num_parts = max(1, min(_MAX_PARTS, _blocks(backend, 1 << 30) // num_local_experts))
+    # the receive: a warp per row segment of the most rows a rank can receive (a token names an
+    # expert once)
+    row_bytes = hidden if use_fp8 else 2 * hidden
+    max_rows = num_ranks * num_slots * min(num_topk, num_local_experts)
+    receive_warps = max_rows * -(-row_bytes // (16 * _SEGMENT))
 
     def args(phase: int) -> tuple:
         return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
-                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0), num_parts,
+                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0),
                 received.data_storage, received.scales_storage, received.recv_count, received.src_info,
                 received.layout_range, stats, routes, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
@@ -231,7 +234,7 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_tokens), args(SEND_PHASE), device)
 
     def receive() -> None:
-        _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_local_experts * num_parts), args(RECEIVE_PHASE),
+        _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, -(-receive_warps // _WARPS)), args(RECEIVE_PHASE),
                 device)
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 

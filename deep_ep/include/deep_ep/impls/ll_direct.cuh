@@ -6,10 +6,10 @@
 //    or FP8 cast as impls/ll_layout.cuh casts, with its scales) and its (token, slot) word into the
 //    expert owner's window at [local expert][source rank][place]; the last block to finish
 //    publishes this rank's count of every expert, tagged, one release store each;
-//  - dispatch receive (blocks per local expert, strided): waits for every source rank's count,
-//    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
-//    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
-//    rank's (token, slot) pair);
+//  - dispatch receive (every block waits for every count, then takes a share of all received rows,
+//    a warp per row segment): writes recv_count, layout_range (source ranks in order), the
+//    statistics, the rows, scales and src_info of DeepEP's layout (src_info -1 past the count) and
+//    each row's route back (its source rank's (token, slot) pair);
 //  - combine send (every expert's received rows in order, in segments of 16-byte chunks, a warp
 //    per segment): each expert output row into its source rank's window at pair (token, slot); the
 //    last block publishes a tagged flag to every rank;
@@ -252,13 +252,6 @@ __device__ __forceinline__ int ll_direct_range_of(const int* begins, int count, 
     return low;
 }
 
-// The window row of layout row `row` of local expert `local`: its source rank's region, its place there.
-__device__ __forceinline__ int64_t ll_direct_window_row(const int* begins, int num_ranks, int num_slots, int local,
-                                                        int row) {
-    const int source = ll_direct_range_of(begins, num_ranks, row);
-    return (static_cast<int64_t>(local) * num_ranks + source) * num_slots + (row - begins[source]);
-}
-
 // Exclusive prefix sums of counts[0..n) into begins[0..n] (begins[n]: the total), by warp 0.
 __device__ __forceinline__ void ll_direct_scan(const int* counts, int* begins, int n) {
     if (threadIdx.x >= 32)
@@ -286,117 +279,113 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         const comm::LsaTransport& tr, int half, LlDirectRegions regions, uint4* __restrict__ data_out,
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
-        int num_local_experts, int num_parts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
+        int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
         uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
-    __shared__ int s_counts[kLlDirectMaxRanks];
-    __shared__ int s_begins[kLlDirectMaxRanks + 1];
+    // [local expert][source rank]: the counts, then where each one's rows begin among all received rows
+    __shared__ int s_counts[kLlDirectMaxExperts];
+    __shared__ int s_begins[kLlDirectMaxExperts + 1];
     __shared__ int s_ok;
     uint8_t* window = tr.local();
     const int num_ranks = tr.num_ranks;
+    const int num_pairs = num_local_experts * num_ranks;
     const int num_rows = num_ranks * num_slots;
     const int num_scales = hidden / kLlScaleChannels;
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
     const int row_chunks = static_cast<int>(row_bytes / 16);
     const int pairs_per_rank = num_slots * num_topk;
+    const int lane = threadIdx.x % 32;
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
-    // units of work: `num_parts` parts of each local expert's rows; every part waits for the expert's
-    // counts, the first writes its counts, ranges and statistics
-    for (int unit = blockIdx.x; unit < num_local_experts * num_parts; unit += gridDim.x) {
-        const int local = unit / num_parts;
-        const int part = unit % num_parts;
-        if (threadIdx.x == 0)
-            s_ok = 1;
-        __syncthreads();
-        for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-            uint32_t count = 0;
-            if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * num_ranks + source),
-                                tag, fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
-                s_ok = 0;
-                count = 0;
-            }
-            s_counts[source] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+    // every block waits for every count (each block places rows of any expert)
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
+        uint32_t count = 0;
+        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
+                            count, tr.rank, index % num_ranks, kPhaseDispatch, timeout_ns)) {
+            s_ok = 0;
+            count = 0;
         }
-        __syncthreads();
-        const bool ok = s_ok != 0;
-        ll_direct_scan(s_counts, s_begins, num_ranks);
-        __syncthreads();
-        __threadfence();    // the rows each flag covers, read by threads other than the one that waited
-        if (!ok)
-            continue;    // nothing moves after an error (s_ok is rewritten past the next barrier only)
-        const int total = s_begins[num_ranks];
-        if (part == 0) {
-            if (threadIdx.x == 0) {
+        s_counts[index] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+    }
+    __syncthreads();
+    ll_direct_scan(s_counts, s_begins, num_pairs);
+    __syncthreads();
+    __threadfence();    // the rows each flag covers, read by threads other than the one that waited
+    if (s_ok != 0) {
+        // the counts, ranges and statistics (layout rows of an expert: its source ranks in order),
+        // src_info -1 past each expert's count
+        const int64_t grid_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+        const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+        for (int64_t index = thread; index < num_pairs; index += grid_threads) {
+            const int local = static_cast<int>(index / num_ranks);
+            const int expert_begin = s_begins[local * num_ranks];
+            layout_range[index] = (static_cast<int64_t>(s_begins[index] - expert_begin) << 32) | s_counts[index];
+            if (index % num_ranks == 0) {
+                const int total = s_begins[(local + 1) * num_ranks] - expert_begin;
                 recv_count[local] = total;
                 if (stats != nullptr)
                     stats[local] += total;
             }
-            for (int source = threadIdx.x; source < num_ranks; source += blockDim.x)
-                layout_range[static_cast<int64_t>(local) * num_ranks + source] =
-                    (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
         }
-        for (int row = total + part * kLlDirectThreads + threadIdx.x; row < num_rows;
-             row += num_parts * kLlDirectThreads)
-            src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
-        // Window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
-        // Each row is `row_chunks` 16-byte chunks, its scales (FP8) and its pair word: items spread
-        // over the expert's parts, kLlDirectUnroll loads of any kind in flight per thread.
-        const int scale_items = use_fp8 ? num_scales : 0;
-        const int items_per_row = row_chunks + scale_items + 1;
-        const int64_t num_items = static_cast<int64_t>(total) * items_per_row;
+        const int64_t num_layout_rows = static_cast<int64_t>(num_local_experts) * num_rows;
+        for (int64_t index = thread; index < num_layout_rows; index += grid_threads) {
+            const int local = static_cast<int>(index / num_rows);
+            if (static_cast<int>(index % num_rows) >= s_begins[(local + 1) * num_ranks] - s_begins[local * num_ranks])
+                src_info[index] = -1;
+        }
+        // Every received row in (expert, source rank, place) order, cut in segments of kLlDirectSegment
+        // 16-byte chunks, a warp per segment; the first segment also moves the row's scales (FP8) and
+        // pair word. Window memory, written by peers: loads that skip L1 (a previous call's lines may
+        // be there).
         const float* window_scales = reinterpret_cast<const float*>(window + regions.scales);
         const int32_t* window_pairs = reinterpret_cast<const int32_t*>(window + regions.pairs);
-        const int64_t stride = static_cast<int64_t>(num_parts) * kLlDirectThreads;
-        for (int64_t first = static_cast<int64_t>(part) * kLlDirectThreads + threadIdx.x; first < num_items;
-             first += stride * kLlDirectUnroll) {
-            uint4 values[kLlDirectUnroll];
-            int rows[kLlDirectUnroll], items[kLlDirectUnroll];
+        const int segments = (row_chunks + kLlDirectSegment - 1) / kLlDirectSegment;
+        const int64_t num_units = static_cast<int64_t>(s_begins[num_pairs]) * segments;
+        const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kLlDirectWarps;
+        for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kLlDirectWarps + threadIdx.x / 32; unit < num_units;
+             unit += num_warps) {
+            const int flat = static_cast<int>(unit / segments);
+            const int segment = static_cast<int>(unit % segments);
+            const int pair_index = ll_direct_range_of(s_begins, num_pairs, flat);
+            const int local = pair_index / num_ranks;
+            const int source = pair_index % num_ranks;
+            const int place = flat - s_begins[pair_index];
+            const int row = s_begins[pair_index] - s_begins[local * num_ranks] + place;
+            const int64_t window_row = static_cast<int64_t>(pair_index) * num_slots + place;
+            const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
+            const uint4* from = reinterpret_cast<const uint4*>(window + regions.rows + window_row * row_bytes);
+            uint4* to = data_out + out_row * row_chunks;
+            const int first = segment * kLlDirectSegment + lane;
+            uint4 values[kLlDirectSegment / 32];
 #pragma unroll
-            for (int i = 0; i < kLlDirectUnroll; ++i) {
-                const int64_t index = first + i * stride;
-                items[i] = -1;
-                rows[i] = 0;
-                values[i] = make_uint4(0u, 0u, 0u, 0u);
-                if (index < num_items) {
-                    const int row = static_cast<int>(index / items_per_row);
-                    const int item = static_cast<int>(index % items_per_row);
-                    const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
-                    if (item < row_chunks)
-                        values[i] = __ldcg(reinterpret_cast<const uint4*>(window + regions.rows +
-                                                                          window_row * row_bytes) + item);
-                    else if (item < row_chunks + scale_items)
-                        values[i].x = __float_as_uint(__ldcg(window_scales + window_row * num_scales +
-                                                             (item - row_chunks)));
-                    else
-                        values[i].x = static_cast<uint32_t>(__ldcg(window_pairs + window_row));
-                    rows[i] = row;
-                    items[i] = item;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < kLlDirectUnroll; ++i) {
-                const int row = rows[i], item = items[i];
-                if (item < 0)
-                    continue;
-                const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
-                if (item < row_chunks) {
-                    data_out[out_row * row_chunks + item] = values[i];
-                } else if (item < row_chunks + scale_items) {
-                    const int column = item - row_chunks;
-                    if (use_ue8m0) {
-                        const int64_t word =
-                            (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
-                        reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
-                            static_cast<uint8_t>(ll_ue8m0_of(values[i].x));
-                    } else {
-                        scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] =
-                            __uint_as_float(values[i].x);
+            for (int i = 0; i < kLlDirectSegment / 32; ++i)
+                if (first + i * 32 < row_chunks)
+                    values[i] = __ldcg(from + first + i * 32);
+            if (segment == 0) {
+                if (use_fp8) {
+                    for (int column = lane; column < num_scales; column += 32) {
+                        const float scale = __ldcg(window_scales + window_row * num_scales + column);
+                        if (use_ue8m0) {
+                            const int64_t word =
+                                (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
+                            reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
+                                static_cast<uint8_t>(ll_ue8m0_of(__float_as_uint(scale)));
+                        } else {
+                            scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] = scale;
+                        }
                     }
-                } else {
-                    const int pair = static_cast<int>(values[i].x);
+                }
+                if (lane == 0) {
+                    const int pair = __ldcg(window_pairs + window_row);
                     src_info[out_row] = pair / num_topk;
-                    routes[out_row] = ll_direct_range_of(s_begins, num_ranks, row) * pairs_per_rank + pair;
+                    routes[out_row] = source * pairs_per_rank + pair;
                 }
             }
+#pragma unroll
+            for (int i = 0; i < kLlDirectSegment / 32; ++i)
+                if (first + i * 32 < row_chunks)
+                    to[first + i * 32] = values[i];
         }
     }
     if (comm::last_block(window, ll_direct_word(half, kLlDirectDispatchDone), false) && threadIdx.x == 0)

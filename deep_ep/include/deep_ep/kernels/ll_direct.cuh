@@ -16,7 +16,7 @@ namespace deep_ep {
 __global__ void __launch_bounds__(kLlDirectThreads, 1) dispatch_ll_direct(
         comm::TransportArgs transport, int phase, int half, LlDirectRegions regions, const uint4* x,
         const int64_t* topk_idx, int num_tokens, int hidden, int num_topk, int num_experts, int num_local_experts,
-        int num_slots, int use_fp8, int round_scale, int use_ue8m0, int num_parts, uint4* data_out,
+        int num_slots, int use_fp8, int round_scale, int use_ue8m0, uint4* data_out,
         float* scales_out, int32_t* recv_count, int32_t* src_info, int64_t* layout_range, int32_t* stats,
         int32_t* routes, uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     EP_TRANSPORT_TABLE(peers);
@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kLlDirectThreads, 1) dispatch_ll_direct(
                                      num_local_experts, num_slots, use_fp8, round_scale, fingerprint);
     else
         ll_direct_dispatch_recv_impl(tr, half, regions, data_out, scales_out, recv_count, src_info, layout_range,
-                                     stats, routes, num_local_experts, num_parts, num_slots, num_topk, hidden, use_fp8,
+                                     stats, routes, num_local_experts, num_slots, num_topk, hidden, use_fp8,
                                      use_ue8m0, fingerprint, timeout_ns, err_host);
 }
 
