@@ -36,6 +36,7 @@ constexpr int kLlDirectReduceBatch = 8;     // top-k rows a thread of the combin
 constexpr int kLlDirectSendPrefetch = 2;    // chunks of its token a thread of the dispatch send loads first
 constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
 constexpr int kLlDirectReceivePhase = 2;    // the receive
+constexpr int kLlDirectBothPhases = 3;      // the send, then the receive, in one launch (bits of both)
 constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
 constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
 constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
@@ -55,6 +56,7 @@ static_assert(kCtrlTag + 4 * kMaxRanks + 2 <= kLlDirectCtrlWord, "the shared con
 static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "both halves fit the control region");
 static_assert(kLlDirectWarps * 32 == kLlDirectThreads, "whole warps");
 static_assert(kLlDirectSegment % 32 == 0, "whole lanes per segment");
+static_assert(kLlDirectBothPhases == (kLlDirectSendPhase | kLlDirectReceivePhase), "a phase is a bit");
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
     return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
