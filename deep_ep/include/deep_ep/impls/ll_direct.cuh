@@ -137,6 +137,10 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     const int num_scales = hidden / kLlScaleChannels;
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
     constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
+    uint8_t* window = tr.local();
+    // the flags' tag, read before the rows go out (off the last block's path): only this rank's
+    // receive on the half moves it, after every block of the send (the same launch or an earlier one)
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
     for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
         const uint4* row_x = x + static_cast<int64_t>(token) * chunks_per_row;
         // the thread's first chunks, loaded while the places are counted
@@ -215,7 +219,6 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
             send_chunk(chunk, __ldg(row_x + chunk));
         __syncthreads();    // the places are read before the next token's
     }
-    uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectDispatchSent), true))
         return;
     // every block's rows are out: this rank's count of every expert, to the expert's owner
@@ -230,7 +233,6 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
             atomicAdd(&s_count[expert], 1);
     }
     __syncthreads();
-    const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
     __threadfence_system();
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
         const int local = expert % num_local_experts;
@@ -407,6 +409,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
     const int lane = threadIdx.x % 32;
+    uint8_t* window = tr.local();
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);    // as the dispatch send's
     // every expert's received rows in order, each cut in segments of kLlDirectSegment 16-byte chunks:
     // a warp per segment, its route read once, kLlDirectSegment / 32 loads in flight per lane
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
@@ -437,10 +441,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
             if (first + i * 32 < row_chunks)
                 tr.put<uint4>(destination, target + (first + i * 32) * 16, values[i]);
     }
-    uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
         return;
-    const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
     __threadfence_system();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x)
         tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
