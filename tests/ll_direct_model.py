@@ -1,7 +1,8 @@
 """A model of the direct low-latency kernels (include/deep_ep/impls/ll_direct.cuh) in torch ops on the
 CPU, byte for byte on a model of each rank's window: the send phases write rows, scales, pair words and
 tagged flags at the byte offsets the host passes, the receive phases check the flags' tags and
-fingerprints and write the outputs. tests/test_legacy_ll_direct.py runs `deep_ep.legacy.ll_direct`'s
+fingerprints and write the outputs; a launch of both phases (a call without a receive hook) runs
+the rank's send, then its receive. tests/test_legacy_ll_direct.py runs `deep_ep.legacy.ll_direct`'s
 host code on it (its launches replaced by `launch`) against the spec of tests/test_legacy_low_latency.py."""
 from __future__ import annotations
 
@@ -58,13 +59,13 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     transport, phase, half, regions = args[:4]
     if name == ll_direct.DISPATCH_KERNEL:
         (x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts, num_slots, use_fp8, round_scale,
-         use_ue8m0, num_parts, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, fingerprint,
+         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, fingerprint,
          _, _) = args[4:]
-        if phase == ll_direct.SEND_PHASE:
+        assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
+        if phase & ll_direct.SEND_PHASE:
             _dispatch_send(transport.rank, transport.windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk,
                            num_experts, num_local_experts, num_slots, use_fp8, round_scale, fingerprint)
-        else:
-            assert phase == ll_direct.RECEIVE_PHASE and num_parts >= 1
+        if phase & ll_direct.RECEIVE_PHASE:
             _dispatch_recv(transport.rank, transport.windows, half, regions, data_out, scales_out, recv_count,
                            src_info, layout_range, stats, routes, num_local_experts, num_slots, num_topk, hidden,
                            use_fp8, use_ue8m0, fingerprint)
@@ -72,11 +73,11 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     assert name == ll_direct.COMBINE_KERNEL
     (x, expert_stride, row_stride, recv_count, routes, num_local_experts, num_slots, num_topk, hidden, topk_idx,
      topk_weights, out, num_tokens, fingerprint, _, _) = args[4:]
-    if phase == ll_direct.SEND_PHASE:
+    assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
+    if phase & ll_direct.SEND_PHASE:
         _combine_send(transport.rank, transport.windows, half, regions, x, expert_stride, row_stride, recv_count,
                       routes, num_local_experts, num_slots, num_topk, hidden, fingerprint)
-    else:
-        assert phase == ll_direct.RECEIVE_PHASE
+    if phase & ll_direct.RECEIVE_PHASE:
         _combine_recv(transport.rank, transport.windows, half, regions, topk_idx, topk_weights, out, num_tokens,
                       num_topk, hidden, fingerprint)
 

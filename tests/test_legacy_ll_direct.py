@@ -167,6 +167,39 @@ def test_the_protocol_on_a_model_of_the_kernels(monkeypatch, num_ranks, case):
             assert torch.equal(combined[0], want), (rank, round_index)
 
 
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: "h{}_fp8{:d}_round{:d}_ue8m0{:d}".format(*c))
+def test_calls_without_hooks_launch_both_phases_at_once(monkeypatch, case):
+    """On one rank, calls without receive hooks: one launch each, of both phases (the kernel's send,
+    then its receive), its grid within the rank's SMs (all blocks resident); results equal to the spec
+    over three rounds."""
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 1, hidden)
+    launches = []
+
+    def recording(owner, window, name, blocks, args, device):
+        assert 1 <= blocks <= 4      # the model backend's max_sms
+        launches.append((name, args[1]))
+        ll_direct_model.launch(owner, window, name, blocks, args, device)
+
+    monkeypatch.setattr(ll_direct, "_launch", recording)
+    for seed in (31, 32, 33):
+        inputs = [_rank_inputs(seed, 0, 1, num_experts, hidden)]
+        launches.clear()
+        result = ll_direct.dispatch(owners[0], inputs[0][0], inputs[0][1], MAX_TOKENS, num_experts, use_fp8,
+                                    round_scale, use_ue8m0, False, False, None)
+        assert result[4] is None
+        assert launches == [(ll_direct.DISPATCH_KERNEL, ll_direct.BOTH_PHASES)], launches
+        received = _check_dispatch(0, 1, num_experts, hidden, inputs, result[:3] + (None, None), use_fp8,
+                                   round_scale, use_ue8m0)
+        expert_x = torch.stack([_expert_output(received[local], local) for local in range(num_local)])
+        combined = ll_direct.combine(owners[0], expert_x, inputs[0][1], inputs[0][2], result[2], False, False, False,
+                                     None)
+        assert combined[2] is None
+        assert launches[1:] == [(ll_direct.COMBINE_KERNEL, ll_direct.BOTH_PHASES)], launches
+        want = _expected_combine(0, num_experts, hidden, inputs, use_fp8, round_scale)
+        assert want.abs().sum() > 0 and torch.equal(combined[0], want)
+
+
 def test_combines_alternate_halves_of_their_own():
     """Two combines of one handle in a row take different halves (a fast rank's second combine must
     not overwrite the rows and flags a slow rank still waits for in the first); a half whose last

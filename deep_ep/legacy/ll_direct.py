@@ -15,7 +15,8 @@ expanded `ElasticBuffer` path elsewhere (rank masks, emulated nodes, larger size
 Window: both buffer halves in one window, the Buffer's own when it is large enough (DeepEP's
 ``get_low_latency_rdma_size_hint`` is), else one made for them (collective, not during a CUDA-graph
 capture); each half has control words of its own (`impls/ll_direct.cuh`). Receive hooks: the call
-launches its kernel's send phase, the hook its receive phase; in between nothing holds an SM.
+launches its kernel's send phase, the hook its receive phase; in between nothing holds an SM. Without
+a hook, one launch runs both phases (the grid the larger of the two, every block resident).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ..event import EventHandle, EventOverlap
 from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, check_combine_inputs, dispatch_receive
 
 __all__ = ["applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
-           "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE"]
+           "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES"]
 
 _CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_direct.cuh",
                              CONSTANTS)
@@ -42,16 +43,18 @@ MAX_TOPK = _CONSTANTS["kLlDirectMaxTopk"]
 MAX_EXPERTS = _CONSTANTS["kLlDirectMaxExperts"]
 MAX_RANKS = _CONSTANTS["kLlDirectMaxRanks"]
 _CHUNK_CHANNELS = 8               # bf16 channels of one 16-byte load (the combine's sum)
-_MAX_PARTS = 16                   # blocks that share one expert's rows in a dispatch receive
+_SEGMENT = _CONSTANTS["kLlDirectSegment"]   # 16-byte chunks of a row one warp of a receive copies
 _ALIGNMENT = 128
 _INT32_LIMIT = 2 ** 31
 
-# one kernel per call kind, launched for its send phase, then for its receive phase
+# one kernel per call kind, launched for its send phase, then for its receive phase (both at once
+# without a receive hook)
 DISPATCH_KERNEL = "deep_ep::dispatch_ll_direct"
 COMBINE_KERNEL = "deep_ep::combine_ll_direct"
 KERNEL_NAMES = (DISPATCH_KERNEL, COMBINE_KERNEL)
 SEND_PHASE = _CONSTANTS["kLlDirectSendPhase"]
 RECEIVE_PHASE = _CONSTANTS["kLlDirectReceivePhase"]
+BOTH_PHASES = _CONSTANTS["kLlDirectBothPhases"]    # a call without a receive hook: one launch
 SOURCE = "#include <deep_ep/kernels/ll_direct.cuh>\n"
 # the Buffer's attributes: a window made for the calls (when its own is too small), the stream of
 # the last kernel
@@ -218,21 +221,28 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
     fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
-    # parts of each expert's rows, one block each, where the device lends more blocks than experts
-    num_parts = max(1, min(_MAX_PARTS, _blocks(backend, 1 << 30) // num_local_experts))
+    # the receive: a warp per row segment of the most rows a rank can receive (a token names an
+    # expert once)
+    row_bytes = hidden if use_fp8 else 2 * hidden
+    max_rows = num_ranks * num_slots * min(num_topk, num_local_experts)
+    receive_warps = max_rows * -(-row_bytes // (16 * _SEGMENT))
 
     def args(phase: int) -> tuple:
         return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
-                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0), num_parts,
+                num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0),
                 received.data_storage, received.scales_storage, received.recv_count, received.src_info,
                 received.layout_range, stats, routes, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
-    _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_tokens), args(SEND_PHASE), device)
+    send_blocks, receive_blocks = _blocks(backend, num_tokens), _blocks(backend, -(-receive_warps // _WARPS))
+    if return_recv_hook:
+        _launch(owner, window, DISPATCH_KERNEL, send_blocks, args(SEND_PHASE), device)
+    else:
+        _launch(owner, window, DISPATCH_KERNEL, max(send_blocks, receive_blocks), args(BOTH_PHASES), device)
 
     def receive() -> None:
-        _launch(owner, window, DISPATCH_KERNEL, _blocks(backend, num_local_experts * num_parts), args(RECEIVE_PHASE),
-                device)
+        if return_recv_hook:
+            _launch(owner, window, DISPATCH_KERNEL, receive_blocks, args(RECEIVE_PHASE), device)
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 
     hook = owner._receive_or_hook(receive, "low_latency_dispatch", device, half, return_recv_hook)
@@ -303,12 +313,16 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
                 num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
-    _launch(owner, window, COMBINE_KERNEL, _blocks(backend, -(-num_local_experts * num_rows // _WARPS)),
-            args(SEND_PHASE), device)
+    send_blocks = _blocks(backend, -(-num_local_experts * num_rows // _WARPS))
+    receive_blocks = _blocks(backend, -(-num_tokens * hidden // _CHUNK_CHANNELS // _THREADS))
+    if return_recv_hook:
+        _launch(owner, window, COMBINE_KERNEL, send_blocks, args(SEND_PHASE), device)
+    else:
+        _launch(owner, window, COMBINE_KERNEL, max(send_blocks, receive_blocks), args(BOTH_PHASES), device)
 
     def receive() -> None:
-        chunks = num_tokens * hidden // _CHUNK_CHANNELS
-        _launch(owner, window, COMBINE_KERNEL, _blocks(backend, -(-chunks // _THREADS)), args(RECEIVE_PHASE), device)
+        if return_recv_hook:
+            _launch(owner, window, COMBINE_KERNEL, receive_blocks, args(RECEIVE_PHASE), device)
         if out is not None and combined_x is not out:
             out.copy_(combined_x)
 

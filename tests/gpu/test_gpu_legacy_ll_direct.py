@@ -5,9 +5,10 @@ scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, doubl
 results equal bit for bit to those without) on a one-rank NCCL group and on 2, 4 and 8 emulated ranks
 of one device, every output allocated from memory poisoned first; that the calls took the direct
 path (and a Buffer with ``enable_shrink`` the expanded one, its mask cases passing); and the decode
-step captured in a CUDA graph and replayed with fresh inputs; that a call with a receive hook launches
-only its kernel's send phase and the hook its receive phase, with a matmul between them that finishes while
-peers have not even made their call. Run by
+step captured in a CUDA graph and replayed with fresh inputs; that a call without a receive hook
+launches both phases of its kernel at once, and one with a hook only its kernel's send phase and the
+hook its receive phase, with a matmul between them that finishes while peers have not even made their
+call. Run by
 ``EXTRA_FILES=tests/gpu/test_gpu_legacy_ll_direct.py bash tools/device_suite.sh extra``."""
 from __future__ import annotations
 
@@ -170,9 +171,13 @@ def _hooks_hold_no_sm(group, num_ranks):
     try:
         inputs = [_rank_inputs(95, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
         x, topk_idx, topk_weights = (tensor.to(device) for tensor in inputs[rank])
+        launches = _recorded.launches = []
         warm = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
         buffer.low_latency_combine(warm[0], topk_idx, topk_weights, warm[2])
-        launches = _recorded.launches = []
+        # without hooks, one launch of both phases per call
+        assert launches == [(ll_direct.DISPATCH_KERNEL, ll_direct.BOTH_PHASES),
+                            (ll_direct.COMBINE_KERNEL, ll_direct.BOTH_PHASES)], launches
+        launches.clear()
         result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False,
                                              return_recv_hook=True)
         send, receive = (ll_direct.DISPATCH_KERNEL, ll_direct.SEND_PHASE), (ll_direct.DISPATCH_KERNEL,

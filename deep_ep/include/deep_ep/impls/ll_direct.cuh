@@ -6,13 +6,13 @@
 //    or FP8 cast as impls/ll_layout.cuh casts, with its scales) and its (token, slot) word into the
 //    expert owner's window at [local expert][source rank][place]; the last block to finish
 //    publishes this rank's count of every expert, tagged, one release store each;
-//  - dispatch receive (blocks per local expert, strided): waits for every source rank's count,
-//    writes recv_count, layout_range (source ranks in order), the statistics, the rows, scales and
-//    src_info of DeepEP's layout (src_info -1 past the count) and each row's route back (its source
-//    rank's (token, slot) pair);
-//  - combine send (every expert's received rows in order, as 16-byte chunks spread over the grid):
-//    each expert output row into its source rank's window at pair (token, slot); the last block
-//    publishes a tagged flag to every rank;
+//  - dispatch receive (every block waits for every count, then takes a share of all received rows,
+//    a warp per row segment): writes recv_count, layout_range (source ranks in order), the
+//    statistics, the rows, scales and src_info of DeepEP's layout (src_info -1 past the count) and
+//    each row's route back (its source rank's (token, slot) pair);
+//  - combine send (every expert's received rows in order, in segments of 16-byte chunks, a warp
+//    per segment): each expert output row into its source rank's window at pair (token, slot); the
+//    last block publishes a tagged flag to every rank;
 //  - combine receive: waits for every rank's flag, then per token the weighted top-k sum
 //    (impls/ll_reduce.cuh's arithmetic: float32, slot order, products rounded first, one bf16 rounding).
 // Every window holds two call halves (DeepEP's double buffering), each with control words of its
@@ -31,8 +31,12 @@ namespace deep_ep {
 constexpr int kLlDirectThreads = 512;
 constexpr int kLlDirectWarps = 16;
 constexpr int kLlDirectUnroll = 4;          // 16-byte loads a thread keeps in flight
+constexpr int kLlDirectSegment = 256;       // 16-byte chunks of a row a warp copies at once (8 per lane)
+constexpr int kLlDirectReduceBatch = 8;     // top-k rows a thread of the combine receive loads at once
+constexpr int kLlDirectSendPrefetch = 2;    // chunks of its token a thread of the dispatch send loads first
 constexpr int kLlDirectSendPhase = 1;       // a kernel's `phase`: the send
 constexpr int kLlDirectReceivePhase = 2;    // the receive
+constexpr int kLlDirectBothPhases = 3;      // the send, then the receive, in one launch (bits of both)
 constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
 constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
 constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
@@ -51,6 +55,8 @@ constexpr int kLlDirectHalfWords = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks
 static_assert(kCtrlTag + 4 * kMaxRanks + 2 <= kLlDirectCtrlWord, "the shared control words end before these");
 static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "both halves fit the control region");
 static_assert(kLlDirectWarps * 32 == kLlDirectThreads, "whole warps");
+static_assert(kLlDirectSegment % 32 == 0, "whole lanes per segment");
+static_assert(kLlDirectBothPhases == (kLlDirectSendPhase | kLlDirectReceivePhase), "a phase is a bit");
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
     return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
@@ -124,15 +130,26 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                                                              int round_scale, uint32_t fingerprint) {
     __shared__ int64_t s_expert[kLlDirectMaxTopk];
     __shared__ int s_place[kLlDirectMaxTopk];
-    __shared__ int64_t s_row[kLlDirectMaxTopk];    // the row in its owner's window, -1: no expert
+    __shared__ int s_owner[kLlDirectMaxTopk];      // the expert's rank, -1: the slot sends nothing
+    __shared__ int64_t s_row[kLlDirectMaxTopk];    // byte offsets of the row and its scales in the owner's window
+    __shared__ int64_t s_scales[kLlDirectMaxTopk];
     const int chunks_per_row = hidden / kLlCastChannels;
     const int num_scales = hidden / kLlScaleChannels;
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
     constexpr int chunks_per_scale = kLlScaleChannels / kLlCastChannels;
+    uint8_t* window = tr.local();
+    // the flags' tag, read before the rows go out (off the last block's path): only this rank's
+    // receive on the half moves it, after every block of the send (the same launch or an earlier one)
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
     for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
         const uint4* row_x = x + static_cast<int64_t>(token) * chunks_per_row;
-        // the thread's first chunk, loaded while the places are counted
-        const uint4 prefetched = threadIdx.x < chunks_per_row ? __ldg(row_x + threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
+        // the thread's first chunks, loaded while the places are counted
+        uint4 prefetched[kLlDirectSendPrefetch];
+#pragma unroll
+        for (int i = 0; i < kLlDirectSendPrefetch; ++i) {
+            const int chunk = threadIdx.x + i * kLlDirectThreads;
+            prefetched[i] = chunk < chunks_per_row ? __ldg(row_x + chunk) : make_uint4(0u, 0u, 0u, 0u);
+        }
         if (threadIdx.x < num_topk) {
             s_expert[threadIdx.x] = __ldg(topk_idx + static_cast<int64_t>(token) * num_topk + threadIdx.x);
             s_place[threadIdx.x] = 0;
@@ -152,44 +169,56 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
         __syncthreads();
         if (threadIdx.x < num_topk) {
             const int64_t expert = s_expert[threadIdx.x];
-            int64_t row = -1;
+            int owner = -1;
             // an id past the experts (unchecked inside a CUDA-graph capture) or a place past the
             // slots (a token naming an expert twice) would write outside the window: not sent
             if (expert >= 0 && expert < num_experts && s_place[threadIdx.x] < num_slots) {
-                const int owner = static_cast<int>(expert / num_local_experts);
+                owner = static_cast<int>(expert / num_local_experts);
                 const int64_t local = expert % num_local_experts;
-                row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
+                const int64_t row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
                 tr.put<int32_t>(owner, regions.pairs + row * 4, token * num_topk + static_cast<int>(threadIdx.x));
+                s_row[threadIdx.x] = regions.rows + row * row_bytes;
+                s_scales[threadIdx.x] = regions.scales + row * num_scales * 4;
             }
-            s_row[threadIdx.x] = row;
+            s_owner[threadIdx.x] = owner;
         }
         __syncthreads();
-        for (int chunk = threadIdx.x; chunk < chunks_per_row; chunk += blockDim.x) {
-            const uint4 packed = chunk == static_cast<int>(threadIdx.x) ? prefetched : __ldg(row_x + chunk);
+        // a chunk to every slot's row; the per-slot offsets are computed once above, so the stores
+        // take no division
+        const auto send_chunk = [&](int chunk, const uint4& packed) {
             if (!use_fp8) {
                 for (int slot = 0; slot < num_topk; ++slot) {
-                    const int64_t row = s_row[slot];
-                    if (row >= 0)
-                        tr.put<uint4>(static_cast<int>(s_expert[slot] / num_local_experts),
-                                      regions.rows + row * row_bytes + chunk * 16, packed);
+                    const int owner = s_owner[slot];
+                    if (owner >= 0)
+                        tr.put<uint4>(owner, s_row[slot] + chunk * 16, packed);
                 }
-                continue;
+                return;
             }
             float scale_inv;
             const uint2 codes = ll_cast_chunk(packed, round_scale, scale_inv);
+            const bool first_of_scale = chunk % chunks_per_scale == 0;
             for (int slot = 0; slot < num_topk; ++slot) {
-                const int64_t row = s_row[slot];
-                if (row < 0)
+                const int owner = s_owner[slot];
+                if (owner < 0)
                     continue;
-                const int owner = static_cast<int>(s_expert[slot] / num_local_experts);
-                tr.put<uint2>(owner, regions.rows + row * row_bytes + chunk * 8, codes);
-                if (chunk % chunks_per_scale == 0)
-                    tr.put<float>(owner, regions.scales + (row * num_scales + chunk / chunks_per_scale) * 4, scale_inv);
+                tr.put<uint2>(owner, s_row[slot] + chunk * 8, codes);
+                if (first_of_scale)
+                    tr.put<float>(owner, s_scales[slot] + (chunk / chunks_per_scale) * 4, scale_inv);
             }
+        };
+        // the scale's chunks are consecutive lanes of one warp, all in or all out together
+        // (ll_cast_chunk): chunks_per_row and the thread count are multiples of chunks_per_scale
+#pragma unroll
+        for (int i = 0; i < kLlDirectSendPrefetch; ++i) {
+            const int chunk = threadIdx.x + i * kLlDirectThreads;
+            if (chunk < chunks_per_row)
+                send_chunk(chunk, prefetched[i]);
         }
+        for (int chunk = threadIdx.x + kLlDirectSendPrefetch * kLlDirectThreads; chunk < chunks_per_row;
+             chunk += kLlDirectThreads)
+            send_chunk(chunk, __ldg(row_x + chunk));
         __syncthreads();    // the places are read before the next token's
     }
-    uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectDispatchSent), true))
         return;
     // every block's rows are out: this rank's count of every expert, to the expert's owner
@@ -204,7 +233,6 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
             atomicAdd(&s_count[expert], 1);
     }
     __syncthreads();
-    const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
     __threadfence_system();
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
         const int local = expert % num_local_experts;
@@ -226,13 +254,6 @@ __device__ __forceinline__ int ll_direct_range_of(const int* begins, int count, 
             high = middle - 1;
     }
     return low;
-}
-
-// The window row of layout row `row` of local expert `local`: its source rank's region, its place there.
-__device__ __forceinline__ int64_t ll_direct_window_row(const int* begins, int num_ranks, int num_slots, int local,
-                                                        int row) {
-    const int source = ll_direct_range_of(begins, num_ranks, row);
-    return (static_cast<int64_t>(local) * num_ranks + source) * num_slots + (row - begins[source]);
 }
 
 // Exclusive prefix sums of counts[0..n) into begins[0..n] (begins[n]: the total), by warp 0.
@@ -262,117 +283,113 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         const comm::LsaTransport& tr, int half, LlDirectRegions regions, uint4* __restrict__ data_out,
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
-        int num_local_experts, int num_parts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
+        int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
         uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
-    __shared__ int s_counts[kLlDirectMaxRanks];
-    __shared__ int s_begins[kLlDirectMaxRanks + 1];
+    // [local expert][source rank]: the counts, then where each one's rows begin among all received rows
+    __shared__ int s_counts[kLlDirectMaxExperts];
+    __shared__ int s_begins[kLlDirectMaxExperts + 1];
     __shared__ int s_ok;
     uint8_t* window = tr.local();
     const int num_ranks = tr.num_ranks;
+    const int num_pairs = num_local_experts * num_ranks;
     const int num_rows = num_ranks * num_slots;
     const int num_scales = hidden / kLlScaleChannels;
     const int64_t row_bytes = use_fp8 ? hidden : 2 * static_cast<int64_t>(hidden);
     const int row_chunks = static_cast<int>(row_bytes / 16);
     const int pairs_per_rank = num_slots * num_topk;
+    const int lane = threadIdx.x % 32;
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectDispatchSeq);
-    // units of work: `num_parts` parts of each local expert's rows; every part waits for the expert's
-    // counts, the first writes its counts, ranges and statistics
-    for (int unit = blockIdx.x; unit < num_local_experts * num_parts; unit += gridDim.x) {
-        const int local = unit / num_parts;
-        const int part = unit % num_parts;
-        if (threadIdx.x == 0)
-            s_ok = 1;
-        __syncthreads();
-        for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-            uint32_t count = 0;
-            if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * num_ranks + source),
-                                tag, fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
-                s_ok = 0;
-                count = 0;
-            }
-            s_counts[source] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+    // every block waits for every count (each block places rows of any expert)
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
+        uint32_t count = 0;
+        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
+                            count, tr.rank, index % num_ranks, kPhaseDispatch, timeout_ns)) {
+            s_ok = 0;
+            count = 0;
         }
-        __syncthreads();
-        const bool ok = s_ok != 0;
-        ll_direct_scan(s_counts, s_begins, num_ranks);
-        __syncthreads();
-        __threadfence();    // the rows each flag covers, read by threads other than the one that waited
-        if (!ok)
-            continue;    // nothing moves after an error (s_ok is rewritten past the next barrier only)
-        const int total = s_begins[num_ranks];
-        if (part == 0) {
-            if (threadIdx.x == 0) {
+        s_counts[index] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+    }
+    __syncthreads();
+    ll_direct_scan(s_counts, s_begins, num_pairs);
+    __syncthreads();
+    __threadfence();    // the rows each flag covers, read by threads other than the one that waited
+    if (s_ok != 0) {
+        // the counts, ranges and statistics (layout rows of an expert: its source ranks in order),
+        // src_info -1 past each expert's count
+        const int64_t grid_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+        const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+        for (int64_t index = thread; index < num_pairs; index += grid_threads) {
+            const int local = static_cast<int>(index / num_ranks);
+            const int expert_begin = s_begins[local * num_ranks];
+            layout_range[index] = (static_cast<int64_t>(s_begins[index] - expert_begin) << 32) | s_counts[index];
+            if (index % num_ranks == 0) {
+                const int total = s_begins[(local + 1) * num_ranks] - expert_begin;
                 recv_count[local] = total;
                 if (stats != nullptr)
                     stats[local] += total;
             }
-            for (int source = threadIdx.x; source < num_ranks; source += blockDim.x)
-                layout_range[static_cast<int64_t>(local) * num_ranks + source] =
-                    (static_cast<int64_t>(s_begins[source]) << 32) | s_counts[source];
         }
-        for (int row = total + part * kLlDirectThreads + threadIdx.x; row < num_rows;
-             row += num_parts * kLlDirectThreads)
-            src_info[static_cast<int64_t>(local) * num_rows + row] = -1;
-        // Window memory, written by peers: loads that skip L1 (a previous call's lines may be there).
-        // Each row is `row_chunks` 16-byte chunks, its scales (FP8) and its pair word: items spread
-        // over the expert's parts, kLlDirectUnroll loads of any kind in flight per thread.
-        const int scale_items = use_fp8 ? num_scales : 0;
-        const int items_per_row = row_chunks + scale_items + 1;
-        const int64_t num_items = static_cast<int64_t>(total) * items_per_row;
+        const int64_t num_layout_rows = static_cast<int64_t>(num_local_experts) * num_rows;
+        for (int64_t index = thread; index < num_layout_rows; index += grid_threads) {
+            const int local = static_cast<int>(index / num_rows);
+            if (static_cast<int>(index % num_rows) >= s_begins[(local + 1) * num_ranks] - s_begins[local * num_ranks])
+                src_info[index] = -1;
+        }
+        // Every received row in (expert, source rank, place) order, cut in segments of kLlDirectSegment
+        // 16-byte chunks, a warp per segment; the first segment also moves the row's scales (FP8) and
+        // pair word. Window memory, written by peers: loads that skip L1 (a previous call's lines may
+        // be there).
         const float* window_scales = reinterpret_cast<const float*>(window + regions.scales);
         const int32_t* window_pairs = reinterpret_cast<const int32_t*>(window + regions.pairs);
-        const int64_t stride = static_cast<int64_t>(num_parts) * kLlDirectThreads;
-        for (int64_t first = static_cast<int64_t>(part) * kLlDirectThreads + threadIdx.x; first < num_items;
-             first += stride * kLlDirectUnroll) {
-            uint4 values[kLlDirectUnroll];
-            int rows[kLlDirectUnroll], items[kLlDirectUnroll];
+        const int segments = (row_chunks + kLlDirectSegment - 1) / kLlDirectSegment;
+        const int64_t num_units = static_cast<int64_t>(s_begins[num_pairs]) * segments;
+        const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kLlDirectWarps;
+        for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kLlDirectWarps + threadIdx.x / 32; unit < num_units;
+             unit += num_warps) {
+            const int flat = static_cast<int>(unit / segments);
+            const int segment = static_cast<int>(unit % segments);
+            const int pair_index = ll_direct_range_of(s_begins, num_pairs, flat);
+            const int local = pair_index / num_ranks;
+            const int source = pair_index % num_ranks;
+            const int place = flat - s_begins[pair_index];
+            const int row = s_begins[pair_index] - s_begins[local * num_ranks] + place;
+            const int64_t window_row = static_cast<int64_t>(pair_index) * num_slots + place;
+            const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
+            const uint4* from = reinterpret_cast<const uint4*>(window + regions.rows + window_row * row_bytes);
+            uint4* to = data_out + out_row * row_chunks;
+            const int first = segment * kLlDirectSegment + lane;
+            uint4 values[kLlDirectSegment / 32];
 #pragma unroll
-            for (int i = 0; i < kLlDirectUnroll; ++i) {
-                const int64_t index = first + i * stride;
-                items[i] = -1;
-                rows[i] = 0;
-                values[i] = make_uint4(0u, 0u, 0u, 0u);
-                if (index < num_items) {
-                    const int row = static_cast<int>(index / items_per_row);
-                    const int item = static_cast<int>(index % items_per_row);
-                    const int64_t window_row = ll_direct_window_row(s_begins, num_ranks, num_slots, local, row);
-                    if (item < row_chunks)
-                        values[i] = __ldcg(reinterpret_cast<const uint4*>(window + regions.rows +
-                                                                          window_row * row_bytes) + item);
-                    else if (item < row_chunks + scale_items)
-                        values[i].x = __float_as_uint(__ldcg(window_scales + window_row * num_scales +
-                                                             (item - row_chunks)));
-                    else
-                        values[i].x = static_cast<uint32_t>(__ldcg(window_pairs + window_row));
-                    rows[i] = row;
-                    items[i] = item;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < kLlDirectUnroll; ++i) {
-                const int row = rows[i], item = items[i];
-                if (item < 0)
-                    continue;
-                const int64_t out_row = static_cast<int64_t>(local) * num_rows + row;
-                if (item < row_chunks) {
-                    data_out[out_row * row_chunks + item] = values[i];
-                } else if (item < row_chunks + scale_items) {
-                    const int column = item - row_chunks;
-                    if (use_ue8m0) {
-                        const int64_t word =
-                            (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
-                        reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
-                            static_cast<uint8_t>(ll_ue8m0_of(values[i].x));
-                    } else {
-                        scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] =
-                            __uint_as_float(values[i].x);
+            for (int i = 0; i < kLlDirectSegment / 32; ++i)
+                if (first + i * 32 < row_chunks)
+                    values[i] = __ldcg(from + first + i * 32);
+            if (segment == 0) {
+                if (use_fp8) {
+                    for (int column = lane; column < num_scales; column += 32) {
+                        const float scale = __ldcg(window_scales + window_row * num_scales + column);
+                        if (use_ue8m0) {
+                            const int64_t word =
+                                (static_cast<int64_t>(local) * (num_scales / 4) + column / 4) * num_rows + row;
+                            reinterpret_cast<uint8_t*>(scales_out)[word * 4 + column % 4] =
+                                static_cast<uint8_t>(ll_ue8m0_of(__float_as_uint(scale)));
+                        } else {
+                            scales_out[(static_cast<int64_t>(local) * num_scales + column) * num_rows + row] = scale;
+                        }
                     }
-                } else {
-                    const int pair = static_cast<int>(values[i].x);
+                }
+                if (lane == 0) {
+                    const int pair = __ldcg(window_pairs + window_row);
                     src_info[out_row] = pair / num_topk;
-                    routes[out_row] = ll_direct_range_of(s_begins, num_ranks, row) * pairs_per_rank + pair;
+                    routes[out_row] = source * pairs_per_rank + pair;
                 }
             }
+#pragma unroll
+            for (int i = 0; i < kLlDirectSegment / 32; ++i)
+                if (first + i * 32 < row_chunks)
+                    to[first + i * 32] = values[i];
         }
     }
     if (comm::last_block(window, ll_direct_word(half, kLlDirectDispatchDone), false) && threadIdx.x == 0)
@@ -391,44 +408,41 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     const int num_rows = tr.num_ranks * num_slots;
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
-    // every expert's received rows in order, as 16-byte chunks spread over the grid
+    const int lane = threadIdx.x % 32;
+    uint8_t* window = tr.local();
+    const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);    // as the dispatch send's
+    // every expert's received rows in order, each cut in segments of kLlDirectSegment 16-byte chunks:
+    // a warp per segment, its route read once, kLlDirectSegment / 32 loads in flight per lane
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
         s_counts[local] = min(__ldg(recv_count + local), num_rows);
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_local_experts);
     __syncthreads();
-    const int64_t num_chunks = static_cast<int64_t>(s_begins[num_local_experts]) * row_chunks;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kLlDirectThreads;
-    for (int64_t first = static_cast<int64_t>(blockIdx.x) * kLlDirectThreads + threadIdx.x; first < num_chunks;
-         first += stride * kLlDirectUnroll) {
-        uint4 values[kLlDirectUnroll];
-        int64_t targets[kLlDirectUnroll];
-        int destinations[kLlDirectUnroll];
+    const int segments = (row_chunks + kLlDirectSegment - 1) / kLlDirectSegment;
+    const int64_t num_units = static_cast<int64_t>(s_begins[num_local_experts]) * segments;
+    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kLlDirectWarps;
+    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kLlDirectWarps + threadIdx.x / 32; unit < num_units;
+         unit += num_warps) {
+        const int flat = static_cast<int>(unit / segments);
+        const int first = static_cast<int>(unit % segments) * kLlDirectSegment + lane;
+        const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
+        const int row = flat - s_begins[local];
+        const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
+        const uint4* from = x + local * expert_stride + row * row_stride;
+        uint4 values[kLlDirectSegment / 32];
 #pragma unroll
-        for (int i = 0; i < kLlDirectUnroll; ++i) {
-            const int64_t index = first + i * stride;
-            targets[i] = -1;
-            destinations[i] = 0;
-            if (index < num_chunks) {
-                const int flat = static_cast<int>(index / row_chunks);
-                const int chunk = static_cast<int>(index % row_chunks);
-                const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
-                const int row = flat - s_begins[local];
-                const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
-                values[i] = __ldg(x + local * expert_stride + row * row_stride + chunk);
-                destinations[i] = route / pairs_per_rank;
-                targets[i] = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2 + chunk * 16;
-            }
-        }
+        for (int i = 0; i < kLlDirectSegment / 32; ++i)
+            if (first + i * 32 < row_chunks)
+                values[i] = __ldg(from + first + i * 32);
+        const int destination = route / pairs_per_rank;
+        const int64_t target = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
 #pragma unroll
-        for (int i = 0; i < kLlDirectUnroll; ++i)
-            if (targets[i] >= 0)
-                tr.put<uint4>(destinations[i], targets[i], values[i]);
+        for (int i = 0; i < kLlDirectSegment / 32; ++i)
+            if (first + i * 32 < row_chunks)
+                tr.put<uint4>(destination, target + (first + i * 32) * 16, values[i]);
     }
-    uint8_t* window = tr.local();
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
         return;
-    const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
     __threadfence_system();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x)
         tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
@@ -460,21 +474,26 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
         const uint4* pairs = reinterpret_cast<const uint4*>(window + regions.combine);
         const int64_t chunks_per_row = hidden / kLlReduceChannels;
         ll_reduce_chunks(out, num_tokens, hidden, [&](int64_t token, int64_t column, float (&acc)[kLlReduceChannels]) {
-            // the slots' rows kLlDirectUnroll at a time, in flight together, summed in slot order
-            for (int first = 0; first < num_topk; first += kLlDirectUnroll) {
-                uint4 packed[kLlDirectUnroll];
-                float weights[kLlDirectUnroll];
-                bool selected[kLlDirectUnroll];
+            // the slots' rows kLlDirectReduceBatch at a time, all loaded before any is needed (a slot's
+            // row is read whether or not the slot is selected, so no load waits for the top-k ids),
+            // the selected ones summed in slot order
+            for (int first = 0; first < num_topk; first += kLlDirectReduceBatch) {
+                uint4 packed[kLlDirectReduceBatch];
+                float weights[kLlDirectReduceBatch];
+                bool selected[kLlDirectReduceBatch];
 #pragma unroll
-                for (int i = 0; i < kLlDirectUnroll; ++i) {
+                for (int i = 0; i < kLlDirectReduceBatch; ++i) {
                     const int slot = first + i;
-                    selected[i] = slot < num_topk && __ldg(topk_idx + token * num_topk + slot) >= 0;
-                    weights[i] = selected[i] ? __ldg(topk_weights + token * num_topk + slot) : 0.0f;
-                    packed[i] = selected[i] ? __ldcg(pairs + (token * num_topk + slot) * chunks_per_row + column)
-                                            : make_uint4(0u, 0u, 0u, 0u);
+                    selected[i] = false;
+                    if (slot < num_topk) {
+                        const int64_t pair = token * num_topk + slot;
+                        selected[i] = __ldg(topk_idx + pair) >= 0;
+                        weights[i] = __ldg(topk_weights + pair);
+                        packed[i] = __ldcg(pairs + pair * chunks_per_row + column);
+                    }
                 }
 #pragma unroll
-                for (int i = 0; i < kLlDirectUnroll; ++i)
+                for (int i = 0; i < kLlDirectReduceBatch; ++i)
                     if (selected[i])
                         ll_reduce_add(acc, packed[i], weights[i]);
             }

@@ -1,9 +1,11 @@
 // Kernel entry points of DeepEP's V1 low-latency dispatch and combine sent straight into the
 // peers' windows (impls/ll_direct.cuh; host: deep_ep/legacy/ll_direct.py): one kernel per call kind,
-// launched once for its send phase and once for its receive phase (`phase`), so that a receive hook
-// launches the receive alone and nothing holds an SM in between. Each phase reads only its own
-// arguments (the others may be null). EP_TRANSPORT_NCCL as in kernels/dispatch.cuh; no other define:
-// one module serves every shape. C++ kernels in namespace deep_ep, one name per call: DeepEP's V1
+// launched for its send phase, then for its receive phase (`phase`), so that a receive hook launches
+// the receive alone and nothing holds an SM in between; a call without a hook launches both phases
+// at once (kLlDirectBothPhases: each block sends, then receives, waiting on the same flags as a
+// receive launch; every block is resident, as every rank's are for emulated ranks). A launch of one
+// phase reads only that phase's arguments (the others may be null). EP_TRANSPORT_NCCL as in
+// kernels/dispatch.cuh; no other define: one module serves every shape. C++ kernels in namespace deep_ep, one name per call: DeepEP's V1
 // test times a call's phases by the profiler names "...::dispatch..." and "...::combine..."
 // (tests/test_kernel_names.py), one line each in the profiler's table.
 #pragma once
@@ -16,17 +18,17 @@ namespace deep_ep {
 __global__ void __launch_bounds__(kLlDirectThreads, 1) dispatch_ll_direct(
         comm::TransportArgs transport, int phase, int half, LlDirectRegions regions, const uint4* x,
         const int64_t* topk_idx, int num_tokens, int hidden, int num_topk, int num_experts, int num_local_experts,
-        int num_slots, int use_fp8, int round_scale, int use_ue8m0, int num_parts, uint4* data_out,
+        int num_slots, int use_fp8, int round_scale, int use_ue8m0, uint4* data_out,
         float* scales_out, int32_t* recv_count, int32_t* src_info, int64_t* layout_range, int32_t* stats,
         int32_t* routes, uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
-    if (phase == kLlDirectSendPhase)
+    if (phase & kLlDirectSendPhase)
         ll_direct_dispatch_send_impl(tr, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
                                      num_local_experts, num_slots, use_fp8, round_scale, fingerprint);
-    else
+    if (phase & kLlDirectReceivePhase)
         ll_direct_dispatch_recv_impl(tr, half, regions, data_out, scales_out, recv_count, src_info, layout_range,
-                                     stats, routes, num_local_experts, num_parts, num_slots, num_topk, hidden, use_fp8,
+                                     stats, routes, num_local_experts, num_slots, num_topk, hidden, use_fp8,
                                      use_ue8m0, fingerprint, timeout_ns, err_host);
 }
 
@@ -38,10 +40,10 @@ __global__ void __launch_bounds__(kLlDirectThreads, 1) combine_ll_direct(
         uint32_t* err_host) {
     EP_TRANSPORT_TABLE(peers);
     const comm::LsaTransport tr = comm::make_transport(transport, peers);
-    if (phase == kLlDirectSendPhase)
+    if (phase & kLlDirectSendPhase)
         ll_direct_combine_send_impl(tr, half, regions, x, expert_stride, row_stride, recv_count, routes,
                                     num_local_experts, num_slots, num_topk, hidden, fingerprint);
-    else
+    if (phase & kLlDirectReceivePhase)
         ll_direct_combine_recv_impl(tr, half, regions, topk_idx, topk_weights, out, num_tokens, num_topk, hidden,
                                     fingerprint, timeout_ns, err_host);
 }
