@@ -8,7 +8,8 @@ caching allocator hands out) and compares every element: dispatch bit for bit (t
 the cached dispatch of fresh data and scale factors with the same handle: data, scale factors,
 indices, weights and handle); combine bit for bit in both layouts, on expert outputs and biases drawn
 from values whose fp32 sums depend on the order of the additions (so only the reference's order
-passes). The
+passes), also on buffers with ``allow_multiple_reduction=False`` (the expanded combine sums every
+slot's row at the source; `gpu_cases.Case.single_reduction`). The
 expert statistics start from random non-zero counts, so an overwrite cannot pass for an increment.
 Skipped without a CUDA device; run by tools/device_suite.sh on the H200.
 """
