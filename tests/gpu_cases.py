@@ -73,6 +73,10 @@ class Case:
     col_major_sf: bool = False
     num_sms: int = 8
     notify_groups_max: int = 0        # the notify kernel's cap on groups (0: the backend's default)
+    # expanded only: a buffer with allow_multiple_reduction=False (the combine sums every slot's row at
+    # the source; its topk_weights are not reduced: they need multiple reduction)
+    single_reduction: bool = False
+    apply_dispatch_weights: bool = False   # expanded, with weights: combine(apply_dispatch_weights=True)
 
     def tokens_of(self, rank: int) -> int:
         return self.tokens[rank % len(self.tokens)]
@@ -90,7 +94,9 @@ class Case:
         return self.hidden * 2, 0, self.num_topk, self.expand
 
     def combine_structure(self) -> tuple:
-        return self.hidden, self.num_topk, self.expand
+        """(hidden, topk, expand) of the combine module this case builds (`modules.combine_layout`)."""
+        from deep_ep.backends.gpu.modules import combine_layout
+        return self.hidden, self.num_topk, combine_layout(self.expand, not self.single_reduction)
 
 
 _BASE = [
@@ -131,6 +137,18 @@ _BASE = [
     Case("bf16-nosync-empty-rank", tokens=(0, 50, 17), do_cpu_sync=False),
     Case("fp8-ue8m0-colmajor-nosync", fp8="ue8m0", hidden=1024, col_major_sf=True, do_cpu_sync=False),
     Case("bf16-nosync-default-sms", do_cpu_sync=False, num_sms=0),
+    # Expanded on a buffer without multiple reduction: every (token, slot) row summed at the source in
+    # slot order; with biases, dispatch weights applied, masked slots, FP8 dispatch, no CPU sync, an
+    # empty rank, and few tokens of a wide row (a token's row split over several warps).
+    Case("bf16-expand-single", expand=True, single_reduction=True, num_bias=1),
+    Case("bf16-expand-single-applyw-bias2", expand=True, alignment=8, single_reduction=True, num_bias=2,
+         apply_dispatch_weights=True, mask_prob=0.3),
+    Case("fp8-fp32-expand-single", fp8="fp32", hidden=512, expand=True, single_reduction=True),
+    Case("top8-expand-single-nosync", num_topk=8, num_experts=32, expand=True, alignment=16, single_reduction=True,
+         do_cpu_sync=False, weights=False),
+    Case("bf16-expand-single-empty-rank", expand=True, alignment=4, tokens=(0, 50, 17), single_reduction=True,
+         apply_dispatch_weights=True),
+    Case("bf16-expand-single-decode", hidden=2048, expand=True, tokens=(3, 2), single_reduction=True, num_bias=1),
 ]
 
 

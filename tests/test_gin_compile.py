@@ -110,10 +110,13 @@ def test_emulated_gin_refuses_cpu_windows():
 # ---------------------------------------------------------------------------------------- emulated nodes
 def test_gin_data_modules_compile_without_spills():
     """The dispatch and combine modules with the direct-mode GIN transport (EP_TRANSPORT_GIN=1), and
-    the per-rank NIC kernel, in the layouts the scale-out GPU test runs."""
+    the per-rank NIC kernel, in the layouts the scale-out GPU test runs (combine also with single
+    reduction, allow_multiple_reduction=False)."""
     from deep_ep.backends.gpu import modules
     for kind, structure in [("gin_nic", ()), ("dispatch", (512, 0, 4, False)), ("dispatch", (512, 4, 4, True)),
-                            ("combine", (256, 4, False)), ("combine", (256, 4, True))]:
+                            ("combine", (256, 4, False)), ("combine", (256, 4, True)),
+                            ("combine", (256, 4, modules.SINGLE_REDUCTION)),
+                            ("combine", (2048, 4, modules.SINGLE_REDUCTION))]:
         key, module = modules.build_module(kind, structure, False, True)
         assert ("EP_TRANSPORT_GIN", 1) in key[1]
         for name, info in module.info.items():

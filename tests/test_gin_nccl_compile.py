@@ -69,7 +69,9 @@ def test_scaleout_kernels_compile_over_nccl_gin(version, gin_mode):
     inc = _include(version)
     raw = jit.build("deep_ep_gin_raw_calls", RAW_GIN, use_nccl=True, nccl_include_dir=inc, check_spills=False)
     ncclgin_stack = raw.info["raw_gin"]["stack"]
-    for kind, structure, kernels in MODULES:
+    # direct mode also combines expanded handles without multiple reduction (hybrid mode refuses it)
+    single = [("combine", (256, 4, modules.SINGLE_REDUCTION), {modules.COMBINE_KERNEL})] if gin_mode == 1 else []
+    for kind, structure, kernels in MODULES + single:
         defines = modules._DEFINES[kind](*structure, transport_nccl=True, transport_gin=gin_mode)
         assert defines["EP_TRANSPORT_NCCL"] == 1 and defines["EP_TRANSPORT_GIN"] == gin_mode
         module = jit.build(f"deep_ep_{kind}_nccl_gin_test", gpu.kernel_source(kind), defines=defines, use_nccl=True,

@@ -33,6 +33,7 @@ def _structures():
             if p.hidden % 128 == 0:
                 dispatch.add((p.hidden, p.hidden // 128, p.top_k, expand))
             combine.add((p.hidden, p.top_k, expand))
+        combine.add((p.hidden, p.top_k, modules.SINGLE_REDUCTION))   # allow_multiple_reduction=False
     return sorted(dispatch), sorted(combine)
 
 
@@ -57,7 +58,7 @@ def test_combine_module_compiles(structure):
 
 NCCL_STRUCTURES = [("dispatch", (14336, 0, 8, False)), ("dispatch", (14336, 0, 8, True)),
                    ("dispatch", (7168, 56, 8, False)), ("combine", (7168, 8, False)), ("combine", (7168, 8, True)),
-                   ("barrier", ()), ("pp", ())]
+                   ("combine", (7168, 8, modules.SINGLE_REDUCTION)), ("barrier", ()), ("pp", ())]
 
 
 @pytest.mark.parametrize("kind, structure", NCCL_STRUCTURES, ids=lambda v: v if isinstance(v, str) else "")
@@ -100,8 +101,9 @@ def test_tunable_defines_from_environment(monkeypatch):
 def test_the_tunables_are_defined_in_one_header():
     """Every tunable of `modules.TUNABLES` is #defined with its default in common/tunables.cuh, and no
     other: no kernel file defines a default of its own (a switch the host would have to mirror). The
-    only other defaults are structural, named by the host only when they differ: the transport, and
-    the data kernels' phases (both, unless a receive hook launches the halves apart)."""
+    only other defaults are structural, named by the host only when they differ: the transport, the
+    data kernels' phases (both, unless a receive hook launches the halves apart), and combine's single
+    reduction (an expanded handle on a buffer with allow_multiple_reduction=False)."""
     import re
     from pathlib import Path
     include = Path(modules.__file__).parents[2] / "include" / "deep_ep"
@@ -112,7 +114,7 @@ def test_the_tunables_are_defined_in_one_header():
                  for name in re.findall(r"^#ifndef (EP_\w+)", path.read_text(), re.M)}
     assert elsewhere == {("comm/transport.cuh", "EP_TRANSPORT_NCCL"), ("comm/transport.cuh", "EP_TRANSPORT_GIN"),
                          ("kernels/dispatch.cuh", "EP_DATA_PHASES"),
-                         ("kernels/combine.cuh", "EP_DATA_PHASES")}
+                         ("kernels/combine.cuh", "EP_DATA_PHASES"), ("kernels/combine.cuh", "EP_SINGLE_REDUCTION")}
 
 
 def test_the_combines_single_source_path_can_be_left_out():

@@ -79,7 +79,8 @@ def prepare_backward_modules(buf, hidden: int, num_topk: int, do_expand: bool) -
     backend = getattr(buf, "_backend", None)
     if not getattr(backend, "emulated", False) or not hasattr(backend, "module"):
         return
-    backend.module("combine", (hidden, num_topk, bool(do_expand)))
+    from ..backends.gpu.modules import combine_layout
+    backend.module("combine", (hidden, num_topk, combine_layout(do_expand, backend.config.allow_multiple_reduction)))
     backend.module("dispatch", (2 * hidden, 0, num_topk, bool(do_expand)))
 
 

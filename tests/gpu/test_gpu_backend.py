@@ -8,7 +8,8 @@ caching allocator hands out) and compares every element: dispatch bit for bit (t
 the cached dispatch of fresh data and scale factors with the same handle: data, scale factors,
 indices, weights and handle); combine bit for bit in both layouts, on expert outputs and biases drawn
 from values whose fp32 sums depend on the order of the additions (so only the reference's order
-passes). The
+passes), also on buffers with ``allow_multiple_reduction=False`` (the expanded combine sums every
+slot's row at the source; `gpu_cases.Case.single_reduction`). The
 expert statistics start from random non-zero counts, so an overwrite cannot pass for an increment.
 Skipped without a CUDA device; run by tools/device_suite.sh on the H200.
 """
@@ -119,13 +120,15 @@ def run_case(case, group_for_rank, dev, seed=None):
         ys.append(y)
     biases = [tuple(_adversarial(tuple(b.shape), g) for b in bs) for bs in biases]
     yws = None
-    if case.weights:
+    if case.weights and not case.single_reduction:   # reduced weights need multiple reduction
         yws = [torch.rand((e.handle.num_recv_rows,) if case.expand else (e.handle.num_recv_rows, case.num_topk),
                           generator=g) for e in exp]
     # Statistics start from random non-zero counts: an overwrite would not pass for an increment.
     stats0 = [torch.randint(1, 1000, (L,), generator=g, dtype=torch.int32) for _ in range(R)]
     exp_comb = ref.reference_combine(ys, [e.handle for e in exp], yws,
-                                     [b if b else None for b in biases])
+                                     [b if b else None for b in biases],
+                                     allow_multiple_reduction=not case.single_reduction,
+                                     apply_dispatch_weights=case.apply_dispatch_weights)
     # cached dispatch: fresh data and scale factors, same routing (and, expanded, the same weights)
     xs2 = exp2 = None
     if case.cached:
@@ -141,6 +144,7 @@ def run_case(case, group_for_rank, dev, seed=None):
         r = group.rank()
         buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=case.hidden,
                                     num_topk=case.num_topk, use_fp8_dispatch=bool(case.fp8),
+                                    allow_multiple_reduction=not case.single_reduction,
                                     num_gpu_timeout_secs=float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20")))
         if case.notify_groups_max and dev.type == "cuda":
             buf._backend.set_notify_groups_max(case.notify_groups_max)
@@ -154,7 +158,8 @@ def run_case(case, group_for_rank, dev, seed=None):
             with outputs.poisoned():
                 comb = buf.combine(to_dev(ys[r], dev), handle,
                                    topk_weights=to_dev(yws[r], dev) if yws is not None else None,
-                                   bias=to_dev(biases[r], dev) if biases[r] else None, num_sms=case.num_sms)
+                                   bias=to_dev(biases[r], dev) if biases[r] else None, num_sms=case.num_sms,
+                                   apply_dispatch_weights=case.apply_dispatch_weights)
             sync()
             return comb[0].cpu(), to_cpu(comb[1])
 

@@ -1,7 +1,9 @@
 """DeepEP V2's test of ElasticBuffer (tests/deepep_cases.py: every check of its tests/elastic/test_ep.py, all
 144 modes) on the GPU backend: one rank on real NCCL, 2, 4 and 8 emulated ranks on one GPU, and emulated
 nodes (`EmulatedGroup(R, num_nvlink_ranks=N)`: 2 x 2, 2 x 4 and 4 x 2) in direct mode and in hybrid
-mode (combine checked in DeepEP's hybrid order).
+mode (combine checked in DeepEP's hybrid order). Its ``--allow-multiple-reduction 0`` runs on one
+node and on emulated nodes in direct mode (the ``*_without_multiple_reduction`` tests); hybrid mode
+across nodes refuses that combine, which a test checks.
 
 ``DEEP_EP_DEEPEP_MODES=stride`` runs every stride-th mode on emulated ranks (default 1: all of them).
 The emulated NIC's seed (its delays and landing order, and from it the contexts used, whether a node's
@@ -32,17 +34,18 @@ GIN_SEED = _gin_seed()
 SPLITS = [(2, 2), (2, 4), (4, 2)]
 
 
-def _buffer(group, allow_hybrid_mode: bool = True):
+def _buffer(group, allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True):
     from deep_ep import ElasticBuffer
     return ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, deterministic=True,
-                         allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=True,
+                         allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=allow_multiple_reduction,
                          prefer_overlap_with_compute=False, sl_idx=0, num_allocated_qps=0, explicitly_destroy=True,
                          num_gpu_timeout_secs=float(os.environ.get("DEEP_EP_TEST_GPU_TIMEOUT", "20")),
                          num_cpu_timeout_secs=60)
 
 
-def _body(group, seed, modes, allow_hybrid_mode: bool = True, do_cpu_sync=None, domains=None):
-    buffer = _buffer(group, allow_hybrid_mode)
+def _body(group, seed, modes, allow_hybrid_mode: bool = True, do_cpu_sync=None, domains=None,
+          allow_multiple_reduction: bool = True):
+    buffer = _buffer(group, allow_hybrid_mode, allow_multiple_reduction)
     try:
         if domains is not None:
             assert buffer.get_logical_domain_size() == domains, (buffer.get_logical_domain_size(), domains)
@@ -103,12 +106,70 @@ def test_emulated_scaleout(split, hybrid):
     assert done == [len(modes)] * num_ranks
 
 
-def test_emulated_scaleout_without_multiple_reduction():
-    """DeepEP's test with ``--allow-multiple-reduction 0`` is not part of the GPU matrix, across nodes
-    as on one node: said here rather than left out silently."""
-    pytest.skip("allow_multiple_reduction=False: the expanded combine without it is not implemented on the GPU "
-                "(one node too), nor is hybrid combine across nodes; tests/test_deepep_compat_scaleout.py runs "
-                "these modes on the CPU backend across nodes")
+@pytest.mark.parametrize("do_cpu_sync", [True, False])
+def test_ep1_real_nccl_without_multiple_reduction(nccl_group, do_cpu_sync):
+    """DeepEP's test with ``--allow-multiple-reduction 0``: its expanded combine sums every slot's row
+    at the source."""
+    assert _body(nccl_group, 4 if do_cpu_sync else 5, None, allow_multiple_reduction=False) == NUM_MODES
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_emulated_without_multiple_reduction(num_ranks):
+    from deep_ep.emulated import EmulatedGroup
+    stride = _stride()
+    modes = set(range((num_ranks + 1) % stride, NUM_MODES, stride))
+    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0))
+    done = group.run(lambda rank_group: _body(rank_group, num_ranks * 2 + 1, modes, do_cpu_sync=num_ranks != 4,
+                                              allow_multiple_reduction=False))
+    assert done == [len(modes)] * num_ranks
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=[f"{n}x{s}-gin{GIN_SEED}" for n, s in SPLITS])
+def test_emulated_scaleout_without_multiple_reduction(split):
+    """``--allow-multiple-reduction 0`` across emulated nodes in direct mode (every slot's row pushed
+    to its source through the emulated GIN); without CPU sync on every other split (by the seed)."""
+    from deep_ep.emulated import EmulatedGroup
+    nodes, per_node = split
+    num_ranks = nodes * per_node
+    split_index = SPLITS.index(split)
+    seed = GIN_SEED + 7 + split_index
+    stride = _stride()
+    modes = set(range(seed % stride, NUM_MODES, stride))
+    nic = _nic_settings(seed)
+    print(f"emulated scale-out direct {nodes}x{per_node} without multiple reduction: DEEP_EP_GIN_SEED={GIN_SEED} "
+          f"(NIC seed {seed}, {nic.num_contexts} contexts, gin_within_node={nic.gin_within_node}), "
+          f"{len(modes)} modes (stride {stride})")
+    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), num_nvlink_ranks=per_node, gin_settings=nic)
+    done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=False,
+                                              do_cpu_sync=seed % 2 == 0, domains=(1, num_ranks),
+                                              allow_multiple_reduction=False))
+    assert done == [len(modes)] * num_ranks
+
+
+def test_emulated_scaleout_hybrid_refuses_single_reduction():
+    """Hybrid mode across nodes (2 x 2) does not combine without multiple reduction (its forwarders
+    would pass every row on unreduced): the combine of either layout raises before anything is sent,
+    on every rank, and the buffer stays usable."""
+    from deep_ep.emulated import EmulatedGroup
+    group = EmulatedGroup(4, device=torch.device("cuda", 0), num_nvlink_ranks=2, gin_settings=_nic_settings(GIN_SEED))
+    dev = torch.device("cuda", 0)
+
+    def body(rank_group):
+        buffer = _buffer(rank_group, allow_hybrid_mode=True, allow_multiple_reduction=False)
+        try:
+            g = torch.Generator().manual_seed(rank_group.rank())
+            x = torch.randn(M, H, generator=g).to(torch.bfloat16).to(dev)
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(dev)
+            for expand in (False, True):
+                recv_x, _, _, handle, _ = buffer.dispatch(x, idx, num_experts=E, do_expand=expand)
+                with pytest.raises(NotImplementedError, match=r"hybrid mode across nodes.*allow_hybrid_mode=False"):
+                    buffer.combine(recv_x, handle)
+            buffer.barrier()
+            return True
+        finally:
+            buffer.destroy()
+
+    assert group.run(body) == [True] * 4
 
 
 def _profiler_lines(call, calls: int = 5) -> tuple:

@@ -6,7 +6,8 @@ it lands puts in; the first reaches a rank's own node by loads and stores and us
 second sends every peer through the NIC on three contexts), runs dispatch + combine cases of
 tests/gpu_cases.py through `test_gpu_backend.run_case`: fresh random inputs per case, outputs poisoned
 first, every element compared with deep_ep.reference (dispatch bit for bit, combine bit for bit in the
-reference's fp32 order), a cached dispatch and a second combine with the same handle. Also checks the
+reference's fp32 order; also expanded combines on buffers without multiple reduction, every slot's row
+pushed to its source), a cached dispatch and a second combine with the same handle. Also checks the
 domains a buffer reports in either mode, and that a GIN wait that times out names the rank, the
 missing peer and the phase.
 
@@ -41,6 +42,9 @@ SHAPES = [(2, 1), (2, 2), (4, 2)]
 NICS = [(1, 2, False), (2, 3, True)]
 CASE_NAMES = ("bf16", "bf16-expand", "bf16-expand-align128", "bf16-noweights-bias2", "bf16-nosync",
               "bf16-empty-rank", "fp8-fp32")
+# direct mode only: expanded combines on buffers without multiple reduction (hybrid mode refuses them)
+SINGLE_REDUCTION_NAMES = ("bf16-expand-single", "bf16-expand-single-applyw-bias2", "fp8-fp32-expand-single",
+                          "top8-expand-single-nosync")
 
 
 def _group(nodes: int, per_node: int, seed: int, contexts: int, gin_within_node: bool = False):
@@ -87,8 +91,9 @@ def test_dispatch_combine(shape, nic, monkeypatch):
     num_ranks = nodes * per_node
     group = _group(nodes, per_node, seed, contexts, gin_within_node)
     monkeypatch.setattr(deep_ep, "ElasticBuffer", functools.partial(deep_ep.ElasticBuffer, allow_hybrid_mode=False))
-    cases = [c for c in cases_for(num_ranks) if c.name.split("-", 1)[1] in CASE_NAMES]
-    assert len(cases) == len(CASE_NAMES)
+    names = CASE_NAMES + SINGLE_REDUCTION_NAMES
+    cases = [c for c in cases_for(num_ranks) if c.name.split("-", 1)[1] in names]
+    assert len(cases) == len(names)
     dev = torch.device("cuda", 0)
     for case in cases:
         name = f"{nodes}x{per_node}-seed{seed}-{case.name}"

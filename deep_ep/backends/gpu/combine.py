@@ -2,6 +2,8 @@
 stages the rows that came from peers in its own window and signals; each source then pulls and sums
 its tokens' rows), launched through the handle's prepared launch; with ``phases=SEND_PHASE``
 (`modules.launch_send_phase`) the staging alone, the pull and sum left to a `modules.DeferredReceive`.
+An expanded handle of a buffer with ``allow_multiple_reduction=False`` combines through the same
+kernel built with `modules.SINGLE_REDUCTION` (a row per (token, slot), summed at the source).
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     if getattr(backend, "transport_gin", 0) == 2:
         raise NotImplementedError("a combine's send phase alone (a receive hook) in hybrid mode across nodes: "
                                   "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
-    structure = (handle.hidden, handle.num_topk, bool(handle.do_expand))
+    structure = (handle.hidden, handle.num_topk,
+                 modules.combine_layout(handle.do_expand, backend.config.allow_multiple_reduction))
     deferred = modules.launch_send_phase(backend, "combine", structure, prepared, num_blocks,
                                          keep=(x, topk_weights, bias))
     return out, out_w, deferred
@@ -85,23 +88,22 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
     if getattr(backend, "hybrid_scaleout", False) and not backend.config.allow_multiple_reduction:
         raise NotImplementedError(
             "combine in hybrid mode across nodes with allow_multiple_reduction=False (forwarders passing "
-            "every rank's row on unreduced) is not implemented on the GPU: create the buffer with "
-            "allow_multiple_reduction=True (the default) or allow_hybrid_mode=False, or use the CPU backend")
-    if handle.do_expand and not backend.config.allow_multiple_reduction:
-        raise NotImplementedError(
-            "combine of an expanded handle with allow_multiple_reduction=False (one reduction of every "
-            "(token, expert) row at the source) is not implemented on the GPU yet: create the buffer with "
-            "allow_multiple_reduction=True (the default), or use the CPU backend")
+            "every rank's row on unreduced) is not implemented on the GPU (docs/scaleout.md): create the "
+            "buffer with allow_multiple_reduction=True (the default) or allow_hybrid_mode=False (direct mode "
+            "combines without multiple reduction), or use the CPU backend")
     state = handle.backend_state
     hidden, num_topk, num_experts = handle.hidden, handle.num_topk, handle.num_experts
+    expand = modules.combine_layout(handle.do_expand, backend.config.allow_multiple_reduction)
     layout = backend.layout(window.combine_row_stride(hidden, backend.config.num_topk))
+    if expand == modules.SINGLE_REDUCTION:
+        window.check_single_reduction(layout.rows_per_half, backend.num_ranks, handle.num_max_tokens_per_rank,
+                                      num_topk)
     if getattr(backend, "hybrid_node_ranks", 0):
         window.check_hybrid_combine(backend.transport_args.half_bytes, backend.num_ranks, backend.hybrid_node_ranks,
                                     handle.num_max_tokens_per_rank or handle.num_tokens, hidden, num_topk)
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
-    module = backend.module("combine", (hidden, num_topk, bool(handle.do_expand)))
-    tag = call_tag(0, 3, hidden, num_topk, int(bool(handle.do_expand)), num_experts, has_weights,
-                   int(bool(apply_dispatch_weights)))
+    module = backend.module("combine", (hidden, num_topk, expand))
+    tag = call_tag(0, 3, hidden, num_topk, int(expand), num_experts, has_weights, int(bool(apply_dispatch_weights)))
     args = CombineArgs(
         recv_weights=_ptr(handle.recv_topk_weights),
         src_meta=state.src_meta_ptr, layout=state.layout_ptr, pos_tok=state.pos_tok_ptr,

@@ -22,7 +22,9 @@ receive     ``2 * R * M * row_stride``                  two halves (consecutive 
 ``M`` is ``num_max_tokens_per_rank``. A row must hold either a dispatched token (data, scale factors,
 a metadata trailer of ``4 + 12 K`` bytes) or a staged combine row (``H`` bf16 values in both
 layouts, plus ``K`` fp32 weights), so
-``row_stride = max(align16(data + sf) + align16(4 + 12 K), align16(2 H) + align16(4 K))``.
+``row_stride = max(align16(data + sf) + align16(4 + 12 K), align16(2 H) + align16(4 K))``. A buffer
+with ``allow_multiple_reduction=False`` stages the combine of an expanded handle unreduced, one row
+per (token, slot): its halves hold ``K`` combine rows per token row (`check_single_reduction`).
 """
 from __future__ import annotations
 
@@ -101,6 +103,27 @@ def check_hybrid_combine(half_bytes: int, num_ranks: int, node_ranks: int, num_m
                          f"a larger num_bytes (see ElasticBuffer.get_buffer_size_hint)")
 
 
+def check_single_reduction(rows_per_half: int, num_ranks: int, num_max_tokens: int, num_topk: int) -> None:
+    """Refuse a combine of an expanded handle without multiple reduction (impls/combine_single.cuh)
+    whose rows do not fit: every token row a rank holds stages ``num_topk`` rows, one per slot, so a
+    half of ``rows_per_half`` combine rows must hold ``num_ranks * num_max_tokens * num_topk``.
+
+    Raises:
+        ValueError: they do not fit, or ``num_max_tokens`` is 0 (no bound on the tokens of the ranks).
+    """
+    if num_max_tokens <= 0:
+        raise ValueError("combine of an expanded handle with allow_multiple_reduction=False stages a row per (token, "
+                         "slot) and needs a bound on every rank's tokens: dispatch with num_max_tokens_per_rank set "
+                         "(the buffer's or the call's)")
+    need = num_ranks * num_max_tokens * num_topk
+    if need > rows_per_half:
+        raise ValueError(f"combine of an expanded handle with allow_multiple_reduction=False stages a row per (token, "
+                         f"slot): {num_ranks} ranks x num_max_tokens_per_rank={num_max_tokens} x top-k {num_topk} = "
+                         f"{need} rows, the window's half holds {rows_per_half}: create the buffer with "
+                         f"num_bytes = ElasticBuffer.get_buffer_size_hint(..., num_topk={num_topk}, "
+                         f"allow_multiple_reduction=False)")
+
+
 def combine_row_stride(hidden: int, num_topk: int) -> int:
     """Bytes of a staged combine row: ``hidden`` bf16 values and the top-k weights."""
     return _align(2 * hidden, 16) + _align(4 * (num_topk or MAX_TOPK), 16)
@@ -116,14 +139,19 @@ def row_stride(hidden: int, num_topk: int, use_fp8_dispatch: bool) -> int:
 
 
 def make_layout(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                use_fp8_dispatch: bool = False, num_bytes: int = 0, stride: int = 0) -> WindowLayout:
+                use_fp8_dispatch: bool = False, num_bytes: int = 0, stride: int = 0,
+                allow_multiple_reduction: bool = True) -> WindowLayout:
     """The layout for a buffer; with ``num_bytes`` given, a window of that size (raises `ValueError`
     if it cannot hold ``num_max_tokens_per_rank`` tokens from every rank). ``stride``: the row stride
-    (default: `row_stride` of ``hidden``)."""
+    (default: `row_stride` of ``hidden``). Without ``allow_multiple_reduction`` a token row's share of
+    a half is at least ``K`` combine rows (``K``: ``num_topk``, or `MAX_TOPK` for 0)."""
     stride = stride or row_stride(hidden, num_topk, use_fp8_dispatch)
     counts_offset = CTRL_BYTES
     recv_offset = counts_offset + _align(num_ranks * (num_ranks + MAX_EXPERTS + COUNTS_EXTRA_WORDS) * 4, 64 * 1024)
-    half = num_ranks * num_max_tokens_per_rank * stride
+    per_token = stride
+    if not allow_multiple_reduction:
+        per_token = max(stride, (num_topk or MAX_TOPK) * combine_row_stride(hidden, num_topk))
+    half = num_ranks * num_max_tokens_per_rank * per_token
     need = _align(recv_offset + 2 * half, BUFFER_ALIGNMENT)
     if num_bytes:
         if num_bytes < need:
@@ -143,9 +171,10 @@ def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, 
                      allow_multiple_reduction: bool = True) -> int:
     """Bytes of symmetric window one rank needs (a multiple of 2 MiB); see the module docstring.
 
-    ``allow_hybrid_mode`` and ``allow_multiple_reduction`` do not change the size: across nodes the
-    scale-out transports allocate their staging, forwarding and inbox space beyond these bytes, and the GPU
-    combine always sends one row per (token, rank).
+    ``allow_hybrid_mode`` does not change the size: across nodes the scale-out transports allocate
+    their staging, forwarding and inbox space beyond these bytes. ``allow_multiple_reduction=False``
+    makes room for ``K`` staged combine rows per token (``K``: ``num_topk``, or `MAX_TOPK` for 0):
+    the combine of an expanded handle then sends one row per (token, slot).
 
     Raises:
         ValueError: non-positive sizes, or more ranks than `check_num_ranks` allows.
@@ -154,4 +183,5 @@ def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, 
         raise ValueError(f"need num_ranks, num_max_tokens_per_rank and hidden > 0, got "
                          f"{num_ranks}, {num_max_tokens_per_rank}, {hidden}")
     check_num_ranks(num_ranks)
-    return make_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).num_bytes
+    return make_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                       allow_multiple_reduction=allow_multiple_reduction).num_bytes

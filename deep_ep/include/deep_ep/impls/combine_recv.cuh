@@ -1,11 +1,14 @@
 // Combine, receive phase on source s: one warp per token (or piece of its row) pulls the rows every
 // peer staged for it and its own, sums them with the biases (combine_reduce.cuh) and writes bf16.
+// With kSingleReduction (expanded layout, single reduction) the token's K slot rows instead
+// (combine_single.cuh).
 #pragma once
 
 #include "../comm/lsa.cuh"
 #include "../comm/push.cuh"
 #include "../common/grid.cuh"
 #include "combine_reduce.cuh"
+#include "combine_single.cuh"
 
 namespace deep_ep {
 
@@ -20,8 +23,9 @@ __device__ __forceinline__ void fetch_token_routing(const CombineArgs& a, int nu
     pair = (kExpand && live && lane < K) ? a.pos_pair[static_cast<int64_t>(t) * K + lane] : -1;
 }
 
-template <int kHidden, int K, bool kExpand, typename Transport>
+template <int kHidden, int K, bool kExpand, bool kSingleReduction, typename Transport>
 __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const Transport& tr) {
+    static_assert(kExpand || !kSingleReduction, "single reduction is a combine of the expanded layout");
     using Row = CombineRow<kHidden, K, kExpand>;
     uint8_t* my_window = tr.local();
     const WarpGrid wg;
@@ -59,6 +63,13 @@ __device__ __forceinline__ void combine_recv_impl(const CombineArgs& a, const Tr
         fetch_token_routing<K, kExpand>(a, R, (item + num_warps) / pieces, lane, next_row, next_expert, next_pair);
         // Lanes < K: slot lane's owner rank (-1: masked) and whether it is that rank's last slot.
         const int owner = (lane < K && my_expert >= 0) ? my_expert / L : -1;
+        if constexpr (kSingleReduction) {
+            const int at_owner = __shfl_sync(0xffffffffu, my_row, owner >= 0 && owner < 32 ? owner : 0);
+            const int row_at_owner = owner < 0 ? -1 : owner < 32 ? at_owner : a.pos_tok[static_cast<int64_t>(t) * R + owner];
+            combine_recv_single<kHidden, K, kUnroll, Transport>(a, tr, half, t, piece, pieces, lane, owner,
+                                                                row_at_owner, pair);
+            continue;   // no reduced weights: they need multiple reduction (the host refuses them)
+        }
         const unsigned same_owner = __match_any_sync(0xffffffffu, lane < K ? owner : -2 - lane);
         const bool last = owner >= 0 && 31 - __clz(same_owner) == lane;
         const bool silent_slot = __popc(__ballot_sync(0xffffffffu, last)) < K;

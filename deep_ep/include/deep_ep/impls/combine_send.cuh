@@ -2,18 +2,25 @@
 // the row index they arrived at (expanded: d's partial, combine_args.cuh), with their top-k weights
 // in a trailer; rows from d itself stay in the caller's tensor. The last block signals every peer.
 // A pushing transport (comm/push.cuh) writes each row for its source (in place, or staged and put)
-// into the source's window at `pushed_row_offset`.
+// into the source's window at `pushed_row_offset`. With kSingleReduction (expanded layout, single
+// reduction) every slot's row is staged as it is instead (combine_single.cuh).
 #pragma once
 
 #include "../comm/lsa.cuh"
 #include "../comm/push.cuh"
 #include "../common/grid.cuh"
 #include "combine_reduce.cuh"
+#include "combine_single.cuh"
 
 namespace deep_ep {
 
-template <int kHidden, int K, bool kExpand, typename Transport>
+template <int kHidden, int K, bool kExpand, bool kSingleReduction, typename Transport>
 __device__ __forceinline__ void combine_send_impl(const CombineArgs& a, const Transport& tr) {
+    static_assert(kExpand || !kSingleReduction, "single reduction is a combine of the expanded layout");
+    if constexpr (kSingleReduction) {
+        combine_send_single<kHidden, K>(a, tr);
+        return;
+    }
     using Row = CombineRow<kHidden, K, kExpand>;
     const WarpGrid wg;
     const int lane = wg.lane, global_warp = wg.warp, num_warps = wg.num_warps;

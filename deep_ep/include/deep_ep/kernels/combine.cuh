@@ -1,5 +1,5 @@
-// Entry point of a combine module, compiled per EP_HIDDEN, EP_TOPK, EP_EXPAND, EP_DATA_PHASES,
-// EP_THREADS and EP_TRANSPORT_NCCL (conventions of kernels/dispatch.cuh).
+// Entry point of a combine module, compiled per EP_HIDDEN, EP_TOPK, EP_EXPAND, EP_SINGLE_REDUCTION,
+// EP_DATA_PHASES, EP_THREADS and EP_TRANSPORT_NCCL (conventions of kernels/dispatch.cuh).
 #pragma once
 
 #include "../comm/transport.cuh"
@@ -12,6 +12,11 @@
 #ifndef EP_DATA_PHASES
 #define EP_DATA_PHASES 3
 #endif
+// 1: an expanded handle's combine on a buffer without multiple reduction (impls/combine_single.cuh);
+// named by modules.py only then.
+#ifndef EP_SINGLE_REDUCTION
+#define EP_SINGLE_REDUCTION 0
+#endif
 
 namespace deep_ep {
 
@@ -22,11 +27,14 @@ __device__ __forceinline__ void combine_phases(const CombineArgs& a, const Trans
     if constexpr (comm::kForwards<Transport>) {
         // hybrid mode across nodes: node partials at the forwarders (impls/combine_forward.cuh)
         static_assert(kPhases == 3, "the hybrid combine runs both phases in one launch");
+        static_assert(EP_SINGLE_REDUCTION == 0 || !comm::kForwards<Transport>,
+                      "the hybrid combine reduces at the forwarders (the host refuses single reduction)");
         combine_hybrid_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
     } else {
         if constexpr ((kPhases & 1) != 0)
-            if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
-        if constexpr ((kPhases & 2) != 0) combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+            if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0, EP_SINGLE_REDUCTION != 0>(a, tr);
+        if constexpr ((kPhases & 2) != 0)
+            combine_recv_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0, EP_SINGLE_REDUCTION != 0>(a, tr);
     }
 }
 
