@@ -103,8 +103,8 @@ class _Owner(LowLatencyState):
         backend = types.SimpleNamespace(
             transport_args=types.SimpleNamespace(rank=rank, windows=windows), timeout_ns=10 ** 9,
             err_record=types.SimpleNamespace(device_ptr=0), raise_if_broken=lambda: None,
-            device_resources=lambda: types.SimpleNamespace(max_sms=4), config=types.SimpleNamespace(num_cpu_bytes=0),
-            transport_gin=0)
+            device_resources=lambda: types.SimpleNamespace(max_sms=4, num_device_sms=4), config=types.SimpleNamespace(num_cpu_bytes=0),
+            transport_gin=0, emulated=False, cooperative=False)
         self.elastic = types.SimpleNamespace(_backend=backend, num_bytes=windows[rank].numel(),
                                              device=torch.device("cpu"))
 
@@ -198,6 +198,54 @@ def test_calls_without_hooks_launch_both_phases_at_once(monkeypatch, case):
         assert launches[1:] == [(ll_direct.COMBINE_KERNEL, ll_direct.BOTH_PHASES)], launches
         want = _expected_combine(0, num_experts, hidden, inputs, use_fp8, round_scale)
         assert want.abs().sum() > 0 and torch.equal(combined[0], want)
+
+
+def test_emulated_ranks_launch_the_phases_one_after_the_other(monkeypatch):
+    """An emulated rank's calls without receive hooks launch the send phase, then the receive phase
+    (grids of ranks sharing one device: a spinning receive must not hold the SMs a peer's send needs);
+    the results stay the spec's."""
+    hidden, use_fp8, round_scale, use_ue8m0 = CASES[0]
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 1, hidden)
+    owners[0].elastic._backend.emulated = True
+    launches = []
+
+    def recording(owner, window, name, blocks, args, device):
+        launches.append((name, args[1]))
+        ll_direct_model.launch(owner, window, name, blocks, args, device)
+
+    monkeypatch.setattr(ll_direct, "_launch", recording)
+    inputs = [_rank_inputs(41, 0, 1, num_experts, hidden)]
+    result = ll_direct.dispatch(owners[0], inputs[0][0], inputs[0][1], MAX_TOKENS, num_experts, use_fp8,
+                                round_scale, use_ue8m0, False, False, None)
+    received = _check_dispatch(0, 1, num_experts, hidden, inputs, result[:3] + (None, None), use_fp8, round_scale,
+                               use_ue8m0)
+    expert_x = torch.stack([_expert_output(received[local], local) for local in range(num_local)])
+    combined = ll_direct.combine(owners[0], expert_x, inputs[0][1], inputs[0][2], result[2], False, False, False, None)
+    assert launches == [(name, phase) for name in (ll_direct.DISPATCH_KERNEL, ll_direct.COMBINE_KERNEL)
+                        for phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE)], launches
+    assert torch.equal(combined[0], _expected_combine(0, num_experts, hidden, inputs, use_fp8, round_scale))
+
+
+@pytest.mark.parametrize("backend_cooperative", [True, False])
+def test_one_launch_is_cooperative_where_the_data_kernels_are(monkeypatch, backend_cooperative):
+    """A launch of both phases is cooperative when the backend launches its data kernels so (its
+    receiving blocks wait for its sending blocks: all must be resident); a phase alone never is."""
+    calls = []
+
+    class _Function:
+        def launch(self, grid, block, args, *, stream, device, cooperative):
+            calls.append((args[1], cooperative))
+
+    module = types.SimpleNamespace(function=lambda name: _Function())
+    monkeypatch.setattr(ll_direct, "_load", lambda backend: module)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    window = types.SimpleNamespace(_backend=types.SimpleNamespace(cooperative=backend_cooperative))
+    owner = types.SimpleNamespace()
+    for phase in (ll_direct.BOTH_PHASES, ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE):
+        ll_direct._launch(owner, window, ll_direct.DISPATCH_KERNEL, 4, (None, phase), torch.device("cpu"))
+    assert calls == [(ll_direct.BOTH_PHASES, backend_cooperative), (ll_direct.SEND_PHASE, False),
+                     (ll_direct.RECEIVE_PHASE, False)]
 
 
 def test_combines_alternate_halves_of_their_own():

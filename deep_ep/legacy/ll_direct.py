@@ -16,7 +16,11 @@ Window: both buffer halves in one window, the Buffer's own when it is large enou
 ``get_low_latency_rdma_size_hint`` is), else one made for them (collective, not during a CUDA-graph
 capture); each half has control words of its own (`impls/ll_direct.cuh`). Receive hooks: the call
 launches its kernel's send phase, the hook its receive phase; in between nothing holds an SM. Without
-a hook, one launch runs both phases (the grid the larger of the two, every block resident).
+a hook, one launch runs both phases (the grid the larger of the two), cooperatively where the data
+kernels are (`GPUBackend.cooperative`): its receiving blocks wait for its sending blocks, so all must be
+resident at once. Emulated ranks launch the two phases one after the other even without a hook: their
+grids share one device, and a receive spinning in one rank's grid could hold the SMs another rank's
+send still needs (a send phase never waits, so two launches always make progress).
 """
 from __future__ import annotations
 
@@ -171,7 +175,15 @@ def _launch(owner, window, name: str, blocks: int, args: tuple, device: torch.de
         stream.wait_stream(last)
     owner.__dict__[_STREAM_KEY] = None if capturing else stream
     backend = window._backend
-    _load(backend).function(name).launch(blocks, _THREADS, args, stream=stream, device=device.index)
+    cooperative = args[1] == BOTH_PHASES and bool(getattr(backend, "cooperative", False))
+    _load(backend).function(name).launch(blocks, _THREADS, args, stream=stream, device=device.index,
+                                         cooperative=cooperative)
+
+
+def _one_launch(backend, return_recv_hook: bool) -> bool:
+    """Whether a call runs both phases in one launch: without a receive hook, off emulated ranks
+    (module docstring)."""
+    return not return_recv_hook and not getattr(backend, "emulated", True)
 
 
 def _fingerprint(*sizes) -> jit.u32:
@@ -235,13 +247,14 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     send_blocks, receive_blocks = _blocks(backend, num_tokens), _blocks(backend, -(-receive_warps // _WARPS))
-    if return_recv_hook:
-        _launch(owner, window, DISPATCH_KERNEL, send_blocks, args(SEND_PHASE), device)
-    else:
+    one_launch = _one_launch(backend, return_recv_hook)
+    if one_launch:
         _launch(owner, window, DISPATCH_KERNEL, max(send_blocks, receive_blocks), args(BOTH_PHASES), device)
+    else:
+        _launch(owner, window, DISPATCH_KERNEL, send_blocks, args(SEND_PHASE), device)
 
     def receive() -> None:
-        if return_recv_hook:
+        if not one_launch:
             _launch(owner, window, DISPATCH_KERNEL, receive_blocks, args(RECEIVE_PHASE), device)
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 
@@ -315,13 +328,14 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
 
     send_blocks = _blocks(backend, -(-num_local_experts * num_rows // _WARPS))
     receive_blocks = _blocks(backend, -(-num_tokens * hidden // _CHUNK_CHANNELS // _THREADS))
-    if return_recv_hook:
-        _launch(owner, window, COMBINE_KERNEL, send_blocks, args(SEND_PHASE), device)
-    else:
+    one_launch = _one_launch(backend, return_recv_hook)
+    if one_launch:
         _launch(owner, window, COMBINE_KERNEL, max(send_blocks, receive_blocks), args(BOTH_PHASES), device)
+    else:
+        _launch(owner, window, COMBINE_KERNEL, send_blocks, args(SEND_PHASE), device)
 
     def receive() -> None:
-        if return_recv_hook:
+        if not one_launch:
             _launch(owner, window, COMBINE_KERNEL, receive_blocks, args(RECEIVE_PHASE), device)
         if out is not None and combined_x is not out:
             out.copy_(combined_x)
