@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .progress import Progress
+
 __all__ = ["TOKENS", "HIDDEN", "TOP_K", "NUM_EXPERTS", "PROFILE_REPLAYS", "run", "profile_graph"]
 
 TOKENS = 128
@@ -52,7 +54,7 @@ def run(args) -> int:
         group = emulated.EmulatedGroup(gs.num_ranks, device=gs.device)
         _limit_sms(gs.num_ranks)
         group.run(lambda rank_group: _emulated_body(rank_group, group, gs.num_ranks, args.seed, iters, results,
-                                                    do_profile))
+                                                    do_profile, Progress("gpu")))
     else:
         import torch.distributed as dist
         from .gpu_timing import single_rank_nccl_group
@@ -168,24 +170,29 @@ def _process_body(group, num_ranks: int, rank: int, seed: int, iters: int, barri
 
 
 def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, results: list,
-                   do_profile: bool = False) -> None:
+                   do_profile: bool = False, progress: Optional[Progress] = None) -> None:
     """Emulated ranks: each rank makes its calls once in its thread (windows, plans, modules), then
     rank 0's thread captures every rank's call in one graph per call while the others wait at a host
     barrier (with ``do_profile`` once more, profiled: `profile_graph`): a CUDA call of theirs, such as
     their buffer's destruction, would invalidate the capture. After a failed capture nothing more is
-    captured (the ranks captured before the failure made one call more than the others)."""
+    captured (the ranks captured before the failure made one call more than the others). ``progress``
+    (rank 0's lines): a line per stage, so a log shows where a run stopped."""
     from .rank_graphs import capture_rank_calls, time_replays
     rank = rank_group.rank()
+    say = progress.say if progress is not None and rank == 0 else (lambda message: None)
     step = _Step(rank_group, num_ranks, rank, seed)
+    say("rank 0: buffer made")
     steps = group.__dict__.setdefault("_legacy_ll_steps", [None] * num_ranks)
     steps[rank] = step
     try:
         step.first_dispatch()
-        for call in step.calls().values():
+        for name, call in step.calls().items():
             call()
+            say(f"rank 0: {name} made outside a graph")
         torch.cuda.current_stream().synchronize()
         rank_group.barrier()
         if rank == 0:
+            say(f"{num_ranks} emulated ranks: buffers made, every call made once outside a graph")
             times: Dict[str, float] = {}
             failed = []
 
@@ -197,8 +204,11 @@ def _emulated_body(rank_group, group, num_ranks: int, seed: int, iters: int, res
 
             def measure(name: str) -> float:
                 captured = capture(name)
+                say(f"{name}: captured" if captured is not None else f"{name}: not captured")
                 replays = None if captured is None else time_replays(captured[0], iters)
-                return float("nan") if not replays else sorted(replays)[len(replays) // 2]
+                value = float("nan") if not replays else sorted(replays)[len(replays) // 2]
+                say(f"{name}: {value:.1f} us per replay of every rank's call")
+                return value
 
             for name in ("dispatch", "combine", "dispatch_hook", "combine_hook", "matmul"):
                 times[name] = measure(name)
