@@ -173,7 +173,8 @@ def test_hybrid_modules_compile_without_spills():
                             ("dispatch", (14336, 0, 8, True)), ("combine", (256, 4, False)), ("combine", (256, 4, True)),
                             ("combine", (7168, 8, True)), ("combine", (128, 4, rows)), ("combine", (128, 4, single)),
                             ("combine", (256, 4, rows)), ("combine", (256, 4, single)), ("combine", (512, 4, rows)),
-                            ("combine", (512, 4, single)), ("combine", (256, 8, single)), ("combine", (2048, 4, single)),
+                            ("combine", (512, 4, single)), ("combine", (2880, 4, rows)), ("combine", (256, 8, single)),
+                            ("combine", (2048, 4, single)),
                             ("combine", (7168, 8, rows)), ("combine", (7168, 8, single))]:
         key, module = modules.build_module(kind, structure, False, 2)
         assert ("EP_TRANSPORT_GIN", 2) in key[1]
