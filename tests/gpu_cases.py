@@ -73,8 +73,10 @@ class Case:
     col_major_sf: bool = False
     num_sms: int = 8
     notify_groups_max: int = 0        # the notify kernel's cap on groups (0: the backend's default)
-    # expanded only: a buffer with allow_multiple_reduction=False (the combine sums every slot's row at
-    # the source; its topk_weights are not reduced: they need multiple reduction)
+    # a buffer with allow_multiple_reduction=False: expanded, the combine sums every slot's row at the
+    # source (its topk_weights are not reduced: they need multiple reduction); non-expanded, only hybrid
+    # mode across nodes tells it apart (forwarders pass each rank's row on unreduced: the flat order;
+    # tests/gpu/test_gpu_scaleout.py makes such cases)
     single_reduction: bool = False
     apply_dispatch_weights: bool = False   # expanded, with weights: combine(apply_dispatch_weights=True)
 

@@ -1,13 +1,16 @@
 """The GPU backend's combine of an expanded handle on a buffer with ``allow_multiple_reduction=False``
 (impls/combine_single.cuh), the host side without a GPU: the module and tag it launches with, the
 window's room for a row per (token, slot) (the size hint makes it; a smaller window is refused before
-any launch), the refusals that remain (hybrid mode across nodes, no bound on the tokens), and the GPU
-suite's single-reduction cases (tests/gpu_cases.py) run by its driver on two CPU ranks, where they
-pass and fail when the combine reduces per rank first (so they tell the two orders apart).
-The GPU runs: tests/gpu/test_gpu_backend.py and test_gpu_scaleout.py (direct mode).
+any launch), the refusal that remains (no bound on the tokens), hybrid mode across nodes (either
+layout passed on unreduced by the forwarders, impls/combine_hybrid_single.cuh: its modules, tags and
+room), and the GPU suite's single-reduction cases (tests/gpu_cases.py) run by its driver on two CPU
+ranks, where they pass and fail when the combine reduces per rank first (so they tell the two orders
+apart). The GPU runs: tests/gpu/test_gpu_backend.py and test_gpu_scaleout.py (direct and hybrid mode),
+tests/gpu/test_gpu_deepep_compat.py.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import sys
 from pathlib import Path
@@ -54,6 +57,17 @@ def test_combine_layout_and_defines():
         assert modules.combine_defines(H, K, expand)["EP_EXPAND"] == int(expand)
     send = modules.combine_defines(H, K, modules.SINGLE_REDUCTION, modules.SEND_PHASE)
     assert send["EP_SINGLE_REDUCTION"] == 1 and send["EP_DATA_PHASES"] == modules.SEND_PHASE
+    # hybrid mode across nodes: a non-expanded handle without multiple reduction has a module of its own
+    # (the forwarders pass every rank's row on unreduced); the others are those of one node
+    assert modules.combine_layout(False, False, hybrid=True) == modules.UNREDUCED_RANKS
+    assert modules.combine_layout(False, True, hybrid=True) is False
+    assert modules.combine_layout(True, True, hybrid=True) is True
+    assert modules.combine_layout(True, False, hybrid=True) == modules.SINGLE_REDUCTION
+    unreduced = modules.combine_defines(H, K, modules.UNREDUCED_RANKS, transport_gin=2)
+    assert unreduced["EP_EXPAND"] == 0 and unreduced["EP_SINGLE_REDUCTION"] == 1
+    hybrid_keys = {tuple(sorted(modules.combine_defines(H, K, e, transport_gin=2).items()))
+                   for e in (False, True, modules.SINGLE_REDUCTION, modules.UNREDUCED_RANKS)}
+    assert len(hybrid_keys) == 4
 
 
 @pytest.mark.parametrize("apply_weights", [False, True])
@@ -119,16 +133,94 @@ def test_a_handle_without_a_token_bound_is_refused():
     assert log == []
 
 
-def test_hybrid_mode_across_nodes_still_refuses_it():
+class _HybridArgs(ctypes.Structure):
+    """The fields of the hybrid transport's arguments the combine's host code reads."""
+    _fields_ = [("half_bytes", ctypes.c_int64)]
+
+
+def _hybrid(b, half_bytes: int = 64 << 20):
+    """Make ``b`` a buffer in hybrid mode across nodes (forwarders in each node) after its dispatch."""
+    b.hybrid_scaleout, b.hybrid_node_ranks = True, 1
+    b.transport_args = _HybridArgs(half_bytes)
+    return b
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["rows", "expand"])
+def test_hybrid_mode_across_nodes_combines_unreduced(expand):
+    """Hybrid mode across nodes with allow_multiple_reduction=False: either layout launches its
+    unreduced module (`modules.UNREDUCED_RANKS` non-expanded, `modules.SINGLE_REDUCTION` expanded)
+    with a tag of its own; with multiple reduction the usual modules."""
     log, built = [], []
     b = _single_backend(log, built)
-    handle, _keep = _expanded_handle(b)
-    b.hybrid_scaleout = True
+    if expand:
+        handle, _keep = _expanded_handle(b)
+    else:
+        (_, _, _, handle), _keep = _dispatch(b, T=40, weights=True, sync=True, align=1, stats=False, seed=5)
+    _hybrid(b)
+    built.clear()
     log.clear()
-    with pytest.raises(NotImplementedError, match=r"hybrid mode across nodes.*allow_hybrid_mode=False"):
-        gpu_combine.run_combine(b, torch.randn(handle.num_recv_rows, H).to(torch.bfloat16), handle, None, (),
-                                num_sms=4)
+    b.calls += 1
+    y = torch.randn(handle.num_recv_rows, H).to(torch.bfloat16)
+    w = None if expand else torch.rand(handle.num_recv_rows, K)
+    out, weights = gpu_combine.run_combine(b, y, handle, w, (), num_sms=4)
+    layout = modules.SINGLE_REDUCTION if expand else modules.UNREDUCED_RANKS
+    assert built == [("combine", (H, K, layout))]
+    assert out.shape == (handle.num_tokens, H) and (weights is None) == expand
+    (name, _, args), = log
+    assert name == modules.COMBINE_KERNEL
+    tag = CombineArgs.from_buffer_copy(args[0]).tag
+    assert tag.fingerprint == call_tag(b.calls, 3, H, K, layout, E, not expand, 0).fingerprint
+    assert tag.fingerprint != call_tag(b.calls, 3, H, K, int(expand), E, not expand, 0).fingerprint
+    # the same handle on a buffer with multiple reduction: the hybrid order's module
+    b.config = dataclasses.replace(b.config, allow_multiple_reduction=True)
+    handle.backend_state.launches.clear()
+    built.clear()
+    gpu_combine.run_combine(b, y, dataclasses.replace(handle), w, (), num_sms=4)
+    assert built == [("combine", (H, K, expand))]
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["rows", "expand"])
+def test_hybrid_room_for_unreduced_rows_is_checked_before_any_launch(expand):
+    """Too small a window for the rows the forwarders pass on unreduced: a ValueError names the bytes
+    and the size hint, nothing is launched. Expanded, the window holds the hybrid combine's node
+    partials (one node slot per token) but not a row per (token, slot); non-expanded, an entry per
+    (token, rank of the node) is what either setting needs, so a window one row short."""
+    log, built = [], []
+    b = _single_backend(log, built)
+    if expand:
+        handle, _keep = _expanded_handle(b)
+    else:
+        (_, _, _, handle), _keep = _dispatch(b, T=40, weights=False, sync=True, align=1, stats=False, seed=6)
+    per_token = 2 * H + 32   # K = 4, nodes of 1 rank: an entry, or a node slot
+    half = M * per_token if expand else M * per_token - 16
+    _hybrid(b, half_bytes=half)
+    if expand:
+        window.check_hybrid_combine(half, 1, 1, M, H, K)   # enough with multiple reduction
+    log.clear()
+    y = torch.randn(handle.num_recv_rows, H).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"hybrid combine with allow_multiple_reduction=False.*"
+                                         r"get_buffer_size_hint\(\.\.\., num_topk=4, allow_multiple_reduction=False"):
+        gpu_combine.run_combine(b, y, handle, None, (), num_sms=4)
     assert log == []
+
+
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("num_topk", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("hidden", [256, 2880, 7168])
+def test_the_size_hint_makes_room_for_hybrid_unreduced_rows(hidden, num_topk, expand):
+    """A window of `buffer_size_hint(..., allow_multiple_reduction=False)` passes the hybrid combine's
+    check for rows passed on unreduced, for nodes of 2 to 8 ranks and every top-k up to the buffer's
+    (the hint knows neither the node size nor the layout), also without the slack of its rounding."""
+    for nodes, per_node in ((2, 2), (2, 4), (4, 2), (2, 8)):
+        ranks = nodes * per_node
+        for tokens in (1, 10, 128, 4096):
+            num_bytes = window.buffer_size_hint(ranks, tokens, hidden, num_topk, allow_multiple_reduction=False)
+            half = window.make_layout(ranks, 1, 8, num_bytes=num_bytes).half_bytes   # comm.gin.receive_halves
+            exact = window.make_layout(ranks, tokens, hidden, num_topk, allow_multiple_reduction=False).half_bytes
+            assert exact <= half
+            for topk in range(1, (num_topk or MAX_TOPK) + 1):
+                window.check_hybrid_combine(exact, ranks, per_node, tokens, hidden, topk, unreduced=True,
+                                            expanded=expand)
 
 
 @pytest.mark.parametrize("num_topk", [0, 1, 4, 8])
@@ -153,7 +245,7 @@ def test_the_size_hint_makes_room_for_a_row_per_slot(num_topk, fp8):
         with pytest.raises(ValueError, match="stages a row per"):
             window.check_single_reduction(multi_rows, ranks, tokens, window_topk)
     else:
-        assert single == multi
+        assert single >= multi   # top-1: room for hybrid mode's unreduced rows at most
 
 
 # ------------------------------------------------------------------- the GPU suite's cases on the CPU

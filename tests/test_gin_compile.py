@@ -163,13 +163,19 @@ def test_receive_halves_match_every_call_layout():
 
 def test_hybrid_modules_compile_without_spills():
     """Hybrid mode's dispatch and combine (EP_TRANSPORT_GIN=2: comm/gin_hybrid.cuh,
-    impls/dispatch_forward.cuh, impls/combine_forward.cuh) in the structures the scale-out GPU test
-    runs (BF16 and FP8 dispatch, both layouts) and a DeepSeek-V3 shape."""
+    impls/dispatch_forward.cuh, impls/combine_forward.cuh, and without multiple reduction
+    impls/combine_hybrid_single.cuh) in the structures the scale-out GPU tests run (BF16 and FP8
+    dispatch, both layouts, top-4 and top-8, a wide row) and DeepSeek-V3 shapes."""
     from deep_ep.backends.gpu import modules
+    single, rows = modules.SINGLE_REDUCTION, modules.UNREDUCED_RANKS
     for kind, structure in [("dispatch", (512, 0, 4, False)), ("dispatch", (512, 0, 4, True)),
                             ("dispatch", (512, 4, 4, False)), ("dispatch", (512, 4, 4, True)),
                             ("dispatch", (14336, 0, 8, True)), ("combine", (256, 4, False)), ("combine", (256, 4, True)),
-                            ("combine", (7168, 8, True))]:
+                            ("combine", (7168, 8, True)), ("combine", (128, 4, rows)), ("combine", (128, 4, single)),
+                            ("combine", (256, 4, rows)), ("combine", (256, 4, single)), ("combine", (512, 4, rows)),
+                            ("combine", (512, 4, single)), ("combine", (2880, 4, rows)), ("combine", (256, 8, single)),
+                            ("combine", (2048, 4, single)),
+                            ("combine", (7168, 8, rows)), ("combine", (7168, 8, single))]:
         key, module = modules.build_module(kind, structure, False, 2)
         assert ("EP_TRANSPORT_GIN", 2) in key[1]
         for name, info in module.info.items():
@@ -189,3 +195,9 @@ def test_gin_hybrid_transport_args_mirror():
     # and combine's entries and node slots mirror combine_hybrid_reduce.cuh's sizes
     reduce = (include / "combine_hybrid_reduce.cuh").read_text()
     assert "(16 + 4 * K + 15) / 16 * 16" in reduce and "(16 + 4 * K * node_ranks + 15) / 16 * 16" in reduce
+    # without multiple reduction (window.check_hybrid_combine(unreduced=True)): an expanded entry is
+    # the values and 16 bytes, a rows slot its trailer then a row per rank of the node or per slot
+    single = (include / "combine_hybrid_single.cuh").read_text()
+    assert "CombineRow<kHidden, K, true>::kWeightOffset + 16;" in single
+    assert "(16 + 4 * K * (kExpand ? 1 : node_ranks) + 15) / 16 * 16" in single
+    assert "unreduced_entries<K, kExpand>(node_ranks) * CombineRow<kHidden, K, kExpand>::kWeightOffset" in single

@@ -69,8 +69,10 @@ def test_scaleout_kernels_compile_over_nccl_gin(version, gin_mode):
     inc = _include(version)
     raw = jit.build("deep_ep_gin_raw_calls", RAW_GIN, use_nccl=True, nccl_include_dir=inc, check_spills=False)
     ncclgin_stack = raw.info["raw_gin"]["stack"]
-    # direct mode also combines expanded handles without multiple reduction (hybrid mode refuses it)
-    single = [("combine", (256, 4, modules.SINGLE_REDUCTION), {modules.COMBINE_KERNEL})] if gin_mode == 1 else []
+    # also the combines without multiple reduction: expanded handles, and in hybrid mode non-expanded ones
+    single = [("combine", (256, 4, modules.SINGLE_REDUCTION), {modules.COMBINE_KERNEL})]
+    if gin_mode == 2:
+        single.append(("combine", (256, 4, modules.UNREDUCED_RANKS), {modules.COMBINE_KERNEL}))
     for kind, structure, kernels in MODULES + single:
         defines = modules._DEFINES[kind](*structure, transport_nccl=True, transport_gin=gin_mode)
         assert defines["EP_TRANSPORT_NCCL"] == 1 and defines["EP_TRANSPORT_GIN"] == gin_mode

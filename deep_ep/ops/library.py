@@ -80,7 +80,9 @@ def prepare_backward_modules(buf, hidden: int, num_topk: int, do_expand: bool) -
     if not getattr(backend, "emulated", False) or not hasattr(backend, "module"):
         return
     from ..backends.gpu.modules import combine_layout
-    backend.module("combine", (hidden, num_topk, combine_layout(do_expand, backend.config.allow_multiple_reduction)))
+    hybrid = bool(getattr(backend, "hybrid_node_ranks", 0))
+    backend.module("combine", (hidden, num_topk, combine_layout(do_expand, backend.config.allow_multiple_reduction,
+                                                                hybrid=hybrid)))
     backend.module("dispatch", (2 * hidden, 0, num_topk, bool(do_expand)))
 
 

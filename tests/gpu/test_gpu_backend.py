@@ -120,7 +120,7 @@ def run_case(case, group_for_rank, dev, seed=None):
         ys.append(y)
     biases = [tuple(_adversarial(tuple(b.shape), g) for b in bs) for bs in biases]
     yws = None
-    if case.weights and not case.single_reduction:   # reduced weights need multiple reduction
+    if case.weights and not (case.single_reduction and case.expand):   # expanded: they need multiple reduction
         yws = [torch.rand((e.handle.num_recv_rows,) if case.expand else (e.handle.num_recv_rows, case.num_topk),
                           generator=g) for e in exp]
     # Statistics start from random non-zero counts: an overwrite would not pass for an increment.

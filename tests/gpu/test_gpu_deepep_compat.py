@@ -2,8 +2,8 @@
 144 modes) on the GPU backend: one rank on real NCCL, 2, 4 and 8 emulated ranks on one GPU, and emulated
 nodes (`EmulatedGroup(R, num_nvlink_ranks=N)`: 2 x 2, 2 x 4 and 4 x 2) in direct mode and in hybrid
 mode (combine checked in DeepEP's hybrid order). Its ``--allow-multiple-reduction 0`` runs on one
-node and on emulated nodes in direct mode (the ``*_without_multiple_reduction`` tests); hybrid mode
-across nodes refuses that combine, which a test checks.
+node and on emulated nodes in direct and hybrid mode (the ``*_without_multiple_reduction`` tests;
+hybrid mode's combine then checked in the flat order).
 
 ``DEEP_EP_DEEPEP_MODES=stride`` runs every stride-th mode on emulated ranks (default 1: all of them).
 The emulated NIC's seed (its delays and landing order, and from it the contexts used, whether a node's
@@ -146,30 +146,27 @@ def test_emulated_scaleout_without_multiple_reduction(split):
     assert done == [len(modes)] * num_ranks
 
 
-def test_emulated_scaleout_hybrid_refuses_single_reduction():
-    """Hybrid mode across nodes (2 x 2) does not combine without multiple reduction (its forwarders
-    would pass every row on unreduced): the combine of either layout raises before anything is sent,
-    on every rank, and the buffer stays usable."""
+@pytest.mark.parametrize("split", SPLITS, ids=[f"{n}x{s}-gin{GIN_SEED}" for n, s in SPLITS])
+def test_emulated_scaleout_hybrid_without_multiple_reduction(split):
+    """``--allow-multiple-reduction 0`` across emulated nodes in hybrid mode (the forwarders pass each
+    rank's row, or each (token, slot) row of an expanded handle, on unreduced; combine checked in the
+    flat order); without CPU sync on every other split (by the seed)."""
     from deep_ep.emulated import EmulatedGroup
-    group = EmulatedGroup(4, device=torch.device("cuda", 0), num_nvlink_ranks=2, gin_settings=_nic_settings(GIN_SEED))
-    dev = torch.device("cuda", 0)
-
-    def body(rank_group):
-        buffer = _buffer(rank_group, allow_hybrid_mode=True, allow_multiple_reduction=False)
-        try:
-            g = torch.Generator().manual_seed(rank_group.rank())
-            x = torch.randn(M, H, generator=g).to(torch.bfloat16).to(dev)
-            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(dev)
-            for expand in (False, True):
-                recv_x, _, _, handle, _ = buffer.dispatch(x, idx, num_experts=E, do_expand=expand)
-                with pytest.raises(NotImplementedError, match=r"hybrid mode across nodes.*allow_hybrid_mode=False"):
-                    buffer.combine(recv_x, handle)
-            buffer.barrier()
-            return True
-        finally:
-            buffer.destroy()
-
-    assert group.run(body) == [True] * 4
+    nodes, per_node = split
+    num_ranks = nodes * per_node
+    split_index = SPLITS.index(split)
+    seed = GIN_SEED + 13 + split_index
+    stride = _stride()
+    modes = set(range(seed % stride, NUM_MODES, stride))
+    nic = _nic_settings(seed)
+    print(f"emulated scale-out hybrid {nodes}x{per_node} without multiple reduction: DEEP_EP_GIN_SEED={GIN_SEED} "
+          f"(NIC seed {seed}, {nic.num_contexts} contexts, gin_within_node={nic.gin_within_node}), "
+          f"{len(modes)} modes (stride {stride})")
+    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), num_nvlink_ranks=per_node, gin_settings=nic)
+    done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=True,
+                                              do_cpu_sync=seed % 2 == 0, domains=(nodes, per_node),
+                                              allow_multiple_reduction=False))
+    assert done == [len(modes)] * num_ranks
 
 
 def _profiler_lines(call, calls: int = 5) -> tuple:

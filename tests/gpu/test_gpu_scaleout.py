@@ -14,12 +14,15 @@ missing peer and the phase.
 Hybrid mode (comm/gin_hybrid.cuh, impls/dispatch_forward.cuh, impls/combine_forward.cuh: a row
 crosses the emulated network once per node, to the rail peer there, which forwards it over NVLink;
 combine's node partials are rounded at that rank; the default of `ElasticBuffer`) runs the same cases
-at 2 x 1, 2 x 2 and 4 x 2 with both NIC seeds (with one rank per node it moves what direct mode moves), its combine checked in the reference's hybrid order (``num_scaleup_ranks``); a rail wait that
-times out names the rank, the rail peer and the phase. Skipped without a CUDA device; run with
+at 2 x 1, 2 x 2 and 4 x 2 with both NIC seeds (with one rank per node it moves what direct mode moves), its combine checked in the reference's hybrid order (``num_scaleup_ranks``); on buffers
+with ``allow_multiple_reduction=False`` (impls/combine_hybrid_single.cuh: forwarders pass each rank's
+row, or each slot's, on unreduced) non-expanded and expanded cases checked in the flat order; a rail
+wait that times out names the rank, the rail peer and the phase. Skipped without a CUDA device; run with
 ``EXTRA_FILES="tests/gpu/test_gpu_scaleout.py" bash tools/device_suite.sh extra``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -42,7 +45,7 @@ SHAPES = [(2, 1), (2, 2), (4, 2)]
 NICS = [(1, 2, False), (2, 3, True)]
 CASE_NAMES = ("bf16", "bf16-expand", "bf16-expand-align128", "bf16-noweights-bias2", "bf16-nosync",
               "bf16-empty-rank", "fp8-fp32")
-# direct mode only: expanded combines on buffers without multiple reduction (hybrid mode refuses them)
+# expanded combines on buffers without multiple reduction (hybrid mode: also HYBRID_SINGLE_REDUCTION_NAMES)
 SINGLE_REDUCTION_NAMES = ("bf16-expand-single", "bf16-expand-single-applyw-bias2", "fp8-fp32-expand-single",
                           "top8-expand-single-nosync")
 
@@ -145,11 +148,18 @@ def test_a_gin_wait_times_out_naming_rank_peer_and_phase():
 HYBRID_SHAPES = [(2, 1), (2, 2), (4, 2)]
 
 
-@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
-@pytest.mark.parametrize("shape", HYBRID_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
-    """Hybrid mode (the default) at this shape: every case of `test_dispatch_combine`, the combine
-    checked against the reference's hybrid order (node partials rounded to bf16 at the forwarder)."""
+# hybrid mode without multiple reduction: non-expanded cases (forwarders pass each rank's row on
+# unreduced; a buffer with multiple reduction would add node partials) and the expanded single-reduction
+# cases (every slot's row passed on)
+HYBRID_UNREDUCED_ROW_NAMES = ("bf16", "bf16-noweights-bias2", "bf16-nosync", "bf16-empty-rank", "bf16-mostly-masked",
+                              "fp8-fp32", "hidden2880-top4")
+HYBRID_SINGLE_REDUCTION_NAMES = SINGLE_REDUCTION_NAMES + ("bf16-expand-single-empty-rank", "bf16-expand-single-decode")
+
+
+def _run_hybrid(shape, nic, monkeypatch, cases, label: str) -> None:
+    """Run ``cases`` in hybrid mode at ``shape`` with the NIC ``nic``, the combine checked against the
+    reference with ``num_scaleup_ranks`` of the node (its hybrid order with multiple reduction, the
+    flat one without); stops at the first failure."""
     import traceback
 
     from deep_ep import reference as ref
@@ -157,8 +167,6 @@ def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
     nodes, per_node = shape
     seed, contexts, gin_within_node = nic
     group = _group(nodes, per_node, seed, contexts, gin_within_node)
-    cases = [c for c in cases_for(nodes * per_node) if c.name.split("-", 1)[1] in CASE_NAMES]
-    assert len(cases) == len(CASE_NAMES)
     dev = torch.device("cuda", 0)
 
     def domains(g):
@@ -185,14 +193,43 @@ def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
 
     monkeypatch.setattr(ref, "reference_dispatch", hybrid_dispatch)
     for case in cases:
-        name = f"hybrid-{nodes}x{per_node}-seed{seed}-{case.name}"
+        name = f"{label}-{nodes}x{per_node}-seed{seed}-{case.name}"
         case_log(f"{name}: start")
         try:
-            run_case(case, group.run, dev, seed=case_seed(case.name, "hybrid", nodes, per_node, seed))
+            run_case(case, group.run, dev, seed=case_seed(case.name, label, nodes, per_node, seed))
         except Exception as exc:
             case_log(f"{name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             raise
         case_log(f"{name}: ok")
+
+
+@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
+@pytest.mark.parametrize("shape", HYBRID_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hybrid_dispatch_combine(shape, nic, monkeypatch):
+    """Hybrid mode (the default) at this shape: every case of `test_dispatch_combine` but those without
+    multiple reduction, the combine checked against the reference's hybrid order (node partials
+    rounded to bf16 at the forwarder)."""
+    nodes, per_node = shape
+    cases = [c for c in cases_for(nodes * per_node) if c.name.split("-", 1)[1] in CASE_NAMES]
+    assert len(cases) == len(CASE_NAMES)
+    _run_hybrid(shape, nic, monkeypatch, cases, "hybrid")
+
+
+@pytest.mark.parametrize("nic", NICS, ids=lambda n: f"seed{n[0]}-ctx{n[1]}" + ("-all-gin" if n[2] else ""))
+@pytest.mark.parametrize("shape", HYBRID_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hybrid_dispatch_combine_without_multiple_reduction(shape, nic, monkeypatch):
+    """Hybrid mode on buffers with allow_multiple_reduction=False (impls/combine_hybrid_single.cuh):
+    non-expanded cases (each rank's row passed on unreduced and added at its last slot) and the
+    expanded single-reduction cases (every slot's row), checked against the reference's flat order,
+    every element (a combine that summed node partials fails: the inputs make fp32 sums depend on
+    the order)."""
+    nodes, per_node = shape
+    by_name = {c.name.split("-", 1)[1]: c for c in cases_for(nodes * per_node)}
+    rows = [dataclasses.replace(by_name[n], name=by_name[n].name + "-nomr", single_reduction=True)
+            for n in HYBRID_UNREDUCED_ROW_NAMES]
+    slots = [by_name[n] for n in HYBRID_SINGLE_REDUCTION_NAMES]
+    assert all(c.single_reduction and c.expand for c in slots) and not any(c.expand for c in rows)
+    _run_hybrid(shape, nic, monkeypatch, rows + slots, "hybrid-nomr")
 
 
 def test_a_hybrid_rail_wait_times_out_naming_rank_peer_and_phase():

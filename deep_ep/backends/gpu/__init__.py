@@ -121,8 +121,8 @@ class GPUBackend(Backend):
         self.transport_nccl = bool(self.transport.kernel_define)
         # emulated nodes (comm/gin.py): 1 direct mode, 2 hybrid mode (forwarding within a node)
         self.transport_gin = int(getattr(self.transport, "gin_define", 0))
-        # hybrid mode across nodes: its combine is refused (`combine._prepare`); with forwarding, the
-        # ranks of a node (`dispatch_plan.check_config`), else 0
+        # hybrid mode across nodes (a receive hook's split combine is refused: `combine.run_combine`);
+        # with forwarding, the ranks of a node (`dispatch_plan.check_config`, `combine._prepare`), else 0
         self.hybrid_scaleout = bool(self.config.allow_hybrid_mode and self.transport_gin)
         self.hybrid_node_ranks = self.transport.state.node_ranks if self.transport_gin == 2 else 0
         self.hybrid_scaleup_ranks = ((group.num_nvlink_ranks() if self.emulated else self.transport.num_nvlink_ranks)

@@ -3,7 +3,9 @@ stages the rows that came from peers in its own window and signals; each source 
 its tokens' rows), launched through the handle's prepared launch; with ``phases=SEND_PHASE``
 (`modules.launch_send_phase`) the staging alone, the pull and sum left to a `modules.DeferredReceive`.
 An expanded handle of a buffer with ``allow_multiple_reduction=False`` combines through the same
-kernel built with `modules.SINGLE_REDUCTION` (a row per (token, slot), summed at the source).
+kernel built with `modules.SINGLE_REDUCTION` (a row per (token, slot), summed at the source); in hybrid
+mode across nodes a non-expanded one with `modules.UNREDUCED_RANKS` (the forwarders pass each rank's
+row on unreduced).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     if getattr(backend, "transport_gin", 0) == 2:
         raise NotImplementedError("a combine's send phase alone (a receive hook) in hybrid mode across nodes: "
                                   "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
-    structure = (handle.hidden, handle.num_topk,
+    structure = (handle.hidden, handle.num_topk,   # not in hybrid mode: refused above
                  modules.combine_layout(handle.do_expand, backend.config.allow_multiple_reduction))
     deferred = modules.launch_send_phase(backend, "combine", structure, prepared, num_blocks,
                                          keep=(x, topk_weights, bias))
@@ -85,22 +87,19 @@ def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has
 def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
     """The handle's prepared combine launch for this key, every argument but the per-call pointers
     and the call number set; returns ``(launch, SMs)``."""
-    if getattr(backend, "hybrid_scaleout", False) and not backend.config.allow_multiple_reduction:
-        raise NotImplementedError(
-            "combine in hybrid mode across nodes with allow_multiple_reduction=False (forwarders passing "
-            "every rank's row on unreduced) is not implemented on the GPU (docs/scaleout.md): create the "
-            "buffer with allow_multiple_reduction=True (the default) or allow_hybrid_mode=False (direct mode "
-            "combines without multiple reduction), or use the CPU backend")
     state = handle.backend_state
     hidden, num_topk, num_experts = handle.hidden, handle.num_topk, handle.num_experts
-    expand = modules.combine_layout(handle.do_expand, backend.config.allow_multiple_reduction)
+    node_ranks = getattr(backend, "hybrid_node_ranks", 0)   # hybrid mode across nodes: forwarders
+    expand = modules.combine_layout(handle.do_expand, backend.config.allow_multiple_reduction, hybrid=bool(node_ranks))
     layout = backend.layout(window.combine_row_stride(hidden, backend.config.num_topk))
     if expand == modules.SINGLE_REDUCTION:
         window.check_single_reduction(layout.rows_per_half, backend.num_ranks, handle.num_max_tokens_per_rank,
                                       num_topk)
-    if getattr(backend, "hybrid_node_ranks", 0):
-        window.check_hybrid_combine(backend.transport_args.half_bytes, backend.num_ranks, backend.hybrid_node_ranks,
-                                    handle.num_max_tokens_per_rank or handle.num_tokens, hidden, num_topk)
+    if node_ranks:
+        window.check_hybrid_combine(backend.transport_args.half_bytes, backend.num_ranks, node_ranks,
+                                    handle.num_max_tokens_per_rank or handle.num_tokens, hidden, num_topk,
+                                    unreduced=expand in (modules.SINGLE_REDUCTION, modules.UNREDUCED_RANKS),
+                                    expanded=bool(handle.do_expand))
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("combine", (hidden, num_topk, expand))
     tag = call_tag(0, 3, hidden, num_topk, int(expand), num_experts, has_weights, int(bool(apply_dispatch_weights)))

@@ -16,7 +16,7 @@ __all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredRec
            "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
            "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL",
            "ENGRAM_GATHER_KERNEL", "ENGRAM_STORE_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
-           "dispatch_defines", "combine_defines", "SINGLE_REDUCTION", "combine_layout", "barrier_defines",
+           "dispatch_defines", "combine_defines", "SINGLE_REDUCTION", "UNREDUCED_RANKS", "combine_layout", "barrier_defines",
            "pp_defines", "agrs_defines", "engram_defines", "build_module", "launch_control", "load_module",
            "num_modules_built"]
 
@@ -111,26 +111,35 @@ def dispatch_defines(data_bytes: int, num_sf: int, num_topk: int, expand: bool, 
 
 
 # The combine module's ``expand`` for an expanded handle of a buffer with allow_multiple_reduction=False:
-# every (token, slot) row reaches the source unreduced (impls/combine_single.cuh).
+# every (token, slot) row reaches the source unreduced (impls/combine_single.cuh; in hybrid mode across
+# nodes impls/combine_hybrid_single.cuh).
 SINGLE_REDUCTION = 2
+# ... and for a non-expanded handle of such a buffer in hybrid mode across nodes: the forwarders pass
+# every rank's row on unreduced, the source adds them in the flat order (impls/combine_hybrid_single.cuh).
+# Elsewhere a non-expanded combine has no reduction to leave out (the module of ``False``).
+UNREDUCED_RANKS = 3
 
 
-def combine_layout(do_expand: bool, allow_multiple_reduction: bool):
+def combine_layout(do_expand: bool, allow_multiple_reduction: bool, hybrid: bool = False):
     """The ``expand`` of the combine module that combines a handle of layout ``do_expand`` on a buffer
-    with ``allow_multiple_reduction``: ``False`` (non-expanded; it always reduces per rank), ``True``
-    (expanded, multiple reduction) or `SINGLE_REDUCTION`."""
+    with ``allow_multiple_reduction``, ``hybrid``: in hybrid mode across nodes (forwarders in each
+    node): ``False`` (non-expanded, which reduces per rank), `UNREDUCED_RANKS` (non-expanded, hybrid,
+    without multiple reduction), ``True`` (expanded, multiple reduction) or `SINGLE_REDUCTION`."""
     if not do_expand:
-        return False
+        return UNREDUCED_RANKS if hybrid and not allow_multiple_reduction else False
     return True if allow_multiple_reduction else SINGLE_REDUCTION
 
 
 def combine_defines(hidden: int, num_topk: int, expand, phases: int = BOTH_PHASES,
                     transport_nccl: bool = False, transport_gin: int = 0) -> dict:
     """Defines of the combine module for one structure (``phases`` as in `dispatch_defines`);
-    ``expand`` as `combine_layout` gives it (`SINGLE_REDUCTION` adds ``EP_SINGLE_REDUCTION=1``; the
-    other modules keep their names and cache keys)."""
-    single = {"EP_SINGLE_REDUCTION": 1} if expand == SINGLE_REDUCTION else {}
-    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(bool(expand)), **single,
+    ``expand`` as `combine_layout` gives it (`SINGLE_REDUCTION` and `UNREDUCED_RANKS` add
+    ``EP_SINGLE_REDUCTION=1``, the latter with ``EP_EXPAND=0``; the other modules keep their names and
+    cache keys)."""
+    unreduced = expand in (SINGLE_REDUCTION, UNREDUCED_RANKS)
+    expanded = bool(expand) and expand != UNREDUCED_RANKS
+    single = {"EP_SINGLE_REDUCTION": 1} if unreduced else {}
+    return {"EP_HIDDEN": hidden, "EP_TOPK": num_topk, "EP_EXPAND": int(expanded), **single,
             **_phases_define(phases), **_common(transport_nccl, transport_gin)}
 
 

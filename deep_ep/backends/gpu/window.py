@@ -24,7 +24,9 @@ a metadata trailer of ``4 + 12 K`` bytes) or a staged combine row (``H`` bf16 va
 layouts, plus ``K`` fp32 weights), so
 ``row_stride = max(align16(data + sf) + align16(4 + 12 K), align16(2 H) + align16(4 K))``. A buffer
 with ``allow_multiple_reduction=False`` stages the combine of an expanded handle unreduced, one row
-per (token, slot): its halves hold ``K`` combine rows per token row (`check_single_reduction`).
+per (token, slot): its halves hold ``K`` combine rows per token row (`check_single_reduction`), which
+also gives hybrid mode's forwarding area and inbox room for rows passed on unreduced
+(`check_hybrid_combine`).
 """
 from __future__ import annotations
 
@@ -85,22 +87,39 @@ def forward_slot_bytes(data_bytes: int, num_sf: int, num_topk: int, node_ranks: 
 
 
 def check_hybrid_combine(half_bytes: int, num_ranks: int, node_ranks: int, num_max_tokens: int, hidden: int,
-                         num_topk: int) -> None:
-    """Refuse a hybrid combine whose rows do not fit (impls/combine_forward.cuh): per source node, an
-    entry per (token, rank of the node) in the forwarding area and a node slot per token in the
-    inbox, each region ``half_bytes / nodes``.
+                         num_topk: int, unreduced: bool = False, expanded: bool = False) -> None:
+    """Refuse a hybrid combine whose rows do not fit, each region ``half_bytes / nodes`` per source
+    node. With multiple reduction (impls/combine_forward.cuh): an entry per (token, rank of the node)
+    in the forwarding area, a node slot per token in the inbox. ``unreduced`` (a buffer with
+    ``allow_multiple_reduction=False``, impls/combine_hybrid_single.cuh): an entry per (token, rank of
+    the node), or per (token, slot) when ``expanded``, and a rows slot per token holding every entry.
 
     Raises:
         ValueError: they do not fit ``num_max_tokens`` tokens per rank.
     """
     values = _align(2 * hidden, 16)
-    entry = values + _align(16 + 4 * num_topk, 16)
-    slot = values + _align(16 + 4 * num_topk * node_ranks, 16)
     node_bytes = half_bytes // (num_ranks // node_ranks) // 16 * 16
-    if max(num_max_tokens * node_ranks * entry, num_max_tokens * slot) > node_bytes:
-        raise ValueError(f"hybrid combine: {num_max_tokens} tokens per rank need {num_max_tokens * node_ranks * entry} "
-                         f"bytes per source node, the window's half holds {node_bytes}: create the buffer with "
-                         f"a larger num_bytes (see ElasticBuffer.get_buffer_size_hint)")
+    if unreduced and expanded:
+        entries = num_max_tokens * num_topk * (values + 16)
+        slot = _align(16 + 4 * num_topk, 16) + num_topk * values
+    else:
+        entries = num_max_tokens * node_ranks * (values + _align(16 + 4 * num_topk, 16))
+        slot = values + _align(16 + 4 * num_topk * node_ranks, 16)
+        if unreduced:
+            slot = _align(16 + 4 * num_topk * node_ranks, 16) + node_ranks * values
+    need = max(entries, num_max_tokens * slot)
+    if need <= node_bytes:
+        return
+    if unreduced:
+        what = "a row per (token, slot)" if expanded else "a row per (token, rank of a node)"
+        raise ValueError(f"hybrid combine with allow_multiple_reduction=False passes {what} unreduced: "
+                         f"{num_max_tokens} tokens per rank need {need} bytes per source node, the window's half "
+                         f"holds {node_bytes}: create the buffer with num_bytes = "
+                         f"ElasticBuffer.get_buffer_size_hint(..., num_topk={num_topk}, "
+                         f"allow_multiple_reduction=False)")
+    raise ValueError(f"hybrid combine: {num_max_tokens} tokens per rank need {need} "
+                     f"bytes per source node, the window's half holds {node_bytes}: create the buffer with "
+                     f"a larger num_bytes (see ElasticBuffer.get_buffer_size_hint)")
 
 
 def check_single_reduction(rows_per_half: int, num_ranks: int, num_max_tokens: int, num_topk: int) -> None:
@@ -144,13 +163,18 @@ def make_layout(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_t
     """The layout for a buffer; with ``num_bytes`` given, a window of that size (raises `ValueError`
     if it cannot hold ``num_max_tokens_per_rank`` tokens from every rank). ``stride``: the row stride
     (default: `row_stride` of ``hidden``). Without ``allow_multiple_reduction`` a token row's share of
-    a half is at least ``K`` combine rows (``K``: ``num_topk``, or `MAX_TOPK` for 0)."""
+    a half is at least ``K`` combine rows (``K``: ``num_topk``, or `MAX_TOPK` for 0) and what hybrid
+    mode passes on unreduced per token and rank (`check_hybrid_combine`)."""
     stride = stride or row_stride(hidden, num_topk, use_fp8_dispatch)
     counts_offset = CTRL_BYTES
     recv_offset = counts_offset + _align(num_ranks * (num_ranks + MAX_EXPERTS + COUNTS_EXTRA_WORDS) * 4, 64 * 1024)
     per_token = stride
     if not allow_multiple_reduction:
-        per_token = max(stride, (num_topk or MAX_TOPK) * combine_row_stride(hidden, num_topk))
+        # K combine rows per token; in hybrid mode across nodes (nodes of S >= 2 ranks) also a node's
+        # share of the unreduced entries and rows slots (`check_hybrid_combine`), at most this per token
+        window_topk = num_topk or MAX_TOPK
+        hybrid = _align(2 * hidden, 16) + _align(16 + 4 * window_topk, 16)
+        per_token = max(stride, window_topk * combine_row_stride(hidden, num_topk), hybrid)
     half = num_ranks * num_max_tokens_per_rank * per_token
     need = _align(recv_offset + 2 * half, BUFFER_ALIGNMENT)
     if num_bytes:
@@ -174,7 +198,8 @@ def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, 
     ``allow_hybrid_mode`` does not change the size: across nodes the scale-out transports allocate
     their staging, forwarding and inbox space beyond these bytes. ``allow_multiple_reduction=False``
     makes room for ``K`` staged combine rows per token (``K``: ``num_topk``, or `MAX_TOPK` for 0):
-    the combine of an expanded handle then sends one row per (token, slot).
+    the combine of an expanded handle then sends one row per (token, slot), and in hybrid mode across
+    nodes the forwarders pass every rank's or slot's row on unreduced (`check_hybrid_combine`).
 
     Raises:
         ValueError: non-positive sizes, or more ranks than `check_num_ranks` allows.

@@ -22,6 +22,7 @@
 #include "../comm/push.cuh"
 #include "../common/grid.cuh"
 #include "combine_hybrid_reduce.cuh"
+#include "combine_hybrid_single.cuh"
 
 namespace deep_ep {
 
@@ -159,16 +160,21 @@ __device__ __forceinline__ void combine_forward_impl(const CombineArgs& a, const
     if (comm::last_block(tr.local(), comm::kCtrlRailDone)) tr.signal_rails(a.tag, half, -1);
 }
 
-// The whole hybrid combine (A to C above). Blocks wait for other blocks and for peers: all resident.
-template <int kHidden, int K, bool kExpand, typename Transport>
+// The whole hybrid combine (A to C above; with kUnreduced, a buffer without multiple reduction, the
+// stages of combine_hybrid_single.cuh, which pass rows on unreduced and sum in the flat order).
+// Blocks wait for other blocks and for peers: all resident.
+template <int kHidden, int K, bool kExpand, bool kUnreduced, typename Transport>
 __device__ __forceinline__ void combine_hybrid_impl(const CombineArgs& a, const Transport& tr) {
     uint8_t* my_window = tr.local();
-    combine_stage_partials<kHidden, K, kExpand>(a, tr);
+    if constexpr (kUnreduced && kExpand) combine_stage_slots<kHidden, K>(a, tr);
+    else combine_stage_partials<kHidden, K, kExpand>(a, tr);   // a non-expanded row is its rank's partial
     const bool node_ok = tr.wait_all(kPhaseCombine, a.timeout_ns);
-    combine_forward_impl<kHidden, K, kExpand>(a, tr, node_ok);
+    if constexpr (kUnreduced) combine_forward_rows<kHidden, K, kExpand>(a, tr, node_ok);
+    else combine_forward_impl<kHidden, K, kExpand>(a, tr, node_ok);
     const bool rails_ok = tr.wait_rails(comm::kPhaseCombineRail, a.timeout_ns);
     const bool ok = node_ok && rails_ok && comm::check_tags(my_window, tr.rank, tr.num_ranks, a.tag);
-    combine_hybrid_reduce_impl<kHidden, K, kExpand>(a, tr, ok);
+    if constexpr (kUnreduced) combine_hybrid_reduce_flat<kHidden, K, kExpand>(a, tr, ok);
+    else combine_hybrid_reduce_impl<kHidden, K, kExpand>(a, tr, ok);
     comm::finish_wait(my_window, true, a.err_host);
 }
 

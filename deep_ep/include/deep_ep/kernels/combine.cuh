@@ -12,8 +12,9 @@
 #ifndef EP_DATA_PHASES
 #define EP_DATA_PHASES 3
 #endif
-// 1: an expanded handle's combine on a buffer without multiple reduction (impls/combine_single.cuh);
-// named by modules.py only then.
+// 1: a combine on a buffer without multiple reduction: an expanded handle's (impls/combine_single.cuh),
+// or in hybrid mode across nodes either layout's (impls/combine_hybrid_single.cuh: with EP_EXPAND=0
+// the forwarders pass each rank's row on unreduced); named by modules.py only then.
 #ifndef EP_SINGLE_REDUCTION
 #define EP_SINGLE_REDUCTION 0
 #endif
@@ -25,11 +26,11 @@ template <int kPhases, typename Transport>
 __device__ __forceinline__ void combine_phases(const CombineArgs& a, const Transport& tr) {
     static_assert(kPhases >= 1 && kPhases <= 3, "EP_DATA_PHASES is 1, 2 or 3");
     if constexpr (comm::kForwards<Transport>) {
-        // hybrid mode across nodes: node partials at the forwarders (impls/combine_forward.cuh)
+        // hybrid mode across nodes: node partials at the forwarders (impls/combine_forward.cuh), or
+        // without multiple reduction every rank's (non-expanded) or slot's (expanded) row passed on
+        // unreduced (impls/combine_hybrid_single.cuh)
         static_assert(kPhases == 3, "the hybrid combine runs both phases in one launch");
-        static_assert(EP_SINGLE_REDUCTION == 0 || !comm::kForwards<Transport>,
-                      "the hybrid combine reduces at the forwarders (the host refuses single reduction)");
-        combine_hybrid_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0>(a, tr);
+        combine_hybrid_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0, EP_SINGLE_REDUCTION != 0>(a, tr);
     } else {
         if constexpr ((kPhases & 1) != 0)
             if (tr.exchanges()) combine_send_impl<EP_HIDDEN, EP_TOPK, EP_EXPAND != 0, EP_SINGLE_REDUCTION != 0>(a, tr);
