@@ -1,9 +1,10 @@
 """NCCL headers for the tests, kept in a cache outside the Python environment.
 
-The tests compile NCCL device code with NVRTC against two NCCL releases besides the environment's
+The tests compile NCCL device code with NVRTC against three NCCL releases besides the environment's
 own: ``OLDEST`` (2.28.9, the first release with the device API, which torch 2.11's CUDA 13 wheels
-ship and the GPU machine runs) and ``NEWEST`` (2.32.3, the newest release the header compatibility
-layer was checked against). Neither is installed into the environment: torch's CUDA wheels pin
+ship and the GPU machine runs), ``TORCH_2_13`` (2.29.7, which torch 2.12's and 2.13's CUDA 13 wheels
+pin) and ``NEWEST`` (2.32.3, the newest release the header compatibility layer was checked
+against). Neither is installed into the environment: torch's CUDA wheels pin
 nvidia-nccl-cu13 to one release, so requiring another one would make pip replace torch's NCCL, or
 torch itself. Instead the wheel is downloaded once with ``pip download --no-deps`` and only its
 ``include`` tree (about 1 MB) is kept, in ``~/.cache/deep_ep/test-nccl/<version>`` (the root can be
@@ -24,9 +25,10 @@ from deep_ep import jit
 from deep_ep.jit import locate
 
 OLDEST = "2.28.9"
+TORCH_2_13 = "2.29.7"
 NEWEST = "2.32.3"
 
-__all__ = ["OLDEST", "NEWEST", "FetchError", "cache_root", "version_code", "environment_include_dir",
+__all__ = ["OLDEST", "TORCH_2_13", "NEWEST", "FetchError", "cache_root", "version_code", "environment_include_dir",
            "include_dir"]
 
 

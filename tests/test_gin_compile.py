@@ -55,7 +55,7 @@ def test_emulated_transport_and_selftest_compile_without_spills():
     assert 0 < info["registers"] <= 128
 
 
-@pytest.mark.parametrize("version", [nccl_wheels.OLDEST, nccl_wheels.NEWEST])
+@pytest.mark.parametrize("version", [nccl_wheels.OLDEST, nccl_wheels.TORCH_2_13, nccl_wheels.NEWEST])
 def test_nccl_transport_compiles(version):
     inc = _nccl_include(version)
     assert jit.nccl_header_version(inc) == nccl_wheels.version_code(version)

@@ -1,5 +1,5 @@
 """The scale-out kernels over NCCL's GIN (EP_TRANSPORT_NCCL=1 with EP_TRANSPORT_GIN=1 direct, 2 hybrid)
-compile under NVRTC against NCCL 2.28.9's and 2.32.3's headers (fetched as tests/nccl_wheels.py does),
+compile under NVRTC against NCCL 2.28.9's, 2.29.7's and 2.32.3's headers (fetched as tests/nccl_wheels.py does),
 on machines without a GPU:
 
 * dispatch (its module holds the notify stage), combine and the GPU barrier, in both modes: no spills,
@@ -20,7 +20,7 @@ from deep_ep.comm import devcomm, nccl_gin
 
 import nccl_wheels
 
-VERSIONS = [nccl_wheels.OLDEST, nccl_wheels.NEWEST]
+VERSIONS = [nccl_wheels.OLDEST, nccl_wheels.TORCH_2_13, nccl_wheels.NEWEST]
 
 
 @pytest.fixture(autouse=True)
