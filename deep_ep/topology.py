@@ -41,7 +41,7 @@ NCCL_GIN_MIN_VERSION = 22807
 NCCL_GIN_FEATURES = {
     "GIN put, signal, counter, flush; World / LSA / Rail teams": 22807,
     "communicator properties (ncclCommQueryProperties: whether the communicator has GIN)": 22900,
-    "GIN connection types (FULL / RAIL), exclusive contexts, queue depth, VA signals": 22907,
+    "GIN connection types (FULL / RAIL), exclusive contexts, queue depth, VA signals, the rails' GIN type": 22907,
     "GIN traffic class (RDMA service level)": 23003,
 }
 #: The NCCL GIN transport asks the communicator whether it has GIN (else it cannot tell a missing

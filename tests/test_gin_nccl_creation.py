@@ -85,6 +85,20 @@ def test_oldest_headers_have_no_later_gin_fields(no_loaded_nccl):
                                                    "gin_context_count")] == [1, 4, 4, 0]
 
 
+def test_rails_gin_type_is_read_from_2_29_7_on(no_loaded_nccl):
+    """``ncclCommProperties.railedGinType`` arrived with the connection types (2.29.7, the NCCL of
+    torch 2.12 and 2.13): hybrid mode asks the rails' GIN type from that release on, not 2.30.7."""
+    assert _layout(nccl_wheels.OLDEST).properties_railed_gin_type == 0
+    for version in (nccl_wheels.TORCH_2_13, nccl_wheels.NEWEST):
+        layout = _layout(version)
+        # after size_t size, magic, version, rank, nRanks, cudaDev, nvmlDev, two bools, ginType,
+        # nLsaTeams and a bool: offset 48 in both releases' headers
+        assert layout.properties_railed_gin_type == 48, version
+        assert layout.properties_railed_gin_type > layout.properties_gin_type
+        assert {"gin_connection_type", "gin_exclusive_contexts"} <= set(layout.offsets)
+    assert "gin_traffic_class" not in _layout(nccl_wheels.TORCH_2_13).offsets
+
+
 def test_devcomm_context_count_is_read_where_the_headers_put_it(no_loaded_nccl):
     for version, size in ((nccl_wheels.OLDEST, 1), (nccl_wheels.NEWEST, 4)):
         layout = _layout(version)

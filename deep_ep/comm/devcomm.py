@@ -71,7 +71,7 @@ extern "C" __device__ const unsigned long long deep_ep_devcomm_layout[] = {
 #else
     0,
 #endif
-#if NCCL_VERSION_CODE >= 23007
+#if NCCL_VERSION_CODE >= 22907
     EP_OFFSET(ncclCommProperties, railedGinType),
 #else
     0,
@@ -201,7 +201,7 @@ def requirements_bytes(layout: DevCommLayout, gin: Optional[GinRequirements] = N
 def comm_gin_types(comm: int, layout: DevCommLayout) -> tuple:
     """``(GIN type, GIN type on rails)`` the communicator reports (``ncclCommQueryProperties``, NCCL
     >= 2.29; 0: none). The rails' type is the first one where the headers have no field for it
-    (before 2.30.7), and both are 0 where the communicator cannot be asked."""
+    (before 2.29.7), and both are 0 where the communicator cannot be asked."""
     if not layout.properties:
         return 0, 0
     lib = libnccl()
