@@ -56,10 +56,14 @@ extern "C" __global__ void raw_gin(const __grid_constant__ ncclDevComm comm, ncc
 }
 """
 
-#: (kind, structure, kernels): the notify stage is in the dispatch module
-MODULES = [("dispatch", (512, 0, 4, False), {modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL,
-                                             modules.CACHED_DISPATCH_KERNEL}),
+_DISPATCH_KERNELS = {modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL, modules.CACHED_DISPATCH_KERNEL}
+#: (kind, structure, kernels): the notify stage is in the dispatch module. Between them every
+#: compile-time branch of the scale-out kernels: BF16 and FP8 rows (with their scales), both
+#: layouts of dispatch and combine, the GPU barrier
+MODULES = [("dispatch", (512, 0, 4, False), _DISPATCH_KERNELS),
+           ("dispatch", (512, 4, 4, True), _DISPATCH_KERNELS),     # FP8 (hidden 512, 4 scales), expanded
            ("combine", (256, 4, True), {modules.COMBINE_KERNEL}),
+           ("combine", (256, 4, False), {modules.COMBINE_KERNEL}),
            ("barrier", (), {modules.BARRIER_KERNEL})]
 
 
