@@ -330,3 +330,22 @@ def test_gin_phase_and_nic_constants_mirror_the_headers():
     with pytest.raises(TimeoutError, match=r"rank 0: peer rank 2 did not arrive .* combine over the network"):
         raise_recorded((1, 0, 2, 20), 3.0, 16)
     assert (connections_needed(4, 3), connections_needed(8, 3), connections_needed(16, 2)) == (14, 26, 32)
+
+
+def test_hybrid_mode_refuses_receive_hooks_before_anything():
+    """A send phase alone (a V1 receive hook) in hybrid mode across nodes raises NotImplementedError
+    naming the way out, for dispatch and combine alike, before the call looks at its inputs (a backend
+    with nothing but its GIN mode, no handle state): nothing is planned, allocated or queued."""
+    import types
+
+    from deep_ep.backends.gpu import modules
+    from deep_ep.backends.gpu.combine import run_combine
+    from deep_ep.backends.gpu.dispatch import run_dispatch
+    backend = types.SimpleNamespace(transport_gin=2)
+    with pytest.raises(NotImplementedError, match=r"dispatch's send phase alone.*allow_hybrid_mode=False"):
+        run_dispatch(backend, None, None, None, None, num_experts=16, num_max_tokens_per_rank=8, expert_alignment=1,
+                     num_sms=1, handle=None, do_handle_copy=False, do_cpu_sync=True, do_expand=False,
+                     do_zero_padding=False, use_tma_aligned_col_major_sf=False,
+                     cumulative_local_expert_recv_stats=None, phases=modules.SEND_PHASE)
+    with pytest.raises(NotImplementedError, match=r"combine's send phase alone.*allow_hybrid_mode=False"):
+        run_combine(backend, None, types.SimpleNamespace(), None, None, num_sms=1, phases=modules.SEND_PHASE)

@@ -28,11 +28,14 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     number set. ``phases`` as in `deep_ep.backends.gpu.dispatch.run_dispatch`: with
     `modules.SEND_PHASE` the result has a third item, the `modules.DeferredReceive` (which keeps
     ``x``, read again by the receive)."""
+    if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
+        raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
+    if phases != modules.BOTH_PHASES and getattr(backend, "transport_gin", 0) == 2:
+        raise NotImplementedError("a combine's send phase alone (a receive hook) in hybrid mode across nodes: "
+                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     state = handle.backend_state
     if not isinstance(state, GPUHandleState):
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
-    if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
-        raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
     has_weights = topk_weights is not None
     prepared, num_blocks, out_shape, w_shape, tag, _ = _combine_launch(backend, handle, state, num_sms,
                                                                        apply_dispatch_weights, has_weights)
@@ -51,9 +54,6 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     if phases == modules.BOTH_PHASES:
         backend.launch_data(prepared, num_blocks)
         return out, out_w
-    if getattr(backend, "transport_gin", 0) == 2:
-        raise NotImplementedError("a combine's send phase alone (a receive hook) in hybrid mode across nodes: "
-                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     structure = (handle.hidden, handle.num_topk,   # not in hybrid mode: refused above
                  modules.combine_layout(handle.do_expand, backend.config.allow_multiple_reduction))
     deferred = modules.launch_send_phase(backend, "combine", structure, prepared, num_blocks,

@@ -120,6 +120,11 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
         jit.LaunchError: not even one notify block fits, or the grid would have to change during
             CUDA-graph capture.
     """
+    if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
+        raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
+    if phases != modules.BOTH_PHASES and getattr(backend, "transport_gin", 0) == 2:
+        raise NotImplementedError("a dispatch's send phase alone (a receive hook) in hybrid mode across nodes: "
+                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     if handle is not None:
         if phases != modules.BOTH_PHASES:
             raise ValueError("a cached dispatch runs both phases in one launch")
@@ -128,11 +133,6 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
     call = DispatchCall(backend, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                         expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                         use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
-    if phases not in (modules.BOTH_PHASES, modules.SEND_PHASE):
-        raise ValueError(f"phases must be BOTH_PHASES or SEND_PHASE at a call, got {phases!r}")
-    if phases != modules.BOTH_PHASES and getattr(backend, "transport_gin", 0) == 2:
-        raise NotImplementedError("a dispatch's send phase alone (a receive hook) in hybrid mode across nodes: "
-                                  "forwarding waits between the phases; create the buffer with allow_hybrid_mode=False")
     call.phases = phases
     while True:   # the steps up to the notify kernel's launch, again after a refused grid
         try:
