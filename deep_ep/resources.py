@@ -28,7 +28,8 @@ least 4, at least 64 with ``prefer_overlap_with_compute=False``, at most what th
 QPs: direct mode ``min(num_sms, 9)`` (fewer doorbells), hybrid ``num_sms * 16 + 1`` (every channel
 and the notify warps their own), capped by the QPs allocated; 0 SMs: 0 QPs. A buffer allocates 129
 QPs in hybrid mode and 17 in direct mode when ``num_allocated_qps=0`` (DeepEP's counts without a
-ConnectX-8; 0 on CPU). QPs take effect with the scale-out path, which is not built yet.
+ConnectX-8; 0 on CPU). Across nodes the buffer asks NCCL (or the emulated GIN) for that many GIN
+contexts; the kernels use every context given, so a call's ``num_qps`` does not change them yet.
 """
 from __future__ import annotations
 
