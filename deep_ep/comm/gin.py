@@ -34,13 +34,13 @@ __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_S
            "EmulatedGinSettings", "EmulatedGinState", "EmulatedGinDirectTransport", "byte_counters",
            "reset_byte_counters"]
 
-#: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last" and "no_flush" are planted bugs,
-#: "no_signal" sends no signal, so every rank's first wait times out (and records it)
-MODES = {"strong": 0, "weak_each": 1, "weak_last": 2, "no_flush": 3, "counter": 4, "no_signal": 5}
+#: the self-test's modes (kMode* of gin_selftest.cuh); "weak_last", "no_flush" and "first_word" are
+#: planted bugs, "no_signal" sends no signal, so every rank's first wait times out (and records it)
+MODES = {"strong": 0, "weak_each": 1, "weak_last": 2, "no_flush": 3, "counter": 4, "no_signal": 5, "first_word": 6}
 #: the phase the self-test's waits record on a timeout (kPhase of gin_selftest.cuh)
 SELFTEST_PHASE = 8
 #: the modes whose user of GIN is wrong: the emulated GIN must make them fail
-BUGGY_MODES = ("weak_last", "no_flush")
+BUGGY_MODES = ("weak_last", "no_flush", "first_word")
 SELFTEST_SOURCE = "#include <deep_ep/kernels/gin_selftest.cuh>\n"
 QUEUE_BYTES = 32    # sizeof(GinQueue)
 ENTRY_BYTES = 64    # sizeof(GinEntry)

@@ -3,8 +3,8 @@
 Emulated ranks ping-pong payloads to the next rank and to themselves through the emulated NIC, which
 reads sources late, lands puts in a seeded random order and delays every step. A correct user (strong
 signal on the last piece, a weak signal per piece, a counter before reusing the source) receives every
-word in every round, for every seed; trusting a weak signal for another put, or overwriting a source
-before flush, receives wrong words. Run by `EXTRA_FILES=tests/gpu/test_gpu_gin.py bash tools/device_suite.sh extra`.
+word in every round, for every seed; trusting a weak signal for another put, overwriting a source
+before flush, or polling a put's first word as its flag, receives wrong words. Run by `EXTRA_FILES=tests/gpu/test_gpu_gin.py bash tools/device_suite.sh extra`.
 """
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def test_reusing_a_source_before_flush_fails(num_ranks):
     result = gin.run_selftest("no_flush", num_ranks=num_ranks, num_contexts=2, rounds=ROUNDS, pieces=2, seed=5, **DELAYS)
     assert result["errors"] == [(0, 0, 0, 0)] * num_ranks, result
     assert result["bad_rounds"] == [ROUNDS] * num_ranks, result
+
+
+def test_polling_a_puts_first_word_fails():
+    """A put's words land in no order: a reader polling each 64 KiB payload's first word (no signal)
+    and then reading the rest reads words not landed yet in some rounds. The same puts with a strong
+    signal waited for arrive whole."""
+    bad_rounds = 0
+    for seed in (0, 1, 2):
+        options = dict(num_ranks=2, num_contexts=2, rounds=12, payload_words=16384, pieces=1, seed=seed, **DELAYS)
+        _assert_clean(gin.run_selftest("strong", **options), rounds=12)
+        result = gin.run_selftest("first_word", **options)
+        assert result["errors"] == [(0, 0, 0, 0)] * 2 and result["rounds_done"] == [12] * 2, result
+        bad_rounds += sum(result["bad_rounds"])
+    assert bad_rounds > 0
 
 
 def test_a_wait_that_times_out_records_rank_peer_and_phase():

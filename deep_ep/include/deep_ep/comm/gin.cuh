@@ -428,8 +428,15 @@ __device__ __forceinline__ void gin_delay(const EmulatedGinArgs& a, uint64_t& rn
     while (global_timer_ns() - since_ns < wait) {}
 }
 
-// Word copy by one warp, last words first: a reader racing the landing sees a mix of old and new.
-__device__ __forceinline__ void gin_copy_words(uint32_t* dst, const uint32_t* src, uint32_t num_words, int lane) {
+// Word copy by one warp, last words first, or first words first with `forward`: a reader racing the
+// landing sees a mix of old and new, and no word of a put (its first or its last) is safe to poll as
+// a sign that the others landed.
+__device__ __forceinline__ void gin_copy_words(uint32_t* dst, const uint32_t* src, uint32_t num_words, int lane,
+                                               bool forward = false) {
+    if (forward) {
+        for (int64_t w = lane; w < static_cast<int64_t>(num_words); w += 32) __stcg(dst + w, __ldcg(src + w));
+        return;
+    }
     for (int64_t w = static_cast<int64_t>(num_words) - 1 - lane; w >= 0; w -= 32) __stcg(dst + w, __ldcg(src + w));
 }
 
@@ -548,8 +555,9 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
                 const GinEntry e = gin_load_entry(&entries[chosen % depth]);
                 gin_delay(a, rng, global_timer_ns());
                 const uint8_t* slot = staging + (chosen % depth) * static_cast<int64_t>(a.stage_bytes);
+                const bool forward = (gin_random(rng) & 1u) != 0u;   // the same on every lane
                 gin_copy_words(reinterpret_cast<uint32_t*>(e.dst), reinterpret_cast<const uint32_t*>(slot), e.bytes / 4,
-                               lane);
+                               lane, forward);
                 __threadfence();
                 __syncwarp();
                 if (lane == 0 && e.signal >= 0 && e.weak) gin_add_signal(a, e, dst_rank, context);

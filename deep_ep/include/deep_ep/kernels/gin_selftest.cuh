@@ -2,9 +2,10 @@
 // library's modules. `gin_selftest`: emulated ranks (blocks [0, num_ranks)) each send a payload per
 // round to the next rank and to themselves in `pieces` puts on context round % num_contexts, reuse
 // the source, wait for the signals and count the words that differ from what was sent; the other
-// blocks are the emulated NIC. Two modes are bugs of a GIN user that the emulated NIC must expose:
-// trusting a weak signal for the other puts (kModeWeakLast), and overwriting a source before flush
-// (kModeNoFlush); kModeNoSignal checks that a wait's timeout is recorded. `gin_nccl_probe` only
+// blocks are the emulated NIC. Three modes are bugs of a GIN user that the emulated NIC must expose:
+// trusting a weak signal for the other puts (kModeWeakLast), overwriting a source before flush
+// (kModeNoFlush), and polling a put's first word as the sign that the rest landed (kModeFirstWord);
+// kModeNoSignal checks that a wait's timeout is recorded. `gin_nccl_probe` only
 // compiles the NCCL transport (NCCL >= 2.28.7 headers).
 #pragma once
 
@@ -18,6 +19,7 @@ constexpr int kModeWeakLast = 2;   // bug: a weak signal on the last piece only,
 constexpr int kModeNoFlush = 3;    // bug: a strong signal, the source overwritten without a flush
 constexpr int kModeCounter = 4;    // every piece counted; the source is reused after wait_counter
 constexpr int kModeNoSignal = 5;   // nothing signals: every rank's first wait times out and records it
+constexpr int kModeFirstWord = 6;  // bug: no signal; the reader polls each payload's first word, then reads the rest
 constexpr int kPhase = 8;          // the phase this test's waits record on a timeout
 constexpr int kReportWords = 4;    // per rank: mismatched words, rounds with a mismatch, rounds completed, 0
 
@@ -39,7 +41,7 @@ __device__ __forceinline__ void issue(const comm::EmulatedGinTransport& tr, int 
         comm::GinSignal signal;
         const bool last = piece == pieces - 1;
         if (mode == kModeWeakEach || (mode == kModeWeakLast && last)) signal = comm::GinSignal{signal_id, 1, true};
-        else if (last && mode != kModeNoSignal) signal = comm::GinSignal{signal_id, 1, false};
+        else if (last && mode != kModeNoSignal && mode != kModeFirstWord) signal = comm::GinSignal{signal_id, 1, false};
         tr.put(context, peer, dst_offset + piece * piece_bytes, source_offset() + piece * piece_bytes, piece_bytes,
                signal, mode == kModeCounter ? 0 : -1);
     }
@@ -85,7 +87,17 @@ extern "C" __global__ void gin_selftest(const __grid_constant__ deep_ep::comm::E
         __syncthreads();
         // Reuse the source: legal once flushed (or counted), a bug otherwise.
         for (int w = threadIdx.x; w < payload_words; w += blockDim.x) __stcg(source + w, ~payload_word(rank, round, w));
-        if (threadIdx.x == 0 && s_ok) {
+        if (threadIdx.x == 0 && s_ok && mode == kModeFirstWord) {
+            // the bug: each payload's first word as its flag (the NIC may land it before the others)
+            const uint64_t start = global_timer_ns();
+            for (int from_self = 0; from_self < 2 && s_ok; ++from_self) {
+                const uint32_t* first = reinterpret_cast<const uint32_t*>(
+                    tr.local() + recv_offset(payload_bytes, rounds, from_self != 0, round));
+                while (ld_volatile(first) != payload_word(from_self ? rank : left, round, 0)) {
+                    if (global_timer_ns() - start > timeout_ns) { s_ok = 0; break; }
+                }
+            }
+        } else if (threadIdx.x == 0 && s_ok) {
             const uint64_t per_round = mode == kModeWeakEach ? pieces : 1;
             if (!tr.wait_signal(context, 0, uses * per_round, left, kPhase, timeout_ns) ||
                 !tr.wait_signal(context, 1, uses * per_round, rank, kPhase, timeout_ns) || comm::has_error(tr.local()))
