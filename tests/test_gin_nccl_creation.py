@@ -66,16 +66,20 @@ def test_requirements_at_the_headers_offsets(no_loaded_nccl, hybrid):
     assert _int(raw, offsets["gin_connection_type"]) == layout.connection_types["rail" if hybrid else "full"]
     assert layout.connection_types == {"full": 1, "rail": 2}
     assert raw[offsets["gin_exclusive_contexts"]] == 1 and _int(raw, offsets["gin_traffic_class"]) == 5
+    assert _int(raw, offsets["gin_queue_depth"]) == devcomm.GIN_QUEUE_DEPTH == 1024   # DeepEP V2's depth
+    assert _int(layout.requirements, offsets["gin_queue_depth"]) == 0                  # NCCL's default
     # every other byte is NCCL's default
     touched = {offsets[k] + i for k in ("lsa_barrier_count", "gin_context_count", "gin_signal_count",
-                                        "gin_counter_count", "gin_connection_type", "gin_traffic_class")
+                                        "gin_counter_count", "gin_connection_type", "gin_queue_depth",
+                                        "gin_traffic_class")
                for i in range(4)} | {offsets["gin_exclusive_contexts"]}
     assert all(raw[i] == layout.requirements[i] for i in range(len(raw)) if i not in touched)
 
 
 def test_oldest_headers_have_no_later_gin_fields(no_loaded_nccl):
     layout = _layout(nccl_wheels.OLDEST)
-    assert not {"gin_connection_type", "gin_exclusive_contexts", "gin_traffic_class"} & set(layout.offsets)
+    assert not {"gin_connection_type", "gin_exclusive_contexts", "gin_queue_depth", "gin_traffic_class"} & \
+        set(layout.offsets)
     assert layout.connection_types == {} and layout.properties_railed_gin_type == 0
     with pytest.raises(ValueError, match="traffic class"):
         devcomm.requirements_bytes(layout, nccl_gin._gin_requirements(4, 17, False, 3))
@@ -95,7 +99,7 @@ def test_rails_gin_type_is_read_from_2_29_7_on(no_loaded_nccl):
         # nLsaTeams and a bool: offset 48 in both releases' headers
         assert layout.properties_railed_gin_type == 48, version
         assert layout.properties_railed_gin_type > layout.properties_gin_type
-        assert {"gin_connection_type", "gin_exclusive_contexts"} <= set(layout.offsets)
+        assert {"gin_connection_type", "gin_exclusive_contexts", "gin_queue_depth"} <= set(layout.offsets)
     assert "gin_traffic_class" not in _layout(nccl_wheels.TORCH_2_13).offsets
 
 

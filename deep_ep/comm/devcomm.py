@@ -30,7 +30,7 @@ from ..cuda.nccl import check, libnccl
 from .. import jit
 from ..jit.elf import symbol_bytes
 
-__all__ = ["DevCommLayout", "devcomm_layout", "DeviceCommunicator", "GinRequirements", "comm_gin_types",
+__all__ = ["DevCommLayout", "devcomm_layout", "DeviceCommunicator", "GinRequirements", "GIN_QUEUE_DEPTH", "comm_gin_types",
            "requirements_bytes", "PROBE_SOURCE"]
 
 #: The probe: sizes, offsets and NCCL's defaults under the headers the kernels are built with.
@@ -63,8 +63,9 @@ extern "C" __device__ const unsigned long long deep_ep_devcomm_layout[] = {
     EP_OFFSET(ncclDevCommRequirements, ginExclusiveContexts),
     NCCL_GIN_CONNECTION_FULL,
     NCCL_GIN_CONNECTION_RAIL,
+    EP_OFFSET(ncclDevCommRequirements, ginQueueDepth),
 #else
-    0, 0, 0, 0,
+    0, 0, 0, 0, 0,
 #endif
 #if NCCL_VERSION_CODE >= 23003
     EP_OFFSET(ncclDevCommRequirements, ginTrafficClass),
@@ -91,9 +92,13 @@ _LAYOUT_FIELDS = ("version", "devcomm_size", "requirements_size", "transport_arg
                   "lsa_barrier_count", "gin_context_count", "gin_signal_count", "gin_counter_count",
                   "properties_size", "properties_gin_type", "devcomm_gin_context_count",
                   "devcomm_gin_context_count_size", "gin_connection_type", "gin_exclusive_contexts",
-                  "connection_full", "connection_rail", "gin_traffic_class", "properties_railed_gin_type")
+                  "connection_full", "connection_rail", "gin_queue_depth", "gin_traffic_class",
+                  "properties_railed_gin_type")
 #: requirement fields that only some releases have (absent: left out of `DevCommLayout.offsets`)
-_OPTIONAL_FIELDS = ("gin_connection_type", "gin_exclusive_contexts", "gin_traffic_class")
+_OPTIONAL_FIELDS = ("gin_connection_type", "gin_exclusive_contexts", "gin_queue_depth", "gin_traffic_class")
+#: ``ginQueueDepth`` asked for (puts in flight per GIN context), DeepEP V2's value; NCCL's default
+#: (0) lets the backend choose
+GIN_QUEUE_DEPTH = 1024
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ class DevCommLayout:
     ``requirements`` / ``properties``: NCCL's default-initialised structs (bytes; ``properties`` is
     empty before NCCL 2.29). ``offsets``: byte offsets of the requirement fields this module sets;
     those of later releases (``gin_connection_type``, ``gin_exclusive_contexts``,
-    ``gin_traffic_class``) only where the headers have them. ``connection_types``: NCCL's values of
+    ``gin_queue_depth``, ``gin_traffic_class``) only where the headers have them. ``connection_types``: NCCL's values of
     ``{"full", "rail"}`` (empty before 2.29.7). ``devcomm_gin_context_count``: offset and size of
     the context count the created ``ncclDevComm`` holds. ``properties_railed_gin_type``: offset of
     the properties' GIN type on rails (0: absent).
@@ -169,9 +174,9 @@ class GinRequirements:
 
 def requirements_bytes(layout: DevCommLayout, gin: Optional[GinRequirements] = None, gin_signals: int = 0) -> bytes:
     """NCCL's default requirements with this module's fields set: one LSA barrier, and either
-    ``gin`` (every field the headers have: contexts, signals, counters, exclusive contexts and the
-    connection type from 2.29.7, the traffic class from 2.30.3) or ``gin_signals`` signals and
-    counters (0: no GIN).
+    ``gin`` (every field the headers have: contexts, signals, counters, exclusive contexts, the
+    connection type and a queue depth of `GIN_QUEUE_DEPTH` from 2.29.7, the traffic class from
+    2.30.3) or ``gin_signals`` signals and counters (0: no GIN).
 
     Raises:
         ValueError: ``gin`` asks for a traffic class the headers cannot set (the caller checks the
@@ -191,6 +196,8 @@ def requirements_bytes(layout: DevCommLayout, gin: Optional[GinRequirements] = N
         kind = layout.connection_types["rail" if gin.rail else "full"]
         struct.pack_into("<i", req, offsets["gin_connection_type"], kind)
         struct.pack_into("<?", req, offsets["gin_exclusive_contexts"], True)
+    if "gin_queue_depth" in offsets:
+        struct.pack_into("<i", req, offsets["gin_queue_depth"], GIN_QUEUE_DEPTH)
     if "gin_traffic_class" in offsets:
         struct.pack_into("<i", req, offsets["gin_traffic_class"], gin.traffic_class)
     else:
