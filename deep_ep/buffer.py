@@ -102,8 +102,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         num_bytes: communication window per rank in bytes; ``None`` computes it with
             `get_buffer_size_hint` from ``num_max_tokens_per_rank``, ``hidden``, ``num_topk`` (0 on CPU
             when they are not given: the CPU backend allocates per call).
-        num_cpu_bytes: host memory for the scale-out path (Engram storage), a multiple of 2 MiB;
-            stored, used once that path exists.
+        num_cpu_bytes: room for an Engram table (`engram_write`), a multiple of 2 MiB; on a GPU
+            buffer it ends the window (docs/primitives.md).
         num_max_tokens_per_rank: M, the most tokens one rank dispatches per call (0 = not fixed; then
             ``do_cpu_sync=False`` needs it per call).
         hidden: the largest hidden size dispatched (0 = not fixed). num_topk: the largest top-k (0 =

@@ -1,8 +1,8 @@
 """The host side of Engram on GPU buffers (deep_ep/primitives/engram.py's GPU branch and
 deep_ep/backends/gpu/engram.py), without a GPU: ranks in threads, windows in host memory, and the two
 kernels stood in for by Python that does what impls/engram.cuh does, through the very pointers and
-argument structs the host passes. Checked, with the shards in host memory (the default: host buffers
-standing for pinned memory, reached by address) and in the windows: every fetched element against
+argument structs the host passes. Checked, with the shards in host memory (host buffers standing for
+pinned memory, reached by address) and in the windows (the default): every fetched element against
 the reference (bf16 and FP8 with both factor kinds and layouts), the host shards' lifetime (a peer
 still reads a shard after its owner's release; the last release frees it), the header exchange
 (ranks that disagree, on the place too, raise together and keep the old table), out-of-range

@@ -1,6 +1,6 @@
 """Engram remote-memory fetch on GPU buffers: a one-rank NCCL group and 2, 4 and 8 ranks emulated on
-one device, the shards in pinned host memory (the default) and in the windows (``storage_location=
-"device"``). Every rank draws every rank's shard from the case's seed, so it knows the whole table;
+one device, the shards in the windows (``storage_location="device"``, the default) and in pinned host
+memory (``"host"``). Every rank draws every rank's shard from the case's seed, so it knows the whole table;
 each rank writes a fresh random shard (random bits: bf16, FP8 with float32 or packed int32 factors,
 row sizes on the kernel's 16-byte, 4-byte and byte paths), fetches its own shapes with outputs
 poisoned, and compares every element's bits (and the factors' strides, in both layouts) with
