@@ -102,11 +102,9 @@ def check_hybrid_combine(half_bytes: int, num_ranks: int, node_ranks: int, num_m
     if unreduced and expanded:
         entries = num_max_tokens * num_topk * (values + 16)
         slot = _align(16 + 4 * num_topk, 16) + num_topk * values
-    else:
+    else:   # a node slot holds one node partial, or every rank's row unreduced
         entries = num_max_tokens * node_ranks * (values + _align(16 + 4 * num_topk, 16))
-        slot = values + _align(16 + 4 * num_topk * node_ranks, 16)
-        if unreduced:
-            slot = _align(16 + 4 * num_topk * node_ranks, 16) + node_ranks * values
+        slot = _align(16 + 4 * num_topk * node_ranks, 16) + (node_ranks if unreduced else 1) * values
     need = max(entries, num_max_tokens * slot)
     if need <= node_bytes:
         return
