@@ -145,6 +145,15 @@ def _hybrid(b, half_bytes: int = 64 << 20):
     return b
 
 
+def _handle(b, expand: bool, weights: bool, seed: int):
+    """``(handle, what keeps its tensors alive)`` of a dispatch on ``b``: expanded, or a non-expanded
+    one of 40 tokens (with received weights when ``weights``)."""
+    if expand:
+        return _expanded_handle(b)
+    (_, _, _, handle), keep = _dispatch(b, T=40, weights=weights, sync=True, align=1, stats=False, seed=seed)
+    return handle, keep
+
+
 @pytest.mark.parametrize("expand", [False, True], ids=["rows", "expand"])
 def test_hybrid_mode_across_nodes_combines_unreduced(expand):
     """Hybrid mode across nodes with allow_multiple_reduction=False: either layout launches its
@@ -152,10 +161,7 @@ def test_hybrid_mode_across_nodes_combines_unreduced(expand):
     with a tag of its own; with multiple reduction the usual modules."""
     log, built = [], []
     b = _single_backend(log, built)
-    if expand:
-        handle, _keep = _expanded_handle(b)
-    else:
-        (_, _, _, handle), _keep = _dispatch(b, T=40, weights=True, sync=True, align=1, stats=False, seed=5)
+    handle, _keep = _handle(b, expand, weights=True, seed=5)
     _hybrid(b)
     built.clear()
     log.clear()
@@ -187,10 +193,7 @@ def test_hybrid_room_for_unreduced_rows_is_checked_before_any_launch(expand):
     (token, rank of the node) is what either setting needs, so a window one row short."""
     log, built = [], []
     b = _single_backend(log, built)
-    if expand:
-        handle, _keep = _expanded_handle(b)
-    else:
-        (_, _, _, handle), _keep = _dispatch(b, T=40, weights=False, sync=True, align=1, stats=False, seed=6)
+    handle, _keep = _handle(b, expand, weights=False, seed=6)
     per_token = 2 * H + 32   # K = 4, nodes of 1 rank: an entry, or a node slot
     half = M * per_token if expand else M * per_token - 16
     _hybrid(b, half_bytes=half)

@@ -124,49 +124,40 @@ def test_emulated_without_multiple_reduction(num_ranks):
     assert done == [len(modes)] * num_ranks
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=[f"{n}x{s}-gin{GIN_SEED}" for n, s in SPLITS])
-def test_emulated_scaleout_without_multiple_reduction(split):
-    """``--allow-multiple-reduction 0`` across emulated nodes in direct mode (every slot's row pushed
-    to its source through the emulated GIN); without CPU sync on every other split (by the seed)."""
+def _emulated_scaleout_single_reduction(split, hybrid: bool, seed_offset: int) -> None:
+    """Every ``stride``-th mode with ``allow_multiple_reduction=False`` across emulated nodes of
+    ``split`` in hybrid or direct mode; without CPU sync on every other split (by the seed)."""
     from deep_ep.emulated import EmulatedGroup
     nodes, per_node = split
     num_ranks = nodes * per_node
-    split_index = SPLITS.index(split)
-    seed = GIN_SEED + 7 + split_index
+    seed = GIN_SEED + seed_offset + SPLITS.index(split)
     stride = _stride()
     modes = set(range(seed % stride, NUM_MODES, stride))
     nic = _nic_settings(seed)
-    print(f"emulated scale-out direct {nodes}x{per_node} without multiple reduction: DEEP_EP_GIN_SEED={GIN_SEED} "
-          f"(NIC seed {seed}, {nic.num_contexts} contexts, gin_within_node={nic.gin_within_node}), "
-          f"{len(modes)} modes (stride {stride})")
+    print(f"emulated scale-out {'hybrid' if hybrid else 'direct'} {nodes}x{per_node} without multiple reduction: "
+          f"DEEP_EP_GIN_SEED={GIN_SEED} (NIC seed {seed}, {nic.num_contexts} contexts, "
+          f"gin_within_node={nic.gin_within_node}), {len(modes)} modes (stride {stride})")
     group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), num_nvlink_ranks=per_node, gin_settings=nic)
-    done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=False,
-                                              do_cpu_sync=seed % 2 == 0, domains=(1, num_ranks),
+    done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=hybrid,
+                                              do_cpu_sync=seed % 2 == 0,
+                                              domains=(nodes, per_node) if hybrid else (1, num_ranks),
                                               allow_multiple_reduction=False))
     assert done == [len(modes)] * num_ranks
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=[f"{n}x{s}-gin{GIN_SEED}" for n, s in SPLITS])
+def test_emulated_scaleout_without_multiple_reduction(split):
+    """``--allow-multiple-reduction 0`` across emulated nodes in direct mode (every slot's row pushed
+    to its source through the emulated GIN)."""
+    _emulated_scaleout_single_reduction(split, hybrid=False, seed_offset=7)
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=[f"{n}x{s}-gin{GIN_SEED}" for n, s in SPLITS])
 def test_emulated_scaleout_hybrid_without_multiple_reduction(split):
     """``--allow-multiple-reduction 0`` across emulated nodes in hybrid mode (the forwarders pass each
     rank's row, or each (token, slot) row of an expanded handle, on unreduced; combine checked in the
-    flat order); without CPU sync on every other split (by the seed)."""
-    from deep_ep.emulated import EmulatedGroup
-    nodes, per_node = split
-    num_ranks = nodes * per_node
-    split_index = SPLITS.index(split)
-    seed = GIN_SEED + 13 + split_index
-    stride = _stride()
-    modes = set(range(seed % stride, NUM_MODES, stride))
-    nic = _nic_settings(seed)
-    print(f"emulated scale-out hybrid {nodes}x{per_node} without multiple reduction: DEEP_EP_GIN_SEED={GIN_SEED} "
-          f"(NIC seed {seed}, {nic.num_contexts} contexts, gin_within_node={nic.gin_within_node}), "
-          f"{len(modes)} modes (stride {stride})")
-    group = EmulatedGroup(num_ranks, device=torch.device("cuda", 0), num_nvlink_ranks=per_node, gin_settings=nic)
-    done = group.run(lambda rank_group: _body(rank_group, seed, modes, allow_hybrid_mode=True,
-                                              do_cpu_sync=seed % 2 == 0, domains=(nodes, per_node),
-                                              allow_multiple_reduction=False))
-    assert done == [len(modes)] * num_ranks
+    flat order)."""
+    _emulated_scaleout_single_reduction(split, hybrid=True, seed_offset=13)
 
 
 def _profiler_lines(call, calls: int = 5) -> tuple:
