@@ -1,7 +1,8 @@
 """The GPU backend's AGRS moves (`deep_ep.backends.gpu.agrs.GPUAgrsMoves`) run on the CPU with the
 driver's three operations replaced by their host meaning over windows in host memory: a copy is a
 memmove, a flag write a store, a stream wait an assertion that the flag already holds the value
-(the ranks' calls run one after another, every send before any wait). This checks, without a GPU,
+(the ranks' calls run one after another, every send before any wait); the wait kernel of emulated
+ranks, the same assertion over its header row (both ways of waiting are run). This checks, without a GPU,
 where every byte and flag goes (rooms, rows, chunks, in-place slots, the "entered" words) and that
 reduce-scatter's sum is the CPU spec's, bit for bit; the device suite (tests/gpu/test_gpu_agrs.py)
 runs the real thing.
@@ -43,9 +44,18 @@ def _wait(stream, address, value):
     return 0
 
 
-@pytest.fixture
-def host_driver(monkeypatch):
+def _launch_wait(moves, stream, row, session, phase):
+    assert phase in (gpu_agrs._PHASE_ENTERED, gpu_agrs._PHASE_CALL)
+    for peer in range(moves.num_ranks):
+        _wait(stream, moves._word(moves.rank, row, peer), session)
+    return 0
+
+
+@pytest.fixture(params=["stream waits", "wait kernel"])
+def host_driver(monkeypatch, request):
+    """The driver's meaning on the host; True when the moves wait by the kernel (for `_ranks`)."""
     stream = types.SimpleNamespace(cuda_stream=0)
+    monkeypatch.setattr(gpu_agrs.GPUAgrsMoves, "_launch_wait", _launch_wait)
     monkeypatch.setattr(gpu_agrs, "memcpy_async", _memmove)
     monkeypatch.setattr(gpu_agrs, "stream_write_u32", _write)
     monkeypatch.setattr(gpu_agrs, "stream_wait_u32", _wait)
@@ -54,9 +64,10 @@ def host_driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return request.param == "wait kernel"
 
 
-def _ranks(num_ranks: int, session_bytes: int) -> list:
+def _ranks(num_ranks: int, session_bytes: int, wait_by_kernel: bool) -> list:
     """Every rank's moves over windows of one host allocation, configured (header zeroed)."""
     storage = torch.zeros(num_ranks * WINDOW_BYTES, dtype=torch.uint8)
     windows = types.SimpleNamespace(storage=storage)
@@ -68,8 +79,10 @@ def _ranks(num_ranks: int, session_bytes: int) -> list:
         backend = types.SimpleNamespace(rank=rank, num_ranks=num_ranks, device=torch.device("cpu"), emulated=True,
                                         transport=transport, calls=0, broken=None,
                                         call_record=types.SimpleNamespace(launched_call=0),
-                                        raise_if_broken=lambda: None)
+                                        raise_if_broken=lambda: None,
+                                        err_record=types.SimpleNamespace(words=[0] * 4))
         moves = gpu_agrs.GPUAgrsMoves(backend)
+        moves.wait_by_kernel = wait_by_kernel
         moves.peers = moves._read_peers(None)
         moves.configured_call = 0
         space = moves._window_view(moves.space_offset, session_bytes)
@@ -86,7 +99,7 @@ def test_moves_place_every_byte_and_flag(host_driver, num_ranks):
     gather_specs = [((5, 7), torch.float32), ((3,), torch.uint8), ((), torch.float64), ((0, 4), torch.bfloat16)]
     in_place_spec = ((4, 6), torch.bfloat16)
     scatter_specs = [((2 * num_ranks, 9), torch.bfloat16), ((num_ranks, 5), torch.float32)]
-    ranks = _ranks(num_ranks, 8192)
+    ranks = _ranks(num_ranks, 8192, host_driver)
     for session_index in (1, 2):   # the second session reuses the space and the flag rows
         seed = 1000 * session_index
         gather_in = [[_tensor((seed, rank, i), *spec) for i, spec in enumerate(gather_specs)]
@@ -139,7 +152,7 @@ def test_moves_place_every_byte_and_flag(host_driver, num_ranks):
 
 
 def test_a_call_waits_for_every_rank_to_enter_the_session(host_driver):
-    (first, first_session), (second, second_session) = _ranks(2, 1024)
+    (first, first_session), (second, second_session) = _ranks(2, 1024, host_driver)
     first_session.index = second_session.index = 1
     first.begin_session(1)
     # rank 1 has not entered: rank 0 must not write into its space yet

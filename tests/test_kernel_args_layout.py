@@ -14,6 +14,8 @@ import pytest
 
 from deep_ep import jit
 from deep_ep.backends.gpu import abi
+from deep_ep.backends.gpu.agrs import AgrsWaitArgs
+from deep_ep.backends.gpu.pp import PpArgs
 from deep_ep.comm import devcomm
 from deep_ep.comm.emulated import EmulatedTransportArgs
 from deep_ep.jit.elf import symbol_bytes
@@ -35,7 +37,9 @@ def _device_layout(cxx: str, fields: list, header: str) -> list:
     (abi.DispatchArgs, "deep_ep::DispatchArgs", "impls/dispatch_args.cuh"),
     (abi.CombineArgs, "deep_ep::CombineArgs", "impls/combine_args.cuh"),
     (EmulatedTransportArgs, "deep_ep::comm::TransportArgs", "comm/transport.cuh"),
-], ids=["NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs", "EmulatedTransportArgs"])
+    (PpArgs, "deep_ep::PpArgs", "impls/pp.cuh"),
+    (AgrsWaitArgs, "deep_ep::AgrsWaitArgs", "impls/agrs.cuh"),
+], ids=["NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs", "EmulatedTransportArgs", "PpArgs", "AgrsWaitArgs"])
 def test_ctypes_mirror_matches_device_struct(cls, cxx, header):
     fields = [name for name, _ in cls._fields_]
     device = _device_layout(cxx, fields, header)

@@ -5,7 +5,8 @@ copy-engine copy (each on a fresh stream, each given a few seconds). Which flags
 whether a rank's stream stopped before its own writes, or its copies never finished with their
 gates open; whether the copy-engine read finishes tells whether the copy engines still move.
 
-Usage (GPU): python tools/diagnose_agrs_stall.py [--ranks 4] [--stall-secs 45] [--seed N]
+Usage (GPU): python tools/diagnose_agrs_stall.py [--ranks 4] [--stall-secs 45] [--seed N] [-- bench arguments]
+(e.g. ``-- --iters 5 --warmup 1`` for shorter runs).
 Exit code 0: the bench finished; 3: it stalled (the report printed, the process then ends at once).
 """
 from __future__ import annotations
@@ -85,12 +86,14 @@ def main() -> int:
     parser.add_argument("--stall-secs", type=float, default=45.0,
                         help="seconds after which the bench counts as stalled (a run takes about 25 s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("bench_args", nargs="*", help="more arguments of the bench, after --")
     args = parser.parse_args()
     _register()
     from deep_ep.__main__ import main as deep_ep_main
     result: list = []
     worker = threading.Thread(target=lambda: result.append(deep_ep_main(
-        ["bench", "--primitive", "agrs", "--virtual-ranks", str(args.ranks), "--seed", str(args.seed)])), daemon=True)
+        ["bench", "--primitive", "agrs", "--virtual-ranks", str(args.ranks), "--seed", str(args.seed),
+         *args.bench_args])), daemon=True)
     start = time.monotonic()
     worker.start()
     worker.join(args.stall_secs)

@@ -11,11 +11,17 @@ in float32 in rank order with one kernel per tensor on the stream (`deep_ep.back
 the CPU backend's formula, so the same bits). The host never waits in a call or a handle. The flags
 carry the session's number, which a CUDA graph's replays would repeat, so sessions refuse capture.
 
-There is no GPU-side timeout (``cuStreamWaitValue32`` has none): a stream whose peer never makes the
-call waits until it does. The host notices without waiting: an event follows every stream wait it
-queues, and the next session or call whose oldest unfinished wait is older than
-``num_cpu_timeout_secs`` reads this rank's flags and names the missing peers (TimeoutError);
-agrs_set_config and the buffer's destroy wait, polled, for the queued waits and name them the same way.
+Ranks emulated on one GPU wait in a one-block kernel instead (``deep_ep_agrs_wait``, 32 threads
+spinning on the header row, which holds no copy engine and gives up after ``num_gpu_timeout_secs``,
+naming the peer): there, stream waits of ranks that wait for each other stalled the whole GPU (about
+one bench process in nine on the H200, every stream of the process stopped with the awaited words
+written), while the data kernels' spin waits never did.
+
+A stream wait has no GPU-side timeout: a stream whose peer never makes the call waits until it does.
+The host notices without waiting: an event follows every wait it queues, and the next session or
+call whose oldest unfinished wait is older than ``num_cpu_timeout_secs`` reads this rank's flags and
+names the missing peers (TimeoutError); agrs_set_config and the buffer's destroy wait, polled, for
+the queued waits and name them the same way.
 
 Window: the AGRS region starts after the control region (`AGRS_OFFSET`): header words (layout in
 ``include/deep_ep/impls/agrs.cuh``), then the session space. Flags hold the number of the session,
@@ -29,6 +35,7 @@ write over the region, so AGRS refuses after them until the next agrs_set_config
 from __future__ import annotations
 
 import collections
+import ctypes
 import time
 from pathlib import Path
 
@@ -37,17 +44,18 @@ import torch
 from ...cuda.driver import memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from . import agrs_reduce
-from .abi import CTRL_BYTES, _read_constants
+from .abi import CTRL_BYTES, ERR_TIMEOUT, _read_constants
 from .errors import queue_driver_calls
-from .modules import AGRS_PEERS_KERNEL
+from .modules import AGRS_PEERS_KERNEL, AGRS_WAIT_KERNEL
 
-__all__ = ["AGRS_OFFSET", "AGRS_CONSTANTS", "space_offset", "window_bytes", "GPUAgrsMoves"]
+__all__ = ["AGRS_OFFSET", "AGRS_CONSTANTS", "AgrsWaitArgs", "space_offset", "window_bytes", "GPUAgrsMoves"]
 
 AGRS_CONSTANTS = _read_constants(Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "impls" / "agrs.cuh")
 _ENTERED_ROW = AGRS_CONSTANTS["kAgrsEnteredRow"]
 _CONFIG_ROW = AGRS_CONSTANTS["kAgrsConfigRow"]
 _FLAG_ROW = AGRS_CONSTANTS["kAgrsFlagRow"]
 _HEADER_ROWS = AGRS_CONSTANTS["kAgrsHeaderRows"]
+_PHASE_ENTERED, _PHASE_CALL = AGRS_CONSTANTS["kPhaseAgrsEntered"], AGRS_CONSTANTS["kPhaseAgrsCall"]
 #: Byte offset of the AGRS region in every window: right after the dispatch/combine control region.
 AGRS_OFFSET = CTRL_BYTES
 _SPACE_ALIGNMENT = 4096
@@ -65,6 +73,12 @@ def space_offset(num_ranks: int) -> int:
 def window_bytes(num_ranks: int, num_max_session_bytes: int) -> int:
     """Window bytes a session space of ``num_max_session_bytes`` needs (control region and header included)."""
     return space_offset(num_ranks) + num_max_session_bytes
+
+
+class AgrsWaitArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::AgrsWaitArgs`` (include/deep_ep/impls/agrs.cuh)."""
+    _fields_ = [("row", ctypes.c_void_p), ("session", ctypes.c_uint32), ("phase", ctypes.c_int),
+                ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
 
 
 class _WindowBytes:
@@ -89,6 +103,7 @@ class GPUAgrsMoves:
         self.peers: list = []          # every rank's window base, as this GPU addresses it
         self.configured_call = -1
         self.space_offset = space_offset(self.num_ranks)
+        self.wait_by_kernel = bool(backend.emulated)   # see the module docstring
         # stream waits queued and maybe not done: (event after it, time queued, session, header row, what)
         self.pending: collections.deque = collections.deque()
 
@@ -125,6 +140,44 @@ class GPUAgrsMoves:
         queue_driver_calls(self.backend, self.rank, what, calls)
         self.backend.call_record.launched_call = self.backend.calls
         self.configured_call = self.backend.calls
+
+    def _wait_calls(self, stream: int, row: int, session: int, phase: int) -> list:
+        """The driver calls that make raw ``stream`` wait until every rank's word of this rank's header
+        row ``row`` reaches ``session``: a stream wait per rank, or on emulated ranks the wait kernel."""
+        if not self.wait_by_kernel:
+            return [(stream_wait_u32, (stream, self._word(self.rank, row, peer), session))
+                    for peer in range(self.num_ranks)]
+        return [(self._launch_wait, (stream, row, session, phase))]
+
+    def _launch_wait(self, stream: int, row: int, session: int, phase: int) -> int:
+        """Launch the wait kernel (see the module docstring) on raw ``stream``; 0, as a driver call."""
+        backend = self.backend
+        args = AgrsWaitArgs(self._word(self.rank, row, 0), session & 0xFFFFFFFF, phase, backend.timeout_ns,
+                            backend.err_record.device_ptr)
+        backend.module("agrs", ()).function(AGRS_WAIT_KERNEL).launch(
+            1, AGRS_CONSTANTS["kAgrsThreads"], (backend.transport_args, args), stream=stream,
+            device=self.device.index)
+        return 0
+
+    def _raise_recorded(self, method: str) -> None:
+        """Raise for a timeout the wait kernel recorded (mapped host record: no stream operation).
+
+        Raises:
+            TimeoutError: a peer never opened the session or made the call; the buffer can no longer
+            be used.
+        """
+        record = self.backend.err_record
+        if self.backend.broken is not None or record.words[0] != ERR_TIMEOUT:
+            return
+        _, rank, peer, phase = record.read()
+        if phase not in (_PHASE_ENTERED, _PHASE_CALL):
+            return
+        self.backend.broken = "an AGRS peer never arrived"
+        what = ("open the AGRS session (create_agrs_session)" if phase == _PHASE_ENTERED else
+                "make its all_gather / reduce_scatter of the session whose handle this rank waited")
+        raise TimeoutError(f"deep_ep GPU timeout on rank {rank} ({method}): rank {peer} did not {what} within "
+                           f"{self.backend.config.num_gpu_timeout_secs} s (num_gpu_timeout_secs): every rank must "
+                           f"make the same AGRS calls; this buffer can no longer be used")
 
     def _wait_stream(self, stream) -> None:
         backend = self.backend
@@ -218,6 +271,7 @@ class GPUAgrsMoves:
             RuntimeError: an earlier GPU error, or a dispatch or combine since agrs_set_config.
             TimeoutError: a peer that never made a call this rank's stream waits for (`_check_peers`).
         """
+        self._raise_recorded(method)
         self.backend.raise_if_broken()
         self._check_peers(method)
         if self.backend.call_record.launched_call > self.configured_call:
@@ -250,6 +304,7 @@ class GPUAgrsMoves:
         # ranks: together, as a module load waits for the GPU to drain) and not at a handle's first wait
         if backend.emulated:
             backend.group.load_collectively(("agrs_reduce",), lambda: agrs_reduce.load_kernel(self.device))
+            backend.module("agrs", ())   # the wait kernel's module, loaded with every rank at a barrier
         else:
             agrs_reduce.load_kernel(self.device)
         if not self.peers:
@@ -277,14 +332,14 @@ class GPUAgrsMoves:
         return self._window_view(self.space_offset, num_bytes)
 
     def _warm_driver_operations(self, stream, num_bytes: int) -> None:
-        """Queue one of each driver operation a session uses (a satisfied stream wait, a copy-engine
+        """Queue one of each operation a session uses (a satisfied wait, a copy-engine
         copy inside this rank's session space, a write to its own header) while no rank waits for
         another: whatever the driver sets up on a first use then happens while every stream of the
         process is idle, not while emulated peers' streams wait for this rank's flags."""
         space = self.peers[self.rank] + self.space_offset
         half = min(256, num_bytes // 2)
         word = self._word(self.rank, _ENTERED_ROW, self.rank)
-        calls = [(stream_wait_u32, (stream.cuda_stream, word, 0))]
+        calls = self._wait_calls(stream.cuda_stream, _ENTERED_ROW, 0, _PHASE_ENTERED)
         calls += [(memcpy_async, (space + half, space, half, stream.cuda_stream))] if half else []
         self._queue("agrs_set_config's warm-up", calls + [(stream_write_u32, (stream.cuda_stream, word, 0))])
 
@@ -305,8 +360,7 @@ class GPUAgrsMoves:
         window; the call's flag row."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         row = _FLAG_ROW + session.num_ops
-        calls = [(stream_wait_u32, (stream, self._word(self.rank, _ENTERED_ROW, peer), session.index))
-                 for peer in range(self.num_ranks)]
+        calls = self._wait_calls(stream, _ENTERED_ROW, session.index, _PHASE_ENTERED)
         calls += [(memcpy_async, (self.peers[peer] + offset, source, num_bytes, stream))
                   for peer, offset, source, num_bytes in pieces if num_bytes]
         calls += [(stream_write_u32, (stream, self._word(peer, row, self.rank), session.index))
@@ -322,13 +376,13 @@ class GPUAgrsMoves:
         index = session.index
 
         def wait() -> None:
+            self._raise_recorded(what)
             self.backend.raise_if_broken()
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"deep_ep: the handle of {what} cannot be waited during CUDA-graph capture on a "
                                    f"GPU buffer (a replay would not wait for the peers); wait it outside the capture")
             stream = torch.cuda.current_stream(self.device)
-            self._queue(what, [(stream_wait_u32, (stream.cuda_stream, self._word(self.rank, row, peer), index))
-                               for peer in range(self.num_ranks)])
+            self._queue(what, self._wait_calls(stream.cuda_stream, row, index, _PHASE_CALL))
             self._track(stream, index, row, what)
             if then is not None:
                 then(stream)

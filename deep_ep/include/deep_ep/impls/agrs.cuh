@@ -1,7 +1,9 @@
 // All-gather / reduce-scatter sessions on GPU buffers (ElasticBuffer.all_gather / reduce_scatter).
 // Data moves on copy engines and flags through stream memory operations, both queued by the host
-// (deep_ep/backends/gpu/agrs.py); no SM takes part. The one kernel here reports the peers' window
-// addresses as this GPU sees them (once per agrs_set_config), for the host to aim its copies.
+// (deep_ep/backends/gpu/agrs.py); no SM moves data. One kernel here reports the peers' window
+// addresses as this GPU sees them (once per agrs_set_config), for the host to aim its copies; the
+// other waits for a header row with a GPU-side timeout, in place of a stream wait, for ranks emulated
+// on one GPU: there, stream waits of ranks that wait for each other stalled the GPU's front end.
 // Each window holds, from the AGRS region's start, a header of u32 words [kAgrsHeaderRows][num_ranks]
 // (word row * num_ranks + rank: what that rank wrote), then the session space.
 // The host reads these constants (one `constexpr int` per line).
@@ -17,11 +19,45 @@ constexpr int kAgrsEnteredRow = 0;     // the latest session each rank opened (i
 constexpr int kAgrsConfigRow = 1;      // [2] each rank's agrs_set_config: session bytes / 32, calls
 constexpr int kAgrsFlagRow = 3;        // [kAgrsMaxOps] the session in which each rank's call k arrived
 constexpr int kAgrsHeaderRows = kAgrsFlagRow + kAgrsMaxOps;
+constexpr int kPhaseAgrsEntered = 24;  // waiting for a peer to open the session (its space is free)
+constexpr int kPhaseAgrsCall = 25;     // a handle: waiting for a peer's all-gather / reduce-scatter bytes
+
+// The arguments of the wait kernel (host mirror: deep_ep/backends/gpu/agrs.py).
+struct AgrsWaitArgs {
+    const uint32_t* row;    // this rank's header row [num_ranks]: word p is what rank p wrote
+    uint32_t session;       // wait until every word reaches it (wrapping u32 comparison)
+    int phase;              // kPhaseAgrsEntered or kPhaseAgrsCall, recorded on a timeout
+    uint64_t timeout_ns;
+    uint32_t* err_host;     // mapped host copy of an error record (may be null)
+};
 
 // Every peer's window base, as a 64-bit address per rank.
 __device__ __forceinline__ void agrs_peers_impl(const comm::LsaTransport& tr, uint64_t* out) {
     for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x)
         out[p] = reinterpret_cast<uint64_t>(comm::peer_bytes(tr, p, 0));
+}
+
+// One block: thread p waits until rank p's word of the row reaches the session; after the timeout it
+// records (kErrTimeout, rank, p, phase) in this rank's control region and copies it to the host.
+// The words are written by other ranks' stream memory operations, which fence the copies before them.
+__device__ __forceinline__ void agrs_wait_impl(const comm::LsaTransport& tr, const AgrsWaitArgs& a) {
+    uint8_t* my_window = tr.local();
+    for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x) {
+        const uint64_t start = global_timer_ns();
+        while (static_cast<int32_t>(ld_acquire_sys(a.row + p) - a.session) < 0) {
+            if (comm::has_error(my_window)) break;
+            if (global_timer_ns() - start > a.timeout_ns) {
+                comm::record_error(my_window, kErrTimeout, tr.rank, p, a.phase);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const volatile uint32_t* record = reinterpret_cast<const volatile uint32_t*>(comm::ctrl_of(my_window) + kCtrlError);
+        comm::error_to_host(record, record[0], a.err_host);
+    }
 }
 
 }  // namespace deep_ep

@@ -1,5 +1,6 @@
-// Entry point of the AGRS module: the peers' window addresses for the host's copy-engine transfers
-// (impls/agrs.cuh; EP_TRANSPORT_NCCL as in kernels/dispatch.cuh). One block, once per configuration.
+// Entry points of the AGRS module (impls/agrs.cuh; EP_TRANSPORT_NCCL as in kernels/dispatch.cuh): the
+// peers' window addresses for the host's copy-engine transfers (one block, once per configuration),
+// and the wait for a header row that emulated ranks queue instead of stream waits (one block).
 #pragma once
 
 #include "../comm/transport.cuh"
@@ -10,4 +11,11 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kAgrsThreads, 1) deep_ep_a
     EP_TRANSPORT_TABLE(peers);
     const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
     deep_ep::agrs_peers_impl(tr, out);
+}
+
+extern "C" __global__ void __launch_bounds__(deep_ep::kAgrsThreads, 1) deep_ep_agrs_wait(
+        deep_ep::comm::TransportArgs transport, deep_ep::AgrsWaitArgs args) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::agrs_wait_impl(tr, args);
 }
