@@ -173,7 +173,8 @@ class AllGatherReduceScatterMixin:
 
         Args:
             num_max_session_bytes: > 0; rounded up to 32 (`get_agrs_num_max_session_bytes` computes
-                it). Not above ``num_bytes`` when the buffer was given a window size.
+                it). Not above ``num_bytes`` when the buffer was given a window size. GPU: the space
+                is at most what the window holds after its header; a call beyond it raises.
             num_max_all_gathers_per_session: 1..32; each `all_gather` / `reduce_scatter` call counts
                 once, a batched one too.
 
@@ -186,8 +187,8 @@ class AllGatherReduceScatterMixin:
         GPU path, one rank is allowed.
 
         Raises:
-            TypeError / ValueError: bad values; a space larger than the window holds (GPU: including
-            the header). RuntimeError: a session is open, another primitive holds the window, a
+            TypeError / ValueError: bad values; a space larger than the buffer's ``num_bytes`` (GPU:
+            less ``num_cpu_bytes``), or a GPU window with no room after its header. RuntimeError: a session is open, another primitive holds the window, a
             destroyed buffer, CUDA-graph capture (GPU), or (on every rank) ranks that disagree on
             the values. TimeoutError: a rank did not arrive within ``num_cpu_timeout_secs``.
             NotImplementedError: a backend other than CPU and GPU, or a GPU buffer across NVLink
@@ -201,15 +202,16 @@ class AllGatherReduceScatterMixin:
                          maximum=AGRS_MAX_OPS_PER_SESSION)
         on_gpu = self._agrs_on_gpu("agrs_set_config")
         size = _align(num_max_session_bytes, AGRS_TENSOR_ALIGNMENT)
-        if on_gpu:
-            from ..backends.gpu.agrs import window_bytes
-            needed = window_bytes(self.num_ranks, size)
+        if on_gpu:   # as DeepEP, any size up to the buffer's; the space is what the header leaves
+            from ..backends.gpu.agrs import space_offset
             usable = backend.transport.num_bytes - self.num_cpu_bytes   # Engram's storage ends the window
-            if needed > usable:
-                raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) needs {needed} bytes of a GPU "
-                                 f"buffer's window (control region and AGRS flags included), the buffer has "
-                                 f"{usable} beside num_cpu_bytes={self.num_cpu_bytes} (the Engram storage); size "
+            room = (usable - space_offset(self.num_ranks)) // AGRS_TENSOR_ALIGNMENT * AGRS_TENSOR_ALIGNMENT
+            if num_max_session_bytes > usable or room < AGRS_TENSOR_ALIGNMENT:
+                raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) does not fit a GPU window of "
+                                 f"{usable} bytes beside num_cpu_bytes={self.num_cpu_bytes} (Engram's storage), "
+                                 f"{space_offset(self.num_ranks)} of them control words and AGRS flags; size "
                                  f"it with get_agrs_buffer_size_hint (plus num_cpu_bytes)")
+            size = min(size, room)
         elif self.num_bytes and num_max_session_bytes > self.num_bytes:
             raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) exceeds the buffer's num_bytes "
                              f"({self.num_bytes}); size the buffer with get_agrs_buffer_size_hint")

@@ -182,7 +182,7 @@ def _refusals_body(group):
     try:
         _expect(RuntimeError, "agrs_set_config before create_agrs_session", buf.create_agrs_session)
         _expect(RuntimeError, "inside an AGRS session", buf.all_gather, mine)
-        _expect(ValueError, "get_agrs_buffer_size_hint", buf.agrs_set_config, buf.num_bytes, 2)
+        _expect(ValueError, "get_agrs_buffer_size_hint", buf.agrs_set_config, buf.num_bytes + 32, 2)
         if num_ranks > 1:
             _expect(RuntimeError, "ranks disagree on the num_max_session_bytes", buf.agrs_set_config,
                     1024 + 32 * rank, 2)
@@ -247,6 +247,40 @@ def _refusals_body(group):
 @pytest.mark.parametrize("num_ranks", [1, 2])
 def test_bad_input_is_refused_before_any_launch(num_ranks):
     _run(num_ranks, _refusals_body)
+
+
+def _deepep_sizes_body(group):
+    """DeepEP's way of sizing: the buffer's hint passed as the session bytes too."""
+    rank, num_ranks = group.rank(), group.size()
+    shape = (3000, 64)
+    session_bytes = deep_ep.ElasticBuffer.get_agrs_num_max_session_bytes(group, shape, torch.bfloat16)
+    hint = deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(group, session_bytes)
+    inputs = [_tensor((77, src), shape, torch.bfloat16) for src in range(num_ranks)]
+    mine = inputs[rank].to(DEVICE)   # host-to-device copies block: before any session
+    buf = deep_ep.ElasticBuffer(group, num_bytes=hint, explicitly_destroy=True, num_cpu_timeout_secs=TIMEOUT)
+    try:
+        buf.agrs_set_config(hint, 1)
+        space = buf._agrs_session.num_max_session_bytes
+        assert session_bytes <= space < hint, (session_bytes, space, hint)
+        buf._agrs_session.space.fill_(0xFF)
+        with buf.agrs_new_session():
+            gathered, handle = buf.all_gather(mine)
+            handle()
+            out = gathered.clone()
+        with buf.agrs_new_session():
+            _expect(RuntimeError, "bytes of the session space", buf.all_gather,
+                    torch.zeros(space // (2 * num_ranks) + 16, dtype=torch.bfloat16, device=DEVICE))
+        _wait()
+        _assert_same(out.cpu(), torch.stack(inputs), f"rank {rank} gathered")
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_deepep_sizing_by_the_buffer_hint(num_ranks):
+    """agrs_set_config(hint, n) on a buffer of num_bytes=hint, as DeepEP's test sizes it: accepted, the
+    space is what the window holds after its header, and a call larger than that is refused."""
+    _run(num_ranks, _deepep_sizes_body)
 
 
 def test_capture_is_refused(nccl_group):
@@ -370,3 +404,31 @@ def test_a_peer_that_never_arrives_is_named():
     from deep_ep.backends.gpu import agrs_reduce
     agrs_reduce.load_kernel(DEVICE)   # built before the ranks start, not inside the short timeout
     _run(2, _late_peer_body)
+
+
+def _absent_peer_body(group):
+    rank = group.rank()
+    buf = deep_ep.ElasticBuffer(group, num_bytes=deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(group, 1024),
+                                explicitly_destroy=True, num_cpu_timeout_secs=TIMEOUT, num_gpu_timeout_secs=2)
+    mine = torch.full((8,), float(rank + 1), device=DEVICE)
+    try:
+        buf.agrs_set_config(1024, 2)
+        buf.create_agrs_session()
+        if rank == 0:
+            _, handle = buf.all_gather(mine)
+            handle()   # rank 1 never makes the call: the wait kernel gives up after 2 s
+            buf.destroy_agrs_session()
+            _wait()
+            _expect(TimeoutError, r"rank 1 did not make its all_gather / reduce_scatter.*num_gpu_timeout_secs",
+                    buf.create_agrs_session)
+            _expect(RuntimeError, "an AGRS peer never arrived", buf.create_agrs_session)   # broken from then on
+        group.barrier()
+    finally:
+        buf.destroy()
+
+
+def test_the_wait_kernel_of_emulated_ranks_times_out():
+    """Emulated ranks wait in a kernel: rank 1 opens the session but never makes its all_gather, so
+    rank 0's handle gives up on the GPU after num_gpu_timeout_secs and rank 0's next session raises
+    TimeoutError naming rank 1 (the host never waited for the GPU)."""
+    _run(2, _absent_peer_body)
