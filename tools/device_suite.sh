@@ -66,7 +66,7 @@ for step in $steps; do
              tests/gpu/test_gpu_defaults.py tests/gpu/test_gpu_rank_graphs.py
              tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py tests/gpu/test_gpu_pp.py
              tests/gpu/test_gpu_agrs.py tests/gpu/test_gpu_engram.py tests/gpu/test_gpu_primitives_across_nodes.py
-             tests/gpu/test_gpu_gin.py
+             tests/gpu/test_gpu_gin.py tests/gpu/test_gpu_barrier.py
              tests/gpu/test_gpu_gloo_group.py tests/gpu/test_gpu_scaleout_features.py"}
       timeout ${GPU_TIMEOUT:-420} python3 -m pytest -q $files -p no:cacheprovider --junitxml="$OUT/gpu_extra.xml" \
         ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_extra.log" | tail -30 ;;

@@ -1,5 +1,5 @@
-"""Pipeline send/recv on GPU buffers: a one-rank NCCL group (the tensor loops back) and 2 and 4
-ranks emulated on one device, with tests/test_pp.py's scenarios, on both paths: the copy engine
+"""Pipeline send/recv on GPU buffers: a one-rank NCCL group (the tensor loops back) and 2, 4 and 8
+ranks emulated on one device (8: the random interleavings and the ring), with tests/test_pp.py's scenarios, on both paths: the copy engine
 (``num_sms=0``) and the SM kernel (``num_sms > 0``), alone and mixed call by call on one channel.
 Every receive tensor is poisoned first and compared byte for byte; hosts never block on a send or a
 receive (they wait with `deep_ep.emulated.wait_for_stream` before reading results). Covered: random
@@ -89,7 +89,7 @@ def _stress_body(group, seeds, num_sends, limit, sm_choices):
 
 
 @pytest.mark.parametrize("sm_choices", [(0, 1, 2, 3), (0,), (1, 3)], ids=["mixed", "copy_engine", "kernel"])
-@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 def test_random_interleavings_arrive_in_order(num_ranks, sm_choices):
     results = _run(num_ranks, _stress_body, [11, 12, 13], 24 * max(num_ranks, 2), 3, sm_choices)
     assert sum(results) == 3 * 24 * max(num_ranks, 2)
@@ -165,7 +165,7 @@ def _ring_body(group, rounds, num_sms):
 
 
 @pytest.mark.parametrize("num_sms", [0, 2])
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_ring_forward_and_backward(num_ranks, num_sms):
     _run(num_ranks, _ring_body, 3, num_sms)
 
