@@ -36,4 +36,33 @@ __device__ __forceinline__ void store_chunk(int4* dst, int base, int lane, const
     }
 }
 
+// Every thread of the grid: copy num_bytes, kUnroll 16-byte loads in flight per thread where both
+// ends are 16-byte aligned, else byte by byte (the primitives' copies: pipeline slots, AGRS rows).
+template <int kUnroll>
+__device__ __forceinline__ void grid_copy_bytes(uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
+    const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    int64_t done = 0;
+    if (((reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src)) & 15u) == 0) {
+        const int64_t num_vecs = num_bytes >> 4;
+        const int4* src_vecs = reinterpret_cast<const int4*>(src);
+        int4* dst_vecs = reinterpret_cast<int4*>(dst);
+        for (int64_t base = thread; base < num_vecs; base += kUnroll * num_threads) {
+            int4 values[kUnroll];
+#pragma unroll
+            for (int k = 0; k < kUnroll; ++k) {
+                const int64_t index = base + k * num_threads;
+                if (index < num_vecs) values[k] = ld_cg(src_vecs + index);
+            }
+#pragma unroll
+            for (int k = 0; k < kUnroll; ++k) {
+                const int64_t index = base + k * num_threads;
+                if (index < num_vecs) st_cg(dst_vecs + index, values[k]);
+            }
+        }
+        done = num_vecs << 4;
+    }
+    for (int64_t index = done + thread; index < num_bytes; index += num_threads) dst[index] = __ldcg(src + index);
+}
+
 }  // namespace deep_ep

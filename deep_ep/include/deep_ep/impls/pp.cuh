@@ -85,33 +85,6 @@ __device__ __forceinline__ bool wait_reaches(uint8_t* my_window, const uint32_t*
     return true;
 }
 
-// Every thread of the grid: copy num_bytes, 16 bytes at a time where both ends allow it.
-__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
-    const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    int64_t done = 0;
-    if (((reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src)) & 15u) == 0) {
-        const int64_t num_vecs = num_bytes >> 4;
-        const int4* src_vecs = reinterpret_cast<const int4*>(src);
-        int4* dst_vecs = reinterpret_cast<int4*>(dst);
-        for (int64_t base = thread; base < num_vecs; base += kPpCopyUnroll * num_threads) {
-            int4 values[kPpCopyUnroll];
-#pragma unroll
-            for (int k = 0; k < kPpCopyUnroll; ++k) {
-                const int64_t index = base + k * num_threads;
-                if (index < num_vecs) values[k] = ld_cg(src_vecs + index);
-            }
-#pragma unroll
-            for (int k = 0; k < kPpCopyUnroll; ++k) {
-                const int64_t index = base + k * num_threads;
-                if (index < num_vecs) st_cg(dst_vecs + index, values[k]);
-            }
-        }
-        done = num_vecs << 4;
-    }
-    for (int64_t index = done + thread; index < num_bytes; index += num_threads) dst[index] = __ldcg(src + index);
-}
-
 // True in every thread of the one block that finishes last; resets the counter for the next kernel.
 // The system-scope fence before the count orders this block's writes (to a peer's window too)
 // before whatever the last block publishes.
@@ -151,7 +124,7 @@ __device__ __forceinline__ void pp_send_impl(const comm::LsaTransport& tr, const
     __threadfence();
     const uint32_t seq = s_seq;
     if (s_ok) {
-        pp::copy_bytes(pp::slot_of(peer_window, a, a.remote_channel, seq), a.data, a.num_bytes);
+        grid_copy_bytes<kPpCopyUnroll>(pp::slot_of(peer_window, a, a.remote_channel, seq), a.data, a.num_bytes);
         if (blockIdx.x == 0 && threadIdx.x == 0)
             *pp::byte_count_of(peer_window, a, a.remote_channel, seq) = static_cast<uint32_t>(a.num_bytes);
     }
@@ -187,7 +160,7 @@ __device__ __forceinline__ void pp_recv_impl(const comm::LsaTransport& tr, const
     __syncthreads();
     __threadfence();  // the slot's bytes are read after the acquire above
     const uint32_t seq = s_seq;
-    if (s_ok) pp::copy_bytes(a.data, pp::slot_of(my_window, a, a.local_channel, seq), a.num_bytes);
+    if (s_ok) grid_copy_bytes<kPpCopyUnroll>(a.data, pp::slot_of(my_window, a, a.local_channel, seq), a.num_bytes);
     if (pp::last_block(my_words + kPpDoneRecv + a.local_channel) && threadIdx.x == 0) {
         if (!comm::has_error(my_window)) {
             my_words[kPpConsumed + a.local_channel] = seq + 1u;
