@@ -1,5 +1,5 @@
 """The GPU AGRS module (include/deep_ep/kernels/agrs.cuh: the peers' window addresses, the emulated
-ranks' wait) compiles under
+ranks' copy, flags and wait) compiles under
 NVRTC for both transports, and the host's view of its header layout matches the device constants.
 Runs without a GPU: compiling needs only the NVRTC and header wheels (NCCL's headers for the NCCL
 transport: the environment's, else NCCL 2.28.9's fetched as tests/nccl_wheels.py does; skipped when
@@ -27,7 +27,8 @@ def test_agrs_module_compiles(transport_nccl):
     mod = jit.build(f"deep_ep_agrs_test_{int(transport_nccl)}", modules.kernel_source("agrs"),
                     defines=modules.agrs_defines(transport_nccl=transport_nccl), use_nccl=transport_nccl,
                     nccl_include_dir=include, check_spills=True)
-    assert sorted(mod.kernel_names()) == sorted([modules.AGRS_PEERS_KERNEL, modules.AGRS_WAIT_KERNEL])
+    assert sorted(mod.kernel_names()) == sorted([modules.AGRS_PEERS_KERNEL, modules.AGRS_WAIT_KERNEL, modules.AGRS_FLAGS_KERNEL,
+                                                 modules.AGRS_COPY_KERNEL])
 
 
 def test_header_layout():

@@ -1,8 +1,8 @@
 """The GPU backend's AGRS moves (`deep_ep.backends.gpu.agrs.GPUAgrsMoves`) run on the CPU with the
 driver's three operations replaced by their host meaning over windows in host memory: a copy is a
 memmove, a flag write a store, a stream wait an assertion that the flag already holds the value
-(the ranks' calls run one after another, every send before any wait); the wait kernel of emulated
-ranks, the same assertion over its header row (both ways of waiting are run). This checks, without a GPU,
+(the ranks' calls run one after another, every send before any wait); the kernels emulated ranks
+queue instead have the same meanings (both ways are run). This checks, without a GPU,
 where every byte and flag goes (rooms, rows, chunks, in-place slots, the "entered" words) and that
 reduce-scatter's sum is the CPU spec's, bit for bit; the device suite (tests/gpu/test_gpu_agrs.py)
 runs the real thing.
@@ -44,6 +44,16 @@ def _wait(stream, address, value):
     return 0
 
 
+def _launch_flags(moves, stream, row, session):
+    for peer in range(moves.num_ranks):
+        _write(stream, moves._word(peer, row, moves.rank), session)
+    return 0
+
+
+def _launch_copy(moves, stream, dst, src, num_bytes):
+    return _memmove(dst, src, num_bytes, stream)
+
+
 def _launch_wait(moves, stream, row, session, phase):
     assert phase in (gpu_agrs._PHASE_ENTERED, gpu_agrs._PHASE_CALL)
     for peer in range(moves.num_ranks):
@@ -51,11 +61,14 @@ def _launch_wait(moves, stream, row, session, phase):
     return 0
 
 
-@pytest.fixture(params=["stream waits", "wait kernel"])
+@pytest.fixture(params=["driver operations", "kernels"])
 def host_driver(monkeypatch, request):
-    """The driver's meaning on the host; True when the moves wait by the kernel (for `_ranks`)."""
+    """The driver's and the kernels' meaning on the host; True when the moves use the kernels (as
+    emulated ranks do; for `_ranks`)."""
     stream = types.SimpleNamespace(cuda_stream=0)
-    monkeypatch.setattr(gpu_agrs.GPUAgrsMoves, "_launch_wait", _launch_wait)
+    for name, function in (("_launch_wait", _launch_wait), ("_launch_flags", _launch_flags),
+                           ("_launch_copy", _launch_copy)):
+        monkeypatch.setattr(gpu_agrs.GPUAgrsMoves, name, function)
     monkeypatch.setattr(gpu_agrs, "memcpy_async", _memmove)
     monkeypatch.setattr(gpu_agrs, "stream_write_u32", _write)
     monkeypatch.setattr(gpu_agrs, "stream_wait_u32", _wait)
@@ -64,10 +77,10 @@ def host_driver(monkeypatch, request):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    return request.param == "wait kernel"
+    return request.param == "kernels"
 
 
-def _ranks(num_ranks: int, session_bytes: int, wait_by_kernel: bool) -> list:
+def _ranks(num_ranks: int, session_bytes: int, by_kernels: bool) -> list:
     """Every rank's moves over windows of one host allocation, configured (header zeroed)."""
     storage = torch.zeros(num_ranks * WINDOW_BYTES, dtype=torch.uint8)
     windows = types.SimpleNamespace(storage=storage)
@@ -82,7 +95,7 @@ def _ranks(num_ranks: int, session_bytes: int, wait_by_kernel: bool) -> list:
                                         raise_if_broken=lambda: None,
                                         err_record=types.SimpleNamespace(words=[0] * 4))
         moves = gpu_agrs.GPUAgrsMoves(backend)
-        moves.wait_by_kernel = wait_by_kernel
+        moves.by_kernels = by_kernels
         moves.peers = moves._read_peers(None)
         moves.configured_call = 0
         space = moves._window_view(moves.space_offset, session_bytes)

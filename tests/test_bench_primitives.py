@@ -97,6 +97,10 @@ def test_sms_held():
     gather, _, scatter, _ = prim.cases("agrs")
     engram_4, engram_16, _ = prim.cases("engram")
     assert prim.sms_held(gather, 0, 132) == 0 and prim.sms_held(scatter, 8, 132) == 0
+    # emulated ranks copy AGRS pieces with a kernel of 64 KiB per block pass, capped at 132 / R SMs
+    assert prim.sms_held(gather, 0, 132, emulated_ranks=4) == 16          # 1 MiB
+    assert prim.sms_held(scatter, 0, 132, emulated_ranks=4) == 4          # 1 MiB input: 256 KiB chunks
+    assert prim.sms_held(prim.cases("agrs")[1], 0, 132, emulated_ranks=4) == 33   # 16 MiB: capped
     assert prim.sms_held(pp_1m, 0, 132) == 0                  # 0: the copy engine
     assert prim.sms_held(pp_1m, 24, 132) == 24
     assert prim.sms_held(pp_small, 64, 132) == 8             # 64 KiB is 8 steps of 8 KiB

@@ -14,7 +14,7 @@ import pytest
 
 from deep_ep import jit
 from deep_ep.backends.gpu import abi
-from deep_ep.backends.gpu.agrs import AgrsWaitArgs
+from deep_ep.backends.gpu.agrs import AgrsFlagArgs, AgrsWaitArgs
 from deep_ep.backends.gpu.pp import PpArgs
 from deep_ep.comm import devcomm
 from deep_ep.comm.emulated import EmulatedTransportArgs
@@ -39,7 +39,9 @@ def _device_layout(cxx: str, fields: list, header: str) -> list:
     (EmulatedTransportArgs, "deep_ep::comm::TransportArgs", "comm/transport.cuh"),
     (PpArgs, "deep_ep::PpArgs", "impls/pp.cuh"),
     (AgrsWaitArgs, "deep_ep::AgrsWaitArgs", "impls/agrs.cuh"),
-], ids=["NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs", "EmulatedTransportArgs", "PpArgs", "AgrsWaitArgs"])
+    (AgrsFlagArgs, "deep_ep::AgrsFlagArgs", "impls/agrs.cuh"),
+], ids=["NotifyArgs", "LayoutArgs", "DispatchArgs", "CombineArgs", "EmulatedTransportArgs", "PpArgs", "AgrsWaitArgs",
+        "AgrsFlagArgs"])
 def test_ctypes_mirror_matches_device_struct(cls, cxx, header):
     fields = [name for name, _ in cls._fields_]
     device = _device_layout(cxx, fields, header)

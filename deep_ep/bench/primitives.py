@@ -221,13 +221,19 @@ def plain_copies(case: Case, num_ranks: int) -> List[Tuple[int, int, int]]:
     raise ValueError(f"unknown op {case.op!r}")
 
 
-def sms_held(case: Case, num_sms: int, device_sms: int) -> int:
+def sms_held(case: Case, num_sms: int, device_sms: int, emulated_ranks: int = 0) -> int:
     """SMs one rank's transfer holds while it runs: 0 for the copy-engine paths (AGRS; the
     reduce_scatter's fp32 sum in the handle runs one kernel afterwards; PP with ``num_sms=0``),
     PP's blocks (``num_sms``, no more than its 16-byte steps), the Engram gather's blocks (8 rows per
-    block)."""
+    block). AGRS on ``emulated_ranks`` ranks of one GPU copies with a kernel, one piece (a rank's
+    tensor or chunk) at a time (`deep_ep.backends.gpu.agrs`): that kernel's blocks."""
     if case.primitive == "agrs":
-        return 0
+        if not emulated_ranks:
+            return 0
+        from ..backends.gpu.agrs import copy_blocks
+        piece = case.num_bytes if case.op == "all_gather" else \
+            bytes_per_rank(case, emulated_ranks) // emulated_ranks
+        return copy_blocks(piece, max(1, device_sms // emulated_ranks))
     if case.op == "send_recv":
         return min(num_sms or 0, max(1, math.ceil(case.num_bytes / PP_BYTES_PER_BLOCK_STEP)))
     return min(device_sms, math.ceil(case.tokens * case.entries / ENGRAM_ROWS_PER_BLOCK))

@@ -212,7 +212,7 @@ class Timer:
         from .gpu_timing import copy_floor_us
         context = self.context
         nbytes = process_bytes(case, context.num_ranks, context.emulated)
-        held = sms_held(case, context.num_sms, context.device_sms)
+        held = sms_held(case, context.num_sms, context.device_sms, context.num_ranks if context.emulated else 0)
         moves = plain_copies(case, context.num_ranks) if held == 0 else []
         copies = [PlainCopies(moves, self.device) for _ in calls] if moves else None
         self.host_per_call_us = {}   # a case's calls cost the host their own time

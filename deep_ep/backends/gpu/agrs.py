@@ -11,11 +11,13 @@ in float32 in rank order with one kernel per tensor on the stream (`deep_ep.back
 the CPU backend's formula, so the same bits). The host never waits in a call or a handle. The flags
 carry the session's number, which a CUDA graph's replays would repeat, so sessions refuse capture.
 
-Ranks emulated on one GPU wait in a one-block kernel instead (``deep_ep_agrs_wait``, 32 threads
-spinning on the header row, which holds no copy engine and gives up after ``num_gpu_timeout_secs``,
-naming the peer): there, stream waits of ranks that wait for each other stalled the whole GPU (about
-one bench process in nine on the H200, every stream of the process stopped with the awaited words
-written), while the data kernels' spin waits never did.
+Ranks emulated on one GPU queue the AGRS module's kernels instead of driver operations: a copy
+kernel per piece, a flag kernel for a row of flags, and a wait kernel (one block spinning on the
+header row, which gives up after ``num_gpu_timeout_secs`` naming the peer). There, copy-engine
+copies and stream memory operations of ranks that wait for each other stalled the whole GPU (about
+one bench process in nine on the H200: every stream of the process stopped, the awaited words
+written), with stream waits and with a wait kernel alike, while kernels alone (as the data kernels
+of dispatch and combine) never did. Emulated ranks' transfers therefore hold SMs.
 
 A stream wait has no GPU-side timeout: a stream whose peer never makes the call waits until it does.
 The host notices without waiting: an event follows every wait it queues, and the next session or
@@ -41,14 +43,16 @@ from pathlib import Path
 
 import torch
 
+from ... import jit
 from ...cuda.driver import memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from . import agrs_reduce
 from .abi import CTRL_BYTES, ERR_TIMEOUT, _read_constants
 from .errors import queue_driver_calls
-from .modules import AGRS_PEERS_KERNEL, AGRS_WAIT_KERNEL
+from .modules import AGRS_COPY_KERNEL, AGRS_FLAGS_KERNEL, AGRS_PEERS_KERNEL, AGRS_WAIT_KERNEL
 
-__all__ = ["AGRS_OFFSET", "AGRS_CONSTANTS", "AgrsWaitArgs", "space_offset", "window_bytes", "GPUAgrsMoves"]
+__all__ = ["AGRS_OFFSET", "AGRS_CONSTANTS", "AgrsWaitArgs", "AgrsFlagArgs", "space_offset", "window_bytes",
+           "copy_blocks", "GPUAgrsMoves"]
 
 AGRS_CONSTANTS = _read_constants(Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "impls" / "agrs.cuh")
 _ENTERED_ROW = AGRS_CONSTANTS["kAgrsEnteredRow"]
@@ -81,6 +85,21 @@ class AgrsWaitArgs(ctypes.Structure):
                 ("timeout_ns", ctypes.c_uint64), ("err_host", ctypes.c_void_p)]
 
 
+class AgrsFlagArgs(ctypes.Structure):
+    """Host mirror of ``deep_ep::AgrsFlagArgs`` (include/deep_ep/impls/agrs.cuh)."""
+    _fields_ = [("row_offset", ctypes.c_int64), ("session", ctypes.c_uint32)]
+
+
+#: 16-byte steps one block of the copy kernel takes per pass (threads x loads in flight)
+_COPY_BYTES_PER_BLOCK = 16 * AGRS_CONSTANTS["kAgrsCopyThreads"] * AGRS_CONSTANTS["kAgrsCopyUnroll"]
+
+
+def copy_blocks(num_bytes: int, sm_limit: int) -> int:
+    """Blocks of the emulated ranks' copy kernel for a piece of ``num_bytes``: one per pass of
+    `_COPY_BYTES_PER_BLOCK`, at most ``sm_limit`` (the SMs of the device over the ranks)."""
+    return max(1, min(sm_limit, -(-num_bytes // _COPY_BYTES_PER_BLOCK)))
+
+
 class _WindowBytes:
     """Device memory torch did not allocate (an NCCL window), exposed through ``__cuda_array_interface__``."""
 
@@ -103,7 +122,7 @@ class GPUAgrsMoves:
         self.peers: list = []          # every rank's window base, as this GPU addresses it
         self.configured_call = -1
         self.space_offset = space_offset(self.num_ranks)
-        self.wait_by_kernel = bool(backend.emulated)   # see the module docstring
+        self.by_kernels = bool(backend.emulated)   # see the module docstring
         # stream waits queued and maybe not done: (event after it, time queued, session, header row, what)
         self.pending: collections.deque = collections.deque()
 
@@ -141,10 +160,40 @@ class GPUAgrsMoves:
         self.backend.call_record.launched_call = self.backend.calls
         self.configured_call = self.backend.calls
 
+    def _flag_calls(self, stream: int, row: int, session: int) -> list:
+        """The calls that write ``session`` into this rank's word of header row ``row`` in every window
+        once the work queued before on raw ``stream`` is done: a stream write per rank, or the flag
+        kernel."""
+        if not self.by_kernels:
+            return [(stream_write_u32, (stream, self._word(peer, row, self.rank), session))
+                    for peer in range(self.num_ranks)]
+        return [(self._launch_flags, (stream, row, session))]
+
+    def _copy_calls(self, stream: int, pieces: list) -> list:
+        """The calls that copy ``(destination, source, bytes)`` on raw ``stream``: copy-engine copies,
+        or the copy kernel."""
+        if not self.by_kernels:
+            return [(memcpy_async, (dst, src, num_bytes, stream)) for dst, src, num_bytes in pieces if num_bytes]
+        return [(self._launch_copy, (stream, dst, src, num_bytes)) for dst, src, num_bytes in pieces if num_bytes]
+
+    def _launch_flags(self, stream: int, row: int, session: int) -> int:
+        args = AgrsFlagArgs(AGRS_OFFSET + 4 * row * self.num_ranks, session & 0xFFFFFFFF)
+        self.backend.module("agrs", ()).function(AGRS_FLAGS_KERNEL).launch(
+            1, AGRS_CONSTANTS["kAgrsThreads"], (self.backend.transport_args, args), stream=stream,
+            device=self.device.index)
+        return 0
+
+    def _launch_copy(self, stream: int, dst: int, src: int, num_bytes: int) -> int:
+        blocks = copy_blocks(num_bytes, self.backend._sm_limit)
+        self.backend.module("agrs", ()).function(AGRS_COPY_KERNEL).launch(
+            blocks, AGRS_CONSTANTS["kAgrsCopyThreads"], (jit.ptr(dst), jit.ptr(src), jit.i64(num_bytes)),
+            stream=stream, device=self.device.index)
+        return 0
+
     def _wait_calls(self, stream: int, row: int, session: int, phase: int) -> list:
         """The driver calls that make raw ``stream`` wait until every rank's word of this rank's header
         row ``row`` reaches ``session``: a stream wait per rank, or on emulated ranks the wait kernel."""
-        if not self.wait_by_kernel:
+        if not self.by_kernels:
             return [(stream_wait_u32, (stream, self._word(self.rank, row, peer), session))
                     for peer in range(self.num_ranks)]
         return [(self._launch_wait, (stream, row, session, phase))]
@@ -291,7 +340,7 @@ class GPUAgrsMoves:
         """
         backend = self.backend
         backend.raise_if_broken()
-        num_ranks, rank = self.num_ranks, self.rank
+        num_ranks = self.num_ranks
         stream = torch.cuda.current_stream(self.device)
         self._wait_stream(stream)
         self.release("agrs_set_config")
@@ -304,15 +353,15 @@ class GPUAgrsMoves:
         # ranks: together, as a module load waits for the GPU to drain) and not at a handle's first wait
         if backend.emulated:
             backend.group.load_collectively(("agrs_reduce",), lambda: agrs_reduce.load_kernel(self.device))
-            backend.module("agrs", ())   # the wait kernel's module, loaded with every rank at a barrier
+            backend.module("agrs", ())   # the module of its kernels, loaded with every rank at a barrier
         else:
             agrs_reduce.load_kernel(self.device)
         if not self.peers:
             self.peers = self._read_peers(stream)
         header = self._window_view(AGRS_OFFSET, 4 * _HEADER_ROWS * num_ranks).view(torch.int32)
         self._queue("agrs_set_config's report", [
-            (stream_write_u32, (stream.cuda_stream, self._word(peer, _CONFIG_ROW + row, rank), value))
-            for peer in range(num_ranks) for row, value in enumerate((num_bytes // 32, num_max_ops))])
+            call for row, value in enumerate((num_bytes // 32, num_max_ops))
+            for call in self._flag_calls(stream.cuda_stream, _CONFIG_ROW + row, value)])
         self._wait_stream(stream)
         backend.transport.host_barrier()
         reports = backend.host_read(header[_CONFIG_ROW * num_ranks:(_CONFIG_ROW + 2) * num_ranks], stream)
@@ -332,23 +381,21 @@ class GPUAgrsMoves:
         return self._window_view(self.space_offset, num_bytes)
 
     def _warm_driver_operations(self, stream, num_bytes: int) -> None:
-        """Queue one of each operation a session uses (a satisfied wait, a copy-engine
-        copy inside this rank's session space, a write to its own header) while no rank waits for
+        """Queue one of each operation a session uses (a satisfied wait, a copy inside this rank's
+        session space, a write of its own "entered" word, unchanged) while no rank waits for
         another: whatever the driver sets up on a first use then happens while every stream of the
         process is idle, not while emulated peers' streams wait for this rank's flags."""
         space = self.peers[self.rank] + self.space_offset
         half = min(256, num_bytes // 2)
-        word = self._word(self.rank, _ENTERED_ROW, self.rank)
-        calls = self._wait_calls(stream.cuda_stream, _ENTERED_ROW, 0, _PHASE_ENTERED)
-        calls += [(memcpy_async, (space + half, space, half, stream.cuda_stream))] if half else []
-        self._queue("agrs_set_config's warm-up", calls + [(stream_write_u32, (stream.cuda_stream, word, 0))])
+        stream = stream.cuda_stream
+        calls = self._wait_calls(stream, _ENTERED_ROW, 0, _PHASE_ENTERED)
+        calls += self._copy_calls(stream, [(space + half, space, half)])
+        self._queue("agrs_set_config's warm-up", calls + self._flag_calls(stream, _ENTERED_ROW, 0))
 
     def begin_session(self, session: int) -> None:
         """Queue this rank's "entered session ``session``" word into every window (current stream)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._queue("create_agrs_session", [(stream_write_u32, (stream, self._word(peer, _ENTERED_ROW, self.rank),
-                                                                session))
-                                            for peer in range(self.num_ranks)])
+        self._queue("create_agrs_session", self._flag_calls(stream, _ENTERED_ROW, session))
 
     def end_session(self, session: int, num_ops: int, offset: int, call: int) -> None:
         """Nothing to queue: the handles were waited; calls that differ between ranks are not detected
@@ -361,10 +408,9 @@ class GPUAgrsMoves:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         row = _FLAG_ROW + session.num_ops
         calls = self._wait_calls(stream, _ENTERED_ROW, session.index, _PHASE_ENTERED)
-        calls += [(memcpy_async, (self.peers[peer] + offset, source, num_bytes, stream))
-                  for peer, offset, source, num_bytes in pieces if num_bytes]
-        calls += [(stream_write_u32, (stream, self._word(peer, row, self.rank), session.index))
-                  for peer in range(self.num_ranks)]
+        calls += self._copy_calls(stream, [(self.peers[peer] + offset, source, num_bytes)
+                                           for peer, offset, source, num_bytes in pieces])
+        calls += self._flag_calls(stream, row, session.index)
         self._queue(what, calls)
         self._track(torch.cuda.current_stream(self.device), session.index, _ENTERED_ROW,
                     f"create_agrs_session #{session.index} (awaited by {what})")

@@ -15,7 +15,7 @@ from ... import jit
 __all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredReceive", "launch_send_phase",
            "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
            "BARRIER_KERNEL", "PP_SEND_KERNEL", "PP_RECV_KERNEL", "PP_FLUSH_KERNEL", "AGRS_PEERS_KERNEL",
-           "AGRS_WAIT_KERNEL",
+           "AGRS_WAIT_KERNEL", "AGRS_FLAGS_KERNEL", "AGRS_COPY_KERNEL",
            "ENGRAM_GATHER_KERNEL", "ENGRAM_STORE_KERNEL", "TUNABLES", "kernel_source", "tunable_defines",
            "dispatch_defines", "combine_defines", "SINGLE_REDUCTION", "UNREDUCED_RANKS", "combine_layout", "barrier_defines",
            "pp_defines", "agrs_defines", "engram_defines", "build_module", "launch_control", "load_module",
@@ -49,6 +49,8 @@ PP_RECV_KERNEL = "deep_ep_pp_recv"     # `ElasticBuffer.pp_recv`
 PP_FLUSH_KERNEL = "deep_ep_pp_flush"   # `ElasticBuffer.pp_set_config`'s steps
 AGRS_PEERS_KERNEL = "deep_ep_agrs_peers"   # `ElasticBuffer.agrs_set_config`: the peers' window addresses
 AGRS_WAIT_KERNEL = "deep_ep_agrs_wait"     # emulated ranks' AGRS waits (stream waits elsewhere)
+AGRS_FLAGS_KERNEL = "deep_ep_agrs_flags"   # emulated ranks' AGRS flags (stream writes elsewhere)
+AGRS_COPY_KERNEL = "deep_ep_agrs_copy"     # emulated ranks' AGRS copies (copy engines elsewhere)
 ENGRAM_GATHER_KERNEL = "deep_ep_engram_gather"   # `ElasticBuffer.engram_fetch`
 ENGRAM_STORE_KERNEL = "deep_ep_engram_store"     # `ElasticBuffer.engram_write`
 

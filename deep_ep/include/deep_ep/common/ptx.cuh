@@ -18,6 +18,11 @@ __device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
     asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A release store of an absolute value (a flag with one writer).
+__device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // The same for 64-bit flags written by one store (a tag and a value together).
 __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
     uint64_t v;

@@ -1,9 +1,10 @@
 // All-gather / reduce-scatter sessions on GPU buffers (ElasticBuffer.all_gather / reduce_scatter).
-// Data moves on copy engines and flags through stream memory operations, both queued by the host
-// (deep_ep/backends/gpu/agrs.py); no SM moves data. One kernel here reports the peers' window
-// addresses as this GPU sees them (once per agrs_set_config), for the host to aim its copies; the
-// other waits for a header row with a GPU-side timeout, in place of a stream wait, for ranks emulated
-// on one GPU: there, stream waits of ranks that wait for each other stalled the GPU's front end.
+// Across GPUs, data moves on copy engines and flags through stream memory operations, both queued by
+// the host (deep_ep/backends/gpu/agrs.py); no SM takes part. One kernel here reports the peers'
+// window addresses as this GPU sees them (once per agrs_set_config), for the host to aim its copies.
+// Ranks emulated on one GPU move the same bytes and flags with the three kernels below instead (a
+// copy, a row of flags, a wait with a GPU-side timeout): there, copy-engine copies and stream memory
+// operations of ranks that wait for each other stalled the GPU's front end.
 // Each window holds, from the AGRS region's start, a header of u32 words [kAgrsHeaderRows][num_ranks]
 // (word row * num_ranks + rank: what that rank wrote), then the session space.
 // The host reads these constants (one `constexpr int` per line).
@@ -19,6 +20,8 @@ constexpr int kAgrsEnteredRow = 0;     // the latest session each rank opened (i
 constexpr int kAgrsConfigRow = 1;      // [2] each rank's agrs_set_config: session bytes / 32, calls
 constexpr int kAgrsFlagRow = 3;        // [kAgrsMaxOps] the session in which each rank's call k arrived
 constexpr int kAgrsHeaderRows = kAgrsFlagRow + kAgrsMaxOps;
+constexpr int kAgrsCopyThreads = 512;  // threads per block of the emulated ranks' copy kernel
+constexpr int kAgrsCopyUnroll = 8;     // its 16-byte loads in flight per thread
 constexpr int kPhaseAgrsEntered = 24;  // waiting for a peer to open the session (its space is free)
 constexpr int kPhaseAgrsCall = 25;     // a handle: waiting for a peer's all-gather / reduce-scatter bytes
 
@@ -31,15 +34,30 @@ struct AgrsWaitArgs {
     uint32_t* err_host;     // mapped host copy of an error record (may be null)
 };
 
+// The arguments of the flag kernel (host mirror: deep_ep/backends/gpu/agrs.py).
+struct AgrsFlagArgs {
+    int64_t row_offset;     // byte offset of the header row in every window
+    uint32_t session;       // the value this rank writes into its word of the row in every window
+};
+
 // Every peer's window base, as a 64-bit address per rank.
 __device__ __forceinline__ void agrs_peers_impl(const comm::LsaTransport& tr, uint64_t* out) {
     for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x)
         out[p] = reinterpret_cast<uint64_t>(comm::peer_bytes(tr, p, 0));
 }
 
+// One block: after every earlier write of this GPU (the copy kernels before it on the stream),
+// write the session into this rank's word of the row in every rank's window.
+__device__ __forceinline__ void agrs_flags_impl(const comm::LsaTransport& tr, const AgrsFlagArgs& a) {
+    __threadfence_system();
+    for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x)
+        st_release_sys_u32(reinterpret_cast<uint32_t*>(comm::peer_bytes(tr, p, a.row_offset)) + tr.rank, a.session);
+}
+
 // One block: thread p waits until rank p's word of the row reaches the session; after the timeout it
 // records (kErrTimeout, rank, p, phase) in this rank's control region and copies it to the host.
-// The words are written by other ranks' stream memory operations, which fence the copies before them.
+// The flags are written after the bytes they announce (the flag kernel, or a stream memory operation,
+// which fences the copies queued before it).
 __device__ __forceinline__ void agrs_wait_impl(const comm::LsaTransport& tr, const AgrsWaitArgs& a) {
     uint8_t* my_window = tr.local();
     for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x) {
