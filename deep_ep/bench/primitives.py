@@ -269,6 +269,15 @@ def matmul_count(round_us: float, matmul_us: float) -> int:
     return max(1, min(MAX_MATMULS_PER_ROUND, int(round_us / matmul_us)))
 
 
+def _held_note(row: Dict[str, Any]) -> str:
+    """What moves the bytes of ``row``'s call, after its SMs held."""
+    movers = "copy engines" if row["sms_held"] == 0 else \
+        "a copy kernel: emulated ranks" if row["primitive"] == "agrs" else ""
+    extra = "the fp32 sum in the handle runs one kernel" if row["op"] == "reduce_scatter" else ""
+    note = "; ".join(part for part in (movers, extra) if part)
+    return f" ({note})" if note else ""
+
+
 def bound_applies(row: Dict[str, Any]) -> bool:
     """Whether `ZERO_SM_SLOWDOWN_BOUND` judges a row: its transfer holds no SM at any time (a
     reduce_scatter's copies hold none, but the sum in its handle runs a kernel on SMs)."""
@@ -353,8 +362,7 @@ def format_case(row: Dict[str, Any]) -> List[str]:
     lines = [f"{row['label']}: {_cell(row['time_us'], '{:.1f}')} us/call, {row['bytes'] / 1e6:.2f} MB, "
              f"{_cell(row['gbps'], '{:.1f}')} GB/s; copy floor {_cell(row['floor_us'], '{:.1f}')} us "
              f"(ratio {_cell(row['floor_ratio'], '{:.2f}')}); SMs held {row['sms_held']} per rank"
-             + (" (copy engines; the fp32 sum in the handle runs one kernel)" if row["op"] == "reduce_scatter"
-                else " (copy engines)" if row["sms_held"] == 0 else "")]
+             + _held_note(row)]
     if row.get("nvlink_floor_us") is not None:
         lines.append(f"  NVLink floor: a peer copy of the {row['peer_bytes'] / 1e6:.2f} MB leaving this GPU "
                      f"{row['nvlink_floor_us']:.1f} us")
