@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -243,6 +244,16 @@ def test_operator_gradients_across_nodes(mode, hybrid_order):
     gpu_ops._run_ranks(group, body)
 
 
+def _own_code(fn, rank: int):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object, and the
+    ranks' threads of one process share it: in two runs of this whole file (not alone) a rank's
+    calls reached another rank's buffer, whose id a graph holds as a constant (rank 0's buffer at
+    call #12 while rank 1's was at #5), as if a rank had run a graph another rank compiled. One rank
+    per process, as in training, has no such sharing."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_rank{rank}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 COMPILE_CONFIGS = {"direct": (False, True, 1), "hybrid": (True, False, 2)}   # do_expand, do_cpu_sync, alignment
 
 
@@ -267,7 +278,8 @@ def test_compiled_operators_equal_eager_across_nodes(mode):
             x, idx, w, b = ops_ranks.routing_inputs(rank, 0 if rank == 1 else T - rank, H, E, K, group.device)
             fn = ops_ranks.ops_function(buf, idx, E, do_expand, do_cpu_sync, align)
             eager = ops_ranks.run_with_grads(fn, (x, w, b))
-            compiled = ops_ranks.run_with_grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), (x, w, b))
+            compiled = ops_ranks.run_with_grads(torch.compile(_own_code(fn, rank), fullgraph=True, backend="aot_eager"),
+                                                (x, w, b))
             grads.settle(group.device)
             for i, (got, want) in enumerate(zip(compiled, eager)):
                 got, want = got.cpu(), want.cpu()
