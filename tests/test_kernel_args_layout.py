@@ -72,9 +72,11 @@ def test_shared_constants_parse_from_the_header():
     c = abi.CONSTANTS
     assert c["kMaxRanks"] == abi.MAX_RANKS == 1024 and c["kCtrlEpoch"] == c["kMaxRanks"]
     assert abi.CTRL_ERROR_OFFSET == (c["kMaxRanks"] + 4) * 4
-    # the one-node phases 1-4, then the GIN transports' own (emulated nodes), all distinct
+    # the one-node phases 1-4, AGRS's wait kernel (emulated ranks), the GIN transports' own (emulated
+    # nodes), all distinct
     assert {c[f"kPhase{name}"] for name in ("Notify", "Dispatch", "Combine", "Barrier")} == {1, 2, 3, 4}
-    assert len(abi.PHASES) == 9 and min(set(abi.PHASES) - {1, 2, 3, 4}) > 4
+    assert {c["kPhaseAgrsEntered"], c["kPhaseAgrsCall"]} <= set(abi.PHASES)
+    assert len(abi.PHASES) == 11 and min(set(abi.PHASES) - {1, 2, 3, 4}) > 4
     assert abi.READBACK["seq"] == 0 and abi.READBACK["counts"] > max(v for k, v in abi.READBACK.items() if k != "counts")
 
 

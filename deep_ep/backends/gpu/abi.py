@@ -54,7 +54,9 @@ READBACK_WORDS = READBACK["counts"] + MAX_EXPERTS
 PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts)",
           CONSTANTS["kPhaseDispatch"]: "dispatch (waiting for peers' tokens)",
           CONSTANTS["kPhaseCombine"]: "combine (waiting for peers' expert outputs)",
-          CONSTANTS["kPhaseBarrier"]: "barrier (waiting for peers)"}
+          CONSTANTS["kPhaseBarrier"]: "barrier (waiting for peers)",
+          CONSTANTS["kPhaseAgrsEntered"]: "AGRS (waiting for a peer to open the session)",
+          CONSTANTS["kPhaseAgrsCall"]: "AGRS handle (waiting for a peer's all_gather / reduce_scatter)"}
 # the GIN transports' phases (comm/gin.cuh, comm/push.cuh: emulated nodes)
 _GIN = _read_constants(_COMMON.parent / "comm" / "push.cuh", _read_constants(_COMMON.parent / "comm" / "gin.cuh",
                                                                              CONSTANTS))

@@ -47,7 +47,7 @@ from ... import jit
 from ...cuda.driver import memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from . import agrs_reduce
-from .abi import CTRL_BYTES, ERR_TIMEOUT, _read_constants
+from .abi import CONSTANTS, CTRL_BYTES, ERR_TIMEOUT, _read_constants
 from .errors import queue_driver_calls
 from .modules import AGRS_COPY_KERNEL, AGRS_FLAGS_KERNEL, AGRS_PEERS_KERNEL, AGRS_WAIT_KERNEL
 
@@ -59,7 +59,7 @@ _ENTERED_ROW = AGRS_CONSTANTS["kAgrsEnteredRow"]
 _CONFIG_ROW = AGRS_CONSTANTS["kAgrsConfigRow"]
 _FLAG_ROW = AGRS_CONSTANTS["kAgrsFlagRow"]
 _HEADER_ROWS = AGRS_CONSTANTS["kAgrsHeaderRows"]
-_PHASE_ENTERED, _PHASE_CALL = AGRS_CONSTANTS["kPhaseAgrsEntered"], AGRS_CONSTANTS["kPhaseAgrsCall"]
+_PHASE_ENTERED, _PHASE_CALL = CONSTANTS["kPhaseAgrsEntered"], CONSTANTS["kPhaseAgrsCall"]
 #: Byte offset of the AGRS region in every window: right after the dispatch/combine control region.
 AGRS_OFFSET = CTRL_BYTES
 _SPACE_ALIGNMENT = 4096
@@ -186,7 +186,8 @@ class GPUAgrsMoves:
     def _launch_copy(self, stream: int, dst: int, src: int, num_bytes: int) -> int:
         blocks = copy_blocks(num_bytes, self.backend._sm_limit)
         self.backend.module("agrs", ()).function(AGRS_COPY_KERNEL).launch(
-            blocks, AGRS_CONSTANTS["kAgrsCopyThreads"], (jit.ptr(dst), jit.ptr(src), jit.i64(num_bytes)),
+            blocks, AGRS_CONSTANTS["kAgrsCopyThreads"],
+            (self.backend.transport_args, jit.ptr(dst), jit.ptr(src), jit.i64(num_bytes)),
             stream=stream, device=self.device.index)
         return 0
 
@@ -265,8 +266,10 @@ class GPUAgrsMoves:
                     found.append(f"rank {peer} never made its {what}")
         found = list(dict.fromkeys(found))
         more = f" (and {len(found) - 4} more)" if len(found) > 4 else ""
-        return ("; " + "; ".join(found[:4]) + more + ": every rank must make the same AGRS calls (there is no "
-                "GPU-side timeout, so this rank's stream waits for them)") if found else ""
+        waits = ("its wait kernel gives up after num_gpu_timeout_secs" if self.by_kernels else
+                 "there is no GPU-side timeout, so this rank's stream waits for them")
+        return ("; " + "; ".join(found[:4]) + more + f": every rank must make the same AGRS calls ({waits})"
+                if found else "")
 
     def _check_peers(self, method: str) -> None:
         """Raise when the oldest unfinished stream wait was queued over ``num_cpu_timeout_secs`` ago
@@ -329,10 +332,10 @@ class GPUAgrsMoves:
                                f"of the window; call agrs_set_config on every rank after them, before the next "
                                f"session")
 
-    def configure(self, num_bytes: int, num_max_ops: int, call: int) -> torch.Tensor:
+    def configure(self, num_bytes: int, num_max_ops: int, call: int, space_bytes: int) -> torch.Tensor:
         """Collective, blocks the host: every rank's earlier window work done, the configurations
-        compared, the header zeroed on every rank before any rank writes again; the session space
-        (a uint8 view of this rank's window).
+        (``num_bytes`` as asked, ``num_max_ops``) compared, the header zeroed on every rank before any
+        rank writes again; the session space (a uint8 view of ``space_bytes`` of this rank's window).
 
         Raises:
             RuntimeError: (on every rank) ranks that disagree on the values; an earlier GPU error.
@@ -368,7 +371,7 @@ class GPUAgrsMoves:
         with torch.cuda.stream(stream):
             header.zero_()
         if backend.emulated:
-            self._warm_driver_operations(stream, num_bytes)
+            self._warm_driver_operations(stream, space_bytes)
         self._wait_stream(stream)
         backend.transport.host_barrier()   # no rank writes into a header before every header is zeroed
         for row, name, scale in ((0, "num_max_session_bytes (rounded up to 32)", 32),
@@ -378,11 +381,11 @@ class GPUAgrsMoves:
                 raise RuntimeError(f"deep_ep: ranks disagree on the {name} of agrs_set_config (per-rank values "
                                    f"{values}); every rank raises this")
         self.configured_call = backend.calls
-        return self._window_view(self.space_offset, num_bytes)
+        return self._window_view(self.space_offset, space_bytes)
 
     def _warm_driver_operations(self, stream, num_bytes: int) -> None:
         """Queue one of each operation a session uses (a satisfied wait, a copy inside this rank's
-        session space, a write of its own "entered" word, unchanged) while no rank waits for
+        session space, a write of 0, unchanged, as its "entered" word in every window) while no rank waits for
         another: whatever the driver sets up on a first use then happens while every stream of the
         process is idle, not while emulated peers' streams wait for this rank's flags."""
         space = self.peers[self.rank] + self.space_offset

@@ -32,6 +32,8 @@ constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
 constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
 constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
 constexpr int kPhaseBarrier = 4;   // barrier: waiting for peers
+constexpr int kPhaseAgrsEntered = 24;  // AGRS (emulated ranks): waiting for a peer to open the session
+constexpr int kPhaseAgrsCall = 25;     // AGRS handle (emulated ranks): waiting for a peer's call's bytes
 
 // A dispatch's count matrix (int32, in every window at counts_offset), row s written by source s:
 // [R] tokens per destination rank, [E] pairs per expert, then the first out-of-range expert id it

@@ -22,14 +22,12 @@ constexpr int kAgrsFlagRow = 3;        // [kAgrsMaxOps] the session in which eac
 constexpr int kAgrsHeaderRows = kAgrsFlagRow + kAgrsMaxOps;
 constexpr int kAgrsCopyThreads = 512;  // threads per block of the emulated ranks' copy kernel
 constexpr int kAgrsCopyUnroll = 8;     // its 16-byte loads in flight per thread
-constexpr int kPhaseAgrsEntered = 24;  // waiting for a peer to open the session (its space is free)
-constexpr int kPhaseAgrsCall = 25;     // a handle: waiting for a peer's all-gather / reduce-scatter bytes
 
 // The arguments of the wait kernel (host mirror: deep_ep/backends/gpu/agrs.py).
 struct AgrsWaitArgs {
     const uint32_t* row;    // this rank's header row [num_ranks]: word p is what rank p wrote
     uint32_t session;       // wait until every word reaches it (wrapping u32 comparison)
-    int phase;              // kPhaseAgrsEntered or kPhaseAgrsCall, recorded on a timeout
+    int phase;              // kPhaseAgrsEntered or kPhaseAgrsCall (common/abi.cuh), recorded on a timeout
     uint64_t timeout_ns;
     uint32_t* err_host;     // mapped host copy of an error record (may be null)
 };
@@ -47,11 +45,22 @@ __device__ __forceinline__ void agrs_peers_impl(const comm::LsaTransport& tr, ui
 }
 
 // One block: after every earlier write of this GPU (the copy kernels before it on the stream),
-// write the session into this rank's word of the row in every rank's window.
+// write the session into this rank's word of the row in every rank's window. Nothing once this rank
+// recorded an error (a wait that gave up): a peer must not be told that bytes arrived which were
+// never sent, or that a space is free which was not; it times out and names this rank instead.
 __device__ __forceinline__ void agrs_flags_impl(const comm::LsaTransport& tr, const AgrsFlagArgs& a) {
+    if (comm::has_error(tr.local())) return;
     __threadfence_system();
     for (int p = threadIdx.x; p < tr.num_ranks; p += blockDim.x)
         st_release_sys_u32(reinterpret_cast<uint32_t*>(comm::peer_bytes(tr, p, a.row_offset)) + tr.rank, a.session);
+}
+
+// Every thread of the grid: the copy of one piece, skipped once this rank recorded an error (the
+// wait before it gave up: the peer's space may still hold outputs it reads).
+__device__ __forceinline__ void agrs_copy_impl(const comm::LsaTransport& tr, uint8_t* dst, const uint8_t* src,
+                                               int64_t num_bytes) {
+    if (comm::has_error(tr.local())) return;
+    grid_copy_bytes<kAgrsCopyUnroll>(dst, src, num_bytes);
 }
 
 // One block: thread p waits until rank p's word of the row reaches the session; after the timeout it

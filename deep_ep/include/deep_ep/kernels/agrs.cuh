@@ -28,6 +28,8 @@ extern "C" __global__ void __launch_bounds__(deep_ep::kAgrsThreads, 1) deep_ep_a
 }
 
 extern "C" __global__ void __launch_bounds__(deep_ep::kAgrsCopyThreads) deep_ep_agrs_copy(
-        uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
-    deep_ep::grid_copy_bytes<deep_ep::kAgrsCopyUnroll>(dst, src, num_bytes);
+        deep_ep::comm::TransportArgs transport, uint8_t* dst, const uint8_t* src, int64_t num_bytes) {
+    EP_TRANSPORT_TABLE(peers);
+    const deep_ep::comm::LsaTransport tr = deep_ep::comm::make_transport(transport, peers);
+    deep_ep::agrs_copy_impl(tr, dst, src, num_bytes);
 }
