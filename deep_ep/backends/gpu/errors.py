@@ -136,17 +136,22 @@ def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: 
 
 
 def queue_driver_calls(backend, rank: int, what: str, calls) -> None:
-    """Run driver calls ``(function, args)`` (each returning a ``CUresult`` int) in order in the
-    context of ``backend``'s device. A refusal leaves the peers waiting for this rank: ``backend``
-    is then marked unusable.
+    """Run driver calls ``(function, args)`` (each returning a ``CUresult`` int, or a kernel launch
+    returning 0) in order in the context of ``backend``'s device. A refusal (an error code or an
+    exception) leaves the peers waiting for this rank: ``backend`` is then marked unusable.
 
     Raises:
-        RuntimeError: the driver refused a call (the message names ``what`` and the error).
+        RuntimeError: the driver refused a call (the message names ``what`` and the error); what a
+        launch raised, as it raised it.
     """
     previous = enter_context(backend.device.index)
     try:
         for function, args in calls:
-            err = function(*args)
+            try:
+                err = function(*args)
+            except BaseException:   # a kernel launch (emulated ranks' AGRS) raises instead: the peers wait
+                backend.broken = f"{what} could not be queued"
+                raise
             if err != 0:
                 backend.broken = f"{what} could not be queued"
                 raise RuntimeError(f"deep_ep: rank {rank}: queueing {what} failed: {error_name(err)}; this buffer "
