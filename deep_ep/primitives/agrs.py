@@ -9,8 +9,8 @@ space. Each call returns at once with a handle that waits for its data; handles 
 order, and the session's end (`destroy_agrs_session`) waits for those left. This module keeps the
 per-rank bookkeeping and every check (all before anything is sent); backends move the bytes (CPU:
 `deep_ep.backends.cpu.agrs` over gloo; GPU: `deep_ep.backends.gpu.agrs`, copy engines and stream
-memory operations on the caller's stream, no SM, within one NVLink domain: on a GPU buffer across
-NVLink domains every method raises NotImplementedError).
+memory operations on the caller's stream (small kernels on emulated ranks), within one NVLink
+domain: on a GPU buffer across NVLink domains every method raises NotImplementedError).
 """
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ class AllGatherReduceScatterMixin:
         checks.check_int("num_max_all_gathers_per_session", num_max_all_gathers_per_session, minimum=1,
                          maximum=AGRS_MAX_OPS_PER_SESSION)
         on_gpu = self._agrs_on_gpu("agrs_set_config")
-        size = _align(num_max_session_bytes, AGRS_TENSOR_ALIGNMENT)
+        space = size = _align(num_max_session_bytes, AGRS_TENSOR_ALIGNMENT)   # ranks compare ``size``
         if on_gpu:   # as DeepEP, any size up to the buffer's; the space is what the header leaves
             from ..backends.gpu.agrs import space_offset
             usable = backend.transport.num_bytes - self.num_cpu_bytes   # Engram's storage ends the window
@@ -211,7 +211,7 @@ class AllGatherReduceScatterMixin:
                                  f"{usable} bytes beside num_cpu_bytes={self.num_cpu_bytes} (Engram's storage), "
                                  f"{space_offset(self.num_ranks)} of them control words and AGRS flags; size "
                                  f"it with get_agrs_buffer_size_hint (plus num_cpu_bytes)")
-            size = min(size, room)
+            space = min(size, room)
         elif self.num_bytes and num_max_session_bytes > self.num_bytes:
             raise ValueError(f"num_max_session_bytes ({num_max_session_bytes}) exceeds the buffer's num_bytes "
                              f"({self.num_bytes}); size the buffer with get_agrs_buffer_size_hint")
@@ -224,8 +224,8 @@ class AllGatherReduceScatterMixin:
                                "graph; call it outside the capture")
         session.space = None   # a failed configuration leaves none
         session.num_max_session_bytes = 0
-        session.space = self._agrs_moves().configure(size, num_max_all_gathers_per_session, backend.calls)
-        session.num_max_session_bytes = size
+        session.space = self._agrs_moves().configure(size, num_max_all_gathers_per_session, backend.calls, space)
+        session.num_max_session_bytes = space
         session.num_max_ops = num_max_all_gathers_per_session
         self._agrs_pp_configured = self._agrs_pp_mark()
 
@@ -324,8 +324,8 @@ class AllGatherReduceScatterMixin:
         if offset > session.num_max_session_bytes:
             raise RuntimeError(f"deep_ep: {method} needs {offset - session.offset} bytes of the session space, "
                                f"{session.num_max_session_bytes - session.offset} are left of "
-                               f"num_max_session_bytes={session.num_max_session_bytes}; end the session first, "
-                               f"or configure more (agrs_set_config, get_agrs_num_max_session_bytes)")
+                               f"a space of {session.num_max_session_bytes} bytes; end the session first, or configure "
+                               f"more (agrs_set_config; on GPU within the window: get_agrs_buffer_size_hint)")
         return offsets
 
     def agrs_get_inplace_tensor(self, shapes, dtype: torch.dtype):

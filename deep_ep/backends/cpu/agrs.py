@@ -76,11 +76,12 @@ class CPUAgrsMoves:
             raise self.comm._failed(phase, exc) from exc
 
     # ------------------------------------------------------------------ calls
-    def configure(self, num_bytes: int, num_max_ops: int, call: int) -> torch.Tensor:
-        """Agree on the configuration (a flush: every rank reaches this point); the new space."""
+    def configure(self, num_bytes: int, num_max_ops: int, call: int, space_bytes: int) -> torch.Tensor:
+        """Agree on the configuration (a flush: every rank reaches this point); the new space of
+        ``space_bytes`` (``num_bytes`` on CPU)."""
         self._agree(OP_AGRS_SET_CONFIG, call, 0, num_max_ops, 0, num_bytes, 0,
                     names={NUM_OPS: "num_max_all_gathers_per_session", VALUE: "num_max_session_bytes"})
-        return torch.empty(num_bytes, dtype=torch.uint8, device="cpu")
+        return torch.empty(space_bytes, dtype=torch.uint8, device="cpu")
 
     def end_session(self, session: int, num_ops: int, offset: int, call: int) -> None:
         """Agree that every rank's session held the same calls."""
