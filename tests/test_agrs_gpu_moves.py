@@ -2,7 +2,7 @@
 driver's three operations replaced by their host meaning over windows in host memory: a copy is a
 memmove, a flag write a store, a stream wait an assertion that the flag already holds the value
 (the ranks' calls run one after another, every send before any wait); the kernels emulated ranks
-queue instead have the same meanings (both ways are run). This checks, without a GPU,
+queue instead are run on the host from their launch arguments (both ways are run). This checks, without a GPU,
 where every byte and flag goes (rooms, rows, chunks, in-place slots, the "entered" words) and that
 reduce-scatter's sum is the CPU spec's, bit for bit; the device suite (tests/gpu/test_gpu_agrs.py)
 runs the real thing.
@@ -18,9 +18,11 @@ import torch
 
 from deep_ep.backends.gpu import agrs as gpu_agrs
 from deep_ep.backends.gpu import errors as gpu_errors
+from deep_ep.backends.gpu import modules
 from test_agrs import _reduce_reference, _tensor
 
 WINDOW_BYTES = 256 * 1024
+SM_LIMIT = 33   # the copy kernel's most blocks (132 SMs over 4 emulated ranks)
 
 
 class _Unreached(AssertionError):
@@ -44,21 +46,35 @@ def _wait(stream, address, value):
     return 0
 
 
-def _launch_flags(moves, stream, row, session):
-    for peer in range(moves.num_ranks):
-        _write(stream, moves._word(peer, row, moves.rank), session)
-    return 0
+class _HostKernels:
+    """The AGRS module's kernels with their meaning on the host, run from their launch arguments
+    as the device reads them (the windows' bases from the storage, not from the moves' addresses)."""
 
+    def __init__(self, rank: int, num_ranks: int, storage: torch.Tensor) -> None:
+        self.rank, self.num_ranks = rank, num_ranks
+        self.bases = [storage.data_ptr() + peer * WINDOW_BYTES for peer in range(num_ranks)]
 
-def _launch_copy(moves, stream, dst, src, num_bytes):
-    return _memmove(dst, src, num_bytes, stream)
+    def function(self, name: str):
+        return types.SimpleNamespace(launch=lambda grid, block, args, stream=None, device=None:
+                                     self._run(name, grid, block, args))
 
-
-def _launch_wait(moves, stream, row, session, phase):
-    assert phase in (gpu_agrs._PHASE_ENTERED, gpu_agrs._PHASE_CALL)
-    for peer in range(moves.num_ranks):
-        _wait(stream, moves._word(moves.rank, row, peer), session)
-    return 0
+    def _run(self, name: str, grid: int, block: int, args: tuple) -> None:
+        constants = gpu_agrs.AGRS_CONSTANTS
+        if name == modules.AGRS_WAIT_KERNEL:
+            wait = args[1]
+            assert (grid, block) == (1, constants["kAgrsThreads"])
+            assert wait.phase in (gpu_agrs._PHASE_ENTERED, gpu_agrs._PHASE_CALL) and wait.timeout_ns > 0
+            for peer in range(self.num_ranks):
+                _wait(None, wait.row + 4 * peer, wait.session)
+        elif name == modules.AGRS_FLAGS_KERNEL:
+            flags = args[1]
+            for peer in range(self.num_ranks):
+                _write(None, self.bases[peer] + flags.row_offset + 4 * self.rank, flags.session)
+        else:
+            assert name == modules.AGRS_COPY_KERNEL and block == constants["kAgrsCopyThreads"]
+            dst, src, num_bytes = (arg.value for arg in args[1:])
+            assert grid == gpu_agrs.copy_blocks(num_bytes, SM_LIMIT) and num_bytes > 0
+            _memmove(dst, src, num_bytes, None)
 
 
 @pytest.fixture(params=["driver operations", "kernels"])
@@ -66,9 +82,6 @@ def host_driver(monkeypatch, request):
     """The driver's and the kernels' meaning on the host; True when the moves use the kernels (as
     emulated ranks do; for `_ranks`)."""
     stream = types.SimpleNamespace(cuda_stream=0)
-    for name, function in (("_launch_wait", _launch_wait), ("_launch_flags", _launch_flags),
-                           ("_launch_copy", _launch_copy)):
-        monkeypatch.setattr(gpu_agrs.GPUAgrsMoves, name, function)
     monkeypatch.setattr(gpu_agrs, "memcpy_async", _memmove)
     monkeypatch.setattr(gpu_agrs, "stream_write_u32", _write)
     monkeypatch.setattr(gpu_agrs, "stream_wait_u32", _wait)
@@ -92,8 +105,11 @@ def _ranks(num_ranks: int, session_bytes: int, by_kernels: bool) -> list:
         backend = types.SimpleNamespace(rank=rank, num_ranks=num_ranks, device=torch.device("cpu"), emulated=True,
                                         transport=transport, calls=0, broken=None,
                                         call_record=types.SimpleNamespace(launched_call=0),
-                                        raise_if_broken=lambda: None,
-                                        err_record=types.SimpleNamespace(words=[0] * 4))
+                                        raise_if_broken=lambda: None, transport_args=None, timeout_ns=10**9,
+                                        err_record=types.SimpleNamespace(words=[0] * 4, device_ptr=0),
+                                        _sm_limit=SM_LIMIT)
+        kernels = _HostKernels(rank, num_ranks, storage)
+        backend.module = lambda kind, structure, kernels=kernels: kernels
         moves = gpu_agrs.GPUAgrsMoves(backend)
         moves.by_kernels = by_kernels
         moves.peers = moves._read_peers(None)
