@@ -373,7 +373,7 @@ def _disagreement_body(rank, num_ranks):
     buf.agrs_set_config(1024, 2)
     buf.create_agrs_session()
     mine = torch.zeros((rank + 1, 2), dtype=torch.float32, device="cpu")
-    _raises(RuntimeError, "disagree on the size of all_gather", lambda: buf.all_gather(mine))
+    _raises(RuntimeError, "disagree on the size in bytes of all_gather", lambda: buf.all_gather(mine))
     same_size = torch.zeros(2, dtype=torch.float32 if rank else torch.int32, device="cpu")
     _raises(RuntimeError, "disagree on the tensor shapes and dtypes", lambda: buf.all_gather(same_size))
     # nothing moved: the session goes on

@@ -27,7 +27,7 @@ __all__ = ["CPUAgrsMoves"]
 # `deep_ep.backends.cpu.collectives`), each equal on every rank.
 SESSION, NUM_OPS, OFFSET, VALUE, DIGEST = range(1, 6)
 _FIELD_NAMES = {SESSION: "session number", NUM_OPS: "calls earlier in the session",
-                OFFSET: "session bytes used", VALUE: "size", DIGEST: "tensor shapes and dtypes"}
+                OFFSET: "session bytes used", VALUE: "size in bytes", DIGEST: "tensor shapes and dtypes"}
 
 
 def _digest(tensors: list, extra: str = "") -> int:

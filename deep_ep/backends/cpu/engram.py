@@ -142,7 +142,8 @@ class EngramTable(EngramTableState):
         for field, name in _AGREE.items():
             values = headers[:, field].tolist()
             if len(set(values)) > 1:
-                raise comm.error(f"engram_write: ranks disagree on {name}: per-rank values {values}")
+                shown = [f"{value & 0xFFFFFFFFFFFFFFFF:016x}" for value in values] if field == SF_DIGEST else values
+                raise comm.error(f"engram_write: ranks disagree on {name}: per-rank values {shown}")
         hosts = headers[:, HOST].tolist()
         if len(set(hosts)) > 1:
             groups: dict = {}
