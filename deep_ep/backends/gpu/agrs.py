@@ -47,7 +47,7 @@ from ... import jit
 from ...cuda.driver import memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from . import agrs_reduce
-from .abi import CONSTANTS, CTRL_BYTES, ERR_TIMEOUT, _read_constants
+from .abi import CONSTANTS, CTRL_BYTES, _read_constants
 from .errors import queue_driver_calls
 from .modules import AGRS_COPY_KERNEL, AGRS_FLAGS_KERNEL, AGRS_PEERS_KERNEL, AGRS_WAIT_KERNEL
 
@@ -176,20 +176,21 @@ class GPUAgrsMoves:
             return [(memcpy_async, (dst, src, num_bytes, stream)) for dst, src, num_bytes in pieces if num_bytes]
         return [(self._launch_copy, (stream, dst, src, num_bytes)) for dst, src, num_bytes in pieces if num_bytes]
 
-    def _launch_flags(self, stream: int, row: int, session: int) -> int:
-        args = AgrsFlagArgs(AGRS_OFFSET + 4 * row * self.num_ranks, session & 0xFFFFFFFF)
-        self.backend.module("agrs", ()).function(AGRS_FLAGS_KERNEL).launch(
-            1, AGRS_CONSTANTS["kAgrsThreads"], (self.backend.transport_args, args), stream=stream,
-            device=self.device.index)
+    def _launch(self, kernel: str, blocks: int, threads: int, args: tuple, stream: int) -> int:
+        """Launch ``kernel`` of the AGRS module on raw ``stream``; 0, as a driver call returns."""
+        self.backend.module("agrs", ()).function(kernel).launch(blocks, threads, args, stream=stream,
+                                                                device=self.device.index)
         return 0
 
+    def _launch_flags(self, stream: int, row: int, session: int) -> int:
+        args = AgrsFlagArgs(AGRS_OFFSET + 4 * row * self.num_ranks, session & 0xFFFFFFFF)
+        return self._launch(AGRS_FLAGS_KERNEL, 1, AGRS_CONSTANTS["kAgrsThreads"], (self.backend.transport_args, args),
+                            stream)
+
     def _launch_copy(self, stream: int, dst: int, src: int, num_bytes: int) -> int:
-        blocks = copy_blocks(num_bytes, self.backend._sm_limit)
-        self.backend.module("agrs", ()).function(AGRS_COPY_KERNEL).launch(
-            blocks, AGRS_CONSTANTS["kAgrsCopyThreads"],
-            (self.backend.transport_args, jit.ptr(dst), jit.ptr(src), jit.i64(num_bytes)),
-            stream=stream, device=self.device.index)
-        return 0
+        return self._launch(AGRS_COPY_KERNEL, copy_blocks(num_bytes, self.backend._sm_limit),
+                            AGRS_CONSTANTS["kAgrsCopyThreads"],
+                            (self.backend.transport_args, jit.ptr(dst), jit.ptr(src), jit.i64(num_bytes)), stream)
 
     def _wait_calls(self, stream: int, row: int, session: int, phase: int) -> list:
         """The driver calls that make raw ``stream`` wait until every rank's word of this rank's header
@@ -200,34 +201,12 @@ class GPUAgrsMoves:
         return [(self._launch_wait, (stream, row, session, phase))]
 
     def _launch_wait(self, stream: int, row: int, session: int, phase: int) -> int:
-        """Launch the wait kernel (see the module docstring) on raw ``stream``; 0, as a driver call."""
+        """The wait kernel (see the module docstring); a timeout it records is raised by the buffer's
+        next call (`GPUBackend.raise_if_broken`, naming the peer and the phase)."""
         backend = self.backend
         args = AgrsWaitArgs(self._word(self.rank, row, 0), session & 0xFFFFFFFF, phase, backend.timeout_ns,
                             backend.err_record.device_ptr)
-        backend.module("agrs", ()).function(AGRS_WAIT_KERNEL).launch(
-            1, AGRS_CONSTANTS["kAgrsThreads"], (backend.transport_args, args), stream=stream,
-            device=self.device.index)
-        return 0
-
-    def _raise_recorded(self, method: str) -> None:
-        """Raise for a timeout the wait kernel recorded (mapped host record: no stream operation).
-
-        Raises:
-            TimeoutError: a peer never opened the session or made the call; the buffer can no longer
-            be used.
-        """
-        record = self.backend.err_record
-        if self.backend.broken is not None or record.words[0] != ERR_TIMEOUT:
-            return
-        _, rank, peer, phase = record.read()
-        if phase not in (_PHASE_ENTERED, _PHASE_CALL):
-            return
-        self.backend.broken = "an AGRS peer never arrived"
-        what = ("open the AGRS session (create_agrs_session)" if phase == _PHASE_ENTERED else
-                "make its all_gather / reduce_scatter of the session whose handle this rank waited")
-        raise TimeoutError(f"deep_ep GPU timeout on rank {rank} ({method}): rank {peer} did not {what} within "
-                           f"{self.backend.config.num_gpu_timeout_secs} s (num_gpu_timeout_secs): every rank must "
-                           f"make the same AGRS calls; this buffer can no longer be used")
+        return self._launch(AGRS_WAIT_KERNEL, 1, AGRS_CONSTANTS["kAgrsThreads"], (backend.transport_args, args), stream)
 
     def _wait_stream(self, stream) -> None:
         backend = self.backend
@@ -323,7 +302,6 @@ class GPUAgrsMoves:
             RuntimeError: an earlier GPU error, or a dispatch or combine since agrs_set_config.
             TimeoutError: a peer that never made a call this rank's stream waits for (`_check_peers`).
         """
-        self._raise_recorded(method)
         self.backend.raise_if_broken()
         self._check_peers(method)
         if self.backend.call_record.launched_call > self.configured_call:
@@ -370,8 +348,6 @@ class GPUAgrsMoves:
         reports = backend.host_read(header[_CONFIG_ROW * num_ranks:(_CONFIG_ROW + 2) * num_ranks], stream)
         with torch.cuda.stream(stream):
             header.zero_()
-        if backend.emulated:
-            self._warm_driver_operations(stream, space_bytes)
         self._wait_stream(stream)
         backend.transport.host_barrier()   # no rank writes into a header before every header is zeroed
         for row, name, scale in ((0, "num_max_session_bytes (rounded up to 32)", 32),
@@ -382,18 +358,6 @@ class GPUAgrsMoves:
                                    f"{values}); every rank raises this")
         self.configured_call = backend.calls
         return self._window_view(self.space_offset, space_bytes)
-
-    def _warm_driver_operations(self, stream, num_bytes: int) -> None:
-        """Queue one of each operation a session uses (a satisfied wait, a copy inside this rank's
-        session space, a write of 0, unchanged, as its "entered" word in every window) while no rank waits for
-        another: whatever the driver sets up on a first use then happens while every stream of the
-        process is idle, not while emulated peers' streams wait for this rank's flags."""
-        space = self.peers[self.rank] + self.space_offset
-        half = min(256, num_bytes // 2)
-        stream = stream.cuda_stream
-        calls = self._wait_calls(stream, _ENTERED_ROW, 0, _PHASE_ENTERED)
-        calls += self._copy_calls(stream, [(space + half, space, half)])
-        self._queue("agrs_set_config's warm-up", calls + self._flag_calls(stream, _ENTERED_ROW, 0))
 
     def begin_session(self, session: int) -> None:
         """Queue this rank's "entered session ``session``" word into every window (current stream)."""
@@ -425,7 +389,6 @@ class GPUAgrsMoves:
         index = session.index
 
         def wait() -> None:
-            self._raise_recorded(what)
             self.backend.raise_if_broken()
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"deep_ep: the handle of {what} cannot be waited during CUDA-graph capture on a "
