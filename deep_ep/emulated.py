@@ -57,12 +57,19 @@ Constraints:
   rule is inferred from hangs on the H200 (a thread blocked recording an event while another waited
   in such a copy), seen when autograd's one engine thread ran the ranks' backward passes one after
   another, so that the ranks ran further apart than in a forward pass.
+* ``torch.compile`` in the ranks' threads: torch's "FX is tracing" flag is one per process, so a
+  rank that enters its compiled function while another rank's graph is being traced gets
+  ``RuntimeError: Detected that you are using FX to symbolically trace a dynamo-optimized
+  function``, raised before anything runs; its peers then wait on the GPU for its calls. Call the
+  compiled function again when that happens (tests/gpu/test_gpu_scaleout_features.py does).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import traceback
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -203,6 +210,12 @@ class EmulatedGroup:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors[r] = exc
                 self._barrier.abort()
+                if any(t.is_alive() for i, t in enumerate(threads) if i != r):
+                    # Peers may now wait on the GPU for this rank until their timeouts (minutes):
+                    # say at once what happened, not only when every thread has ended.
+                    print(f"[deep_ep.emulated] rank {r} raised while other ranks still run (they may wait for "
+                          f"it until a timeout):\n" + "".join(traceback.format_exception(exc)).rstrip(),
+                          file=sys.stderr, flush=True)
 
         threads = [threading.Thread(target=worker, args=(r,), name=f"deep_ep-rank{r}") for r in range(self.num_ranks)]
         for t in threads:
