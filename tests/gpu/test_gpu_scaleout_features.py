@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -245,13 +246,34 @@ def test_operator_gradients_across_nodes(mode, hybrid_order):
 
 
 def _own_code(fn, rank: int):
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object, and the
-    ranks' threads of one process share it: in two runs of this whole file (not alone) a rank's
-    calls reached another rank's buffer, whose id a graph holds as a constant (rank 0's buffer at
-    call #12 while rank 1's was at #5), as if a rank had run a graph another rank compiled. One rank
-    per process, as in training, has no such sharing."""
+    """``fn`` with a code object of its own, so that each rank's graph is compiled for its own shapes,
+    as with one process per rank (ranks sharing one code object would share dynamo's cache, and the
+    second rank's token count would make dynamo mark that dimension dynamic)."""
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_rank{rank}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+#: what dynamo raises when a compiled function is entered while any thread traces with FX
+_NESTED_TRACE = "symbolically trace a dynamo-optimized function"
+
+
+def _retry_during_trace(compiled, timeout_secs: float = 200.0):
+    """``compiled`` called again while dynamo refuses to enter it because another rank's thread traces.
+
+    torch's "FX is tracing" flag is one per process, not per thread: a rank entering its compiled
+    function while another rank's graph is traced gets RuntimeError (seen on the H200: two ranks
+    raised it at their compiled call, the other two then waited on the GPU for their calls). Dynamo
+    raises it before running anything, so calling again is safe. One rank per process never meets it."""
+    def call(*args):
+        deadline = time.monotonic() + timeout_secs
+        while True:
+            try:
+                return compiled(*args)
+            except RuntimeError as exc:
+                if _NESTED_TRACE not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+    return call
 
 
 COMPILE_CONFIGS = {"direct": (False, True, 1), "hybrid": (True, False, 2)}   # do_expand, do_cpu_sync, alignment
@@ -278,8 +300,8 @@ def test_compiled_operators_equal_eager_across_nodes(mode):
             x, idx, w, b = ops_ranks.routing_inputs(rank, 0 if rank == 1 else T - rank, H, E, K, group.device)
             fn = ops_ranks.ops_function(buf, idx, E, do_expand, do_cpu_sync, align)
             eager = ops_ranks.run_with_grads(fn, (x, w, b))
-            compiled = ops_ranks.run_with_grads(torch.compile(_own_code(fn, rank), fullgraph=True, backend="aot_eager"),
-                                                (x, w, b))
+            compiled_fn = torch.compile(_own_code(fn, rank), fullgraph=True, backend="aot_eager")
+            compiled = ops_ranks.run_with_grads(_retry_during_trace(compiled_fn), (x, w, b))
             grads.settle(group.device)
             for i, (got, want) in enumerate(zip(compiled, eager)):
                 got, want = got.cpu(), want.cpu()
