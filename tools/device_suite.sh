@@ -43,6 +43,9 @@ export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_C
 OUT=${OUT:-/tmp/deep_ep_out}; mkdir -p "$OUT"
 # every GPU test failure as it happens (tests/gpu/conftest.py), kept if a step's time runs out
 export DEEP_EP_FAIL_LOG=${DEEP_EP_FAIL_LOG:-$OUT/failures.log}
+# a test running past FAULT_SECS prints every thread's Python stack into its step's log: a hang
+# cut short by the step's timeout still says where each rank's thread waited
+export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o faulthandler_timeout=${FAULT_SECS:-150}"
 steps=${*:-env jit gpu bench summary}
 for step in $steps; do
   echo "=== $step $(date -u +%H:%M:%S)"
