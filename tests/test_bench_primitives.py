@@ -133,8 +133,9 @@ def test_plain_copies_queue_their_moves_between_buffers_of_their_own():
 
 def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
     """`Timer.overlap` with made-up rounds: the matmul alone 100 us, beside the call 112 us, beside
-    the plain copies 109 us: slowdown +12%, the copies' +9%, the excess 112 / 109 - 1."""
-    from deep_ep.bench.primitives_timing import ROUNDS, PlainCopies, Timer
+    the plain copies 109 us: slowdown +12%, the copies' +9%, the excess 112 / 109 - 1. Rounds of 20
+    calls of 25 us are lengthened to 2 ms (80 calls, 20 matmuls), the three kinds taking turns."""
+    from deep_ep.bench.primitives_timing import OVERLAP_ROUNDS, PlainCopies, Timer
     compute = prim.MATMULS[0]
     copies = [PlainCopies(prim.plain_copies(prim.cases("agrs")[0], 2), torch.device("cpu")) for _ in range(2)]
     calls = [lambda: None, lambda: None]
@@ -142,7 +143,7 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
 
     def fake_round(round_calls, iters, matmul=None, count=0):
         kind = "copies" if round_calls is copies else "call" if round_calls is calls else "alone"
-        seen.append((kind, count))
+        seen.append((kind, count) if kind == "alone" else (kind, count, iters))
         matmul_us = {"alone": 100.0, "call": 112.0, "copies": 109.0}[kind]
         transfer_us = {"call": 30.0, "copies": 12.0}.get(kind)
         out = {"matmul_us": matmul_us, "both_us": max(matmul_us * count, (transfer_us or 0.0) * iters),
@@ -154,18 +155,26 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
     timer.round = fake_round
     figures, beside = timer.overlap(calls, 20, 25.0, compute, copies)
     assert seen[:2] == [("alone", 1), ("alone", 8)]                        # a warm-up matmul, then the probe
-    assert figures["matmuls_per_round"] == 5                                # 20 x 25 us over 100 us
-    assert seen[2 + ROUNDS:] == [("call", 5), ("copies", 5)] * ROUNDS        # taking turns, the same matmuls
+    assert figures["calls_per_round"] == 80 and figures["matmuls_per_round"] == 20   # 80 x 25 us over 100 us
+    assert seen[2:] == [("alone", 20), ("call", 20, 80), ("copies", 20, 80)] * OVERLAP_ROUNDS
     assert figures["slowdown_percent"] == pytest.approx(12.0)
     plain = figures["plain_copy"]
     assert plain["copies_per_call"] == 2 and plain["bytes"] == 2 * 2 * MIB and plain["copy_both_us"] == 12.0
     assert plain["slowdown_percent"] == pytest.approx(9.0)
     assert figures["excess_percent"] == pytest.approx((112.0 / 109.0 - 1) * 100)
-    assert len(beside) == 2 * ROUNDS
+    assert len(beside) == 2 * OVERLAP_ROUNDS
     seen.clear()
     alone_only, _ = timer.overlap(calls, 20, 25.0, compute)
     assert seen[0] == ("alone", 8)                                          # warmed up once per shape
     assert alone_only["plain_copy"] is None and alone_only["excess_percent"] is None
+
+
+def test_overlap_rounds_last_long_enough_for_many_matmuls():
+    from deep_ep.bench.primitives_timing import MAX_OVERLAP_ITERS, overlap_iters
+    assert overlap_iters(20, 8.0) == 250 and overlap_iters(20, 7.0) == 286   # 2 ms of calls, rounded up
+    assert overlap_iters(20, 500.0) == 20                                    # --iters already lasts longer
+    assert overlap_iters(20, 0.01) == MAX_OVERLAP_ITERS
+    assert overlap_iters(20, float("nan")) == 20 and overlap_iters(20, 0.0) == 20
 
 
 def test_floor_and_overlap_arithmetic():

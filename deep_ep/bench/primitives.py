@@ -331,7 +331,9 @@ def _format_overlap(row: Dict[str, Any], matmul: Matmul, overlap: Dict[str, Any]
         note = " (no bound: the sum in the handle runs on SMs)"
     else:
         note = ""
-    line = (f"  overlap, {matmul.kind} matmul {matmul.shape} bf16 x {overlap['matmuls_per_round']} per round: "
+    calls = overlap.get("calls_per_round")
+    per_round = f"x {overlap['matmuls_per_round']} per round" + (f" of {calls} calls" if calls else "")
+    line = (f"  overlap, {matmul.kind} matmul {matmul.shape} bf16 {per_round}: "
             f"alone {_cell(overlap['matmul_us'], '{:.1f}')} us each; beside the transfer "
             f"{_cell(overlap['matmul_both_us'], '{:.1f}')} us each (transfer "
             f"{_cell(overlap['transfer_both_us'], '{:.1f}')} us/call, alone {_cell(row['time_us'], '{:.1f}')}); "

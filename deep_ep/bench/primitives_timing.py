@@ -7,7 +7,8 @@ gate holds the GPU and the device times are not the host's pace. The gate lasts 
 expected queueing time (calls x ranks x the host's time per call, measured in the case's earlier
 rounds) plus 5 ms. Per case: the transfer alone; for each overlap matmul (compute-bound and
 memory-bound, `primitives.MATMULS`) the matmul alone, repeated to last about as long as the
-transfer's round, and both together, 3 rounds each (medians); the matmul's slowdown beside the
+transfer's round (a round of the transfer lasting at least 2 ms, more calls than ``--iters`` if
+needed), and both together, 5 rounds each, taking turns (medians); the matmul's slowdown beside the
 transfer; for a transfer that holds no SM, the same matmuls beside plain copy-engine copies of the
 call's moves (`primitives.plain_copies`, the same number of calls per round on the same streams):
 the overlap floor; the floor, a device copy of the same bytes.
@@ -23,9 +24,17 @@ import torch
 from .primitives import (MATMULS, Case, Matmul, bandwidth_gbps, matmul_count, peer_bytes, plain_copies,
                          process_bytes, ratio, slowdown_percent, sms_held)
 
-__all__ = ["Timer", "PlainCopies", "nvlink_floor", "wait", "generator", "ROUNDS", "TIMEOUT_SECS", "HOST_GUESS_US"]
+__all__ = ["Timer", "PlainCopies", "nvlink_floor", "overlap_iters", "wait", "generator", "ROUNDS", "OVERLAP_ROUNDS",
+           "TIMEOUT_SECS", "HOST_GUESS_US"]
 
 ROUNDS = 3
+#: rounds of each kind of an overlap measurement (the matmul alone, beside the call, beside plain
+#: copies), taking turns so that a drift of the clocks shifts all three alike
+OVERLAP_ROUNDS = 5
+#: an overlap round's transfer lasts at least this long (more calls per round than ``--iters``):
+#: with a round of a few matmuls, one matmul's luck moved the slowdown by several points
+OVERLAP_ROUND_US = 2_000.0
+MAX_OVERLAP_ITERS = 2_000
 TIMEOUT_SECS = 300.0
 PROBE_MATMULS = 8
 MIN_GATE_US, MAX_GATE_US = 5_000.0, 500_000.0
@@ -170,25 +179,28 @@ class Timer:
 
     def overlap(self, calls: List[Callable[[], Any]], iters: int, time_us: float, matmul: Matmul,
                 copies: Optional[List[PlainCopies]] = None) -> tuple:
-        """``matmul`` alone and beside the transfer, repeated to last about as long as a round of
-        ``iters`` calls of ``time_us`` (medians of `ROUNDS` rounds); with ``copies`` (one per rank),
-        the same matmuls beside ``iters`` of each rank's plain copies per round, the rounds beside the
-        transfer and beside the copies taking turns. Returns ``(figures, rounds beside)``."""
+        """``matmul`` alone and beside the transfer, repeated to last about as long as a round of the
+        transfer: ``iters`` calls of ``time_us``, more if that is under `OVERLAP_ROUND_US` (at most
+        `MAX_OVERLAP_ITERS`); with ``copies`` (one per rank), the same matmuls beside as many of each
+        rank's plain copies. Medians of `OVERLAP_ROUNDS` rounds of each kind, the kinds taking turns.
+        Returns ``(figures, rounds beside)``."""
         warm = self.__dict__.setdefault("_warm_matmuls", set())
         if matmul.key not in warm:   # a shape's first matmul pays cuBLAS's set-up: it would size the rounds
             self.round([], iters, matmul, 1)
             warm.add(matmul.key)
         probe = self.round([], iters, matmul, PROBE_MATMULS)
+        iters = overlap_iters(iters, time_us)
         count = matmul_count(time_us * iters, probe["matmul_us"])
-        alone = [self.round([], iters, matmul, count) for _ in range(ROUNDS)]
-        both, beside_copies = [], []
-        for _ in range(ROUNDS):
+        alone, both, beside_copies = [], [], []
+        for _ in range(OVERLAP_ROUNDS):
+            alone.append(self.round([], iters, matmul, count))
             both.append(self.round(calls, iters, matmul, count))
             if copies:
                 beside_copies.append(self.round(copies, iters, matmul, count))
         matmul_us = statistics.median(r["matmul_us"] for r in alone)
         matmul_both_us = statistics.median(r["matmul_us"] for r in both)
         figures = {"matmul_rows": matmul.rows, "matmul_width": matmul.width, "matmuls_per_round": count,
+                   "calls_per_round": iters,
                    "matmul_us": matmul_us, "matmul_both_us": matmul_both_us,
                    "transfer_both_us": statistics.median(r["transfer_us"] for r in both),
                    "matmul_round_us": statistics.median(r["both_us"] for r in alone),
@@ -236,6 +248,14 @@ class Timer:
         if context.multiprocess:
             row.update(nvlink_floor(case, context))
         return row
+
+
+def overlap_iters(iters: int, time_us: float) -> int:
+    """Calls per overlap round: ``iters``, or enough calls of ``time_us`` to last `OVERLAP_ROUND_US`
+    (at most `MAX_OVERLAP_ITERS`)."""
+    if not time_us or time_us <= 0 or time_us != time_us:
+        return iters
+    return max(iters, min(MAX_OVERLAP_ITERS, -int(-OVERLAP_ROUND_US // time_us)))
 
 
 def nvlink_floor(case: Case, context) -> Dict[str, Any]:
