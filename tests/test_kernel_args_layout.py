@@ -7,6 +7,7 @@ every field offset of the device struct in an initialised device array, read bac
 (`deep_ep.jit.elf`). Nothing runs."""
 import ctypes
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -72,12 +73,30 @@ def test_shared_constants_parse_from_the_header():
     c = abi.CONSTANTS
     assert c["kMaxRanks"] == abi.MAX_RANKS == 1024 and c["kCtrlEpoch"] == c["kMaxRanks"]
     assert abi.CTRL_ERROR_OFFSET == (c["kMaxRanks"] + 4) * 4
-    # the one-node phases 1-4, AGRS's wait kernel (emulated ranks), the GIN transports' own (emulated
-    # nodes), all distinct
     assert {c[f"kPhase{name}"] for name in ("Notify", "Dispatch", "Combine", "Barrier")} == {1, 2, 3, 4}
-    assert {c["kPhaseAgrsEntered"], c["kPhaseAgrsCall"]} <= set(abi.PHASES)
-    assert len(abi.PHASES) == 11 and min(set(abi.PHASES) - {1, 2, 3, 4}) > 4
     assert abi.READBACK["seq"] == 0 and abi.READBACK["counts"] > max(v for k, v in abi.READBACK.items() if k != "counts")
+
+
+def test_every_phase_is_defined_once_and_named():
+    """Every kernel's phase codes live in common/abi.cuh, each code once, each with a name for timeout
+    messages (a GIN put and a pp_send once shared code 16, and a PP error check read one as the other)."""
+    c = abi.CONSTANTS
+    phases = {name: value for name, value in c.items() if name.startswith("kPhase")}
+    assert len(set(phases.values())) == len(phases) == len(abi.PHASES) == 13
+    assert set(abi.PHASES) == set(phases.values()) and all(abi.PHASES.values())
+    include = Path(abi.__file__).resolve().parents[2] / "include" / "deep_ep"
+    elsewhere = [f"{path.name}: {m.group(1)}" for path in sorted(include.rglob("*.cuh")) if path.name != "abi.cuh"
+                 for m in re.finditer(r"constexpr\s+int\s+(k\w*Phase\w*)\s*=", path.read_text())
+                 if not m.group(1).startswith("kLl")]   # ll_direct's kLl*Phase* are launch modes, not waits
+    # the GIN self-test kernel's phase is its own (a test of the transport, never a user's call)
+    assert elsewhere == ["gin_selftest.cuh: kPhase"], elsewhere
+    from deep_ep.backends.gpu import pp
+    assert (pp._PHASE_SEND, pp._PHASE_RECV) == (c["kPhasePpSend"], c["kPhasePpRecv"])
+    # error codes, likewise: one list, each code once
+    errors = {name: value for name, value in c.items() if name.startswith("kErr")}
+    assert sorted(errors.values()) == list(range(1, len(errors) + 1)) and pp._ERR_BYTE_COUNT == c["kErrPpByteCount"]
+    assert not [f"{path.name}: {m.group(1)}" for path in include.rglob("*.cuh") if path.name != "abi.cuh"
+                for m in re.finditer(r"constexpr\s+int\s+(kErr\w*)\s*=", path.read_text())]
 
 
 def _nccl_header_dirs() -> list:

@@ -131,14 +131,14 @@ def test_channels_and_the_flush(monkeypatch):
 
 def test_recorded_errors_become_pp_s_exceptions(monkeypatch):
     backend = _backend(monkeypatch, 1, 2, [[]])
-    backend.err_record.words = [1, 1, 0, gpu_pp.PP_CONSTANTS["kPhasePpRecv"]]
+    backend.err_record.words = [1, 1, 0, gpu_pp.CONSTANTS["kPhasePpRecv"]]
     backend.err_record.read = lambda: tuple(backend.err_record.words)
     with pytest.raises(TimeoutError, match="rank 1: pp_recv waited for a tensor from rank 0"):
         gpu_pp.raise_errors(backend)
     with pytest.raises(RuntimeError, match="no longer usable"):
         gpu_pp.raise_errors(backend)
     backend = _backend(monkeypatch, 1, 2, [[]])
-    backend.err_record.words = [gpu_pp.PP_CONSTANTS["kErrPpByteCount"], 1, 0, 24]
+    backend.err_record.words = [gpu_pp.CONSTANTS["kErrPpByteCount"], 1, 0, 24]
     backend.err_record.read = lambda: tuple(backend.err_record.words)
     with pytest.raises(ValueError, match="rank 0 sent a tensor of 24 bytes"):
         gpu_pp.raise_errors(backend)

@@ -50,21 +50,24 @@ COUNTS_EXTRA_WORDS = CONSTANTS["kCountsExtraWords"]
 READBACK = {re.sub(r"(?<!^)(?=[A-Z])", "_", k[len("kReadback"):]).lower(): v
             for k, v in CONSTANTS.items() if k.startswith("kReadback")}
 READBACK_WORDS = READBACK["counts"] + MAX_EXPERTS
+#: what a rank was waiting for in each phase of common/abi.cuh (the ``kPhase*`` constants)
+_PHASE_NAMES = {
+    "kPhaseNotify": "dispatch notify (waiting for peers' counts)",
+    "kPhaseDispatch": "dispatch (waiting for peers' tokens)",
+    "kPhaseCombine": "combine (waiting for peers' expert outputs)",
+    "kPhaseBarrier": "barrier (waiting for peers)",
+    "kPhaseGinPut": "GIN put (waiting for room in a full NIC queue to the peer)",
+    "kPhaseGinFlush": "GIN flush (waiting for the NIC to read this rank's sources)",
+    "kPhaseGinNic": "emulated NIC (waiting for this rank's data kernel to put or end)",
+    "kPhaseDispatchRail": "dispatch forwarding (waiting for rail peers' rows over the network)",
+    "kPhaseCombineRail": "combine over the network (waiting for rail peers' node partials)",
+    "kPhasePpSend": "pp_send (waiting for a free slot at the receiver)",
+    "kPhasePpRecv": "pp_recv (waiting for the sender's tensor)",
+    "kPhaseAgrsEntered": "AGRS (waiting for a peer to open the session)",
+    "kPhaseAgrsCall": "AGRS handle (waiting for a peer's all_gather / reduce_scatter)",
+}
 #: phase code -> what the rank was waiting for (names a timeout)
-PHASES = {CONSTANTS["kPhaseNotify"]: "dispatch notify (waiting for peers' counts)",
-          CONSTANTS["kPhaseDispatch"]: "dispatch (waiting for peers' tokens)",
-          CONSTANTS["kPhaseCombine"]: "combine (waiting for peers' expert outputs)",
-          CONSTANTS["kPhaseBarrier"]: "barrier (waiting for peers)",
-          CONSTANTS["kPhaseAgrsEntered"]: "AGRS (waiting for a peer to open the session)",
-          CONSTANTS["kPhaseAgrsCall"]: "AGRS handle (waiting for a peer's all_gather / reduce_scatter)"}
-# the GIN transports' phases (comm/gin.cuh, comm/push.cuh: emulated nodes)
-_GIN = _read_constants(_COMMON.parent / "comm" / "push.cuh", _read_constants(_COMMON.parent / "comm" / "gin.cuh",
-                                                                             CONSTANTS))
-PHASES.update({_GIN["kGinPhasePut"]: "GIN put (waiting for room in a full NIC queue to the peer)",
-               _GIN["kGinPhaseFlush"]: "GIN flush (waiting for the NIC to read this rank's sources)",
-               _GIN["kGinPhaseNic"]: "emulated NIC (waiting for this rank's data kernel to put or end)",
-               _GIN["kPhaseDispatchRail"]: "dispatch forwarding (waiting for rail peers' rows over the network)",
-               _GIN["kPhaseCombineRail"]: "combine over the network (waiting for rail peers' node partials)"})
+PHASES = {CONSTANTS[name]: text for name, text in _PHASE_NAMES.items()}
 
 
 def _layout_words() -> list:

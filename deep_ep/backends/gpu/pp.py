@@ -41,7 +41,7 @@ import torch
 
 from ...cuda.driver import driver, memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
-from .abi import CTRL_BYTES, ERR_TIMEOUT, _read_constants
+from .abi import CONSTANTS, CTRL_BYTES, ERR_TIMEOUT, _read_constants
 from .errors import MappedWords, queue_driver_calls
 from .modules import PP_FLUSH_KERNEL, PP_RECV_KERNEL, PP_SEND_KERNEL
 
@@ -51,8 +51,8 @@ __all__ = ["PP_OFFSET", "PP_CONSTANTS", "PpArgs", "PpLayout", "pp_layout", "Byte
 PP_CONSTANTS = _read_constants(Path(__file__).resolve().parents[2] / "include" / "deep_ep" / "impls" / "pp.cuh")
 PP_THREADS = PP_CONSTANTS["kPpThreads"]
 _FLUSH_WORDS = PP_CONSTANTS["kPpFlushWords"]
-_ERR_BYTE_COUNT = PP_CONSTANTS["kErrPpByteCount"]
-_PHASE_SEND, _PHASE_RECV = PP_CONSTANTS["kPhasePpSend"], PP_CONSTANTS["kPhasePpRecv"]
+_ERR_BYTE_COUNT = CONSTANTS["kErrPpByteCount"]
+_PHASE_SEND, _PHASE_RECV = CONSTANTS["kPhasePpSend"], CONSTANTS["kPhasePpRecv"]
 _SENT, _FREED = PP_CONSTANTS["kPpSent"], PP_CONSTANTS["kPpFreed"]
 _PUBLISHED, _CONSUMED = PP_CONSTANTS["kPpPublished"], PP_CONSTANTS["kPpConsumed"]
 _U32 = 0xFFFFFFFF

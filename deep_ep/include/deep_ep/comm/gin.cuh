@@ -36,15 +36,12 @@
 
 namespace deep_ep::comm {
 
-// Phases of the GIN's error records (names in deep_ep/backends/gpu/abi.py, PHASES): a put that waited
-// too long for room in a full queue or broke the emulation's limits (kErrCapacity), a flush that
-// waited too long for the NIC.
-constexpr int kGinPhasePut = 16;
-constexpr int kGinPhaseFlush = 17;
-// The emulated NIC gave up: its rank's user blocks neither put nor ended for kGinNicIdleTimeouts
-// GPU timeouts (`EmulatedGinArgs::issue_timeout_ns`). Recorded in the issuing rank's window, the
-// queue's destination as the peer; deep_ep/comm/gin.py mirrors the count.
-constexpr int kGinPhaseNic = 18;
+// The GIN's error records name kPhaseGinPut (a put that waited too long for room in a full queue
+// or broke the emulation's limits: kErrCapacity), kPhaseGinFlush (a flush that waited too long for
+// the NIC) and kPhaseGinNic (common/abi.cuh): the emulated NIC gave up, its rank's user blocks
+// neither put nor ended for kGinNicIdleTimeouts GPU timeouts (`EmulatedGinArgs::issue_timeout_ns`);
+// recorded in the issuing rank's window, the queue's destination as the peer.
+// deep_ep/comm/gin.py mirrors the count.
 constexpr int kGinNicIdleTimeouts = 4;
 
 // A signal added to a peer's context when a put lands (signal < 0: none).
@@ -240,7 +237,7 @@ struct EmulatedGinTransport {
     __device__ __forceinline__ void put(int context, int peer, int64_t dst_offset, int64_t src_offset, uint64_t bytes,
                                         GinSignal signal = {}, int counter = -1) const {
         if (bytes > static_cast<uint64_t>(args->stage_bytes) || (bytes | dst_offset | src_offset) % 4 != 0) {
-            record_error(local(), kErrCapacity, rank, peer, kGinPhasePut);  // the emulation's limits
+            record_error(local(), kErrCapacity, rank, peer, kPhaseGinPut);  // the emulation's limits
             return;
         }
         const int q = gin_queue_index(*args, rank, context, peer);
@@ -261,7 +258,7 @@ struct EmulatedGinTransport {
                 counted = true;
             }
             if (global_timer_ns() - start > args->issue_timeout_ns) {
-                record_error(local(), kErrTimeout, rank, peer, kGinPhasePut);
+                record_error(local(), kErrTimeout, rank, peer, kPhaseGinPut);
                 return;
             }
             index = ld_acquire_gpu_u64(&queue->issued);
@@ -288,7 +285,7 @@ struct EmulatedGinTransport {
             const uint64_t start = global_timer_ns();
             while (!gin_reached(ld_acquire_gpu_u64(&queue->consumed), target)) {
                 if (global_timer_ns() - start > args->issue_timeout_ns) {
-                    record_error(local(), kErrTimeout, rank, peer, kGinPhaseFlush);
+                    record_error(local(), kErrTimeout, rank, peer, kPhaseGinFlush);
                     return;
                 }
             }
@@ -506,8 +503,8 @@ __device__ __forceinline__ void emulated_gin_nic(const EmulatedGinArgs& a, int n
             if (action == 1) break;
             if (action == 3 && lane == 0) {
                 // recorded in the issuing rank's window: its next call raises it (kErrTimeout, this
-                // rank, the queue's destination, kGinPhaseNic)
-                record_error(a.windows[src_rank], kErrTimeout, src_rank, dst_rank, kGinPhaseNic);
+                // rank, the queue's destination, kPhaseGinNic)
+                record_error(a.windows[src_rank], kErrTimeout, src_rank, dst_rank, kPhaseGinNic);
             }
             if (action >= 2) return;
         }

@@ -47,11 +47,7 @@ constexpr int kCtrlRailDone = kCtrlTag + 4 * kMaxRanks;
 constexpr int kCtrlForwardDone = kCtrlRailDone + 1;
 static_assert((kCtrlForwardDone + 1) * 4 <= kCtrlBytes, "the hybrid dispatch's control words are in the region");
 
-// Phases the hybrid transport's rail waits record (comm/gin_hybrid.cuh; its node waits record
-// kPhaseDispatch / kPhaseCombine, as on one node): a forwarder waiting for its rail peers' slots, a
-// source waiting for its rail peers' node partials. Named in deep_ep/backends/gpu/abi.py (PHASES),
-// after comm/gin.cuh's phases.
-constexpr int kPhaseDispatchRail = 19;
-constexpr int kPhaseCombineRail = 20;
+// The hybrid transport's rail waits (comm/gin_hybrid.cuh) record kPhaseDispatchRail and
+// kPhaseCombineRail (common/abi.cuh); its node waits kPhaseDispatch / kPhaseCombine, as on one node.
 
 }  // namespace deep_ep::comm

@@ -28,10 +28,20 @@ constexpr int kErrCapacity = 2;   // this rank would receive more rows than its 
 constexpr int kErrBadExpert = 3;  // a rank's topk_idx holds an id outside [-1, num_experts): nothing moved
 constexpr int kErrMismatch = 4;   // ranks are at different calls of the buffer, or disagree on the call
 constexpr int kErrFingerprint = 5;  // a low-latency direct call's peer made the same call with other sizes
+constexpr int kErrPpByteCount = 6;  // a pp_recv tensor's byte count differs from the sent one (phase: the sent count)
+// Every phase of every kernel is here, each code once: the host names them from this list
+// (deep_ep/backends/gpu/abi.py, PHASES), so a code shared by two primitives would misname a timeout.
 constexpr int kPhaseNotify = 1;    // dispatch: waiting for peers' counts
 constexpr int kPhaseDispatch = 2;  // dispatch: waiting for peers' tokens
 constexpr int kPhaseCombine = 3;   // combine: waiting for peers' expert outputs
 constexpr int kPhaseBarrier = 4;   // barrier: waiting for peers
+constexpr int kPhaseGinPut = 16;     // GIN put: waiting for room in a full queue, or beyond the emulation's limits
+constexpr int kPhaseGinFlush = 17;   // GIN flush: waiting for the NIC to read this rank's sources
+constexpr int kPhaseGinNic = 18;     // emulated NIC: its rank's data kernel neither put nor ended (comm/gin.cuh)
+constexpr int kPhaseDispatchRail = 19;  // hybrid dispatch: a forwarder waiting for its rail peers' slots
+constexpr int kPhaseCombineRail = 20;   // hybrid combine: a source waiting for its rail peers' node partials
+constexpr int kPhasePpSend = 21;   // pp_send: waiting for a free slot at the receiver
+constexpr int kPhasePpRecv = 22;   // pp_recv: waiting for the sender's tensor
 constexpr int kPhaseAgrsEntered = 24;  // AGRS (emulated ranks): waiting for a peer to open the session
 constexpr int kPhaseAgrsCall = 25;     // AGRS handle (emulated ranks): waiting for a peer's call's bytes
 

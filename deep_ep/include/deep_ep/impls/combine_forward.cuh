@@ -171,7 +171,7 @@ __device__ __forceinline__ void combine_hybrid_impl(const CombineArgs& a, const 
     const bool node_ok = tr.wait_all(kPhaseCombine, a.timeout_ns);
     if constexpr (kUnreduced) combine_forward_rows<kHidden, K, kExpand>(a, tr, node_ok);
     else combine_forward_impl<kHidden, K, kExpand>(a, tr, node_ok);
-    const bool rails_ok = tr.wait_rails(comm::kPhaseCombineRail, a.timeout_ns);
+    const bool rails_ok = tr.wait_rails(kPhaseCombineRail, a.timeout_ns);
     const bool ok = node_ok && rails_ok && comm::check_tags(my_window, tr.rank, tr.num_ranks, a.tag);
     if constexpr (kUnreduced) combine_hybrid_reduce_flat<kHidden, K, kExpand>(a, tr, ok);
     else combine_hybrid_reduce_impl<kHidden, K, kExpand>(a, tr, ok);

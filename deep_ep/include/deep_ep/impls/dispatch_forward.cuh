@@ -135,7 +135,7 @@ __device__ __forceinline__ void dispatch_hybrid_impl(const DispatchArgs& a, bool
     dispatch_send_impl<kDataBytes, kNumSF, K, kExpand, kCached>(a, tr);
     dispatch_rail_send_impl<kDataBytes, kNumSF, K, kExpand>(a, tr);
     if (comm::last_block(my_window, comm::kCtrlRailDone)) tr.signal_rails(a.tag, comm::current_half(my_window), a.num_tokens);
-    const bool ok = tr.wait_rails(comm::kPhaseDispatchRail, a.timeout_ns);
+    const bool ok = tr.wait_rails(kPhaseDispatchRail, a.timeout_ns);
     dispatch_forward_impl<kDataBytes, kNumSF, K, kExpand>(a, tr, ok);
     if (comm::last_block(my_window, comm::kCtrlForwardDone)) tr.signal_node(a.tag, true);
     dispatch_recv_impl<kDataBytes, kNumSF, K, kExpand, kCached>(a, zero_padding, tr);

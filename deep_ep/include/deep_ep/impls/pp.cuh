@@ -34,9 +34,6 @@ constexpr int kPpDoneRecv = 10;        // [2] the same for receive kernels
 constexpr int kPpCounterWords = 12;    // words pp_set_config zeroes
 constexpr int kPpFlush = 32;           // [num_ranks][kPpFlushWords]: what each rank reports at a flush
 constexpr int kPpFlushWords = 6;       // sent[2], consumed[2], slot bytes / 32, slots
-constexpr int kErrPpByteCount = 16;    // a receive tensor's byte count differs from the sent one
-constexpr int kPhasePpSend = 16;       // pp_send: waiting for a free slot at the receiver
-constexpr int kPhasePpRecv = 17;       // pp_recv: waiting for the sender's tensor
 static_assert(kPpFlushWords % 2 == 0, "flush step 1 writes u64 window bases after the rows");
 
 // The arguments of every PP kernel (host mirror: deep_ep/backends/gpu/pp.py).

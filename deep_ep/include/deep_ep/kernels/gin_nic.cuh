@@ -3,7 +3,7 @@
 // launched on a stream of its own next to each of the rank's data kernels (deep_ep/comm/gin.py) and
 // control kernels (notify, barrier: deep_ep/backends/gpu/modules.py's launch_control). One warp per
 // (context used, destination); it ends once the kernel's blocks have all ended (the transports'
-// `end_block`, comm/gin_direct.cuh, comm/gin_control.cuh) and its queues are empty, or after recording kGinPhaseNic when
+// `end_block`, comm/gin_direct.cuh, comm/gin_control.cuh) and its queues are empty, or after recording kPhaseGinNic when
 // they neither put nor ended for kGinNicIdleTimeouts GPU timeouts, and its last warp zeroes the
 // rank's `done` words for the next launch. Built with EP_TRANSPORT_GIN=1 (comm/transport.cuh).
 // `carried_bytes` (null: not counted): the buffer's int64 [num_ranks][num_ranks] byte counters; each
