@@ -81,7 +81,7 @@ SIDE_BRANCH_VALUES = {"use_fabric": True, "allow_nvlink_for_normal_mode": False,
                       "block_m": 128, "threshold": 1, "num_sms": 8, "src_signals": torch.zeros(1),
                       "src_signal_expect_value": 2}
 #: deep_ep's own keyword-only extensions, after the side branches' keywords, off by default
-EXTENSIONS = {"__init__": [("device", None)]}
+EXTENSIONS = {"__init__": [("device", None), ("num_cpu_timeout_secs", 300), ("num_gpu_timeout_secs", 100)]}
 STATIC = ("capture", "is_sm90_compiled", "set_num_sms", "get_dispatch_config", "get_combine_config",
           "get_low_latency_rdma_size_hint")
 
@@ -620,3 +620,30 @@ def _worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_legacy_buffer_intranode(world_size, tmp_path):
     run_gloo_ranks(_worker, world_size, tmp_path, deadline=120)
+
+
+def _refused_peer_worker(rank, world_size):
+    """Rank 1's dispatch is refused (float32 x); rank 0's waits for it no longer than the Buffer's
+    num_cpu_timeout_secs, then names rank 1, while rank 1's process is still alive."""
+    import time
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_cpu_timeout_secs=2)
+    E, K = 4 * world_size, 2
+    x, topk_idx, topk_weights = _inputs(56, [5] * world_size, E, K, 64, False)[rank]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    call = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=topk_weights)
+    start = time.monotonic()
+    if rank == 1:
+        with pytest.raises(TypeError, match="x must have dtype bfloat16"):
+            buffer.dispatch(x.float(), **call)
+        time.sleep(6)   # alive: rank 0 learns nothing from an exit
+    else:
+        with pytest.raises(TimeoutError, match="rank 1"):
+            buffer.dispatch(x, **call)
+        assert time.monotonic() - start < 5
+
+
+def test_a_refused_peer_is_named_after_the_buffers_timeout(tmp_path):
+    with pytest.raises(ValueError, match="num_cpu_timeout_secs must be > 0"):
+        deep_ep.Buffer(None, comm=object(), num_cpu_timeout_secs=0)
+    run_gloo_ranks(_refused_peer_worker, 2, tmp_path, deadline=60, leave_together=False)

@@ -142,14 +142,69 @@ def test_a_gpu_groups_domains_come_from_nccl_and_the_hold_spans_both_buffers(mon
 
     class FakeElastic:
         def __init__(self, group, **kwargs):
-            events.append(("buffer", kwargs.get("allow_hybrid_mode", True), kwargs.get("num_allocated_qps")))
+            events.append(("buffer", kwargs.get("allow_hybrid_mode", True), kwargs.get("num_allocated_qps"),
+                           kwargs["num_bytes"]))
 
     monkeypatch.setattr(internode, "is_cpu_group", lambda group, device: False)
     monkeypatch.setattr(internode, "group_domain_sizes", lambda group, hybrid, device: ((2, 8), (2, 8)))
     monkeypatch.setattr(internode, "creation_hold", hold)
     monkeypatch.setattr(deep_ep.buffer, "ElasticBuffer", FakeElastic)
     owner = types.SimpleNamespace()
-    internode.open_elastic_buffers(owner, object(), 1 << 20, 4, True, True, "cuda")
+    timeouts = {"num_cpu_timeout_secs": 5, "num_gpu_timeout_secs": 6}
+    internode.open_elastic_buffers(owner, object(), 1 << 20, 1 << 21, 4, True, True, "cuda", timeouts)
     assert (owner.num_rdma_ranks, owner.num_nvl_ranks) == (2, 8)
-    assert events == [("hold", False), ("buffer", True, None), ("buffer", False, 4), "release"]
-    assert owner._low_latency_options == {"allow_hybrid_mode": False, "num_allocated_qps": 4}
+    # across nodes one size for both, as before the split within one node (nvl + rdma, in 2 MiB steps)
+    assert events == [("hold", False), ("buffer", True, None, 4 << 20), ("buffer", False, 4, 4 << 20), "release"]
+    assert owner._low_latency_options == {"allow_hybrid_mode": False, "num_allocated_qps": 4, **timeouts}
+
+
+def test_normal_and_low_latency_calls_get_windows_of_their_own_within_one_node(monkeypatch):
+    """On a GPU within one node a low-latency Buffer with both sizes makes two windows (num_nvl_bytes,
+    num_rdma_bytes), and low-latency calls (expanded half 0, direct kernels) never use the normal-mode
+    one; with num_nvl_bytes=0 its one window is the low-latency one and normal-mode calls raise."""
+    import types
+
+    import deep_ep.buffer
+    from deep_ep.legacy import internode, ll_direct
+    from deep_ep.legacy.ll_state import LowLatencyState
+    made = []
+
+    class FakeElastic:
+        is_destroyed = False
+        device = torch.device("cuda")
+
+        def __init__(self, group, **kwargs):
+            self.num_bytes = kwargs["num_bytes"]
+            self._backend = types.SimpleNamespace(config=types.SimpleNamespace(num_cpu_bytes=0))
+            made.append(self)
+
+    monkeypatch.setattr(internode, "is_cpu_group", lambda group, device: False)
+    monkeypatch.setattr(internode, "group_domain_sizes", lambda group, hybrid, device: ((1, 8), (1, 8)))
+    monkeypatch.setattr(deep_ep.buffer, "ElasticBuffer", FakeElastic)
+
+    class Owner(LowLatencyState):
+        group_size, low_latency_mode = 8, True
+
+        def _alive(self):
+            return self.elastic_buffer
+
+    mib = 1 << 20
+    for nvl, rdma in ((3 * mib, 5 * mib), (0, 5 * mib)):
+        made.clear()
+        owner = Owner()
+        owner.num_nvl_bytes, owner.num_rdma_bytes = nvl, rdma
+        internode.open_elastic_buffers(owner, object(), nvl, rdma, 4, True, False, "cuda", {})
+        if nvl:
+            normal, low_latency = made
+            assert (normal.num_bytes, low_latency.num_bytes) == (4 * mib, 6 * mib)
+            assert owner.__dict__["_low_latency_extra_buffer"] is low_latency
+            assert internode.normal_mode_buffer(owner) is normal
+        else:
+            (low_latency,) = made
+            assert low_latency.num_bytes == 6 * mib and owner.elastic_buffer is low_latency
+            with pytest.raises(ValueError, match="num_nvl_bytes=0"):
+                internode.normal_mode_buffer(owner)
+        assert owner._low_latency_elastic_buffer(16, 512, 0) is low_latency
+        assert ll_direct._window(owner, 5 * mib) is low_latency
+    with pytest.raises(ValueError, match="num_nvl_bytes=0 leaves no GPU window"):
+        internode.open_elastic_buffers(Owner(), object(), 0, 5 * mib, 4, False, False, "cuda", {})

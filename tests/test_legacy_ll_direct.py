@@ -100,13 +100,14 @@ class _Owner(LowLatencyState):
 
     def __init__(self, rank: int, windows: list) -> None:
         self.rank, self.group_size, self.enable_shrink = rank, len(windows), False
+        self.num_nvl_bytes = 0   # a low-latency Buffer: its one window is the low-latency one
         backend = types.SimpleNamespace(
             transport_args=types.SimpleNamespace(rank=rank, windows=windows), timeout_ns=10 ** 9,
             err_record=types.SimpleNamespace(device_ptr=0), raise_if_broken=lambda: None,
             device_resources=lambda: types.SimpleNamespace(max_sms=4, num_device_sms=4), config=types.SimpleNamespace(num_cpu_bytes=0),
             transport_gin=0, emulated=False, cooperative=False)
         self.elastic = types.SimpleNamespace(_backend=backend, num_bytes=windows[rank].numel(),
-                                             device=torch.device("cpu"))
+                                             device=torch.device("cpu"), is_destroyed=False)
 
     def _alive(self):
         return self.elastic

@@ -67,7 +67,8 @@ for step in $steps; do
       files=${EXTRA_FILES:-"tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_cached.py tests/gpu/test_gpu_streams.py
              tests/gpu/test_gpu_reliability.py tests/gpu/test_gpu_eplb.py tests/gpu/test_gpu_ops.py
              tests/gpu/test_gpu_defaults.py tests/gpu/test_gpu_rank_graphs.py
-             tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py tests/gpu/test_gpu_pp.py
+             tests/gpu/test_gpu_legacy.py tests/gpu/test_gpu_legacy_low_latency.py tests/gpu/test_gpu_legacy_modes.py
+             tests/gpu/test_gpu_pp.py
              tests/gpu/test_gpu_agrs.py tests/gpu/test_gpu_engram.py tests/gpu/test_gpu_primitives_across_nodes.py
              tests/gpu/test_gpu_gin.py tests/gpu/test_gpu_barrier.py
              tests/gpu/test_gpu_gloo_group.py tests/gpu/test_gpu_scaleout_features.py"}

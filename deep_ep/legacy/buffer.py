@@ -7,21 +7,19 @@ from typing import Optional
 import torch
 
 from .. import checks
-from ..backends import group_rank_and_size, is_cpu_group
+from ..backends import group_rank_and_size
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap, cuda_event_of
 from .config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_config
 from .exchange import exchange_metadata, rank_routing, reduce_weights_back, settle
 from .handle import LegacyHandle
-from .internode import (InternodeMethods, build_handle, node_bits, open_elastic_buffers, rdma_channel_prefix,
-                        rdma_counts)
+from .internode import (InternodeMethods, build_handle, node_bits, normal_mode_buffer, open_elastic_buffers,
+                        rdma_channel_prefix, rdma_counts)
 from .low_latency import LowLatencyMethods
 from .planned import planned, refuse_side_keywords
 
 __all__ = ["Buffer"]
 
-#: GPU windows are allocated in steps of 2 MiB
-WINDOW_ALIGNMENT = 2 * 1024 * 1024
 
 class Buffer(LowLatencyMethods, InternodeMethods):
     """DeepEP's V1 communication buffer (docs/design.md, "DeepEP's V1 Buffer"; across nodes,
@@ -35,8 +33,11 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         num_nvl_bytes: the GPU window per rank (`Config.get_nvl_buffer_size_hint`); unused on CPU.
         num_rdma_bytes: in low-latency mode, at least `get_low_latency_rdma_size_hint` of the calls
             made; outside it, stored (deep_ep's normal mode needs no RDMA buffer of its own).
-        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine` (on the GPU the
-            window is ``num_nvl_bytes + num_rdma_bytes``, rounded up to 2 MiB).
+        low_latency_mode: enables `low_latency_dispatch` / `low_latency_combine`. On the GPU within
+            one node normal-mode calls use a window of ``num_nvl_bytes`` and low-latency calls one of
+            ``num_rdma_bytes`` (each rounded up to 2 MiB), as DeepEP's two buffers; with
+            ``num_nvl_bytes=0`` low-latency calls use the Buffer's one window and normal-mode calls
+            raise (`deep_ep.legacy.internode.normal_mode_buffer`).
         num_qps_per_rank: RDMA QPs per peer (>= 1 in low-latency mode or across nodes): across
             nodes, the ``num_allocated_qps`` of the direct-mode `ElasticBuffer` low-latency calls run on.
         allow_nvlink_for_low_latency_mode, allow_mnnvl: validated and stored.
@@ -47,6 +48,10 @@ class Buffer(LowLatencyMethods, InternodeMethods):
             (keyword-only here): only their defaults (False, True, False), else NotImplementedError.
         device: (deep_ep's extension, keyword-only) None (automatic, as above), ``"cpu"`` or ``"cuda"``:
             the backend, as `deep_ep.ElasticBuffer`'s ``device``.
+        num_cpu_timeout_secs, num_gpu_timeout_secs: (deep_ep's extensions, keyword-only) seconds before
+            a host wait / a GPU kernel gives up on a peer and raises TimeoutError naming it (defaults
+            300 and 100, `deep_ep.ElasticBuffer`'s): a rank whose call was refused leaves its peers
+            waiting that long, so tests pass smaller values.
 
     Attributes: ``num_sms`` (class-wide, `set_num_sms`), ``rank``, ``group_size``, ``group``,
     ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``,
@@ -64,10 +69,13 @@ class Buffer(LowLatencyMethods, InternodeMethods):
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None, *, use_fabric: bool = False, allow_nvlink_for_normal_mode: bool = True,
-                 eager_support: bool = False, device=None) -> None:
+                 eager_support: bool = False, device=None, num_cpu_timeout_secs: float = 300,
+                 num_gpu_timeout_secs: float = 100) -> None:
         self.elastic_buffer = None
         refuse_side_keywords("__init__", {"use_fabric": use_fabric, "eager_support": eager_support,
                                           "allow_nvlink_for_normal_mode": allow_nvlink_for_normal_mode})
+        timeouts = dict(num_cpu_timeout_secs=checks.check_number("num_cpu_timeout_secs", num_cpu_timeout_secs),
+                        num_gpu_timeout_secs=checks.check_number("num_gpu_timeout_secs", num_gpu_timeout_secs))
         if group is None:
             if comm is None:
                 raise ValueError("deep_ep.Buffer: either 'group' or 'comm' must be provided")
@@ -93,12 +101,8 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         self.allow_mnnvl = allow_mnnvl
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        num_bytes = None
-        if not is_cpu_group(group, device):
-            # one window for both modes: a low-latency call that does not fit gets its own, sized for it
-            num_bytes = num_nvl_bytes + (num_rdma_bytes if low_latency_mode else 0)
-            num_bytes = -(-num_bytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT
-        open_elastic_buffers(self, group, num_bytes, num_qps_per_rank, low_latency_mode, explicitly_destroy, device)
+        open_elastic_buffers(self, group, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, low_latency_mode,
+                             explicitly_destroy, device, timeouts)
         if enable_shrink:
             # Made and zeroed here: a mask first made inside a CUDA-graph capture would hold garbage
             # until the first replay, and every replay would zero it again.
@@ -293,7 +297,7 @@ class Buffer(LowLatencyMethods, InternodeMethods):
             TypeError / ValueError: bad arguments, routing tensors that disagree, a receive larger than
             ``num_worst_tokens`` (before any communication, except the last, found after it).
         """
-        buffer = self._alive()
+        buffer = normal_mode_buffer(self)
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         checks.check_int("expert_alignment", expert_alignment, minimum=1)
@@ -460,7 +464,7 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         Raises:
             TypeError / ValueError: bad arguments (before any communication).
         """
-        buffer = self._alive()
+        buffer = normal_mode_buffer(self)
         device = buffer.device
         async_finish = self._flags(async_finish, allocate_on_comm_stream, previous_event)
         if config is None:

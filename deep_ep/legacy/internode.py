@@ -22,18 +22,27 @@ from .exchange import channel_counts
 from .handle import LegacyHandle
 from .planned import planned
 
-__all__ = ["open_elastic_buffers", "InternodeHandle", "InternodeMethods", "rdma_counts", "rdma_channel_prefix",
+__all__ = ["open_elastic_buffers", "normal_mode_buffer", "InternodeHandle", "InternodeMethods", "rdma_counts", "rdma_channel_prefix",
            "node_bits", "build_handle"]
 
 
-def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_latency_mode: bool,
-                         explicitly_destroy: bool, device) -> None:
+def open_elastic_buffers(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_rank: int,
+                         low_latency_mode: bool, explicitly_destroy: bool, device, timeouts: dict) -> None:
     """Make the `ElasticBuffer` objects of ``owner`` (a `deep_ep.Buffer`) and set its domain
-    attributes: ``elastic_buffer`` (normal mode; hybrid across nodes; low-latency mode on GPU within
-    one node), ``num_rdma_ranks``, ``num_nvl_ranks``, ``_low_latency_options`` (the keywords of every
-    low-latency `ElasticBuffer`) and ``_low_latency_cpu_buffer`` (the CPU backend's low-latency buffer
-    across nodes, else None). Across nodes on GPU in low-latency mode, buffer half 0's direct-mode
-    window (``_low_latency_extra_buffer``, `deep_ep.legacy.ll_state`) is made here too, of the same size.
+    attributes: ``elastic_buffer`` (normal mode; hybrid across nodes; on the GPU within one node
+    with ``num_nvl_bytes=0``, low-latency mode too), ``num_rdma_ranks``, ``num_nvl_ranks``,
+    ``_low_latency_options`` (the keywords of every low-latency `ElasticBuffer`, ``timeouts`` among
+    them: every buffer's ``num_cpu_timeout_secs`` / ``num_gpu_timeout_secs``) and
+    ``_low_latency_cpu_buffer`` (the CPU backend's low-latency buffer across nodes, else None). On the
+    GPU in low-latency mode, buffer half 0's window (``_low_latency_extra_buffer``,
+    `deep_ep.legacy.ll_state`) is made here too: across nodes in direct mode, of the normal-mode
+    window's size; within one node of ``num_rdma_bytes`` where ``num_nvl_bytes`` is not 0.
+
+    Why two windows within one node: the direct low-latency kernels (`deep_ep.legacy.ll_direct`)
+    write rows into the peers' windows with no handshake first, and each protocol orders its writes
+    only after the peers' reads of its own earlier calls. In one window a peer done with its
+    normal-mode combine could send low-latency rows over rows this rank still sums (or the other
+    way round); DeepEP keeps the two in separate buffers, and so does this.
 
     Raises:
         NotImplementedError: an NVLink domain of more than 8 ranks (DeepEP's V1 nodes have at most 8).
@@ -44,11 +53,17 @@ def open_elastic_buffers(owner, group, num_bytes, num_qps_per_rank: int, low_lat
     # a GPU group's domains come from NCCL's LSA team: the hold keeps a private communicator (a gloo
     # group with GPU tensors) alive until the buffers below are made on it, so it is created once
     with creation_hold(group, on_cpu):
-        _open(owner, group, num_bytes, num_qps_per_rank, low_latency_mode, explicitly_destroy, device, on_cpu)
+        _open(owner, group, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, low_latency_mode, explicitly_destroy,
+              device, on_cpu, timeouts)
 
 
-def _open(owner, group, num_bytes, num_qps_per_rank: int, low_latency_mode: bool, explicitly_destroy: bool, device,
-          on_cpu: bool) -> None:
+def _aligned(num_bytes: int) -> int:
+    from ..backends.gpu.window import BUFFER_ALIGNMENT
+    return -(-num_bytes // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+
+
+def _open(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_rank: int, low_latency_mode: bool,
+          explicitly_destroy: bool, device, on_cpu: bool, timeouts: dict) -> None:
     from ..buffer import ElasticBuffer
     num_rdma_ranks, num_nvl_ranks = group_domain_sizes(group, True, device)[0]
     if num_nvl_ranks > NUM_MAX_NVL_PEERS:
@@ -59,18 +74,47 @@ def _open(owner, group, num_bytes, num_qps_per_rank: int, low_latency_mode: bool
         raise ValueError("num_qps_per_rank must be >= 1 in low-latency mode or across NVLink domains "
                          "(DeepEP's QPs per peer), got 0")
     owner.num_rdma_ranks, owner.num_nvl_ranks = num_rdma_ranks, num_nvl_ranks
-    owner._low_latency_options = dict(allow_hybrid_mode=False, num_allocated_qps=num_qps_per_rank) if across else {}
+    owner._low_latency_options = dict(timeouts, **(dict(allow_hybrid_mode=False, num_allocated_qps=num_qps_per_rank)
+                                                    if across else {}))
     owner._low_latency_cpu_buffer = None
+    num_bytes = low_latency_bytes = None
+    if not on_cpu:
+        # across nodes (and with num_nvl_bytes=0) one window of both sizes, as before the split; else
+        # normal mode's of num_nvl_bytes and low-latency mode's of num_rdma_bytes (docstring above)
+        split = low_latency_mode and not across and num_nvl_bytes > 0
+        num_bytes = _aligned(num_nvl_bytes + (num_rdma_bytes if low_latency_mode and not split else 0))
+        if split and num_rdma_bytes > 0:
+            low_latency_bytes = _aligned(num_rdma_bytes)
+        if num_bytes == 0:
+            raise ValueError("deep_ep.Buffer: num_nvl_bytes=0 leaves no GPU window for normal-mode calls: pass "
+                             "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) (or low_latency_mode=True "
+                             "with num_rdma_bytes)")
     # across nodes in hybrid mode (ElasticBuffer's default), on either backend
     owner.elastic_buffer = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
-                                         device=device)
-    if across and low_latency_mode:
-        direct = ElasticBuffer(group, num_bytes=num_bytes, explicitly_destroy=explicitly_destroy, device=device,
-                               **owner._low_latency_options)
+                                         device=device, **timeouts)
+    if low_latency_mode and (across or low_latency_bytes):
+        direct = ElasticBuffer(group, num_bytes=low_latency_bytes or num_bytes, explicitly_destroy=explicitly_destroy,
+                               device=device, **owner._low_latency_options)
         if on_cpu:
             owner._low_latency_cpu_buffer = direct
         else:   # made now, not at the first call: a call may be captured in a CUDA graph
             owner.__dict__["_low_latency_extra_buffer"] = direct
+
+
+def normal_mode_buffer(owner):
+    """The `ElasticBuffer` of ``owner``'s (a `deep_ep.Buffer`) normal-mode calls.
+
+    Raises:
+        RuntimeError: destroyed. ValueError: a low-latency Buffer of ``num_nvl_bytes=0`` on the GPU
+            within one node, whose one window its low-latency calls use (`open_elastic_buffers`).
+    """
+    buffer = owner._alive()
+    if owner.low_latency_mode and owner.num_nvl_bytes == 0 and owner.num_rdma_ranks == 1 and \
+            buffer.device.type == "cuda":
+        raise ValueError("deep_ep.Buffer: normal-mode dispatch / combine need an NVLink buffer, and this one was made "
+                         "with num_nvl_bytes=0 (its window is the low-latency one): pass num_nvl_bytes="
+                         "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) as well")
+    return buffer
 
 
 def rdma_counts(is_token_in_rank: torch.Tensor, num_rdma_ranks: int) -> torch.Tensor:

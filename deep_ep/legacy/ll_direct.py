@@ -144,11 +144,14 @@ def _load(backend) -> object:
 
 
 def _window(owner, need: int):
-    """The `ElasticBuffer` whose window holds both halves: the Buffer's own when large enough, else
-    one made for ``need`` bytes (collective; kept for later calls, destroyed with the Buffer)."""
+    """The `ElasticBuffer` whose window holds both halves: the Buffer's low-latency window when large
+    enough (made with it: its own where ``num_nvl_bytes`` is 0, else one of ``num_rdma_bytes``, never
+    the normal-mode one: `deep_ep.legacy.internode.open_elastic_buffers` says why), else one made for
+    ``need`` bytes (collective; kept for later calls, destroyed with the Buffer)."""
     buffer = owner._alive()
-    if buffer.num_bytes - buffer._backend.config.num_cpu_bytes >= need:
-        return buffer
+    home = buffer if owner.num_nvl_bytes == 0 else owner.__dict__.get("_low_latency_extra_buffer")
+    if home is not None and not home.is_destroyed and home.num_bytes - home._backend.config.num_cpu_bytes >= need:
+        return home
     extra = owner.__dict__.get(_WINDOW_KEY)
     if extra is not None and extra.num_bytes >= need:
         return extra

@@ -6,8 +6,8 @@ Contract: two buffer halves. A low-latency dispatch takes one no pending receive
 preferring one whose last dispatch was combined (`_free_half`; every rank makes the same calls and hooks, so every rank takes the same), its
 combine takes the dispatch's; a call with a receive hook holds its half until the hook is called
 (`_hook`); a call that raises before returning its hook holds nothing (`release_on_error`). On
-the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the Buffer's when
-it holds the call (within one node), half 1 one made on its first use (collective). Across nodes
+the GPU each half is a window of its own (`_low_latency_elastic_buffer`): half 0 the low-latency
+window made with the Buffer when it holds the call, half 1 one made on its first use (collective). Across nodes
 every low-latency window is in direct mode with ``num_qps_per_rank`` QPs (`deep_ep.legacy.internode`;
 the Buffer's own is then in hybrid mode); on the CPU backend both halves then use the Buffer's
 direct-mode `ElasticBuffer`.
@@ -26,8 +26,8 @@ from .layouts import NUM_CHANNELS_PER_SCALE, ReceiveHook, low_latency_rdma_size_
 
 __all__ = ["LowLatencyState", "release_on_error"]
 
-# The attributes holding a low-latency window made for each buffer half (half 0 uses the Buffer's
-# own when it is large enough).
+# The attributes holding a low-latency window of each buffer half (half 0's made with the Buffer,
+# or, within one node with num_nvl_bytes=0, the Buffer's own).
 _HALF_BUFFERS = ("_low_latency_extra_buffer", "_low_latency_second_buffer")
 
 
@@ -78,17 +78,18 @@ class LowLatencyState:
     def _low_latency_elastic_buffer(self, max_pairs: int, hidden: int, slot: int = 0):
         """The `ElasticBuffer` a low-latency call of up to ``max_pairs`` (token, expert) pairs per rank
         at ``hidden`` runs on in buffer half ``slot``: the Buffer's own on CPU (both halves; across
-        nodes its direct-mode one), and on the GPU within one node for half 0 when its window holds
-        the call (across nodes half 0's direct-mode one, made with the Buffer, when it does); else one
-        sized for the call (one per half), made here (collective: every rank makes the same calls; not
-        while a CUDA graph is being captured) and kept for later calls."""
+        nodes its direct-mode one); on the GPU for half 0 the low-latency window made with the Buffer
+        when it holds the call (within one node the Buffer's own when ``num_nvl_bytes`` is 0,
+        `deep_ep.legacy.internode.open_elastic_buffers`); else one sized for the call (one per half),
+        made here (collective: every rank makes the same calls; not while a CUDA graph is being
+        captured) and kept for later calls."""
         buffer = self._alive()
         if buffer.device.type == "cpu":
             return buffer if self._low_latency_cpu_buffer is None else self._low_latency_cpu_buffer
         from ..backends.gpu import window
         need = window.buffer_size_hint(self.group_size, max_pairs, hidden, 0, False)
-        if slot == 0 and buffer.num_bytes >= need and not self._low_latency_options:   # across nodes: hybrid
-            return buffer
+        if slot == 0 and self.num_rdma_ranks == 1 and self.num_nvl_bytes == 0 and buffer.num_bytes >= need:
+            return buffer   # its one window is the low-latency one (across nodes the Buffer's is hybrid)
         key = _HALF_BUFFERS[slot]
         extra = self.__dict__.get(key)
         if extra is not None and extra.num_bytes >= need:
