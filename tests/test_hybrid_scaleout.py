@@ -349,3 +349,29 @@ def test_hybrid_mode_refuses_receive_hooks_before_anything():
                      cumulative_local_expert_recv_stats=None, phases=modules.SEND_PHASE)
     with pytest.raises(NotImplementedError, match=r"combine's send phase alone.*allow_hybrid_mode=False"):
         run_combine(backend, None, types.SimpleNamespace(), None, None, num_sms=1, phases=modules.SEND_PHASE)
+
+
+def _mismatched_domains_worker(rank, world_size, what):
+    """Rank 0 alone runs direct mode (``what="mode"``) or sees one node of 4 (``what="split"``): every
+    rank's first dispatch raises, naming what they disagree on, before anything moves."""
+    import deep_ep
+    if what == "split" and rank == 0:
+        os.environ.pop("EP_CPU_NUM_NVLINK_RANKS", None)
+    else:
+        os.environ["EP_CPU_NUM_NVLINK_RANKS"] = "2"
+    try:
+        buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=30,
+                                       allow_hybrid_mode=not (what == "mode" and rank == 0))
+        x = torch.randn(4, 64).to(torch.bfloat16)
+        topk_idx = torch.randint(0, 8, (4, 2), generator=torch.Generator().manual_seed(rank))
+        message = "allow_hybrid_mode" if what == "mode" else "scale-up"
+        with pytest.raises(RuntimeError, match=f"ranks disagree on.*{message}.*per-rank values"):
+            buffer.dispatch(x, topk_idx, num_experts=8)
+        buffer.destroy()
+    finally:
+        os.environ.pop("EP_CPU_NUM_NVLINK_RANKS", None)
+
+
+@pytest.mark.parametrize("what", ["mode", "split"])
+def test_ranks_of_another_mode_or_node_split_are_refused(what, tmp_path):
+    run_gloo_ranks(_mismatched_domains_worker, 4, tmp_path, what, deadline=120)

@@ -27,8 +27,10 @@ class CPUBackend(Backend):
         self.num_ranks = config.num_ranks
         self.comm = Collectives(group, config.rank, config.num_ranks, config.num_cpu_timeout_secs)
         # Handles follow DeepEP's hybrid layout when the group acts as several nodes (`deep_ep.topology`).
-        self.num_scaleup_ranks = topology.group_domains(group, config.rank, config.num_ranks, True,
-                                                        config.allow_hybrid_mode).num_scaleup_ranks
+        domains = topology.group_domains(group, config.rank, config.num_ranks, True, config.allow_hybrid_mode)
+        self.num_scaleup_ranks = domains.num_scaleup_ranks
+        # a rank of another mode or split would sum in another order: every dispatch and combine checks
+        self.comm.domains = (int(bool(config.allow_hybrid_mode) and domains.physical[0] > 1), domains.physical[1])
 
     @property
     def device(self) -> torch.device:

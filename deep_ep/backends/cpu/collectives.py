@@ -31,14 +31,17 @@ import torch.distributed as dist
 __all__ = ["Collectives", "HEADER_FIELDS", "OPERATIONS", "operation_name"]
 
 # Header fields (int64): OP and SEQ in every call's header; the others are dispatch's and combine's
-# (other operations put their own fields in slots 1..12). The ones in _AGREE must be equal on every rank.
-OP, E, H, K, XKIND, NSF, EXPAND, ALIGN, M, SYNC, HASW, T, REDUCE, SEQ = range(14)
-HEADER_FIELDS = 14
+# (other operations put their own fields in slots 1..12); HYBRID and SCALEUP, the buffer's domains,
+# `exchange_header` fills for dispatch and combine. The ones in _AGREE must be equal on every rank.
+OP, E, H, K, XKIND, NSF, EXPAND, ALIGN, M, SYNC, HASW, T, REDUCE, SEQ, HYBRID, SCALEUP = range(16)
+HEADER_FIELDS = 16
 _AGREE = {E: "num_experts", H: "hidden", K: "num_topk",
           XKIND: "x format (0 bf16, 1 FP8 + float32 sf, 2 FP8 + packed UE8M0 sf)",
           NSF: "number of scale factors", EXPAND: "do_expand", ALIGN: "expert_alignment",
           SYNC: "do_cpu_sync", HASW: "weights given",
-          REDUCE: "combine reduction (allow_multiple_reduction, apply_dispatch_weights)"}
+          REDUCE: "combine reduction (allow_multiple_reduction, apply_dispatch_weights)",
+          SCALEUP: "the ranks of a scale-up (NVLink) domain (EP_CPU_NUM_NVLINK_RANKS, the same on every rank)",
+          HYBRID: "allow_hybrid_mode (the buffer's; 1 hybrid where the group acts as several nodes)"}
 
 # The collective calls of a CPU buffer: the code each writes at OP (unique; 0 is no call).
 (OP_DISPATCH, OP_COMBINE, OP_BARRIER, OP_PP_SET_CONFIG, OP_AGRS_SET_CONFIG, OP_ALL_GATHER, OP_REDUCE_SCATTER,
@@ -76,6 +79,8 @@ class Collectives:
         counter = _buffers_per_group.setdefault(name, itertools.count())
         self._stamp_prefix = f"deep_ep/cpu/group{name}/buffer{next(counter)}/rank"
         self._use_store = True       # False once the store failed (it only serves diagnostics)
+        #: (hybrid, ranks per physical scale-up domain) of the buffer, which every rank's must equal
+        self.domains = (0, num_ranks)
 
     # ------------------------------------------------------------------ errors
     def error(self, msg: str) -> RuntimeError:
@@ -211,6 +216,8 @@ class Collectives:
         header = torch.zeros(HEADER_FIELDS + 2 * R, dtype=torch.int64, device="cpu")
         fields = list(fields)
         fields[OP], fields[SEQ] = self._op_code, self.calls
+        if self._op_code in (OP_DISPATCH, OP_COMBINE):
+            fields[HYBRID], fields[SCALEUP] = self.domains
         header[:HEADER_FIELDS] = torch.tensor(fields, dtype=torch.int64, device="cpu")
         if tail is not None:
             header[HEADER_FIELDS:HEADER_FIELDS + tail.numel()] = tail.reshape(-1)
