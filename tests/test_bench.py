@@ -114,6 +114,15 @@ def test_bench_cpu_fp8_expanded_imbalanced_bias(tmp_path):
         assert r["dispatch_bytes"] == r["sent"] * (2048 + 4 * (2048 // 512))
 
 
+def test_a_node_split_in_the_environment_is_timed_and_checked_as_nodes(tmp_path, monkeypatch):
+    """EP_CPU_NUM_NVLINK_RANKS makes the gloo ranks act as nodes: the plain bench runs as with
+    --nvlink-ranks (its check then holds the hybrid order), saying so."""
+    monkeypatch.setenv("EP_CPU_NUM_NVLINK_RANKS", "2")
+    proc, _ = _run(["--ranks", "4", "--tokens", "32", "--iters", "1"], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "act as nodes of 2 (as with --nvlink-ranks 2)" in proc.stdout and "check: passed" in proc.stdout
+
+
 def test_bench_bad_arguments_fail_fast(tmp_path):
     proc, wall = _run(["--model", "mixtral-8x7b", "--ranks", "3"], tmp_path)
     assert proc.returncode != 0 and "not divisible by 3 ranks" in proc.stderr
@@ -675,10 +684,13 @@ def test_reference_outputs_match_reference_module():
     sync = ref.reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
                                   [i["topk_weights"] for i in inputs], cfg.num_experts,
                                   num_max_tokens_per_rank=cfg.max_tokens)
-    want = ref.reference_combine([config.expert_output(cfg, r.recv_x) for r in sync], [r.handle for r in sync],
-                                 biases=[i["biases"] for i in inputs])[0][0]
+    ys = [config.expert_output(cfg, r.recv_x, rank) for rank, r in enumerate(sync)]
+    want = ref.reference_combine(ys, [r.handle for r in sync], biases=[i["biases"] for i in inputs])[0][0]
     assert torch.equal(exp.combined_x.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(exp.combine_input.view(torch.int16), sync[0].recv_x.view(torch.int16))
+    # each rank's expert outputs: its received rows times 1 + (rank + 1) / 16, so ranks' rows differ
+    assert torch.equal(exp.combine_input.view(torch.int16),
+                       (sync[0].recv_x.float() * 1.0625).to(torch.bfloat16).view(torch.int16))
+    assert not torch.equal(ys[1], (sync[1].recv_x.float() * 1.0625).to(torch.bfloat16))
     assert exp.dispatch_no_sync.recv_topk_idx.shape[0] == 2 * cfg.max_tokens
 
 

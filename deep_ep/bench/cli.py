@@ -203,6 +203,15 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     sweep = parse_sm_sweep(getattr(args, "sm_sweep", None))
     gpu = use_gpu_runner(args)
+    split = os.environ.get("EP_CPU_NUM_NVLINK_RANKS", "")
+    if not gpu and split and getattr(args, "nvlink_ranks", None) is None and hasattr(args, "nvlink_ranks"):
+        # the gloo ranks act as nodes whatever the bench is told (deep_ep.topology): time and check them so
+        try:
+            args.nvlink_ranks = int(split)
+        except ValueError:
+            raise SystemExit(f"error: EP_CPU_NUM_NVLINK_RANKS={split!r} is not a number of ranks") from None
+        print(f"EP_CPU_NUM_NVLINK_RANKS={split} is set: the {args.ranks} gloo ranks act as nodes of {split} "
+              f"(as with --nvlink-ranks {split}); unset it for one node", flush=True)
     if getattr(args, "nvlink_ranks", None) is not None:
         from .scaleout import run as run_scaleout  # noqa: WPS433
         return run_scaleout(args, gpu=gpu)

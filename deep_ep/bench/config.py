@@ -235,10 +235,13 @@ class Workload:
         return out
 
 
-def expert_output(cfg: BenchConfig, recv_x) -> torch.Tensor:
-    """What the bench feeds to combine: the received rows themselves (bf16, FP8 dequantised),
-    standing in for the experts' outputs."""
-    return dequantize_fp8(recv_x, cfg.fp8_scale) if cfg.fp8 else recv_x
+def expert_output(cfg: BenchConfig, recv_x, rank: int) -> torch.Tensor:
+    """What the bench feeds to combine on ``rank``, standing in for the experts' outputs: the received
+    rows (bf16, FP8 dequantised) times ``1 + (rank + 1) / 16``, rounded to bf16. Each rank's factor
+    differs, so that a token's rows from several ranks differ and a combine summing them in another
+    order than the reference's (hybrid mode's) rounds differently."""
+    rows = dequantize_fp8(recv_x, cfg.fp8_scale) if cfg.fp8 else recv_x
+    return (rows.float() * (1.0 + (rank + 1) / 16.0)).to(torch.bfloat16)
 
 
 def num_rows(recv_x) -> int:

@@ -51,7 +51,7 @@ def expected_outputs(cfg: BenchConfig, inputs: Sequence[Dict[str, Any]], ranks: 
     common = dict(do_expand=cfg.expand, expert_alignment=cfg.alignment, do_zero_padding=cfg.expand,
                   num_max_tokens_per_rank=cfg.max_tokens)
     sync = ref.reference_dispatch(xs, idxs, ws, cfg.num_experts, **common)
-    ys = [expert_output(cfg, r.recv_x) for r in sync]
+    ys = [expert_output(cfg, r.recv_x, rank) for rank, r in enumerate(sync)]
     combined = ref.reference_combine(ys, [r.handle for r in sync], biases=[i["biases"] or None for i in inputs],
                                      num_scaleup_ranks=num_scaleup_ranks)
     no_sync = ref.reference_dispatch(xs, idxs, ws, cfg.num_experts, do_cpu_sync=False, **common)

@@ -142,7 +142,7 @@ class RankSession:
             # The reference's received rows: a dispatch defect then shows in the dispatch check only.
             self.y = exp.combine_input.contiguous()
         else:
-            self.y = expert_output(self.cfg, first[0]).contiguous()
+            self.y = expert_output(self.cfg, first[0], self.rank).contiguous()
         del first
         for name in CALLS[1:]:
             with self.poisoned():
