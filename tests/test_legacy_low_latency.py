@@ -662,3 +662,18 @@ def test_load_module_loads_a_module_that_lists_no_kernel():
     steps.clear()
     modules.load_module(Listed(["deep_ep_notify"]), 0)
     assert steps == [("load", 0), ("deep_ep_notify", 0)]
+
+
+def _disagreeing_max_tokens_worker(rank, world_size):
+    num_experts, hidden = num_experts_for(world_size), 128
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        32, hidden, world_size, num_experts), low_latency_mode=True, num_cpu_timeout_secs=30)
+    x, topk_idx, _ = _rank_inputs(3, rank, world_size, num_experts, hidden)
+    with pytest.raises(RuntimeError, match=r"low_latency_dispatch: ranks disagree on num_max_dispatch_tokens_per_rank "
+                                           r"or the top-k width \(this rank: (16|32) and 2\)"):
+        buffer.low_latency_dispatch(x[:8], topk_idx[:8, :2].contiguous(), 16 * (rank + 1), num_experts,
+                                    use_fp8=False)
+
+
+def test_ranks_that_disagree_on_the_token_limit_are_told_in_v1_terms(tmp_path):
+    run_gloo_ranks(_disagreeing_max_tokens_worker, 2, tmp_path, deadline=120)

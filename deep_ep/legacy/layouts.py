@@ -54,8 +54,9 @@ def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple:
     """DeepEP's per-token, per-128-channel FP8 cast of bf16 ``[T, H]``.
 
     Returns ``(float8_e4m3fn [T, H], scale_inv float32 [T, H/128])``: amax is the channels' largest
-    magnitude (at least 1e-4); ``scale_inv = amax / 448`` (``round_scale``: the power of two at or above
-    it); data is ``x / scale_inv`` rounded to nearest, saturated to +-448.
+    magnitude (at least 1e-4); ``scale_inv = amax * (1 / 448)`` and data ``x * (448 / amax)`` in float32
+    (``round_scale``: ``scale_inv`` the power of two at or above ``amax * (1 / 448)``, data ``x /
+    scale_inv``, exact), rounded to nearest, saturated to +-448.
     """
     num_tokens, hidden = x.shape
     values = x.float().view(num_tokens, hidden // NUM_CHANNELS_PER_SCALE, NUM_CHANNELS_PER_SCALE)

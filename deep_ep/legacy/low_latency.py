@@ -291,9 +291,18 @@ class LowLatencyMethods(LowLatencyState):
             recv, ep_handle, deferred = send_dispatch(buffer, pairs_x, pairs_topk, num_experts, max_pairs,
                                                       self._low_latency_num_sms(device))
         else:
-            recv, _, _, ep_handle, _ = buffer.dispatch(
-                pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
-                expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True, do_cpu_sync=False)
+            try:
+                recv, _, _, ep_handle, _ = buffer.dispatch(
+                    pairs_x, topk_idx=pairs_topk, num_experts=num_experts, num_max_tokens_per_rank=max_pairs,
+                    expert_alignment=1, num_sms=self._low_latency_num_sms(device), do_expand=True,
+                    do_cpu_sync=False)
+            except RuntimeError as exc:
+                if "disagree on num_max_tokens_per_rank" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    f"low_latency_dispatch: ranks disagree on num_max_dispatch_tokens_per_rank or the top-k width "
+                    f"(this rank: {num_max_dispatch_tokens_per_rank} and {num_topk}); every rank must pass the same. "
+                    f"The pair dispatch underneath, sized by their product ({max_pairs} here), reported: {exc}") from None
 
         received = dispatch_receive(num_local_experts, num_ranks, num_slots, hidden, use_fp8, use_ue8m0, device)
         outputs = ReceiveOutputs(received.recv_count, received.src_info, received.layout_range,
