@@ -185,3 +185,12 @@ def test_bench_refuses_bad_nvlink_ranks():
 
     with pytest.raises(SystemExit, match="must divide"):
         main(["bench", "--device", "cpu", "--ranks", "4", "--nvlink-ranks", "3", "--tokens", "4"])
+
+
+def test_the_model_refuses_options_it_would_ignore():
+    import argparse
+
+    from deep_ep.bench import cli
+    args = cli.add_arguments(argparse.ArgumentParser()).parse_args(["--scaleout-model", "--ranks", "32", "--fp8"])
+    with pytest.raises(SystemExit, match="from --tokens and --seed only; it would ignore --fp8, --ranks"):
+        cli.main(args)

@@ -183,6 +183,12 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
         SystemExit: bad options (before any process or communication starts), a failed rank.
     """
     if getattr(args, "scaleout_model", False):
+        defaults = vars(add_arguments(argparse.ArgumentParser()).parse_args([]))
+        ignored = [f"--{name.replace('_', '-')}" for name, value in sorted(vars(args).items())
+                   if name in defaults and name not in ("scaleout_model", "tokens", "seed") and value != defaults[name]]
+        if ignored:
+            raise SystemExit(f"error: --scaleout-model computes its fixed table (DeepSeek-V3 on EP 8x2, 8x4, 8x16 and "
+                             f"NVL72) from --tokens and --seed only; it would ignore {', '.join(ignored)}")
         from .scaleout_model import run_model  # noqa: WPS433
         return run_model(args.tokens, args.seed)
     if getattr(args, "primitive", None):
