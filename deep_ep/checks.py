@@ -296,7 +296,7 @@ def _check_call_resources(buf, num_sms, num_qps, previous_event, previous_event_
     check_int("num_sms", num_sms, minimum=0)
     check_int("num_qps", num_qps, minimum=0)
     if num_qps > buf.num_allocated_qps:
-        why = " (a CPU buffer allocates none)" if buf.num_allocated_qps == 0 else ""
+        why = " (a CPU buffer allocates none unless num_allocated_qps is passed)" if buf.num_allocated_qps == 0 else ""
         raise ValueError(f"num_qps={num_qps} exceeds the buffer's num_allocated_qps={buf.num_allocated_qps}{why}: "
                          f"pass 0 (automatic) or buffer.get_theoretical_num_qps(num_sms)")
     check_event("previous_event", previous_event)

@@ -153,6 +153,7 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
         return out
     timer = Timer.__new__(Timer)
     timer.round = fake_round
+    timer.host_per_call_us = {"transfer": 10.0}     # the host queues 2 x 80 calls well within a gate
     figures, beside = timer.overlap(calls, 20, 25.0, compute, copies)
     assert seen[:2] == [("alone", 1), ("alone", 8)]                        # a warm-up matmul, then the probe
     assert figures["calls_per_round"] == 80 and figures["matmuls_per_round"] == 20   # 80 x 25 us over 100 us
@@ -167,6 +168,11 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
     alone_only, _ = timer.overlap(calls, 20, 25.0, compute)
     assert seen[0] == ("alone", 8)                                          # warmed up once per shape
     assert alone_only["plain_copy"] is None and alone_only["excess_percent"] is None
+    # a slow host: 2 ranks x 2 ms per call fill half the longest gate (less its minimum) with 61 calls
+    timer.host_per_call_us = {"transfer": 2000.0}
+    assert timer.overlap(calls, 20, 25.0, compute)[0]["calls_per_round"] == 61
+    timer.host_per_call_us = {"transfer": 50000.0}                          # never fewer than --iters
+    assert timer.overlap(calls, 20, 25.0, compute)[0]["calls_per_round"] == 20
 
 
 def test_overlap_rounds_last_long_enough_for_many_matmuls():

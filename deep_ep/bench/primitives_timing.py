@@ -189,7 +189,11 @@ class Timer:
             self.round([], iters, matmul, 1)
             warm.add(matmul.key)
         probe = self.round([], iters, matmul, PROBE_MATMULS)
-        iters = overlap_iters(iters, time_us)
+        # no more calls than the host queues well within the longest gate: past it the matmuls, queued
+        # after the calls, would start late and the slowdown read low
+        host_us = self.host_per_call_us.get("transfer", 0.0) * max(len(calls), 1)
+        host_cap = int((MAX_GATE_US / 2 - MIN_GATE_US) / host_us) if host_us > 0 else MAX_OVERLAP_ITERS
+        iters = max(iters, min(overlap_iters(iters, time_us), host_cap))
         count = matmul_count(time_us * iters, probe["matmul_us"])
         alone, both, beside_copies = [], [], []
         for _ in range(OVERLAP_ROUNDS):

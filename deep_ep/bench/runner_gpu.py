@@ -150,6 +150,13 @@ def run_pass(cfg: BenchConfig, gs: GpuSetup, work: Workload, progress: Progress)
     run_cfg, device, R = work.run_cfg, gs.device, gs.num_ranks
     jit.reset_stats()
     mine = range(R) if gs.emulated else [gs.rank]
+    if gs.multiprocess:
+        from ..buffer import get_logical_domain_size
+        if get_logical_domain_size(dist.group.WORLD)[1] < R:
+            # the check's reference is one domain's: a hybrid combine sums in another order
+            raise SystemExit(f"error: these {R} ranks span several NVLink domains; the plain bench checks one "
+                             f"domain's results. Across nodes use --nvlink-ranks N (emulated nodes, "
+                             f"--virtual-ranks) for the scale-out bench")
     inputs = [work.inputs(s, device) for s in range(R)]
     expected = reference_outputs(run_cfg, inputs, ranks=list(mine)) if cfg.check else None
     # Floors and baselines, in the same run: the slower of a device copy with the operation's HBM

@@ -12,8 +12,9 @@ Where: one node (NCCL's LSA window or emulated ranks on one GPU), no rank mask, 
 experts and top-k ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the
 expanded `ElasticBuffer` path elsewhere (rank masks, emulated nodes, larger sizes).
 
-Window: both buffer halves in one window, the Buffer's own when it is large enough (DeepEP's
-``get_low_latency_rdma_size_hint`` is), else one made for them (collective, not during a CUDA-graph
+Window: both buffer halves in one window, the Buffer's low-latency window when it is large enough
+(DeepEP's ``get_low_latency_rdma_size_hint`` is; never the normal-mode one,
+`deep_ep.legacy.internode.open_elastic_buffers`), else one made for them (collective, not during a CUDA-graph
 capture); each half has control words of its own (`impls/ll_direct.cuh`). Receive hooks: the call
 launches its kernel's send phase, the hook its receive phase; in between nothing holds an SM. Without
 a hook, one launch runs both phases (the grid the larger of the two), cooperatively where the data
@@ -156,8 +157,9 @@ def _window(owner, need: int):
     if extra is not None and extra.num_bytes >= need:
         return extra
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs a {need}-byte window, larger than the "
-                           f"buffer's {buffer.num_bytes}; make the first such call before CUDA-graph capture (or "
+        have = (extra or home or buffer).num_bytes
+        raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs a {need}-byte window, larger than its "
+                           f"low-latency window's {have}; make the first such call before CUDA-graph capture (or "
                            f"pass a larger num_rdma_bytes)")
     from ..buffer import ElasticBuffer
     if extra is not None:

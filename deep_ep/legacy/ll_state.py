@@ -95,10 +95,11 @@ class LowLatencyState:
         if extra is not None and extra.num_bytes >= need:
             return extra
         if torch.cuda.is_current_stream_capturing():
-            why = (f"a {need}-byte window, larger than the buffer's {buffer.num_bytes}" if extra is not None or slot == 0
+            have = (extra or buffer).num_bytes
+            why = (f"a {need}-byte window, larger than its low-latency window's {have}" if extra is not None or slot == 0
                    else "the second window of double buffering (two low-latency results alive)")
             raise RuntimeError(f"deep_ep.Buffer: this low-latency call needs {why}; make the first such call before "
-                               f"CUDA-graph capture (or pass a larger num_nvl_bytes / num_rdma_bytes)")
+                               f"CUDA-graph capture (or pass a larger num_rdma_bytes)")
         from ..buffer import ElasticBuffer
         if extra is not None:
             extra.destroy()
