@@ -85,6 +85,11 @@ def as_rows(t: Tensor, dtypes: tuple = (torch.int64, torch.int32, torch.int16)) 
     """View a contiguous ``[rows, n]`` tensor as ``[rows, m]`` of the widest integer type of ``dtypes``
     (none narrower than an element) that divides a row, else as uint8 bytes: moving whole rows
     (index_select / index_copy_) is then a few wide copies per row."""
+    if t.numel() == 0 and t.dim() and t.stride(-1) != 1:
+        # An empty tensor counts as contiguous whatever its strides (autograd hands a rank with no
+        # tokens a [0, H] gradient of strides (0, 0)), but a dtype-changing view needs a unit last
+        # stride: a dense copy of nothing (nothing to write through either).
+        t = t.clone(memory_format=torch.contiguous_format)
     row_bytes = t.shape[1] * t.element_size()
     for dtype in dtypes:
         if row_bytes % dtype.itemsize == 0 and dtype.itemsize >= t.element_size():

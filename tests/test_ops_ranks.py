@@ -342,3 +342,34 @@ def test_training_example_cpu():
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "went down" in proc.stdout and "within the tolerance" in proc.stdout, proc.stdout
+
+
+def _empty_rank_sum_loss(rank, R):
+    """Rank 1 has no tokens and the loss is a plain sum: autograd hands it [0, H] gradients of strides
+    (0, 0), which a dtype-changing view rejected (found by a new-user trial). x's gradient is 2 per
+    rank a token visited, exactly; rank 1's is empty."""
+    import torch.distributed as dist
+    import deep_ep
+    from deep_ep import ops
+    E, H, K, T = 8, 16, 2, 6
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=60, num_max_tokens_per_rank=T)
+    g = torch.Generator().manual_seed(11 + rank)
+    num_tokens = 0 if rank == 1 else T
+    x = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16).requires_grad_()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(num_tokens)]) if num_tokens else \
+        torch.empty(0, K, dtype=torch.int64)
+    for do_expand in (False, True):
+        x.grad = None
+        recv_x, _, _, handle = ops.dispatch(buf, x, idx, num_experts=E, do_expand=do_expand)
+        out, _ = ops.combine(buf, (recv_x.float() * 2).to(torch.bfloat16), handle)
+        out.float().sum().backward()
+        visited = torch.stack([torch.div(idx, E // R, rounding_mode="floor") == r for r in range(R)], 2).any(1)
+        per_token = visited.sum(1) if not do_expand else torch.full((num_tokens,), K)
+        assert x.grad.shape == (num_tokens, H)
+        assert torch.equal(x.grad.float(), 2 * per_token.float()[:, None].expand(num_tokens, H)), (rank, do_expand)
+    buf.destroy()
+    return True
+
+
+def test_a_rank_without_tokens_backpropagates_a_sum_loss(tmp_path):
+    assert run_gloo_ranks(_empty_rank_sum_loss, 2, tmp_path, deadline=120) == {0: True, 1: True}
