@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .. import routing
+from .. import envs, routing
 from .eplb import format_section as format_eplb_section, make_workload as make_eplb_workload, section as eplb_section
 from .config import CPU_DEFAULT_ITERS, CPU_DEFAULT_TOKENS, GPU_DEFAULT_ITERS, GPU_DEFAULT_TOKENS, Workload, make_config
 from .plot import plot, require_matplotlib
@@ -209,7 +209,7 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     sweep = parse_sm_sweep(getattr(args, "sm_sweep", None))
     gpu = use_gpu_runner(args)
-    split = os.environ.get("EP_CPU_NUM_NVLINK_RANKS", "")
+    split = envs.get("EP_CPU_NUM_NVLINK_RANKS") or ""
     if not gpu and split and getattr(args, "nvlink_ranks", None) is None and hasattr(args, "nvlink_ranks"):
         # the gloo ranks act as nodes whatever the bench is told (deep_ep.topology): time and check them so
         try:
