@@ -373,3 +373,34 @@ def _empty_rank_sum_loss(rank, R):
 
 def test_a_rank_without_tokens_backpropagates_a_sum_loss(tmp_path):
     assert run_gloo_ranks(_empty_rank_sum_loss, 2, tmp_path, deadline=120) == {0: True, 1: True}
+
+
+def _non_contiguous_inputs(rank, R):
+    """Transposed (non-contiguous) x for dispatch and combine give the outputs and gradients of their
+    dense copies (the operators copy them; `ElasticBuffer` refuses them, as DeepEP)."""
+    import torch.distributed as dist
+    import deep_ep
+    from deep_ep import ops
+    E, H, K, T = 8, 16, 2, 6
+    buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_cpu_timeout_secs=60, num_max_tokens_per_rank=T)
+    g = torch.Generator().manual_seed(21 + rank)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    base = torch.randn(H, T, generator=g).to(torch.bfloat16)
+    results = []
+    for dense in (True, False):
+        leaf = base.clone().requires_grad_()
+        x = leaf.t().contiguous() if dense else leaf.t()
+        assert x.is_contiguous() == dense
+        recv_x, _, _, handle = ops.dispatch(buf, x, idx, num_experts=E)
+        y = (recv_x.float().t() * 3).to(torch.bfloat16).t()          # non-contiguous when fed as is
+        out, _ = ops.combine(buf, y.contiguous() if dense else y, handle)
+        (out.float() * torch.arange(H, dtype=torch.float32)).sum().backward()
+        results.append((out.detach(), leaf.grad))
+    assert torch.equal(results[0][0].view(torch.int16), results[1][0].view(torch.int16))
+    assert torch.equal(results[0][1].view(torch.int16), results[1][1].view(torch.int16))
+    buf.destroy()
+    return True
+
+
+def test_operators_take_non_contiguous_inputs(tmp_path):
+    assert run_gloo_ranks(_non_contiguous_inputs, 2, tmp_path, deadline=120) == {0: True, 1: True}

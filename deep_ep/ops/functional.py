@@ -84,7 +84,9 @@ def _split(x) -> tuple:
         raise TypeError(f"x must be a bf16 tensor or an FP8 tuple (data, scale factors), got {type(x).__name__}")
     if x.dtype == _FP8:
         raise TypeError("FP8 x must be given as a tuple (data, scale factors)")
-    return x, None
+    # an operator in a model's graph takes what the layer before made (a transposed matmul's output):
+    # a dense copy where needed, which autograd follows (ElasticBuffer, DeepEP's API, refuses instead)
+    return x.contiguous(), None
 
 
 def _check_stats(stats, num_local_experts: int) -> None:
@@ -113,8 +115,8 @@ def dispatch(buffer: ElasticBuffer, x: Union[Tensor, tuple], topk_idx: Optional[
 
     Args:
         buffer: the `ElasticBuffer` (its group's ranks all call this together).
-        x: bf16 ``[T, H]`` (differentiable), or an FP8 tuple ``(float8_e4m3fn [T, H], sf)``, forward
-            only: its data must not require grad.
+        x: bf16 ``[T, H]`` (differentiable; copied to a dense tensor if it is not one), or an FP8
+            tuple ``(float8_e4m3fn [T, H], sf)``, forward only: its data must not require grad.
         topk_idx: int64 ``[T, K]`` global expert ids or -1; None with ``handle``.
         topk_weights: optional float32 ``[T, K]`` (differentiable).
         num_experts: E (required without ``handle``). num_max_tokens_per_rank: M (default: the
@@ -205,8 +207,8 @@ def combine(buffer: ElasticBuffer, x: Tensor, handle: Handle, topk_weights: Opti
 
     Args:
         buffer: the `ElasticBuffer` of the dispatch.
-        x: bf16 ``[handle.num_recv_rows, H]`` in the dispatch's layout (differentiable; rows without
-            data are never read and get zero gradient).
+        x: bf16 ``[handle.num_recv_rows, H]`` in the dispatch's layout (differentiable; copied to a
+            dense tensor if it is not one; rows without data are never read and get zero gradient).
         handle: the `Handle` `dispatch` returned on this rank.
         topk_weights: optional float32 ``[rows, K]`` (expanded: ``[rows]``), reduced back
             (differentiable).
@@ -231,6 +233,7 @@ def combine(buffer: ElasticBuffer, x: Tensor, handle: Handle, topk_weights: Opti
                          f"ElasticBuffer #{buffer.buffer_id}")
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a bf16 tensor, got {type(x).__name__}")
+    x = x.contiguous()   # as dispatch's x (`_split`)
     if bias is None or isinstance(bias, Tensor):
         biases = (bias, None)
     elif isinstance(bias, (tuple, list)) and len(bias) <= 2:
