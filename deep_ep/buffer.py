@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import warnings
 import weakref
 from typing import Optional
 
 import torch
 
-from . import call_plans, call_streams, checks, resources, topology
+from . import call_plans, call_streams, checks, envs, resources, topology
 from .backends import (BufferConfig, group_domain_sizes, group_domains, group_rank_and_size, is_cpu_group,
                        make_backend)
 from .comm.nccl import creation_hold
@@ -165,8 +164,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
             allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
             num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
         on_cpu = is_cpu_group(group, device)
-        if "EP_OVERRIDE_RDMA_SL" in os.environ:
-            text = os.environ["EP_OVERRIDE_RDMA_SL"]
+        text = envs.get("EP_OVERRIDE_RDMA_SL")   # empty: unset, as every variable
+        if text is not None:
             if not text.strip().isdigit() or not 0 <= int(text) <= 15:
                 raise ValueError(f"EP_OVERRIDE_RDMA_SL must be an RDMA service level 0..15, got {text!r}")
             sl_idx = int(text)

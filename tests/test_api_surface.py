@@ -138,6 +138,10 @@ def _attributes_worker(rank, world_size):
         os.environ["EP_OVERRIDE_RDMA_SL"] = "16"
         with pytest.raises(ValueError, match="EP_OVERRIDE_RDMA_SL must be an RDMA service level"):
             deep_ep.ElasticBuffer(group)
+        os.environ["EP_OVERRIDE_RDMA_SL"] = ""       # empty counts as unset (a template's ${SL:-})
+        unset = deep_ep.ElasticBuffer(group, sl_idx=2)
+        assert unset.sl_idx == 2
+        unset.destroy()
     finally:
         del os.environ["EP_OVERRIDE_RDMA_SL"]
     return values

@@ -21,9 +21,8 @@ from deep_ep import envs
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "deep_ep"
 
-#: Modules that read their variables with os.environ themselves (EP_OVERRIDE_RDMA_SL in buffer.py,
-#: DEEP_EP_KERNEL_DEFINES and the test defects in modules.py).
-DIRECT_READERS = {"deep_ep/buffer.py", "deep_ep/backends/gpu/modules.py"}
+#: Modules that read their variables with os.environ themselves (none: every read goes through envs).
+DIRECT_READERS: set = set()
 
 
 @pytest.fixture

@@ -180,7 +180,8 @@ def _normalize_arch(arch: str) -> str:
     if a.startswith("compute_"):
         raise ValueError(f"arch={arch!r}: a real architecture is needed to produce a cubin (e.g. sm_90, sm_90a)")
     if not re.fullmatch(r"sm_\d+[a-z]?", a):
-        raise ValueError(f"arch={arch!r}: expected e.g. 'sm_90' or 'sm_90a'")
+        raise ValueError(f"arch={arch!r} (the build's arch, or EP_JIT_ARCH where torch sees no GPU): expected e.g. "
+                         f"'sm_90' or 'sm_90a'")
     return a
 
 

@@ -7,10 +7,9 @@ disk by `deep_ep.jit`) and loaded on the buffer's device before their first laun
 """
 from __future__ import annotations
 
-import os
 import threading
 
-from ... import jit
+from ... import envs, jit
 
 __all__ = ["THREADS", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES", "DeferredReceive", "launch_send_phase",
            "NOTIFY_KERNEL", "DISPATCH_KERNEL", "CACHED_DISPATCH_KERNEL", "COMBINE_KERNEL",
@@ -80,7 +79,7 @@ def tunable_defines() -> dict:
         ValueError: an item is not ``<tunable>=<integer>`` with a name in `TUNABLES`.
     """
     out = {}
-    for item in filter(None, (p.strip() for p in os.environ.get("DEEP_EP_KERNEL_DEFINES", "").split(","))):
+    for item in filter(None, (p.strip() for p in (envs.get("DEEP_EP_KERNEL_DEFINES") or "").split(","))):
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or name not in TUNABLES:
