@@ -210,7 +210,7 @@ def main(args: argparse.Namespace, *, cpu_worker_setup: Optional[Callable[[], No
     sweep = parse_sm_sweep(getattr(args, "sm_sweep", None))
     gpu = use_gpu_runner(args)
     split = envs.get("EP_CPU_NUM_NVLINK_RANKS") or ""
-    if not gpu and split and getattr(args, "nvlink_ranks", None) is None and hasattr(args, "nvlink_ranks"):
+    if not gpu and split and getattr(args, "nvlink_ranks", 0) is None:
         # the gloo ranks act as nodes whatever the bench is told (deep_ep.topology): time and check them so
         try:
             args.nvlink_ranks = int(split)

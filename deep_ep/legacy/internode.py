@@ -17,13 +17,14 @@ import torch
 
 from ..backends import group_domain_sizes, is_cpu_group
 from ..comm.nccl import creation_hold
+from ..shapes import align_up
 from .config import NUM_MAX_NVL_PEERS
 from .exchange import channel_counts
 from .handle import LegacyHandle
 from .planned import planned
 
-__all__ = ["open_elastic_buffers", "normal_mode_buffer", "InternodeHandle", "InternodeMethods", "rdma_counts", "rdma_channel_prefix",
-           "node_bits", "build_handle"]
+__all__ = ["open_elastic_buffers", "normal_mode_buffer", "InternodeHandle", "InternodeMethods", "rdma_counts",
+           "rdma_channel_prefix", "node_bits", "build_handle"]
 
 
 def open_elastic_buffers(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_rank: int,
@@ -59,7 +60,7 @@ def open_elastic_buffers(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, 
 
 def _aligned(num_bytes: int) -> int:
     from ..backends.gpu.window import BUFFER_ALIGNMENT
-    return -(-num_bytes // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+    return align_up(num_bytes, BUFFER_ALIGNMENT)
 
 
 def _open(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_rank: int, low_latency_mode: bool,
