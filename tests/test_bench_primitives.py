@@ -155,9 +155,10 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
     timer.round = fake_round
     timer.host_per_call_us = {"transfer": 10.0}     # the host queues 2 x 80 calls well within a gate
     figures, beside = timer.overlap(calls, 20, 25.0, compute, copies)
-    assert seen[:2] == [("alone", 1), ("alone", 8)]                        # a warm-up matmul, then the probe
+    assert seen[:3] == [("alone", 1), ("alone", 8), ("call", 0, 80)]      # warm-up matmul, probe, host trial
     assert figures["calls_per_round"] == 80 and figures["matmuls_per_round"] == 20   # 80 x 25 us over 100 us
-    assert seen[2:] == [("alone", 20), ("call", 20, 80), ("copies", 20, 80)] * OVERLAP_ROUNDS
+    assert seen[3:] == [("alone", 20), ("call", 20, 80), ("copies", 20, 80)] * OVERLAP_ROUNDS
+    assert figures["host_bound"] is False
     assert figures["slowdown_percent"] == pytest.approx(12.0)
     plain = figures["plain_copy"]
     assert plain["copies_per_call"] == 2 and plain["bytes"] == 2 * 2 * MIB and plain["copy_both_us"] == 12.0
@@ -166,13 +167,49 @@ def test_the_overlap_floor_is_the_matmul_beside_plain_copies():
     assert len(beside) == 2 * OVERLAP_ROUNDS
     seen.clear()
     alone_only, _ = timer.overlap(calls, 20, 25.0, compute)
-    assert seen[0] == ("alone", 8)                                          # warmed up once per shape
+    assert seen[:2] == [("alone", 8), ("call", 0, 80)]                      # warmed up once per shape
     assert alone_only["plain_copy"] is None and alone_only["excess_percent"] is None
     # a slow host: 2 ranks x 2 ms per call fill half the longest gate (less its minimum) with 61 calls
     timer.host_per_call_us = {"transfer": 2000.0}
     assert timer.overlap(calls, 20, 25.0, compute)[0]["calls_per_round"] == 61
     timer.host_per_call_us = {"transfer": 50000.0}                          # never fewer than --iters
     assert timer.overlap(calls, 20, 25.0, compute)[0]["calls_per_round"] == 20
+
+
+def test_overlap_rounds_shrink_until_the_host_keeps_up():
+    """A round the host cannot queue within its gate (a stream's queue full while the gate holds
+    the GPU) halves the calls per round, never below --iters; its time per call is not kept; a round
+    still host-bound leaves no verdict on the bound."""
+    from deep_ep.bench.primitives_timing import Timer
+    compute = prim.MATMULS[0]
+    calls, trials = [lambda: None], []
+
+    def fake_round(round_calls, iters, matmul=None, count=0):
+        if round_calls and not count:
+            trials.append(iters)
+            timer.host_per_call_us["transfer"] = 999.0
+        host_bound = bool(round_calls) and iters > limit
+        out = {"matmul_us": 100.0 if not round_calls else 300.0, "both_us": 1000.0,
+               "host_us": 9000.0 if host_bound else 1.0, "gate_us": 5000.0}
+        if round_calls:
+            out["transfer_us"] = 8.0
+        return out
+    timer = Timer.__new__(Timer)
+    timer.round = fake_round
+    timer.host_per_call_us = {"transfer": 1.0}
+    limit = 100
+    figures, _ = timer.overlap(calls, 20, 8.0, compute)      # 2 ms of 8 us calls: 250, halved to 62
+    assert trials == [250, 125, 62] and figures["calls_per_round"] == 62 and figures["host_bound"] is False
+    assert timer.host_per_call_us["transfer"] == 999.0      # only the fitting round's time is kept
+    trials.clear()
+    limit = 10                                               # host-bound even at --iters
+    figures, _ = timer.overlap(calls, 20, 8.0, compute)
+    assert trials == [245, 122, 61, 30] and figures["calls_per_round"] == 20 and figures["host_bound"] is True
+    case = prim.cases("agrs")[0]
+    row = _row(case, 0, 1.0)
+    row["overlap"] = {compute.key: dict(figures, slowdown_percent=200.0)}
+    assert prim.bound_verdict(row, compute, False) is None
+    assert "not judged: the host queued a round" in "\n".join(prim.format_case(row))
 
 
 def test_overlap_rounds_last_long_enough_for_many_matmuls():

@@ -286,12 +286,13 @@ def bound_applies(row: Dict[str, Any]) -> bool:
 
 def bound_verdict(row: Dict[str, Any], matmul: Matmul, emulated: bool) -> Optional[Dict[str, Any]]:
     """`ZERO_SM_SLOWDOWN_BOUND`'s verdict on ``matmul``'s overlap in ``row``: None where no bound
-    applies (the memory-bound matmul, a transfer on SMs, a reduce_scatter) or the figure is missing;
+    applies (the memory-bound matmul, a transfer on SMs, a reduce_scatter), the figure is missing or
+    a round of it was host-bound;
     else ``{"judged_on", "percent", "within"}``. With ``emulated`` ranks it judges ``excess`` (the
     call's slowdown in excess of the plain copy's: the ranks' bytes share one GPU's HBM and copy
     engines, which separate GPUs would not), else the ``slowdown`` itself."""
     overlap = (row.get("overlap") or {}).get(matmul.key)
-    if matmul.kind != "compute-bound" or not overlap or not bound_applies(row):
+    if matmul.kind != "compute-bound" or not overlap or not bound_applies(row) or overlap.get("host_bound"):
         return None
     judged_on = "excess" if emulated else "slowdown"
     percent = overlap.get("excess_percent" if emulated else "slowdown_percent")
@@ -321,7 +322,9 @@ def _format_overlap(row: Dict[str, Any], matmul: Matmul, overlap: Dict[str, Any]
     call's moves and the call's slowdown in excess of theirs."""
     slow, emulated = overlap.get("slowdown_percent"), bool(row.get("emulated"))
     verdict = bound_verdict(row, matmul, emulated)
-    if matmul.kind == "memory-bound":
+    if overlap.get("host_bound"):
+        note = " (not judged: the host queued a round slower than the gate held the GPU)"
+    elif matmul.kind == "memory-bound":
         note = " (informational: it shares HBM bandwidth with the transfer's copies)"
     elif bound_applies(row) and emulated:
         note = f" (emulated ranks: the {ZERO_SM_SLOWDOWN_BOUND:.0f}% bound judges the excess over a plain copy, below)"
