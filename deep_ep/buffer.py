@@ -443,7 +443,8 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
                 num_sms=plan.num_sms, handle=handle, do_handle_copy=plan.do_handle_copy, do_cpu_sync=plan.do_cpu_sync,
                 do_expand=plan.do_expand, do_zero_padding=plan.do_zero_padding,
                 use_tma_aligned_col_major_sf=plan.use_tma_aligned_col_major_sf,
-                cumulative_local_expert_recv_stats=stats, **({} if _phases is None else {"phases": _phases})),
+                cumulative_local_expert_recv_stats=stats, num_qps=num_qps,
+                **({} if _phases is None else {"phases": _phases})),
             previous_event, previous_event_before_epilogue, plan.async_with_compute_stream,
             plan.allocate_on_comm_stream, inputs)
         return (*outputs, event)
@@ -490,7 +491,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
         num_sms = num_sms or handle.num_sms
         inputs = (x, topk_weights, handle) + bias_t
         outputs, event = call_streams.run_call(
-            backend, lambda: backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms,
+            backend, lambda: backend.combine(x, handle, topk_weights, bias_t, num_sms=num_sms, num_qps=num_qps,
                                              apply_dispatch_weights=plan.apply_dispatch_weights,
                                              **({} if _phases is None else {"phases": _phases})),
             previous_event, previous_event_before_epilogue, plan.async_with_compute_stream,

@@ -29,7 +29,8 @@ QPs: direct mode ``min(num_sms, 9)`` (fewer doorbells), hybrid ``num_sms * 16 + 
 and the notify warps their own), capped by the QPs allocated; 0 SMs: 0 QPs. A buffer allocates 129
 QPs in hybrid mode and 17 in direct mode when ``num_allocated_qps=0`` (DeepEP's counts without a
 ConnectX-8; 0 on CPU). Across nodes the buffer asks NCCL (or the emulated GIN) for that many GIN
-contexts; the kernels use every context given, so a call's ``num_qps`` does not change them yet.
+contexts; a call's data kernel spreads its puts over ``num_qps`` of those it got
+(`call_num_contexts`: 0 means ``theoretical_num_qps(num_sms)``), the control kernels use the first.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["DeviceResources", "DEFAULT_NVLINK_GBS", "DEFAULT_RDMA_GBS", "expected_ranks_per_token",
-           "theoretical_num_sms", "theoretical_num_qps", "default_num_allocated_qps"]
+           "theoretical_num_sms", "theoretical_num_qps", "call_num_contexts", "default_num_allocated_qps"]
 
 #: NVLink bandwidth per GPU and direction when neither the caller nor the backend gives one (H100 / H200
 #: NVLink 4, the datasheet's 450 GB/s).
@@ -152,6 +153,15 @@ def theoretical_num_qps(num_sms: int, num_allocated_qps: int, allow_hybrid_mode:
         return 0
     wanted = num_sms * 16 + 1 if allow_hybrid_mode else min(num_sms, 9)
     return min(wanted, num_allocated_qps)
+
+
+def call_num_contexts(num_qps: int, num_sms: int, num_contexts: int, allow_hybrid_mode: bool = True) -> int:
+    """GIN contexts a call's data kernel spreads its puts over across nodes: its ``num_qps`` (0:
+    `theoretical_num_qps` for ``num_sms``, DeepEP's choice for the mode), between 1 and the
+    ``num_contexts`` the transport has; 0 when it has none (one node)."""
+    if num_contexts <= 0:
+        return 0
+    return max(1, min(num_contexts, num_qps or theoretical_num_qps(num_sms, num_contexts, allow_hybrid_mode)))
 
 
 def default_num_allocated_qps(resources: Optional[DeviceResources], allow_hybrid_mode: bool = True) -> int:

@@ -62,7 +62,8 @@ def _backend(log):
                             num_gpu_timeout_secs=100, num_cpu_timeout_secs=300, explicitly_destroy=False)
     b.calls = 0
     b._device, b.num_ranks, b.rank, b.emulated = torch.device("cpu"), 1, 0, False
-    b.transport = types.SimpleNamespace(num_bytes=64 << 20)
+    b.transport = types.SimpleNamespace(num_bytes=64 << 20, gin_contexts=lambda: 0,
+                                        kernel_args_using=lambda count: b.transport_args)   # one node
     b.transport_args = ctypes.c_int(7)
     b._layouts, b._default_sms, b._sm_limit, b.num_device_sms = {}, {}, 8, 8
     b.module = lambda kind, structure: _Module(log)
@@ -325,7 +326,7 @@ def test_every_launch_carries_this_calls_tag():
         keep.append((out, inputs))
         data_bytes = H * 2
         want = call_tag(b.calls, 1, data_bytes, 0, K, 0, call["align"], E, call["weights"], int(call["sync"]),
-                        0 if call["sync"] else M)
+                        0 if call["sync"] else M, 0)   # 0: no GIN contexts on one node
         names = (modules.NOTIFY_KERNEL, modules.NOTIFY_KERNEL, modules.DISPATCH_KERNEL)
         assert tags() == [(n, want.seq, want.fingerprint) for n in names]
     handle = keep[0][0][3]
@@ -338,13 +339,13 @@ def test_every_launch_carries_this_calls_tag():
             b, x, None, None, w, num_experts=None, num_max_tokens_per_rank=M, expert_alignment=None, num_sms=4,
             handle=handle, do_handle_copy=True, do_cpu_sync=True, do_expand=False, do_zero_padding=False,
             use_tma_aligned_col_major_sf=False, cumulative_local_expert_recv_stats=None)
-        want = call_tag(b.calls, 2, H * 2, 0, K, 0, handle.expert_alignment, E, weights, 1, 0)
+        want = call_tag(b.calls, 2, H * 2, 0, K, 0, handle.expert_alignment, E, weights, 1, 0, 0)
         assert tags() == [(modules.CACHED_DISPATCH_KERNEL, want.seq, want.fingerprint)]
         b.calls += 1
         y = torch.randn(handle.num_recv_rows, H, generator=g).to(torch.bfloat16)
         gpu_combine.run_combine(b, y, handle, torch.rand(handle.num_recv_rows, K, generator=g) if weights else None,
                                 (), num_sms=4)
-        want = call_tag(b.calls, 3, H, K, 0, E, weights, 0)
+        want = call_tag(b.calls, 3, H, K, 0, E, weights, 0, 0)
         assert tags() == [(modules.COMBINE_KERNEL, want.seq, want.fingerprint)]
     assert isinstance(want, CallTag)
 
@@ -809,3 +810,40 @@ def test_every_rank_count_launches_the_same_kernels(expand, sync, ranks, monkeyp
                       (modules.COMBINE_KERNEL, modules.THREADS, True)]
     assert [grid for _, grid, _ in log[1:]] == [4, 4, 4]
     del keep
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_calls_num_qps_picks_the_gin_contexts_of_its_data_kernel(hybrid):
+    """Across nodes a call's ``num_qps`` is the number of GIN contexts its data kernel uses: 0 is
+    DeepEP's `theoretical_num_qps` for the mode (direct: min(SMs, 9); hybrid: SMs x 16 + 1), both at
+    most the contexts the transport has; a copy of the transport's arguments per count (kept), with
+    every other field the same; the count is part of the call's tag, so ranks that disagree are
+    told so. On one node (no GIN) the transport's arguments are used as they are."""
+    from deep_ep.backends.gpu.dispatch_plan import dispatch_tag
+    from deep_ep.comm.gin import GinHybridTransportArgs, GinTransportArgs
+    from deep_ep.comm.transport import Transport
+
+    class Fake(Transport):
+        kernel_args = window_tensor = host_barrier = destroy = None
+    base = (GinHybridTransportArgs if hybrid else GinTransportArgs)(
+        peers=0x100, rank=1, num_ranks=4, gin=0x200, recv_offset=64, half_bytes=4096, stage_offset=8192,
+        max_put_bytes=512, num_contexts=3, node_ranks=2)
+    transport = Fake()
+    transport.kernel_args = lambda: base
+    b = GPUBackend.__new__(GPUBackend)
+    b.config, b.transport = types.SimpleNamespace(allow_hybrid_mode=hybrid), transport
+    assert transport.gin_contexts() == 3
+    assert b.transport_args_for(5, 8) is base                    # more than the transport has: all of them
+    one = b.transport_args_for(1, 8)
+    assert one is not base and one.num_contexts == 1 and base.num_contexts == 3
+    assert b.transport_args_for(1, 32) is one                    # kept per count
+    offset = GinTransportArgs.num_contexts.offset
+    assert bytes(one)[:offset] == bytes(base)[:offset] and bytes(one)[offset + 4:] == bytes(base)[offset + 4:]
+    automatic = b.transport_args_for(0, 2)
+    assert automatic.num_contexts == (3 if hybrid else 2)        # hybrid: 2 x 16 + 1 QPs, capped at 3
+    assert b.transport_args_for(0, 16) is base                  # direct: min(16, 9), capped at 3
+    tags = {dispatch_tag(1, 7168, 0, 8, False, 1, 256, True, True, 0, n).fingerprint for n in (0, 1, 2, 3)}
+    assert len(tags) == 4
+    one_node = ctypes.c_int(7)
+    transport.kernel_args = lambda: one_node
+    assert transport.gin_contexts() == 0 and b.transport_args_for(1, 8) is one_node   # nothing to pick

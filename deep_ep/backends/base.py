@@ -119,14 +119,15 @@ class Backend(abc.ABC):
                  num_experts: int, num_max_tokens_per_rank: int, expert_alignment: int, num_sms: int,
                  handle: Optional[EPHandle], do_handle_copy: bool, do_cpu_sync: bool,
                  do_expand: bool, do_zero_padding: bool, use_tma_aligned_col_major_sf: bool,
-                 cumulative_local_expert_recv_stats: Optional[torch.Tensor]) -> tuple:
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor], num_qps: int = 0) -> tuple:
         """Dispatch (docs/design.md "Semantics of dispatch and combine").
 
         With ``handle`` given (cached dispatch) ``topk_idx`` is None, ``topk_weights`` optional, and the layout
         flags (``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``do_expand``, and
         ``do_cpu_sync`` = ``handle.do_cpu_sync``, which here only says how the handle's outputs were
         sized) equal the handle's; a cached dispatch never waits for the host. ``num_max_tokens_per_rank`` is 0 when unknown (only allowed with
-        ``do_cpu_sync=True``).
+        ``do_cpu_sync=True``). ``num_qps``: the call's RDMA QPs, validated (0: automatic); across
+        nodes the GIN contexts the data kernel uses, ignored elsewhere.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``; ``recv_x`` is a tensor for bf16
@@ -137,7 +138,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor],
-                bias: tuple, *, num_sms: int, apply_dispatch_weights: bool = False) -> tuple:
+                bias: tuple, *, num_sms: int, apply_dispatch_weights: bool = False, num_qps: int = 0) -> tuple:
         """Combine (docs/design.md "Combine"), in `deep_ep.reference`'s order with the buffer's
         ``allow_multiple_reduction`` (``config``).
 
@@ -150,6 +151,7 @@ class Backend(abc.ABC):
             num_sms: resolved SM count (``handle.num_sms`` when the caller passed 0).
             apply_dispatch_weights: expanded handles with dispatch weights only: multiply each row by
                 ``handle.recv_topk_weights`` before reducing.
+            num_qps: as in `dispatch`.
 
         Returns:
             ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None)``.

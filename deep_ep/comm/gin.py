@@ -27,6 +27,7 @@ import torch
 from .. import jit
 from ..backends.gpu.abi import CTRL_BYTES, CTRL_ERROR_OFFSET
 from .gin_bytes import byte_counters, reset_byte_counters   # what the NICs carried (EmulatedGin.carried_bytes)
+from .transport import Transport
 
 __all__ = ["MODES", "BUGGY_MODES", "SELFTEST_PHASE", "REPORT_WORDS", "SELFTEST_SOURCE", "QUEUE_BYTES",
            "ENTRY_BYTES", "EmulatedGinArgs", "EmulatedGin", "selftest_window_bytes", "build_selftest", "run_selftest",
@@ -356,12 +357,13 @@ def _field_names(struct: type) -> list:
     return [name for cls in reversed(struct.__mro__) for name, *_ in cls.__dict__.get("_fields_", ())]
 
 
-class EmulatedGinDirectTransport:
+class EmulatedGinDirectTransport(Transport):
     """One emulated rank's transport when the group's ranks form several nodes: the window of
     ``base`` (a `deep_ep.comm.emulated.EmulatedTransport`), and the emulated GIN of ``state``
     (`EmulatedGinState`) for the data and control kernels, each launched next to this rank's NIC
-    kernel (`launch_data`). Same interface as `deep_ep.comm.transport.Transport`, plus ``gin_define`` (the
-    kernels' ``EP_TRANSPORT_GIN``) and ``nic_blocks`` (blocks of the NIC kernel, on SMs of their own).
+    kernel (`launch_data`, which drains every context: a call may use fewer). A
+    `deep_ep.comm.transport.Transport`, plus ``gin_define`` (the kernels' ``EP_TRANSPORT_GIN``) and
+    ``nic_blocks`` (blocks of the NIC kernel, on SMs of their own).
     """
 
     kernel_define = 0

@@ -36,6 +36,23 @@ class Transport(abc.ABC):
     def kernel_args(self):
         """The kernels' ``TransportArgs``, a ctypes object passed by value (fixed for the buffer's life)."""
 
+    def gin_contexts(self) -> int:
+        """The GIN contexts the data kernels may spread their puts over (0: no GIN, one node)."""
+        return int(getattr(self.kernel_args(), "num_contexts", 0) or 0)
+
+    def kernel_args_using(self, num_contexts: int):
+        """`kernel_args` with the data kernels' puts spread over ``num_contexts`` GIN contexts (a copy
+        per count, kept; every other field the same); `kernel_args` itself for ``num_contexts`` 0 or
+        at least `gin_contexts` (a transport without GIN has none to choose)."""
+        args = self.kernel_args()
+        if not 0 < num_contexts < self.gin_contexts():
+            return args
+        by_count = self.__dict__.setdefault("_args_by_contexts", {})
+        if num_contexts not in by_count:
+            by_count[num_contexts] = type(args).from_buffer_copy(args)
+            by_count[num_contexts].num_contexts = num_contexts
+        return by_count[num_contexts]
+
     @abc.abstractmethod
     def window_tensor(self) -> torch.Tensor:
         """This rank's window (at least its 64 KiB control region) as a uint8 tensor view."""

@@ -262,3 +262,41 @@ def test_a_hybrid_rail_wait_times_out_naming_rank_peer_and_phase():
             buf.get_comm_stream().synchronize()
 
     group.run(body)
+
+
+@pytest.mark.parametrize("num_qps", [1, 2, 0])
+def test_a_calls_num_qps_is_the_contexts_its_data_kernel_uses(num_qps, monkeypatch):
+    """Direct mode at 2 x 2, every peer through the emulated NIC on 3 contexts: dispatch, cached
+    dispatch and combine with ``num_qps`` 1 or 2 put on that many contexts only (the control kernels
+    on the first), and with 0 (DeepEP's min(SMs, 9)) on all three; every case checked against the
+    reference as in `test_dispatch_combine`."""
+    from test_gpu_backend import run_case
+    issued = []   # per buffer: puts this rank issued on each context
+
+    class Buffer(deep_ep.ElasticBuffer):
+        def dispatch(self, *args, **kwargs):
+            return super().dispatch(*args, num_qps=num_qps, **kwargs)
+
+        def combine(self, *args, **kwargs):
+            return super().combine(*args, num_qps=num_qps, **kwargs)
+
+        def destroy(self):
+            backend = self._backend
+            gin = backend.transport.state.gin
+            queues = gin.queues.view(gin.num_ranks, gin.num_contexts, gin.num_ranks, -1)
+            issued.append(queues[backend.rank, :, :, 0].sum(1).tolist())
+            super().destroy()
+
+    monkeypatch.setattr(deep_ep, "ElasticBuffer", functools.partial(Buffer, allow_hybrid_mode=False))
+    group = _group(2, 2, seed=3, contexts=3, gin_within_node=True)
+    names = ("bf16", "bf16-expand", "fp8-fp32", "bf16-nosync")
+    cases = [c for c in cases_for(4) if c.name.split("-", 1)[1] in names]
+    assert len(cases) == len(names)
+    for case in cases:
+        run_case(case, group.run, torch.device("cuda", 0), seed=case_seed(case.name, 2, 2, 3 + num_qps))
+    used = 3 if num_qps == 0 else num_qps
+    assert len(issued) == 4 * len(cases)
+    for per_context in issued:
+        assert not any(per_context[used:]), (num_qps, per_context)   # no put past the call's contexts
+    totals = [sum(column) for column in zip(*issued)]
+    assert all(count > 0 for count in totals[:used]), (num_qps, totals)

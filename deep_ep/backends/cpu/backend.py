@@ -48,8 +48,8 @@ class CPUBackend(Backend):
 
     def dispatch(self, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
-                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats):
-        del num_sms  # no SMs on the CPU
+                 do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats, num_qps=0):
+        del num_sms, num_qps  # no SMs or QPs on the CPU
         return dispatch_impl.dispatch(
             self.comm, self.config.buffer_id, data, sf, topk_idx, topk_weights, num_experts=num_experts,
             num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment, handle=handle,
@@ -58,8 +58,8 @@ class CPUBackend(Backend):
             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, call=self.calls,
             num_scaleup_ranks=self.num_scaleup_ranks)
 
-    def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False):
-        del num_sms
+    def combine(self, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False, num_qps=0):
+        del num_sms, num_qps
         return combine_impl.combine(self.comm, x, handle, topk_weights, bias,
                                     allow_multiple_reduction=self.config.allow_multiple_reduction,
                                     apply_dispatch_weights=apply_dispatch_weights, call=self.calls,

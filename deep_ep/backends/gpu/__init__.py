@@ -31,7 +31,7 @@ from . import window
 from .abi import CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, MAX_EXPERTS, READBACK, READBACK_WORDS, call_tag
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_dispatch
-from .errors import ErrorRecord, MappedWords, broken_label, raise_bad_expert, raise_recorded
+from .errors import CallRecord, ErrorRecord, MappedWords, broken_label, raise_bad_expert, raise_recorded
 from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, dispatch_defines,
                       kernel_source, launch_control, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
@@ -49,21 +49,6 @@ NVLINK_GBPS = 450.0   # H200 / H100 NVLink 4, per direction per GPU (datasheet)
 # The notify kernel's grid cap, in groups (warps) per SM (for emulated ranks divided by the ranks):
 # every block is resident at once (it has grid barriers).
 NOTIFY_GROUPS_PER_SM = 8
-
-
-class CallRecord:
-    """What a backend keeps of its latest calls, for what comes after them: the report number of
-    the layout stage's last report (`GPUBackend.wait_readback`), and, for an error a kernel records
-    and the host finds later, the call number of the last kernels launched and the configuration
-    of the last dispatch (its ``num_max_tokens_per_rank``, experts and top-k)."""
-
-    __slots__ = ("readback_seq", "launched_call", "num_max_tokens", "num_experts", "num_topk")
-
-    def __init__(self) -> None:
-        self.readback_seq = 0      # 1 .. 2**31 - 1 once a dispatch with CPU sync ran
-        self.launched_call = 0
-        self.num_max_tokens = 0
-        self.num_experts = self.num_topk = 0
 
 
 class GPUBackend(Backend):
@@ -356,6 +341,13 @@ class GPUBackend(Backend):
                 load_module(module, self._device.index)
             self._ready_modules[(kind, structure)] = module
         return module
+
+    def transport_args_for(self, num_qps: int, num_sms: int):
+        """The data kernels' ``TransportArgs`` for a call with ``num_qps`` RDMA QPs on ``num_sms`` SMs:
+        across nodes its puts spread over that many GIN contexts (`resources.call_num_contexts`;
+        every rank must pass the same); elsewhere, and for the control kernels, the buffer's own."""
+        return self.transport.kernel_args_using(resources.call_num_contexts(
+            num_qps, num_sms, self.transport.gin_contexts(), self.config.allow_hybrid_mode))
 
     def num_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every

@@ -21,7 +21,7 @@ from .state import GPUHandleState
 __all__ = ["run_combine"]
 
 
-def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False,
+def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispatch_weights=False, num_qps=0,
                 phases=modules.BOTH_PHASES):
     """`Backend.combine` on the GPU backend ``backend`` (see `deep_ep.backends.base`): the combine
     kernel through the handle's prepared launch (`_combine_launch`), its per-call pointers and call
@@ -38,7 +38,7 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
     prepared, num_blocks, out_shape, w_shape, tag, _ = _combine_launch(backend, handle, state, num_sms,
-                                                                       apply_dispatch_weights, has_weights)
+                                                                       apply_dispatch_weights, has_weights, num_qps)
     backend.raise_if_broken()
     device, fill = backend.device, backend.fill_stream
     out = outputs.empty(out_shape, torch.bfloat16, device, fill)
@@ -61,12 +61,12 @@ def run_combine(backend, x, handle, topk_weights, bias, *, num_sms, apply_dispat
     return out, out_w, deferred
 
 
-def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has_weights) -> tuple:
+def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has_weights, num_qps=0) -> tuple:
     """The prepared combine launch for these options and what goes with it: ``(launch, SMs, output
     shape, weights' shape, the launch's tag, guard)``. Found in the handle's memo
     (`EPHandle.launch_memo`) by the call's options, else in its ``state`` by a key of the options and
     every handle field the launch reads; the first call of a key prepares it (`_prepare`)."""
-    options = ("combine", num_sms, bool(apply_dispatch_weights), has_weights)
+    options = ("combine", num_sms, bool(apply_dispatch_weights), has_weights, num_qps)
     memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
     entry = memo.get(options)
     topk = handle.topk_idx
@@ -77,14 +77,15 @@ def _combine_launch(backend, handle, state, num_sms, apply_dispatch_weights, has
         key = options + guard + (state.src_meta_ptr, handle.hidden, handle.num_experts, handle.do_expand)
         launch = state.launches.get(key)
         if launch is None:
-            launch = state.launches[key] = _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights)
+            launch = state.launches[key] = _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights,
+                                                    num_qps)
         num_tokens = handle.num_tokens
         entry = memo[options] = launch + ((num_tokens, handle.hidden), (num_tokens, handle.num_topk),
                                           launch[0].args[0].tag, guard)
     return entry
 
 
-def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> tuple:
+def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights, num_qps=0) -> tuple:
     """The handle's prepared combine launch for this key, every argument but the per-call pointers
     and the call number set; returns ``(launch, SMs)``."""
     state = handle.backend_state
@@ -102,7 +103,9 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
                                     expanded=bool(handle.do_expand))
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("combine", (hidden, num_topk, expand))
-    tag = call_tag(0, 3, hidden, num_topk, int(expand), num_experts, has_weights, int(bool(apply_dispatch_weights)))
+    transport = backend.transport_args_for(num_qps, num_blocks)   # the contexts across nodes
+    tag = call_tag(0, 3, hidden, num_topk, int(expand), num_experts, has_weights, int(bool(apply_dispatch_weights)),
+                   getattr(transport, "num_contexts", 0))
     args = CombineArgs(
         recv_weights=_ptr(handle.recv_topk_weights),
         src_meta=state.src_meta_ptr, layout=state.layout_ptr, pos_tok=state.pos_tok_ptr,
@@ -112,6 +115,6 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights) -> t
         timeout_ns=backend.timeout_ns, err_host=backend.err_record.device_ptr, tag=tag,
         max_tokens=handle.num_max_tokens_per_rank)
     prepared = module.function(modules.COMBINE_KERNEL).prepare(
-        num_blocks, modules.THREADS, (args, backend.transport_args), device=backend.device.index,
+        num_blocks, modules.THREADS, (args, transport), device=backend.device.index,
         cooperative=backend.cooperative)
     return prepared, num_blocks

@@ -85,7 +85,7 @@ class DispatchCall:
     """
 
     __slots__ = ("backend", "data", "sf", "topk_idx", "topk_weights", "num_experts", "num_max_tokens_per_rank",
-                 "expert_alignment", "num_sms", "do_handle_copy", "do_cpu_sync", "do_expand", "do_zero_padding",
+                 "expert_alignment", "num_sms", "num_qps", "do_handle_copy", "do_cpu_sync", "do_expand", "do_zero_padding",
                  "col_major_sf", "stats", "phases", "deferred",
                  "plan", "num_tokens", "num_topk", "word_plan", "notify_blocks", "tokens_per_group",
                  "device", "fill", "words", "handle_topk", "addresses", "topk_ptr",
@@ -93,19 +93,19 @@ class DispatchCall:
 
     def __init__(self, backend, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, col_major_sf,
-                 stats):
+                 stats, num_qps=0):
         self.backend, self.data, self.sf, self.topk_idx, self.topk_weights = backend, data, sf, topk_idx, topk_weights
         self.num_experts, self.num_max_tokens_per_rank = num_experts, num_max_tokens_per_rank
         self.expert_alignment, self.num_sms, self.do_handle_copy = expert_alignment, num_sms, do_handle_copy
         self.do_cpu_sync, self.do_expand, self.do_zero_padding = do_cpu_sync, do_expand, do_zero_padding
-        self.col_major_sf, self.stats = col_major_sf, stats
+        self.col_major_sf, self.stats, self.num_qps = col_major_sf, stats, num_qps
         self.phases, self.deferred = modules.BOTH_PHASES, None
 
 
 def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_max_tokens_per_rank,
                  expert_alignment, num_sms, handle, do_handle_copy, do_cpu_sync, do_expand,
                  do_zero_padding, use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats,
-                 phases=modules.BOTH_PHASES):
+                 num_qps=0, phases=modules.BOTH_PHASES):
     """`Backend.dispatch` on the GPU backend ``backend`` (see `deep_ep.backends.base`).
 
     ``phases`` (fresh dispatches only; internal, for V1 receive hooks): `modules.SEND_PHASE` launches
@@ -129,10 +129,10 @@ def run_dispatch(backend, data, sf, topk_idx, topk_weights, *, num_experts, num_
         if phases != modules.BOTH_PHASES:
             raise ValueError("a cached dispatch runs both phases in one launch")
         return run_cached(backend, data, sf, topk_weights, handle, num_sms, do_zero_padding,
-                          use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+                          use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats, num_qps)
     call = DispatchCall(backend, data, sf, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                         expert_alignment, num_sms, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                        use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats)
+                        use_tma_aligned_col_major_sf, cumulative_local_expert_recv_stats, num_qps)
     call.phases = phases
     while True:   # the steps up to the notify kernel's launch, again after a refused grid
         try:
@@ -178,7 +178,7 @@ def _plan(call: DispatchCall) -> None:
     call.num_tokens, call.num_topk = num_tokens, num_topk
     key = (hidden, call.data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_topk, call.num_experts,
            call.expert_alignment, call.num_max_tokens_per_rank, call.num_sms, call.topk_weights is not None,
-           call.do_cpu_sync, call.do_expand, call.do_zero_padding)
+           call.do_cpu_sync, call.do_expand, call.do_zero_padding, call.num_qps)
     plan = backend.fresh_plans.get(key)
     if plan is None:
         plan = _new_fresh_plan(call, key, num_topk)
@@ -203,7 +203,7 @@ def _new_fresh_plan(call: DispatchCall, key: tuple, num_topk: int) -> FreshPlan:
         plans.clear()
     plan = plans[key] = FreshPlan(call.backend, call.data, call.sf, num_topk, call.num_experts, call.expert_alignment,
                                   call.num_max_tokens_per_rank, call.num_sms, call.topk_weights is not None,
-                                  call.do_cpu_sync, call.do_expand, call.do_zero_padding)
+                                  call.do_cpu_sync, call.do_expand, call.do_zero_padding, call.num_qps)
     return plan
 
 
@@ -354,7 +354,7 @@ def _allocate_sf(backend, sf, out_rows: int, col_major: bool) -> tuple:
     return outputs.empty((out_rows, num_sf), sf.dtype, backend.device, backend.fill_stream), 0
 
 
-def run_cached(backend, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, stats):
+def run_cached(backend, data, sf, topk_weights, handle, num_sms, do_zero_padding, col_major_sf, stats, num_qps=0):
     """A cached dispatch: the data kernel only, through the handle's prepared launch
     (`_cached_launch`); its per-call pointers and call number set, outputs of the handle's rows."""
     state = handle.backend_state
@@ -362,7 +362,7 @@ def run_cached(backend, data, sf, topk_weights, handle, num_sms, do_zero_padding
         raise ValueError("the handle was not made by a GPU dispatch (it has no GPU layout state)")
     has_weights = topk_weights is not None
     prepared, num_max_tokens, _, num_blocks, out_rows, x_shape, w_shape, tag, _ = _cached_launch(
-        backend, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf)
+        backend, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf, num_qps)
     backend.call_record.num_max_tokens = num_max_tokens
     backend.raise_if_broken()
     device, fill = backend.device, backend.fill_stream
@@ -386,14 +386,14 @@ def run_cached(backend, data, sf, topk_weights, handle, num_sms, do_zero_padding
     return recv_x, state.recv_topk_idx, out_w, handle
 
 
-def _cached_launch(backend, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf) -> tuple:
+def _cached_launch(backend, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf, num_qps) -> tuple:
     """The prepared launch of a cached dispatch with these options and what goes with it: ``(launch,
     num_max_tokens, num_topk, SMs, output rows, recv_x's shape, weights' shape, the launch's tag,
     guard)``. Found in the handle's memo (`EPHandle.launch_memo`) by the call's options, else in its
     state by a key of the options and every handle field the launch reads; the first call of a key
     prepares it (`_prepare_cached`)."""
     options = ("dispatch", data.dtype, None if sf is None else (int(sf.shape[1]), sf.dtype), num_sms,
-               bool(do_zero_padding), bool(col_major_sf), has_weights)
+               bool(do_zero_padding), bool(col_major_sf), has_weights, num_qps)
     memo = handle.launch_memo()   # emptied by any assignment to the handle's fields
     entry = memo.get(options)
     topk = handle.topk_idx
@@ -408,7 +408,7 @@ def _cached_launch(backend, data, sf, has_weights, handle, num_sms, do_zero_padd
         launch = state.launches.get(key)
         if launch is None:
             launch = state.launches[key] = _prepare_cached(backend, data, sf, has_weights, handle, num_sms,
-                                                           do_zero_padding, col_major_sf)
+                                                           do_zero_padding, col_major_sf, num_qps)
         rows = handle.num_recv_rows
         entry = memo[options] = launch + (rows, (rows, int(data.shape[1])),
                                           rows if handle.do_expand else (rows, launch[2]), launch[0].args[0].tag,
@@ -416,7 +416,7 @@ def _cached_launch(backend, data, sf, has_weights, handle, num_sms, do_zero_padd
     return entry
 
 
-def _prepare_cached(backend, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf) -> tuple:
+def _prepare_cached(backend, data, sf, has_weights, handle, num_sms, do_zero_padding, col_major_sf, num_qps) -> tuple:
     """The handle's prepared cached-dispatch launch for this key, every argument but the per-call
     pointers and the call number set; returns ``(launch, num_max_tokens, num_topk, SMs)``."""
     state = handle.backend_state
@@ -428,8 +428,9 @@ def _prepare_cached(backend, data, sf, has_weights, handle, num_sms, do_zero_pad
     module = backend.module("dispatch", (data_bytes, num_sf, num_topk, do_expand))
     out_rows = handle.num_recv_rows
     leading_dim = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
+    transport = backend.transport_args_for(num_qps, num_blocks)
     tag = dispatch_tag(2, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights, do_cpu_sync,
-                       num_max_tokens)
+                       num_max_tokens, getattr(transport, "num_contexts", 0))
     args = DispatchArgs(
         topk_idx=_ptr(handle.topk_idx), num_tokens=int(data.shape[0]), pos_tok=state.pos_tok_ptr,
         pos_pair=state.pos_pair_ptr, sf_ld=leading_dim, out_topk_idx=_ptr(state.recv_topk_idx),
@@ -438,6 +439,6 @@ def _prepare_cached(backend, data, sf, has_weights, handle, num_sms, do_zero_pad
         recv_offset=layout.recv_offset, half_bytes=layout.half_bytes, row_stride=layout.row_stride,
         timeout_ns=backend.timeout_ns, err_host=backend.err_record.device_ptr, tag=tag)
     prepared = module.function(modules.CACHED_DISPATCH_KERNEL).prepare(
-        num_blocks, modules.THREADS, (args, backend.transport_args, ctypes.c_int(int(do_zero_padding))),
+        num_blocks, modules.THREADS, (args, transport, ctypes.c_int(int(do_zero_padding))),
         device=backend.device.index, cooperative=backend.cooperative)
     return prepared, num_max_tokens, num_topk, num_blocks

@@ -53,7 +53,7 @@ class FreshPlan:
                  "data", "notify_args", "layout_args", "data_args", "per_tokens", "tags", "handle_fields")
 
     def __init__(self, backend, data, sf, num_topk, num_experts, alignment, num_max_tokens_per_rank, num_sms,
-                 has_weights, do_cpu_sync, do_expand, do_zero_padding):
+                 has_weights, do_cpu_sync, do_expand, do_zero_padding, num_qps=0):
         num_ranks = backend.num_ranks
         data_bytes, num_sf, layout, num_max_tokens = check_config(backend, data, sf, num_topk, num_experts,
                                                                   num_max_tokens_per_rank)
@@ -74,10 +74,11 @@ class FreshPlan:
         self.meta_rows = 0 if do_cpu_sync else self.tok_capacity
         self.expanded_capacity = worst_case_recv_rows(num_ranks, num_max_tokens, num_topk, self.num_local_experts,
                                                       alignment, True)   # the handle's, without CPU sync
+        transport = backend.transport_args_for(num_qps, self.num_sms)   # the data kernel's contexts
         tag = dispatch_tag(1, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights,
-                           do_cpu_sync, num_max_tokens)
+                           do_cpu_sync, num_max_tokens, getattr(transport, "num_contexts", 0))
         self._prepare_launches(backend, layout, (data_bytes, num_sf, num_topk, bool(do_expand)), tag,
-                               num_max_tokens_per_rank, do_cpu_sync, do_zero_padding)
+                               num_max_tokens_per_rank, do_cpu_sync, do_zero_padding, transport)
         # The fields of the handles this configuration makes, each call's own ones at placeholders: a
         # call copies the dict and sets those (a dict copy is cheaper than building the dict anew).
         self.handle_fields = EPHandle.field_dict(
@@ -88,10 +89,11 @@ class FreshPlan:
             recv_topk_weights=None)
 
     def _prepare_launches(self, backend, layout, structure, tag, num_max_tokens_per_rank, do_cpu_sync,
-                          do_zero_padding) -> None:
+                          do_zero_padding, data_transport) -> None:
         """Prepare the notify and data launches of the dispatch module of ``structure`` (with the
-        window ``layout`` and the call ``tag`` of this configuration): ``notify``, ``data``, their
-        argument structs and ``tags``."""
+        window ``layout`` and the call ``tag`` of this configuration; the data kernel with
+        ``data_transport``, `GPUBackend.transport_args_for`): ``notify``, ``data``, their argument
+        structs and ``tags``."""
         num_experts, alignment, timeout_ns = self.num_experts, self.alignment, backend.timeout_ns
         device, transport = backend.device, backend.transport_args
         module = backend.module("dispatch", structure)
@@ -110,7 +112,7 @@ class FreshPlan:
             1, 32 * NOTIFY_WARPS, (notify_args, layout_args, transport), device=device.index,
             cooperative=backend.cooperative, smem=4 * NOTIFY_WARPS * (backend.num_ranks + num_experts))
         self.data = module.function(modules.DISPATCH_KERNEL).prepare(
-            self.num_sms, modules.THREADS, (data_args, transport, ctypes.c_int(int(do_zero_padding))),
+            self.num_sms, modules.THREADS, (data_args, data_transport, ctypes.c_int(int(do_zero_padding))),
             device=device.index, cooperative=backend.cooperative)
         # the structs the launches read (each call sets its fields in them), and every struct's tag,
         # as views into their arguments (a ctypes field read makes a new view)
@@ -119,11 +121,12 @@ class FreshPlan:
 
 
 def dispatch_tag(kind: int, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights,
-                 do_cpu_sync, num_max_tokens):
+                 do_cpu_sync, num_max_tokens, num_contexts=0):
     """The tag of a dispatch (``kind`` 1: fresh, 2: cached) with call number 0: what every rank's
-    call must agree on (sent with every signal, comm/window.cuh); each call sets its number."""
+    call must agree on (sent with every signal, comm/window.cuh; across nodes the GIN contexts its
+    data kernel uses too); each call sets its number."""
     return call_tag(0, kind, data_bytes, num_sf, num_topk, int(bool(do_expand)), alignment, num_experts, has_weights,
-                    int(bool(do_cpu_sync)), 0 if do_cpu_sync else num_max_tokens)
+                    int(bool(do_cpu_sync)), 0 if do_cpu_sync else num_max_tokens, num_contexts)
 
 
 def sf_ld(out_rows: int) -> int:

@@ -17,7 +17,22 @@ import torch
 from ...cuda.driver import ensure_context, enter_context, error_name, leave_context
 from .abi import CONSTANTS, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, PHASES
 
-__all__ = ["MappedWords", "ErrorRecord", "broken_label", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
+__all__ = ["CallRecord", "MappedWords", "ErrorRecord", "broken_label", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
+
+
+class CallRecord:
+    """What a backend keeps of its latest calls, for what comes after them: the report number of
+    the layout stage's last report (`GPUBackend.wait_readback`), and, for an error a kernel records
+    and the host finds later, the call number of the last kernels launched and the configuration
+    of the last dispatch (its ``num_max_tokens_per_rank``, experts and top-k)."""
+
+    __slots__ = ("readback_seq", "launched_call", "num_max_tokens", "num_experts", "num_topk")
+
+    def __init__(self) -> None:
+        self.readback_seq = 0      # 1 .. 2**31 - 1 once a dispatch with CPU sync ran
+        self.launched_call = 0
+        self.num_max_tokens = 0
+        self.num_experts = self.num_topk = 0
 
 
 class MappedWords:
