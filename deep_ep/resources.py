@@ -29,8 +29,8 @@ QPs: direct mode ``min(num_sms, 9)`` (fewer doorbells), hybrid ``num_sms * 16 + 
 and the notify warps their own), capped by the QPs allocated; 0 SMs: 0 QPs. A buffer allocates 129
 QPs in hybrid mode and 17 in direct mode when ``num_allocated_qps=0`` (DeepEP's counts without a
 ConnectX-8; 0 on CPU). Across nodes the buffer asks NCCL (or the emulated GIN) for that many GIN
-contexts; a call's data kernel spreads its puts over ``num_qps`` of those it got
-(`call_num_contexts`: 0 means ``theoretical_num_qps(num_sms)``), the control kernels use the first.
+contexts; a call's data kernel spreads its puts over ``num_qps`` of those it got (`call_num_contexts`:
+0 means all of them), the control kernels use the first.
 """
 from __future__ import annotations
 
@@ -155,13 +155,15 @@ def theoretical_num_qps(num_sms: int, num_allocated_qps: int, allow_hybrid_mode:
     return min(wanted, num_allocated_qps)
 
 
-def call_num_contexts(num_qps: int, num_sms: int, num_contexts: int, allow_hybrid_mode: bool = True) -> int:
-    """GIN contexts a call's data kernel spreads its puts over across nodes: its ``num_qps`` (0:
-    `theoretical_num_qps` for ``num_sms``, DeepEP's choice for the mode), between 1 and the
-    ``num_contexts`` the transport has; 0 when it has none (one node)."""
+def call_num_contexts(num_qps: int, num_contexts: int) -> int:
+    """GIN contexts a call's data kernel spreads its puts over across nodes: its ``num_qps``, at most
+    the ``num_contexts`` the transport has; 0 means all of them (DeepEP derives its own from the SMs:
+    pass ``theoretical_num_qps(num_sms, ...)`` for its count). 0 when the transport has none (one
+    node). Not derived from the SMs here: ranks may run a call on different SM counts, but must
+    use the same contexts."""
     if num_contexts <= 0:
         return 0
-    return max(1, min(num_contexts, num_qps or theoretical_num_qps(num_sms, num_contexts, allow_hybrid_mode)))
+    return min(num_contexts, num_qps) if num_qps > 0 else num_contexts
 
 
 def default_num_allocated_qps(resources: Optional[DeviceResources], allow_hybrid_mode: bool = True) -> int:

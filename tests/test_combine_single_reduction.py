@@ -88,9 +88,9 @@ def test_an_expanded_combine_launches_the_single_reduction_module(apply_weights)
     (name, _, args), = log
     assert name == modules.COMBINE_KERNEL
     tag = CombineArgs.from_buffer_copy(args[0]).tag
-    want = call_tag(b.calls, 3, H, K, modules.SINGLE_REDUCTION, E, False, int(apply_weights))
+    want = call_tag(b.calls, 3, H, K, modules.SINGLE_REDUCTION, E, False, int(apply_weights), 0)   # 0: no GIN
     assert (tag.seq, tag.fingerprint) == (want.seq, want.fingerprint)
-    assert want.fingerprint != call_tag(b.calls, 3, H, K, 1, E, False, int(apply_weights)).fingerprint
+    assert want.fingerprint != call_tag(b.calls, 3, H, K, 1, E, False, int(apply_weights), 0).fingerprint
     assert CombineArgs.from_buffer_copy(args[0]).apply_weights == int(apply_weights)
 
     (_, _, _, flat), _keep2 = _dispatch(b, T=40, weights=False, sync=True, align=1, stats=False, seed=4)
@@ -175,8 +175,8 @@ def test_hybrid_mode_across_nodes_combines_unreduced(expand):
     (name, _, args), = log
     assert name == modules.COMBINE_KERNEL
     tag = CombineArgs.from_buffer_copy(args[0]).tag
-    assert tag.fingerprint == call_tag(b.calls, 3, H, K, layout, E, not expand, 0).fingerprint
-    assert tag.fingerprint != call_tag(b.calls, 3, H, K, int(expand), E, not expand, 0).fingerprint
+    assert tag.fingerprint == call_tag(b.calls, 3, H, K, layout, E, not expand, 0, 0).fingerprint
+    assert tag.fingerprint != call_tag(b.calls, 3, H, K, int(expand), E, not expand, 0, 0).fingerprint
     # the same handle on a buffer with multiple reduction: the hybrid order's module
     b.config = dataclasses.replace(b.config, allow_multiple_reduction=True)
     handle.backend_state.launches.clear()

@@ -814,11 +814,11 @@ def test_every_rank_count_launches_the_same_kernels(expand, sync, ranks, monkeyp
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_a_calls_num_qps_picks_the_gin_contexts_of_its_data_kernel(hybrid):
-    """Across nodes a call's ``num_qps`` is the number of GIN contexts its data kernel uses: 0 is
-    DeepEP's `theoretical_num_qps` for the mode (direct: min(SMs, 9); hybrid: SMs x 16 + 1), both at
-    most the contexts the transport has; a copy of the transport's arguments per count (kept), with
-    every other field the same; the count is part of the call's tag, so ranks that disagree are
-    told so. On one node (no GIN) the transport's arguments are used as they are."""
+    """Across nodes a call's ``num_qps`` is the number of GIN contexts its data kernel uses, at most
+    the contexts the transport has, 0 all of them (whatever the SMs); a copy of the transport's
+    arguments per count (kept), with every other field the same; the count is part of the call's
+    tag, so that ranks that disagree are told so. On one node (no GIN) the transport's arguments
+    are used as they are."""
     from deep_ep.backends.gpu.dispatch_plan import dispatch_tag
     from deep_ep.comm.gin import GinHybridTransportArgs, GinTransportArgs
     from deep_ep.comm.transport import Transport
@@ -831,19 +831,17 @@ def test_a_calls_num_qps_picks_the_gin_contexts_of_its_data_kernel(hybrid):
     transport = Fake()
     transport.kernel_args = lambda: base
     b = GPUBackend.__new__(GPUBackend)
-    b.config, b.transport = types.SimpleNamespace(allow_hybrid_mode=hybrid), transport
+    b.transport = transport
     assert transport.gin_contexts() == 3
-    assert b.transport_args_for(5, 8) is base                    # more than the transport has: all of them
-    one = b.transport_args_for(1, 8)
+    assert b.transport_args_for(5) is base and b.transport_args_for(0) is base   # all of them
+    one = b.transport_args_for(1)
     assert one is not base and one.num_contexts == 1 and base.num_contexts == 3
-    assert b.transport_args_for(1, 32) is one                    # kept per count
+    assert b.transport_args_for(1) is one and type(one) is type(base)          # kept per count
     offset = GinTransportArgs.num_contexts.offset
     assert bytes(one)[:offset] == bytes(base)[:offset] and bytes(one)[offset + 4:] == bytes(base)[offset + 4:]
-    automatic = b.transport_args_for(0, 2)
-    assert automatic.num_contexts == (3 if hybrid else 2)        # hybrid: 2 x 16 + 1 QPs, capped at 3
-    assert b.transport_args_for(0, 16) is base                  # direct: min(16, 9), capped at 3
+    assert b.transport_args_for(2).num_contexts == 2
     tags = {dispatch_tag(1, 7168, 0, 8, False, 1, 256, True, True, 0, n).fingerprint for n in (0, 1, 2, 3)}
     assert len(tags) == 4
     one_node = ctypes.c_int(7)
     transport.kernel_args = lambda: one_node
-    assert transport.gin_contexts() == 0 and b.transport_args_for(1, 8) is one_node   # nothing to pick
+    assert transport.gin_contexts() == 0 and b.transport_args_for(1) is one_node   # nothing to pick

@@ -350,16 +350,12 @@ def test_num_qps():
 
 
 def test_a_calls_gin_contexts():
-    """A call's num_qps, else the model's QPs for its SMs, between 1 and the contexts the transport
-    has; none on one node."""
+    """A call's num_qps, at most the contexts the transport has, 0 all of them; none on one node."""
     contexts = resources.call_num_contexts
-    for num_qps, num_sms, available in itertools.product(range(0, 20), range(0, 40, 3), (0, 1, 2, 3, 17)):
-        for hybrid in (True, False):
-            want = 0 if available == 0 else max(1, min(available, num_qps or resources.theoretical_num_qps(
-                num_sms, available, hybrid)))
-            assert contexts(num_qps, num_sms, available, hybrid) == want
-    assert contexts(0, 12, 17, False) == 9 and contexts(0, 12, 17, True) == 17 and contexts(4, 12, 17, True) == 4
-    assert contexts(0, 0, 3, False) == 1 and contexts(5, 8, 0, True) == 0
+    for num_qps, available in itertools.product(range(0, 20), (0, 1, 2, 3, 17)):
+        want = 0 if available == 0 else (min(num_qps, available) if num_qps else available)
+        assert contexts(num_qps, available) == want
+    assert contexts(0, 17) == 17 and contexts(4, 17) == 4 and contexts(40, 17) == 17 and contexts(5, 0) == 0
 
 
 # ---------------------------------------------------------------------------------------- CPU as 2 nodes x 2

@@ -268,8 +268,8 @@ def test_a_hybrid_rail_wait_times_out_naming_rank_peer_and_phase():
 def test_a_calls_num_qps_is_the_contexts_its_data_kernel_uses(num_qps, monkeypatch):
     """Direct mode at 2 x 2, every peer through the emulated NIC on 3 contexts: dispatch, cached
     dispatch and combine with ``num_qps`` 1 or 2 put on that many contexts only (the control kernels
-    on the first), and with 0 (DeepEP's min(SMs, 9)) on all three; every case checked against the
-    reference as in `test_dispatch_combine`."""
+    on the first), and with 0 on all three; every case checked against the reference as in
+    `test_dispatch_combine`."""
     from test_gpu_backend import run_case
     issued = []   # per buffer: puts this rank issued on each context
 

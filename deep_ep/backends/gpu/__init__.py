@@ -342,12 +342,11 @@ class GPUBackend(Backend):
             self._ready_modules[(kind, structure)] = module
         return module
 
-    def transport_args_for(self, num_qps: int, num_sms: int):
-        """The data kernels' ``TransportArgs`` for a call with ``num_qps`` RDMA QPs on ``num_sms`` SMs:
-        across nodes its puts spread over that many GIN contexts (`resources.call_num_contexts`;
-        every rank must pass the same); elsewhere, and for the control kernels, the buffer's own."""
-        return self.transport.kernel_args_using(resources.call_num_contexts(
-            num_qps, num_sms, self.transport.gin_contexts(), self.config.allow_hybrid_mode))
+    def transport_args_for(self, num_qps: int):
+        """The data kernels' ``TransportArgs`` for a call with ``num_qps`` RDMA QPs: across nodes its
+        puts spread over that many GIN contexts (`resources.call_num_contexts`, 0: all; every rank
+        must pass the same); elsewhere, and for the control kernels, the buffer's own."""
+        return self.transport.kernel_args_using(resources.call_num_contexts(num_qps, self.transport.gin_contexts()))
 
     def num_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every

@@ -103,7 +103,7 @@ def _prepare(backend, handle, num_sms, apply_dispatch_weights, has_weights, num_
                                     expanded=bool(handle.do_expand))
     num_blocks = backend.num_sms(num_sms, num_experts, num_topk)
     module = backend.module("combine", (hidden, num_topk, expand))
-    transport = backend.transport_args_for(num_qps, num_blocks)   # the contexts across nodes
+    transport = backend.transport_args_for(num_qps)   # the contexts across nodes
     tag = call_tag(0, 3, hidden, num_topk, int(expand), num_experts, has_weights, int(bool(apply_dispatch_weights)),
                    getattr(transport, "num_contexts", 0))
     args = CombineArgs(

@@ -428,7 +428,7 @@ def _prepare_cached(backend, data, sf, has_weights, handle, num_sms, do_zero_pad
     module = backend.module("dispatch", (data_bytes, num_sf, num_topk, do_expand))
     out_rows = handle.num_recv_rows
     leading_dim = _sf_ld(out_rows) if sf is not None and col_major_sf else 0
-    transport = backend.transport_args_for(num_qps, num_blocks)
+    transport = backend.transport_args_for(num_qps)
     tag = dispatch_tag(2, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights, do_cpu_sync,
                        num_max_tokens, getattr(transport, "num_contexts", 0))
     args = DispatchArgs(

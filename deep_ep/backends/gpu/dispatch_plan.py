@@ -74,7 +74,7 @@ class FreshPlan:
         self.meta_rows = 0 if do_cpu_sync else self.tok_capacity
         self.expanded_capacity = worst_case_recv_rows(num_ranks, num_max_tokens, num_topk, self.num_local_experts,
                                                       alignment, True)   # the handle's, without CPU sync
-        transport = backend.transport_args_for(num_qps, self.num_sms)   # the data kernel's contexts
+        transport = backend.transport_args_for(num_qps)   # the data kernel's contexts
         tag = dispatch_tag(1, data_bytes, num_sf, num_topk, do_expand, alignment, num_experts, has_weights,
                            do_cpu_sync, num_max_tokens, getattr(transport, "num_contexts", 0))
         self._prepare_launches(backend, layout, (data_bytes, num_sf, num_topk, bool(do_expand)), tag,

@@ -135,7 +135,8 @@ def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: 
                     f"refused it)")
         else:
             what = (f"ranks {rank} and {peer} are both at call #{calls} but disagree on it (the operation, or "
-                    f"its configuration: experts, hidden, top-k, FP8, layout, alignment, weights, do_cpu_sync)")
+                    f"its configuration: experts, hidden, top-k, FP8, layout, alignment, weights, do_cpu_sync, "
+                    f"num_qps across nodes)")
         raise RuntimeError(f"deep_ep: {what}. Every rank of the call raises this; the buffer is no longer "
                            f"usable (destroy it and create a new one on every rank)")
     if code == ERR_CAPACITY:
