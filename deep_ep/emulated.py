@@ -257,6 +257,22 @@ class EmulatedGroup:
                 f"at the same call), and not every rank reached it within {self.timeout_secs} s or a rank "
                 f"failed: emulated ranks must make the same sequence of calls") from None
 
+    def _agree_on_gin(self, windows: EmulatedWindowSet, rank: int, mode: tuple, transport) -> None:
+        """Collective: every rank's ``(allow_hybrid_mode, num_allocated_qps)`` for a buffer across
+        emulated nodes. The GIN state is one for all ranks and a mode's kernels expect their peers'
+        to run the same protocol, so ranks that differ get a ValueError on every rank (their windows
+        released) instead of waits that time out."""
+        with self._lock:
+            modes = windows.__dict__.setdefault("gin_modes", {})
+            modes[rank] = mode
+        self.barrier()
+        if len(set(modes.values())) > 1:
+            transport.destroy()
+            seen = ", ".join(f"rank {r}: allow_hybrid_mode={hybrid}, num_allocated_qps={qps}"
+                             for r, (hybrid, qps) in sorted(modes.items()))
+            raise ValueError(f"deep_ep: ranks disagree on a buffer across emulated nodes ({seen}); every rank must "
+                             f"pass the same allow_hybrid_mode and num_allocated_qps")
+
     def _gin_for(self, windows: EmulatedWindowSet, num_allocated: int, timeout_ns: int, hybrid: bool = False):
         """The emulated GIN state of a buffer's window set, made by the first rank that asks
         (``hybrid``: the buffer runs hybrid mode, every rank's forwarding area with it)."""
@@ -415,12 +431,18 @@ class EmulatedRankGroup:
         nodes, its emulated GIN too (``num_allocated_qps`` contexts, 0: DeepEP's 17 of direct mode),
         for hybrid mode with ``allow_hybrid_mode`` and nodes of several ranks (with one rank per node
         hybrid mode moves what direct mode moves). ``timeout_ns``: the buffer's GPU timeout, which
-        bounds the emulated GIN's waits (`deep_ep.comm.gin.EmulatedGinState`)."""
+        bounds the emulated GIN's waits (`deep_ep.comm.gin.EmulatedGinState`).
+
+        Raises:
+            ValueError: across nodes, ranks that passed another ``allow_hybrid_mode`` or
+                ``num_allocated_qps`` (on every rank, after a barrier; nothing is kept).
+        """
         ws = self.parent._windows_for(self._rank, num_bytes)
         transport = EmulatedTransport(ws, self._rank, self.parent.barrier)
         if self.parent.num_nvlink_ranks < self.parent.num_ranks:
             from .comm.gin import EmulatedGinDirectTransport
             hybrid = bool(allow_hybrid_mode) and self.parent.num_nvlink_ranks > 1
+            self.parent._agree_on_gin(ws, self._rank, (bool(allow_hybrid_mode), num_allocated_qps or 17), transport)
             state = self.parent._gin_for(ws, num_allocated_qps or 17, timeout_ns, hybrid)
             transport = EmulatedGinDirectTransport(transport, state)
         self.parent.barrier()  # every rank holds its transport before any kernel can signal

@@ -300,3 +300,24 @@ def test_a_calls_num_qps_is_the_contexts_its_data_kernel_uses(num_qps, monkeypat
         assert not any(per_context[used:]), (num_qps, per_context)   # no put past the call's contexts
     totals = [sum(column) for column in zip(*issued)]
     assert all(count > 0 for count in totals[:used]), (num_qps, totals)
+
+
+@pytest.mark.parametrize("option", ["allow_hybrid_mode", "num_allocated_qps"])
+def test_ranks_that_disagree_on_the_mode_are_refused_on_every_rank(option):
+    """One rank of 2 x 2 emulated nodes creates its buffer in another mode (or with other QPs) than
+    the rest: every rank gets the same ValueError naming each rank's values, before any kernel;
+    the group then creates a buffer they agree on."""
+    group = _group(2, 2, seed=1, contexts=2)
+
+    def body(rank_group):
+        rank = rank_group.rank()
+        odd = {"allow_hybrid_mode": rank != 1} if option == "allow_hybrid_mode" else \
+            {"allow_hybrid_mode": False, "num_allocated_qps": 9 if rank == 1 else 17}
+        with pytest.raises(ValueError, match="ranks disagree on a buffer across emulated nodes") as info:
+            deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4, **odd)
+        buf = deep_ep.ElasticBuffer(rank_group, num_max_tokens_per_rank=16, hidden=256, num_topk=4)
+        buf.destroy()
+        return str(info.value)
+
+    messages = group.run(body)
+    assert len(set(messages)) == 1 and "rank 1: allow_hybrid_mode=" in messages[0], messages
