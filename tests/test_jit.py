@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -81,6 +82,26 @@ def _nccl_include(version: str, request) -> Path:
 
 # ---------------------------------------------------------------------------------------------
 # Basics
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device's arch comes first where torch sees a GPU")
+def test_an_arch_nvrtc_lacks_is_named_before_any_compile(monkeypatch):
+    """An arch this NVRTC cannot compile for (from EP_JIT_ARCH where torch sees no GPU, or passed)
+    raises JitEnvironmentError naming it, where it came from and the archs NVRTC has, before any
+    source is dumped or compiled; the archs it has build."""
+    from deep_ep.jit import compiler
+    assert 90 in compiler.nvrtc_archs() and 70 not in compiler.nvrtc_archs()
+    monkeypatch.setenv("EP_JIT_ARCH", "sm_70")
+    before = jit.stats()["builds"]
+    with pytest.raises(jit.JitEnvironmentError, match=r"cannot compile for sm_70 \(EP_JIT_ARCH\); it compiles "
+                                                      r"for sm_75, .*sm_90.*Set EP_JIT_ARCH"):
+        jit.build("axpy_old_arch", SIMPLE, defines={"SCALE": "1.0f"})
+    with pytest.raises(jit.JitEnvironmentError, match=r"sm_1000 \(passed to jit.build\)"):
+        jit.build("axpy_old_arch", SIMPLE, defines={"SCALE": "1.0f"}, arch="1000")
+    assert jit.stats()["builds"] == before
+    assert not list(Path(os.environ["EP_JIT_CACHE_DIR"]).glob("sources/axpy_old_arch-*"))
+    monkeypatch.setenv("EP_JIT_ARCH", "sm_90a")
+    assert jit.build("axpy_new_arch", SIMPLE, defines={"SCALE": "1.0f"}).arch == "sm_90a"
 
 
 def test_simple_kernel_compiles_and_reports(capsys):

@@ -173,6 +173,17 @@ def _header_set_version(path: Path, file: str, pattern: str) -> str:
     return v
 
 
+def _arch_source() -> str:
+    """Where `default_arch` takes the arch from, for error messages."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"torch's current device, {torch.cuda.get_device_name()}"
+    except Exception:
+        pass
+    return "EP_JIT_ARCH" if envs.get("EP_JIT_ARCH") else "the default where torch sees no GPU"
+
+
 def _normalize_arch(arch: str) -> str:
     a = arch.strip()
     if re.fullmatch(r"\d+[a-z]?", a):
@@ -331,7 +342,10 @@ def build(name: str, source: str, *, defines: dict | None = None, use_nccl: bool
         return module
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise ValueError(f"jit.build: name {name!r} must match [A-Za-z0-9_.-]+")
+    where = "passed to jit.build" if arch else _arch_source()
     arch = _normalize_arch(arch or default_arch())
+    if not compiler.use_nvcc():   # nvcc names the archs it lacks itself
+        compiler.check_nvrtc_arch(arch, where)
     if check_spills is None:
         check_spills = _flag("EP_JIT_CHECK_SPILLS")
 

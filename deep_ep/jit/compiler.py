@@ -20,7 +20,7 @@ from .. import envs
 from . import locate
 
 __all__ = ["CompileError", "SpillError", "CompileResult", "compile_nvrtc", "compile_nvcc",
-           "compiler_version", "use_nvcc", "parse_ptxas_info"]
+           "compiler_version", "use_nvcc", "parse_ptxas_info", "nvrtc_archs", "check_nvrtc_arch"]
 
 
 class CompileError(RuntimeError):
@@ -69,6 +69,31 @@ def _nvrtc_version() -> str:
     from cuda.bindings import nvrtc
     _err, major, minor = nvrtc.nvrtcVersion()
     return f"nvrtc-{major}.{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_archs() -> tuple:
+    """The ``sm_XY`` numbers this NVRTC compiles for, e.g. ``(75, 80, ..., 121)`` (NVRTC 13.0)."""
+    locate.nvrtc_library()
+    from cuda.bindings import nvrtc
+    return tuple(int(a) for a in _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+
+def check_nvrtc_arch(arch: str, where: str) -> None:
+    """Raise before any compile when NVRTC cannot compile for ``arch`` (``sm_XY`` or ``sm_XYa``);
+    ``where`` says where the arch came from.
+
+    Raises:
+        locate.JitEnvironmentError: an arch this NVRTC does not know, naming the ones it does.
+    """
+    supported = nvrtc_archs()
+    number = int(re.sub(r"\D", "", arch))
+    if number not in supported:
+        names = ", ".join(f"sm_{a}" for a in supported)
+        raise locate.JitEnvironmentError(
+            f"deep_ep.jit: {_nvrtc_version()} cannot compile for {arch} ({where}); it compiles for {names}. "
+            f"Set EP_JIT_ARCH to one of those where torch sees no GPU, or install the NVRTC of a CUDA version "
+            f"that supports this GPU")
 
 
 @functools.lru_cache(maxsize=None)
