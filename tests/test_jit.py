@@ -709,3 +709,19 @@ def test_kernel_names_from_the_cubin_without_ptxas_info():
     mod = jit.build("axpy", SIMPLE, defines={"SCALE": "1.0f"})
     assert Module(mod.name, mod.cubin, mod.key, None, {}).kernel_names() == ["axpy"]
     assert Module("junk", b"not an image", "key", None, {}).kernel_names() == []
+
+
+def test_a_sass_dump_without_a_disassembler_warns_once(monkeypatch, tmp_path):
+    """EP_JIT_DUMP_DIR with neither cuobjdump nor nvdisasm found: the other dumps are written and a
+    RuntimeWarning says why there is no .sass, once per process."""
+    from deep_ep.jit import builder
+    monkeypatch.setattr(locate, "find_tool", lambda name: None)
+    monkeypatch.setattr(builder, "_warned_dumps", set())
+    monkeypatch.setenv("EP_JIT_DUMP_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="no .sass dump .*neither cuobjdump nor nvdisasm was found"):
+        jit.build("axpy_dumped", SIMPLE, defines={"SCALE": "5.0f"})
+    assert {p.suffix for p in tmp_path.iterdir()} == {".cu", ".ptx", ".cubin", ".log"}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jit.build("axpy_dumped", SIMPLE, defines={"SCALE": "6.0f"})

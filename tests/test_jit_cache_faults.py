@@ -224,6 +224,9 @@ def test_compile_error_in_unwritable_cache_is_still_clear(cache, monkeypatch):
     with pytest.warns(RuntimeWarning, match="not writable"), pytest.raises(jit.CompileError) as info:
         jit.build("broken", 'extern "C" __global__ void k() { this is not C++; }')
     assert "broken" in str(info.value) and Path(info.value.source_path).exists()
+    # kept after the process exits (the private scratch directory is removed then)
+    from deep_ep.jit import builder
+    assert Path(info.value.source_path).parent == builder._kept_sources_dir()
 
 
 # ---------------------------------------------------------------------------- 8 racing processes

@@ -275,13 +275,30 @@ def _dump_artifacts(name: str, key: str, result) -> None:
     Path(str(stem) + ".log").write_text(result.log)
     if result.ptx:
         Path(str(stem) + ".ptx").write_text(result.ptx)
+    found = []
     for tool, args in (("cuobjdump", ["-sass"]), ("nvdisasm", ["-c"])):
         exe = locate.find_tool(tool)
         if exe:
+            found.append(tool)
             proc = subprocess.run([exe, *args, str(stem) + ".cubin"], capture_output=True, text=True)
             if proc.returncode == 0:
                 Path(str(stem) + ".sass").write_text(proc.stdout)
-                break
+                return
+    if "sass" not in _warned_dumps:   # once per process: the other dumps were written
+        _warned_dumps.add("sass")
+        why = f"{' and '.join(found)} failed on it" if found else \
+            "neither cuobjdump nor nvdisasm was found (on PATH, under CUDA_HOME or in an NVIDIA wheel)"
+        warnings.warn(f"deep_ep.jit: no .sass dump in {base}: {why}; the .cu, .ptx, .cubin and .log dumps "
+                      f"are written", RuntimeWarning, stacklevel=4)
+
+
+_warned_dumps: set = set()
+
+
+def _kept_sources_dir() -> Path:
+    """Where a build's source goes when the cache cannot take it: a folder of the system's temporary
+    directory, kept after the process exits (a CompileError names the file)."""
+    return Path(tempfile.gettempdir()) / "deep_ep-jit-sources"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,8 +479,11 @@ def _compile(name: str, source: str, options: list[str], arch: str, key: str, di
     """Compile and, when ``disk`` is given (its lock held), store the entry; else an in-memory module."""
     try:
         source_path = _dump_source(name, key, source, options)
-    except OSError:  # the cache (or EP_JIT_DUMP_DIR) is not writable: keep the source privately
-        source_path = _dump_source(name, key, source, options, base=_private_root())
+    except OSError:  # the cache (or EP_JIT_DUMP_DIR) is not writable
+        try:
+            source_path = _dump_source(name, key, source, options, base=_kept_sources_dir())
+        except OSError:  # nor the temporary directory: a private one, gone at exit
+            source_path = _dump_source(name, key, source, options, base=_private_root())
     use_nvcc = compiler.use_nvcc()
     if _flag("EP_JIT_PRINT_CMD"):
         cmd = compiler.nvcc_command(options, source_path, f"{name}.cubin") if use_nvcc \
