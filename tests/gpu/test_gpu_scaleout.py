@@ -17,7 +17,9 @@ combine's node partials are rounded at that rank; the default of `ElasticBuffer`
 at 2 x 1, 2 x 2 and 4 x 2 with both NIC seeds (with one rank per node it moves what direct mode moves), its combine checked in the reference's hybrid order (``num_scaleup_ranks``); on buffers
 with ``allow_multiple_reduction=False`` (impls/combine_hybrid_single.cuh: forwarders pass each rank's
 row, or each slot's, on unreduced) non-expanded and expanded cases checked in the flat order; a rail
-wait that times out names the rank, the rail peer and the phase. Skipped without a CUDA device; run with
+wait that times out names the rank, the rail peer and the phase. A call's ``num_qps`` limits the
+contexts its data kernel puts on; ranks that disagree on ``allow_hybrid_mode`` or ``num_allocated_qps``
+are refused at creation on every rank. Skipped without a CUDA device; run with
 ``EXTRA_FILES="tests/gpu/test_gpu_scaleout.py" bash tools/device_suite.sh extra``.
 """
 from __future__ import annotations
