@@ -74,17 +74,17 @@ def test_lineinfo_alias_reaches_the_compile_options(clean):
 
 
 def test_dump_switches_dump_into_the_cache(clean, tmp_path):
-    from deep_ep.jit import builder
+    from deep_ep.jit import dumps
     clean.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "cache"))
-    assert builder._dump_dir() is None
+    assert dumps.dump_dir() is None
     for name in ("EP_JIT_DUMP_PTX", "EP_JIT_DUMP_SASS", "EP_JIT_DUMP_ASM"):
         clean.setenv(name, "1")
-        assert builder._dump_dir() == tmp_path / "cache" / "dumps"
+        assert dumps.dump_dir() == tmp_path / "cache" / "dumps"
         clean.setenv(name, "0")
-        assert builder._dump_dir() is None
+        assert dumps.dump_dir() is None
     clean.setenv("EP_JIT_DUMP_SASS", "1")
     clean.setenv("EP_JIT_DUMP_DIR", str(tmp_path / "mine"))
-    assert builder._dump_dir() == tmp_path / "mine"
+    assert dumps.dump_dir() == tmp_path / "mine"
 
 
 def test_nccl_root_dir_gives_the_include_dir(clean, tmp_path):

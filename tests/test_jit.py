@@ -714,9 +714,9 @@ def test_kernel_names_from_the_cubin_without_ptxas_info():
 def test_a_sass_dump_without_a_disassembler_warns_once(monkeypatch, tmp_path):
     """EP_JIT_DUMP_DIR with neither cuobjdump nor nvdisasm found: the other dumps are written and a
     RuntimeWarning says why there is no .sass, once per process."""
-    from deep_ep.jit import builder
+    from deep_ep.jit import dumps
     monkeypatch.setattr(locate, "find_tool", lambda name: None)
-    monkeypatch.setattr(builder, "_warned_dumps", set())
+    monkeypatch.setattr(dumps, "_warned", set())
     monkeypatch.setenv("EP_JIT_DUMP_DIR", str(tmp_path))
     with pytest.warns(RuntimeWarning, match="no .sass dump .*neither cuobjdump nor nvdisasm was found"):
         jit.build("axpy_dumped", SIMPLE, defines={"SCALE": "5.0f"})

@@ -225,8 +225,8 @@ def test_compile_error_in_unwritable_cache_is_still_clear(cache, monkeypatch):
         jit.build("broken", 'extern "C" __global__ void k() { this is not C++; }')
     assert "broken" in str(info.value) and Path(info.value.source_path).exists()
     # kept after the process exits (the private scratch directory is removed then)
-    from deep_ep.jit import builder
-    assert Path(info.value.source_path).parent == builder._kept_sources_dir()
+    from deep_ep.jit import dumps
+    assert Path(info.value.source_path).parent == dumps.kept_sources_dir()
 
 
 # ---------------------------------------------------------------------------- 8 racing processes

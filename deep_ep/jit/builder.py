@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from .. import envs
 from ..cuda import nccl
-from . import compiler, locate, nccl_headers
+from . import compiler, dumps, locate, nccl_headers
 from .cache import DiskCache, cache_root
 from .compiler import SpillError
 from .runtime import Module
@@ -247,61 +246,6 @@ def _key(source: str, options: list[str], arch: str, include_digests: dict, use_
 
 
 # ---------------------------------------------------------------------------------------------
-# Dumps
-
-def _dump_dir() -> Path | None:
-    d = envs.get("EP_JIT_DUMP_DIR")
-    return Path(d).expanduser() if d else None
-
-
-def _dump_source(name: str, key: str, source: str, options: list[str], base: Path | None = None) -> str:
-    """Write the source with a header naming the build and its options; return the path. ``base``
-    defaults to EP_JIT_DUMP_DIR, else the cache's ``sources`` folder."""
-    base = base or _dump_dir() or (cache_root() / "sources")
-    base.mkdir(parents=True, exist_ok=True)
-    path = base / f"{name}-{key[:16]}.cu"
-    tmp = path.with_suffix(f".cu.{os.getpid()}.tmp")
-    tmp.write_text(f"// deep_ep.jit build of {name!r}\n// options: {' '.join(options)}\n{source}")
-    os.replace(tmp, path)
-    return str(path)
-
-
-def _dump_artifacts(name: str, key: str, result) -> None:
-    base = _dump_dir()
-    if base is None:
-        return
-    stem = base / f"{name}-{key[:16]}"
-    Path(str(stem) + ".cubin").write_bytes(result.cubin)
-    Path(str(stem) + ".log").write_text(result.log)
-    if result.ptx:
-        Path(str(stem) + ".ptx").write_text(result.ptx)
-    found = []
-    for tool, args in (("cuobjdump", ["-sass"]), ("nvdisasm", ["-c"])):
-        exe = locate.find_tool(tool)
-        if exe:
-            found.append(tool)
-            proc = subprocess.run([exe, *args, str(stem) + ".cubin"], capture_output=True, text=True)
-            if proc.returncode == 0:
-                Path(str(stem) + ".sass").write_text(proc.stdout)
-                return
-    if "sass" not in _warned_dumps:   # once per process: the other dumps were written
-        _warned_dumps.add("sass")
-        why = f"{' and '.join(found)} failed on it" if found else \
-            "neither cuobjdump nor nvdisasm was found (on PATH, under CUDA_HOME or in an NVIDIA wheel)"
-        warnings.warn(f"deep_ep.jit: no .sass dump in {base}: {why}; the .cu, .ptx, .cubin and .log dumps "
-                      f"are written", RuntimeWarning, stacklevel=4)
-
-
-_warned_dumps: set = set()
-
-
-def _kept_sources_dir() -> Path:
-    """Where a build's source goes when the cache cannot take it: a folder of the system's temporary
-    directory, kept after the process exits (a CompileError names the file)."""
-    return Path(tempfile.gettempdir()) / "deep_ep-jit-sources"
-
-
-# ---------------------------------------------------------------------------------------------
 # build
 
 _build_locks: dict[str, threading.Lock] = {}
@@ -478,12 +422,12 @@ def _build_uncached(name: str, source: str, options: list[str], arch: str, key: 
 def _compile(name: str, source: str, options: list[str], arch: str, key: str, disk: DiskCache | None) -> Module:
     """Compile and, when ``disk`` is given (its lock held), store the entry; else an in-memory module."""
     try:
-        source_path = _dump_source(name, key, source, options)
+        source_path = dumps.dump_source(name, key, source, options)
     except OSError:  # the cache (or EP_JIT_DUMP_DIR) is not writable
         try:
-            source_path = _dump_source(name, key, source, options, base=_kept_sources_dir())
+            source_path = dumps.dump_source(name, key, source, options, base=dumps.kept_sources_dir())
         except OSError:  # nor the temporary directory: a private one, gone at exit
-            source_path = _dump_source(name, key, source, options, base=_private_root())
+            source_path = dumps.dump_source(name, key, source, options, base=_private_root())
     use_nvcc = compiler.use_nvcc()
     if _flag("EP_JIT_PRINT_CMD"):
         cmd = compiler.nvcc_command(options, source_path, f"{name}.cubin") if use_nvcc \
@@ -498,9 +442,9 @@ def _compile(name: str, source: str, options: list[str], arch: str, key: str, di
     if _flag("EP_JIT_PTXAS_VERBOSE"):
         print(f"[deep_ep.jit] {name} ptxas:\n{result.log}", flush=True)
     try:
-        _dump_artifacts(name, key, result)
+        dumps.dump_artifacts(name, key, result)
     except OSError as exc:  # an unwritable EP_JIT_DUMP_DIR costs the dumps, not the build
-        _debug("%s: could not dump artifacts to %s: %s", name, _dump_dir(), exc)
+        _debug("%s: could not dump artifacts to %s: %s", name, dumps.dump_dir(), exc)
     meta = {"name": name, "arch": arch, "options": options, "kernels": result.kernels, "log": result.log,
             "compiler": compiler.compiler_version(), "compile_seconds": dt, "created": time.time()}
     path = None
