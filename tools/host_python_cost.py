@@ -80,7 +80,8 @@ def main() -> None:
                             hidden=H, num_topk=K, use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True,
                             allow_multiple_reduction=True, prefer_overlap_with_compute=True, num_gpu_timeout_secs=100,
                             num_cpu_timeout_secs=300, explicitly_destroy=False)
-    b.transport = types.SimpleNamespace(num_bytes=1 << 31)
+    b.transport = types.SimpleNamespace(num_bytes=1 << 31, gin_contexts=lambda: 0,   # one node: no GIN
+                                        kernel_args_using=lambda count: b.transport_args)
     b.notify_groups_max, b.last_tokens = 1056, T
     cache = {}
 
