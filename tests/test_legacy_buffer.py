@@ -602,6 +602,14 @@ def _worker(rank, world_size):
     _check_refusals(buffer, rank, world_size)
     _check_planned(buffer)
     _check_local_buffer_tensor(rank)
+    # a low-latency Buffer of num_nvl_bytes=0 has no window for normal mode on a GPU: refused here too
+    low_latency_only = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True)
+    idx = torch.tensor([[0, 1]])
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 2 * world_size)
+    with pytest.raises(ValueError, match="num_nvl_bytes=0"):
+        low_latency_only.dispatch(torch.ones(1, 64, dtype=torch.bfloat16), topk_idx=idx, topk_weights=torch.ones(1, 2),
+                                  num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=per_expert)
     with pytest.raises(RuntimeError, match="explicitly_destroy"):
         buffer.destroy()
     other = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True)

@@ -110,12 +110,12 @@ def normal_mode_buffer(owner):
     """The `ElasticBuffer` of ``owner``'s (a `deep_ep.Buffer`) normal-mode calls.
 
     Raises:
-        RuntimeError: destroyed. ValueError: a low-latency Buffer of ``num_nvl_bytes=0`` on the GPU
-            within one node, whose one window its low-latency calls use (`open_elastic_buffers`).
+        RuntimeError: destroyed. ValueError: a low-latency Buffer of ``num_nvl_bytes=0`` within one
+            node, whose one GPU window its low-latency calls use (`open_elastic_buffers`; refused on
+            the CPU backend too, whose jobs are the GPU's tests).
     """
     buffer = owner._alive()
-    if owner.low_latency_mode and owner.num_nvl_bytes == 0 and owner.num_rdma_ranks == 1 and \
-            buffer.device.type == "cuda":
+    if owner.low_latency_mode and owner.num_nvl_bytes == 0 and owner.num_rdma_ranks == 1:
         raise ValueError("deep_ep.Buffer: normal-mode dispatch / combine need an NVLink buffer, and this one was made "
                          "with num_nvl_bytes=0 (its window is the low-latency one): pass num_nvl_bytes="
                          "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) as well")
