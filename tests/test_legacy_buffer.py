@@ -501,6 +501,7 @@ def _check_refusals(buffer, rank, R):
         (ValueError, "is_token_in_rank does not match", dict(is_token_in_rank=~in_rank, num_tokens_per_rank=
                                                              (~in_rank).sum(0, dtype=torch.int32))),
         (ValueError, "column sums", dict(num_tokens_per_rank=per_rank + 1)),
+        (ValueError, r"x has 4 tokens but is_token_in_rank \(from get_dispatch_layout\) has 5", dict(x=x[:4])),
         (ValueError, "num_tokens_per_expert does not match", dict(num_tokens_per_expert=per_expert.flip(0))),
         (TypeError, "num_tokens_per_rank must have dtype int32", dict(num_tokens_per_rank=per_rank.long())),
         (ValueError, "is required without a handle", dict(is_token_in_rank=None)),

@@ -320,6 +320,11 @@ class Buffer(LowLatencyMethods, InternodeMethods):
                 raise ValueError(f"deep_ep.Buffer.dispatch: {name} is required without a handle "
                                  f"(get_dispatch_layout gives it)")
         checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=device)
+        if isinstance(is_token_in_rank, torch.Tensor) and is_token_in_rank.dim() == 2 and \
+                is_token_in_rank.shape[0] != num_tokens:   # name both: either may be the one cut wrong
+            raise ValueError(f"deep_ep.Buffer.dispatch: x has {num_tokens} tokens but is_token_in_rank (from "
+                             f"get_dispatch_layout) has {is_token_in_rank.shape[0]}: they must describe the same "
+                             f"tokens")
         checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R),
                             device=device)
         checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,),
