@@ -442,8 +442,9 @@ class EmulatedRankGroup:
         if self.parent.num_nvlink_ranks < self.parent.num_ranks:
             from .comm.gin import EmulatedGinDirectTransport
             hybrid = bool(allow_hybrid_mode) and self.parent.num_nvlink_ranks > 1
-            self.parent._agree_on_gin(ws, self._rank, (bool(allow_hybrid_mode), num_allocated_qps or 17), transport)
-            state = self.parent._gin_for(ws, num_allocated_qps or 17, timeout_ns, hybrid)
+            allocated = num_allocated_qps or 17
+            self.parent._agree_on_gin(ws, self._rank, (bool(allow_hybrid_mode), allocated), transport)
+            state = self.parent._gin_for(ws, allocated, timeout_ns, hybrid)
             transport = EmulatedGinDirectTransport(transport, state)
         self.parent.barrier()  # every rank holds its transport before any kernel can signal
         return transport

@@ -29,8 +29,8 @@ QPs: direct mode ``min(num_sms, 9)`` (fewer doorbells), hybrid ``num_sms * 16 + 
 and the notify warps their own), capped by the QPs allocated; 0 SMs: 0 QPs. A buffer allocates 129
 QPs in hybrid mode and 17 in direct mode when ``num_allocated_qps=0`` (DeepEP's counts without a
 ConnectX-8; 0 on CPU). Across nodes the buffer asks NCCL (or the emulated GIN) for that many GIN
-contexts; a call's data kernel spreads its puts over ``num_qps`` of those it got (`call_num_contexts`:
-0 means all of them), the control kernels use the first.
+contexts; a call's data kernel spreads its puts over ``num_qps`` of those it got (0: all of them,
+`deep_ep.comm.transport.Transport.kernel_args_using`), the control kernels use the first.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["DeviceResources", "DEFAULT_NVLINK_GBS", "DEFAULT_RDMA_GBS", "expected_ranks_per_token",
-           "theoretical_num_sms", "theoretical_num_qps", "call_num_contexts", "default_num_allocated_qps"]
+           "theoretical_num_sms", "theoretical_num_qps", "default_num_allocated_qps"]
 
 #: NVLink bandwidth per GPU and direction when neither the caller nor the backend gives one (H100 / H200
 #: NVLink 4, the datasheet's 450 GB/s).
@@ -153,17 +153,6 @@ def theoretical_num_qps(num_sms: int, num_allocated_qps: int, allow_hybrid_mode:
         return 0
     wanted = num_sms * 16 + 1 if allow_hybrid_mode else min(num_sms, 9)
     return min(wanted, num_allocated_qps)
-
-
-def call_num_contexts(num_qps: int, num_contexts: int) -> int:
-    """GIN contexts a call's data kernel spreads its puts over across nodes: its ``num_qps``, at most
-    the ``num_contexts`` the transport has; 0 means all of them (DeepEP derives its own from the SMs:
-    pass ``theoretical_num_qps(num_sms, ...)`` for its count). 0 when the transport has none (one
-    node). Not derived from the SMs here: ranks may run a call on different SM counts, but must
-    use the same contexts."""
-    if num_contexts <= 0:
-        return 0
-    return min(num_contexts, num_qps) if num_qps > 0 else num_contexts
 
 
 def default_num_allocated_qps(resources: Optional[DeviceResources], allow_hybrid_mode: bool = True) -> int:

@@ -349,14 +349,6 @@ def test_num_qps():
     assert resources.default_num_allocated_qps(None, True) == 0
 
 
-def test_a_calls_gin_contexts():
-    """A call's num_qps, at most the contexts the transport has, 0 all of them; none on one node."""
-    contexts = resources.call_num_contexts
-    for num_qps, available in itertools.product(range(0, 20), (0, 1, 2, 3, 17)):
-        want = 0 if available == 0 else (min(num_qps, available) if num_qps else available)
-        assert contexts(num_qps, available) == want
-    assert contexts(0, 17) == 17 and contexts(4, 17) == 4 and contexts(40, 17) == 17 and contexts(5, 0) == 0
-
 
 # ---------------------------------------------------------------------------------------- CPU as 2 nodes x 2
 HIDDEN, TOPK, EXPERTS, MAX_TOKENS = 256, 4, 16, 24

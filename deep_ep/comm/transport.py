@@ -42,8 +42,9 @@ class Transport(abc.ABC):
 
     def kernel_args_using(self, num_contexts: int):
         """`kernel_args` with the data kernels' puts spread over ``num_contexts`` GIN contexts (a copy
-        per count, kept; every other field the same); `kernel_args` itself for ``num_contexts`` 0 or
-        at least `gin_contexts` (a transport without GIN has none to choose)."""
+        per count, kept; every other field the same); `kernel_args` itself for ``num_contexts`` 0 (all
+        of them: DeepEP derives a count from the SMs instead, which ranks may set apart, while the
+        contexts must agree) or at least `gin_contexts`, and on a transport without GIN."""
         args = self.kernel_args()
         if not 0 < num_contexts < self.gin_contexts():
             return args

@@ -303,10 +303,10 @@ def build(name: str, source: str, *, defines: dict | None = None, use_nccl: bool
         return module
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise ValueError(f"jit.build: name {name!r} must match [A-Za-z0-9_.-]+")
-    where = "passed to jit.build" if arch else _arch_source()
+    given = arch
     arch = _normalize_arch(arch or default_arch())
     if not compiler.use_nvcc():   # nvcc names the archs it lacks itself
-        compiler.check_nvrtc_arch(arch, where)
+        compiler.check_nvrtc_arch(arch, lambda: "passed to jit.build" if given else _arch_source())
     if check_spills is None:
         check_spills = _flag("EP_JIT_CHECK_SPILLS")
 

@@ -79,9 +79,9 @@ def nvrtc_archs() -> tuple:
     return tuple(int(a) for a in _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
 
 
-def check_nvrtc_arch(arch: str, where: str) -> None:
+def check_nvrtc_arch(arch: str, where) -> None:
     """Raise before any compile when NVRTC cannot compile for ``arch`` (``sm_XY`` or ``sm_XYa``);
-    ``where`` says where the arch came from.
+    ``where()`` says where the arch came from (called only then).
 
     Raises:
         locate.JitEnvironmentError: an arch this NVRTC does not know, naming the ones it does.
@@ -91,7 +91,7 @@ def check_nvrtc_arch(arch: str, where: str) -> None:
     if number not in supported:
         names = ", ".join(f"sm_{a}" for a in supported)
         raise locate.JitEnvironmentError(
-            f"deep_ep.jit: {_nvrtc_version()} cannot compile for {arch} ({where}); it compiles for {names}. "
+            f"deep_ep.jit: {_nvrtc_version()} cannot compile for {arch} ({where()}); it compiles for {names}. "
             f"Set EP_JIT_ARCH to one of those where torch sees no GPU, or install the NVRTC of a CUDA version "
             f"that supports this GPU")
 

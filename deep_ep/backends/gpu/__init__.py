@@ -344,9 +344,9 @@ class GPUBackend(Backend):
 
     def transport_args_for(self, num_qps: int):
         """The data kernels' ``TransportArgs`` for a call with ``num_qps`` RDMA QPs: across nodes its
-        puts spread over that many GIN contexts (`resources.call_num_contexts`, 0: all; every rank
+        puts spread over that many GIN contexts (`Transport.kernel_args_using`, 0: all; every rank
         must pass the same); elsewhere, and for the control kernels, the buffer's own."""
-        return self.transport.kernel_args_using(resources.call_num_contexts(num_qps, self.transport.gin_contexts()))
+        return self.transport.kernel_args_using(num_qps)
 
     def num_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
         """Blocks of the data kernels: ``num_sms``, or the model's default capped so that every

@@ -17,7 +17,8 @@ import torch
 from ...cuda.driver import ensure_context, enter_context, error_name, leave_context
 from .abi import CONSTANTS, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, PHASES
 
-__all__ = ["CallRecord", "MappedWords", "ErrorRecord", "broken_label", "raise_recorded", "raise_bad_expert", "queue_driver_calls"]
+__all__ = ["CallRecord", "MappedWords", "ErrorRecord", "broken_label", "raise_recorded", "raise_bad_expert",
+           "queue_driver_calls"]
 
 
 class CallRecord:
