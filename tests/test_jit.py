@@ -301,6 +301,36 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
           "(includes first-call setup: torch/NVRTC imports)")
 
 
+def test_a_copied_cache_serves_a_copied_package(tmp_path):
+    """The cache a job filled, copied elsewhere, serves the package installed elsewhere (docs/jit.md,
+    "Shipping a warm cache"): no key depends on a path. One of the GPU backend's own modules is
+    built by the package at its place with cache A, then looked up by a copy of the package with a
+    copy of A."""
+    import shutil
+    code = textwrap.dedent("""
+        import json, sys
+        from deep_ep import jit
+        from deep_ep.backends.gpu import modules
+        key, mod = modules.build_module("barrier", (), transport_nccl=False)
+        print(json.dumps(dict(jit.stats(), key=mod.key, file=jit.__file__)))
+    """)
+
+    def run(package_parent: Path, cache: Path) -> dict:
+        env = dict(os.environ, EP_JIT_CACHE_DIR=str(cache), PYTHONPATH=str(package_parent), EP_JIT_ARCH="sm_90")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                             cwd=str(tmp_path))
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = run(ROOT, tmp_path / "cache-a")
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(ROOT / "deep_ep", moved / "deep_ep", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(tmp_path / "cache-a", tmp_path / "cache-b")
+    second = run(moved, tmp_path / "cache-b")
+    assert second["file"].startswith(str(moved)) and not first["file"].startswith(str(moved))
+    assert first["builds"] == 1 and second["builds"] == 0 and second["disk_hits"] == 1
+    assert first["key"] == second["key"]
+
+
 def test_nccl_version_mismatch_is_clear_error(monkeypatch, newest_nccl_include):
     from deep_ep.jit import builder
     monkeypatch.setattr(builder, "loaded_nccl_version", lambda: 22809)
