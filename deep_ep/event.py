@@ -114,6 +114,15 @@ class EventOverlap:
         """The first pending hook, or None."""
         return self._hooks[0] if self._hooks else None
 
+    @hook_after_wait.setter
+    def hook_after_wait(self, hook: Optional[Callable[[], None]]) -> None:
+        # DeepEP's is a plain attribute: assigning replaces the registered hook, None removes it
+        # (hooks added with `add_hook` after it stay).
+        if hook is not None and not callable(hook):
+            raise TypeError(f"hook_after_wait must be callable or None, got {type(hook).__name__}")
+        rest = self._hooks[1:]
+        self._hooks = ([hook] if hook is not None else []) + rest
+
     # ------------------------------------------------------------------ waiting
     def current_stream_wait(self, release_handle: bool = False) -> None:
         """Make the current CUDA stream wait for the event (no host blocking), then run the hooks.

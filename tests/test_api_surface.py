@@ -76,6 +76,18 @@ def test_method_signature(name):
     assert public == EXTENSIONS.get(name, []), name
 
 
+def test_deepep_module_paths():
+    """DeepEP's module paths for its classes hold the same objects."""
+    from deep_ep.buffers.elastic import ElasticBuffer, EPHandle
+    from deep_ep.buffers.legacy import Buffer, Config
+    from deep_ep.utils import EventHandle as UtilsEventHandle
+    from deep_ep.utils.event import EventHandle, EventOverlap
+    assert (ElasticBuffer, EPHandle, Buffer, Config, EventHandle, EventOverlap) == \
+        (deep_ep.ElasticBuffer, deep_ep.EPHandle, deep_ep.Buffer, deep_ep.Config, deep_ep.EventHandle,
+         deep_ep.EventOverlap)
+    assert UtilsEventHandle is deep_ep.EventHandle
+
+
 def test_module_level_names():
     for name in ("ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t", "Buffer", "Config",
                  "get_physical_domain_size", "get_logical_domain_size"):
@@ -101,6 +113,16 @@ def test_event_overlap_api():
     with ev:
         assert calls == []
     assert calls == [1] and ev.event is None and ev.hook_after_wait is None
+    # DeepEP's hook_after_wait is a plain attribute: assigning replaces the hook, None removes it
+    ev.hook_after_wait = lambda: calls.append(2)
+    ev.hook_after_wait = lambda: calls.append(3)
+    ev.current_stream_wait()
+    ev.hook_after_wait = lambda: calls.append(4)
+    ev.hook_after_wait = None
+    ev.current_stream_wait()
+    assert calls == [1, 3]
+    with pytest.raises(TypeError, match="callable or None"):
+        ev.hook_after_wait = 5
     ev = deep_ep.EventOverlap(deep_ep.EventHandle(), extra_tensors=(torch.ones(1),))
     ev.current_stream_wait()
     assert ev.event is not None

@@ -15,7 +15,9 @@ STAND_IN_TEST = '''
 import os, sys
 import deep_ep
 import deep_ep.utils.envs as envs
+from deep_ep.utils.event import EventOverlap
 print("package", os.path.dirname(deep_ep.__file__))
+print("event", EventOverlap is deep_ep.EventOverlap)
 print("arguments", sys.argv[1:])
 print("value", envs.VALUE)
 try:
@@ -36,6 +38,8 @@ def _stand_in_checkout(path: Path) -> Path:
     (utils / "__init__.py").write_text("raise ImportError('the utils __init__ of the checkout was imported')\n")
     (utils / "envs.py").write_text("import deep_ep._C as _C\nfrom .math import VALUE\n")
     (utils / "math.py").write_text("VALUE = 41 + 1\n")
+    # DeepEP's event.py wraps its extension's events: this package's own deep_ep.utils.event stays.
+    (utils / "event.py").write_text("raise ImportError('the event module of the checkout was imported')\n")
     for name in ("gate", "refs", "testing"):
         (utils / f"{name}.py").write_text("from . import envs  # noqa: F401\n")
     return path
@@ -55,17 +59,17 @@ def test_runs_the_test_in_a_temporary_tree(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     log = (tmp_path / "out" / "deepep_test_ep.log").read_text()
     lines = dict(line.split(" ", 1) for line in log.splitlines() if line.split(" ", 1)[0] in
-                 ("package", "arguments", "value", "extension"))
+                 ("package", "arguments", "value", "extension", "event"))
     package = Path(lines["package"])
     assert package.parent.parent == tmp_path / "tmp" and package.name == "deep_ep"
     assert lines["arguments"] == "['--num-processes', '1', '--skip-perf-test', '--num-tokens', '128']"
-    assert lines["value"] == "42"
+    assert lines["value"] == "42" and lines["event"] == "True"
     assert "deep_ep._C.get_logical_domain_size" in lines["extension"]
     assert "modes started: 2" in log and "modes started: 2" in done.stdout
     assert not any((tmp_path / "tmp").iterdir()), "the temporary tree was left behind"
     # nothing of DeepEP's lands in the repository: no stand-in extension, no utils modules beside ours
     assert not (ROOT / "deep_ep" / "_C.py").exists()
-    assert sorted(p.name for p in (ROOT / "deep_ep" / "utils").glob("*.py")) == ["__init__.py"]
+    assert sorted(p.name for p in (ROOT / "deep_ep" / "utils").glob("*.py")) == ["__init__.py", "event.py"]
 
 
 def test_import_only_stops_before_the_test(tmp_path):

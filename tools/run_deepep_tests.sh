@@ -12,7 +12,8 @@
 #     tests/legacy/test_low_latency.py and tests/legacy/test_intranode.py, DeepEP's tests of its V1 Buffer).
 #   DEEPEP_TIMEOUT: seconds the test may run (default 540).
 # The test runs in a temporary tree, removed afterwards: a copy of this deep_ep package; DeepEP's
-# deep_ep/utils/*.py under deep_ep/utils/, with an empty __init__.py where this package has none
+# deep_ep/utils/*.py under deep_ep/utils/ (but event.py: this package's own stays, its classes being
+# the ones deep_ep returns), with an empty __init__.py where this package has none
 # (DeepEP's imports its C extension's EventHandle, which the test does not use); and deep_ep/_C.py,
 # a stand-in for that extension, which DeepEP's utils/envs.py and utils/comm.py import: the test
 # calls none of its functions, so every name of it raises. Nothing of DeepEP's enters this repository.
@@ -38,6 +39,9 @@ mkdir -p "$TREE/deep_ep/utils"
 for f in "$DEEPEP_DIR"/deep_ep/utils/*.py; do
   name=$(basename "$f")
   [ "$name" = __init__.py ] && continue
+  if [ "$name" = event.py ]; then
+    continue   # this package's deep_ep.utils.event (the same classes as deep_ep's) stays
+  fi
   if [ -e "$TREE/deep_ep/utils/$name" ]; then
     echo "deep_ep/utils/$name exists in this package and in DeepEP's: the tree would be ambiguous" >&2
     exit 2
