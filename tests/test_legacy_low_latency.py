@@ -677,3 +677,27 @@ def _disagreeing_max_tokens_worker(rank, world_size):
 
 def test_ranks_that_disagree_on_the_token_limit_are_told_in_v1_terms(tmp_path):
     run_gloo_ranks(_disagreeing_max_tokens_worker, 2, tmp_path, deadline=120)
+
+
+def _wide_domain_worker(rank, num_ranks):
+    # One NVLink domain of more than 8 ranks (an NVL72 rack's EP=16): low-latency calls reach every
+    # rank, as DeepEP's do; normal mode (DeepEP's V1 takes such a domain as nodes of 8) is refused.
+    num_experts = num_experts_for(num_ranks)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 512, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, num_rdma_bytes=hint, low_latency_mode=True)
+    assert (buffer.num_rdma_ranks, buffer.num_nvl_ranks) == (1, num_ranks)
+    for index, (hidden, use_fp8, round_scale, use_ue8m0) in enumerate(CASES[1:3]):
+        _run_case(buffer, rank, num_ranks, num_experts, hidden, index, use_fp8, round_scale, use_ue8m0,
+                  use_hook=bool(index))
+    x, topk_idx, _ = _rank_inputs(0, rank, num_ranks, num_experts, 512)
+    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(
+        topk_idx, num_experts)
+    with pytest.raises(NotImplementedError, match=f"dispatch / combine with {num_ranks} ranks in one NVLink domain"):
+        buffer.dispatch(x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                        num_tokens_per_expert=num_tokens_per_expert)
+    with pytest.raises(NotImplementedError, match="in normal mode"):
+        deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+
+
+def test_low_latency_mode_takes_an_nvlink_domain_of_more_than_8_ranks(tmp_path):
+    run_gloo_ranks(_wide_domain_worker, 16, tmp_path, deadline=240)

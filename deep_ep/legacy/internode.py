@@ -46,7 +46,8 @@ def open_elastic_buffers(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, 
     way round); DeepEP keeps the two in separate buffers, and so does this.
 
     Raises:
-        NotImplementedError: an NVLink domain of more than 8 ranks (DeepEP's V1 nodes have at most 8).
+        NotImplementedError: an NVLink domain of more than 8 ranks in normal mode (DeepEP's V1 nodes
+            have at most 8; its low-latency mode, like this one's, takes any domain).
         ValueError: ``num_qps_per_rank`` 0 where RDMA QPs are needed (low-latency mode, or several nodes).
         as `ElasticBuffer` (e.g. an NCCL group over several nodes).
     """
@@ -67,9 +68,13 @@ def _open(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_ran
           explicitly_destroy: bool, device, on_cpu: bool, timeouts: dict) -> None:
     from ..buffer import ElasticBuffer
     num_rdma_ranks, num_nvl_ranks = group_domain_sizes(group, True, device)[0]
-    if num_nvl_ranks > NUM_MAX_NVL_PEERS:
-        planned(f"__init__ with {num_nvl_ranks} ranks in one NVLink domain (DeepEP's V1 has at most "
-                f"{NUM_MAX_NVL_PEERS} per node)", "larger NVLink domains")
+    # DeepEP's V1 takes a domain of more than 8 ranks (an NVL72 rack) as nodes of 8 in normal mode;
+    # its low-latency mode reaches every rank directly, as here, whatever the domain's size.
+    owner._wide_domain = num_nvl_ranks > NUM_MAX_NVL_PEERS
+    if owner._wide_domain and not low_latency_mode:
+        planned(f"__init__ with {num_nvl_ranks} ranks in one NVLink domain in normal mode (DeepEP's V1 takes "
+                f"them as nodes of {NUM_MAX_NVL_PEERS}); low_latency_mode=True buffers take any domain",
+                "normal-mode calls in NVLink domains of more than 8 ranks")
     across = num_rdma_ranks > 1
     if (low_latency_mode or across) and num_qps_per_rank < 1:
         raise ValueError("num_qps_per_rank must be >= 1 in low-latency mode or across NVLink domains "
@@ -110,11 +115,16 @@ def normal_mode_buffer(owner):
     """The `ElasticBuffer` of ``owner``'s (a `deep_ep.Buffer`) normal-mode calls.
 
     Raises:
-        RuntimeError: destroyed. ValueError: a low-latency Buffer of ``num_nvl_bytes=0`` within one
+        RuntimeError: destroyed. NotImplementedError: a low-latency Buffer whose NVLink domain has
+            more than 8 ranks. ValueError: a low-latency Buffer of ``num_nvl_bytes=0`` within one
             node, whose one GPU window its low-latency calls use (`open_elastic_buffers`; refused on
             the CPU backend too, whose jobs are the GPU's tests).
     """
     buffer = owner._alive()
+    if getattr(owner, "_wide_domain", False):
+        planned(f"dispatch / combine with {owner.num_nvl_ranks} ranks in one NVLink domain (DeepEP's V1 takes them "
+                f"as nodes of {NUM_MAX_NVL_PEERS}); this buffer's low-latency calls work",
+                "normal-mode calls in NVLink domains of more than 8 ranks")
     if owner.low_latency_mode and owner.num_nvl_bytes == 0 and owner.num_rdma_ranks == 1:
         raise ValueError("deep_ep.Buffer: normal-mode dispatch / combine need an NVLink buffer, and this one was made "
                          "with num_nvl_bytes=0 (its window is the low-latency one): pass num_nvl_bytes="
