@@ -3,8 +3,8 @@
 A rank's shard is ``num_bytes`` of page-locked host memory mapped into its device. Ranks of one
 process (emulated ranks, a one-rank group) share it by address (`LocalShard`, ``cuMemHostAlloc``);
 ranks in separate processes through the driver's virtual memory API (`ProcessShard`: created on the
-device's host NUMA node, exported as a POSIX file descriptor, which peers take with pidfd_getfd and
-map). Each kind describes itself in `DESCRIPTION_WORDS` int32 words (`engram_write`'s header carries
+device's host NUMA node, exported as a POSIX file descriptor, which the owner serves over a Unix
+socket (`deep_ep.comm.fd_share`) and peers receive, or else take with pidfd_getfd, and map). Each kind describes itself in `DESCRIPTION_WORDS` int32 words (`engram_write`'s header carries
 them), and a peer reaches it from that description (`reach_host_shards`). A shard is freed when the
 last rank that may read it lets go, so it outlives its owner's buffer while a peer may still fetch.
 """
@@ -13,10 +13,12 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import Optional
 
 import torch
 
 from ... import shapes
+from ...comm.fd_share import FdServer, new_token, receive_fd
 from ...cuda.driver import driver, enter_context, error_name, leave_context
 from .errors import MappedWords
 
@@ -79,13 +81,17 @@ class LocalShard:
 class ProcessShard:
     """A shard's pinned host memory shared between the processes of one node with the driver's virtual
     memory API: created on the device's host NUMA node and exported as a POSIX file descriptor by its
-    owner (`create`); every rank, the owner too, maps it at an address of its own with read and write
-    access for its device (`open`, from the owner's process id and descriptor, via pidfd_getfd, which
-    needs the permission to trace the owner). The memory lives until every mapping is gone."""
+    owner (`create`), which serves it to the processes of its user on the host (`FdServer`); every
+    rank, the owner too, maps it at an address of its own with read and write access for its device
+    (`open`, from the owner's process id, descriptor and socket token: received over the socket, or
+    else taken with pidfd_getfd, which needs the permission to trace the owner). The memory lives
+    until every mapping is gone."""
 
     def __init__(self, device: torch.device, handle, num_bytes: int, fd: int = -1) -> None:
         self.device, self.handle, self.num_bytes, self.fd = device, handle, num_bytes, fd
         self.address = self.mapped = 0
+        self.server: Optional[FdServer] = None
+        self.token = 0
         d = driver()
         try:
             err, address = d.cuMemAddressReserve(num_bytes, 0, 0, 0)
@@ -137,27 +143,39 @@ class ProcessShard:
             if int(err) != 0:
                 d.cuMemRelease(handle)
                 _driver_check(err, "cuMemExportToShareableHandle")
-            return cls(device, handle, num_bytes, int(fd))
+            shard = cls(device, handle, num_bytes, int(fd))
+            try:
+                shard.token = new_token()
+                shard.server = FdServer(shard.fd, shard.token)
+            except BaseException:
+                shard.drop()
+                raise
+            return shard
         finally:
             leave_context(previous)
 
     @classmethod
     def open(cls, device: torch.device, description: list) -> "ProcessShard":
         """Map the shard of another process its `description` names."""
-        pid, fd, num_bytes = description[0], description[1], description[2] * _SIZE_UNIT
+        pid, fd, num_bytes, token = description[0], description[1], description[2] * _SIZE_UNIT, description[3]
         d = driver()
         pidfd = local_fd = -1
         previous = enter_context(device.index)
         try:
-            pidfd = os.pidfd_open(pid)
-            libc = ctypes.CDLL(None, use_errno=True)
-            local_fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-            if local_fd < 0:
-                code = ctypes.get_errno()
-                raise OSError(code, f"deep_ep: pidfd_getfd of Engram host shard descriptor {fd} of process {pid} "
-                                    f"failed ({os.strerror(code)}): ranks on one node need the permission to "
-                                    f"trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE in a "
-                                    f"container); else pass storage_location='device'")
+            try:
+                local_fd = receive_fd(pid, fd, token)
+            except OSError as exc:   # e.g. another network namespace: take it with pidfd_getfd
+                served = f"{type(exc).__name__}: {exc}"
+                pidfd = os.pidfd_open(pid)
+                libc = ctypes.CDLL(None, use_errno=True)
+                local_fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+                if local_fd < 0:
+                    code = ctypes.get_errno()
+                    raise OSError(code, f"deep_ep: Engram host shard descriptor {fd} of process {pid}: not received "
+                                        f"over its Unix socket ({served}), and pidfd_getfd failed "
+                                        f"({os.strerror(code)}): ranks on one node must share a network namespace "
+                                        f"or may trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE "
+                                        f"in a container); else pass storage_location='device'") from exc
             err, handle = d.cuMemImportFromShareableHandle(
                 local_fd, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
             _driver_check(err, f"cuMemImportFromShareableHandle (process {pid})")
@@ -169,11 +187,15 @@ class ProcessShard:
             leave_context(previous)
 
     def description(self) -> list:
-        """The owner's process id, its descriptor of the memory, the size in 2 MiB units."""
-        return [os.getpid(), self.fd, self.num_bytes // _SIZE_UNIT, 0]
+        """The owner's process id, its descriptor of the memory, the size in 2 MiB units, the token of
+        the socket that serves the descriptor."""
+        return [os.getpid(), self.fd, self.num_bytes // _SIZE_UNIT, self.token]
 
     def drop(self) -> None:
         """Unmap and release this process's reference (the memory goes with the last one)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         d = driver()
         previous = enter_context(self.device.index)
         try:
@@ -220,7 +242,7 @@ def reach_host_shards(device: torch.device, rank: int, one_process: bool, descri
 
     Raises:
         RuntimeError: a shard this process does not hold, or the driver refused a mapping.
-        OSError: a peer's descriptor could not be taken (pidfd_getfd).
+        OSError: a peer's descriptor could not be received nor taken (pidfd_getfd).
     """
     shards = []
     try:
