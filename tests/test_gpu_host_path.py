@@ -824,7 +824,7 @@ def test_a_calls_num_qps_picks_the_gin_contexts_of_its_data_kernel(hybrid):
     from deep_ep.comm.transport import Transport
 
     class Fake(Transport):
-        kernel_args = window_tensor = host_barrier = destroy = None
+        kernel_args = window_tensor = host_barrier = first_failed_rank = destroy = None
     base = (GinHybridTransportArgs if hybrid else GinTransportArgs)(
         peers=0x100, rank=1, num_ranks=4, gin=0x200, recv_offset=64, half_bytes=4096, stage_offset=8192,
         max_put_bytes=512, num_contexts=3, node_ranks=2)
@@ -845,3 +845,53 @@ def test_a_calls_num_qps_picks_the_gin_contexts_of_its_data_kernel(hybrid):
     one_node = ctypes.c_int(7)
     transport.kernel_args = lambda: one_node
     assert transport.gin_contexts() == 0 and b.transport_args_for(1) is one_node   # nothing to pick
+
+
+def test_a_gpu_error_recorded_on_one_rank_raises_at_the_barrier_on_every_rank():
+    """`GPUBackend.barrier`: the ranks agree on whether any kernel recorded an error (through the
+    emulated transport's `first_failed_rank`, ranks in threads), and every rank raises, the one
+    that recorded it its own error, the others naming it; a clean round passes on every rank."""
+    import threading
+    from deep_ep.comm.emulated import EmulatedTransport
+    num_ranks = 3
+    windows = types.SimpleNamespace(num_ranks=num_ranks, num_bytes=64, device=torch.device("cpu"),
+                                    peers=torch.zeros(num_ranks, dtype=torch.int64))
+    barrier = threading.Barrier(num_ranks, timeout=30)
+    errors = {1: (2, 1, 0, 3)}   # rank 1's record: (code, rank, peer, phase)
+    outcome = {}
+
+    def rank_thread(rank):
+        b = GPUBackend.__new__(GPUBackend)
+        b.transport = EmulatedTransport(windows, rank, barrier.wait)
+        b.rank, b.num_ranks, b.broken = rank, num_ranks, None
+        b.drain = lambda: None
+        b.read_error = lambda: errors.get(rank)
+
+        def own(err):
+            b.broken = "own"
+            raise TimeoutError(f"own error {err}")
+        b._raise = own
+        try:
+            b.barrier()
+            outcome[rank] = ("passed", b.broken)
+        except Exception as exc:   # noqa: BLE001 - what each rank raised is the result
+            outcome[rank] = (str(exc), b.broken)
+        errors.pop(1, None) if rank == 1 else None
+        barrier.wait()
+        try:
+            b.broken = None
+            b.barrier()
+            outcome[rank] += ("then passed",)
+        except Exception as exc:   # noqa: BLE001
+            outcome[rank] += (str(exc),)
+
+    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in range(num_ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert outcome[1] == ("own error (2, 1, 0, 3)", "own", "then passed")
+    for rank in (0, 2):
+        message, broken, after = outcome[rank]
+        assert f"rank {rank} of 3): barrier: rank 1's kernels recorded an error" in message, message
+        assert broken == "rank 1 recorded a GPU error" and after == "then passed"

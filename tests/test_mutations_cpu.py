@@ -422,7 +422,12 @@ def test_run_summary(tmp_path):
     assert "  gpu_tests: tests/gpu/test_gpu_backend.py: 2 passed, 0 failed" in text
     assert "  jit_gpu: 8 passed, 0 failed (from jit_gpu.log: no JUnit XML)" in text
     assert "  gpu_extra: no result (pytest crashed or timed out: see gpu_extra.log)" in text
-    assert "  torchrun_suite: tools/torchrun_suite.py: 1 passed, 1 failed" in text
+    assert "  torchrun_suite: tools/torchrun_suite.py: 1 passed, 1 failed (no final count: the suite stopped " \
+        "early" in text
+    (tmp_path / "torchrun_suite.log").write_text("ep2-bf16: ok\nv1-low-latency: ok\n"
+                                                 "torchrun suite, 2 ranks: 2 cases, 2 ok, 0 failed\n")
+    assert "  torchrun_suite: tools/torchrun_suite.py: 2 passed, 0 failed (2 cases on 2 ranks)" in \
+        tool.summary_text(tmp_path, facts)
     assert "  bench_ep1: check passed" in text and "  bench_ep8: check FAILED (rank 3: combined_x differs)" in text
     assert "  defect 1 ..." in text
     assert tool.summary_text(tmp_path / "mutation", facts).count("not run") == 1

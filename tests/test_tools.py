@@ -49,3 +49,33 @@ def test_host_python_cost_stamps_show_where_each_call_allocates_and_launches():
     assert times == sorted(times) and times[0] > 0, full
     assert [k for k, _ in kinds["public: cached dispatch"]] == ["a", "a", "L", "end"]
     assert [k for k, _ in kinds["public: combine"]] == ["a", "L", "end"]
+
+
+def test_the_torchrun_suite_calls_each_gpu_body_with_its_arguments(monkeypatch):
+    """tools/torchrun_suite.py runs bodies of the GPU test files on the world group: every body it
+    names exists and takes the arguments it passes (checked against the signatures, without a GPU)."""
+    import inspect
+    import torchrun_suite
+    import test_gpu_agrs
+    import test_gpu_barrier
+    import test_gpu_engram
+    import test_gpu_legacy
+    import test_gpu_legacy_ll_direct
+    import test_gpu_pp
+    calls = []
+    for module in (test_gpu_agrs, test_gpu_barrier, test_gpu_engram, test_gpu_legacy, test_gpu_legacy_ll_direct,
+                   test_gpu_pp):
+        if hasattr(module, "DEVICE"):
+            monkeypatch.setattr(module, "DEVICE", module.DEVICE)   # restored afterwards
+        for name, value in list(vars(module).items()):
+            if name.startswith("_") and name.endswith("body") and callable(value):
+                def checked(*args, _original=value, _name=f"{module.__name__}.{name}", **kwargs):
+                    inspect.signature(_original).bind(*args, **kwargs)   # TypeError on a mismatch
+                    calls.append(_name)
+                monkeypatch.setattr(module, name, checked)
+    device = torch.device("cuda", 3)
+    cases = torchrun_suite._module_cases(4, device)
+    for _, body, _ in cases:
+        body(object())
+    assert len(calls) == len(cases) == 9 and test_gpu_pp.DEVICE == device
+    assert [name for name, _, _ in torchrun_suite._module_cases(3, device)][0] == "v1-low-latency"   # no V1 tokens

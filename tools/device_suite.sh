@@ -18,7 +18,9 @@
 #                     (PRIMBENCH_RANKS overrides the 4) and, with several GPUs, torchrun one rank per GPU;
 #                     bench_primitives_<primitive>_<ep1|emuN|epN>.log/json, up to 12 files, packed at the
 #                     end into $OUT/primbench.tgz, since the device tool returns 8 files);
-#          multi (several GPUs: the suite and the bench under torchrun);
+#          multi (several GPUs, one process each under torchrun: tools/torchrun_suite.py (dispatch/combine
+#                 cases, V1 Buffer both modes, barrier, PP, AGRS, Engram), the gloo-group file, the bench;
+#                 MULTI_TIMEOUT for the suite, 540 s);
 #          perf (the performance notes' runs: EP=1 BF16 / expanded / FP8 / decode, an SM sweep, emulated EP=8,
 #                torchrun EP=2 and EP=4 with an SM sweep where there are GPUs; kernel profile; PERF_SWEEPS=0
 #                leaves out the SM sweeps and the profile)
@@ -46,6 +48,9 @@ export DEEP_EP_FAIL_LOG=${DEEP_EP_FAIL_LOG:-$OUT/failures.log}
 # a test running past FAULT_SECS prints every thread's Python stack into its step's log: a hang
 # cut short by the step's timeout still says where each rank's thread waited
 export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o faulthandler_timeout=${FAULT_SECS:-150}"
+# GPUs this process can use (CUDA_VISIBLE_DEVICES honoured; nvidia-smi -L would count every physical GPU
+# and MIG lines): one torchrun rank per GPU
+num_gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
 steps=${*:-env jit gpu bench summary}
 for step in $steps; do
   echo "=== $step $(date -u +%H:%M:%S)"
@@ -95,7 +100,7 @@ for step in $steps; do
             --json "$OUT/bench_primitives_${prim}_$mode.json" > "$OUT/bench_primitives_${prim}_$mode.log" 2>&1
           echo "exit $?"; grep -vE "^\s*$" "$OUT/bench_primitives_${prim}_$mode.log" | tail -16
         done
-        n=$(nvidia-smi -L | wc -l)
+        n=$(num_gpus)
         if [ "$n" -ge 2 ]; then   # one rank per GPU: the bytes cross NVLink
           echo "--- bench_primitives_${prim}_ep$n"
           timeout ${PRIMBENCH_TIMEOUT:-150} torchrun --nproc-per-node "$n" -m deep_ep bench --primitive "$prim" \
@@ -106,11 +111,15 @@ for step in $steps; do
       (cd "$OUT" && tar czf primbench.tgz bench_primitives_* && rm -f bench_primitives_*) \
         && echo "primbench: logs and JSON in $OUT/primbench.tgz" ;;
     multi)
-      n=$(nvidia-smi -L | wc -l)
-      timeout ${MULTI_TIMEOUT:-400} torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
+      n=$(num_gpus)
+      timeout ${MULTI_TIMEOUT:-540} torchrun --nproc-per-node "$n" tools/torchrun_suite.py 2>&1 | tee "$OUT/torchrun_suite.log" | grep -v "^  " | tail -30
+      # a gloo group with GPU tensors on a private NCCL communicator, one process per GPU (vLLM's pattern);
+      # no JUnit XML (every rank would write the one file): the summary reads the log's last count line
+      timeout ${MULTI_GLOO_TIMEOUT:-300} torchrun --nproc-per-node "$n" -m pytest -q tests/gpu/test_gpu_gloo_group.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/multi_gloo.log" | tail -15
       timeout ${MULTI_BENCH_TIMEOUT:-180} torchrun --nproc-per-node "$n" -m deep_ep bench --iters 10 --json "$OUT/bench_ep$n.json" 2>&1 | tee "$OUT/bench_ep$n.log" | tail -20 ;;
     perf)
-      n=$(nvidia-smi -L | wc -l)
+      n=$(num_gpus)
       summary() { grep -E "^(floor|rank 0|plain torch|slowest|check|warning|Traceback|[A-Za-z]+Error)" ; }
       pb() {  # name, then the command
         local name=$1; shift

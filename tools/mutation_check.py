@@ -542,7 +542,7 @@ def environment() -> dict:
 
 
 #: The pytest steps of tools/device_suite.sh: ``<step>.log`` and ``<step>.xml`` under $OUT.
-PYTEST_STEPS = ("jit_gpu", "gpu_tests", "gpu_extra", "coop_tests")
+PYTEST_STEPS = ("jit_gpu", "gpu_tests", "gpu_extra", "coop_tests", "multi_gloo")
 
 
 def summary_text(run_dir: Path, facts: dict) -> str:
@@ -573,7 +573,10 @@ def summary_text(run_dir: Path, facts: dict) -> str:
     if torchrun.exists():
         text = torchrun.read_text(errors="replace")
         ok, bad = len(re.findall(r"^\S+: ok$", text, re.M)), len(re.findall(r"^\S+: FAIL", text, re.M))
-        lines.append(f"  torchrun_suite: tools/torchrun_suite.py: {ok} passed, {bad} failed")
+        total = re.search(r"^torchrun suite, (\d+) ranks: (\d+) cases", text, re.M)
+        ended = f"{total.group(2)} cases on {total.group(1)} ranks" if total else \
+            "no final count: the suite stopped early (a hang, a crash or its timeout)"
+        lines.append(f"  torchrun_suite: tools/torchrun_suite.py: {ok} passed, {bad} failed ({ended})")
     if len(lines) == header:
         lines.append("  (no test results)")
     lines += ["", "bench checks:"]

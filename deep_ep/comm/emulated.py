@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Optional
 
 import torch
 
@@ -63,6 +64,16 @@ class EmulatedTransport(Transport):
 
     def host_barrier(self) -> None:
         self._barrier()
+
+    def first_failed_rank(self, ok: bool) -> Optional[int]:
+        # every rank's word in the window set, read between two barriers (none is written again
+        # before every rank has read them)
+        words = self.windows.__dict__.setdefault("ok_words", [True] * self.num_ranks)
+        words[self.rank] = bool(ok)
+        self._barrier()
+        failed = next((rank for rank, good in enumerate(words) if not good), None)
+        self._barrier()
+        return failed
 
     def destroy(self) -> None:
         with self.windows.lock:

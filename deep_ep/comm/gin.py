@@ -21,6 +21,7 @@ bytes of every put, per (source rank, destination rank); `reset_byte_counters` z
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 import torch
 
@@ -391,6 +392,9 @@ class EmulatedGinDirectTransport(Transport):
 
     def host_barrier(self) -> None:
         self.base.host_barrier()
+
+    def first_failed_rank(self, ok: bool) -> Optional[int]:
+        return self.base.first_failed_rank(ok)
 
     def destroy(self) -> None:
         """Release the NIC's stream once its kernels have ended, then the window (the last rank out

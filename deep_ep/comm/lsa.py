@@ -12,6 +12,8 @@ transport exists.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .devcomm import DeviceCommunicator
@@ -94,6 +96,9 @@ class NcclLsaTransport(Transport):
     def host_barrier(self) -> None:
         import torch.distributed as dist
         dist.barrier(group=self.group)
+
+    def first_failed_rank(self, ok: bool) -> Optional[int]:
+        return first_failed_rank(self.group, self.device, ok)
 
     def destroy(self) -> None:
         """Destroy the device communicator, deregister and free the window, release the communicator

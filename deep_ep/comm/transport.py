@@ -16,6 +16,7 @@ A scale-out transport (RDMA through NCCL GIN) is a third implementation of the s
 from __future__ import annotations
 
 import abc
+from typing import Optional
 
 import torch
 
@@ -61,6 +62,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def host_barrier(self) -> None:
         """Block the calling host thread until every rank reached it (no GPU work)."""
+
+    @abc.abstractmethod
+    def first_failed_rank(self, ok: bool) -> Optional[int]:
+        """Collective, a host barrier too: the lowest rank that passed ``ok=False``, or None."""
 
     @abc.abstractmethod
     def destroy(self) -> None:

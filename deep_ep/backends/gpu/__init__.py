@@ -254,14 +254,23 @@ class GPUBackend(Backend):
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
-        """Wait for this rank's communication, report a recorded GPU error, then a host barrier.
+        """Wait for this rank's communication, then a host barrier that tells every rank whether a
+        kernel recorded an error: all raise (one rank alone would leave the others' next collective,
+        e.g. a `destroy`, paired with the wrong call).
 
         Raises:
-            TimeoutError / RuntimeError: see `check_errors`.
+            TimeoutError / RuntimeError: see `check_errors`; RuntimeError: another rank's recorded one.
         """
         self.drain()
-        self.check_errors()
-        self.transport.host_barrier()
+        err = self.read_error()
+        failed = self.transport.first_failed_rank(err is None)
+        if err is not None:
+            self._raise(err)
+        if failed is not None:
+            self.broken = f"rank {failed} recorded a GPU error"
+            raise RuntimeError(f"deep_ep (GPU backend, rank {self.rank} of {self.num_ranks}): barrier: rank {failed}'s "
+                               f"kernels recorded an error, which that rank raises; this buffer's peers are no "
+                               f"longer in step, so it is unusable too: destroy it and create a new one")
 
     def gpu_barrier(self, stream_handle: int) -> None:
         """Queue a barrier across the ranks on the raw stream ``stream_handle``: a kernel that signals
