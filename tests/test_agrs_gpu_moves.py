@@ -39,6 +39,11 @@ def _write(stream, address, value):
     return 0
 
 
+def _driver_wait(stream, address, value, flush=False):
+    assert flush, "a stream wait for peers' rows flushes their writes where the device can"
+    return _wait(stream, address, value)
+
+
 def _wait(stream, address, value):
     word = ctypes.c_uint32.from_address(address).value
     if ((word - value) & 0xFFFFFFFF) >= 1 << 31:
@@ -84,7 +89,8 @@ def host_driver(monkeypatch, request):
     stream = types.SimpleNamespace(cuda_stream=0)
     monkeypatch.setattr(gpu_agrs, "memcpy_async", _memmove)
     monkeypatch.setattr(gpu_agrs, "stream_write_u32", _write)
-    monkeypatch.setattr(gpu_agrs, "stream_wait_u32", _wait)
+    monkeypatch.setattr(gpu_agrs, "stream_wait_u32", _driver_wait)
+    monkeypatch.setattr(gpu_agrs, "can_flush_remote_writes", lambda device_index: True)
     monkeypatch.setattr(gpu_errors, "enter_context", lambda device: None)
     monkeypatch.setattr(gpu_errors, "leave_context", lambda previous: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)

@@ -68,9 +68,10 @@ def _backend(monkeypatch, rank, num_ranks, reports):
     for name in ("memcpy_async", "_copy_async"):
         monkeypatch.setattr(gpu_pp, name, lambda dst, src, num_bytes, stream, name=name: driver_calls.append(
             (name, dst, src, num_bytes, stream)) or 0)
-    for name in ("stream_wait_u32", "stream_write_u32"):
-        monkeypatch.setattr(gpu_pp, name, lambda stream, address, value, name=name: driver_calls.append(
-            (name, address, value & 0xFFFFFFFF, stream)) or 0)
+    for name in ("stream_wait_u32", "stream_write_u32"):   # a wait that flushes remote writes says so
+        monkeypatch.setattr(gpu_pp, name, lambda stream, address, value, flush=False, name=name: driver_calls.append(
+            (name, address, value & 0xFFFFFFFF, stream) + (("flush",) if flush else ())) or 0)
+    monkeypatch.setattr(gpu_pp, "can_flush_remote_writes", lambda device_index: True)
     monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda stream: None,
                                                                           query=lambda: True))
     backend = GPUBackend.__new__(GPUBackend)
@@ -212,7 +213,7 @@ def test_the_copy_engine_keeps_the_kernels_words(monkeypatch):
         backend.driver_calls.clear()
         pipeline.recv(tensor, 0, pipeline.check("pp_recv", tensor, 0, 0))
         assert backend.driver_calls == [
-            ("stream_wait_u32", _word(1, "kPpPublished"), seq + 1, stream),
+            ("stream_wait_u32", _word(1, "kPpPublished"), seq + 1, stream, "flush"),   # the slot's bytes
             ("memcpy_async", tensor.data_ptr(), slot(1, 0, seq), 24, stream),
             ("_copy_async", checks.words.device_ptr + 4 * seq, byte_count(1, 0, seq), 4, stream),
             ("stream_write_u32", _word(1, "kPpConsumed"), seq + 1, stream),

@@ -12,7 +12,7 @@ import threading
 
 __all__ = ["DriverError", "driver", "error_name", "device_count", "primary_context", "ensure_context",
            "enter_context", "leave_context", "launch_kernel", "event_record", "stream_wait_event",
-           "memcpy_async", "stream_write_u32", "stream_wait_u32"]
+           "memcpy_async", "stream_write_u32", "stream_wait_u32", "can_flush_remote_writes"]
 
 
 class DriverError(RuntimeError):
@@ -170,10 +170,34 @@ def stream_write_u32(stream: int, address: int, value: int) -> int:
     return int(err)
 
 
-def stream_wait_u32(stream: int, address: int, value: int) -> int:
+_can_flush: dict = {}   # device index -> whether its stream waits can flush remote writes
+
+
+def can_flush_remote_writes(device_index: int) -> bool:
+    """Whether the device's stream waits can flush the remote writes that reached it
+    (``CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES``; a platform feature). False when unknown."""
+    known = _can_flush.get(device_index)
+    if known is None:
+        d = driver()
+        err, dev = d.cuDeviceGet(device_index)
+        known = False
+        if int(err) == 0:
+            err, value = d.cuDeviceGetAttribute(
+                d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, dev)
+            known = int(err) == 0 and bool(value)
+        _can_flush[device_index] = known
+    return known
+
+
+def stream_wait_u32(stream: int, address: int, value: int, flush: bool = False) -> int:
     """Make the raw ``stream`` wait until the u32 at the device ``address`` reaches ``value``
-    (``(int32)(word - value) >= 0``, so counters may wrap). No timeout: the stream waits until then."""
+    (``(int32)(word - value) >= 0``, so counters may wrap). No timeout: the stream waits until then.
+    ``flush`` (only where `can_flush_remote_writes`): the work after the wait also sees the writes a
+    peer made before the one that satisfied it, which a device may otherwise reorder (CUDA asks for
+    it when a peer's data and then its flag arrive from outside the device)."""
     d = driver()
-    (err,) = d.cuStreamWaitValue32(stream, address, value & 0xFFFFFFFF,
-                                   int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+    flags = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    if flush:
+        flags |= int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_FLUSH)
+    (err,) = d.cuStreamWaitValue32(stream, address, value & 0xFFFFFFFF, flags)
     return int(err)

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from ... import jit
-from ...cuda.driver import memcpy_async, stream_wait_u32, stream_write_u32
+from ...cuda.driver import can_flush_remote_writes, memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from . import agrs_reduce
 from .abi import CONSTANTS, CTRL_BYTES, _read_constants
@@ -195,8 +195,9 @@ class GPUAgrsMoves:
     def _wait_calls(self, stream: int, row: int, session: int, phase: int) -> list:
         """The driver calls that make raw ``stream`` wait until every rank's word of this rank's header
         row ``row`` reaches ``session``: a stream wait per rank, or on emulated ranks the wait kernel."""
-        if not self.by_kernels:
-            return [(stream_wait_u32, (stream, self._word(self.rank, row, peer), session))
+        if not self.by_kernels:   # the rows a flag announces came from the peers' copy engines
+            flush = can_flush_remote_writes(self.device.index)
+            return [(stream_wait_u32, (stream, self._word(self.rank, row, peer), session, flush))
                     for peer in range(self.num_ranks)]
         return [(self._launch_wait, (stream, row, session, phase))]
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ...cuda.driver import driver, memcpy_async, stream_wait_u32, stream_write_u32
+from ...cuda.driver import can_flush_remote_writes, driver, memcpy_async, stream_wait_u32, stream_write_u32
 from ...cuda.streams import poll_event
 from .abi import CONSTANTS, CTRL_BYTES, ERR_TIMEOUT, _read_constants
 from .errors import MappedWords, queue_driver_calls
@@ -337,7 +337,9 @@ class GPUPipeline:
         seq = self.received[peer]
         local_channel, remote_channel = self._channels(peer)
         stream = torch.cuda.current_stream(self.backend.device).cuda_stream
-        calls = [(stream_wait_u32, (stream, self._word(self.rank, _PUBLISHED + local_channel), seq + 1))]
+        # the slot's bytes came from the sender's copy engine before the word that satisfies the wait
+        flush = can_flush_remote_writes(self.backend.device.index)
+        calls = [(stream_wait_u32, (stream, self._word(self.rank, _PUBLISHED + local_channel), seq + 1, flush))]
         if t.nbytes:
             calls.append((memcpy_async, (t.data_ptr(), self._slot(self.rank, local_channel, seq), t.nbytes, stream)))
         count_address = self.byte_counts.entry(t.nbytes, peer, stream)
