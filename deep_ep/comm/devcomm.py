@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -235,8 +234,9 @@ class DeviceCommunicator:
 
     Args:
         comm: the ``ncclComm_t`` (an int) of the user's group (`deep_ep.comm.nccl.comm_ptr`).
-        num_ranks: ranks of the group (GIN signals and counters are asked for one per rank).
-        gin: the scale-out path's `GinRequirements`: asked for as they are, a refusal raises.
+        num_ranks: ranks of the group.
+        gin: the scale-out path's `GinRequirements`: asked for as they are, a refusal raises;
+            None (NVLink alone): no GIN resources are asked for.
 
     Raises:
         deep_ep.cuda.nccl.NcclError: ``ncclDevCommCreate`` failed (with ``gin``: also when NCCL
@@ -252,16 +252,9 @@ class DeviceCommunicator:
             self._create_with(requirements_bytes(self.layout, gin))
             self._live = True
             return
-        try:
-            self._create(gin_signals=num_ranks if self.has_gin else 0)
-        except Exception as exc:  # noqa: BLE001 - a GIN request refused: the NVLink path needs none
-            if not self.has_gin:
-                raise
-            warnings.warn(f"deep_ep: ncclDevCommCreate with GIN signals failed ({exc}); the device "
-                          f"communicator is created without GIN (scale-out over RDMA is unavailable)",
-                          RuntimeWarning, stacklevel=3)
-            self.has_gin = False
-            self._create(gin_signals=0)
+        # NVLink alone (the LSA transport) asks for no GIN resources: its kernels use none, and a
+        # request NCCL refused on some ranks only would leave the others in the collective creation.
+        self._create(gin_signals=0)
         self._live = True
 
     def _create(self, gin_signals: int) -> None:
