@@ -90,3 +90,33 @@ def test_first_failed_rank_reads_every_ranks_word(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda words, op=None, group=None: None)
     assert nccl.first_failed_rank(group, torch.device("cpu"), True) is None
     assert nccl.first_failed_rank(group, torch.device("cpu"), False) == 1
+
+
+@pytest.mark.parametrize("own_team_rank, peer_failed", [(0, 1), (1, None), (1, 0)])
+def test_a_permuted_lsa_team_on_one_rank_raises_on_every_rank(monkeypatch, own_team_rank, peer_failed):
+    """`NcclLsaTransport`: a rank whose LSA index differs from its group rank refuses, and so does
+    every other rank, before the window's collective registration (told through
+    `first_failed_rank`), instead of waiting there for it."""
+    from deep_ep.comm import lsa
+    released, windows = [], []
+    lease = types.SimpleNamespace(comm=0x10, release=lambda: released.append(True), private=False)
+    monkeypatch.setattr(lsa, "acquire_communicator", lambda group, device: lease)
+    monkeypatch.setattr(lsa, "lsa_team", lambda comm: (2, own_team_rank))
+    monkeypatch.setattr(lsa, "SymmetricWindow", lambda *args, **kwargs: windows.append(args) or types.SimpleNamespace(
+        handle=0x20, destroy=lambda: None))
+
+    def agree(group, device, ok):
+        return 1 if not ok else peer_failed   # this is rank 1 of 2
+    monkeypatch.setattr(lsa, "first_failed_rank", agree)
+    group = types.SimpleNamespace(rank=lambda: 1, size=lambda: 2)
+    expected = "LSA rank 0 differs from group rank 1" if own_team_rank == 0 else \
+        f"rank {peer_failed} of the group cannot use the NVLink"
+    if peer_failed is None:
+        monkeypatch.setattr(lsa, "DeviceCommunicator", lambda comm, num_ranks: types.SimpleNamespace(
+            transport_args=lambda handle: b"args", destroy=lambda: None))
+        lsa.NcclLsaTransport(group, 4096, torch.device("cpu"))
+        assert len(windows) == 1 and not released
+        return
+    with pytest.raises(NotImplementedError, match=expected):
+        lsa.NcclLsaTransport(group, 4096, torch.device("cpu"))
+    assert windows == [] and released == [True]

@@ -54,13 +54,18 @@ class NcclLsaTransport(Transport):
         self.comm = self.lease.comm
         try:
             team_size, team_rank = lsa_team(self.comm)
+            refusal = None
             if team_size != self.num_ranks:
-                raise NotImplementedError(
-                    f"rank {self.rank}: only {team_size} of the group's {self.num_ranks} ranks share this GPU's "
-                    f"NVLink (LSA) domain: such a group takes deep_ep.comm.nccl_gin's transport")
-            if team_rank != self.rank:
-                raise NotImplementedError(f"LSA rank {team_rank} differs from group rank {self.rank}: "
-                                          f"a group whose NVLink domain is permuted is not supported yet")
+                refusal = (f"rank {self.rank}: only {team_size} of the group's {self.num_ranks} ranks share this "
+                           f"GPU's NVLink (LSA) domain: such a group takes deep_ep.comm.nccl_gin's transport")
+            elif team_rank != self.rank:
+                refusal = (f"LSA rank {team_rank} differs from group rank {self.rank}: a group whose NVLink domain "
+                           f"is permuted is not supported yet")
+            # every rank raises (the others would wait in the window's collective registration)
+            failed = first_failed_rank(group, device, refusal is None)
+            if failed is not None:
+                raise NotImplementedError(refusal or f"rank {failed} of the group cannot use the NVLink (LSA) "
+                                                     f"transport (it says why)")
             self.window = SymmetricWindow(self.comm, self.num_bytes, device,
                                           agree=lambda ok: first_failed_rank(group, device, ok))
             self.devcomm = DeviceCommunicator(self.comm, self.num_ranks)
