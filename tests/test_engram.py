@@ -365,3 +365,30 @@ def test_a_backend_without_engram_refuses_every_method():
                                                       rf"\(_BackendStub\).*GPU buffers and the CPU backend"):
             getattr(buffer, method)(*args)
     buffer._destroyed = True   # nothing to release
+
+
+def _dropped_hook(rank, num_ranks):
+    g, c = deep_ep.ElasticBuffer.get_engram_storage_size_hint(10, 64, 16)
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_bytes=g + c, num_cpu_bytes=c, device="cpu",
+                                   num_cpu_timeout_secs=30)
+    table = torch.randn(10, 64).to(torch.bfloat16)
+    buffer.engram_write(table)
+    indices = torch.tensor([[rank * 10 + 3]], dtype=torch.int32)
+    kept = buffer.engram_fetch(indices)
+    with pytest.raises(RuntimeError, match="an earlier fetch's hook has not been called"):
+        buffer.engram_fetch(indices)          # a live hook still holds the window
+    with pytest.raises(RuntimeError, match="while engram holds it"):
+        _tiny_dispatch(buffer, rank, num_ranks)
+    del kept                                  # dropped uncalled: the next use of the buffer ends the hold
+    data, _ = buffer.engram_fetch(indices)()
+    assert torch.equal(_bits(data), _bits(table[3:4]))
+    buffer.engram_fetch(indices)              # dropped at once
+    _tiny_dispatch(buffer, rank, num_ranks)   # dispatch and combine go ahead
+    buffer.engram_fetch(indices)
+    buffer.pp_set_config(64, 1)
+    buffer.destroy()
+    return True
+
+
+def test_a_dropped_hook_stops_holding_the_window(tmp_path):
+    assert run_gloo_ranks(_dropped_hook, 2, tmp_path, deadline=120) == {0: True, 1: True}

@@ -163,8 +163,8 @@ class AllGatherReduceScatterMixin:
     def _agrs_in_session(self, method: str) -> _Session:
         session = self._agrs(method)
         if not session.open:
-            raise RuntimeError(f"deep_ep: {method} must be called inside an AGRS session "
-                               f"(create_agrs_session() or `with buffer.agrs_new_session():`)")
+            raise RuntimeError(f"deep_ep: {method}: no AGRS session is open, and it must be called inside an AGRS "
+                               f"session (create_agrs_session() or `with buffer.agrs_new_session():`)")
         return session
 
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:

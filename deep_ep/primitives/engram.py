@@ -64,7 +64,7 @@ class EngramFetchHook:
     The first call releases the buffer's window; later calls return the same tensors. On a GPU
     buffer every call also makes the caller's current stream wait for the fetch's kernel."""
 
-    __slots__ = ("_result", "_window_use", "_pending", "_done")
+    __slots__ = ("_result", "_window_use", "_pending", "_done", "__weakref__")
 
     def __init__(self, result: tuple, window_use, done=None) -> None:
         self._result = result
@@ -217,7 +217,9 @@ class EngramMixin:
         kernel on the current stream and returns without waiting; the hook makes the current stream
         wait for it. Between this call and its hook's first call the buffer's window is held:
         dispatch, combine and the other primitives raise `RuntimeError` meanwhile, and so does a
-        second `engram_fetch` (DeepEP gathers every fetch into the same receive area).
+        second `engram_fetch` (DeepEP gathers every fetch into the same receive area). A hook
+        dropped uncalled ends the hold at the buffer's next use, whose stream then waits for the
+        fetch as the hook would have made it.
 
         Args:
             indices: int32 ``[T, E]`` on the buffer's device, contiguous: token ``t`` concatenates
@@ -244,7 +246,7 @@ class EngramMixin:
             read, its row and factors come back zeroed, and this rank's next `engram_fetch` raises
             the `ValueError` (naming the index and its position) before its own launch.
             RuntimeError: destroyed buffer, no `engram_write` yet, or the window held (by an earlier
-            fetch whose hook was not called, or by another primitive); (GPU) during CUDA-graph
+            fetch whose hook is alive and was not called, or by another primitive); (GPU) during CUDA-graph
             capture, or an earlier GPU error made the buffer unusable.
         """
         self._alive()
@@ -272,6 +274,7 @@ class EngramMixin:
                 raise ValueError(f"indices holds entry {bad} at {where}: entries must be in [0, {num_total}) "
                                  f"({table.num_ranks} ranks x {table.num_entries} entries)")
         self._check_receive_area(num_tokens * num_per_token * table.hidden * table.dtype.itemsize)
+        self._window_use.settle()   # a dropped hook's hold (see below)
         if self._window_use.holder == "engram":
             raise RuntimeError("engram_fetch: an earlier fetch's hook has not been called; call it first (both "
                                "would gather into the buffer's one receive area)")
@@ -283,8 +286,15 @@ class EngramMixin:
             raise
         if on_gpu:
             data, sf, done = result
-            return EngramFetchHook((data, sf), self._window_use, done)
-        return EngramFetchHook(result, self._window_use)
+            hook = EngramFetchHook((data, sf), self._window_use, done)
+        else:
+            hook, done = EngramFetchHook(result, self._window_use), None
+        # A hook dropped uncalled releases the window at the buffer's next use, whose stream then
+        # waits for the fetch first, as the hook's call would have made it.
+        device = hook._result[0].device
+        self._window_use.end_with(hook, None if done is None else
+                                  lambda: torch.cuda.current_stream(device).wait_event(done))
+        return hook
 
     # ------------------------------------------------------------------ helpers
     def _engram_backend(self, method: str) -> tuple:

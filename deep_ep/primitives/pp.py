@@ -164,7 +164,8 @@ class PipelineMixin:
         usable = self.num_bytes - (self.num_cpu_bytes if on_gpu else 0)
         if (self.num_bytes or on_gpu) and num_window_bytes > usable:
             raise ValueError(f"pp_set_config: {num_max_inflight_tensors} tensors of {num_slot_bytes} bytes in flight "
-                             f"need {num_window_bytes} bytes of window, the buffer has {usable} (num_bytes="
+                             f"per direction and neighbour (send and receive slots for both neighbours) need "
+                             f"{num_window_bytes} bytes of window, the buffer has {usable} (num_bytes="
                              f"{self.num_bytes}, less num_cpu_bytes on a GPU buffer); create it with num_bytes >= "
                              f"ElasticBuffer.get_pp_buffer_size_hint({num_max_tensor_bytes}, "
                              f"{num_max_inflight_tensors}) (plus num_cpu_bytes) or lower the sizes")

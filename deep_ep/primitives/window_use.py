@@ -5,7 +5,8 @@ and any other use raises a clear error on every rank (every rank makes the same 
 rank sees the same state) instead of overwriting bytes a peer still reads."""
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 __all__ = ["WindowUse"]
 
@@ -14,11 +15,22 @@ class WindowUse:
     """The window's current holder: None (free, or used only by calls that finish before they
     return, such as dispatch and combine) or the name of a primitive with work in flight."""
 
-    __slots__ = ("holder", "detail")
+    __slots__ = ("holder", "detail", "_token", "_on_drop")
 
     def __init__(self) -> None:
         self.holder: Optional[str] = None
         self.detail = ""
+        self._token = self._on_drop = None
+
+    def settle(self) -> None:
+        """Release a hold whose token (the object that was to end it, e.g. an Engram fetch's hook) was
+        garbage-collected without ending it: ``on_drop()`` first orders what comes next after the
+        held work, as ending it would have."""
+        if self._token is not None and self._token() is None:
+            on_drop, self._token, self._on_drop = self._on_drop, None, None
+            self.holder, self.detail = None, ""
+            if on_drop is not None:
+                on_drop()
 
     def check_free(self, user: str) -> None:
         """Raise unless ``user`` may use the window now (free, or ``user`` holds it).
@@ -26,6 +38,7 @@ class WindowUse:
         Raises:
             RuntimeError: another user holds the window; the message names both and how to release it.
         """
+        self.settle()
         if self.holder is not None and self.holder != user:
             raise RuntimeError(f"deep_ep: {user} cannot use the buffer's window while {self.holder} holds it "
                                f"({self.detail}); the two share one window, one at a time")
@@ -35,7 +48,13 @@ class WindowUse:
         self.check_free(user)
         self.holder, self.detail = user, detail
 
+    def end_with(self, token, on_drop: Optional[Callable[[], None]] = None) -> None:
+        """The current hold ends when ``token`` ends it, or (`settle`) once ``token`` is
+        garbage-collected without having done so, after ``on_drop()``."""
+        self._token, self._on_drop = weakref.ref(token), on_drop
+
     def release(self, user: str) -> None:
         """``user``'s work in flight is over."""
         if self.holder == user:
             self.holder, self.detail = None, ""
+            self._token = self._on_drop = None

@@ -92,8 +92,11 @@ class Collectives:
         buffer (counted by the buffer, refused calls included): refuse if an earlier failure broke the
         group, stamp the arrival. `exchange_header` then sends ``op`` and ``call``."""
         if self._broken is not None:
+            # ranks out of step leave gloo's connections intact; a failed collective closes them
+            what = "destroy it on every rank and create a new one" if self._broken == "ranks at different calls" \
+                else "destroy it and the process group, and start again"
             raise self.error(f"this buffer can no longer communicate after an earlier failure "
-                             f"({self._broken}); destroy it and the process group, and start again")
+                             f"({self._broken}); {what}")
         self.calls = call
         self._op_code = op
         self._op = operation_name(op)
@@ -231,7 +234,7 @@ class Collectives:
                 raise self.error(f"ranks are at different calls of this buffer ({where}): a rank skipped or "
                                  f"repeated a call (a call refused for bad arguments counts on the rank that "
                                  f"refused it). Every rank raises this; the buffer is no longer usable (destroy "
-                                 f"it on every rank)")
+                                 f"it on every rank and create a new one; the process group is fine)")
             raise self.error(f"ranks called different operations ({where}): every rank must make the same "
                              f"collective calls in the same order. Every rank raises this; nothing was sent")
         if agree is None:
