@@ -351,7 +351,7 @@ class ElasticBuffer(PipelineMixin, AllGatherReduceScatterMixin, EngramMixin):
 
         Raises:
             TypeError: a flag that is not one (`checks.check_bool`). RuntimeError: destroyed buffer,
-            or a recorded GPU error.
+            or a GPU error recorded on this rank or another (raised on every rank).
         """
         self._alive()
         self._backend.calls += 1

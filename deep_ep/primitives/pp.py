@@ -126,8 +126,8 @@ class PipelineMixin:
         Flushes earlier PP traffic first: every rank reports what it sent to and received from each
         rank; if any tensor sent was not received, every rank raises (the earlier configuration
         stays: make the missing pp_recv calls and call again). Otherwise each rank waits until its
-        sends are acknowledged, starts fresh channels and frees the buffer's window (see the module
-        docstring): call it between PP traffic and dispatch / combine. Also the only way to change
+        sends are acknowledged, starts fresh channels and frees the buffer's window (see the docstring of
+        `deep_ep.primitives.pp`): call it between PP traffic and dispatch / combine. Also the only way to change
         the sizes. On a GPU buffer it also waits on the host for this rank's current stream and
         communication stream, cannot be captured in a CUDA graph, and is needed after a dispatch or
         combine before the next PP traffic (they write over the slots).
