@@ -81,7 +81,7 @@ def test_one_rank_nccl(nccl_group):
     _body(nccl_group, 1)
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8, 12])   # 12: an NVLink domain of more than DeepEP's V1 nodes
 def test_emulated(num_ranks):
     run_legacy_on_emulated_ranks(_body, num_ranks)
 
