@@ -386,6 +386,10 @@ def _dropped_hook(rank, num_ranks):
     _tiny_dispatch(buffer, rank, num_ranks)   # dispatch and combine go ahead
     buffer.engram_fetch(indices)
     buffer.pp_set_config(64, 1)
+    cycle = [buffer.engram_fetch(indices)]
+    cycle.append(cycle)                       # dropped, but kept by a reference cycle until a collection
+    del cycle
+    _tiny_dispatch(buffer, rank, num_ranks)   # the refusal's check collects it first
     buffer.destroy()
     return True
 

@@ -855,7 +855,7 @@ def test_a_gpu_error_recorded_on_one_rank_raises_at_the_barrier_on_every_rank():
     from deep_ep.comm.emulated import EmulatedTransport
     num_ranks = 3
     windows = types.SimpleNamespace(num_ranks=num_ranks, num_bytes=64, device=torch.device("cpu"),
-                                    peers=torch.zeros(num_ranks, dtype=torch.int64))
+                                    peers=torch.zeros(num_ranks, dtype=torch.int64), ok_words=[True] * num_ranks)
     barrier = threading.Barrier(num_ranks, timeout=30)
     errors = {1: (2, 1, 0, 3)}   # rank 1's record: (code, rank, peer, phase)
     outcome = {}
@@ -893,5 +893,49 @@ def test_a_gpu_error_recorded_on_one_rank_raises_at_the_barrier_on_every_rank():
     assert outcome[1] == ("own error (2, 1, 0, 3)", "own", "then passed")
     for rank in (0, 2):
         message, broken, after = outcome[rank]
-        assert f"rank {rank} of 3): barrier: rank 1's kernels recorded an error" in message, message
-        assert broken == "rank 1 recorded a GPU error" and after == "then passed"
+        assert f"rank {rank} of 3): barrier: rank 1 met a GPU error" in message, message
+        assert broken == "rank 1 met a GPU error" and after == "then passed"
+
+    # a rank whose wait itself fails (a sticky CUDA error) raises that, and the others are told
+    outcome.clear()
+
+    def failing_drain_thread(rank):
+        b = GPUBackend.__new__(GPUBackend)
+        b.transport = EmulatedTransport(windows, rank, barrier.wait)
+        b.rank, b.num_ranks, b.broken = rank, num_ranks, None
+        b.drain = (lambda: (_ for _ in ()).throw(RuntimeError("sticky"))) if rank == 2 else (lambda: None)
+        b.read_error = lambda: None
+        try:
+            b.barrier()
+            outcome[rank] = "passed"
+        except Exception as exc:   # noqa: BLE001
+            outcome[rank] = str(exc)
+
+    threads = [threading.Thread(target=failing_drain_thread, args=(rank,)) for rank in range(num_ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert outcome[2] == "sticky" and all("barrier: rank 2 met a GPU error" in outcome[rank] for rank in (0, 1)), outcome
+
+
+def test_a_data_wait_flushes_remote_writes_only_where_the_device_can(monkeypatch):
+    """`deep_ep.cuda.driver.stream_wait_u32` adds CU_STREAM_WAIT_VALUE_FLUSH to its GEQ wait when
+    asked; `can_flush_remote_writes` reads the device attribute once per device (a fake driver)."""
+    from cuda.bindings import driver as real
+    from deep_ep.cuda import driver as cuda_driver
+    waits, queries = [], []
+    fake = types.SimpleNamespace(
+        CUstreamWaitValue_flags=real.CUstreamWaitValue_flags, CUdevice_attribute=real.CUdevice_attribute,
+        cuStreamWaitValue32=lambda stream, address, value, flags: waits.append(flags) or (0,),
+        cuDeviceGet=lambda index: (0, index),
+        cuDeviceGetAttribute=lambda attribute, device: queries.append((attribute, device)) or (0, int(device == 1)))
+    monkeypatch.setattr(cuda_driver, "driver", lambda: fake)
+    monkeypatch.setattr(cuda_driver, "_can_flush", {})
+    assert cuda_driver.stream_wait_u32(7, 0x1000, 3) == 0 and cuda_driver.stream_wait_u32(7, 0x1000, 3, True) == 0
+    geq, flush = int(real.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), \
+        int(real.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_FLUSH)
+    assert waits == [geq, geq | flush]
+    assert cuda_driver.can_flush_remote_writes(1) and not cuda_driver.can_flush_remote_writes(0)
+    assert cuda_driver.can_flush_remote_writes(1) and len(queries) == 2   # cached per device
+    assert queries[0][0] == real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES

@@ -428,6 +428,10 @@ def test_run_summary(tmp_path):
                                                  "torchrun suite, 2 ranks: 2 cases, 2 ok, 0 failed\n")
     assert "  torchrun_suite: tools/torchrun_suite.py: 2 passed, 0 failed (2 cases on 2 ranks)" in \
         tool.summary_text(tmp_path, facts)
+    # a pytest under torchrun: one summary line per rank; a failure on any rank shows
+    (tmp_path / "multi_gloo.log").write_text("....\n4 passed in 9.0s\n.F..\n1 failed, 3 passed in 9.1s\n"
+                                             "....\n4 passed in 9.2s\n")
+    assert "  multi_gloo: 3 passed, 1 failed (from multi_gloo.log: no JUnit XML)" in tool.summary_text(tmp_path, facts)
     assert "  bench_ep1: check passed" in text and "  bench_ep8: check FAILED (rank 3: combined_x differs)" in text
     assert "  defect 1 ..." in text
     assert tool.summary_text(tmp_path / "mutation", facts).count("not run") == 1

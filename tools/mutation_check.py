@@ -207,18 +207,24 @@ _SUMMARY_LINE = re.compile(r"^[=\s]*\d+ (passed|failed|errors?|skipped|xfailed|x
                            r".* in [\d.]+s")
 
 
-def pytest_counts(text: str) -> Optional[dict]:
+def pytest_counts(text: str, worst: bool = False) -> Optional[dict]:
     """Counts from the last summary line of pytest output (``1 failed, 3 passed in 2.10s``), as
     ``{"passed": 3, "failed": 1, "errors": 0, "skipped": 0, ...}``; None when there is no such line
-    (pytest crashed or was killed)."""
+    (pytest crashed or was killed). ``worst``: of every summary line (one per rank of a pytest run
+    under torchrun), the one with the most failures and errors, then the fewest passed."""
     lines = [ln for ln in text.splitlines() if _SUMMARY_LINE.match(ln.strip())]
     if not lines:
         return None
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    for number, what in _COUNT.findall(lines[-1]):
-        what = {"error": "errors", "warning": "warnings"}.get(what, what)
-        counts[what] = counts.get(what, 0) + int(number)
-    return counts
+
+    def counts_of(line: str) -> dict:
+        counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+        for number, what in _COUNT.findall(line):
+            what = {"error": "errors", "warning": "warnings"}.get(what, what)
+            counts[what] = counts.get(what, 0) + int(number)
+        return counts
+    if not worst:
+        return counts_of(lines[-1])
+    return max((counts_of(line) for line in lines), key=lambda c: (c["failed"] + c["errors"], -c["passed"]))
 
 
 def _test_file(classname: str) -> str:
@@ -543,6 +549,7 @@ def environment() -> dict:
 
 #: The pytest steps of tools/device_suite.sh: ``<step>.log`` and ``<step>.xml`` under $OUT.
 PYTEST_STEPS = ("jit_gpu", "gpu_tests", "gpu_extra", "coop_tests", "multi_gloo")
+TORCHRUN_PYTEST_STEPS = ("multi_gloo",)
 
 
 def summary_text(run_dir: Path, facts: dict) -> str:
@@ -564,7 +571,9 @@ def summary_text(run_dir: Path, facts: dict) -> str:
         if per_file:
             lines += [f"  {step}: {name}: {format_counts(c)}" for name, c in sorted(per_file.items())]
             continue
-        counts = pytest_counts(log.read_text(errors="replace")) if log.exists() else None
+        # a pytest under torchrun writes one summary line per rank into one log
+        counts = pytest_counts(log.read_text(errors="replace"), worst=step in TORCHRUN_PYTEST_STEPS) \
+            if log.exists() else None
         if counts is not None:
             lines.append(f"  {step}: {format_counts(counts)} (from {log.name}: no JUnit XML)")
         else:

@@ -224,11 +224,6 @@ def comm_gin_types(comm: int, layout: DevCommLayout) -> tuple:
     return gin_type, railed
 
 
-def _comm_has_gin(comm: int, layout: DevCommLayout) -> bool:
-    """Whether the communicator reports a GIN type (``ncclCommQueryProperties``, NCCL >= 2.29)."""
-    return comm_gin_types(comm, layout)[0] != 0
-
-
 class DeviceCommunicator:
     """An ``ncclDevComm`` for the communicator ``comm`` (collective: every rank creates it).
 
@@ -246,7 +241,6 @@ class DeviceCommunicator:
     def __init__(self, comm: int, num_ranks: int, gin: Optional[GinRequirements] = None) -> None:
         self.comm = comm
         self.layout = devcomm_layout()
-        self.has_gin = _comm_has_gin(comm, self.layout)
         self._devcomm = (ctypes.c_uint8 * self.layout.devcomm_size)()
         if gin is not None:
             self._create_with(requirements_bytes(self.layout, gin))

@@ -40,6 +40,7 @@ class EmulatedWindowSet:
                                   device=device)
         self.refs = num_ranks
         self.lock = threading.Lock()
+        self.ok_words = [True] * num_ranks   # `EmulatedTransport.first_failed_rank`'s, one per rank
 
 
 class EmulatedTransport(Transport):
@@ -68,7 +69,7 @@ class EmulatedTransport(Transport):
     def first_failed_rank(self, ok: bool) -> Optional[int]:
         # every rank's word in the window set, read between two barriers (none is written again
         # before every rank has read them)
-        words = self.windows.__dict__.setdefault("ok_words", [True] * self.num_ranks)
+        words = self.windows.ok_words
         words[self.rank] = bool(ok)
         self._barrier()
         failed = next((rank for rank, good in enumerate(words) if not good), None)

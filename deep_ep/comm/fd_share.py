@@ -3,7 +3,9 @@
 The GPU driver exports shareable memory (Engram's host shards) as a POSIX file descriptor, which only
 its process can use. Peers get a copy of it the way NCCL's proxies pass theirs: the owner listens on
 an abstract Unix socket (no file on disk; gone with the socket) and sends the descriptor with
-``SCM_RIGHTS`` to each peer that connects, and only to processes of its own user (``SO_PEERCRED``).
+``SCM_RIGHTS`` to each peer that connects, and only to processes of its own user (``SO_PEERCRED``;
+the name is visible in ``/proc/net/unix``, so the user is the guard, and an owner serves only
+while its peers take the descriptor).
 Unlike ``pidfd_getfd``, this needs no permission to trace the owner, which containers and Yama's
 default (``kernel.yama.ptrace_scope=1``) deny. Both sides must be in one network namespace, as the
 processes of one job on one host are.
@@ -92,6 +94,9 @@ def receive_fd(pid: int, fd: int, token: int, timeout: Optional[float] = 30.0) -
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(socket_name(pid, fd, token))
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():   # a name taken by another user's process after the owner's closed
+            raise OSError(f"the socket of process {pid}'s descriptor {fd} belongs to user {uid}, not this one")
         _, fds, _, _ = socket.recv_fds(sock, 1, 1)
     if not fds:
         raise OSError(f"process {pid} closed the connection without sending its descriptor {fd}")

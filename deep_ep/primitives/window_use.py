@@ -5,6 +5,7 @@ and any other use raises a clear error on every rank (every rank makes the same 
 rank sees the same state) instead of overwriting bytes a peer still reads."""
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Callable, Optional
 
@@ -26,6 +27,11 @@ class WindowUse:
         """Release a hold whose token (the object that was to end it, e.g. an Engram fetch's hook) was
         garbage-collected without ending it: ``on_drop()`` first orders what comes next after the
         held work, as ending it would have."""
+        if self._token is not None and self._token() is not None:
+            # Kept only by a reference cycle (e.g. an exception's frames) it would wait for the
+            # collector, whose timing differs between ranks: collect now, so every rank that dropped
+            # it sees the same state (rare: the window is held, and the call would be refused).
+            gc.collect()
         if self._token is not None and self._token() is None:
             on_drop, self._token, self._on_drop = self._on_drop, None, None
             self.holder, self.detail = None, ""

@@ -31,7 +31,8 @@ from . import window
 from .abi import CONSTANTS, CTRL_ERROR_OFFSET, ERR_BAD_EXPERT, MAX_EXPERTS, READBACK, READBACK_WORDS, call_tag
 from .combine import run_combine
 from .dispatch import NOTIFY_WARPS, run_dispatch
-from .errors import CallRecord, ErrorRecord, MappedWords, broken_label, raise_bad_expert, raise_recorded
+from .errors import (CallRecord, ErrorRecord, MappedWords, agree_at_barrier, broken_label, raise_bad_expert,
+                     raise_recorded)
 from .modules import (BARRIER_KERNEL, THREADS, build_module, combine_defines, dispatch_defines,
                       kernel_source, launch_control, load_module, num_modules_built, tunable_defines)
 from .state import GPUHandleState
@@ -254,23 +255,13 @@ class GPUBackend(Backend):
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
-        """Wait for this rank's communication, then a host barrier that tells every rank whether a
-        kernel recorded an error: all raise (one rank alone would leave the others' next collective,
-        e.g. a `destroy`, paired with the wrong call).
+        """Wait for this rank's communication, then a host barrier at which every rank learns whether
+        a kernel of any rank recorded an error, and all raise (`errors.agree_at_barrier`).
 
         Raises:
             TimeoutError / RuntimeError: see `check_errors`; RuntimeError: another rank's recorded one.
         """
-        self.drain()
-        err = self.read_error()
-        failed = self.transport.first_failed_rank(err is None)
-        if err is not None:
-            self._raise(err)
-        if failed is not None:
-            self.broken = f"rank {failed} recorded a GPU error"
-            raise RuntimeError(f"deep_ep (GPU backend, rank {self.rank} of {self.num_ranks}): barrier: rank {failed}'s "
-                               f"kernels recorded an error, which that rank raises; this buffer's peers are no "
-                               f"longer in step, so it is unusable too: destroy it and create a new one")
+        agree_at_barrier(self)
 
     def gpu_barrier(self, stream_handle: int) -> None:
         """Queue a barrier across the ranks on the raw stream ``stream_handle``: a kernel that signals

@@ -215,6 +215,9 @@ class GPUEngramTable(EngramTableState):
         self.sf = None if sf is None else sf.clone()
         self._wait_stream(stream, "its shard in engram_write")
         backend.transport.host_barrier()
+        stop_serving = getattr(self.host_shard, "stop_serving", None)
+        if stop_serving is not None:   # every peer holds its copy of the descriptor by now
+            stop_serving()
 
     def _check_headers(self, rows: list) -> None:
         prefix = f"deep_ep (GPU backend, rank {self.rank} of {self.num_ranks}): engram_write"

@@ -186,6 +186,12 @@ class ProcessShard:
                     os.close(descriptor)
             leave_context(previous)
 
+    def stop_serving(self) -> None:
+        """Close the socket that serves the descriptor (once every peer took it)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
     def description(self) -> list:
         """The owner's process id, its descriptor of the memory, the size in 2 MiB units, the token of
         the socket that serves the descriptor."""
@@ -193,9 +199,7 @@ class ProcessShard:
 
     def drop(self) -> None:
         """Unmap and release this process's reference (the memory goes with the last one)."""
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        self.stop_serving()
         d = driver()
         previous = enter_context(self.device.index)
         try:

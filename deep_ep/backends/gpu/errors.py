@@ -17,8 +17,8 @@ import torch
 from ...cuda.driver import ensure_context, enter_context, error_name, leave_context
 from .abi import CONSTANTS, ERR_CAPACITY, ERR_FINGERPRINT, ERR_MISMATCH, PHASES
 
-__all__ = ["CallRecord", "MappedWords", "ErrorRecord", "broken_label", "raise_recorded", "raise_bad_expert",
-           "queue_driver_calls"]
+__all__ = ["CallRecord", "MappedWords", "ErrorRecord", "agree_at_barrier", "broken_label", "raise_recorded",
+           "raise_bad_expert", "queue_driver_calls"]
 
 
 class CallRecord:
@@ -175,3 +175,26 @@ def queue_driver_calls(backend, rank: int, what: str, calls) -> None:
                                    f"can no longer be used (destroy it and create a new one)")
     finally:
         leave_context(previous)
+
+
+def agree_at_barrier(backend) -> None:
+    """`GPUBackend.barrier`: wait for the rank's communication, then agree with every rank
+    (`Transport.first_failed_rank`, itself a host barrier) on whether any rank failed; every rank
+    raises then, the one that failed its own error, the others naming it. One rank raising alone
+    would leave the others' next collective (a `destroy`'s barrier) paired with the wrong call."""
+    try:
+        backend.drain()
+        err, local = backend.read_error(), None
+    except Exception as exc:   # e.g. a sticky CUDA error: told to the peers too, then raised
+        err, local = (), exc
+    failed = backend.transport.first_failed_rank(err is None)
+    if local is not None:
+        raise local
+    if err is not None:
+        backend._raise(err)
+    if failed is not None:
+        backend.broken = f"rank {failed} met a GPU error"
+        raise RuntimeError(f"deep_ep (GPU backend, rank {backend.rank} of {backend.num_ranks}): barrier: rank "
+                           f"{failed} met a GPU error (its kernels recorded one, or its wait failed), which that rank "
+                           f"raises; this buffer's peers are no longer in step, so it is unusable too: destroy it "
+                           f"and create a new one")
