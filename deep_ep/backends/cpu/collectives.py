@@ -53,6 +53,24 @@ OPERATIONS = {OP_DISPATCH: "dispatch", OP_COMBINE: "combine", OP_BARRIER: "barri
               OP_DESTROY_AGRS_SESSION: "destroy_agrs_session"}
 
 
+# torch's gloo worker thread frees each finished work item (and the tensors it holds) itself. Where
+# that happens after the interpreter began to finalize (a busy machine delays the thread past a
+# program's last line), freeing a tensor whose Python object is gone needs the GIL, the thread is made
+# to exit, and the process aborts ("terminate called without an active exception") after its work
+# was done. At exit, before finalization, a process that used a CPU buffer gives the thread a moment.
+EXIT_GRACE_SECS = 0.2
+_exit_grace_registered = False
+
+
+def _register_exit_grace() -> None:
+    global _exit_grace_registered
+    if not _exit_grace_registered:
+        import atexit
+        import time
+        atexit.register(time.sleep, EXIT_GRACE_SECS)
+        _exit_grace_registered = True
+
+
 def operation_name(code: int) -> str:
     """The name of operation ``code`` (`OPERATIONS`), or ``"unknown operation <code>"``."""
     return OPERATIONS.get(code, f"unknown operation {code}")
@@ -66,6 +84,7 @@ class Collectives:
     """The bounded collectives of one buffer on one rank (see the module docstring)."""
 
     def __init__(self, group, rank: int, num_ranks: int, timeout_secs: float) -> None:
+        _register_exit_grace()
         self.group = group
         self.rank = rank
         self.num_ranks = num_ranks
