@@ -47,6 +47,17 @@ def _handle_layout(handle) -> tuple:
     return layout
 
 
+def _named(method: str, check, *args):
+    """``check(*args)``, its argument errors prefixed with the public method's name (a check says
+    what is wrong, the prefix says in which call)."""
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as exc:
+        if str(exc).startswith(method):
+            raise
+        raise type(exc)(f"{method}: {exc}") from None
+
+
 def _remember(buf, key, plan) -> None:
     plans = buf._plans
     if len(plans) >= MAX_PLANS:
@@ -125,11 +136,12 @@ def dispatch_plan(buf, x, topk_idx, topk_weights, stats, num_experts, num_max_to
                                               and topk_weights.is_contiguous()))
                 and (stats is None or (stats.device == device and stats.is_contiguous()))):
             if plan.check_ids:
-                checks.check_topk_values(topk_idx, plan.num_experts)
+                _named("ElasticBuffer.dispatch", checks.check_topk_values, topk_idx, plan.num_experts)
             return data, sf, plan
     # A new signature, an argument of another kind, or a call that fails the re-checks: the full
     # checks say what is wrong, if anything is.
-    data, sf, plan = checks.validate_dispatch(
+    data, sf, plan = _named(
+        "ElasticBuffer.dispatch", checks.validate_dispatch,
         buf, x, topk_idx, topk_weights, stats, num_experts, num_max_tokens_per_rank, expert_alignment, num_sms,
         num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
         handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
@@ -183,9 +195,9 @@ def combine_plan(buf, x, handle, topk_weights, bias, num_sms, num_qps, previous_
                 and (not biases or all(b.shape[0] == routing_sizes[0] and b.device == device and b.is_contiguous()
                                        for b in biases))):
             return biases, plan
-    biases, plan = checks.validate_combine(buf, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
-                                           previous_event_before_epilogue, async_with_compute_stream,
-                                           allocate_on_comm_stream, apply_dispatch_weights)
+    biases, plan = _named("ElasticBuffer.combine", checks.validate_combine, buf, x, handle, topk_weights, bias,
+                          num_sms, num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+                          allocate_on_comm_stream, apply_dispatch_weights)
     if key is not None:
         _remember(buf, key, plan)
     return biases, plan
