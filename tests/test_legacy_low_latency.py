@@ -701,3 +701,18 @@ def _wide_domain_worker(rank, num_ranks):
 
 def test_low_latency_mode_takes_an_nvlink_domain_of_more_than_8_ranks(tmp_path):
     run_gloo_ranks(_wide_domain_worker, 16, tmp_path, deadline=240)
+
+
+def test_a_wide_domain_makes_no_window_for_normal_mode_calls(monkeypatch):
+    """On a GPU, a low-latency Buffer over an NVLink domain of more than 8 ranks, whose normal-mode
+    calls are refused, asks for the low-latency window alone, whatever num_nvl_bytes says (the
+    windows' creation stood in for, no GPU)."""
+    import types
+    import deep_ep.buffer as elastic
+    from deep_ep.legacy import internode
+    made = []
+    monkeypatch.setattr(internode, "group_domain_sizes", lambda group, hybrid, device: ((1, 16), None))
+    monkeypatch.setattr(elastic, "ElasticBuffer", lambda group, num_bytes=None, **kwargs: made.append(num_bytes))
+    owner = types.SimpleNamespace()
+    internode._open(owner, object(), 1 << 30, 3 << 20, 1, True, True, torch.device("cuda", 0), False, {})
+    assert owner._wide_domain and made == [internode._aligned(3 << 20)]

@@ -86,7 +86,9 @@ def _open(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_ran
     num_bytes = low_latency_bytes = None
     if not on_cpu:
         # across nodes (and with num_nvl_bytes=0) one window of both sizes, as before the split; else
-        # normal mode's of num_nvl_bytes and low-latency mode's of num_rdma_bytes (docstring above)
+        # normal mode's of num_nvl_bytes and low-latency mode's of num_rdma_bytes (docstring above);
+        # a domain too wide for normal-mode calls gets no window for them
+        num_nvl_bytes = 0 if owner._wide_domain else num_nvl_bytes
         split = low_latency_mode and not across and num_nvl_bytes > 0
         num_bytes = _aligned(num_nvl_bytes + (num_rdma_bytes if low_latency_mode and not split else 0))
         if split and num_rdma_bytes > 0:
