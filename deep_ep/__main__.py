@@ -2,6 +2,8 @@
 
 Subcommands:
   bench   run and check dispatch + combine for a model preset; see ``python -m deep_ep bench -h``.
+  env     what this machine gives deep_ep (versions, GPUs, the JIT's compiler, headers and cache):
+          include it in a bug report.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     sub.required = True
     add_arguments(sub.add_parser(
         "bench", help="benchmark and check dispatch + combine (CPU gloo ranks, or the GPU path)"))
+    sub.add_parser("env", help="what this machine gives deep_ep: versions, GPUs, the JIT's compiler, headers "
+                               "and cache (include it in a bug report)")
     return parser
 
 
@@ -32,6 +36,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .bench.cli import main as bench_main  # noqa: WPS433
 
         return bench_main(args)
+    if args.command == "env":
+        from .environment import report  # noqa: WPS433
+
+        print(report())
+        return 0
     raise AssertionError(args.command)
 
 
