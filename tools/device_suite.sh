@@ -58,6 +58,7 @@ for step in $steps; do
     env)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/env.txt"
       python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.nccl.version())" 2>&1 | tee -a "$OUT/env.txt"
+      python3 -m deep_ep env 2>&1 | tee -a "$OUT/env.txt"
       # The copy of .git on the device can lag the working tree: pass DEEP_EP_COMMIT=<hash> to record it.
       echo "commit ${DEEP_EP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null) (device git)}" | tee -a "$OUT/env.txt" ;;
     jit)
