@@ -229,7 +229,7 @@ class DeviceCommunicator:
 
     Args:
         comm: the ``ncclComm_t`` (an int) of the user's group (`deep_ep.comm.nccl.comm_ptr`).
-        num_ranks: ranks of the group.
+        num_ranks: ranks of the group (the GIN requirements, when given, are sized by the caller).
         gin: the scale-out path's `GinRequirements`: asked for as they are, a refusal raises;
             None (NVLink alone): no GIN resources are asked for.
 
@@ -248,11 +248,8 @@ class DeviceCommunicator:
             return
         # NVLink alone (the LSA transport) asks for no GIN resources: its kernels use none, and a
         # request NCCL refused on some ranks only would leave the others in the collective creation.
-        self._create(gin_signals=0)
+        self._create_with(requirements_bytes(self.layout, gin_signals=0))
         self._live = True
-
-    def _create(self, gin_signals: int) -> None:
-        self._create_with(requirements_bytes(self.layout, gin_signals=gin_signals))
 
     def _create_with(self, requirements: bytes) -> None:
         req = bytearray(requirements)

@@ -33,6 +33,12 @@ def socket_name(pid: int, fd: int, token: int) -> bytes:
     return b"\0deep_ep-fd-%d-%d-%d" % (pid, fd, token)
 
 
+def _peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
 class FdServer:
     """Serves descriptor ``fd`` of this process on `socket_name(os.getpid(), fd, token)` until `close`:
     a daemon thread accepts each connection and sends the descriptor once.
@@ -63,9 +69,7 @@ class FdServer:
                 return
             with conn:
                 try:
-                    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                    _, uid, _ = struct.unpack("3i", creds)
-                    if uid != self._uid:
+                    if _peer_uid(conn) != self._uid:
                         continue   # another user's process gets nothing (it sees the connection close)
                     socket.send_fds(conn, [b"F"], [self.fd])
                 except OSError:
@@ -94,7 +98,7 @@ def receive_fd(pid: int, fd: int, token: int, timeout: Optional[float] = 30.0) -
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(socket_name(pid, fd, token))
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        uid = _peer_uid(sock)
         if uid != os.getuid():   # a name taken by another user's process after the owner's closed
             raise OSError(f"the socket of process {pid}'s descriptor {fd} belongs to user {uid}, not this one")
         _, fds, _, _ = socket.recv_fds(sock, 1, 1)

@@ -4,8 +4,9 @@ A rank's shard is ``num_bytes`` of page-locked host memory mapped into its devic
 process (emulated ranks, a one-rank group) share it by address (`LocalShard`, ``cuMemHostAlloc``);
 ranks in separate processes through the driver's virtual memory API (`ProcessShard`: created on the
 device's host NUMA node, exported as a POSIX file descriptor, which the owner serves over a Unix
-socket (`deep_ep.comm.fd_share`) and peers receive, or else take with pidfd_getfd, and map). Each kind describes itself in `DESCRIPTION_WORDS` int32 words (`engram_write`'s header carries
-them), and a peer reaches it from that description (`reach_host_shards`). A shard is freed when the
+socket (`deep_ep.comm.fd_share`) and peers receive, or else take with pidfd_getfd, and map). Each
+kind describes itself in `DESCRIPTION_WORDS` int32 words (`engram_write`'s header carries them),
+and a peer reaches it from that description (`reach_host_shards`). A shard is freed when the
 last rank that may read it lets go, so it outlives its owner's buffer while a peer may still fetch.
 """
 from __future__ import annotations

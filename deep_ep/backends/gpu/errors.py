@@ -182,12 +182,13 @@ def agree_at_barrier(backend) -> None:
     (`Transport.first_failed_rank`, itself a host barrier) on whether any rank failed; every rank
     raises then, the one that failed its own error, the others naming it. One rank raising alone
     would leave the others' next collective (a `destroy`'s barrier) paired with the wrong call."""
+    err = local = None
     try:
         backend.drain()
-        err, local = backend.read_error(), None
+        err = backend.read_error()
     except Exception as exc:   # e.g. a sticky CUDA error: told to the peers too, then raised
-        err, local = (), exc
-    failed = backend.transport.first_failed_rank(err is None)
+        local = exc
+    failed = backend.transport.first_failed_rank(err is None and local is None)
     if local is not None:
         raise local
     if err is not None:
