@@ -3,7 +3,9 @@ CPU, byte for byte on a model of each rank's window: the send phases write rows,
 tagged flags at the byte offsets the host passes, the receive phases check the flags' tags and
 fingerprints and write the outputs; a launch of both phases (a call without a receive hook) runs
 the rank's send, then its receive. tests/test_legacy_ll_direct.py runs `deep_ep.legacy.ll_direct`'s
-host code on it (its launches replaced by `launch`) against the spec of tests/test_legacy_low_latency.py."""
+host code on it (its launches replaced by `launch`) against the spec of tests/test_legacy_low_latency.py.
+Rank masks as the kernels apply them; the model runs a receive after the sends of the ranks that
+called, so a flag of another tag is one that will never come: a timeout (an assertion without a mask)."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +16,9 @@ from deep_ep.legacy.layouts import cast_to_fp8
 _CONSTANTS = ll_direct._CONSTANTS
 _CTRL_WORD = _CONSTANTS["kLlDirectCtrlWord"]
 _HALF_WORDS = _CONSTANTS["kLlDirectHalfWords"]
+_ABSENT = _CONSTANTS["kLlDirectAbsent"] & 0xFFFFFFFF
+#: (rank, peer, "dispatch" / "combine") of every wait that timed out under a rank mask
+TIMEOUTS = []
 
 
 def _word(half: int, word: int) -> int:
@@ -47,11 +52,36 @@ def _flag(tag: int, fingerprint: int, value: int) -> torch.Tensor:
     return torch.tensor([bits - (1 << 64) if bits >= 1 << 63 else bits], dtype=torch.int64)
 
 
-def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int) -> int:
+def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int, lenient: bool = False):
+    """The flag's value; None for a timeout where ``lenient`` (a rank mask)."""
     bits = int(_get(window, offset, 1, torch.int64)[0]) & ((1 << 64) - 1)
+    if lenient and (bits >> 32) & 0xFFFF != tag & 0xFFFF:
+        return None
     assert (bits >> 32) & 0xFFFF == tag & 0xFFFF, "a receive would wait: the flag carries another call's tag"
     assert bits >> 48 == fingerprint & 0xFFFF, "the ranks disagree on the call"
     return bits & 0xFFFFFFFF
+
+
+def _absent(rank_mask, peer: int, present=None) -> bool:
+    """Whether a rank leaves ``peer`` out before any flag: it masks the peer, or (a combine) its
+    dispatch left the peer out."""
+    return bool(rank_mask[peer]) or (present is not None and not bool(present[peer]))
+
+
+def _decide(flags: list, rank_mask, rank: int, kind: str) -> list:
+    """The receive's decision about each peer from its flags' values (None: timed out): in unless
+    one of the two masks the other; a peer that timed out is masked."""
+    inside = []
+    for peer, values in enumerate(flags):
+        if values is None:                      # this rank masks it (or its dispatch left it out)
+            inside.append(False)
+        elif any(value is None for value in values):
+            TIMEOUTS.append((rank, peer, kind))
+            rank_mask[peer] = 1
+            inside.append(False)
+        else:
+            inside.append(all(value != _ABSENT for value in values))
+    return inside
 
 
 def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
@@ -59,31 +89,33 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     transport, phase, half, regions = args[:4]
     if name == ll_direct.DISPATCH_KERNEL:
         (x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts, num_slots, use_fp8, round_scale,
-         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, fingerprint,
-         _, _) = args[4:]
+         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, rank_mask, present,
+         fingerprint, _, _) = args[4:]
+        assert (rank_mask is None) == (present is None)
         assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
         if phase & ll_direct.SEND_PHASE:
             _dispatch_send(transport.rank, transport.windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk,
-                           num_experts, num_local_experts, num_slots, use_fp8, round_scale, fingerprint)
+                           num_experts, num_local_experts, num_slots, use_fp8, round_scale, rank_mask, fingerprint)
         if phase & ll_direct.RECEIVE_PHASE:
             _dispatch_recv(transport.rank, transport.windows, half, regions, data_out, scales_out, recv_count,
                            src_info, layout_range, stats, routes, num_local_experts, num_slots, num_topk, hidden,
-                           use_fp8, use_ue8m0, fingerprint)
+                           use_fp8, use_ue8m0, rank_mask, present, fingerprint)
         return
     assert name == ll_direct.COMBINE_KERNEL
     (x, expert_stride, row_stride, recv_count, routes, num_local_experts, num_slots, num_topk, hidden, topk_idx,
-     topk_weights, out, num_tokens, fingerprint, _, _) = args[4:]
+     topk_weights, out, num_tokens, rank_mask, present, fingerprint, _, _) = args[4:]
+    assert (rank_mask is None) == (present is None)
     assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
     if phase & ll_direct.SEND_PHASE:
         _combine_send(transport.rank, transport.windows, half, regions, x, expert_stride, row_stride, recv_count,
-                      routes, num_local_experts, num_slots, num_topk, hidden, fingerprint)
+                      routes, num_local_experts, num_slots, num_topk, hidden, rank_mask, present, fingerprint)
     if phase & ll_direct.RECEIVE_PHASE:
         _combine_recv(transport.rank, transport.windows, half, regions, topk_idx, topk_weights, out, num_tokens,
-                      num_topk, hidden, fingerprint)
+                      num_topk, hidden, num_local_experts, rank_mask, present, fingerprint)
 
 
 def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
-                   num_local_experts, num_slots, use_fp8, round_scale, fingerprint):
+                   num_local_experts, num_slots, use_fp8, round_scale, rank_mask, fingerprint):
     num_ranks = len(windows)
     row_bytes = hidden if use_fp8 else 2 * hidden
     for token in range(num_tokens):
@@ -93,6 +125,8 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
                 continue
             place = int((topk_idx[:token] == expert).any(dim=1).sum())
             owner, local = divmod(expert, num_local_experts)
+            if rank_mask is not None and rank_mask[owner]:
+                continue
             row = (local * num_ranks + rank) * num_slots + place
             target = windows[owner]
             if use_fp8:
@@ -106,12 +140,15 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
     for expert in range(num_experts):
         owner, local = divmod(expert, num_local_experts)
         count = int((topk_idx[:num_tokens] == expert).sum())
+        if rank_mask is not None and rank_mask[owner]:
+            count = _ABSENT
         _put(windows[owner], _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + rank),
              _flag(tag, fingerprint.value, count))
 
 
 def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
-                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, fingerprint):
+                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, rank_mask, present,
+                   fingerprint):
     window = windows[rank]
     num_ranks = len(windows)
     num_rows = num_ranks * num_slots
@@ -119,9 +156,19 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
     row_bytes = hidden if use_fp8 else 2 * hidden
     tag = _seq(window, half, "kLlDirectDispatchSeq") + 1
     data_bytes = data_out.view(torch.uint8).view(-1)
+
+    def value(local, source):
+        return _wait(window, _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + source), tag,
+                     fingerprint.value, lenient=rank_mask is not None)
+
+    inside = [True] * num_ranks
+    if rank_mask is not None:
+        inside = _decide([None if _absent(rank_mask, source) else [value(local, source)
+                                                                   for local in range(num_local_experts)]
+                          for source in range(num_ranks)], rank_mask, rank, "dispatch")
+        present.copy_(torch.tensor(inside, dtype=torch.int32))
     for local in range(num_local_experts):
-        counts = [_wait(window, _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + source), tag,
-                       fingerprint.value) for source in range(num_ranks)]
+        counts = [value(local, source) if inside[source] else 0 for source in range(num_ranks)]
         begins = [sum(counts[:source]) for source in range(num_ranks + 1)]
         total = begins[-1]
         recv_count[local] = total
@@ -152,26 +199,34 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
 
 
 def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, recv_count, routes, num_local_experts,
-                  num_slots, num_topk, hidden, fingerprint):
+                  num_slots, num_topk, hidden, rank_mask, present, fingerprint):
     num_ranks = len(windows)
     pairs_per_rank = num_slots * num_topk
     assert expert_stride.value == x.stride(0) * 2 // 16 and row_stride.value == x.stride(1) * 2 // 16
+    absent = [rank_mask is not None and _absent(rank_mask, peer, present) for peer in range(num_ranks)]
     for local in range(num_local_experts):
         for row in range(int(recv_count[local])):
             peer, pair = divmod(int(routes[local, row]), pairs_per_rank)
-            _put(windows[peer], regions.combine + pair * hidden * 2, x[local, row])
+            if not absent[peer]:
+                _put(windows[peer], regions.combine + pair * hidden * 2, x[local, row])
     tag = _seq(windows[rank], half, "kLlDirectCombineSeq") + 1
     for peer in range(num_ranks):
-        _put(windows[peer], _flag_offset(half, "kLlDirectCombineFlags", rank), _flag(tag, fingerprint.value, 1))
+        _put(windows[peer], _flag_offset(half, "kLlDirectCombineFlags", rank),
+             _flag(tag, fingerprint.value, _ABSENT if absent[peer] else 1))
 
 
 def _combine_recv(rank, windows, half, regions, topk_idx, topk_weights, out, num_tokens, num_topk, hidden,
-                  fingerprint):
+                  num_local_experts, rank_mask, present, fingerprint):
     from deep_ep.legacy.ll_reduce import weighted_sum_torch
     window = windows[rank]
     tag = _seq(window, half, "kLlDirectCombineSeq") + 1
-    for peer in range(len(windows)):
-        _wait(window, _flag_offset(half, "kLlDirectCombineFlags", peer), tag, fingerprint.value)
+    values = [None if rank_mask is not None and _absent(rank_mask, peer, present) else
+              [_wait(window, _flag_offset(half, "kLlDirectCombineFlags", peer), tag, fingerprint.value,
+                     lenient=rank_mask is not None)] for peer in range(len(windows))]
     pairs = _get(window, regions.combine, num_tokens * num_topk * hidden, torch.bfloat16)
-    weighted_sum_torch(pairs.view(num_tokens, num_topk, hidden), topk_idx, topk_weights, None, 1, out)
+    out_of_call = None           # rank masks: a slot whose expert's rank is out of the call adds nothing
+    if rank_mask is not None:
+        out_of_call = torch.tensor([int(not inside) for inside in _decide(values, rank_mask, rank, "combine")], dtype=torch.int32)
+    weighted_sum_torch(pairs.view(num_tokens, num_topk, hidden), topk_idx, topk_weights, out_of_call,
+                       num_local_experts, out)
     _advance(window, half, "kLlDirectCombineSeq")

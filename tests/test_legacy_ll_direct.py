@@ -31,7 +31,7 @@ def test_where_the_direct_path_applies():
     cuda = torch.device("cuda", 0)
     assert ll_direct.applies(_owner(), cuda, 256, 8, 128)
     assert not ll_direct.applies(_owner(), torch.device("cpu"), 256, 8, 128)        # the CPU backend
-    assert not ll_direct.applies(_owner(enable_shrink=True), cuda, 256, 8, 128)    # rank masks
+    assert ll_direct.applies(_owner(enable_shrink=True), cuda, 256, 8, 128)        # rank masks too
     assert not ll_direct.applies(_owner(transport_gin=1), cuda, 256, 8, 128)       # emulated nodes
     assert not ll_direct.applies(_owner(), cuda, ll_direct.MAX_EXPERTS + 8, 8, 128)
     assert not ll_direct.applies(_owner(), cuda, 256, ll_direct.MAX_TOPK + 1, 128)
@@ -98,8 +98,9 @@ class _Owner(LowLatencyState):
     """One rank of a `deep_ep.Buffer` as `deep_ep.legacy.ll_direct` sees it, its window in the kernels'
     model (tests/ll_direct_model.py)."""
 
-    def __init__(self, rank: int, windows: list) -> None:
-        self.rank, self.group_size, self.enable_shrink = rank, len(windows), False
+    def __init__(self, rank: int, windows: list, enable_shrink: bool = False) -> None:
+        self.rank, self.group_size, self.enable_shrink = rank, len(windows), enable_shrink
+        self._rank_mask = torch.zeros(len(windows), dtype=torch.int32)
         self.num_nvl_bytes = 0   # a low-latency Buffer: its one window is the low-latency one
         backend = types.SimpleNamespace(
             transport_args=types.SimpleNamespace(rank=rank, windows=windows), timeout_ns=10 ** 9,
@@ -113,7 +114,7 @@ class _Owner(LowLatencyState):
         return self.elastic
 
 
-def _model_ranks(monkeypatch, num_ranks: int, hidden: int) -> tuple:
+def _model_ranks(monkeypatch, num_ranks: int, hidden: int, enable_shrink: bool = False) -> tuple:
     """``(num_experts, local experts, owners)``: ``num_ranks`` ranks whose direct kernels run on the
     byte-level model (tests/ll_direct_model.py), their windows sized for ``hidden``."""
     monkeypatch.setattr(ll_direct, "_launch", ll_direct_model.launch)
@@ -122,7 +123,7 @@ def _model_ranks(monkeypatch, num_ranks: int, hidden: int) -> tuple:
     num_local = num_experts // num_ranks
     need = ll_direct.window_bytes(num_ranks, num_local, MAX_TOKENS, hidden, NUM_TOPK)
     windows = [torch.zeros(need, dtype=torch.uint8) for _ in range(num_ranks)]
-    return num_experts, num_local, [_Owner(rank, windows) for rank in range(num_ranks)]
+    return num_experts, num_local, [_Owner(rank, windows, enable_shrink) for rank in range(num_ranks)]
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
@@ -298,3 +299,79 @@ def test_a_slow_rank_keeps_its_combine_when_peers_run_the_next(monkeypatch, num_
         want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
         assert torch.equal(first[rank][0], want), rank
         assert torch.equal(second[rank][0], want * 2), rank
+
+
+def _masked_round(owners, ranks, seed, case, dispatch_linked, combine_linked, combining=None):
+    """One dispatch and combine with receive hooks on ``ranks`` (the others make no call; every
+    call's send before any receive), their kernels on the model: each rank's results against the
+    spec for the sources it exchanges with (``dispatch_linked[rank]``, ``combine_linked[rank]``).
+    ``combining``: the ranks that make the combine (default ``ranks``)."""
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_ranks = len(owners)
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    inputs = [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+    results = {rank: ll_direct.dispatch(owners[rank], inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts,
+                                        use_fp8, round_scale, use_ue8m0, False, True, None) for rank in ranks}
+    for result in results.values():
+        result[4]()
+    expert_x = {}
+    for rank, result in results.items():
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result[:3] + (None, None), use_fp8,
+                                   round_scale, use_ue8m0, dispatch_linked[rank])
+        expert_x[rank] = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                      for local in range(num_local)])
+    combining = ranks if combining is None else combining
+    combines = {rank: ll_direct.combine(owners[rank], expert_x[rank], inputs[rank][1], inputs[rank][2],
+                                        results[rank][2], False, False, True, None) for rank in combining}
+    for combined in combines.values():
+        combined[2]()
+    for rank, combined in combines.items():
+        want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale, combine_linked[rank])
+        assert torch.equal(combined[0], want), rank
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_rank_masks_on_the_model(monkeypatch, num_ranks):
+    """Rank masks on the direct kernels (tests/test_legacy_low_latency.py's cases: every rank but 1
+    masks rank 1, rank 0 also masks the last rank): a rank exchanges with a peer when neither masks
+    the other, told by the peer's absent flags without a timeout, so no mask changes; then every
+    mask is cleared and everything is exchanged again."""
+    from test_legacy_low_latency import _linked
+    _, _, owners = _model_ranks(monkeypatch, num_ranks, CASES[1][0], enable_shrink=True)
+    masks = {rank: {1} - {rank} for rank in range(num_ranks)}
+    if num_ranks >= 4:
+        masks[0].add(num_ranks - 1)
+    for rank, owner in enumerate(owners):
+        for peer in masks[rank]:
+            owner._rank_mask[peer] = 1
+    linked = {rank: _linked(masks, rank, num_ranks) for rank in range(num_ranks)}
+    _masked_round(owners, range(num_ranks), 61, CASES[1], linked, linked)
+    for rank, owner in enumerate(owners):
+        assert owner._rank_mask.tolist() == [int(peer in masks[rank]) for peer in range(num_ranks)]
+        owner._rank_mask.zero_()
+    everyone = {rank: set(range(num_ranks)) for rank in range(num_ranks)}
+    _masked_round(owners, range(num_ranks), 62, CASES[2], everyone, everyone)
+
+
+def test_a_rank_that_stops_is_masked_and_not_waited_for(monkeypatch):
+    """DeepEP's failure simulation on 4 ranks: rank 1 stops before a dispatch, rank 3 after a dispatch
+    (no combine). Their peers' waits for them time out, which masks them instead of failing the
+    call: results as if they had sent nothing, the masks say so, and later calls leave them out
+    without waiting (the model never reads a flag of a masked rank: one would not come)."""
+    num_ranks = 4
+    _, _, owners = _model_ranks(monkeypatch, num_ranks, CASES[1][0], enable_shrink=True)
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    dispatch_linked = {rank: {0, 2, 3} for rank in range(num_ranks)}
+    combine_linked = {rank: {0, 2} for rank in range(num_ranks)}
+    _masked_round(owners, [0, 2, 3], 71, CASES[1], dispatch_linked, combine_linked, combining=[0, 2])
+    assert [owner._rank_mask.tolist() for owner in owners] == [[0, 1, 0, 1], [0, 0, 0, 0], [0, 1, 0, 1],
+                                                                [0, 1, 0, 0]]
+    assert sorted(ll_direct_model.TIMEOUTS) == [(0, 1, "dispatch"), (0, 3, "combine"), (2, 1, "dispatch"),
+                                                (2, 3, "combine"), (3, 1, "dispatch")]
+    alive = {0, 2}
+    linked = {rank: set(alive) for rank in range(num_ranks)}
+    _masked_round(owners, sorted(alive), 72, CASES[0], linked, linked)
+    _masked_round(owners, sorted(alive), 73, CASES[2], linked, linked)
+    assert [owners[rank]._rank_mask.tolist() for rank in alive] == [[0, 1, 0, 1]] * 2
+    assert len(ll_direct_model.TIMEOUTS) == 5        # none since: masked ranks are not waited for

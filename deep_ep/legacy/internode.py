@@ -92,9 +92,10 @@ def _open(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_ran
         split = low_latency_mode and not across and num_nvl_bytes > 0
         num_bytes = _aligned(num_nvl_bytes + (num_rdma_bytes if low_latency_mode and not split else 0))
         if split and num_rdma_bytes > 0:
-            # rank masks take the expanded path, whose window for half 0 may need more than DeepEP's
-            # hint: it keeps the combined size it had before the split (a call beyond it makes a
-            # window then, which cannot happen during a CUDA-graph capture)
+            # rank masks past the direct kernels' limits take the expanded path, whose window for
+            # half 0 may need more than DeepEP's hint: it keeps the combined size it had before the
+            # split (a call beyond it makes a window then, which cannot happen during a CUDA-graph
+            # capture)
             low_latency_bytes = _aligned(num_rdma_bytes + (num_nvl_bytes if getattr(owner, "enable_shrink", False)
                                                            else 0))
         if num_bytes == 0:

@@ -8,9 +8,15 @@ and flags every rank; the source waits for the flags and sums the top-k rows (fl
 one bf16 rounding); combines alternate the halves' combine rows and flags on their own, so that
 two combines of one handle never share them. No counts exchange before the rows, no host reads: graph capturable.
 
-Where: one node (NCCL's LSA window or emulated ranks on one GPU), no rank mask, ``E <= 1024``
-experts and top-k ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the
-expanded `ElasticBuffer` path elsewhere (rank masks, emulated nodes, larger sizes).
+Rank masks (``enable_shrink``): the kernels read the Buffer's mask as they run. A rank exchanges with
+a peer in a call when neither masks the other; it waits for no rank it masks, and a peer whose flag
+does not come within ``num_gpu_timeout_secs`` is masked (DeepEP's failure detection) instead of
+failing the call, so a rank that stops making calls is left out by its peers. The dispatch's
+decisions about its sources (int32 ``[R]``, ``DirectRoute.present``) rule its combine.
+
+Where: one node (NCCL's LSA window or emulated ranks on one GPU), ``E <= 1024`` experts and top-k
+``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer`
+path elsewhere (emulated nodes, larger sizes).
 
 Window: both buffer halves in one window, the Buffer's low-latency window when it is large enough
 (DeepEP's ``get_low_latency_rdma_size_hint`` is; never the normal-mode one,
@@ -77,12 +83,14 @@ class Regions(ctypes.Structure):
 class DirectRoute(NamedTuple):
     """What a combine needs of its direct dispatch: the window (`ElasticBuffer`), the half's
     `Regions`, each received row's route back (int32 ``[L, R*T_max]``: source rank * T_max * K +
-    token * K + slot), the received counts (int32 ``[L]``) and the dispatch's token count."""
+    token * K + slot), the received counts (int32 ``[L]``), the dispatch's token count, and with a
+    rank mask the sources the dispatch took part with (int32 ``[R]``, 1 = in; else None)."""
     window: object
     regions: Regions
     routes: torch.Tensor
     recv_count: torch.Tensor
     num_tokens: int
+    present: Optional[torch.Tensor] = None
 
 
 def _align(value: int) -> int:
@@ -113,9 +121,9 @@ def _regions(half: int, num_ranks: int, num_local_experts: int, num_slots: int, 
 
 def applies(owner, device: torch.device, num_experts: int, num_topk: int, num_slots: int) -> bool:
     """Whether a low-latency call of ``owner`` (a `deep_ep.Buffer`) runs on the direct kernels:
-    on a CUDA device, no ``enable_shrink`` (rank masks), a transport of one node (not the
-    emulated GIN), and sizes within the kernels' limits."""
-    if device.type != "cuda" or owner.enable_shrink:
+    on a CUDA device, a transport of one node (not the emulated GIN), and sizes within the
+    kernels' limits."""
+    if device.type != "cuda":
         return False
     backend = owner._alive()._backend
     num_ranks = owner.group_size
@@ -234,7 +242,9 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     routes = torch.empty((num_local_experts, num_ranks * num_slots), dtype=torch.int32, device=device)
     handle = LowLatencyHandle((received.src_info, received.layout_range, num_slots, hidden, num_experts), None,
                               num_topk, half)
-    handle.direct = DirectRoute(window, regions, routes, received.recv_count, num_tokens)
+    rank_mask = owner._mask_if_shrink()
+    present = None if rank_mask is None else torch.empty(num_ranks, dtype=torch.int32, device=device)
+    handle.direct = DirectRoute(window, regions, routes, received.recv_count, num_tokens, present)
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
     fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
@@ -248,7 +258,7 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
         return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
                 num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0),
                 received.data_storage, received.scales_storage, received.recv_count, received.src_info,
-                received.layout_range, stats, routes, fingerprint,
+                received.layout_range, stats, routes, rank_mask, present, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     send_blocks, receive_blocks = _blocks(backend, num_tokens), _blocks(backend, -(-receive_warps // _WARPS))
@@ -325,10 +335,13 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     fingerprint = _fingerprint("combine", hidden, num_topk, num_slots, num_experts)
     num_rows = num_ranks * num_slots
 
+    rank_mask = owner._mask_if_shrink()      # with it, the dispatch's `present` (enable_shrink is the Buffer's)
+    present = route.present
+
     def args(phase: int) -> tuple:
         return (transport, phase, half, regions, source, jit.i64(source.stride(0) * item // 16),
                 jit.i64(source.stride(1) * item // 16), route.recv_count, route.routes, num_local_experts, num_slots,
-                num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, fingerprint,
+                num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, rank_mask, present, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     send_blocks = _blocks(backend, -(-num_local_experts * num_rows // _WARPS))

@@ -78,9 +78,13 @@ class LowLatencyMethods(LowLatencyState):
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls: this rank sends
         nothing to a masked rank and takes nothing from it (its rows are left out of the dispatch's
-        layout, its experts' slots add nothing in combine). The mask is this rank's own (DeepEP's);
-        a masked rank must still make the calls (deep_ep does not detect a rank that stops: its peers'
-        calls time out with an error). A device write on the current stream, no host read.
+        layout, its experts' slots add nothing in combine). The mask is this rank's own (DeepEP's).
+        On a GPU within one node (the direct kernels) a masked rank is not waited for, and a peer
+        that does not arrive within ``num_gpu_timeout_secs`` is masked by the waiting rank instead of
+        failing the call (DeepEP's failure detection: query the mask to see it); a rank that skipped
+        calls cannot rejoin this Buffer (its calls are counted behind its peers'). On the CPU backend, across nodes and past the
+        direct kernels' limits (1024 experts, top-16), a masked rank must still make every call. A
+        device write on the current stream, no host read.
 
         Raises:
             RuntimeError: no ``enable_shrink``. TypeError / ValueError: ``rank_to_mask`` outside

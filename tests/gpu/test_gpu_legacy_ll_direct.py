@@ -4,7 +4,8 @@ they apply): the dispatch and combine cases of tests/gpu/test_gpu_legacy_low_lat
 scales, handles, the weighted combine, receive hooks, zero-copy, ``out=``, double buffering with hook
 results equal bit for bit to those without) on a one-rank NCCL group and on 2, 4 and 8 emulated ranks
 of one device, every output allocated from memory poisoned first; that the calls took the direct
-path (and a Buffer with ``enable_shrink`` the expanded one, its mask cases passing); and the decode
+path, with ``enable_shrink`` too (its mask cases passing, and DeepEP's failure simulation: a rank that
+stops making calls is masked by its peers' timed-out waits, then not waited for); and the decode
 step captured in a CUDA graph and replayed with fresh inputs; that a call without a receive hook
 launches both phases of its kernel at once, and one with a hook only its kernel's send phase and the
 hook its receive phase, with a matmul between them that finishes while peers have not even made their
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_ep  # noqa: E402
 from deep_ep.legacy import ll_direct  # noqa: E402
 from gpu_cases import run_legacy_on_emulated_ranks  # noqa: E402
-from test_legacy_low_latency import (MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
+from test_legacy_low_latency import (CASES, MAX_TOKENS, _cast_back, _check_dispatch, _expected_combine,  # noqa: E402
                                      _expert_output, _host, _rank_inputs, num_experts_for, run_cases,
                                      run_double_buffer_cases, run_mask_cases)
 
@@ -63,10 +64,11 @@ def _body(group, num_ranks):
         buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True,
                                 enable_shrink=enable_shrink)
         try:
-            _check_direct_path(buffer, buffer.rank, num_ranks, device, not enable_shrink)
+            _check_direct_path(buffer, buffer.rank, num_ranks, device, True)
             _poison_allocator(device)
-            if enable_shrink:                      # rank masks: the expanded path
+            if enable_shrink:
                 run_mask_cases(buffer, buffer.rank, num_ranks, device)
+                run_mask_cases(buffer, buffer.rank, num_ranks, device, use_hook=False)
             else:
                 run_cases(buffer, buffer.rank, num_ranks, device)
                 _poison_allocator(device)
@@ -86,15 +88,77 @@ def test_emulated(num_ranks):
     run_legacy_on_emulated_ranks(_body, num_ranks)
 
 
+FAILURE_TIMEOUT_SECS = 4.0
+
+
+def _failure_body(group, num_ranks):
+    """DeepEP's failure simulation: a round every rank makes (the kernels load), then rank 1 makes no
+    call and the last rank its dispatch but not its combine. The others' waits for them time out,
+    which masks them: results as if they had sent nothing, masks that say so. Then a round that
+    waits for neither (its calls take far less than the timeout)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = num_experts_for(num_ranks)
+    num_local = num_experts // num_ranks
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True,
+                            enable_shrink=True, num_gpu_timeout_secs=FAILURE_TIMEOUT_SECS)
+    rank, last = buffer.rank, num_ranks - 1
+    status = torch.full((num_ranks,), 7, dtype=torch.int32, device=device)
+    everyone = set(range(num_ranks))
+    # (ranks that dispatch, ranks that combine): a dispatch takes rows from the ranks that dispatch,
+    # a combine adds the slots of the ranks that combine
+    rounds = [(everyone, everyone), (everyone - {1}, everyone - {1, last}), (everyone - {1, last},) * 2]
+    try:
+        for index, (dispatching, combining) in enumerate(rounds):
+            if rank not in dispatching:
+                continue
+            hidden, use_fp8, round_scale, use_ue8m0 = CASES[index]
+            inputs = [_rank_inputs(90 + index, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+            x, topk_idx, topk_weights = (t.to(device) for t in inputs[rank])
+            _poison_allocator(device)
+            start = time.monotonic()
+            result = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=use_fp8,
+                                                 round_scale=round_scale, use_ue8m0=use_ue8m0)
+            torch.cuda.current_stream(device).synchronize()
+            waited = time.monotonic() - start
+            received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, _host(result[:3]) + (None, None),
+                                       use_fp8, round_scale, use_ue8m0, dispatching)
+            if rank not in combining:
+                continue
+            expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                    for local in range(num_local)]).to(device)
+            start = time.monotonic()
+            combined, _, _ = buffer.low_latency_combine(expert_x, topk_idx, topk_weights, result[2])
+            torch.cuda.current_stream(device).synchronize()
+            waited += time.monotonic() - start
+            if index == 2:
+                assert waited < FAILURE_TIMEOUT_SECS / 2, f"a masked rank was waited for ({waited:.1f} s)"
+            want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale, combining)
+            assert torch.equal(_host(combined), want), (rank, index)
+            buffer.low_latency_query_mask_buffer(status)
+            assert _host(status).tolist() == [int(peer not in combining) for peer in range(num_ranks)], index
+    finally:
+        buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_emulated_rank_failures_are_masked(num_ranks):
+    run_legacy_on_emulated_ranks(_failure_body, num_ranks)
+
+
+@pytest.mark.parametrize("enable_shrink", [False, True], ids=["", "shrink"])
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
-def test_graph_replays_with_fresh_inputs(nccl_group, use_fp8):
+def test_graph_replays_with_fresh_inputs(nccl_group, use_fp8, enable_shrink):
     """The decode step (dispatch with a receive hook, the expert GEMM, combine) captured once in a CUDA
     graph on the direct path and replayed with fresh inputs copied into the static tensors: every
-    replay equals the spec (the halves' tags advance on the device, replay after replay)."""
+    replay equals the spec (the halves' tags advance on the device, replay after replay). With
+    ``enable_shrink``, a mask set after capture takes effect at the next replay (the kernels read it
+    as they run: the rank masks itself, so nothing is exchanged), and cleared, the next exchanges."""
     device = torch.device("cuda", torch.cuda.current_device())
     hidden, num_experts = MAX_HIDDEN, num_experts_for(1)
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden, 1, num_experts)
-    buffer = deep_ep.Buffer(nccl_group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    buffer = deep_ep.Buffer(nccl_group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True,
+                            enable_shrink=enable_shrink)
     try:
         x, topk_idx, topk_weights = _rank_inputs(70, 0, 1, num_experts, hidden)
         x_static, idx_static, weights_static = x.to(device), topk_idx.to(device), topk_weights.to(device)
@@ -123,12 +187,18 @@ def test_graph_replays_with_fresh_inputs(nccl_group, use_fp8):
             x_static.copy_(inputs[0][0])
             idx_static.copy_(inputs[0][1])
             weights_static.copy_(inputs[0][2])
+            masked = enable_shrink and replay == 2
+            if masked:
+                buffer.low_latency_update_mask_buffer(0, True)
+            elif enable_shrink:
+                buffer.low_latency_clean_mask_buffer()
+            linked = set() if masked else None
             graph.replay()
             torch.cuda.synchronize()
             _check_dispatch(0, 1, num_experts, hidden, inputs, _host((recv_x, recv_count, handle)) + (None, None),
-                            use_fp8, False, False)
-            want = _expected_combine(0, num_experts, hidden, inputs, use_fp8, False)
-            assert want.abs().sum() > 0
+                            use_fp8, False, False, linked)
+            want = _expected_combine(0, num_experts, hidden, inputs, use_fp8, False, linked)
+            assert masked or want.abs().sum() > 0
             assert torch.equal(_host(combined), want), replay
     finally:
         buffer.destroy()

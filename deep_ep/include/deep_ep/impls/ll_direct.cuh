@@ -20,6 +20,13 @@
 // receives; a send tags its flags with that count plus one and the receive waits for that tag, so a
 // flag an earlier call left (emulated ranks and CUDA graph replays reuse the window) is never taken.
 // A wait that times out records rank, peer and phase as every kernel does (comm/window.cuh).
+// Rank masks (a Buffer with enable_shrink; `rank_mask` null otherwise): a rank exchanges with a peer
+// in a call when neither masks the other. It sends no rows to a peer it masks and flags it
+// kLlDirectAbsent instead of a count; it waits for no peer it masks, takes a peer's kLlDirectAbsent
+// flag as "not in this call", and masks a peer whose flag does not come within the timeout (DeepEP's
+// failure detection) instead of recording an error. Every block of a receive waits for the flags
+// itself, so the blocks agree on each peer through the half's decision words (the first to decide
+// wins); a dispatch's decisions are kept for its combine (`present`).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -41,7 +48,7 @@ constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-m
 constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
 constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
 // u32 words of the control region: a half's words begin at kLlDirectCtrlWord + half * kLlDirectHalfWords
-constexpr int kLlDirectCtrlWord = 6144;
+constexpr int kLlDirectCtrlWord = 6112;
 constexpr int kLlDirectDispatchSeq = 0;      // dispatch receives completed on the half
 constexpr int kLlDirectCombineSeq = 1;       // combine receives completed on the half
 constexpr int kLlDirectDispatchSent = 2;     // blocks of the dispatch send that finished (ticket)
@@ -50,7 +57,16 @@ constexpr int kLlDirectDispatchDone = 4;     // likewise, dispatch receive
 constexpr int kLlDirectCombineDone = 5;      // likewise, combine receive
 constexpr int kLlDirectDispatchFlags = 16;   // [local expert][source rank] u64: tag << 32 | count
 constexpr int kLlDirectCombineFlags = kLlDirectDispatchFlags + 2 * kLlDirectMaxExperts;   // [rank] u64
-constexpr int kLlDirectHalfWords = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks;
+// rank masks only: [source rank] u16, two per word: 0x8000 | (tag & 0x1FFF) << 2 | decision
+constexpr int kLlDirectDispatchDecided = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks;
+constexpr int kLlDirectCombineDecided = kLlDirectDispatchDecided + kLlDirectMaxRanks / 2;
+constexpr int kLlDirectHalfWords = kLlDirectCombineDecided + kLlDirectMaxRanks / 2;
+// a flag's value for a peer this rank masks (no count is that large)
+constexpr int kLlDirectAbsent = -1;
+// what the blocks of a receive decide about a peer (rank masks)
+constexpr int kLlDirectPeerIn = 0;          // exchanges in this call
+constexpr int kLlDirectPeerMasked = 1;      // one of the two masks the other
+constexpr int kLlDirectPeerTimedOut = 2;    // its flag did not come in time: masked from now on
 
 static_assert(kCtrlTag + 4 * kMaxRanks + 2 <= kLlDirectCtrlWord, "the shared control words end before these");
 static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "both halves fit the control region");
@@ -77,9 +93,12 @@ __device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t finger
 // (nothing to trust) once an error is recorded, after `timeout_ns` (recorded as a timeout here), or
 // when the flag's fingerprint differs from this rank's: the peer's call paired with this one (same
 // tag: the same count of calls on this half) has other sizes (recorded as kErrFingerprint, with the
-// phase).
+// phase). `absent` (rank masks; null otherwise): this block's view of the peer, in shared memory; a
+// timeout is then no error but sets it to kLlDirectPeerTimedOut, and the wait gives up (false, with
+// nothing recorded) once another thread of the block has set it.
 __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t fingerprint,
-                                               uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns) {
+                                               uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns,
+                                               volatile uint8_t* absent = nullptr) {
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(window + offset);
     const uint64_t start = global_timer_ns();
     while (true) {
@@ -92,13 +111,64 @@ __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, 
             value = static_cast<uint32_t>(word);
             return true;
         }
-        if (comm::has_error(window))
+        if (comm::has_error(window) || (absent != nullptr && *absent != kLlDirectPeerIn))
             return false;
         if (global_timer_ns() - start > timeout_ns) {
-            comm::record_error(window, kErrTimeout, rank, peer, phase);
+            if (absent != nullptr)
+                *absent = kLlDirectPeerTimedOut;
+            else
+                comm::record_error(window, kErrTimeout, rank, peer, phase);
             return false;
         }
     }
+}
+
+__device__ __forceinline__ bool ll_direct_masked(const int32_t* rank_mask, int peer) {
+    return ld_volatile(reinterpret_cast<const uint32_t*>(rank_mask + peer)) != 0u;
+}
+
+// Rank masks: the decision of the receive's blocks about `peer` in the call tagged `tag` (the
+// half's words at `word`): the first block's `proposal` stands; the others get it back. Words of
+// the call before on this half hold its tag, one less.
+__device__ __forceinline__ int ll_direct_decide(uint8_t* window, int half, int word, int peer, uint32_t tag,
+                                                int proposal) {
+    uint32_t* cell = comm::ctrl_of(window) + ll_direct_word(half, word) + peer / 2;
+    const int shift = (peer % 2) * 16;
+    const uint32_t mine = 0x8000u | (tag & 0x1FFFu) << 2 | static_cast<uint32_t>(proposal);
+    uint32_t seen = ld_volatile(cell);
+    while (true) {
+        const uint32_t current = seen >> shift & 0xFFFFu;
+        if ((current & ~3u) == (mine & ~3u))
+            return static_cast<int>(current & 3u);
+        const uint32_t old = atomicCAS(cell, seen, (seen & ~(0xFFFFu << shift)) | mine << shift);
+        if (old == seen)
+            return proposal;
+        seen = old;
+    }
+}
+
+// Rank masks: every block's view of every peer (`absent`, in shared memory) replaced by the
+// decision of all blocks; a peer decided timed out is masked from now on.
+__device__ __forceinline__ void ll_direct_agree(uint8_t* window, int half, int word, uint32_t tag, int num_ranks,
+                                                volatile uint8_t* absent, int32_t* rank_mask) {
+    __syncthreads();
+    for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x) {
+        const int decided = ll_direct_decide(window, half, word, peer, tag, absent[peer]);
+        absent[peer] = static_cast<uint8_t>(decided);
+        if (decided == kLlDirectPeerTimedOut)
+            atomicExch(rank_mask + peer, 1);
+    }
+    __syncthreads();
+}
+
+// Rank masks: `absent` (shared memory) from this rank's mask and, for a combine, from its dispatch's
+// decisions (`present`: a peer left out of the dispatch is left out of its combine).
+__device__ __forceinline__ void ll_direct_start_view(int num_ranks, const int32_t* rank_mask, const int32_t* present,
+                                                     volatile uint8_t* absent) {
+    for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
+        absent[peer] = ll_direct_masked(rank_mask, peer) || (present != nullptr && present[peer] == 0)
+            ? kLlDirectPeerMasked : kLlDirectPeerIn;
+    __syncthreads();
 }
 
 // By one thread of the last block of a receive: the half's next tag, and any recorded error to the
@@ -127,7 +197,8 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                                                              const int64_t* __restrict__ topk_idx, int num_tokens,
                                                              int hidden, int num_topk, int num_experts,
                                                              int num_local_experts, int num_slots, int use_fp8,
-                                                             int round_scale, uint32_t fingerprint) {
+                                                             int round_scale, const int32_t* rank_mask,
+                                                             uint32_t fingerprint) {
     __shared__ int64_t s_expert[kLlDirectMaxTopk];
     __shared__ int s_place[kLlDirectMaxTopk];
     __shared__ int s_owner[kLlDirectMaxTopk];      // the expert's rank, -1: the slot sends nothing
@@ -171,8 +242,10 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
             const int64_t expert = s_expert[threadIdx.x];
             int owner = -1;
             // an id past the experts (unchecked inside a CUDA-graph capture) or a place past the
-            // slots (a token naming an expert twice) would write outside the window: not sent
-            if (expert >= 0 && expert < num_experts && s_place[threadIdx.x] < num_slots) {
+            // slots (a token naming an expert twice) would write outside the window: not sent; nor
+            // is a row to a rank this rank masks
+            if (expert >= 0 && expert < num_experts && s_place[threadIdx.x] < num_slots &&
+                (rank_mask == nullptr || !ll_direct_masked(rank_mask, static_cast<int>(expert / num_local_experts)))) {
                 owner = static_cast<int>(expert / num_local_experts);
                 const int64_t local = expert % num_local_experts;
                 const int64_t row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
@@ -221,7 +294,8 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     }
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectDispatchSent), true))
         return;
-    // every block's rows are out: this rank's count of every expert, to the expert's owner
+    // every block's rows are out: this rank's count of every expert, to the expert's owner (an owner
+    // this rank masks gets kLlDirectAbsent)
     __shared__ int s_count[kLlDirectMaxExperts];
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x)
         s_count[expert] = 0;
@@ -236,9 +310,10 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     __threadfence_system();
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
         const int local = expert % num_local_experts;
-        tr.put_release(expert / num_local_experts,
-                       ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
-                       ll_direct_flag(tag, fingerprint, static_cast<uint32_t>(s_count[expert])));
+        const int owner = expert / num_local_experts;
+        const bool masked = rank_mask != nullptr && ll_direct_masked(rank_mask, owner);
+        tr.put_release(owner, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
+                       ll_direct_flag(tag, fingerprint, static_cast<uint32_t>(masked ? kLlDirectAbsent : s_count[expert])));
     }
 }
 
@@ -284,11 +359,12 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
         int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
-        uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
+        int32_t* rank_mask, int32_t* present, uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
     // [local expert][source rank]: the counts, then where each one's rows begin among all received rows
     __shared__ int s_counts[kLlDirectMaxExperts];
     __shared__ int s_begins[kLlDirectMaxExperts + 1];
     __shared__ int s_ok;
+    __shared__ volatile uint8_t s_absent[kLlDirectMaxRanks];   // rank masks: each source's kLlDirectPeer*
     uint8_t* window = tr.local();
     const int num_ranks = tr.num_ranks;
     const int num_pairs = num_local_experts * num_ranks;
@@ -302,15 +378,59 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
     // every block waits for every count (each block places rows of any expert)
     if (threadIdx.x == 0)
         s_ok = 1;
-    __syncthreads();
-    for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
-        uint32_t count = 0;
-        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
-                            count, tr.rank, index % num_ranks, kPhaseDispatch, timeout_ns)) {
-            s_ok = 0;
-            count = 0;
+    if (rank_mask == nullptr) {
+        __syncthreads();
+        for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
+            uint32_t count = 0;
+            if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
+                                count, tr.rank, index % num_ranks, kPhaseDispatch, timeout_ns)) {
+                s_ok = 0;
+                count = 0;
+            }
+            s_counts[index] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
         }
-        s_counts[index] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+    } else {
+        // rank masks: this block's view of each source (its flags, a timeout), then the blocks'
+        // decision; a source decided in whose count this block has not seen yet is waited for again,
+        // strictly (its flags are on their way: another block saw them)
+        ll_direct_start_view(num_ranks, rank_mask, nullptr, s_absent);
+        for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
+            const int source = index % num_ranks;
+            uint32_t count = 0;
+            s_counts[index] = -1;
+            if (s_absent[source] != kLlDirectPeerIn)
+                continue;
+            if (ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
+                               count, tr.rank, source, kPhaseDispatch, timeout_ns, s_absent + source)) {
+                if (count == static_cast<uint32_t>(kLlDirectAbsent))
+                    s_absent[source] = kLlDirectPeerMasked;
+                else
+                    s_counts[index] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+            } else if (comm::has_error(window)) {
+                s_ok = 0;
+            }
+        }
+        ll_direct_agree(window, half, kLlDirectDispatchDecided, tag, num_ranks, s_absent, rank_mask);
+        for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
+            const int source = index % num_ranks;
+            if (s_absent[source] != kLlDirectPeerIn) {
+                s_counts[index] = 0;
+            } else if (s_counts[index] < 0) {
+                // (kLlDirectAbsent here: the source masked this rank while publishing; its rows for
+                // this expert are left out)
+                uint32_t count = 0;
+                if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag,
+                                    fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
+                    s_ok = 0;
+                    count = 0;
+                }
+                s_counts[index] = count == static_cast<uint32_t>(kLlDirectAbsent)
+                    ? 0 : static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
+            }
+        }
+        if (blockIdx.x == 0)
+            for (int source = threadIdx.x; source < num_ranks; source += blockDim.x)
+                present[source] = s_absent[source] == kLlDirectPeerIn;
     }
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_pairs);
@@ -402,9 +522,11 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
                                                             const int32_t* __restrict__ recv_count,
                                                             const int32_t* __restrict__ routes, int num_local_experts,
                                                             int num_slots, int num_topk, int hidden,
+                                                            const int32_t* rank_mask, const int32_t* present,
                                                             uint32_t fingerprint) {
     __shared__ int s_counts[kLlDirectMaxExperts];
     __shared__ int s_begins[kLlDirectMaxExperts + 1];
+    __shared__ volatile uint8_t s_absent[kLlDirectMaxRanks];   // rank masks: the peers sent nothing
     const int num_rows = tr.num_ranks * num_slots;
     const int row_chunks = hidden * 2 / 16;
     const int pairs_per_rank = num_slots * num_topk;
@@ -415,6 +537,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     // a warp per segment, its route read once, kLlDirectSegment / 32 loads in flight per lane
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
         s_counts[local] = min(__ldg(recv_count + local), num_rows);
+    if (rank_mask != nullptr)
+        ll_direct_start_view(tr.num_ranks, rank_mask, present, s_absent);
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_local_experts);
     __syncthreads();
@@ -435,6 +559,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
             if (first + i * 32 < row_chunks)
                 values[i] = __ldg(from + first + i * 32);
         const int destination = route / pairs_per_rank;
+        if (rank_mask != nullptr && s_absent[destination] != kLlDirectPeerIn)
+            continue;
         const int64_t target = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
 #pragma unroll
         for (int i = 0; i < kLlDirectSegment / 32; ++i)
@@ -444,9 +570,11 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
         return;
     __threadfence_system();
-    for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x)
+    for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
+        const bool absent = rank_mask != nullptr && s_absent[peer] != kLlDirectPeerIn;
         tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
-                       ll_direct_flag(tag, fingerprint, 1u));
+                       ll_direct_flag(tag, fingerprint, absent ? static_cast<uint32_t>(kLlDirectAbsent) : 1u));
+    }
 }
 
 __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTransport& tr, int half,
@@ -454,19 +582,41 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                                                             const int64_t* __restrict__ topk_idx,
                                                             const float* __restrict__ topk_weights,
                                                             uint4* __restrict__ out, int num_tokens, int num_topk,
-                                                            int hidden, uint32_t fingerprint, uint64_t timeout_ns,
-                                                            uint32_t* err_host) {
+                                                            int hidden, int num_local_experts, int32_t* rank_mask,
+                                                            const int32_t* present, uint32_t fingerprint,
+                                                            uint64_t timeout_ns, uint32_t* err_host) {
     __shared__ int s_ok;
+    __shared__ volatile uint8_t s_absent[kLlDirectMaxRanks];   // rank masks: each peer's kLlDirectPeer*
     uint8_t* window = tr.local();
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
     if (threadIdx.x == 0)
         s_ok = 1;
+    if (rank_mask != nullptr)
+        ll_direct_start_view(tr.num_ranks, rank_mask, present, s_absent);
     __syncthreads();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
+        if (rank_mask != nullptr && s_absent[peer] != kLlDirectPeerIn)
+            continue;
         uint32_t value = 0;
-        if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint, value,
-                            tr.rank, peer, kPhaseCombine, timeout_ns))
+        if (ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint, value,
+                           tr.rank, peer, kPhaseCombine, timeout_ns, rank_mask != nullptr ? s_absent + peer : nullptr)) {
+            if (value == static_cast<uint32_t>(kLlDirectAbsent))
+                s_absent[peer] = kLlDirectPeerMasked;
+        } else if (rank_mask == nullptr || comm::has_error(window)) {
             s_ok = 0;
+        }
+    }
+    // rank masks: one flag per peer, so a block that saw it agrees with the others unless it came
+    // at the timeout; a peer decided in whose flag this block missed is waited for again, strictly
+    if (rank_mask != nullptr) {
+        ll_direct_agree(window, half, kLlDirectCombineDecided, tag, tr.num_ranks, s_absent, rank_mask);
+        for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
+            uint32_t value = 0;
+            if (s_absent[peer] == kLlDirectPeerIn &&
+                !ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint,
+                                value, tr.rank, peer, kPhaseCombine, timeout_ns))
+                s_ok = 0;
+        }
     }
     __syncthreads();
     __threadfence();    // the rows each flag covers, read by threads other than the one that waited
@@ -487,7 +637,11 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                     selected[i] = false;
                     if (slot < num_topk) {
                         const int64_t pair = token * num_topk + slot;
-                        selected[i] = __ldg(topk_idx + pair) >= 0;
+                        const int64_t expert = __ldg(topk_idx + pair);
+                        // rank masks: a slot whose expert's rank is out of the call adds nothing
+                        selected[i] = expert >= 0 && (rank_mask == nullptr ||
+                                                      (expert < static_cast<int64_t>(num_local_experts) * tr.num_ranks &&
+                                                       s_absent[expert / num_local_experts] == kLlDirectPeerIn));
                         weights[i] = __ldg(topk_weights + pair);
                         packed[i] = __ldcg(pairs + pair * chunks_per_row + column);
                     }
