@@ -4,8 +4,10 @@ tagged flags at the byte offsets the host passes, the receive phases check the f
 fingerprints and write the outputs; a launch of both phases (a call without a receive hook) runs
 the rank's send, then its receive. tests/test_legacy_ll_direct.py runs `deep_ep.legacy.ll_direct`'s
 host code on it (its launches replaced by `launch`) against the spec of tests/test_legacy_low_latency.py.
-Rank masks as the kernels apply them; the model runs a receive after the sends of the ranks that
-called, so a flag of another tag is one that will never come: a timeout (an assertion without a mask)."""
+Rank masks as the kernels apply them (a dispatch on its copy of the mask, its combine on the
+dispatch's decisions); the model runs a receive after the sends of the ranks that called, so a flag
+of another tag is one that will never come: a timeout (an assertion without a mask or for the
+rank's own flags)."""
 from __future__ import annotations
 
 import torch
@@ -62,12 +64,6 @@ def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int, lenient
     return bits & 0xFFFFFFFF
 
 
-def _absent(rank_mask, peer: int, present=None) -> bool:
-    """Whether a rank leaves ``peer`` out before any flag: it masks the peer, or (a combine) its
-    dispatch left the peer out."""
-    return bool(rank_mask[peer]) or (present is not None and not bool(present[peer]))
-
-
 def _decide(flags: list, rank_mask, rank: int, kind: str) -> list:
     """The receive's decision about each peer from its flags' values (None: timed out): in unless
     one of the two masks the other; a peer that timed out is masked."""
@@ -89,17 +85,18 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     transport, phase, half, regions = args[:4]
     if name == ll_direct.DISPATCH_KERNEL:
         (x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts, num_slots, use_fp8, round_scale,
-         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, rank_mask, present,
-         fingerprint, _, _) = args[4:]
-        assert (rank_mask is None) == (present is None)
+         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, rank_view, rank_mask,
+         present, fingerprint, _, _) = args[4:]
+        assert (rank_view is None) == (rank_mask is None) == (present is None)
+        assert rank_view is None or rank_view is not rank_mask      # the call's own copy
         assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
         if phase & ll_direct.SEND_PHASE:
             _dispatch_send(transport.rank, transport.windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk,
-                           num_experts, num_local_experts, num_slots, use_fp8, round_scale, rank_mask, fingerprint)
+                           num_experts, num_local_experts, num_slots, use_fp8, round_scale, rank_view, fingerprint)
         if phase & ll_direct.RECEIVE_PHASE:
             _dispatch_recv(transport.rank, transport.windows, half, regions, data_out, scales_out, recv_count,
                            src_info, layout_range, stats, routes, num_local_experts, num_slots, num_topk, hidden,
-                           use_fp8, use_ue8m0, rank_mask, present, fingerprint)
+                           use_fp8, use_ue8m0, rank_view, rank_mask, present, fingerprint)
         return
     assert name == ll_direct.COMBINE_KERNEL
     (x, expert_stride, row_stride, recv_count, routes, num_local_experts, num_slots, num_topk, hidden, topk_idx,
@@ -108,14 +105,14 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
     if phase & ll_direct.SEND_PHASE:
         _combine_send(transport.rank, transport.windows, half, regions, x, expert_stride, row_stride, recv_count,
-                      routes, num_local_experts, num_slots, num_topk, hidden, rank_mask, present, fingerprint)
+                      routes, num_local_experts, num_slots, num_topk, hidden, present, fingerprint)
     if phase & ll_direct.RECEIVE_PHASE:
         _combine_recv(transport.rank, transport.windows, half, regions, topk_idx, topk_weights, out, num_tokens,
                       num_topk, hidden, num_local_experts, rank_mask, present, fingerprint)
 
 
 def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
-                   num_local_experts, num_slots, use_fp8, round_scale, rank_mask, fingerprint):
+                   num_local_experts, num_slots, use_fp8, round_scale, rank_view, fingerprint):
     num_ranks = len(windows)
     row_bytes = hidden if use_fp8 else 2 * hidden
     for token in range(num_tokens):
@@ -125,7 +122,7 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
                 continue
             place = int((topk_idx[:token] == expert).any(dim=1).sum())
             owner, local = divmod(expert, num_local_experts)
-            if rank_mask is not None and rank_mask[owner]:
+            if rank_view is not None and rank_view[owner]:
                 continue
             row = (local * num_ranks + rank) * num_slots + place
             target = windows[owner]
@@ -140,15 +137,15 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
     for expert in range(num_experts):
         owner, local = divmod(expert, num_local_experts)
         count = int((topk_idx[:num_tokens] == expert).sum())
-        if rank_mask is not None and rank_mask[owner]:
+        if rank_view is not None and rank_view[owner]:
             count = _ABSENT
         _put(windows[owner], _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + rank),
              _flag(tag, fingerprint.value, count))
 
 
 def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
-                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, rank_mask, present,
-                   fingerprint):
+                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, rank_view, rank_mask,
+                   present, fingerprint):
     window = windows[rank]
     num_ranks = len(windows)
     num_rows = num_ranks * num_slots
@@ -159,12 +156,11 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
 
     def value(local, source):
         return _wait(window, _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + source), tag,
-                     fingerprint.value, lenient=rank_mask is not None)
+                     fingerprint.value, lenient=rank_view is not None and source != rank)
 
     inside = [True] * num_ranks
-    if rank_mask is not None:
-        inside = _decide([None if _absent(rank_mask, source) else [value(local, source)
-                                                                   for local in range(num_local_experts)]
+    if rank_view is not None:
+        inside = _decide([None if rank_view[source] else [value(local, source) for local in range(num_local_experts)]
                           for source in range(num_ranks)], rank_mask, rank, "dispatch")
         present.copy_(torch.tensor(inside, dtype=torch.int32))
     for local in range(num_local_experts):
@@ -199,11 +195,11 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
 
 
 def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, recv_count, routes, num_local_experts,
-                  num_slots, num_topk, hidden, rank_mask, present, fingerprint):
+                  num_slots, num_topk, hidden, present, fingerprint):
     num_ranks = len(windows)
     pairs_per_rank = num_slots * num_topk
     assert expert_stride.value == x.stride(0) * 2 // 16 and row_stride.value == x.stride(1) * 2 // 16
-    absent = [rank_mask is not None and _absent(rank_mask, peer, present) for peer in range(num_ranks)]
+    absent = [present is not None and not present[peer] for peer in range(num_ranks)]
     for local in range(num_local_experts):
         for row in range(int(recv_count[local])):
             peer, pair = divmod(int(routes[local, row]), pairs_per_rank)
@@ -220,12 +216,12 @@ def _combine_recv(rank, windows, half, regions, topk_idx, topk_weights, out, num
     from deep_ep.legacy.ll_reduce import weighted_sum_torch
     window = windows[rank]
     tag = _seq(window, half, "kLlDirectCombineSeq") + 1
-    values = [None if rank_mask is not None and _absent(rank_mask, peer, present) else
+    values = [None if present is not None and not present[peer] else
               [_wait(window, _flag_offset(half, "kLlDirectCombineFlags", peer), tag, fingerprint.value,
-                     lenient=rank_mask is not None)] for peer in range(len(windows))]
+                     lenient=present is not None and peer != rank)] for peer in range(len(windows))]
     pairs = _get(window, regions.combine, num_tokens * num_topk * hidden, torch.bfloat16)
     out_of_call = None           # rank masks: a slot whose expert's rank is out of the call adds nothing
-    if rank_mask is not None:
+    if present is not None:
         out_of_call = torch.tensor([int(not inside) for inside in _decide(values, rank_mask, rank, "combine")], dtype=torch.int32)
     weighted_sum_torch(pairs.view(num_tokens, num_topk, hidden), topk_idx, topk_weights, out_of_call,
                        num_local_experts, out)

@@ -375,3 +375,39 @@ def test_a_rank_that_stops_is_masked_and_not_waited_for(monkeypatch):
     _masked_round(owners, sorted(alive), 73, CASES[2], linked, linked)
     assert [owners[rank]._rank_mask.tolist() for rank in alive] == [[0, 1, 0, 1]] * 2
     assert len(ll_direct_model.TIMEOUTS) == 5        # none since: masked ranks are not waited for
+
+
+def test_a_mask_changed_during_a_call_takes_effect_at_the_next_dispatch(monkeypatch):
+    """A dispatch runs on the mask as it was when called (its receive hook, called after the mask
+    changed, still takes every source), and its combine follows the dispatch's decisions (a mask
+    changed after the dispatch leaves that combine as it was): otherwise one rank could write
+    combine rows a peer no longer waits for. The next dispatch takes the new masks."""
+    from test_legacy_low_latency import _linked
+    num_ranks = 4
+    hidden, use_fp8, round_scale, use_ue8m0 = case = CASES[1]
+    num_experts, num_local, owners = _model_ranks(monkeypatch, num_ranks, hidden, enable_shrink=True)
+    inputs = [_rank_inputs(81, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+    results = [ll_direct.dispatch(owners[rank], inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts, use_fp8,
+                                  round_scale, use_ue8m0, False, True, None) for rank in range(num_ranks)]
+    masks = {0: {2}, 1: set(), 2: {3}, 3: set()}
+    for rank, peers in masks.items():               # after the sends, before the receive hooks
+        for peer in peers:
+            owners[rank]._rank_mask[peer] = 1
+    for result in results:
+        result[4]()
+    expert_x = []
+    for rank, result in enumerate(results):
+        received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs, result[:3] + (None, None), use_fp8,
+                                   round_scale, use_ue8m0)
+        expert_x.append(torch.stack([_expert_output(received[local], rank * num_local + local)
+                                     for local in range(num_local)]))
+    combines = [ll_direct.combine(owners[rank], expert_x[rank], inputs[rank][1], inputs[rank][2], results[rank][2],
+                                  False, False, True, None) for rank in range(num_ranks)]
+    for combined in combines:
+        combined[2]()
+    for rank, combined in enumerate(combines):
+        assert torch.equal(combined[0], _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale))
+    linked = {rank: _linked(masks, rank, num_ranks) for rank in range(num_ranks)}
+    assert linked[0] == {0, 1, 3} and linked[3] == {0, 1, 3}
+    _masked_round(owners, range(num_ranks), 82, case, linked, linked)
+    assert [owner._rank_mask.tolist() for owner in owners] == [[0, 0, 1, 0], [0] * 4, [0, 0, 0, 1], [0] * 4]

@@ -8,11 +8,14 @@ and flags every rank; the source waits for the flags and sums the top-k rows (fl
 one bf16 rounding); combines alternate the halves' combine rows and flags on their own, so that
 two combines of one handle never share them. No counts exchange before the rows, no host reads: graph capturable.
 
-Rank masks (``enable_shrink``): the kernels read the Buffer's mask as they run. A rank exchanges with
-a peer in a call when neither masks the other; it waits for no rank it masks, and a peer whose flag
-does not come within ``num_gpu_timeout_secs`` is masked (DeepEP's failure detection) instead of
-failing the call, so a rank that stops making calls is left out by its peers. The dispatch's
-decisions about its sources (int32 ``[R]``, ``DirectRoute.present``) rule its combine.
+Rank masks (``enable_shrink``): a dispatch copies the Buffer's mask on the stream when it is called
+and both its phases use that copy; its combine follows the dispatch's decisions about its sources
+(int32 ``[R]``, ``DirectRoute.present``), so a mask changed meanwhile takes effect at the next
+dispatch and two ranks never disagree on whether they exchange in a call. A rank exchanges with a
+peer when neither masks the other; it waits for no rank it masks, and a peer whose flag does not
+come within ``num_gpu_timeout_secs`` is masked in the Buffer's mask (DeepEP's failure detection: the
+peer is taken as failed) instead of failing the call, so a rank that stops making calls is left out
+by its peers.
 
 Where: one node (NCCL's LSA window or emulated ranks on one GPU), ``E <= 1024`` experts and top-k
 ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer`
@@ -243,11 +246,14 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     handle = LowLatencyHandle((received.src_info, received.layout_range, num_slots, hidden, num_experts), None,
                               num_topk, half)
     rank_mask = owner._mask_if_shrink()
+    # the call's copy of the mask (both phases see one mask) and the receive's decisions
+    rank_view = None if rank_mask is None else rank_mask.clone()
     present = None if rank_mask is None else torch.empty(num_ranks, dtype=torch.int32, device=device)
     handle.direct = DirectRoute(window, regions, routes, received.recv_count, num_tokens, present)
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
-    fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8))
+    fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8),
+                               rank_mask is not None)
     # the receive: a warp per row segment of the most rows a rank can receive (a token names an
     # expert once)
     row_bytes = hidden if use_fp8 else 2 * hidden
@@ -258,7 +264,7 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
         return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
                 num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0),
                 received.data_storage, received.scales_storage, received.recv_count, received.src_info,
-                received.layout_range, stats, routes, rank_mask, present, fingerprint,
+                received.layout_range, stats, routes, rank_view, rank_mask, present, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     send_blocks, receive_blocks = _blocks(backend, num_tokens), _blocks(backend, -(-receive_warps // _WARPS))
@@ -332,11 +338,10 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     transport = backend.transport_args
-    fingerprint = _fingerprint("combine", hidden, num_topk, num_slots, num_experts)
+    # with a rank mask: the dispatch's decisions, which the combine follows (the mask: for timeouts)
+    rank_mask, present = owner._mask_if_shrink(), route.present
+    fingerprint = _fingerprint("combine", hidden, num_topk, num_slots, num_experts, present is not None)
     num_rows = num_ranks * num_slots
-
-    rank_mask = owner._mask_if_shrink()      # with it, the dispatch's `present` (enable_shrink is the Buffer's)
-    present = route.present
 
     def args(phase: int) -> tuple:
         return (transport, phase, half, regions, source, jit.i64(source.stride(0) * item // 16),

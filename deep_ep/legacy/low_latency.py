@@ -81,8 +81,10 @@ class LowLatencyMethods(LowLatencyState):
         layout, its experts' slots add nothing in combine). The mask is this rank's own (DeepEP's).
         On a GPU within one node (the direct kernels) a masked rank is not waited for, and a peer
         that does not arrive within ``num_gpu_timeout_secs`` is masked by the waiting rank instead of
-        failing the call (DeepEP's failure detection: query the mask to see it); a rank that skipped
-        calls cannot rejoin this Buffer (its calls are counted behind its peers'). On the CPU backend, across nodes and past the
+        failing the call (DeepEP's failure detection: the peer is taken as failed; query the mask to
+        see it); a dispatch uses the mask as it was when called and its combine follows the
+        dispatch, so a change takes effect at the next dispatch; a rank that skipped calls cannot
+        rejoin this Buffer (its calls are counted behind its peers'). On the CPU backend, across nodes and past the
         direct kernels' limits (1024 experts, top-16), a masked rank must still make every call. A
         device write on the current stream, no host read.
 

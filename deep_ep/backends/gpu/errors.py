@@ -125,8 +125,9 @@ def raise_recorded(record: tuple, timeout_secs: float, num_max_tokens_per_rank: 
         raise RuntimeError(
             f"deep_ep: ranks {rank} and {peer} disagree on a {call}: rank {peer}'s call paired with rank "
             f"{rank}'s (the same number of low-latency calls on that buffer half) has other sizes (hidden, "
-            f"top-k, num_max_dispatch_tokens_per_rank, num_experts or, for a dispatch, use_fp8). The ranks "
-            f"passed different sizes, or made calls of different sizes in different orders. Both ranks raise "
+            f"top-k, num_max_dispatch_tokens_per_rank, num_experts, enable_shrink or, for a dispatch, "
+            f"use_fp8). The ranks passed different sizes, or made calls of different sizes in different "
+            f"orders. Both ranks raise "
             f"this; the buffer is no longer usable (destroy it and create a new one on every rank)")
     if code == ERR_MISMATCH:
         theirs = phase & 0xFFFFFFFF

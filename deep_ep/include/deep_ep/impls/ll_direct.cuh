@@ -20,13 +20,16 @@
 // receives; a send tags its flags with that count plus one and the receive waits for that tag, so a
 // flag an earlier call left (emulated ranks and CUDA graph replays reuse the window) is never taken.
 // A wait that times out records rank, peer and phase as every kernel does (comm/window.cuh).
-// Rank masks (a Buffer with enable_shrink; `rank_mask` null otherwise): a rank exchanges with a peer
-// in a call when neither masks the other. It sends no rows to a peer it masks and flags it
-// kLlDirectAbsent instead of a count; it waits for no peer it masks, takes a peer's kLlDirectAbsent
-// flag as "not in this call", and masks a peer whose flag does not come within the timeout (DeepEP's
-// failure detection) instead of recording an error. Every block of a receive waits for the flags
-// itself, so the blocks agree on each peer through the half's decision words (the first to decide
-// wins); a dispatch's decisions are kept for its combine (`present`).
+// Rank masks (a Buffer with enable_shrink; null pointers otherwise): a dispatch reads the mask as the
+// host copied it when the call was made (`rank_view`: both phases see one mask, whatever changes
+// meanwhile), and its combine follows the dispatch's decisions (`present`), so that two ranks never
+// disagree on whether they exchange in a call. A rank exchanges with a peer when neither masks the
+// other: it sends no rows to a peer it masks and flags it kLlDirectAbsent instead of a count; it waits
+// for no peer it masks, takes a peer's kLlDirectAbsent flag as "not in this call", and masks a peer
+// whose flag does not come within the timeout (DeepEP's failure detection: the peer is taken as
+// failed) in the Buffer's mask (`rank_mask`) instead of recording an error; a wait for its own flags
+// still fails with one. Every block of a receive waits for the flags itself, so the blocks agree on
+// each peer through the half's decision words (the first to decide wins).
 #pragma once
 
 #include "../comm/lsa.cuh"
@@ -73,6 +76,7 @@ static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "b
 static_assert(kLlDirectWarps * 32 == kLlDirectThreads, "whole warps");
 static_assert(kLlDirectSegment % 32 == 0, "whole lanes per segment");
 static_assert(kLlDirectBothPhases == (kLlDirectSendPhase | kLlDirectReceivePhase), "a phase is a bit");
+static_assert(kLlDirectMaxRanks % 2 == 0 && kLlDirectHalfWords % 2 == 0, "two decisions a word; 8-byte flags");
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
     return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
@@ -123,10 +127,6 @@ __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, 
     }
 }
 
-__device__ __forceinline__ bool ll_direct_masked(const int32_t* rank_mask, int peer) {
-    return ld_volatile(reinterpret_cast<const uint32_t*>(rank_mask + peer)) != 0u;
-}
-
 // Rank masks: the decision of the receive's blocks about `peer` in the call tagged `tag` (the
 // half's words at `word`): the first block's `proposal` stands; the others get it back. Words of
 // the call before on this half hold its tag, one less.
@@ -161,12 +161,12 @@ __device__ __forceinline__ void ll_direct_agree(uint8_t* window, int half, int w
     __syncthreads();
 }
 
-// Rank masks: `absent` (shared memory) from this rank's mask and, for a combine, from its dispatch's
-// decisions (`present`: a peer left out of the dispatch is left out of its combine).
-__device__ __forceinline__ void ll_direct_start_view(int num_ranks, const int32_t* rank_mask, const int32_t* present,
+// Rank masks: `absent` (shared memory) before any flag: for a dispatch from the call's copy of the
+// mask (`rank_view`, 1 = masked), for a combine from its dispatch's decisions (`present`, 1 = in).
+__device__ __forceinline__ void ll_direct_start_view(int num_ranks, const int32_t* rank_view, const int32_t* present,
                                                      volatile uint8_t* absent) {
     for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
-        absent[peer] = ll_direct_masked(rank_mask, peer) || (present != nullptr && present[peer] == 0)
+        absent[peer] = (rank_view != nullptr && rank_view[peer] != 0) || (present != nullptr && present[peer] == 0)
             ? kLlDirectPeerMasked : kLlDirectPeerIn;
     __syncthreads();
 }
@@ -197,7 +197,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
                                                              const int64_t* __restrict__ topk_idx, int num_tokens,
                                                              int hidden, int num_topk, int num_experts,
                                                              int num_local_experts, int num_slots, int use_fp8,
-                                                             int round_scale, const int32_t* rank_mask,
+                                                             int round_scale, const int32_t* rank_view,
                                                              uint32_t fingerprint) {
     __shared__ int64_t s_expert[kLlDirectMaxTopk];
     __shared__ int s_place[kLlDirectMaxTopk];
@@ -245,7 +245,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
             // slots (a token naming an expert twice) would write outside the window: not sent; nor
             // is a row to a rank this rank masks
             if (expert >= 0 && expert < num_experts && s_place[threadIdx.x] < num_slots &&
-                (rank_mask == nullptr || !ll_direct_masked(rank_mask, static_cast<int>(expert / num_local_experts)))) {
+                (rank_view == nullptr || rank_view[expert / num_local_experts] == 0)) {
                 owner = static_cast<int>(expert / num_local_experts);
                 const int64_t local = expert % num_local_experts;
                 const int64_t row = (local * tr.num_ranks + tr.rank) * num_slots + s_place[threadIdx.x];
@@ -311,7 +311,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
         const int local = expert % num_local_experts;
         const int owner = expert / num_local_experts;
-        const bool masked = rank_mask != nullptr && ll_direct_masked(rank_mask, owner);
+        const bool masked = rank_view != nullptr && rank_view[owner] != 0;
         tr.put_release(owner, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
                        ll_direct_flag(tag, fingerprint, static_cast<uint32_t>(masked ? kLlDirectAbsent : s_count[expert])));
     }
@@ -359,7 +359,8 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
         int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
-        int32_t* rank_mask, int32_t* present, uint32_t fingerprint, uint64_t timeout_ns, uint32_t* err_host) {
+        const int32_t* rank_view, int32_t* rank_mask, int32_t* present, uint32_t fingerprint, uint64_t timeout_ns,
+        uint32_t* err_host) {
     // [local expert][source rank]: the counts, then where each one's rows begin among all received rows
     __shared__ int s_counts[kLlDirectMaxExperts];
     __shared__ int s_begins[kLlDirectMaxExperts + 1];
@@ -378,7 +379,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
     // every block waits for every count (each block places rows of any expert)
     if (threadIdx.x == 0)
         s_ok = 1;
-    if (rank_mask == nullptr) {
+    if (rank_view == nullptr) {
         __syncthreads();
         for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
             uint32_t count = 0;
@@ -393,15 +394,17 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         // rank masks: this block's view of each source (its flags, a timeout), then the blocks'
         // decision; a source decided in whose count this block has not seen yet is waited for again,
         // strictly (its flags are on their way: another block saw them)
-        ll_direct_start_view(num_ranks, rank_mask, nullptr, s_absent);
+        ll_direct_start_view(num_ranks, rank_view, nullptr, s_absent);
         for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
             const int source = index % num_ranks;
             uint32_t count = 0;
             s_counts[index] = -1;
             if (s_absent[source] != kLlDirectPeerIn)
                 continue;
+            // (its own flags: a timeout is an error, never a mask)
             if (ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
-                               count, tr.rank, source, kPhaseDispatch, timeout_ns, s_absent + source)) {
+                               count, tr.rank, source, kPhaseDispatch, timeout_ns,
+                               source == tr.rank ? nullptr : s_absent + source)) {
                 if (count == static_cast<uint32_t>(kLlDirectAbsent))
                     s_absent[source] = kLlDirectPeerMasked;
                 else
@@ -416,8 +419,8 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
             if (s_absent[source] != kLlDirectPeerIn) {
                 s_counts[index] = 0;
             } else if (s_counts[index] < 0) {
-                // (kLlDirectAbsent here: the source masked this rank while publishing; its rows for
-                // this expert are left out)
+                // (a source flags all its counts absent or none, from its call's copy of the mask:
+                // an absent flag here would leave that expert's rows out)
                 uint32_t count = 0;
                 if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag,
                                     fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
@@ -522,8 +525,7 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
                                                             const int32_t* __restrict__ recv_count,
                                                             const int32_t* __restrict__ routes, int num_local_experts,
                                                             int num_slots, int num_topk, int hidden,
-                                                            const int32_t* rank_mask, const int32_t* present,
-                                                            uint32_t fingerprint) {
+                                                            const int32_t* present, uint32_t fingerprint) {
     __shared__ int s_counts[kLlDirectMaxExperts];
     __shared__ int s_begins[kLlDirectMaxExperts + 1];
     __shared__ volatile uint8_t s_absent[kLlDirectMaxRanks];   // rank masks: the peers sent nothing
@@ -537,8 +539,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     // a warp per segment, its route read once, kLlDirectSegment / 32 loads in flight per lane
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
         s_counts[local] = min(__ldg(recv_count + local), num_rows);
-    if (rank_mask != nullptr)
-        ll_direct_start_view(tr.num_ranks, rank_mask, present, s_absent);
+    if (present != nullptr)
+        ll_direct_start_view(tr.num_ranks, nullptr, present, s_absent);
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_local_experts);
     __syncthreads();
@@ -552,15 +554,15 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
         const int local = ll_direct_range_of(s_begins, num_local_experts, flat);
         const int row = flat - s_begins[local];
         const int route = __ldg(routes + static_cast<int64_t>(local) * num_rows + row);
+        const int destination = route / pairs_per_rank;
+        if (present != nullptr && s_absent[destination] != kLlDirectPeerIn)
+            continue;
         const uint4* from = x + local * expert_stride + row * row_stride;
         uint4 values[kLlDirectSegment / 32];
 #pragma unroll
         for (int i = 0; i < kLlDirectSegment / 32; ++i)
             if (first + i * 32 < row_chunks)
                 values[i] = __ldg(from + first + i * 32);
-        const int destination = route / pairs_per_rank;
-        if (rank_mask != nullptr && s_absent[destination] != kLlDirectPeerIn)
-            continue;
         const int64_t target = regions.combine + static_cast<int64_t>(route % pairs_per_rank) * hidden * 2;
 #pragma unroll
         for (int i = 0; i < kLlDirectSegment / 32; ++i)
@@ -571,7 +573,7 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
         return;
     __threadfence_system();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
-        const bool absent = rank_mask != nullptr && s_absent[peer] != kLlDirectPeerIn;
+        const bool absent = present != nullptr && s_absent[peer] != kLlDirectPeerIn;
         tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
                        ll_direct_flag(tag, fingerprint, absent ? static_cast<uint32_t>(kLlDirectAbsent) : 1u));
     }
@@ -587,28 +589,31 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                                                             uint64_t timeout_ns, uint32_t* err_host) {
     __shared__ int s_ok;
     __shared__ volatile uint8_t s_absent[kLlDirectMaxRanks];   // rank masks: each peer's kLlDirectPeer*
+    __shared__ uint8_t s_in[kLlDirectMaxRanks];                // rank masks: the decisions, 1 = in
     uint8_t* window = tr.local();
     const uint32_t tag = ll_direct_tag(window, half, kLlDirectCombineSeq);
+    const bool masks = present != nullptr;
     if (threadIdx.x == 0)
         s_ok = 1;
-    if (rank_mask != nullptr)
-        ll_direct_start_view(tr.num_ranks, rank_mask, present, s_absent);
+    if (masks)
+        ll_direct_start_view(tr.num_ranks, nullptr, present, s_absent);
     __syncthreads();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
-        if (rank_mask != nullptr && s_absent[peer] != kLlDirectPeerIn)
+        if (masks && s_absent[peer] != kLlDirectPeerIn)
             continue;
         uint32_t value = 0;
         if (ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint, value,
-                           tr.rank, peer, kPhaseCombine, timeout_ns, rank_mask != nullptr ? s_absent + peer : nullptr)) {
+                           tr.rank, peer, kPhaseCombine, timeout_ns,
+                           masks && peer != tr.rank ? s_absent + peer : nullptr)) {
             if (value == static_cast<uint32_t>(kLlDirectAbsent))
                 s_absent[peer] = kLlDirectPeerMasked;
-        } else if (rank_mask == nullptr || comm::has_error(window)) {
+        } else if (!masks || comm::has_error(window)) {
             s_ok = 0;
         }
     }
     // rank masks: one flag per peer, so a block that saw it agrees with the others unless it came
     // at the timeout; a peer decided in whose flag this block missed is waited for again, strictly
-    if (rank_mask != nullptr) {
+    if (masks) {
         ll_direct_agree(window, half, kLlDirectCombineDecided, tag, tr.num_ranks, s_absent, rank_mask);
         for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
             uint32_t value = 0;
@@ -616,6 +621,7 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                 !ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint,
                                 value, tr.rank, peer, kPhaseCombine, timeout_ns))
                 s_ok = 0;
+            s_in[peer] = s_absent[peer] == kLlDirectPeerIn;
         }
     }
     __syncthreads();
@@ -639,9 +645,9 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                         const int64_t pair = token * num_topk + slot;
                         const int64_t expert = __ldg(topk_idx + pair);
                         // rank masks: a slot whose expert's rank is out of the call adds nothing
-                        selected[i] = expert >= 0 && (rank_mask == nullptr ||
-                                                      (expert < static_cast<int64_t>(num_local_experts) * tr.num_ranks &&
-                                                       s_absent[expert / num_local_experts] == kLlDirectPeerIn));
+                        selected[i] = expert >= 0 && (!masks || (expert < static_cast<int64_t>(num_local_experts) *
+                                                                              tr.num_ranks &&
+                                                                 s_in[static_cast<int>(expert) / num_local_experts]));
                         weights[i] = __ldg(topk_weights + pair);
                         packed[i] = __ldcg(pairs + pair * chunks_per_row + column);
                     }
