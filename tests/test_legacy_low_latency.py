@@ -293,9 +293,10 @@ def _linked(masks, rank, num_ranks):
 
 def run_mask_cases(buffer, rank, num_ranks, device="cpu", use_hook=True):
     """Rank masks (``enable_shrink``): every rank but rank 1 masks rank 1, rank 0 also masks the last
-    rank (4 ranks and more); a rank exchanges with a peer when neither masks the other. Then the
-    masks are cleared and everything is exchanged again. The dispatches use a receive hook unless
-    ``use_hook`` is False."""
+    rank (4 ranks and more); a rank exchanges with a peer when neither masks the other. A combine
+    follows its dispatch: each rank masks one more peer between the two, which changes nothing until
+    the next dispatch. Then the masks are cleared and everything is exchanged again. The dispatches
+    use a receive hook unless ``use_hook`` is False."""
     num_experts = num_experts_for(num_ranks)
     num_local = num_experts // num_ranks
     masks = {r: set() for r in range(num_ranks)}
@@ -326,6 +327,8 @@ def run_mask_cases(buffer, rank, num_ranks, device="cpu", use_hook=True):
                                    use_fp8, round_scale, use_ue8m0, linked)
         expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
                                 for local in range(num_local)])
+        if num_ranks >= 2:                      # after the dispatch: its combine does not see it
+            buffer.low_latency_update_mask_buffer((rank + 1) % num_ranks, True)
         combined, _, _ = buffer.low_latency_combine(_to(expert_x, device), topk_idx, topk_weights, result[2])
         want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale, linked)
         assert torch.equal(_host(combined), want), (rank, linked)

@@ -238,7 +238,8 @@ class LowLatencyHandle(tuple):
     expanded receive row of that dispatch, its place in the per-expert layout (``row_expert``,
     ``row_slot``: int64 ``[rows]``; ``row_kept``: bool ``[rows]``, False for rows left out by the rank
     mask, which go back as zeros). Those three are None until the dispatch's receive is done (with a
-    receive hook: until the hook is called)."""
+    receive hook: until the hook is called). ``mask``: the rank mask as the dispatch found it (int32
+    ``[R]``, a copy; None without ``enable_shrink``), which its combine uses."""
 
     def __new__(cls, items: tuple, ep_handle, num_topk: int, slot: int = 0):
         handle = super().__new__(cls, items)
@@ -246,6 +247,7 @@ class LowLatencyHandle(tuple):
         handle.num_topk = num_topk
         handle.slot = slot
         handle.row_expert = handle.row_slot = handle.row_kept = None
+        handle.mask = None
         return handle
 
     def set_rows(self, row_expert: torch.Tensor, row_slot: torch.Tensor, row_kept: torch.Tensor) -> None:

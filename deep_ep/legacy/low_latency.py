@@ -79,14 +79,14 @@ class LowLatencyMethods(LowLatencyState):
         """Mask (``mask=True``) or unmask a rank for this rank's low-latency calls: this rank sends
         nothing to a masked rank and takes nothing from it (its rows are left out of the dispatch's
         layout, its experts' slots add nothing in combine). The mask is this rank's own (DeepEP's).
-        On a GPU within one node (the direct kernels) a masked rank is not waited for, and a peer
-        that does not arrive within ``num_gpu_timeout_secs`` is masked by the waiting rank instead of
-        failing the call (DeepEP's failure detection: the peer is taken as failed; query the mask to
-        see it); a dispatch uses the mask as it was when called and its combine follows the
-        dispatch, so a change takes effect at the next dispatch; a rank that skipped calls cannot
-        rejoin this Buffer (its calls are counted behind its peers'). On the CPU backend, across nodes and past the
-        direct kernels' limits (1024 experts, top-16), a masked rank must still make every call. A
-        device write on the current stream, no host read.
+        A dispatch uses the mask as it was when called and its combine follows the dispatch, so a
+        change takes effect at the next dispatch. On a GPU within one node (the direct kernels) a
+        masked rank is not waited for, and a peer that does not arrive within
+        ``num_gpu_timeout_secs`` is masked by the waiting rank instead of failing the call (DeepEP's
+        failure detection: the peer is taken as failed; query the mask to see it); a rank that
+        skipped calls cannot rejoin this Buffer (its calls are counted behind its peers'). On the
+        CPU backend, across nodes and past the direct kernels' limits (1024 experts, top-16), a
+        masked rank must still make every call. A device write on the current stream, no host read.
 
         Raises:
             RuntimeError: no ``enable_shrink``. TypeError / ValueError: ``rank_to_mask`` outside
@@ -290,7 +290,7 @@ class LowLatencyMethods(LowLatencyState):
         scratch = count_scratch(num_local_experts, num_ranks, device) \
             if masked is None and device.type == "cuda" else None
         pairs_x, pairs_topk = cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local_experts, scratch)
-        if masked is not None and return_recv_hook:    # the mask of the call, whenever the hook runs
+        if masked is not None:    # the mask of the call, whenever the hook runs, and of its combine
             masked = masked.clone()
         deferred = None
         if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
@@ -317,6 +317,7 @@ class LowLatencyMethods(LowLatencyState):
         handle = LowLatencyHandle((received.src_info, received.layout_range, num_slots, hidden, num_experts),
                                   ep_handle, num_topk, half)
         handle.number = self._mark_dispatched(half)   # which half its combine finds waiting
+        handle.mask = masked
 
         def receive() -> None:
             if deferred is not None:
@@ -419,12 +420,11 @@ class LowLatencyMethods(LowLatencyState):
         source = self._combine_buffer(num_slots, hidden, num_experts) if zero_copy else x
 
         # Every received pair's row, in the pair dispatch's expanded layout, goes back alone (rows of
-        # masked ranks as zeros).
-        masked = self._mask_if_shrink()
+        # masked ranks as zeros). The mask is the dispatch's: a combine exchanges with the ranks its
+        # dispatch did (as the direct kernels), whatever changed since.
+        masked = handle.mask
         rows = gather_rows(source, ep_handle.psum_num_recv_tokens_per_expert, handle.row_expert, handle.row_slot,
                            handle.row_kept, masked)
-        if masked is not None and return_recv_hook:    # the mask of the call, whenever the hook runs
-            masked = masked.clone()
         deferred = None
         if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
             pairs, deferred = send_combine(buffer, rows, ep_handle, self._low_latency_num_sms(device))
