@@ -207,9 +207,12 @@ def test_normal_and_low_latency_calls_get_windows_of_their_own_within_one_node(m
         assert owner._low_latency_elastic_buffer(16, 512, 0) is low_latency
         assert ll_direct._window(owner, 5 * mib) is low_latency
     made.clear()
+    prepared = []             # a Buffer with rank masks loads the direct kernels at creation
+    monkeypatch.setattr(ll_direct, "prepare", prepared.append)
     shrink = Owner()
     shrink.enable_shrink, shrink.num_nvl_bytes, shrink.num_rdma_bytes = True, 3 * mib, 5 * mib
     internode.open_elastic_buffers(shrink, object(), 3 * mib, 5 * mib, 4, True, False, "cuda", {})
     assert [b.num_bytes for b in made] == [4 * mib, 8 * mib]   # the expanded path keeps the combined size
+    assert prepared == [shrink]
     with pytest.raises(ValueError, match="num_nvl_bytes=0 leaves no GPU window"):
         internode.open_elastic_buffers(Owner(), object(), 0, 5 * mib, 4, False, False, "cuda", {})

@@ -411,3 +411,58 @@ def test_a_mask_changed_during_a_call_takes_effect_at_the_next_dispatch(monkeypa
     assert linked[0] == {0, 1, 3} and linked[3] == {0, 1, 3}
     _masked_round(owners, range(num_ranks), 82, case, linked, linked)
     assert [owner._rank_mask.tolist() for owner in owners] == [[0, 0, 1, 0], [0] * 4, [0, 0, 0, 1], [0] * 4]
+
+
+def test_a_rank_masked_by_a_peer_that_moved_on_is_not_held_up(monkeypatch):
+    """Rank 0 masks rank 1 (alive; it masks nobody), so nothing makes rank 0 wait for rank 1: it makes
+    three whole steps on the buffer half of rank 1's dispatch before rank 1 calls its receive hook, and
+    overwrites its absent flag in rank 1's window with a later call's. Rank 1 takes a flag
+    of a later call as absent: no timeout, no mask, both results without the other."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    hidden, use_fp8, round_scale, use_ue8m0 = CASES[0]
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 2, hidden, enable_shrink=True)
+    owners[0]._rank_mask[1] = 1
+    alone = [{0}, {1}]
+
+    def step(rank: int, seed: int, before_hook=lambda: None):
+        inputs = [_rank_inputs(seed, source, 2, num_experts, hidden) for source in range(2)]
+        result = ll_direct.dispatch(owners[rank], inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts, use_fp8,
+                                    round_scale, use_ue8m0, False, True, None)
+        before_hook()
+        result[4]()
+        received = _check_dispatch(rank, 2, num_experts, hidden, inputs, result[:3] + (None, None), use_fp8,
+                                   round_scale, use_ue8m0, alone[rank])
+        expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                for local in range(num_local)])
+        combined = ll_direct.combine(owners[rank], expert_x, inputs[rank][1], inputs[rank][2], result[2], False, False,
+                                     True, None)
+        combined[2]()
+        want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale, alone[rank])
+        assert torch.equal(combined[0], want), rank
+        return result[2].slot
+
+    halves = []
+    step(1, 91, before_hook=lambda: halves.extend([step(0, 91), step(0, 92), step(0, 93)]))
+    assert halves == [0, 0, 0]        # a dispatch takes a half no pending hook holds: here always 0
+    assert ll_direct_model.TIMEOUTS == []
+    assert [owner._rank_mask.tolist() for owner in owners] == [[0, 1], [0, 0]]
+
+
+@pytest.mark.parametrize("num_nvl_bytes, transport_gin", [(0, 0), (1 << 20, 0), (0, 1)])
+def test_a_shrink_buffer_loads_the_direct_kernels_at_creation(monkeypatch, num_nvl_bytes, transport_gin):
+    """With ``enable_shrink`` the direct kernels are built and loaded when the Buffer is made, then
+    the ranks meet at a barrier, on the window the low-latency calls use (the Buffer's own with
+    ``num_nvl_bytes=0``, else its low-latency one): a first call's build could otherwise outlast the
+    peers' timeout and get a healthy rank masked. Not across nodes (no direct kernels there)."""
+    calls = []
+    monkeypatch.setattr(ll_direct, "_load", lambda backend: calls.append(("load", backend.name)))
+
+    def window(name):
+        backend = types.SimpleNamespace(name=name, transport_gin=transport_gin)
+        return types.SimpleNamespace(_backend=backend, barrier=lambda: calls.append(("barrier", name)))
+
+    owner = types.SimpleNamespace(num_nvl_bytes=num_nvl_bytes, _alive=lambda: window("own"))
+    owner._low_latency_extra_buffer = window("low-latency")
+    ll_direct.prepare(owner)
+    name = "own" if num_nvl_bytes == 0 else "low-latency"
+    assert calls == ([] if transport_gin else [("load", name), ("barrier", name)])

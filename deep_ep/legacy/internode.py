@@ -112,6 +112,9 @@ def _open(owner, group, num_nvl_bytes: int, num_rdma_bytes: int, num_qps_per_ran
             owner._low_latency_cpu_buffer = direct
         else:   # made now, not at the first call: a call may be captured in a CUDA graph
             owner.__dict__["_low_latency_extra_buffer"] = direct
+    if low_latency_mode and not on_cpu and not across and getattr(owner, "enable_shrink", False):
+        from .ll_direct import prepare
+        prepare(owner)
 
 
 def normal_mode_buffer(owner):

@@ -239,7 +239,8 @@ class LowLatencyHandle(tuple):
     ``row_slot``: int64 ``[rows]``; ``row_kept``: bool ``[rows]``, False for rows left out by the rank
     mask, which go back as zeros). Those three are None until the dispatch's receive is done (with a
     receive hook: until the hook is called). ``mask``: the rank mask as the dispatch found it (int32
-    ``[R]``, a copy; None without ``enable_shrink``), which its combine uses."""
+    ``[R]``, a copy; None without ``enable_shrink``, and for a dispatch of the direct kernels, whose
+    combine follows ``direct.present``), which its combine uses."""
 
     def __new__(cls, items: tuple, ep_handle, num_topk: int, slot: int = 0):
         handle = super().__new__(cls, items)

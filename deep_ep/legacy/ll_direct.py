@@ -11,11 +11,13 @@ two combines of one handle never share them. No counts exchange before the rows,
 Rank masks (``enable_shrink``): a dispatch copies the Buffer's mask on the stream when it is called
 and both its phases use that copy; its combine follows the dispatch's decisions about its sources
 (int32 ``[R]``, ``DirectRoute.present``), so a mask changed meanwhile takes effect at the next
-dispatch and two ranks never disagree on whether they exchange in a call. A rank exchanges with a
-peer when neither masks the other; it waits for no rank it masks, and a peer whose flag does not
-come within ``num_gpu_timeout_secs`` is masked in the Buffer's mask (DeepEP's failure detection: the
-peer is taken as failed) instead of failing the call, so a rank that stops making calls is left out
-by its peers.
+dispatch, and no change of a mask makes two ranks disagree on whether they exchange in a call. A
+rank exchanges with a peer when neither masks the other; it waits for no rank it masks, and a peer
+whose flag does not come within ``num_gpu_timeout_secs`` is masked in the Buffer's mask (DeepEP's
+failure detection) instead of failing the call, so a rank that stops making calls is left out by
+its peers. Such a peer is taken as failed and must be stopped: one that was only slow and goes on
+may still write combine rows into the window of a rank that no longer waits for them, where a later
+combine reads.
 
 Where: one node (NCCL's LSA window or emulated ranks on one GPU), ``E <= 1024`` experts and top-k
 ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer`
@@ -46,7 +48,7 @@ from ..backends.gpu.abi import CONSTANTS, CTRL_BYTES, _read_constants
 from ..event import EventHandle, EventOverlap
 from .layouts import NUM_CHANNELS_PER_SCALE, LowLatencyHandle, check_combine_inputs, dispatch_receive
 
-__all__ = ["applies", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
+__all__ = ["applies", "prepare", "dispatch", "combine", "window_bytes", "Regions", "KERNEL_NAMES", "SOURCE",
            "DISPATCH_KERNEL", "COMBINE_KERNEL", "SEND_PHASE", "RECEIVE_PHASE", "BOTH_PHASES"]
 
 _CONSTANTS = _read_constants(Path(__file__).resolve().parents[1] / "include" / "deep_ep" / "impls" / "ll_direct.cuh",
@@ -153,6 +155,18 @@ def _load(backend) -> object:
             load_module(module, device_index)
         backend._ll_direct_module = module
     return module
+
+
+def prepare(owner) -> None:
+    """With ``enable_shrink`` on a GPU of one node, at the Buffer's creation (collective): build and
+    load the direct kernels on every rank, then meet at a barrier. Otherwise each rank would build
+    them at its first call, and a slow build could outlast its peers' ``num_gpu_timeout_secs``:
+    they would mask a healthy rank for good."""
+    home = owner._alive() if owner.num_nvl_bytes == 0 else owner.__dict__.get("_low_latency_extra_buffer")
+    if home is None or getattr(home._backend, "transport_gin", 0):
+        return
+    _load(home._backend)
+    home.barrier()
 
 
 def _window(owner, need: int):
@@ -277,6 +291,9 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     def receive() -> None:
         if not one_launch:
             _launch(owner, window, DISPATCH_KERNEL, receive_blocks, args(RECEIVE_PHASE), device)
+            if rank_view is not None and device.type == "cuda":   # a hook on another stream reads them
+                for tensor in (rank_view, present):
+                    tensor.record_stream(torch.cuda.current_stream(device))
         handle.set_rows(routes, routes, routes)    # the dispatch is received: its combine may run
 
     hook = owner._receive_or_hook(receive, "low_latency_dispatch", device, half, return_recv_hook)

@@ -83,7 +83,8 @@ class LowLatencyMethods(LowLatencyState):
         change takes effect at the next dispatch. On a GPU within one node (the direct kernels) a
         masked rank is not waited for, and a peer that does not arrive within
         ``num_gpu_timeout_secs`` is masked by the waiting rank instead of failing the call (DeepEP's
-        failure detection: the peer is taken as failed; query the mask to see it); a rank that
+        failure detection: the peer is taken as failed and must be stopped; the waiting ranks' masks
+        show it); a rank that
         skipped calls cannot rejoin this Buffer (its calls are counted behind its peers'). On the
         CPU backend, across nodes and past the direct kernels' limits (1024 experts, top-16), a
         masked rank must still make every call. A device write on the current stream, no host read.
@@ -285,13 +286,14 @@ class LowLatencyMethods(LowLatencyState):
         max_pairs = num_slots * num_topk
         half = self._free_half("low_latency_dispatch")
         buffer = self._low_latency_elastic_buffer(max_pairs, hidden, half)
-        masked = self._mask_if_shrink()            # nothing goes to a masked rank
+        # nothing goes to a masked rank; the mask of the call (a copy), whenever the hook runs, and
+        # of its combine
+        masked = self._mask_if_shrink()
+        masked = None if masked is None else masked.clone()
         # the receive layout's counts without a mask, zeroed by the cast (no launch of its own)
         scratch = count_scratch(num_local_experts, num_ranks, device) \
             if masked is None and device.type == "cuda" else None
         pairs_x, pairs_topk = cast_pairs(x, topk_idx, use_fp8, round_scale, masked, num_local_experts, scratch)
-        if masked is not None:    # the mask of the call, whenever the hook runs, and of its combine
-            masked = masked.clone()
         deferred = None
         if return_recv_hook and device.type == "cuda":    # the send half now, the receive half in the hook
             recv, ep_handle, deferred = send_dispatch(buffer, pairs_x, pairs_topk, num_experts, max_pairs,

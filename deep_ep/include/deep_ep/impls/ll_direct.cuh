@@ -22,13 +22,14 @@
 // A wait that times out records rank, peer and phase as every kernel does (comm/window.cuh).
 // Rank masks (a Buffer with enable_shrink; null pointers otherwise): a dispatch reads the mask as the
 // host copied it when the call was made (`rank_view`: both phases see one mask, whatever changes
-// meanwhile), and its combine follows the dispatch's decisions (`present`), so that two ranks never
-// disagree on whether they exchange in a call. A rank exchanges with a peer when neither masks the
+// meanwhile), and its combine follows the dispatch's decisions (`present`), so that no change of a
+// mask makes two ranks disagree on whether they exchange in a call. A rank exchanges with a peer when neither masks the
 // other: it sends no rows to a peer it masks and flags it kLlDirectAbsent instead of a count; it waits
 // for no peer it masks, takes a peer's kLlDirectAbsent flag as "not in this call", and masks a peer
 // whose flag does not come within the timeout (DeepEP's failure detection: the peer is taken as
-// failed) in the Buffer's mask (`rank_mask`) instead of recording an error; a wait for its own flags
-// still fails with one. Every block of a receive waits for the flags itself, so the blocks agree on
+// failed, and must be stopped: a slow one that goes on may write combine rows this rank no longer
+// waits for) in the Buffer's mask (`rank_mask`) instead of recording an error; a wait for its own
+// flags still fails with one. Every block of a receive waits for the flags itself, so the blocks agree on
 // each peer through the half's decision words (the first to decide wins).
 #pragma once
 
@@ -76,7 +77,8 @@ static_assert((kLlDirectCtrlWord + 2 * kLlDirectHalfWords) * 4 <= kCtrlBytes, "b
 static_assert(kLlDirectWarps * 32 == kLlDirectThreads, "whole warps");
 static_assert(kLlDirectSegment % 32 == 0, "whole lanes per segment");
 static_assert(kLlDirectBothPhases == (kLlDirectSendPhase | kLlDirectReceivePhase), "a phase is a bit");
-static_assert(kLlDirectMaxRanks % 2 == 0 && kLlDirectHalfWords % 2 == 0, "two decisions a word; 8-byte flags");
+static_assert(kLlDirectMaxRanks % 2 == 0 && kLlDirectHalfWords % 2 == 0 && kLlDirectCtrlWord % 2 == 0,
+              "two decisions a word; 8-byte flags");
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
     return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
@@ -99,7 +101,11 @@ __device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t finger
 // tag: the same count of calls on this half) has other sizes (recorded as kErrFingerprint, with the
 // phase). `absent` (rank masks; null otherwise): this block's view of the peer, in shared memory; a
 // timeout is then no error but sets it to kLlDirectPeerTimedOut, and the wait gives up (false, with
-// nothing recorded) once another thread of the block has set it.
+// nothing recorded) once another thread of the block has set it. With it, a flag of a later call on
+// the half (its tag ahead by less than 2^15) counts as kLlDirectAbsent: a peer that included this
+// rank waits for it before its next call on the half (its combine waits for this rank's, sent after
+// this receive), so a peer that moved on had left this rank out and may have overwritten its
+// absent flag.
 __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t fingerprint,
                                                uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns,
                                                volatile uint8_t* absent = nullptr) {
@@ -107,12 +113,17 @@ __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, 
     const uint64_t start = global_timer_ns();
     while (true) {
         const uint64_t word = ld_acquire_sys_u64(flag);
-        if (static_cast<uint32_t>(word >> 32 & 0xFFFFu) == (tag & 0xFFFFu)) {
+        const uint32_t ahead = (static_cast<uint32_t>(word >> 32) - tag) & 0xFFFFu;
+        if (ahead == 0u) {
             if (static_cast<uint32_t>(word >> 48) != (fingerprint & 0xFFFFu)) {
                 comm::record_error(window, kErrFingerprint, rank, peer, phase);
                 return false;
             }
             value = static_cast<uint32_t>(word);
+            return true;
+        }
+        if (absent != nullptr && ahead < 0x8000u) {
+            value = static_cast<uint32_t>(kLlDirectAbsent);
             return true;
         }
         if (comm::has_error(window) || (absent != nullptr && *absent != kLlDirectPeerIn))
