@@ -68,16 +68,23 @@ def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int, lenient
     return bits & 0xFFFFFFFF
 
 
-def _decide(flags: list, rank_mask, rank: int, kind: str) -> list:
+def _left_out(present, rank_state, peer: int) -> bool:
+    """Whether a combine leaves ``peer`` out before any flag: its dispatch did, or the peer was taken
+    as failed since."""
+    return not bool(present[peer]) or bool(rank_state[len(present) + peer])
+
+
+def _decide(flags: list, rank_state, rank: int, kind: str) -> list:
     """The receive's decision about each peer from its flags' values (None: timed out): in unless
-    one of the two masks the other; a peer that timed out is masked."""
+    one of the two masks the other; a peer that timed out is masked and taken as failed
+    (``rank_state``: the mask, then the failed ranks)."""
     inside = []
     for peer, values in enumerate(flags):
         if values is None:                      # this rank masks it (or its dispatch left it out)
             inside.append(False)
         elif any(value is None for value in values):
             TIMEOUTS.append((rank, peer, kind))
-            rank_mask[peer] = 1
+            rank_state[peer] = rank_state[len(flags) + peer] = 1
             inside.append(False)
         else:
             inside.append(all(value != _ABSENT for value in values))
@@ -89,10 +96,10 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
     transport, phase, half, regions = args[:4]
     if name == ll_direct.DISPATCH_KERNEL:
         (x, topk_idx, num_tokens, hidden, num_topk, num_experts, num_local_experts, num_slots, use_fp8, round_scale,
-         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, rank_view, rank_mask,
+         use_ue8m0, data_out, scales_out, recv_count, src_info, layout_range, stats, routes, rank_view, rank_state,
          present, fingerprint, _, _) = args[4:]
-        assert (rank_view is None) == (rank_mask is None) == (present is None)
-        assert rank_view is None or rank_view is not rank_mask      # the call's own copy
+        assert (rank_view is None) == (rank_state is None) == (present is None)
+        assert rank_view is None or rank_view.data_ptr() != rank_state.data_ptr()   # the call's own copy
         assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
         if phase & ll_direct.SEND_PHASE:
             _dispatch_send(transport.rank, transport.windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk,
@@ -100,19 +107,19 @@ def launch(owner, window, name: str, blocks: int, args: tuple, device) -> None:
         if phase & ll_direct.RECEIVE_PHASE:
             _dispatch_recv(transport.rank, transport.windows, half, regions, data_out, scales_out, recv_count,
                            src_info, layout_range, stats, routes, num_local_experts, num_slots, num_topk, hidden,
-                           use_fp8, use_ue8m0, rank_view, rank_mask, present, fingerprint)
+                           use_fp8, use_ue8m0, rank_view, rank_state, present, fingerprint)
         return
     assert name == ll_direct.COMBINE_KERNEL
     (x, expert_stride, row_stride, recv_count, routes, num_local_experts, num_slots, num_topk, hidden, topk_idx,
-     topk_weights, out, num_tokens, rank_mask, present, fingerprint, _, _) = args[4:]
-    assert (rank_mask is None) == (present is None)
+     topk_weights, out, num_tokens, rank_state, present, fingerprint, _, _) = args[4:]
+    assert (rank_state is None) == (present is None)
     assert phase in (ll_direct.SEND_PHASE, ll_direct.RECEIVE_PHASE, ll_direct.BOTH_PHASES)
     if phase & ll_direct.SEND_PHASE:
         _combine_send(transport.rank, transport.windows, half, regions, x, expert_stride, row_stride, recv_count,
-                      routes, num_local_experts, num_slots, num_topk, hidden, present, fingerprint)
+                      routes, num_local_experts, num_slots, num_topk, hidden, present, rank_state, fingerprint)
     if phase & ll_direct.RECEIVE_PHASE:
         _combine_recv(transport.rank, transport.windows, half, regions, topk_idx, topk_weights, out, num_tokens,
-                      num_topk, hidden, num_local_experts, rank_mask, present, fingerprint)
+                      num_topk, hidden, num_local_experts, rank_state, present, fingerprint)
 
 
 def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
@@ -148,7 +155,7 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
 
 
 def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_count, src_info, layout_range, stats,
-                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, rank_view, rank_mask,
+                   routes, num_local_experts, num_slots, num_topk, hidden, use_fp8, use_ue8m0, rank_view, rank_state,
                    present, fingerprint):
     window = windows[rank]
     num_ranks = len(windows)
@@ -165,7 +172,7 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
     inside = [True] * num_ranks
     if rank_view is not None:
         inside = _decide([None if rank_view[source] else [value(local, source) for local in range(num_local_experts)]
-                          for source in range(num_ranks)], rank_mask, rank, "dispatch")
+                          for source in range(num_ranks)], rank_state, rank, "dispatch")
         present.copy_(torch.tensor(inside, dtype=torch.int32))
     for local in range(num_local_experts):
         counts = [value(local, source) if inside[source] else 0 for source in range(num_ranks)]
@@ -199,11 +206,11 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
 
 
 def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, recv_count, routes, num_local_experts,
-                  num_slots, num_topk, hidden, present, fingerprint):
+                  num_slots, num_topk, hidden, present, rank_state, fingerprint):
     num_ranks = len(windows)
     pairs_per_rank = num_slots * num_topk
     assert expert_stride.value == x.stride(0) * 2 // 16 and row_stride.value == x.stride(1) * 2 // 16
-    absent = [present is not None and not present[peer] for peer in range(num_ranks)]
+    absent = [present is not None and _left_out(present, rank_state, peer) for peer in range(num_ranks)]
     for local in range(num_local_experts):
         for row in range(int(recv_count[local])):
             peer, pair = divmod(int(routes[local, row]), pairs_per_rank)
@@ -216,17 +223,17 @@ def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, re
 
 
 def _combine_recv(rank, windows, half, regions, topk_idx, topk_weights, out, num_tokens, num_topk, hidden,
-                  num_local_experts, rank_mask, present, fingerprint):
+                  num_local_experts, rank_state, present, fingerprint):
     from deep_ep.legacy.ll_reduce import weighted_sum_torch
     window = windows[rank]
     tag = _seq(window, half, "kLlDirectCombineSeq") + 1
-    values = [None if present is not None and not present[peer] else
+    values = [None if present is not None and _left_out(present, rank_state, peer) else
               [_wait(window, _flag_offset(half, "kLlDirectCombineFlags", peer), tag, fingerprint.value,
                      lenient=present is not None and peer != rank)] for peer in range(len(windows))]
     pairs = _get(window, regions.combine, num_tokens * num_topk * hidden, torch.bfloat16)
     out_of_call = None           # rank masks: a slot whose expert's rank is out of the call adds nothing
     if present is not None:
-        out_of_call = torch.tensor([int(not inside) for inside in _decide(values, rank_mask, rank, "combine")], dtype=torch.int32)
+        out_of_call = torch.tensor([int(not inside) for inside in _decide(values, rank_state, rank, "combine")], dtype=torch.int32)
     weighted_sum_torch(pairs.view(num_tokens, num_topk, hidden), topk_idx, topk_weights, out_of_call,
                        num_local_experts, out)
     _advance(window, half, "kLlDirectCombineSeq")

@@ -100,7 +100,8 @@ class _Owner(LowLatencyState):
 
     def __init__(self, rank: int, windows: list, enable_shrink: bool = False) -> None:
         self.rank, self.group_size, self.enable_shrink = rank, len(windows), enable_shrink
-        self._rank_mask = torch.zeros(len(windows), dtype=torch.int32)
+        self._rank_state = torch.zeros(2 * len(windows), dtype=torch.int32)   # the Buffer's: mask, failed
+        self._rank_mask = self._rank_state[:len(windows)]
         self.num_nvl_bytes = 0   # a low-latency Buffer: its one window is the low-latency one
         backend = types.SimpleNamespace(
             transport_args=types.SimpleNamespace(rank=rank, windows=windows), timeout_ns=10 ** 9,
@@ -375,6 +376,7 @@ def test_a_rank_that_stops_is_masked_and_not_waited_for(monkeypatch):
     _masked_round(owners, sorted(alive), 73, CASES[2], linked, linked)
     assert [owners[rank]._rank_mask.tolist() for rank in alive] == [[0, 1, 0, 1]] * 2
     assert len(ll_direct_model.TIMEOUTS) == 5        # none since: masked ranks are not waited for
+    assert [owners[rank]._rank_state[num_ranks:].tolist() for rank in alive] == [[0, 1, 0, 1]] * 2   # failed
 
 
 def test_a_mask_changed_during_a_call_takes_effect_at_the_next_dispatch(monkeypatch):
@@ -466,3 +468,45 @@ def test_a_shrink_buffer_loads_the_direct_kernels_at_creation(monkeypatch, num_n
     ll_direct.prepare(owner)
     name = "own" if num_nvl_bytes == 0 else "low-latency"
     assert calls == ([] if transport_gin else [("load", name), ("barrier", name)])
+
+
+def test_a_combine_leaves_out_a_rank_found_failed_after_its_dispatch(monkeypatch):
+    """Two micro-batches on 4 ranks, as a decode step overlaps them: dispatch A (every rank), then
+    dispatch B, which rank 2 never makes: the others' waits time out once and take rank 2 as failed.
+    Combine A, whose dispatch took rank 2 in, leaves it out without a second timeout (its slots add
+    nothing), and combine B too; cleaning the mask forgets the failure."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    num_ranks = 4
+    hidden, use_fp8, round_scale, use_ue8m0 = CASES[1]
+    num_experts, num_local, owners = _model_ranks(monkeypatch, num_ranks, hidden, enable_shrink=True)
+    alive, everyone = [0, 1, 3], set(range(num_ranks))
+    inputs = {seed: [_rank_inputs(seed, source, num_ranks, num_experts, hidden) for source in range(num_ranks)]
+              for seed in (101, 102)}
+    batches = {}
+    for seed, ranks, linked in ((101, range(num_ranks), everyone), (102, alive, set(alive))):
+        results = {rank: ll_direct.dispatch(owners[rank], inputs[seed][rank][0], inputs[seed][rank][1], MAX_TOKENS,
+                                            num_experts, use_fp8, round_scale, use_ue8m0, False, True, None)
+                   for rank in ranks}
+        for result in results.values():
+            result[4]()
+        batches[seed] = {}
+        for rank, result in results.items():
+            received = _check_dispatch(rank, num_ranks, num_experts, hidden, inputs[seed],
+                                       result[:3] + (None, None), use_fp8, round_scale, use_ue8m0, linked)
+            batches[seed][rank] = (result[2], torch.stack([_expert_output(received[local], rank * num_local + local)
+                                                           for local in range(num_local)]))
+    assert sorted(ll_direct_model.TIMEOUTS) == [(rank, 2, "dispatch") for rank in alive]
+    for seed in (101, 102):
+        combines = {rank: ll_direct.combine(owners[rank], batches[seed][rank][1], inputs[seed][rank][1],
+                                            inputs[seed][rank][2], batches[seed][rank][0], False, False, True, None)
+                    for rank in alive}
+        for combined in combines.values():
+            combined[2]()
+        for rank, combined in combines.items():
+            want = _expected_combine(rank, num_experts, hidden, inputs[seed], use_fp8, round_scale, set(alive))
+            assert torch.equal(combined[0], want), (seed, rank)
+    assert len(ll_direct_model.TIMEOUTS) == len(alive)
+    assert [owners[rank]._rank_state.tolist() for rank in alive] == [[0, 0, 1, 0] * 2] * len(alive)
+    from deep_ep.legacy.low_latency import LowLatencyMethods
+    LowLatencyMethods.low_latency_clean_mask_buffer(owners[0])    # the Buffer's method on this owner
+    assert owners[0]._rank_state.tolist() == [0] * 8

@@ -103,10 +103,10 @@ class Buffer(LowLatencyMethods, InternodeMethods):
         self.enable_shrink = enable_shrink
         open_elastic_buffers(self, group, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, low_latency_mode,
                              explicitly_destroy, device, timeouts)
-        if enable_shrink:
-            # Made and zeroed here: a mask first made inside a CUDA-graph capture would hold garbage
-            # until the first replay, and every replay would zero it again.
-            self._rank_mask = torch.zeros(group_size, dtype=torch.int32, device=self.elastic_buffer.device)
+        if enable_shrink:   # made and zeroed here: made in a CUDA-graph capture, replays would zero it
+            # the rank mask, then the ranks taken as failed (a timeout of the direct kernels)
+            self._rank_state = torch.zeros(2 * group_size, dtype=torch.int32, device=self.elastic_buffer.device)
+            self._rank_mask = self._rank_state[:group_size]
 
     # ------------------------------------------------------------------ lifecycle, settings
     def _alive(self) -> ElasticBuffer:

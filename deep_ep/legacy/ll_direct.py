@@ -15,9 +15,10 @@ dispatch, and no change of a mask makes two ranks disagree on whether they excha
 rank exchanges with a peer when neither masks the other; it waits for no rank it masks, and a peer
 whose flag does not come within ``num_gpu_timeout_secs`` is masked in the Buffer's mask (DeepEP's
 failure detection) instead of failing the call, so a rank that stops making calls is left out by
-its peers. Such a peer is taken as failed and must be stopped: one that was only slow and goes on
-may still write combine rows into the window of a rank that no longer waits for them, where a later
-combine reads.
+its peers. Such a peer is taken as failed (also recorded in ``Buffer._rank_state[R:]``: a combine
+leaves out the peers taken as failed since its dispatch rather than wait out the timeout again) and
+must be stopped: one that was only slow and goes on may still write combine rows into the window of
+a rank that no longer waits for them, where a later combine reads.
 
 Where: one node (NCCL's LSA window or emulated ranks on one GPU), ``E <= 1024`` experts and top-k
 ``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer`
@@ -259,15 +260,16 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
     routes = torch.empty((num_local_experts, num_ranks * num_slots), dtype=torch.int32, device=device)
     handle = LowLatencyHandle((received.src_info, received.layout_range, num_slots, hidden, num_experts), None,
                               num_topk, half)
-    rank_mask = owner._mask_if_shrink()
-    # the call's copy of the mask (both phases see one mask) and the receive's decisions
-    rank_view = None if rank_mask is None else rank_mask.clone()
-    present = None if rank_mask is None else torch.empty(num_ranks, dtype=torch.int32, device=device)
+    # the Buffer's mask and failed ranks (where timeouts mark a peer), the call's copy of the mask
+    # (both phases see one mask) and the receive's decisions
+    rank_state = owner._rank_state if owner.enable_shrink else None
+    rank_view = None if rank_state is None else owner._mask_if_shrink().clone()
+    present = None if rank_state is None else torch.empty(num_ranks, dtype=torch.int32, device=device)
     handle.direct = DirectRoute(window, regions, routes, received.recv_count, num_tokens, present)
     handle.number = owner._mark_dispatched(half)
     transport = backend.transport_args
     fingerprint = _fingerprint("dispatch", hidden, num_topk, num_slots, num_experts, bool(use_fp8),
-                               rank_mask is not None)
+                               rank_state is not None)
     # the receive: a warp per row segment of the most rows a rank can receive (a token names an
     # expert once)
     row_bytes = hidden if use_fp8 else 2 * hidden
@@ -278,7 +280,7 @@ def dispatch(owner, x: torch.Tensor, topk_idx: torch.Tensor, num_slots: int, num
         return (transport, phase, half, regions, x, topk_idx, num_tokens, hidden, num_topk, num_experts,
                 num_local_experts, num_slots, int(use_fp8), int(round_scale), int(use_ue8m0),
                 received.data_storage, received.scales_storage, received.recv_count, received.src_info,
-                received.layout_range, stats, routes, rank_view, rank_mask, present, fingerprint,
+                received.layout_range, stats, routes, rank_view, rank_state, present, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     send_blocks, receive_blocks = _blocks(backend, num_tokens), _blocks(backend, -(-receive_warps // _WARPS))
@@ -355,15 +357,17 @@ def combine(owner, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     transport = backend.transport_args
-    # with a rank mask: the dispatch's decisions, which the combine follows (the mask: for timeouts)
-    rank_mask, present = owner._mask_if_shrink(), route.present
+    # with a rank mask: the dispatch's decisions, which the combine follows, and the Buffer's mask and
+    # failed ranks (it leaves out the peers taken as failed since, and marks those it times out on)
+    present = route.present
+    rank_state = None if present is None else owner._rank_state
     fingerprint = _fingerprint("combine", hidden, num_topk, num_slots, num_experts, present is not None)
     num_rows = num_ranks * num_slots
 
     def args(phase: int) -> tuple:
         return (transport, phase, half, regions, source, jit.i64(source.stride(0) * item // 16),
                 jit.i64(source.stride(1) * item // 16), route.recv_count, route.routes, num_local_experts, num_slots,
-                num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, rank_mask, present, fingerprint,
+                num_topk, hidden, topk_idx, topk_weights, combined_x, num_tokens, rank_state, present, fingerprint,
                 jit.u64(backend.timeout_ns), jit.ptr(backend.err_record.device_ptr))
 
     send_blocks = _blocks(backend, -(-num_local_experts * num_rows // _WARPS))

@@ -84,7 +84,7 @@ class LowLatencyMethods(LowLatencyState):
         masked rank is not waited for, and a peer that does not arrive within
         ``num_gpu_timeout_secs`` is masked by the waiting rank instead of failing the call (DeepEP's
         failure detection: the peer is taken as failed and must be stopped; the waiting ranks' masks
-        show it); a rank that
+        show it, and the combines of earlier dispatches leave it out too); a rank that
         skipped calls cannot rejoin this Buffer (its calls are counted behind its peers'). On the
         CPU backend, across nodes and past the direct kernels' limits (1024 experts, top-16), a
         masked rank must still make every call. A device write on the current stream, no host read.
@@ -110,8 +110,10 @@ class LowLatencyMethods(LowLatencyState):
         mask_status.copy_(rank_mask)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank. Raises RuntimeError without ``enable_shrink``."""
-        self._shrink_mask("low_latency_clean_mask_buffer").zero_()
+        """Unmask every rank (and forget the ranks taken as failed). Raises RuntimeError without
+        ``enable_shrink``."""
+        self._shrink_mask("low_latency_clean_mask_buffer")
+        self._rank_state.zero_()
 
     # ------------------------------------------------------------------ public methods
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,

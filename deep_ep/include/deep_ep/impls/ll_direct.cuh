@@ -28,8 +28,9 @@
 // for no peer it masks, takes a peer's kLlDirectAbsent flag as "not in this call", and masks a peer
 // whose flag does not come within the timeout (DeepEP's failure detection: the peer is taken as
 // failed, and must be stopped: a slow one that goes on may write combine rows this rank no longer
-// waits for) in the Buffer's mask (`rank_mask`) instead of recording an error; a wait for its own
-// flags still fails with one. Every block of a receive waits for the flags itself, so the blocks agree on
+// waits for) in the Buffer's mask (`rank_state`: [R] the mask, then [R] the peers taken as failed)
+// instead of recording an error; a wait for its own flags still fails with one. A combine also
+// leaves out the peers taken as failed since its dispatch. Every block of a receive waits for the flags itself, so the blocks agree on
 // each peer through the half's decision words (the first to decide wins).
 #pragma once
 
@@ -159,25 +160,31 @@ __device__ __forceinline__ int ll_direct_decide(uint8_t* window, int half, int w
 }
 
 // Rank masks: every block's view of every peer (`absent`, in shared memory) replaced by the
-// decision of all blocks; a peer decided timed out is masked from now on.
+// decision of all blocks; a peer decided timed out is masked and taken as failed from now on
+// (`rank_state`: [R] the Buffer's mask, then [R] the peers taken as failed).
 __device__ __forceinline__ void ll_direct_agree(uint8_t* window, int half, int word, uint32_t tag, int num_ranks,
-                                                volatile uint8_t* absent, int32_t* rank_mask) {
+                                                volatile uint8_t* absent, int32_t* rank_state) {
     __syncthreads();
     for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x) {
         const int decided = ll_direct_decide(window, half, word, peer, tag, absent[peer]);
         absent[peer] = static_cast<uint8_t>(decided);
-        if (decided == kLlDirectPeerTimedOut)
-            atomicExch(rank_mask + peer, 1);
+        if (decided == kLlDirectPeerTimedOut) {
+            atomicExch(rank_state + peer, 1);
+            atomicExch(rank_state + num_ranks + peer, 1);
+        }
     }
     __syncthreads();
 }
 
 // Rank masks: `absent` (shared memory) before any flag: for a dispatch from the call's copy of the
-// mask (`rank_view`, 1 = masked), for a combine from its dispatch's decisions (`present`, 1 = in).
+// mask (`rank_view`, 1 = masked); for a combine from its dispatch's decisions (`present`, 1 = in)
+// and the peers taken as failed since (`failed`: their flags will not come; all of a Buffer's direct
+// kernels run in stream order, so none changes it while another runs).
 __device__ __forceinline__ void ll_direct_start_view(int num_ranks, const int32_t* rank_view, const int32_t* present,
-                                                     volatile uint8_t* absent) {
+                                                     const int32_t* failed, volatile uint8_t* absent) {
     for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
-        absent[peer] = (rank_view != nullptr && rank_view[peer] != 0) || (present != nullptr && present[peer] == 0)
+        absent[peer] = (rank_view != nullptr && rank_view[peer] != 0) ||
+                       (present != nullptr && (present[peer] == 0 || failed[peer] != 0))
             ? kLlDirectPeerMasked : kLlDirectPeerIn;
     __syncthreads();
 }
@@ -370,7 +377,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         float* __restrict__ scales_out, int32_t* __restrict__ recv_count, int32_t* __restrict__ src_info,
         int64_t* __restrict__ layout_range, int32_t* __restrict__ stats, int32_t* __restrict__ routes,
         int num_local_experts, int num_slots, int num_topk, int hidden, int use_fp8, int use_ue8m0,
-        const int32_t* rank_view, int32_t* rank_mask, int32_t* present, uint32_t fingerprint, uint64_t timeout_ns,
+        const int32_t* rank_view, int32_t* rank_state, int32_t* present, uint32_t fingerprint, uint64_t timeout_ns,
         uint32_t* err_host) {
     // [local expert][source rank]: the counts, then where each one's rows begin among all received rows
     __shared__ int s_counts[kLlDirectMaxExperts];
@@ -405,7 +412,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         // rank masks: this block's view of each source (its flags, a timeout), then the blocks'
         // decision; a source decided in whose count this block has not seen yet is waited for again,
         // strictly (its flags are on their way: another block saw them)
-        ll_direct_start_view(num_ranks, rank_view, nullptr, s_absent);
+        ll_direct_start_view(num_ranks, rank_view, nullptr, nullptr, s_absent);
         for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
             const int source = index % num_ranks;
             uint32_t count = 0;
@@ -424,7 +431,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                 s_ok = 0;
             }
         }
-        ll_direct_agree(window, half, kLlDirectDispatchDecided, tag, num_ranks, s_absent, rank_mask);
+        ll_direct_agree(window, half, kLlDirectDispatchDecided, tag, num_ranks, s_absent, rank_state);
         for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
             const int source = index % num_ranks;
             if (s_absent[source] != kLlDirectPeerIn) {
@@ -536,7 +543,8 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
                                                             const int32_t* __restrict__ recv_count,
                                                             const int32_t* __restrict__ routes, int num_local_experts,
                                                             int num_slots, int num_topk, int hidden,
-                                                            const int32_t* present, uint32_t fingerprint) {
+                                                            const int32_t* present, const int32_t* rank_state,
+                                                            uint32_t fingerprint) {
     __shared__ int s_counts[kLlDirectMaxExperts];
     __shared__ int s_begins[kLlDirectMaxExperts + 1];
     __shared__ volatile uint8_t s_absent[kLlDirectMaxRanks];   // rank masks: the peers sent nothing
@@ -551,7 +559,7 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     for (int local = threadIdx.x; local < num_local_experts; local += blockDim.x)
         s_counts[local] = min(__ldg(recv_count + local), num_rows);
     if (present != nullptr)
-        ll_direct_start_view(tr.num_ranks, nullptr, present, s_absent);
+        ll_direct_start_view(tr.num_ranks, nullptr, present, rank_state + tr.num_ranks, s_absent);
     __syncthreads();
     ll_direct_scan(s_counts, s_begins, num_local_experts);
     __syncthreads();
@@ -595,7 +603,7 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
                                                             const int64_t* __restrict__ topk_idx,
                                                             const float* __restrict__ topk_weights,
                                                             uint4* __restrict__ out, int num_tokens, int num_topk,
-                                                            int hidden, int num_local_experts, int32_t* rank_mask,
+                                                            int hidden, int num_local_experts, int32_t* rank_state,
                                                             const int32_t* present, uint32_t fingerprint,
                                                             uint64_t timeout_ns, uint32_t* err_host) {
     __shared__ int s_ok;
@@ -607,7 +615,7 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
     if (threadIdx.x == 0)
         s_ok = 1;
     if (masks)
-        ll_direct_start_view(tr.num_ranks, nullptr, present, s_absent);
+        ll_direct_start_view(tr.num_ranks, nullptr, present, rank_state + tr.num_ranks, s_absent);
     __syncthreads();
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
         if (masks && s_absent[peer] != kLlDirectPeerIn)
@@ -625,7 +633,7 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
     // rank masks: one flag per peer, so a block that saw it agrees with the others unless it came
     // at the timeout; a peer decided in whose flag this block missed is waited for again, strictly
     if (masks) {
-        ll_direct_agree(window, half, kLlDirectCombineDecided, tag, tr.num_ranks, s_absent, rank_mask);
+        ll_direct_agree(window, half, kLlDirectCombineDecided, tag, tr.num_ranks, s_absent, rank_state);
         for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
             uint32_t value = 0;
             if (s_absent[peer] == kLlDirectPeerIn &&
