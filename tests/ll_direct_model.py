@@ -18,7 +18,9 @@ from deep_ep.legacy.layouts import cast_to_fp8
 _CONSTANTS = ll_direct._CONSTANTS
 _CTRL_WORD = _CONSTANTS["kLlDirectCtrlWord"]
 _HALF_WORDS = _CONSTANTS["kLlDirectHalfWords"]
-_ABSENT = _CONSTANTS["kLlDirectAbsent"] & 0xFFFFFFFF
+_ABSENT_BIT = 1 << _CONSTANTS["kLlDirectAbsentShift"]
+_TAG_SHIFT, _TAG_MASK = _CONSTANTS["kLlDirectIncludedTagShift"], _CONSTANTS["kLlDirectIncludedTagMask"]
+_COUNT_MASK = _CONSTANTS["kLlDirectIncludedCountMask"]
 #: (rank, peer, "dispatch" / "combine") of every wait that timed out under a rank mask
 TIMEOUTS = []
 
@@ -54,13 +56,31 @@ def _flag(tag: int, fingerprint: int, value: int) -> torch.Tensor:
     return torch.tensor([bits - (1 << 64) if bits >= 1 << 63 else bits], dtype=torch.int64)
 
 
-def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int, lenient: bool = False):
-    """The flag's value; where ``lenient`` (a rank mask), absent for a flag of a later call on the
-    half (the peer moved on without this rank) and None for a timeout."""
+def _included(window: torch.Tensor, half: int, word: str, index: int, tag: int = None, count: int = None) -> int:
+    """The sender's word of what it last sent on the half in a call that included the receiver (the
+    kernels' ll_direct_included), read, or written when ``tag`` is given."""
+    offset = _word(half, word) * 4 + index * 4
+    if tag is not None:
+        _put(window, offset, torch.tensor([((tag & _TAG_MASK) << _TAG_SHIFT) | (count & _COUNT_MASK)],
+                                          dtype=torch.int64).to(torch.int32))
+    return int(_get(window, offset, 1, torch.int32)[0]) & 0xFFFFFFFF
+
+
+def _is_absent(value: int) -> bool:
+    return bool(value & _ABSENT_BIT)
+
+
+def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int, masks: bool = False,
+          lenient: bool = False):
+    """The flag's value. With ``masks``, a flag of a later call on the half is read as the kernels
+    do: an absent flag naming this call as the last that included this rank gives its count, any
+    other an absent value; where ``lenient`` (a peer's flags), None for a timeout."""
     bits = int(_get(window, offset, 1, torch.int64)[0]) & ((1 << 64) - 1)
     ahead = ((bits >> 32) - tag) & 0xFFFF
-    if lenient and 0 < ahead < 0x8000:
-        return _ABSENT
+    if masks and 0 < ahead < 0x8000:
+        later = bits & 0xFFFFFFFF
+        this_call = _is_absent(later) and (later >> _TAG_SHIFT) & _TAG_MASK == tag & _TAG_MASK
+        return later & _COUNT_MASK if this_call else _ABSENT_BIT
     if lenient and ahead:
         return None
     assert (bits >> 32) & 0xFFFF == tag & 0xFFFF, "a receive would wait: the flag carries another call's tag"
@@ -87,7 +107,7 @@ def _decide(flags: list, rank_state, rank: int, kind: str) -> list:
             rank_state[peer] = rank_state[len(flags) + peer] = 1
             inside.append(False)
         else:
-            inside.append(all(value != _ABSENT for value in values))
+            inside.append(not any(_is_absent(value) for value in values))
     return inside
 
 
@@ -149,7 +169,9 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
         owner, local = divmod(expert, num_local_experts)
         count = int((topk_idx[:num_tokens] == expert).sum())
         if rank_view is not None and rank_view[owner]:
-            count = _ABSENT
+            count = _ABSENT_BIT | _included(windows[rank], half, "kLlDirectDispatchIncluded", expert)
+        elif rank_view is not None:
+            _included(windows[rank], half, "kLlDirectDispatchIncluded", expert, tag, count)
         _put(windows[owner], _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + rank),
              _flag(tag, fingerprint.value, count))
 
@@ -165,13 +187,16 @@ def _dispatch_recv(rank, windows, half, regions, data_out, scales_out, recv_coun
     tag = _seq(window, half, "kLlDirectDispatchSeq") + 1
     data_bytes = data_out.view(torch.uint8).view(-1)
 
+    masks = rank_view is not None
+
     def value(local, source):
         return _wait(window, _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + source), tag,
-                     fingerprint.value, lenient=rank_view is not None and source != rank)
+                     fingerprint.value, masks=masks, lenient=masks and source != rank)
 
     inside = [True] * num_ranks
-    if rank_view is not None:
-        inside = _decide([None if rank_view[source] else [value(local, source) for local in range(num_local_experts)]
+    if masks:    # not waited for: the peers the call's mask masks, and those taken as failed since
+        inside = _decide([None if rank_view[source] or rank_state[num_ranks + source] else
+                          [value(local, source) for local in range(num_local_experts)]
                           for source in range(num_ranks)], rank_state, rank, "dispatch")
         present.copy_(torch.tensor(inside, dtype=torch.int32))
     for local in range(num_local_experts):
@@ -218,8 +243,12 @@ def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, re
                 _put(windows[peer], regions.combine + pair * hidden * 2, x[local, row])
     tag = _seq(windows[rank], half, "kLlDirectCombineSeq") + 1
     for peer in range(num_ranks):
-        _put(windows[peer], _flag_offset(half, "kLlDirectCombineFlags", rank),
-             _flag(tag, fingerprint.value, _ABSENT if absent[peer] else 1))
+        value = 1
+        if absent[peer]:
+            value = _ABSENT_BIT | _included(windows[rank], half, "kLlDirectCombineIncluded", peer)
+        elif present is not None:
+            _included(windows[rank], half, "kLlDirectCombineIncluded", peer, tag, 1)
+        _put(windows[peer], _flag_offset(half, "kLlDirectCombineFlags", rank), _flag(tag, fingerprint.value, value))
 
 
 def _combine_recv(rank, windows, half, regions, topk_idx, topk_weights, out, num_tokens, num_topk, hidden,
@@ -229,7 +258,8 @@ def _combine_recv(rank, windows, half, regions, topk_idx, topk_weights, out, num
     tag = _seq(window, half, "kLlDirectCombineSeq") + 1
     values = [None if present is not None and _left_out(present, rank_state, peer) else
               [_wait(window, _flag_offset(half, "kLlDirectCombineFlags", peer), tag, fingerprint.value,
-                     lenient=present is not None and peer != rank)] for peer in range(len(windows))]
+                     masks=present is not None, lenient=present is not None and peer != rank)]
+              for peer in range(len(windows))]
     pairs = _get(window, regions.combine, num_tokens * num_topk * hidden, torch.bfloat16)
     out_of_call = None           # rank masks: a slot whose expert's rank is out of the call adds nothing
     if present is not None:

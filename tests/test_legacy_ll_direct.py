@@ -450,12 +450,12 @@ def test_a_rank_masked_by_a_peer_that_moved_on_is_not_held_up(monkeypatch):
     assert [owner._rank_mask.tolist() for owner in owners] == [[0, 1], [0, 0]]
 
 
-@pytest.mark.parametrize("num_nvl_bytes, transport_gin", [(0, 0), (1 << 20, 0), (0, 1)])
-def test_a_shrink_buffer_loads_the_direct_kernels_at_creation(monkeypatch, num_nvl_bytes, transport_gin):
-    """With ``enable_shrink`` the direct kernels are built and loaded when the Buffer is made, then
-    the ranks meet at a barrier, on the window the low-latency calls use (the Buffer's own with
-    ``num_nvl_bytes=0``, else its low-latency one): a first call's build could otherwise outlast the
-    peers' timeout and get a healthy rank masked. Not across nodes (no direct kernels there)."""
+@pytest.mark.parametrize("low_latency_window, transport_gin", [(False, 0), (True, 0), (False, 1)])
+def test_a_shrink_buffer_loads_the_direct_kernels_at_creation(monkeypatch, low_latency_window, transport_gin):
+    """With ``enable_shrink`` the direct kernels are built and loaded when the Buffer is made, on every
+    window its low-latency calls may use (its own, and its low-latency one when it has one), then the
+    ranks meet at a barrier: a first call's build could otherwise outlast the peers' timeout and get
+    a healthy rank masked. Not across nodes (no direct kernels there)."""
     calls = []
     monkeypatch.setattr(ll_direct, "_load", lambda backend: calls.append(("load", backend.name)))
 
@@ -463,11 +463,13 @@ def test_a_shrink_buffer_loads_the_direct_kernels_at_creation(monkeypatch, num_n
         backend = types.SimpleNamespace(name=name, transport_gin=transport_gin)
         return types.SimpleNamespace(_backend=backend, barrier=lambda: calls.append(("barrier", name)))
 
-    owner = types.SimpleNamespace(num_nvl_bytes=num_nvl_bytes, _alive=lambda: window("own"))
-    owner._low_latency_extra_buffer = window("low-latency")
+    own = window("own")
+    owner = types.SimpleNamespace(_alive=lambda: own)
+    if low_latency_window:
+        owner._low_latency_extra_buffer = window("low-latency")
     ll_direct.prepare(owner)
-    name = "own" if num_nvl_bytes == 0 else "low-latency"
-    assert calls == ([] if transport_gin else [("load", name), ("barrier", name)])
+    loads = [("load", "own")] + ([("load", "low-latency")] if low_latency_window else [])
+    assert calls == ([] if transport_gin else loads + [("barrier", "own")])
 
 
 def test_a_combine_leaves_out_a_rank_found_failed_after_its_dispatch(monkeypatch):
@@ -510,3 +512,107 @@ def test_a_combine_leaves_out_a_rank_found_failed_after_its_dispatch(monkeypatch
     from deep_ep.legacy.low_latency import LowLatencyMethods
     LowLatencyMethods.low_latency_clean_mask_buffer(owners[0])    # the Buffer's method on this owner
     assert owners[0]._rank_state.tolist() == [0] * 8
+
+
+def _dispatch_on(owner, inputs, rank, case, hook=True):
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts = num_experts_for(len(inputs))
+    return ll_direct.dispatch(owner, inputs[rank][0], inputs[rank][1], MAX_TOKENS, num_experts, use_fp8, round_scale,
+                              use_ue8m0, False, hook, None)
+
+
+def test_a_late_receive_still_reads_a_call_that_included_it(monkeypatch):
+    """Rank 0 takes rank 1 in a dispatch, then masks it and, waiting for it no more, makes two more
+    dispatches, the second on the half of the first, whose absent flag overwrites the count rank 1
+    has not read yet (its receive hook comes late). The absent flag carries that count (it names
+    the call as the last that included rank 1), so rank 1's late receive still takes rank 0's rows:
+    no row lost, no timeout."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    case = CASES[1]
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 2, hidden, enable_shrink=True)
+    inputs = [_rank_inputs(111, source, 2, num_experts, hidden) for source in range(2)]
+    first = [_dispatch_on(owners[rank], inputs, rank, case) for rank in range(2)]
+    first[0][4]()
+    owners[0]._rank_mask[1] = 1
+    halves = []
+    for seed in (112, 113):
+        later = _dispatch_on(owners[0], [_rank_inputs(seed, source, 2, num_experts, hidden) for source in range(2)], 0,
+                             case)
+        later[4]()
+        halves.append(later[2].slot)
+    assert [first[0][2].slot] + halves == [0, 1, 0]
+    first[1][4]()                                     # rank 1's receive, after rank 0 moved on
+    for rank in range(2):
+        _check_dispatch(rank, 2, num_experts, hidden, inputs, first[rank][:3] + (None, None), use_fp8, round_scale,
+                        use_ue8m0)
+    assert ll_direct_model.TIMEOUTS == [] and owners[1]._rank_mask.tolist() == [0, 0]
+
+
+def test_a_late_combine_receive_still_reads_a_combine_that_included_it(monkeypatch):
+    """The same for combines: rank 0 takes rank 1 in a dispatch and its combine, then masks it and
+    makes two more steps; its combine on the first combine's half overwrites the flag of the first
+    combine, whose receive rank 1 makes late. The absent flag names that combine as the last that
+    included rank 1, so rank 1 still adds rank 0's rows."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    case = CASES[0]
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 2, hidden, enable_shrink=True)
+    inputs = [_rank_inputs(121, source, 2, num_experts, hidden) for source in range(2)]
+    results = [_dispatch_on(owners[rank], inputs, rank, case) for rank in range(2)]
+    combines = []
+    for rank, result in enumerate(results):
+        result[4]()
+        received = _check_dispatch(rank, 2, num_experts, hidden, inputs, result[:3] + (None, None), use_fp8,
+                                   round_scale, use_ue8m0)
+        expert_x = torch.stack([_expert_output(received[local], rank * num_local + local)
+                                for local in range(num_local)])
+        combines.append(ll_direct.combine(owners[rank], expert_x, inputs[rank][1], inputs[rank][2], result[2], False,
+                                          False, True, None))
+    combines[0][2]()
+    owners[0]._rank_mask[1] = 1
+    for seed in (122, 123):
+        step_inputs = [_rank_inputs(seed, source, 2, num_experts, hidden) for source in range(2)]
+        result = _dispatch_on(owners[0], step_inputs, 0, case)
+        result[4]()
+        expert_x = torch.zeros(num_local, 2 * MAX_TOKENS, hidden, dtype=torch.bfloat16)
+        ll_direct.combine(owners[0], expert_x, step_inputs[0][1], step_inputs[0][2], result[2], False, False, False,
+                          None)
+    combines[1][2]()                                  # rank 1's combine receive, after rank 0 moved on
+    for rank in range(2):
+        want = _expected_combine(rank, num_experts, hidden, inputs, use_fp8, round_scale)
+        assert torch.equal(combines[rank][0], want), rank
+    assert ll_direct_model.TIMEOUTS == [] and owners[1]._rank_mask.tolist() == [0, 0]
+
+
+def test_receive_hooks_wait_once_for_a_failed_rank(monkeypatch):
+    """Two dispatches in flight (receive hooks) on 3 ranks, rank 2 never making them: the first hook's
+    receive times out on rank 2 and takes it as failed; the second's, from a copy of the mask made
+    before that, leaves rank 2 out without waiting for it again."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    case = CASES[1]
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 3, hidden, enable_shrink=True)
+    inputs = {seed: [_rank_inputs(seed, source, 3, num_experts, hidden) for source in range(3)] for seed in (131, 132)}
+    results = {seed: [_dispatch_on(owners[rank], inputs[seed], rank, case) for rank in (0, 1)] for seed in (131, 132)}
+    for seed in (131, 132):
+        for rank in (0, 1):
+            results[seed][rank][4]()
+            _check_dispatch(rank, 3, num_experts, hidden, inputs[seed], results[seed][rank][:3] + (None, None),
+                            use_fp8, round_scale, use_ue8m0, {0, 1})
+    assert sorted(ll_direct_model.TIMEOUTS) == [(0, 2, "dispatch"), (1, 2, "dispatch")]
+
+
+def test_unmasking_a_rank_forgets_its_failure():
+    """`low_latency_update_mask_buffer(r, False)` clears both the mask and the failure a timeout
+    recorded for ``r`` (else its combines would go on leaving it out); masking sets the mask only;
+    `low_latency_clean_mask_buffer` clears everything."""
+    from deep_ep.legacy.low_latency import LowLatencyMethods
+    owner = _Owner(0, [torch.zeros(8, dtype=torch.uint8)] * 3, enable_shrink=True)
+    owner._rank_state.copy_(torch.tensor([0, 1, 1, 0, 1, 1], dtype=torch.int32))
+    LowLatencyMethods.low_latency_update_mask_buffer(owner, 1, False)
+    assert owner._rank_state.tolist() == [0, 0, 1, 0, 0, 1]
+    LowLatencyMethods.low_latency_update_mask_buffer(owner, 0, True)
+    assert owner._rank_state.tolist() == [1, 0, 1, 0, 0, 1]
+    LowLatencyMethods.low_latency_clean_mask_buffer(owner)
+    assert owner._rank_state.tolist() == [0] * 6

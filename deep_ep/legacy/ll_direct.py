@@ -20,9 +20,10 @@ leaves out the peers taken as failed since its dispatch rather than wait out the
 must be stopped: one that was only slow and goes on may still write combine rows into the window of
 a rank that no longer waits for them, where a later combine reads.
 
-Where: one node (NCCL's LSA window or emulated ranks on one GPU), ``E <= 1024`` experts and top-k
-``K <= 16``: `applies` says so, and `deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer`
-path elsewhere (emulated nodes, larger sizes).
+Where: one node (NCCL's LSA window or emulated ranks on one GPU) of up to 512 ranks, ``E <= 1024``
+experts, top-k ``K <= 16`` and up to 65535 tokens per rank: `applies` says so, and
+`deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer` path elsewhere (emulated nodes,
+larger sizes).
 
 Window: both buffer halves in one window, the Buffer's low-latency window when it is large enough
 (DeepEP's ``get_low_latency_rdma_size_hint`` is; never the normal-mode one,
@@ -59,6 +60,7 @@ _WARPS = _CONSTANTS["kLlDirectWarps"]
 MAX_TOPK = _CONSTANTS["kLlDirectMaxTopk"]
 MAX_EXPERTS = _CONSTANTS["kLlDirectMaxExperts"]
 MAX_RANKS = _CONSTANTS["kLlDirectMaxRanks"]
+MAX_SLOTS = _CONSTANTS["kLlDirectMaxSlots"]
 _CHUNK_CHANNELS = 8               # bf16 channels of one 16-byte load (the combine's sum)
 _SEGMENT = _CONSTANTS["kLlDirectSegment"]   # 16-byte chunks of a row one warp of a receive copies
 _ALIGNMENT = 128
@@ -134,7 +136,7 @@ def applies(owner, device: torch.device, num_experts: int, num_topk: int, num_sl
     backend = owner._alive()._backend
     num_ranks = owner.group_size
     return (not getattr(backend, "transport_gin", 0) and num_ranks <= MAX_RANKS and num_experts <= MAX_EXPERTS
-            and num_topk <= MAX_TOPK and num_ranks * num_slots * num_topk < _INT32_LIMIT
+            and num_topk <= MAX_TOPK and num_slots <= MAX_SLOTS and num_ranks * num_slots * num_topk < _INT32_LIMIT
             and num_experts * num_slots < _INT32_LIMIT)
 
 
@@ -162,12 +164,15 @@ def prepare(owner) -> None:
     """With ``enable_shrink`` on a GPU of one node, at the Buffer's creation (collective): build and
     load the direct kernels on every rank, then meet at a barrier. Otherwise each rank would build
     them at its first call, and a slow build could outlast its peers' ``num_gpu_timeout_secs``:
-    they would mask a healthy rank for good."""
-    home = owner._alive() if owner.num_nvl_bytes == 0 else owner.__dict__.get("_low_latency_extra_buffer")
-    if home is None or getattr(home._backend, "transport_gin", 0):
+    they would mask a healthy rank for good. On each window the calls may use: the Buffer's own and
+    its low-latency one (a window made later by a call loads them from the process's build)."""
+    windows = [owner._alive(), owner.__dict__.get("_low_latency_extra_buffer")]
+    backends = [window._backend for window in windows if window is not None]
+    if any(getattr(backend, "transport_gin", 0) for backend in backends):
         return
-    _load(home._backend)
-    home.barrier()
+    for backend in backends:
+        _load(backend)
+    owner._alive().barrier()
 
 
 def _window(owner, need: int):

@@ -84,18 +84,22 @@ class LowLatencyMethods(LowLatencyState):
         masked rank is not waited for, and a peer that does not arrive within
         ``num_gpu_timeout_secs`` is masked by the waiting rank instead of failing the call (DeepEP's
         failure detection: the peer is taken as failed and must be stopped; the waiting ranks' masks
-        show it, and the combines of earlier dispatches leave it out too); a rank that
-        skipped calls cannot rejoin this Buffer (its calls are counted behind its peers'). On the
-        CPU backend, across nodes and past the direct kernels' limits (1024 experts, top-16), a
-        masked rank must still make every call. A device write on the current stream, no host read.
+        show it, and the combines of earlier dispatches leave it out too; unmasking it forgets
+        that); a rank that skipped calls cannot rejoin this Buffer (its calls are counted behind its
+        peers'). On the CPU backend, across nodes and past the direct kernels' limits (1024
+        experts, top-16, 512 ranks), a masked rank must still make every call. A device write on
+        the current stream, no host read.
 
         Raises:
             RuntimeError: no ``enable_shrink``. TypeError / ValueError: ``rank_to_mask`` outside
             ``[0, group_size)``, ``mask`` not a bool.
         """
-        rank_mask = self._shrink_mask("low_latency_update_mask_buffer")
+        self._shrink_mask("low_latency_update_mask_buffer")
         checks.check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
-        rank_mask[rank_to_mask] = int(checks.check_bool("mask", mask))
+        if checks.check_bool("mask", mask):
+            self._rank_state[rank_to_mask] = 1
+        else:     # unmasked: no longer taken as failed either
+            self._rank_state[rank_to_mask::self.group_size] = 0
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write the mask into ``mask_status`` (int32 ``[group_size]`` on the buffer's device; 1 =

@@ -24,8 +24,8 @@
 // host copied it when the call was made (`rank_view`: both phases see one mask, whatever changes
 // meanwhile), and its combine follows the dispatch's decisions (`present`), so that no change of a
 // mask makes two ranks disagree on whether they exchange in a call. A rank exchanges with a peer when neither masks the
-// other: it sends no rows to a peer it masks and flags it kLlDirectAbsent instead of a count; it waits
-// for no peer it masks, takes a peer's kLlDirectAbsent flag as "not in this call", and masks a peer
+// other: it sends no rows to a peer it masks and flags it absent instead of a count; it waits
+// for no peer it masks, takes a peer's absent flag as "not in this call", and masks a peer
 // whose flag does not come within the timeout (DeepEP's failure detection: the peer is taken as
 // failed, and must be stopped: a slow one that goes on may write combine rows this rank no longer
 // waits for) in the Buffer's mask (`rank_state`: [R] the mask, then [R] the peers taken as failed)
@@ -51,7 +51,8 @@ constexpr int kLlDirectReceivePhase = 2;    // the receive
 constexpr int kLlDirectBothPhases = 3;      // the send, then the receive, in one launch (bits of both)
 constexpr int kLlDirectMaxTopk = 16;         // top-k a token may have (shared-memory places)
 constexpr int kLlDirectMaxExperts = 1024;    // experts of a call: one dispatch flag each per half
-constexpr int kLlDirectMaxRanks = 1024;      // ranks of a call: one combine flag each per half
+constexpr int kLlDirectMaxRanks = 512;       // ranks of a call: one combine flag each per half
+constexpr int kLlDirectMaxSlots = 65535;     // num_max_dispatch_tokens_per_rank: a count's 16 bits (rank masks)
 // u32 words of the control region: a half's words begin at kLlDirectCtrlWord + half * kLlDirectHalfWords
 constexpr int kLlDirectCtrlWord = 6112;
 constexpr int kLlDirectDispatchSeq = 0;      // dispatch receives completed on the half
@@ -62,12 +63,22 @@ constexpr int kLlDirectDispatchDone = 4;     // likewise, dispatch receive
 constexpr int kLlDirectCombineDone = 5;      // likewise, combine receive
 constexpr int kLlDirectDispatchFlags = 16;   // [local expert][source rank] u64: tag << 32 | count
 constexpr int kLlDirectCombineFlags = kLlDirectDispatchFlags + 2 * kLlDirectMaxExperts;   // [rank] u64
+// rank masks only: what this rank last sent on the half to each expert's owner (dispatch) or peer
+// (combine) in a call that included it, as an absent flag carries it (ll_direct_included)
+constexpr int kLlDirectDispatchIncluded = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks;   // [expert] u32
+constexpr int kLlDirectCombineIncluded = kLlDirectDispatchIncluded + kLlDirectMaxExperts;  // [rank] u32
 // rank masks only: [source rank] u16, two per word: 0x8000 | (tag & 0x1FFF) << 2 | decision
-constexpr int kLlDirectDispatchDecided = kLlDirectCombineFlags + 2 * kLlDirectMaxRanks;
+constexpr int kLlDirectDispatchDecided = kLlDirectCombineIncluded + kLlDirectMaxRanks;
 constexpr int kLlDirectCombineDecided = kLlDirectDispatchDecided + kLlDirectMaxRanks / 2;
 constexpr int kLlDirectHalfWords = kLlDirectCombineDecided + kLlDirectMaxRanks / 2;
-// a flag's value for a peer this rank masks (no count is that large)
-constexpr int kLlDirectAbsent = -1;
+// A flag's value for a peer this rank leaves out (rank masks): the absent bit (no count has it), and
+// what this rank last sent that peer on the half in a call that included it: the low 15 bits of
+// that call's tag and its count (a dispatch's; a combine's is 1). A peer whose receive of that call
+// runs late, after this rank moved on and overwrote the flag, still finds the count there.
+constexpr int kLlDirectAbsentShift = 31;
+constexpr int kLlDirectIncludedTagShift = 16;
+constexpr int kLlDirectIncludedTagMask = 32767;
+constexpr int kLlDirectIncludedCountMask = 65535;
 // what the blocks of a receive decide about a peer (rank masks)
 constexpr int kLlDirectPeerIn = 0;          // exchanges in this call
 constexpr int kLlDirectPeerMasked = 1;      // one of the two masks the other
@@ -80,6 +91,17 @@ static_assert(kLlDirectSegment % 32 == 0, "whole lanes per segment");
 static_assert(kLlDirectBothPhases == (kLlDirectSendPhase | kLlDirectReceivePhase), "a phase is a bit");
 static_assert(kLlDirectMaxRanks % 2 == 0 && kLlDirectHalfWords % 2 == 0 && kLlDirectCtrlWord % 2 == 0,
               "two decisions a word; 8-byte flags");
+static_assert(kLlDirectMaxSlots <= kLlDirectIncludedCountMask, "a count fits an absent flag");
+
+__device__ __forceinline__ uint32_t ll_direct_included(uint32_t tag, uint32_t count) {
+    return (tag & kLlDirectIncludedTagMask) << kLlDirectIncludedTagShift | (count & kLlDirectIncludedCountMask);
+}
+
+__device__ __forceinline__ uint32_t ll_direct_absent(uint32_t included) {
+    return 1u << kLlDirectAbsentShift | included;
+}
+
+__device__ __forceinline__ bool ll_direct_is_absent(uint32_t value) { return (value >> kLlDirectAbsentShift) != 0u; }
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
     return kLlDirectCtrlWord + half * kLlDirectHalfWords + word;
@@ -100,16 +122,18 @@ __device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t finger
 // (nothing to trust) once an error is recorded, after `timeout_ns` (recorded as a timeout here), or
 // when the flag's fingerprint differs from this rank's: the peer's call paired with this one (same
 // tag: the same count of calls on this half) has other sizes (recorded as kErrFingerprint, with the
-// phase). `absent` (rank masks; null otherwise): this block's view of the peer, in shared memory; a
-// timeout is then no error but sets it to kLlDirectPeerTimedOut, and the wait gives up (false, with
-// nothing recorded) once another thread of the block has set it. With it, a flag of a later call on
-// the half (its tag ahead by less than 2^15) counts as kLlDirectAbsent: a peer that included this
-// rank waits for it before its next call on the half (its combine waits for this rank's, sent after
-// this receive), so a peer that moved on had left this rank out and may have overwritten its
-// absent flag.
+// phase). With `masks` (rank masks), a flag of a later call on the half (its tag ahead by less than
+// 2^15) is read too: in DeepEP's contract a peer that included this rank in this call cannot make its
+// next call on the half before this receive (its combine waits for this rank's, sent after it) unless
+// it left this rank out of a call since; so an absent flag that names this call as the last that
+// included this rank gives this call's count, and any other flag ahead means the peer left this rank
+// out of this call (an absent value). `absent` (rank masks; null: a timeout is an error): this
+// block's view of the peer, in shared memory; a timeout is then no error but sets it to
+// kLlDirectPeerTimedOut, and the wait gives up (false, with nothing recorded) once another thread of
+// the block has set it.
 __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, uint32_t tag, uint32_t fingerprint,
                                                uint32_t& value, int rank, int peer, int phase, uint64_t timeout_ns,
-                                               volatile uint8_t* absent = nullptr) {
+                                               bool masks = false, volatile uint8_t* absent = nullptr) {
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(window + offset);
     const uint64_t start = global_timer_ns();
     while (true) {
@@ -123,8 +147,11 @@ __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, 
             value = static_cast<uint32_t>(word);
             return true;
         }
-        if (absent != nullptr && ahead < 0x8000u) {
-            value = static_cast<uint32_t>(kLlDirectAbsent);
+        if (masks && ahead < 0x8000u) {
+            const uint32_t later = static_cast<uint32_t>(word);
+            const bool this_call = ll_direct_is_absent(later) &&
+                (later >> kLlDirectIncludedTagShift & kLlDirectIncludedTagMask) == (tag & kLlDirectIncludedTagMask);
+            value = this_call ? (later & kLlDirectIncludedCountMask) : ll_direct_absent(0u);
             return true;
         }
         if (comm::has_error(window) || (absent != nullptr && *absent != kLlDirectPeerIn))
@@ -177,14 +204,14 @@ __device__ __forceinline__ void ll_direct_agree(uint8_t* window, int half, int w
 }
 
 // Rank masks: `absent` (shared memory) before any flag: for a dispatch from the call's copy of the
-// mask (`rank_view`, 1 = masked); for a combine from its dispatch's decisions (`present`, 1 = in)
-// and the peers taken as failed since (`failed`: their flags will not come; all of a Buffer's direct
-// kernels run in stream order, so none changes it while another runs).
+// mask (`rank_view`, 1 = masked), for a combine from its dispatch's decisions (`present`, 1 = in),
+// and for both from the peers taken as failed (`failed`: their flags will not come; a receive run
+// by a hook may find peers a later call's receive took as failed meanwhile).
 __device__ __forceinline__ void ll_direct_start_view(int num_ranks, const int32_t* rank_view, const int32_t* present,
                                                      const int32_t* failed, volatile uint8_t* absent) {
     for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
-        absent[peer] = (rank_view != nullptr && rank_view[peer] != 0) ||
-                       (present != nullptr && (present[peer] == 0 || failed[peer] != 0))
+        absent[peer] = (rank_view != nullptr && rank_view[peer] != 0) || (present != nullptr && present[peer] == 0) ||
+                       failed[peer] != 0
             ? kLlDirectPeerMasked : kLlDirectPeerIn;
     __syncthreads();
 }
@@ -312,8 +339,9 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     }
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectDispatchSent), true))
         return;
-    // every block's rows are out: this rank's count of every expert, to the expert's owner (an owner
-    // this rank masks gets kLlDirectAbsent)
+    // every block's rows are out: this rank's count of every expert, to the expert's owner (rank masks:
+    // an owner this rank masks gets an absent flag with the count it last got from this rank on the
+    // half, which this rank keeps for each expert in its own control words)
     __shared__ int s_count[kLlDirectMaxExperts];
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x)
         s_count[expert] = 0;
@@ -326,12 +354,19 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     }
     __syncthreads();
     __threadfence_system();
+    uint32_t* included = comm::ctrl_of(window) + ll_direct_word(half, kLlDirectDispatchIncluded);
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
         const int local = expert % num_local_experts;
         const int owner = expert / num_local_experts;
-        const bool masked = rank_view != nullptr && rank_view[owner] != 0;
+        uint32_t value = static_cast<uint32_t>(s_count[expert]);
+        if (rank_view != nullptr) {
+            if (rank_view[owner] != 0)
+                value = ll_direct_absent(included[expert]);
+            else
+                included[expert] = ll_direct_included(tag, value);
+        }
         tr.put_release(owner, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
-                       ll_direct_flag(tag, fingerprint, static_cast<uint32_t>(masked ? kLlDirectAbsent : s_count[expert])));
+                       ll_direct_flag(tag, fingerprint, value));
     }
 }
 
@@ -412,7 +447,7 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
         // rank masks: this block's view of each source (its flags, a timeout), then the blocks'
         // decision; a source decided in whose count this block has not seen yet is waited for again,
         // strictly (its flags are on their way: another block saw them)
-        ll_direct_start_view(num_ranks, rank_view, nullptr, nullptr, s_absent);
+        ll_direct_start_view(num_ranks, rank_view, nullptr, rank_state + num_ranks, s_absent);
         for (int index = threadIdx.x; index < num_pairs; index += blockDim.x) {
             const int source = index % num_ranks;
             uint32_t count = 0;
@@ -421,9 +456,9 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                 continue;
             // (its own flags: a timeout is an error, never a mask)
             if (ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag, fingerprint,
-                               count, tr.rank, source, kPhaseDispatch, timeout_ns,
+                               count, tr.rank, source, kPhaseDispatch, timeout_ns, true,
                                source == tr.rank ? nullptr : s_absent + source)) {
-                if (count == static_cast<uint32_t>(kLlDirectAbsent))
+                if (ll_direct_is_absent(count))
                     s_absent[source] = kLlDirectPeerMasked;
                 else
                     s_counts[index] = static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
@@ -441,11 +476,11 @@ __device__ __forceinline__ void ll_direct_dispatch_recv_impl(
                 // an absent flag here would leave that expert's rows out)
                 uint32_t count = 0;
                 if (!ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectDispatchFlags, index), tag,
-                                    fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns)) {
+                                    fingerprint, count, tr.rank, source, kPhaseDispatch, timeout_ns, true)) {
                     s_ok = 0;
                     count = 0;
                 }
-                s_counts[index] = count == static_cast<uint32_t>(kLlDirectAbsent)
+                s_counts[index] = ll_direct_is_absent(count)
                     ? 0 : static_cast<int>(min(count, static_cast<uint32_t>(num_slots)));
             }
         }
@@ -591,10 +626,19 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
     if (!comm::last_block(window, ll_direct_word(half, kLlDirectCombineSent), true))
         return;
     __threadfence_system();
+    // (rank masks: a peer left out gets an absent flag naming the last combine on the half that
+    // included it, kept in this rank's control words)
+    uint32_t* included = comm::ctrl_of(window) + ll_direct_word(half, kLlDirectCombineIncluded);
     for (int peer = threadIdx.x; peer < tr.num_ranks; peer += blockDim.x) {
-        const bool absent = present != nullptr && s_absent[peer] != kLlDirectPeerIn;
+        uint32_t value = 1u;
+        if (present != nullptr) {
+            if (s_absent[peer] != kLlDirectPeerIn)
+                value = ll_direct_absent(included[peer]);
+            else
+                included[peer] = ll_direct_included(tag, 1u);
+        }
         tr.put_release(peer, ll_direct_flag_offset(half, kLlDirectCombineFlags, tr.rank),
-                       ll_direct_flag(tag, fingerprint, absent ? static_cast<uint32_t>(kLlDirectAbsent) : 1u));
+                       ll_direct_flag(tag, fingerprint, value));
     }
 }
 
@@ -622,9 +666,9 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
             continue;
         uint32_t value = 0;
         if (ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint, value,
-                           tr.rank, peer, kPhaseCombine, timeout_ns,
+                           tr.rank, peer, kPhaseCombine, timeout_ns, masks,
                            masks && peer != tr.rank ? s_absent + peer : nullptr)) {
-            if (value == static_cast<uint32_t>(kLlDirectAbsent))
+            if (masks && ll_direct_is_absent(value))
                 s_absent[peer] = kLlDirectPeerMasked;
         } else if (!masks || comm::has_error(window)) {
             s_ok = 0;
@@ -638,7 +682,7 @@ __device__ __forceinline__ void ll_direct_combine_recv_impl(const comm::LsaTrans
             uint32_t value = 0;
             if (s_absent[peer] == kLlDirectPeerIn &&
                 !ll_direct_wait(window, ll_direct_flag_offset(half, kLlDirectCombineFlags, peer), tag, fingerprint,
-                                value, tr.rank, peer, kPhaseCombine, timeout_ns))
+                                value, tr.rank, peer, kPhaseCombine, timeout_ns, true))
                 s_ok = 0;
             s_in[peer] = s_absent[peer] == kLlDirectPeerIn;
         }
