@@ -66,6 +66,15 @@ def _included(window: torch.Tensor, half: int, word: str, index: int, tag: int =
     return int(_get(window, offset, 1, torch.int32)[0]) & 0xFFFFFFFF
 
 
+def _absent_flag(window: torch.Tensor, half: int, word: str, index: int, tag: int) -> int:
+    """The kernels' ll_direct_absent_flag: the absent value naming the last included call; once that
+    call is 2^13 calls old, the word names a call 2^14 ahead instead."""
+    last = _included(window, half, word, index)
+    if (tag - (last >> _TAG_SHIFT)) & _TAG_MASK >= (_TAG_MASK + 1) // 4:
+        last = _included(window, half, word, index, tag + (_TAG_MASK + 1) // 2, 0)
+    return _ABSENT_BIT | last
+
+
 def _is_absent(value: int) -> bool:
     return bool(value & _ABSENT_BIT)
 
@@ -168,10 +177,11 @@ def _dispatch_send(rank, windows, half, regions, x, topk_idx, num_tokens, hidden
     for expert in range(num_experts):
         owner, local = divmod(expert, num_local_experts)
         count = int((topk_idx[:num_tokens] == expert).sum())
+        place = local * num_ranks + owner            # the flag's place in the owner's window
         if rank_view is not None and rank_view[owner]:
-            count = _ABSENT_BIT | _included(windows[rank], half, "kLlDirectDispatchIncluded", expert)
+            count = _absent_flag(windows[rank], half, "kLlDirectDispatchIncluded", place, tag)
         elif rank_view is not None:
-            _included(windows[rank], half, "kLlDirectDispatchIncluded", expert, tag, count)
+            _included(windows[rank], half, "kLlDirectDispatchIncluded", place, tag, count)
         _put(windows[owner], _flag_offset(half, "kLlDirectDispatchFlags", local * num_ranks + rank),
              _flag(tag, fingerprint.value, count))
 
@@ -245,7 +255,7 @@ def _combine_send(rank, windows, half, regions, x, expert_stride, row_stride, re
     for peer in range(num_ranks):
         value = 1
         if absent[peer]:
-            value = _ABSENT_BIT | _included(windows[rank], half, "kLlDirectCombineIncluded", peer)
+            value = _absent_flag(windows[rank], half, "kLlDirectCombineIncluded", peer, tag)
         elif present is not None:
             _included(windows[rank], half, "kLlDirectCombineIncluded", peer, tag, 1)
         _put(windows[peer], _flag_offset(half, "kLlDirectCombineFlags", rank), _flag(tag, fingerprint.value, value))

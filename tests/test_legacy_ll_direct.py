@@ -32,6 +32,9 @@ def test_where_the_direct_path_applies():
     assert ll_direct.applies(_owner(), cuda, 256, 8, 128)
     assert not ll_direct.applies(_owner(), torch.device("cpu"), 256, 8, 128)        # the CPU backend
     assert ll_direct.applies(_owner(enable_shrink=True), cuda, 256, 8, 128)        # rank masks too
+    assert ll_direct.applies(_owner(), cuda, 256, 8, ll_direct.MAX_SLOTS + 1)
+    assert not ll_direct.applies(_owner(enable_shrink=True), cuda, 256, 8, ll_direct.MAX_SLOTS + 1)  # a count's bits
+    assert not ll_direct.applies(_owner(group_size=ll_direct.MAX_RANKS + 8), cuda, 1024, 8, 128)
     assert not ll_direct.applies(_owner(transport_gin=1), cuda, 256, 8, 128)       # emulated nodes
     assert not ll_direct.applies(_owner(), cuda, ll_direct.MAX_EXPERTS + 8, 8, 128)
     assert not ll_direct.applies(_owner(), cuda, 256, ll_direct.MAX_TOPK + 1, 128)
@@ -616,3 +619,53 @@ def test_unmasking_a_rank_forgets_its_failure():
     assert owner._rank_state.tolist() == [1, 0, 1, 0, 0, 1]
     LowLatencyMethods.low_latency_clean_mask_buffer(owner)
     assert owner._rank_state.tolist() == [0] * 6
+
+
+def _skip_calls(windows, half: int, count: int) -> None:
+    """Advance every window's dispatch count on ``half`` by ``count`` calls (as that many calls would)."""
+    for window in windows:
+        offset = ll_direct_model._word(half, "kLlDirectDispatchSeq") * 4
+        value = int(window[offset:offset + 4].clone().view(torch.int32)[0]) + count
+        window[offset:offset + 4] = torch.tensor([value], dtype=torch.int32).view(torch.uint8)
+
+
+def test_an_absent_flag_never_names_a_live_call_after_its_tag_wraps(monkeypatch):
+    """Rank 0 masks rank 1 for 2^15 calls on a half after a call that included it: the 15 bits of
+    that call's tag, which its absent flags carry, come round to a live call's. The word moves to
+    name a call far ahead once the included call is 2^13 calls old, so rank 1's receive one call
+    behind (rank 0 moved on) takes rank 0 as absent, not as that old call's count."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    case = CASES[0]
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 2, hidden, enable_shrink=True)
+    windows = owners[0].elastic._backend.transport_args.windows
+
+    def dispatch(rank, seed, hook=True):
+        inputs = [_rank_inputs(seed, source, 2, num_experts, hidden) for source in range(2)]
+        result = _dispatch_on(owners[rank], inputs, rank, case)
+        assert result[2].slot == 0
+        if hook:
+            result[4]()
+            owners[rank]._uncombined()[0] = None          # as if combined: the next dispatch takes half 0 too
+        return inputs, result
+
+    first = [dispatch(rank, 141, hook=False)[1] for rank in range(2)]    # call 1 includes rank 1
+    for rank, result in enumerate(first):
+        result[4]()
+        owners[rank]._uncombined()[0] = None
+    owners[0]._rank_mask[1] = 1
+    calls = 1
+    while calls < 1 << 15:                                 # rank 0 alone, every 2^13 - 1 calls one for real
+        step = min((1 << 13) - 1, (1 << 15) - 1 - calls)
+        _skip_calls(windows, 0, step)
+        calls += step
+        dispatch(0, 142)
+        _skip_calls(windows[1:], 0, 1)                     # rank 1 counted that call as made
+        calls += 1
+    inputs, late = dispatch(1, 143, hook=False)            # call 2^15 + 1: the tag's 15 bits are call 1's
+    assert ll_direct_model._seq(windows[1], 0, "kLlDirectDispatchSeq") + 1 == (1 << 15) + 1
+    dispatch(0, 143)
+    dispatch(0, 144)                                       # rank 0 moves on, overwriting its flag
+    late[4]()
+    _check_dispatch(1, 2, num_experts, hidden, inputs, late[:3] + (None, None), use_fp8, round_scale, use_ue8m0, {1})
+    assert ll_direct_model.TIMEOUTS == []

@@ -21,7 +21,7 @@ must be stopped: one that was only slow and goes on may still write combine rows
 a rank that no longer waits for them, where a later combine reads.
 
 Where: one node (NCCL's LSA window or emulated ranks on one GPU) of up to 512 ranks, ``E <= 1024``
-experts, top-k ``K <= 16`` and up to 65535 tokens per rank: `applies` says so, and
+experts, top-k ``K <= 16`` (and, with rank masks, up to 65535 tokens per rank): `applies` says so, and
 `deep_ep.legacy.low_latency` takes the expanded `ElasticBuffer` path elsewhere (emulated nodes,
 larger sizes).
 
@@ -136,7 +136,8 @@ def applies(owner, device: torch.device, num_experts: int, num_topk: int, num_sl
     backend = owner._alive()._backend
     num_ranks = owner.group_size
     return (not getattr(backend, "transport_gin", 0) and num_ranks <= MAX_RANKS and num_experts <= MAX_EXPERTS
-            and num_topk <= MAX_TOPK and num_slots <= MAX_SLOTS and num_ranks * num_slots * num_topk < _INT32_LIMIT
+            and num_topk <= MAX_TOPK and (num_slots <= MAX_SLOTS or not owner.enable_shrink)
+            and num_ranks * num_slots * num_topk < _INT32_LIMIT
             and num_experts * num_slots < _INT32_LIMIT)
 
 

@@ -86,8 +86,10 @@ class LowLatencyMethods(LowLatencyState):
         failure detection: the peer is taken as failed and must be stopped; the waiting ranks' masks
         show it, and the combines of earlier dispatches leave it out too; unmasking it forgets
         that); a rank that skipped calls cannot rejoin this Buffer (its calls are counted behind its
-        peers'). On the CPU backend, across nodes and past the direct kernels' limits (1024
-        experts, top-16, 512 ranks), a masked rank must still make every call. A device write on
+        peers'). Unmask a rank only while no low-latency call of any rank is in flight (a rank
+        that took up a peer again would write rows the peer may still be reading). On the CPU
+        backend, across nodes and past the direct kernels' limits (1024 experts, top-16, 512
+        ranks, 65535 tokens per rank), a masked rank must still make every call. A device write on
         the current stream, no host read.
 
         Raises:

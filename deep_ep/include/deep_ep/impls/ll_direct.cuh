@@ -101,6 +101,20 @@ __device__ __forceinline__ uint32_t ll_direct_absent(uint32_t included) {
     return 1u << kLlDirectAbsentShift | included;
 }
 
+// The absent flag of call `tag` to a peer whose last included call on the half `*included` names.
+// Once that call is 2^13 calls old (no receive lags that far) the word names a call 2^14 ahead of
+// this one instead, at every call from then on: its 15 bits stay 2^13 to 2^14 + 2^13 calls away
+// from any live call's and never come round to one.
+__device__ __forceinline__ uint32_t ll_direct_absent_flag(uint32_t* included, uint32_t tag) {
+    constexpr uint32_t kRange = kLlDirectIncludedTagMask + 1u;
+    uint32_t last = *included;
+    if (((tag - (last >> kLlDirectIncludedTagShift)) & kLlDirectIncludedTagMask) >= kRange / 4u) {
+        last = ll_direct_included(tag + kRange / 2u, 0u);
+        *included = last;
+    }
+    return ll_direct_absent(last);
+}
+
 __device__ __forceinline__ bool ll_direct_is_absent(uint32_t value) { return (value >> kLlDirectAbsentShift) != 0u; }
 
 __device__ __forceinline__ int ll_direct_word(int half, int word) {
@@ -123,11 +137,11 @@ __device__ __forceinline__ uint64_t ll_direct_flag(uint32_t tag, uint32_t finger
 // when the flag's fingerprint differs from this rank's: the peer's call paired with this one (same
 // tag: the same count of calls on this half) has other sizes (recorded as kErrFingerprint, with the
 // phase). With `masks` (rank masks), a flag of a later call on the half (its tag ahead by less than
-// 2^15) is read too: in DeepEP's contract a peer that included this rank in this call cannot make its
-// next call on the half before this receive (its combine waits for this rank's, sent after it) unless
-// it left this rank out of a call since; so an absent flag that names this call as the last that
-// included this rank gives this call's count, and any other flag ahead means the peer left this rank
-// out of this call (an absent value). `absent` (rank masks; null: a timeout is an error): this
+// 2^15) is read too: the peer moved on. An absent flag that names this call as the last that included
+// this rank gives this call's count (the peer left this rank out since, writing it no rows); any
+// other means the peer left this rank out of this call (an absent value): in DeepEP's calling
+// contract a peer that includes this rank in a call and in its next call on the half waits for this
+// rank between the two (its combine waits for this rank's combine flag, sent after this receive). `absent` (rank masks; null: a timeout is an error): this
 // block's view of the peer, in shared memory; a timeout is then no error but sets it to
 // kLlDirectPeerTimedOut, and the wait gives up (false, with nothing recorded) once another thread of
 // the block has set it.
@@ -354,16 +368,19 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
     }
     __syncthreads();
     __threadfence_system();
+    // (the included words by the flag's place in the owner's window: [local expert][owner], the same
+    // place whatever the call's expert count)
     uint32_t* included = comm::ctrl_of(window) + ll_direct_word(half, kLlDirectDispatchIncluded);
     for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
         const int local = expert % num_local_experts;
         const int owner = expert / num_local_experts;
         uint32_t value = static_cast<uint32_t>(s_count[expert]);
         if (rank_view != nullptr) {
+            uint32_t* last = included + local * tr.num_ranks + owner;
             if (rank_view[owner] != 0)
-                value = ll_direct_absent(included[expert]);
+                value = ll_direct_absent_flag(last, tag);
             else
-                included[expert] = ll_direct_included(tag, value);
+                *last = ll_direct_included(tag, value);
         }
         tr.put_release(owner, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
                        ll_direct_flag(tag, fingerprint, value));
@@ -633,7 +650,7 @@ __device__ __forceinline__ void ll_direct_combine_send_impl(const comm::LsaTrans
         uint32_t value = 1u;
         if (present != nullptr) {
             if (s_absent[peer] != kLlDirectPeerIn)
-                value = ll_direct_absent(included[peer]);
+                value = ll_direct_absent_flag(included + peer, tag);
             else
                 included[peer] = ll_direct_included(tag, 1u);
         }
