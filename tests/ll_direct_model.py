@@ -88,7 +88,9 @@ def _wait(window: torch.Tensor, offset: int, tag: int, fingerprint: int, masks: 
     ahead = ((bits >> 32) - tag) & 0xFFFF
     if masks and 0 < ahead < 0x8000:
         later = bits & 0xFFFFFFFF
-        this_call = _is_absent(later) and (later >> _TAG_SHIFT) & _TAG_MASK == tag & _TAG_MASK
+        named = (later >> _TAG_SHIFT) & _TAG_MASK
+        since = ((bits >> 32) - named) & _TAG_MASK
+        this_call = _is_absent(later) and named == tag & _TAG_MASK and 0 < since < (_TAG_MASK + 1) // 4
         return later & _COUNT_MASK if this_call else _ABSENT_BIT
     if lenient and ahead:
         return None

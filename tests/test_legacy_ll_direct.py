@@ -669,3 +669,24 @@ def test_an_absent_flag_never_names_a_live_call_after_its_tag_wraps(monkeypatch)
     late[4]()
     _check_dispatch(1, 2, num_experts, hidden, inputs, late[:3] + (None, None), use_fp8, round_scale, use_ue8m0, {1})
     assert ll_direct_model.TIMEOUTS == []
+
+
+def test_a_receive_2_to_the_14_calls_behind_takes_a_moved_word_as_absent(monkeypatch):
+    """A rank nobody waits for (rank 0 masks rank 1, which masks nobody) may lag any number of calls:
+    at a lag of exactly 2^14, the word rank 0's absent flag carries, moved to name a call 2^14 ahead
+    of the flag's, has the 15 bits of rank 1's call. A named call must be less than 2^13 calls
+    before the flag's own, so rank 1 still takes rank 0 as absent (not as in, with no rows)."""
+    monkeypatch.setattr(ll_direct_model, "TIMEOUTS", [])
+    case = CASES[0]
+    hidden, use_fp8, round_scale, use_ue8m0 = case
+    num_experts, num_local, owners = _model_ranks(monkeypatch, 2, hidden, enable_shrink=True)
+    windows = owners[0].elastic._backend.transport_args.windows
+    owners[0]._rank_mask[1] = 1
+    inputs = [_rank_inputs(151, source, 2, num_experts, hidden) for source in range(2)]
+    late = _dispatch_on(owners[1], inputs, 1, case)          # call 1 of rank 1, its hook late
+    _skip_calls(windows[:1], 0, 1 << 14)
+    ahead = _dispatch_on(owners[0], inputs, 0, case)         # rank 0's call 2^14 + 1 on the half
+    assert ahead[2].slot == 0 and late[2].slot == 0
+    late[4]()
+    _check_dispatch(1, 2, num_experts, hidden, inputs, late[:3] + (None, None), use_fp8, round_scale, use_ue8m0, {1})
+    assert late[2].direct.present.tolist() == [0, 1]

@@ -157,6 +157,7 @@ def test_emulated_rank_failures_are_masked(num_ranks):
                                  num_ranks)
 
 
+@pytest.mark.parametrize("enable_shrink", [False, True], ids=["plain", "shrink"])
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 def test_graph_replays_with_fresh_inputs(nccl_group, use_fp8, enable_shrink):
     """The decode step (dispatch with a receive hook, the expert GEMM, combine) captured once in a CUDA

@@ -162,9 +162,13 @@ __device__ __forceinline__ bool ll_direct_wait(uint8_t* window, int64_t offset, 
             return true;
         }
         if (masks && ahead < 0x8000u) {
+            // (a named call at most 2^13 - 1 calls before the flag's own: a word moved ahead by
+            // ll_direct_absent_flag is 2^13 or more away, whatever this receive's lag)
             const uint32_t later = static_cast<uint32_t>(word);
-            const bool this_call = ll_direct_is_absent(later) &&
-                (later >> kLlDirectIncludedTagShift & kLlDirectIncludedTagMask) == (tag & kLlDirectIncludedTagMask);
+            const uint32_t named = later >> kLlDirectIncludedTagShift & kLlDirectIncludedTagMask;
+            const uint32_t since = (static_cast<uint32_t>(word >> 32) - named) & kLlDirectIncludedTagMask;
+            const bool this_call = ll_direct_is_absent(later) && named == (tag & kLlDirectIncludedTagMask) &&
+                since != 0u && since < (kLlDirectIncludedTagMask + 1u) / 4u;
             value = this_call ? (later & kLlDirectIncludedCountMask) : ll_direct_absent(0u);
             return true;
         }
@@ -380,7 +384,7 @@ __device__ __forceinline__ void ll_direct_dispatch_send_impl(const comm::LsaTran
             if (rank_view[owner] != 0)
                 value = ll_direct_absent_flag(last, tag);
             else
-                *last = ll_direct_included(tag, value);
+                *last = ll_direct_included(tag, min(value, static_cast<uint32_t>(num_slots)));
         }
         tr.put_release(owner, ll_direct_flag_offset(half, kLlDirectDispatchFlags, local * tr.num_ranks + tr.rank),
                        ll_direct_flag(tag, fingerprint, value));
