@@ -23,15 +23,17 @@
 // Rank masks (a Buffer with enable_shrink; null pointers otherwise): a dispatch reads the mask as the
 // host copied it when the call was made (`rank_view`: both phases see one mask, whatever changes
 // meanwhile), and its combine follows the dispatch's decisions (`present`), so that no change of a
-// mask makes two ranks disagree on whether they exchange in a call. A rank exchanges with a peer when neither masks the
-// other: it sends no rows to a peer it masks and flags it absent instead of a count; it waits
-// for no peer it masks, takes a peer's absent flag as "not in this call", and masks a peer
-// whose flag does not come within the timeout (DeepEP's failure detection: the peer is taken as
-// failed, and must be stopped: a slow one that goes on may write combine rows this rank no longer
-// waits for) in the Buffer's mask (`rank_state`: [R] the mask, then [R] the peers taken as failed)
-// instead of recording an error; a wait for its own flags still fails with one. A combine also
-// leaves out the peers taken as failed since its dispatch. Every block of a receive waits for the flags itself, so the blocks agree on
-// each peer through the half's decision words (the first to decide wins).
+// mask makes two ranks disagree on whether they exchange in a call. A rank exchanges with a peer
+// when neither masks the other: it sends no rows to a peer it masks and flags it absent instead of
+// a count (the flag names the last call on the half that included the peer, with its count, for a
+// receive of that call that comes late); it waits for no peer it masks, takes a peer's absent flag
+// as "not in this call", and masks a peer whose flag does not come within the timeout (DeepEP's
+// failure detection: the peer is taken as failed, and must be stopped: a slow one that goes on may
+// write combine rows this rank no longer waits for) in the Buffer's mask (`rank_state`: [R] the
+// mask, then [R] the peers taken as failed) instead of recording an error; a wait for its own flags
+// still fails with one. Later receives leave out the peers taken as failed. Every block of a receive
+// waits for the flags itself, so the blocks agree on each peer through the half's decision words
+// (the first to decide wins).
 #pragma once
 
 #include "../comm/lsa.cuh"
